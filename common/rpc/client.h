@@ -1,0 +1,33 @@
+#ifndef AIDN_COMMON_RPC_CLIENT_H_
+#define AIDN_COMMON_RPC_CLIENT_H_
+
+// Client-side plumbing shared by aidnctl, the worker and the trainer: one
+// place that builds channels (TLS will plug in here) and attaches the bearer
+// token.
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+
+namespace aidn::rpc {
+
+struct ChannelOptions {
+  // host:port of the coordinator.
+  std::string address = "127.0.0.1:7070";
+  // Largest message the client accepts or sends.
+  int max_message_bytes = 4 * 1024 * 1024;
+};
+
+std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options);
+
+// Adds "authorization: Bearer <token>" (if the token is not empty) and a
+// deadline `timeout` from now (if it is positive).
+void PrepareContext(grpc::ClientContext* context, const std::string& token,
+                    std::chrono::milliseconds timeout);
+
+}  // namespace aidn::rpc
+
+#endif  // AIDN_COMMON_RPC_CLIENT_H_

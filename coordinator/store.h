@@ -1,0 +1,98 @@
+#ifndef AIDN_COORDINATOR_STORE_H_
+#define AIDN_COORDINATOR_STORE_H_
+
+// The coordinator's durable state in one SQLite file (WAL mode, a schema
+// version table and forward migrations): jobs, workers, events, checkpoints
+// and metric records. Rows hold the serialized v1 protos beside the columns
+// queries filter on, so the schema follows the API without a migration per
+// field.
+//
+// Thread-safe: one connection behind a mutex. Each call is one transaction.
+// Writes survive kill -9 of the process once the call returned.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "aidn/v1/job.pb.h"
+
+struct sqlite3;
+
+namespace aidn::coordinator {
+
+struct StoreOptions {
+  // The database file; ":memory:" for a private in-memory database (tests).
+  std::string path;
+  // How long a statement waits for a lock held by another connection.
+  int busy_timeout_ms = 5000;
+};
+
+// A job row: the public record plus what the API does not show.
+struct StoredJob {
+  v1::Job job;
+  // Job-scoped credential handed to its trainers.
+  std::string trainer_token;
+  // Submission order, increasing; also the numeric part of the id.
+  int64_t number = 0;
+};
+
+class Store {
+ public:
+  // Opens or creates the database and migrates its schema to the current
+  // version. FAILED_PRECONDITION if the file's schema is newer than this
+  // binary knows; a clear error naming the path if it is not a database.
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const StoreOptions& options);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // The schema version of the open file.
+  int SchemaVersion();
+
+  // Jobs. PutJob inserts or replaces by id.
+  absl::Status PutJob(const StoredJob& job);
+  absl::StatusOr<std::vector<StoredJob>> LoadJobs();
+  // The largest job number stored, 0 if none.
+  absl::StatusOr<int64_t> MaxJobNumber();
+
+  // Workers, by info.id.
+  absl::Status PutWorker(const v1::Worker& worker);
+  absl::StatusOr<std::vector<v1::Worker>> LoadWorkers();
+
+  // Events. AppendEvent assigns event->seq (increasing, never reused).
+  absl::Status AppendEvent(v1::Event* event);
+  // Events with seq > after_seq, oldest first, at most `limit`; of one job
+  // if job_id is not empty.
+  absl::StatusOr<std::vector<v1::Event>> ListEvents(const std::string& job_id, int64_t after_seq,
+                                                    int limit);
+
+  // Checkpoints, keyed by (job_id, step); PutCheckpoint inserts or replaces.
+  absl::Status PutCheckpoint(const v1::Checkpoint& checkpoint);
+  absl::StatusOr<std::vector<v1::Checkpoint>> ListCheckpoints(const std::string& job_id);
+  absl::Status DeleteCheckpoint(const std::string& job_id, int64_t step);
+
+  // Metric records, in one transaction per call.
+  absl::Status AppendMetrics(const std::string& job_id,
+                             const std::vector<v1::MetricRecord>& records);
+  // Records with from_step <= step <= to_step (to_step 0: no bound),
+  // ordered by step then rank, at most `limit`.
+  absl::StatusOr<std::vector<v1::MetricRecord>> GetMetrics(const std::string& job_id,
+                                                           int64_t from_step, int64_t to_step,
+                                                           int limit);
+
+ private:
+  explicit Store(sqlite3* db);
+  absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  sqlite3* db_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace aidn::coordinator
+
+#endif  // AIDN_COORDINATOR_STORE_H_
