@@ -56,6 +56,13 @@ class LogMessage {
   std::ostringstream stream_;
 };
 
+// Turns a streamed LogMessage into void so AIDN_LOG can be a conditional
+// expression (safe inside an unbraced if/else).
+class LogVoidify {
+ public:
+  void operator&(const LogMessage&) {}
+};
+
 // Prints "title" and a two-column table of settings, one per line, at INFO.
 void LogConfigTable(std::string_view title,
                     const std::vector<std::pair<std::string, std::string>>& rows);
@@ -68,15 +75,15 @@ void LogConfigTable(std::string_view title,
 #define AIDN_LOG_LEVEL_ERROR ::aidn::LogLevel::kError
 #define AIDN_LOG_LEVEL_FATAL ::aidn::LogLevel::kFatal
 
-#define AIDN_LOG(level)                                       \
-  if (AIDN_LOG_LEVEL_##level < ::aidn::MinLogLevel()) {       \
-  } else                                                      \
-    ::aidn::LogMessage(AIDN_LOG_LEVEL_##level, __FILE__, __LINE__)
+#define AIDN_LOG(level)                            \
+  (AIDN_LOG_LEVEL_##level < ::aidn::MinLogLevel()) \
+      ? (void)0                                    \
+      : ::aidn::LogVoidify() & ::aidn::LogMessage(AIDN_LOG_LEVEL_##level, __FILE__, __LINE__)
 
 // For programmer errors only: logs and aborts when `cond` is false.
-#define AIDN_CHECK(cond) \
-  if (cond) {            \
-  } else                 \
-    ::aidn::LogMessage(::aidn::LogLevel::kFatal, __FILE__, __LINE__) << "Check failed: " #cond " "
+#define AIDN_CHECK(cond)                                                                           \
+  (cond) ? (void)0                                                                                 \
+         : ::aidn::LogVoidify() & ::aidn::LogMessage(::aidn::LogLevel::kFatal, __FILE__, __LINE__) \
+                                      << "Check failed: " #cond " "
 
 #endif  // AIDN_COMMON_LOG_H_

@@ -25,16 +25,15 @@ absl::Status Annotate(const absl::Status& status, absl::string_view context);
 #define AIDN_STATUS_CONCAT_(a, b) AIDN_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define AIDN_RETURN_IF_ERROR(expr)                  \
-  do {                                              \
-    ::absl::Status aidn_status_ = (expr);           \
-    if (!aidn_status_.ok()) return aidn_status_;    \
+#define AIDN_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status aidn_status_ = (expr);        \
+    if (!aidn_status_.ok()) return aidn_status_; \
   } while (false)
 
 // `lhs` = the value of `rexpr` (an absl::StatusOr<T>), or returns its status.
-#define AIDN_ASSIGN_OR_RETURN(lhs, rexpr)                                      \
-  AIDN_ASSIGN_OR_RETURN_IMPL_(AIDN_STATUS_CONCAT_(aidn_statusor_, __LINE__), \
-                              lhs, rexpr)
+#define AIDN_ASSIGN_OR_RETURN(lhs, rexpr) \
+  AIDN_ASSIGN_OR_RETURN_IMPL_(AIDN_STATUS_CONCAT_(aidn_statusor_, __LINE__), lhs, rexpr)
 #define AIDN_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
   auto statusor = (rexpr);                                \
   if (!statusor.ok()) return statusor.status();           \

@@ -1,0 +1,1148 @@
+#include "coordinator/coordinator.h"
+
+#include <algorithm>
+#include <regex>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/token.h"
+#include "coordinator/job_state.h"
+#include "coordinator/scheduler.h"
+
+namespace aidn::coordinator {
+namespace {
+
+using std::chrono::milliseconds;
+using v1::Job;
+
+google::protobuf::Timestamp ToProto(absl::Time t) {
+  google::protobuf::Timestamp ts;
+  const int64_t nanos = absl::ToUnixNanos(t);
+  ts.set_seconds(nanos / 1'000'000'000);
+  ts.set_nanos(static_cast<int32_t>(nanos % 1'000'000'000));
+  return ts;
+}
+
+milliseconds ToMillis(const google::protobuf::Duration& d) {
+  return milliseconds(d.seconds() * 1000 + d.nanos() / 1'000'000);
+}
+
+std::string FormatMillis(milliseconds ms) {
+  if (ms.count() % 1000 == 0) return absl::StrCat(ms.count() / 1000, "s");
+  return absl::StrCat(static_cast<double>(ms.count()) / 1000.0, "s");
+}
+
+std::string Lower(const std::string& s) { return absl::AsciiStrToLower(s); }
+
+// The last non-empty line of a trainer's stderr, shortened for a message.
+std::string LastLine(const std::string& text) {
+  std::vector<absl::string_view> lines = absl::StrSplit(text, '\n', absl::SkipWhitespace());
+  if (lines.empty()) return "";
+  std::string last(absl::StripAsciiWhitespace(lines.back()));
+  if (last.size() > 200) last = last.substr(0, 200) + "...";
+  return last;
+}
+
+bool ValidWorkerId(const std::string& id) {
+  static const std::regex re("[a-zA-Z0-9._-]{1,63}");
+  return std::regex_match(id, re);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Construction, loading, ticking.
+
+Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Store> store,
+                         Authenticator* auth)
+    : options_(options),
+      clock_(options.clock != nullptr ? options.clock : Clock::Real()),
+      auth_(auth),
+      store_(std::move(store)) {}
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const CoordinatorOptions& options,
+                                                                 std::unique_ptr<Store> store,
+                                                                 Authenticator* auth) {
+  if (store == nullptr || auth == nullptr) {
+    return absl::InvalidArgumentError("coordinator needs a store and an authenticator");
+  }
+  std::unique_ptr<Coordinator> c(new Coordinator(options, std::move(store), auth));
+  {
+    absl::MutexLock lock(&c->mu_);
+    AIDN_RETURN_IF_ERROR(c->Load());
+  }
+  return c;
+}
+
+Coordinator::~Coordinator() { StopTicker(); }
+
+absl::Status Coordinator::Load() {
+  const Clock::TimePoint now = clock_->Now();
+  AIDN_ASSIGN_OR_RETURN(std::vector<StoredJob> jobs, store_->LoadJobs());
+  Deferred deferred;  // answers no one: nobody waits yet
+  for (StoredJob& stored : jobs) {
+    auto entry = std::make_unique<JobEntry>();
+    entry->stored = std::move(stored);
+    const Job& job = entry->stored.job;
+    next_job_number_ = std::max(next_job_number_, entry->stored.number + 1);
+    if (!IsTerminal(job.state())) {
+      auth_->AddToken(entry->stored.trainer_token,
+                      Principal{Role::kTrainer, "trainer:" + job.id(), job.id()});
+    }
+    if (HoldsSlots(job.state())) {
+      entry->rendezvous = std::make_unique<Rendezvous>(
+          job.spec().world_size(), now + ToMillis(job.spec().timeouts().rendezvous()));
+      entry->kv = std::make_unique<KvStore>(options_.kv_limits);
+      entry->last_progress = now;
+      if (job.state() == Job::RUNNING) {
+        // The rendezvous had completed before the restart: rebuild its answer
+        // so a trainer that retries its join gets the same peers.
+        v1::JoinRendezvousResponse base;
+        base.set_world_size(job.spec().world_size());
+        base.set_generation(job.generation());
+        *base.mutable_spec() = job.spec();
+        for (const v1::RankPlacement& p : job.placement()) {
+          v1::Peer peer;
+          peer.set_rank(p.rank());
+          peer.set_worker_id(p.worker_id());
+          peer.set_address(p.address());
+          entry->rendezvous->Join(
+              peer, [](absl::StatusOr<v1::JoinRendezvousResponse>) {}, &deferred);
+          *base.add_peers() = peer;
+        }
+        entry->rendezvous->Complete(base, &deferred);
+      }
+    }
+    jobs_[job.id()] = std::move(entry);
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Worker> workers, store_->LoadWorkers());
+  for (v1::Worker& w : workers) {
+    WorkerEntry entry;
+    entry.worker = std::move(w);
+    // Every worker gets a full timeout from now to come back.
+    entry.last_seen = now;
+    workers_[entry.worker.info().id()] = std::move(entry);
+  }
+  AIDN_LOG(INFO) << "state loaded" << Kv("jobs", jobs_.size()) << Kv("workers", workers_.size())
+                 << Kv("next_job", next_job_number_);
+  return absl::OkStatus();
+}
+
+void Coordinator::Shutdown() {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return;
+  shutting_down_ = true;
+  const absl::Status closing = absl::UnavailableError("coordinator is shutting down");
+  for (auto& [id, entry] : jobs_) {
+    if (entry->rendezvous != nullptr && !entry->rendezvous->completed()) {
+      // A fresh rendezvous, so trainers that retry after the restart can
+      // still complete it.
+      entry->rendezvous->Fail(closing, &deferred);
+    }
+    if (entry->kv != nullptr) entry->kv->Expire(Clock::TimePoint::max(), &deferred);
+    NotifyWatchers(id, &deferred);
+  }
+  for (auto& [id, w] : workers_) {
+    for (HeldHeartbeat& h : w.held) {
+      deferred.Add([done = std::move(h.done), closing]() { done(closing); });
+    }
+    w.held.clear();
+  }
+}
+
+void Coordinator::StartTicker(milliseconds interval) {
+  absl::MutexLock lock(&ticker_mu_);
+  if (ticker_.joinable()) return;
+  ticker_stop_ = std::make_unique<absl::Notification>();
+  absl::Notification* stop = ticker_stop_.get();
+  ticker_ = std::thread([this, stop, interval]() {
+    while (!stop->WaitForNotificationWithTimeout(absl::FromChrono(interval))) Tick();
+  });
+}
+
+void Coordinator::StopTicker() {
+  absl::MutexLock lock(&ticker_mu_);
+  if (!ticker_.joinable()) return;
+  ticker_stop_->Notify();
+  ticker_.join();
+}
+
+void Coordinator::Tick() {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  CheckTimeouts(&deferred);
+  Schedule(&deferred);
+  // `deferred` runs after the lock is released (declared first, destroyed last).
+}
+
+// ---------------------------------------------------------------------------
+// Internal helpers.
+
+absl::StatusOr<Coordinator::JobEntry*> Coordinator::FindJob(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no such job: ", job_id));
+  return it->second.get();
+}
+
+absl::StatusOr<Coordinator::JobEntry*> Coordinator::FencedJob(const std::string& job_id,
+                                                              int64_t generation) {
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  const Job& job = entry->stored.job;
+  if (IsTerminal(job.state())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(job_id, " has ended (", StateName(job.state()), ")"));
+  }
+  if (generation != job.generation()) {
+    return absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ", job_id,
+                                                      " is superseded by ", job.generation()));
+  }
+  if (!HoldsSlots(job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ", job_id,
+                                                      " is not placed (", StateName(job.state()),
+                                                      ")"));
+  }
+  return entry;
+}
+
+void Coordinator::Emit(const std::string& type, const std::string& job_id,
+                       const std::string& worker_id, int64_t generation, const std::string& message,
+                       Deferred* deferred) {
+  v1::Event event;
+  *event.mutable_time() = ToProto(clock_->WallNow());
+  event.set_job_id(job_id);
+  event.set_worker_id(worker_id);
+  event.set_generation(generation);
+  event.set_type(type);
+  event.set_message(message);
+  absl::Status s = store_->AppendEvent(&event);
+  if (!s.ok()) AIDN_LOG(ERROR) << "could not store event: " << s << Kv("type", type);
+  AIDN_LOG(INFO) << type << (message.empty() ? "" : ": ") << message
+                 << Kv("job", job_id.empty() ? "-" : job_id)
+                 << Kv("worker", worker_id.empty() ? "-" : worker_id) << Kv("gen", generation);
+  if (!job_id.empty()) NotifyWatchers(job_id, deferred);
+}
+
+absl::Status Coordinator::PersistJob(JobEntry* entry, Deferred* deferred) {
+  entry->version++;
+  *entry->stored.job.mutable_updated_at() = ToProto(clock_->WallNow());
+  absl::Status s = store_->PutJob(entry->stored);
+  if (!s.ok()) AIDN_LOG(ERROR) << "could not store job: " << s << Kv("job", entry->stored.job.id());
+  NotifyWatchers(entry->stored.job.id(), deferred);
+  return s;
+}
+
+void Coordinator::PersistWorker(const WorkerEntry& entry) {
+  absl::Status s = store_->PutWorker(entry.worker);
+  if (!s.ok()) {
+    AIDN_LOG(ERROR) << "could not store worker: " << s << Kv("worker", entry.worker.info().id());
+  }
+}
+
+absl::Status Coordinator::SetState(JobEntry* entry, Job::State state, const std::string& message,
+                                   Deferred* deferred) {
+  Job& job = entry->stored.job;
+  AIDN_RETURN_IF_ERROR(CheckTransition(job.state(), state));
+  job.set_state(state);
+  job.set_message(message);
+  if (state == Job::RUNNING && !job.has_started_at()) {
+    *job.mutable_started_at() = ToProto(clock_->WallNow());
+  }
+  if (IsTerminal(state)) {
+    *job.mutable_finished_at() = ToProto(clock_->WallNow());
+    auth_->RemoveToken(entry->stored.trainer_token);
+  }
+  absl::Status s = PersistJob(entry, deferred);
+  Emit("job." + Lower(StateName(state)), job.id(), "", job.generation(), message, deferred);
+  return s;
+}
+
+void Coordinator::NotifyWatchers(const std::string& job_id, Deferred* deferred) {
+  deferred->Add([this, job_id]() {
+    absl::MutexLock lock(&watch_mu_);
+    auto it = watchers_.find(job_id);
+    if (it == watchers_.end()) return;
+    for (WatchSubscriber* s : it->second) s->Notify();
+  });
+}
+
+milliseconds Coordinator::JobWorkerTimeout(const JobEntry& entry) const {
+  const auto& d = entry.stored.job.spec().timeouts().worker();
+  milliseconds ms = ToMillis(d);
+  return ms.count() > 0 ? ms : options_.worker_timeout;
+}
+
+void Coordinator::AssignmentsChanged(Deferred* deferred) {
+  assignments_version_++;
+  for (auto& [id, worker] : workers_) {
+    if (worker.held.empty()) continue;
+    std::vector<HeldHeartbeat> held;
+    held.swap(worker.held);
+    for (HeldHeartbeat& h : held) {
+      v1::HeartbeatResponse response = BuildHeartbeat(&worker);
+      deferred->Add(
+          [done = std::move(h.done), response = std::move(response)]() { done(response); });
+    }
+  }
+}
+
+v1::HeartbeatResponse Coordinator::BuildHeartbeat(WorkerEntry* worker) {
+  v1::HeartbeatResponse response;
+  const std::string& worker_id = worker->worker.info().id();
+  for (const auto& [job_id, entry] : jobs_) {
+    const Job& job = entry->stored.job;
+    if (!HoldsSlots(job.state())) continue;
+    for (const v1::RankPlacement& p : job.placement()) {
+      if (p.worker_id() != worker_id) continue;
+      v1::TrainerAssignment* a = response.add_assignments();
+      a->set_job_id(job_id);
+      a->set_generation(job.generation());
+      a->set_rank(p.rank());
+      a->set_world_size(job.spec().world_size());
+      a->set_slot(p.slot());
+      *a->mutable_spec() = job.spec();
+      a->set_trainer_token(entry->stored.trainer_token);
+    }
+  }
+  for (v1::StopOrder& stop : worker->pending_stops) *response.add_stops() = std::move(stop);
+  worker->pending_stops.clear();
+  response.set_assignments_version(assignments_version_);
+  const int64_t ms = options_.heartbeat_interval.count();
+  response.mutable_heartbeat_interval()->set_seconds(ms / 1000);
+  response.mutable_heartbeat_interval()->set_nanos(static_cast<int32_t>(ms % 1000) * 1'000'000);
+  return response;
+}
+
+void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
+                                    const absl::Status& status, Deferred* deferred) {
+  const Job& job = entry->stored.job;
+  std::set<std::string> workers;
+  for (const v1::RankPlacement& p : job.placement()) workers.insert(p.worker_id());
+  for (const std::string& worker_id : workers) {
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end()) continue;
+    v1::StopOrder stop;
+    stop.set_job_id(job.id());
+    stop.set_generation(job.generation());
+    stop.set_reason(reason);
+    stop.mutable_grace()->set_seconds(options_.stop_grace.count() / 1000);
+    it->second.pending_stops.push_back(std::move(stop));
+  }
+  if (entry->rendezvous != nullptr) entry->rendezvous->Fail(status, deferred);
+  if (entry->kv != nullptr) entry->kv->Close(status, deferred);
+  entry->rendezvous.reset();
+  entry->kv.reset();
+  entry->exited_ok.clear();
+  entry->progress_step.clear();
+  AssignmentsChanged(deferred);
+}
+
+void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, bool permanent,
+                                 Deferred* deferred) {
+  Job& job = entry->stored.job;
+  if (!HoldsSlots(job.state())) return;
+  const int64_t generation = job.generation();
+  ReleaseGeneration(entry, reason,
+                    absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ",
+                                                               job.id(), " ended: ", reason)),
+                    deferred);
+  const int32_t max_restarts = job.spec().max_restarts();
+  if (permanent) {
+    (void)SetState(entry, Job::FAILED, absl::StrCat("permanent failure: ", reason), deferred);
+    return;
+  }
+  if (job.restarts() >= max_restarts) {
+    (void)SetState(
+        entry, Job::FAILED,
+        absl::StrCat("failed after ", job.restarts(), " restart", job.restarts() == 1 ? "" : "s",
+                     " (max_restarts ", max_restarts, "): ", reason),
+        deferred);
+    return;
+  }
+  job.set_restarts(job.restarts() + 1);
+  job.set_generation(generation + 1);
+  job.clear_placement();
+  (void)SetState(entry, Job::RESTARTING,
+                 absl::StrCat("restart ", job.restarts(), " of ", max_restarts, ": ", reason),
+                 deferred);
+}
+
+void Coordinator::Schedule(Deferred* deferred) {
+  // Free slots of alive workers, from the placements of jobs holding slots.
+  std::map<std::string, WorkerSlots> slots;
+  for (const auto& [id, w] : workers_) {
+    if (w.worker.state() != v1::Worker::ALIVE) continue;
+    WorkerSlots& ws = slots[id];
+    ws.worker_id = id;
+    ws.cpu_used.assign(std::max(0, w.worker.info().cpu_slots()), false);
+    ws.gpu_used.assign(w.worker.info().gpus_size(), false);
+  }
+  auto mark_used = [&slots](const Job& job) {
+    const bool gpu = job.spec().device() == v1::JobSpec::GPU;
+    const int k = gpu ? 1 : std::max(1, job.spec().threads_per_rank());
+    for (const v1::RankPlacement& p : job.placement()) {
+      auto it = slots.find(p.worker_id());
+      if (it == slots.end()) continue;
+      std::vector<bool>& used = gpu ? it->second.gpu_used : it->second.cpu_used;
+      for (int s = p.slot(); s < p.slot() + k && s < static_cast<int>(used.size()); ++s) {
+        if (s >= 0) used[s] = true;
+      }
+    }
+  };
+  std::vector<JobEntry*> queue;
+  for (auto& [id, entry] : jobs_) {
+    const Job& job = entry->stored.job;
+    if (HoldsSlots(job.state())) mark_used(job);
+    if (job.state() == Job::PENDING || job.state() == Job::RESTARTING) {
+      queue.push_back(entry.get());
+    }
+  }
+  std::sort(queue.begin(), queue.end(), [](const JobEntry* a, const JobEntry* b) {
+    if (a->stored.job.spec().priority() != b->stored.job.spec().priority()) {
+      return a->stored.job.spec().priority() > b->stored.job.spec().priority();
+    }
+    return a->stored.number < b->stored.number;
+  });
+
+  for (JobEntry* entry : queue) {
+    Job& job = entry->stored.job;
+    std::vector<WorkerSlots> snapshot;
+    for (const auto& [id, ws] : slots) snapshot.push_back(ws);
+    GangRequest request;
+    request.world_size = job.spec().world_size();
+    request.gpu = job.spec().device() == v1::JobSpec::GPU;
+    request.slots_per_rank = job.spec().threads_per_rank();
+    absl::StatusOr<std::vector<v1::RankPlacement>> placement = PlaceGang(request, snapshot);
+    if (!placement.ok()) {
+      const std::string reason(placement.status().message());
+      if (reason != entry->waiting_reason) {
+        entry->waiting_reason = reason;
+        job.set_message(reason);
+        (void)PersistJob(entry, deferred);
+        Emit("job.waiting", job.id(), "", job.generation(), reason, deferred);
+      }
+      // A job that can never fit does not hold the queue up; one that waits
+      // for room does (FIFO within priority, no backfill).
+      if (placement.status().code() == absl::StatusCode::kFailedPrecondition) continue;
+      break;
+    }
+    job.clear_placement();
+    std::set<std::string> on;
+    for (v1::RankPlacement& p : *placement) {
+      on.insert(p.worker_id());
+      *job.add_placement() = std::move(p);
+    }
+    mark_used(job);
+    if (job.generation() == 0) job.set_generation(1);
+    entry->waiting_reason.clear();
+    entry->rendezvous = std::make_unique<Rendezvous>(
+        job.spec().world_size(), clock_->Now() + ToMillis(job.spec().timeouts().rendezvous()));
+    entry->kv = std::make_unique<KvStore>(options_.kv_limits);
+    entry->exited_ok.clear();
+    entry->progress_step.clear();
+    entry->last_progress = clock_->Now();
+    (void)SetState(
+        entry, Job::SCHEDULED,
+        absl::StrCat("placed ", job.spec().world_size(), " ranks on ", absl::StrJoin(on, ", ")),
+        deferred);
+    AssignmentsChanged(deferred);
+  }
+}
+
+void Coordinator::CheckTimeouts(Deferred* deferred) {
+  const Clock::TimePoint now = clock_->Now();
+  // Workers gone silent.
+  for (auto& [id, w] : workers_) {
+    if (w.worker.state() != v1::Worker::ALIVE) continue;
+    const auto silent = std::chrono::duration_cast<milliseconds>(now - w.last_seen);
+    if (silent <= options_.worker_timeout) continue;
+    w.worker.set_state(v1::Worker::LOST);
+    PersistWorker(w);
+    Emit("worker.lost", "", id, 0, absl::StrCat("no heartbeat for ", FormatMillis(silent)),
+         deferred);
+    // Answer its held heartbeat, if any, so the call does not hang.
+    for (HeldHeartbeat& h : w.held) {
+      deferred->Add([done = std::move(h.done)]() {
+        done(absl::NotFoundError("worker was declared lost; register again"));
+      });
+    }
+    w.held.clear();
+  }
+  for (auto& [job_id, entry] : jobs_) {
+    Job& job = entry->stored.job;
+    if (!HoldsSlots(job.state())) continue;
+    // A worker of this job lost, or silent past the job's own timeout.
+    std::string failed;
+    for (const v1::RankPlacement& p : job.placement()) {
+      auto it = workers_.find(p.worker_id());
+      if (it == workers_.end()) {
+        failed = absl::StrCat("worker ", p.worker_id(), " is unknown");
+        break;
+      }
+      const auto silent = std::chrono::duration_cast<milliseconds>(now - it->second.last_seen);
+      if (it->second.worker.state() == v1::Worker::LOST) {
+        failed = absl::StrCat("worker ", p.worker_id(), " lost (no heartbeat for ",
+                              FormatMillis(silent), ") with rank ", p.rank());
+        break;
+      }
+      if (silent > JobWorkerTimeout(*entry)) {
+        failed = absl::StrCat("worker ", p.worker_id(), " silent for ", FormatMillis(silent),
+                              " (job's worker timeout ", FormatMillis(JobWorkerTimeout(*entry)),
+                              ") with rank ", p.rank());
+        break;
+      }
+    }
+    if (!failed.empty()) {
+      FailGeneration(entry.get(), failed, false, deferred);
+      continue;
+    }
+    // Rendezvous deadline.
+    if (job.state() == Job::SCHEDULED && entry->rendezvous != nullptr &&
+        !entry->rendezvous->completed() && now >= entry->rendezvous->deadline()) {
+      const std::string missing = absl::StrJoin(entry->rendezvous->MissingRanks(), ", ");
+      const std::string reason = absl::StrCat(
+          "rendezvous of ", job_id, " generation ", job.generation(), " timed out after ",
+          FormatMillis(ToMillis(job.spec().timeouts().rendezvous())), ": missing ranks ", missing);
+      entry->rendezvous->Fail(absl::DeadlineExceededError(reason), deferred);
+      Emit("rendezvous.timeout", job_id, "", job.generation(), reason, deferred);
+      FailGeneration(entry.get(), reason, false, deferred);
+      continue;
+    }
+    // Progress deadline (only when the spec sets one; the automatic one
+    // needs step times from trainers).
+    const milliseconds progress = ToMillis(job.spec().timeouts().progress());
+    if (job.state() == Job::RUNNING && progress.count() > 0 &&
+        now - entry->last_progress > progress) {
+      int64_t best = -1;
+      for (const auto& [rank, step] : entry->progress_step) best = std::max(best, step);
+      std::vector<int> behind;
+      for (int r = 0; r < job.spec().world_size(); ++r) {
+        auto it = entry->progress_step.find(r);
+        if (it == entry->progress_step.end() || it->second < best) behind.push_back(r);
+      }
+      const std::string reason = absl::StrCat(
+          "no progress for ", FormatMillis(progress), "; ",
+          behind.empty() ? std::string("all ranks stalled at step ") + std::to_string(best)
+                         : absl::StrCat("ranks behind: ", absl::StrJoin(behind, ", ")));
+      FailGeneration(entry.get(), reason, false, deferred);
+      continue;
+    }
+    if (entry->kv != nullptr) entry->kv->Expire(now, deferred);
+  }
+  // Held heartbeats whose time is up.
+  for (auto& [id, w] : workers_) {
+    for (auto it = w.held.begin(); it != w.held.end();) {
+      if (it->deadline <= now) {
+        v1::HeartbeatResponse response = BuildHeartbeat(&w);
+        deferred->Add(
+            [done = std::move(it->done), response = std::move(response)]() { done(response); });
+        it = w.held.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// CoordinatorService.
+
+absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& owner) {
+  ApplyJobSpecDefaults(options_.spec_limits, &spec);
+  AIDN_RETURN_IF_ERROR(ValidateJobSpec(options_.spec_limits, spec));
+  AIDN_ASSIGN_OR_RETURN(std::string token, RandomHex(24));
+
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  auto entry = std::make_unique<JobEntry>();
+  entry->stored.number = next_job_number_;
+  entry->stored.trainer_token = token;
+  Job& job = entry->stored.job;
+  job.set_id(absl::StrCat("job-", next_job_number_));
+  *job.mutable_spec() = std::move(spec);
+  job.set_state(Job::PENDING);
+  job.set_message("waiting to be scheduled");
+  job.set_owner(owner);
+  *job.mutable_created_at() = ToProto(clock_->WallNow());
+  *job.mutable_updated_at() = job.created_at();
+  AIDN_RETURN_IF_ERROR(store_->PutJob(entry->stored));
+  next_job_number_++;
+  const std::string id = job.id();
+  auth_->AddToken(token, Principal{Role::kTrainer, "trainer:" + id, id});
+  Emit("job.submitted", id, "", 0,
+       absl::StrCat("world_size ", job.spec().world_size(), ", model ", job.spec().model().name(),
+                    owner.empty() ? "" : ", by " + owner),
+       &deferred);
+  jobs_[id] = std::move(entry);
+  Schedule(&deferred);
+  return jobs_[id]->stored.job;
+}
+
+absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  return entry->stored.job;
+}
+
+absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsRequest& request) {
+  int page_size = request.page_size() <= 0 ? 100 : std::min(request.page_size(), 1000);
+  int64_t below = INT64_MAX;
+  if (!request.page_token().empty() &&
+      (!absl::SimpleAtoi(request.page_token(), &below) || below <= 0)) {
+    return absl::InvalidArgumentError("page_token: malformed");
+  }
+  std::set<int> states(request.states().begin(), request.states().end());
+  absl::MutexLock lock(&mu_);
+  std::vector<const JobEntry*> matching;
+  for (const auto& [id, entry] : jobs_) {
+    const Job& job = entry->stored.job;
+    if (entry->stored.number >= below) continue;
+    if (!states.empty() && !states.contains(job.state())) continue;
+    bool labels_ok = true;
+    for (const auto& [k, v] : request.labels()) {
+      auto it = job.spec().labels().find(k);
+      if (it == job.spec().labels().end() || it->second != v) {
+        labels_ok = false;
+        break;
+      }
+    }
+    if (labels_ok) matching.push_back(entry.get());
+  }
+  std::sort(matching.begin(), matching.end(), [](const JobEntry* a, const JobEntry* b) {
+    return a->stored.number > b->stored.number;
+  });
+  v1::ListJobsResponse response;
+  for (size_t i = 0; i < matching.size() && static_cast<int>(i) < page_size; ++i) {
+    *response.add_jobs() = matching[i]->stored.job;
+  }
+  if (static_cast<int>(matching.size()) > page_size) {
+    response.set_next_page_token(absl::StrCat(matching[page_size - 1]->stored.number));
+  }
+  return response;
+}
+
+absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& reason) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  Job& job = entry->stored.job;
+  if (IsTerminal(job.state())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
+  }
+  const std::string message = reason.empty() ? "cancelled by user" : "cancelled: " + reason;
+  if (HoldsSlots(job.state())) {
+    ReleaseGeneration(entry, message,
+                      absl::FailedPreconditionError(absl::StrCat(job_id, " was cancelled")),
+                      &deferred);
+  }
+  AIDN_RETURN_IF_ERROR(SetState(entry, Job::CANCELLED, message, &deferred));
+  Schedule(&deferred);
+  return job;
+}
+
+v1::ListWorkersResponse Coordinator::ListWorkers() {
+  absl::MutexLock lock(&mu_);
+  v1::ListWorkersResponse response;
+  for (const auto& [id, w] : workers_) {
+    v1::Worker worker = w.worker;
+    std::set<std::string> job_ids;
+    for (const auto& [job_id, entry] : jobs_) {
+      const Job& job = entry->stored.job;
+      if (!HoldsSlots(job.state())) continue;
+      for (const v1::RankPlacement& p : job.placement()) {
+        if (p.worker_id() != id) continue;
+        job_ids.insert(job_id);
+        if (job.spec().device() == v1::JobSpec::GPU) {
+          worker.set_gpus_used(worker.gpus_used() + 1);
+        } else {
+          worker.set_cpu_slots_used(worker.cpu_slots_used() +
+                                    std::max(1, job.spec().threads_per_rank()));
+        }
+      }
+    }
+    for (const std::string& j : job_ids) worker.add_job_ids(j);
+    *response.add_workers() = std::move(worker);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
+    const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints, store_->ListCheckpoints(job_id));
+  v1::ListCheckpointsResponse response;
+  for (v1::Checkpoint& c : checkpoints) *response.add_checkpoints() = std::move(c);
+  return response;
+}
+
+absl::StatusOr<v1::ListEventsResponse> Coordinator::ListEvents(
+    const v1::ListEventsRequest& request) {
+  const int limit = request.limit() <= 0 ? 1000 : std::min(request.limit(), 10000);
+  absl::MutexLock lock(&mu_);
+  if (!request.job_id().empty()) AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Event> events,
+                        store_->ListEvents(request.job_id(), request.after_seq(), limit));
+  v1::ListEventsResponse response;
+  for (v1::Event& e : events) *response.add_events() = std::move(e);
+  return response;
+}
+
+absl::StatusOr<v1::GetMetricsResponse> Coordinator::GetMetrics(
+    const v1::GetMetricsRequest& request) {
+  const int limit = request.limit() <= 0 ? 10000 : std::min(request.limit(), 100000);
+  if (request.from_step() < 0 || request.to_step() < 0) {
+    return absl::InvalidArgumentError("from_step, to_step: must be >= 0");
+  }
+  absl::MutexLock lock(&mu_);
+  AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  AIDN_ASSIGN_OR_RETURN(
+      std::vector<v1::MetricRecord> records,
+      store_->GetMetrics(request.job_id(), request.from_step(), request.to_step(), limit));
+  v1::GetMetricsResponse response;
+  for (v1::MetricRecord& r : records) *response.add_records() = std::move(r);
+  return response;
+}
+
+absl::Status Coordinator::Subscribe(const std::string& job_id, WatchSubscriber* subscriber) {
+  {
+    absl::MutexLock lock(&mu_);
+    AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+  }
+  absl::MutexLock lock(&watch_mu_);
+  watchers_[job_id].insert(subscriber);
+  return absl::OkStatus();
+}
+
+void Coordinator::Unsubscribe(const std::string& job_id, WatchSubscriber* subscriber) {
+  absl::MutexLock lock(&watch_mu_);
+  auto it = watchers_.find(job_id);
+  if (it == watchers_.end()) return;
+  it->second.erase(subscriber);
+  if (it->second.empty()) watchers_.erase(it);
+}
+
+absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& request,
+                                                  WatchCursor* cursor) {
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return absl::UnavailableError("coordinator is shutting down");
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+  WatchBatch batch;
+  if (entry->version > cursor->job_version_sent) {
+    *batch.items.emplace_back().mutable_job() = entry->stored.job;
+    cursor->job_version_sent = entry->version;
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Event> events,
+                        store_->ListEvents(request.job_id(), cursor->last_event_seq, 256));
+  for (v1::Event& e : events) {
+    cursor->last_event_seq = e.seq();
+    *batch.items.emplace_back().mutable_event() = std::move(e);
+  }
+  size_t records = 0;
+  if (request.include_metrics()) {
+    AIDN_ASSIGN_OR_RETURN(
+        std::vector<v1::MetricRecord> found,
+        store_->GetMetrics(request.job_id(), std::max(cursor->next_step, request.from_step()), 0,
+                           1024));
+    records = found.size();
+    for (v1::MetricRecord& r : found) {
+      cursor->next_step = std::max(cursor->next_step, r.step() + 1);
+      *batch.items.emplace_back().mutable_record() = std::move(r);
+    }
+  }
+  batch.finished = IsTerminal(entry->stored.job.state()) && events.empty() && records == 0 &&
+                   cursor->job_version_sent == entry->version;
+  return batch;
+}
+
+// ---------------------------------------------------------------------------
+// ClusterService: workers.
+
+absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(
+    const v1::RegisterWorkerRequest& request) {
+  const v1::WorkerInfo& info = request.info();
+  if (!ValidWorkerId(info.id())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("info.id: must match [a-zA-Z0-9._-]{1,63}, got \"", info.id(), "\""));
+  }
+  if (info.cpu_slots() < 0 || info.cpu_slots() > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("info.cpu_slots: must be in [0, 4096], got ", info.cpu_slots()));
+  }
+  if (info.gpus_size() > 64) {
+    return absl::InvalidArgumentError("info.gpus: at most 64");
+  }
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  const Clock::TimePoint now = clock_->Now();
+  auto [it, inserted] = workers_.try_emplace(info.id());
+  WorkerEntry& w = it->second;
+  const bool was_lost = !inserted && w.worker.state() == v1::Worker::LOST;
+  *w.worker.mutable_info() = info;
+  if (w.worker.info().address().empty()) w.worker.mutable_info()->set_address(info.hostname());
+  w.worker.set_state(v1::Worker::ALIVE);
+  *w.worker.mutable_registered_at() = ToProto(clock_->WallNow());
+  *w.worker.mutable_last_heartbeat() = w.worker.registered_at();
+  w.last_seen = now;
+  PersistWorker(w);
+  Emit(inserted ? "worker.registered" : (was_lost ? "worker.back" : "worker.reregistered"), "",
+       info.id(), 0,
+       absl::StrCat(info.cpu_slots(), " cpu slots, ", info.gpus_size(), " gpus at ",
+                    w.worker.info().address()),
+       &deferred);
+  if (!inserted) {
+    // A worker that restarted lost its trainers (they die with it): running
+    // generations with ranks there cannot go on.
+    std::set<std::pair<std::string, int>> alive;
+    for (const v1::TrainerStatus& t : request.trainers()) {
+      alive.insert({absl::StrCat(t.job_id(), "#", t.generation()), t.rank()});
+    }
+    for (auto& [job_id, entry] : jobs_) {
+      const Job& job = entry->stored.job;
+      if (job.state() != Job::RUNNING) continue;
+      for (const v1::RankPlacement& p : job.placement()) {
+        if (p.worker_id() != info.id()) continue;
+        if (!alive.contains({absl::StrCat(job_id, "#", job.generation()), p.rank()})) {
+          FailGeneration(entry.get(),
+                         absl::StrCat("worker ", info.id(), " re-registered without rank ",
+                                      p.rank(), " (its trainer is gone)"),
+                         false, &deferred);
+          break;
+        }
+      }
+    }
+  }
+  Schedule(&deferred);
+  v1::RegisterWorkerResponse response;
+  response.set_worker_id(info.id());
+  const auto set = [](google::protobuf::Duration* d, milliseconds ms) {
+    d->set_seconds(ms.count() / 1000);
+    d->set_nanos(static_cast<int32_t>(ms.count() % 1000) * 1'000'000);
+  };
+  set(response.mutable_heartbeat_interval(), options_.heartbeat_interval);
+  set(response.mutable_worker_timeout(), options_.worker_timeout);
+  return response;
+}
+
+void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallback done) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) {
+    deferred.Add([done = std::move(done)]() {
+      done(absl::UnavailableError("coordinator is shutting down"));
+    });
+    return;
+  }
+  auto it = workers_.find(request.worker_id());
+  if (it == workers_.end()) {
+    deferred.Add([done = std::move(done), id = request.worker_id()]() {
+      done(absl::NotFoundError(absl::StrCat("unknown worker ", id, "; register again")));
+    });
+    return;
+  }
+  WorkerEntry& w = it->second;
+  w.last_seen = clock_->Now();
+  *w.worker.mutable_last_heartbeat() = ToProto(clock_->WallNow());
+  if (w.worker.state() != v1::Worker::ALIVE) {
+    w.worker.set_state(v1::Worker::ALIVE);
+    PersistWorker(w);
+    Emit("worker.back", "", request.worker_id(), 0, "heartbeats resumed", &deferred);
+    Schedule(&deferred);
+  }
+  const milliseconds max_wait = std::min(ToMillis(request.max_wait()), options_.heartbeat_interval);
+  if (max_wait.count() > 0 && request.assignments_version() == assignments_version_ &&
+      w.pending_stops.empty()) {
+    w.held.push_back(HeldHeartbeat{clock_->Now() + max_wait, std::move(done)});
+    return;
+  }
+  v1::HeartbeatResponse response = BuildHeartbeat(&w);
+  deferred.Add([done = std::move(done), response = std::move(response)]() { done(response); });
+}
+
+absl::Status Coordinator::ReportTrainerExit(const v1::ReportTrainerExitRequest& request) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+  Job& job = entry->stored.job;
+  const bool current = request.generation() == job.generation() && HoldsSlots(job.state());
+  std::string what = request.signal() != 0 ? absl::StrCat("killed by signal ", request.signal())
+                                           : absl::StrCat("exited with code ", request.exit_code());
+  const std::string tail = LastLine(request.stderr_tail());
+  std::string message = absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id(),
+                                     " ", what, tail.empty() ? "" : ": " + tail);
+  Emit("trainer.exited", job.id(), request.worker_id(), request.generation(), message, &deferred);
+  if (!current || request.stopped_by_order()) return absl::OkStatus();
+  if (request.exit_code() == 0 && request.signal() == 0) {
+    entry->exited_ok.insert(request.rank());
+    if (static_cast<int>(entry->exited_ok.size()) >= job.spec().world_size()) {
+      ReleaseGeneration(entry, "job succeeded",
+                        absl::FailedPreconditionError(absl::StrCat(job.id(), " has succeeded")),
+                        &deferred);
+      (void)SetState(entry, Job::SUCCEEDED,
+                     absl::StrCat("all ", job.spec().world_size(), " ranks exited 0"), &deferred);
+      Schedule(&deferred);
+    }
+    return absl::OkStatus();
+  }
+  FailGeneration(entry, message, request.permanent(), &deferred);
+  Schedule(&deferred);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// ClusterService: trainers.
+
+void Coordinator::JoinRendezvous(const v1::JoinRendezvousRequest& request,
+                                 Rendezvous::Callback done) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) {
+    deferred.Add([done = std::move(done)]() {
+      done(absl::UnavailableError("coordinator is shutting down"));
+    });
+    return;
+  }
+  absl::StatusOr<JobEntry*> found = FencedJob(request.job_id(), request.generation());
+  if (!found.ok()) {
+    deferred.Add([done = std::move(done), s = found.status()]() { done(s); });
+    return;
+  }
+  JobEntry* entry = *found;
+  Job& job = entry->stored.job;
+  v1::RankPlacement* placed = nullptr;
+  for (v1::RankPlacement& p : *job.mutable_placement()) {
+    if (p.rank() == request.rank()) placed = &p;
+  }
+  if (placed == nullptr) {
+    deferred.Add([done = std::move(done), rank = request.rank(), n = job.spec().world_size()]() {
+      done(absl::InvalidArgumentError(absl::StrCat("rank: must be in [0, ", n, "), got ", rank)));
+    });
+    return;
+  }
+  if (!request.worker_id().empty() && request.worker_id() != placed->worker_id()) {
+    deferred.Add([done = std::move(done), request, w = placed->worker_id()]() {
+      done(absl::FailedPreconditionError(absl::StrCat("rank ", request.rank(), " of ",
+                                                      request.job_id(), " is placed on ", w,
+                                                      ", not ", request.worker_id())));
+    });
+    return;
+  }
+  v1::Peer peer;
+  peer.set_rank(request.rank());
+  peer.set_worker_id(placed->worker_id());
+  peer.set_address(request.address());
+  entry->rendezvous->Join(peer, std::move(done), &deferred);
+  if (!entry->rendezvous->AllJoined() || entry->rendezvous->completed()) return;
+
+  v1::JoinRendezvousResponse base;
+  base.set_world_size(job.spec().world_size());
+  base.set_generation(job.generation());
+  *base.mutable_spec() = job.spec();
+  for (const v1::Peer& p : entry->rendezvous->Peers()) {
+    *base.add_peers() = p;
+    for (v1::RankPlacement& rp : *job.mutable_placement()) {
+      if (rp.rank() == p.rank()) rp.set_address(p.address());
+    }
+  }
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store_->ListCheckpoints(job.id());
+  if (checkpoints.ok()) {
+    for (auto it = checkpoints->rbegin(); it != checkpoints->rend(); ++it) {
+      if (it->committed()) {
+        *base.mutable_resume_from() = *it;
+        break;
+      }
+    }
+  } else {
+    AIDN_LOG(ERROR) << "could not list checkpoints: " << checkpoints.status();
+  }
+  entry->last_progress = clock_->Now();
+  (void)SetState(
+      entry, Job::RUNNING,
+      absl::StrCat("all ", job.spec().world_size(), " ranks joined generation ", job.generation()),
+      &deferred);
+  entry->rendezvous->Complete(base, &deferred);
+}
+
+absl::Status Coordinator::KvSet(const v1::KvSetRequest& request) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  return entry->kv->Set(request.key(), request.value(), &deferred);
+}
+
+void Coordinator::KvGet(const v1::KvGetRequest& request, KvGetCallback done) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) {
+    deferred.Add([done = std::move(done)]() {
+      done(absl::UnavailableError("coordinator is shutting down"));
+    });
+    return;
+  }
+  absl::StatusOr<JobEntry*> found = FencedJob(request.job_id(), request.generation());
+  if (!found.ok()) {
+    deferred.Add([done = std::move(done), s = found.status()]() { done(s); });
+    return;
+  }
+  KvStore* kv = (*found)->kv.get();
+  const milliseconds wait = std::min(ToMillis(request.wait()), options_.max_kv_wait);
+  if (wait.count() <= 0) {
+    absl::StatusOr<std::string> value = kv->Get(request.key());
+    v1::KvGetResponse response;
+    if (value.ok()) {
+      response.set_found(true);
+      response.set_value(*std::move(value));
+    } else if (value.status().code() != absl::StatusCode::kNotFound) {
+      deferred.Add([done = std::move(done), s = value.status()]() { done(s); });
+      return;
+    }
+    deferred.Add([done = std::move(done), response = std::move(response)]() { done(response); });
+    return;
+  }
+  kv->WaitFor(
+      request.key(), clock_->Now() + wait,
+      [done = std::move(done)](absl::StatusOr<std::string> value) {
+        if (!value.ok()) {
+          done(value.status());
+          return;
+        }
+        v1::KvGetResponse response;
+        response.set_found(true);
+        response.set_value(*std::move(value));
+        done(response);
+      },
+      &deferred);
+}
+
+absl::StatusOr<v1::KvAddResponse> Coordinator::KvAdd(const v1::KvAddRequest& request) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  AIDN_ASSIGN_OR_RETURN(int64_t value, entry->kv->Add(request.key(), request.delta(), &deferred));
+  v1::KvAddResponse response;
+  response.set_value(value);
+  return response;
+}
+
+absl::StatusOr<v1::KvCompareAndSetResponse> Coordinator::KvCompareAndSet(
+    const v1::KvCompareAndSetRequest& request) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  AIDN_ASSIGN_OR_RETURN(CasResult cas,
+                        entry->kv->CompareAndSet(request.key(), request.expect_absent(),
+                                                 request.expected(), request.desired(), &deferred));
+  v1::KvCompareAndSetResponse response;
+  response.set_swapped(cas.swapped);
+  response.set_found(cas.found);
+  response.set_current(std::move(cas.current));
+  return response;
+}
+
+absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
+    const v1::ReportProgressRequest& request) {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  if (request.rank() < 0 || request.rank() >= entry->stored.job.spec().world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
+  }
+  entry->progress_step[request.rank()] = request.step();
+  entry->last_progress = clock_->Now();
+  // Kept in memory; persisted with the job's next state change.
+  Job& job = entry->stored.job;
+  job.set_last_step(std::max(job.last_step(), request.step()));
+  return v1::ReportProgressResponse();
+}
+
+absl::Status Coordinator::AppendMetrics(const v1::StreamMetricsRequest& request) {
+  if (request.records_size() > 10000) {
+    return absl::InvalidArgumentError("records: at most 10000 per message");
+  }
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  std::vector<v1::MetricRecord> records(request.records().begin(), request.records().end());
+  int64_t last = entry->stored.job.last_step();
+  for (v1::MetricRecord& r : records) {
+    r.set_rank(request.rank());
+    r.set_generation(request.generation());
+    last = std::max(last, r.step());
+  }
+  AIDN_RETURN_IF_ERROR(store_->AppendMetrics(request.job_id(), records));
+  entry->stored.job.set_last_step(last);
+  NotifyWatchers(request.job_id(), &deferred);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
+    const v1::CommitCheckpointRequest& request) {
+  AIDN_RETURN_IF_ERROR(ValidateSpecPath("path", request.path()));
+  if (request.step() < 0) return absl::InvalidArgumentError("step: must be >= 0");
+  if (request.writer_ranks().empty()) {
+    return absl::InvalidArgumentError("writer_ranks: must name the ranks that write");
+  }
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  Job& job = entry->stored.job;
+  std::set<int> writers(request.writer_ranks().begin(), request.writer_ranks().end());
+  for (int r : writers) {
+    if (r < 0 || r >= job.spec().world_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("writer_ranks: rank ", r, " out of range"));
+    }
+  }
+  if (!writers.contains(request.rank())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", request.rank(), " is not among writer_ranks"));
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> existing, store_->ListCheckpoints(job.id()));
+  v1::Checkpoint checkpoint;
+  bool found = false;
+  for (v1::Checkpoint& c : existing) {
+    if (c.step() == request.step()) {
+      checkpoint = std::move(c);
+      found = true;
+    }
+  }
+  if (!found || checkpoint.generation() != request.generation()) {
+    checkpoint.Clear();
+    checkpoint.set_job_id(job.id());
+    checkpoint.set_step(request.step());
+    checkpoint.set_generation(request.generation());
+    checkpoint.set_path(request.path());
+    for (int r : writers) checkpoint.add_ranks_expected(r);
+    *checkpoint.mutable_created_at() = ToProto(clock_->WallNow());
+  }
+  std::set<int> reported(checkpoint.ranks_reported().begin(), checkpoint.ranks_reported().end());
+  const bool was_committed = checkpoint.committed();
+  if (!reported.contains(request.rank())) {
+    reported.insert(request.rank());
+    checkpoint.add_ranks_reported(request.rank());
+    checkpoint.set_bytes(checkpoint.bytes() + request.bytes());
+    if (checkpoint.manifest_sha256().empty()) {
+      checkpoint.set_manifest_sha256(request.manifest_sha256());
+    }
+  }
+  bool all = true;
+  for (int r : checkpoint.ranks_expected()) all = all && reported.contains(r);
+  checkpoint.set_committed(all);
+  AIDN_RETURN_IF_ERROR(store_->PutCheckpoint(checkpoint));
+  if (all && !was_committed) {
+    job.set_last_checkpoint_step(std::max(job.last_checkpoint_step(), request.step()));
+    (void)PersistJob(entry, &deferred);
+    Emit("checkpoint.committed", job.id(), "", job.generation(),
+         absl::StrCat("step ", request.step(), " at ", request.path()), &deferred);
+  }
+  v1::CommitCheckpointResponse response;
+  response.set_committed(all);
+  return response;
+}
+
+}  // namespace aidn::coordinator

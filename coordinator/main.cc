@@ -1,1 +1,191 @@
-int main() { return 0; }  // placeholder
+// aidn-coordinator: flags in, Options out, then the coordinator runs until
+// SIGINT or SIGTERM.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "aidn/config.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "coordinator/auth.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/server.h"
+#include "coordinator/store.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "host:port to serve on; port 0 picks one");
+ABSL_FLAG(std::string, state_dir, "./aidn-state", "directory for the SQLite state and tokens");
+ABSL_FLAG(std::string, addr_file, "", "write the bound host:port to this file once serving");
+ABSL_FLAG(std::string, token_file, "",
+          "extra tokens, one per line: <token> <admin|user|worker> [<name>]");
+ABSL_FLAG(int32_t, max_world_size, 1024, "largest world_size a job may ask for");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2), "how often workers heartbeat");
+ABSL_FLAG(absl::Duration, worker_timeout, absl::Seconds(10),
+          "a worker silent this long is declared lost");
+ABSL_FLAG(absl::Duration, rendezvous_timeout, absl::Minutes(5),
+          "default timeouts.rendezvous for jobs");
+ABSL_FLAG(int32_t, max_restarts, 3, "default max_restarts for jobs");
+ABSL_FLAG(int32_t, max_message_bytes, 4 * 1024 * 1024, "largest gRPC message accepted");
+ABSL_FLAG(absl::Duration, tick_interval, absl::Milliseconds(100), "how often timeouts are checked");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+namespace {
+
+using aidn::Kv;
+
+std::chrono::milliseconds Millis(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+absl::Status MakeDirs(const std::string& path) {
+  std::string partial;
+  for (size_t i = 0; i <= path.size(); ++i) {
+    if (i == path.size() || (path[i] == '/' && i > 0)) {
+      partial = path.substr(0, i);
+      if (::mkdir(partial.c_str(), 0700) != 0 && errno != EEXIST) {
+        return aidn::PosixError(absl::StrCat("mkdir ", partial), errno);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteAtomically(const std::string& path, const std::string& contents) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return aidn::PosixError(absl::StrCat("write ", tmp), errno);
+    out << contents;
+    if (!out.flush()) return aidn::PosixError(absl::StrCat("write ", tmp), errno);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return aidn::PosixError(absl::StrCat("rename ", tmp), errno);
+  }
+  return absl::OkStatus();
+}
+
+// Abseil flags are spelled with underscores; people type dashes
+// (--state-dir). Accept both by rewriting the name part of each --flag.
+std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
+  storage->reserve(argc);
+  std::vector<char*> out;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i > 0 && arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
+      const size_t end = std::min(arg.find('='), arg.size());
+      for (size_t j = 2; j < end; ++j) {
+        if (arg[j] == '-') arg[j] = '_';
+      }
+    }
+    storage->push_back(std::move(arg));
+    out.push_back(storage->back().data());
+  }
+  return out;
+}
+
+int Fail(const absl::Status& status) {
+  AIDN_LOG(ERROR) << "aidn-coordinator: " << status;
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("aidn-coordinator: the aidn training coordinator");
+  std::vector<std::string> arg_storage;
+  std::vector<char*> args = NormalizeFlagNames(argc, argv, &arg_storage);
+  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+
+  aidn::LogLevel level;
+  if (!aidn::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "aidn-coordinator: --log_level: unknown level \"%s\"\n",
+                 absl::GetFlag(FLAGS_log_level).c_str());
+    return 2;
+  }
+  aidn::SetMinLogLevel(level);
+
+  // Signals are taken by sigwait below, so block them in every thread first.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  aidn::coordinator::CoordinatorOptions options;
+  options.spec_limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
+  options.spec_limits.default_worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
+  options.spec_limits.default_rendezvous_timeout = Millis(absl::GetFlag(FLAGS_rendezvous_timeout));
+  options.spec_limits.default_max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  options.heartbeat_interval = Millis(absl::GetFlag(FLAGS_heartbeat_interval));
+  options.worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
+  aidn::coordinator::ServerOptions server_options;
+  server_options.listen = absl::GetFlag(FLAGS_listen);
+  server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  const std::chrono::milliseconds tick = Millis(absl::GetFlag(FLAGS_tick_interval));
+
+  if (options.spec_limits.max_world_size < 1 || options.heartbeat_interval.count() <= 0 ||
+      options.worker_timeout <= options.heartbeat_interval || tick.count() <= 0 ||
+      server_options.max_message_bytes < 1024) {
+    return Fail(absl::InvalidArgumentError(
+        "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
+        "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024"));
+  }
+
+  aidn::LogConfigTable(
+      absl::StrCat("aidn-coordinator ", AIDN_VERSION, " configuration:"),
+      {{"listen", server_options.listen},
+       {"state_dir", state_dir},
+       {"addr_file", absl::GetFlag(FLAGS_addr_file)},
+       {"token_file", absl::GetFlag(FLAGS_token_file)},
+       {"max_world_size", absl::StrCat(options.spec_limits.max_world_size)},
+       {"heartbeat_interval", absl::FormatDuration(absl::GetFlag(FLAGS_heartbeat_interval))},
+       {"worker_timeout", absl::FormatDuration(absl::GetFlag(FLAGS_worker_timeout))},
+       {"rendezvous_timeout", absl::FormatDuration(absl::GetFlag(FLAGS_rendezvous_timeout))},
+       {"max_restarts", absl::StrCat(options.spec_limits.default_max_restarts)},
+       {"max_message_bytes", absl::StrCat(server_options.max_message_bytes)},
+       {"tick_interval", absl::FormatDuration(absl::GetFlag(FLAGS_tick_interval))},
+       {"log_level", absl::GetFlag(FLAGS_log_level)}});
+
+  if (absl::Status s = MakeDirs(state_dir); !s.ok()) return Fail(s);
+  auto auth = aidn::coordinator::Authenticator::Create(
+      {.state_dir = state_dir, .token_file = absl::GetFlag(FLAGS_token_file)});
+  if (!auth.ok()) return Fail(auth.status());
+  auto store = aidn::coordinator::Store::Open({.path = state_dir + "/coordinator.db"});
+  if (!store.ok()) return Fail(store.status());
+  auto coordinator =
+      aidn::coordinator::Coordinator::Create(options, *std::move(store), auth->get());
+  if (!coordinator.ok()) return Fail(coordinator.status());
+  auto server = aidn::coordinator::Server::Start(server_options, coordinator->get(), auth->get());
+  if (!server.ok()) return Fail(server.status());
+  (*coordinator)->StartTicker(tick);
+
+  const std::string& address = (*server)->address();
+  if (!absl::GetFlag(FLAGS_addr_file).empty()) {
+    if (absl::Status s = WriteAtomically(absl::GetFlag(FLAGS_addr_file), address + "\n"); !s.ok()) {
+      return Fail(s);
+    }
+  }
+  AIDN_LOG(INFO) << "serving" << Kv("address", address)
+                 << Kv("admin_token_file", (*auth)->admin_token_path())
+                 << Kv("worker_token_file", (*auth)->worker_token_path());
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  AIDN_LOG(INFO) << "shutting down" << Kv("signal", signal_number);
+  (*coordinator)->Shutdown();
+  (*server)->Shutdown(std::chrono::seconds(2));
+  (*coordinator)->StopTicker();
+  return 0;
+}

@@ -1,0 +1,53 @@
+#include "coordinator/server.h"
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/service.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace aidn::coordinator {
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options,
+                                                      Coordinator* coordinator,
+                                                      const Authenticator* auth) {
+  const size_t colon = options.listen.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen: expected host:port, got \"", options.listen, "\""));
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  std::unique_ptr<Server> server(new Server());
+  server->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(coordinator, auth);
+  server->cluster_service_ = std::make_unique<ClusterServiceImpl>(coordinator, auth);
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  // TLS credentials plug in here (a later issue).
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(server->coordinator_service_.get());
+  builder.RegisterService(server->cluster_service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on ", options.listen, " (address in use or not local?)"));
+  }
+  server->address_ = absl::StrCat(options.listen.substr(0, colon), ":", port);
+  return server;
+}
+
+Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
+
+void Server::Shutdown(std::chrono::milliseconds grace) {
+  if (server_ == nullptr) return;
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace aidn::coordinator

@@ -1,0 +1,611 @@
+#include "coordinator/store.h"
+
+#include <sqlite3.h>
+
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "google/protobuf/message_lite.h"
+
+namespace aidn::coordinator {
+namespace {
+
+// Forward migrations: kMigrations[v - 1] takes the schema from version v - 1
+// to version v, and runs in the same transaction as the schema_version row
+// that records it. Append new steps; never edit a released one. The
+// schema_version table itself is outside the list: every version has it, so
+// a binary can always read how new a file is before touching anything else.
+constexpr const char* kMigrations[] = {
+    // v1: every table. Rows carry the serialized v1 proto; the other columns
+    // are only what queries filter or order on.
+    R"sql(
+      CREATE TABLE jobs(
+        id TEXT PRIMARY KEY,
+        number INTEGER NOT NULL UNIQUE,
+        state INTEGER NOT NULL,
+        trainer_token TEXT NOT NULL,
+        job BLOB NOT NULL);
+      CREATE TABLE workers(
+        id TEXT PRIMARY KEY,
+        worker BLOB NOT NULL);
+      -- AUTOINCREMENT: a seq is never handed out twice, even after the newest
+      -- rows were deleted, so watchers resuming "after seq N" never skip one.
+      CREATE TABLE events(
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id TEXT NOT NULL DEFAULT '',
+        event BLOB NOT NULL);
+      CREATE INDEX events_job_id_seq ON events(job_id, seq);
+      CREATE TABLE checkpoints(
+        job_id TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        checkpoint BLOB NOT NULL,
+        PRIMARY KEY(job_id, step));
+      CREATE TABLE metrics(
+        job_id TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        rank INTEGER NOT NULL,
+        kind INTEGER NOT NULL,
+        record BLOB NOT NULL);
+      CREATE INDEX metrics_job_id_step_rank ON metrics(job_id, step, rank);
+    )sql",
+};
+constexpr int kSchemaVersion = static_cast<int>(std::size(kMigrations));
+
+constexpr int kDefaultEventLimit = 1000;
+constexpr int kDefaultMetricLimit = 10000;
+
+absl::StatusCode CodeForSqlite(int rc) {
+  switch (rc & 0xff) {
+    case SQLITE_CONSTRAINT:
+      // A duplicate key is the caller's to resolve; other constraints (NOT
+      // NULL, triggers) mean the row cannot go in as it is.
+      if (rc == SQLITE_CONSTRAINT_PRIMARYKEY || rc == SQLITE_CONSTRAINT_UNIQUE) {
+        return absl::StatusCode::kAlreadyExists;
+      }
+      return absl::StatusCode::kFailedPrecondition;
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+    case SQLITE_IOERR:
+    case SQLITE_PROTOCOL:
+      // Another connection held the lock past busy_timeout, or the disk
+      // failed: worth retrying.
+      return absl::StatusCode::kUnavailable;
+    case SQLITE_CORRUPT:
+      return absl::StatusCode::kDataLoss;
+    case SQLITE_NOTADB:
+    case SQLITE_CANTOPEN:
+      return absl::StatusCode::kFailedPrecondition;
+    case SQLITE_FULL:
+    case SQLITE_NOMEM:
+    case SQLITE_TOOBIG:
+      return absl::StatusCode::kResourceExhausted;
+    case SQLITE_READONLY:
+    case SQLITE_PERM:
+    case SQLITE_AUTH:
+      return absl::StatusCode::kPermissionDenied;
+    case SQLITE_INTERRUPT:
+      return absl::StatusCode::kCancelled;
+    case SQLITE_ABORT:
+      return absl::StatusCode::kAborted;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// "store: <context>: <what SQLite said>". Call right after the failing call,
+// under the store's mutex, before anything else touches the connection.
+absl::Status SqliteError(sqlite3* db, int rc, absl::string_view context) {
+  const char* message = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  return absl::Status(CodeForSqlite(rc), absl::StrCat("store: ", context, ": ", message));
+}
+
+// Runs SQL without parameters or results (DDL, BEGIN, COMMIT, PRAGMA set).
+absl::Status Exec(sqlite3* db, const char* sql, absl::string_view context) {
+  char* message = nullptr;
+  int rc = sqlite3_exec(db, sql, nullptr, nullptr, &message);
+  if (rc == SQLITE_OK) return absl::OkStatus();
+  absl::Status status(
+      CodeForSqlite(rc),
+      absl::StrCat("store: ", context, ": ", message != nullptr ? message : sqlite3_errstr(rc)));
+  sqlite3_free(message);
+  return status;
+}
+
+// One prepared statement, finalized on destruction. Bind errors are kept and
+// reported by the next Step, so call sites bind without checking each one.
+class Statement {
+ public:
+  static absl::StatusOr<Statement> Prepare(sqlite3* db, const char* sql, std::string context) {
+    sqlite3_stmt* stmt = nullptr;
+    int rc = sqlite3_prepare_v2(db, sql, -1, &stmt, nullptr);
+    if (rc != SQLITE_OK) {
+      sqlite3_finalize(stmt);
+      return SqliteError(db, rc, context);
+    }
+    return Statement(db, stmt, std::move(context));
+  }
+
+  Statement(Statement&& other) noexcept
+      : db_(other.db_),
+        stmt_(std::exchange(other.stmt_, nullptr)),
+        context_(std::move(other.context_)),
+        bind_rc_(other.bind_rc_) {}
+  Statement& operator=(Statement&&) = delete;
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+  ~Statement() { sqlite3_finalize(stmt_); }
+
+  // Indexes count from 1, as in SQL.
+  void BindInt64(int index, int64_t value) { Keep(sqlite3_bind_int64(stmt_, index, value)); }
+  void BindText(int index, absl::string_view text) {
+    Keep(
+        sqlite3_bind_text64(stmt_, index, text.data(), text.size(), SQLITE_TRANSIENT, SQLITE_UTF8));
+  }
+  void BindBlob(int index, absl::string_view blob) {
+    // data() of an empty string is not null, so an empty blob stays a blob
+    // (a null pointer would bind NULL and trip the NOT NULL columns).
+    Keep(sqlite3_bind_blob64(stmt_, index, blob.empty() ? "" : blob.data(), blob.size(),
+                             SQLITE_TRANSIENT));
+  }
+
+  // True with a row to read, false when done.
+  absl::StatusOr<bool> Step() {
+    if (bind_rc_ != SQLITE_OK) {
+      return absl::Status(CodeForSqlite(bind_rc_),
+                          absl::StrCat("store: ", context_, ": bind: ", sqlite3_errstr(bind_rc_)));
+    }
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    return SqliteError(db_, rc, context_);
+  }
+
+  // Steps a statement that returns no rows.
+  absl::Status Run() {
+    AIDN_ASSIGN_OR_RETURN(bool row, Step());
+    (void)row;
+    return absl::OkStatus();
+  }
+
+  // Makes the statement ready to bind and step again.
+  void Reset() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+    bind_rc_ = SQLITE_OK;
+  }
+
+  // Columns count from 0. Views are valid until the next Step or Reset.
+  int64_t ColumnInt64(int column) { return sqlite3_column_int64(stmt_, column); }
+  absl::string_view ColumnBytes(int column) {
+    // Blob (or text) first, then its size: the order SQLite documents.
+    const void* data = sqlite3_column_blob(stmt_, column);
+    int size = sqlite3_column_bytes(stmt_, column);
+    if (data == nullptr) return absl::string_view();
+    return absl::string_view(static_cast<const char*>(data), static_cast<size_t>(size));
+  }
+  std::string ColumnText(int column) { return std::string(ColumnBytes(column)); }
+
+ private:
+  Statement(sqlite3* db, sqlite3_stmt* stmt, std::string context)
+      : db_(db), stmt_(stmt), context_(std::move(context)) {}
+
+  void Keep(int rc) {
+    if (bind_rc_ == SQLITE_OK) bind_rc_ = rc;
+  }
+
+  sqlite3* db_;
+  sqlite3_stmt* stmt_;
+  std::string context_;
+  int bind_rc_ = SQLITE_OK;
+};
+
+// BEGIN IMMEDIATE ... COMMIT; rolls back on destruction unless committed.
+// IMMEDIATE takes the write lock up front, so a second connection waits in
+// the busy handler instead of failing at a read-to-write upgrade.
+class Transaction {
+ public:
+  explicit Transaction(sqlite3* db) : db_(db) {}
+  Transaction(const Transaction&) = delete;
+  Transaction& operator=(const Transaction&) = delete;
+  ~Transaction() {
+    // Some errors (SQLITE_FULL, ...) already rolled back: then there is no
+    // transaction to end.
+    if (active_ && sqlite3_get_autocommit(db_) == 0) {
+      sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+    }
+  }
+
+  absl::Status Begin(absl::string_view context) {
+    AIDN_RETURN_IF_ERROR(Exec(db_, "BEGIN IMMEDIATE", absl::StrCat(context, ": begin")));
+    active_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status Commit(absl::string_view context) {
+    AIDN_RETURN_IF_ERROR(Exec(db_, "COMMIT", absl::StrCat(context, ": commit")));
+    active_ = false;
+    return absl::OkStatus();
+  }
+
+ private:
+  sqlite3* db_;
+  bool active_ = false;
+};
+
+absl::StatusOr<std::string> Serialize(const google::protobuf::MessageLite& message,
+                                      absl::string_view context) {
+  std::string bytes;
+  if (!message.SerializeToString(&bytes)) {
+    return absl::InternalError(
+        absl::StrCat("store: ", context, ": cannot serialize ", message.GetTypeName()));
+  }
+  return bytes;
+}
+
+// DATA_LOSS naming the table and the row's key.
+absl::Status Parse(absl::string_view bytes, absl::string_view table, absl::string_view key,
+                   google::protobuf::MessageLite* message) {
+  if (!message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return absl::DataLossError(absl::StrCat("store: table ", table, ", row ", key, ": ",
+                                            bytes.size(), " bytes do not parse as ",
+                                            message->GetTypeName()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ReadSchemaVersion(sqlite3* db, std::string context) {
+  AIDN_ASSIGN_OR_RETURN(
+      Statement select,
+      Statement::Prepare(db, "SELECT COALESCE(MAX(version), 0) FROM schema_version",
+                         std::move(context)));
+  AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+  if (!row) return 0;
+  return static_cast<int>(select.ColumnInt64(0));
+}
+
+}  // namespace
+
+Store::Store(sqlite3* db, std::string path) : path_(std::move(path)), db_(db) {}
+
+Store::~Store() {
+  absl::MutexLock lock(&mu_);
+  // Every statement is finalized by now, so close cannot be refused; the last
+  // connection to close checkpoints the WAL into the main file.
+  sqlite3_close(db_);
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& options) {
+  if (options.path.empty()) {
+    // SQLite would open a private temporary file, which is never what a
+    // caller meant.
+    return absl::InvalidArgumentError("store: open: the database path is empty");
+  }
+  const std::string context = absl::StrCat("open ", options.path);
+  sqlite3* db = nullptr;
+  // NOMUTEX: the store's own mutex serializes every use of the connection.
+  int rc =
+      sqlite3_open_v2(options.path.c_str(), &db,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
+  if (rc != SQLITE_OK) {
+    absl::Status status = SqliteError(db, rc, context);
+    sqlite3_close(db);
+    return status;
+  }
+  std::unique_ptr<Store> store(new Store(db, options.path));
+  absl::MutexLock lock(&store->mu_);
+  sqlite3_extended_result_codes(db, 1);
+  sqlite3_busy_timeout(db, options.busy_timeout_ms);
+
+  // The first statement reads the file header, so this is where a file that
+  // is not a database is found out (SQLITE_NOTADB).
+  {
+    AIDN_ASSIGN_OR_RETURN(
+        Statement wal,
+        Statement::Prepare(db, "PRAGMA journal_mode=WAL", absl::StrCat(context, ": set WAL mode")));
+    AIDN_ASSIGN_OR_RETURN(bool row, wal.Step());
+    std::string mode = row ? wal.ColumnText(0) : "";
+    // An in-memory database has no journal file and reports "memory".
+    if (mode != "wal" && options.path != ":memory:") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "store: ", context, ": cannot use WAL mode (journal_mode is \"", mode, "\")"));
+    }
+  }
+  // In WAL mode, synchronous=NORMAL syncs only at checkpoints, not at every
+  // commit. A committed transaction is in the WAL file (the OS page cache)
+  // when the call returns, so it survives a crash or kill -9 of this process,
+  // which is the failure the coordinator is built to survive; only a power
+  // loss or kernel crash may lose the newest commits (never corrupting the
+  // file). FULL would add an fsync to every event and metric batch.
+  AIDN_RETURN_IF_ERROR(
+      Exec(db, "PRAGMA synchronous=NORMAL", absl::StrCat(context, ": set synchronous=NORMAL")));
+  AIDN_RETURN_IF_ERROR(store->Migrate());
+  return store;
+}
+
+absl::Status Store::Migrate() {
+  const std::string context = absl::StrCat("open ", path_, ": migrate schema");
+  Transaction txn(db_);
+  AIDN_RETURN_IF_ERROR(txn.Begin(context));
+  AIDN_RETURN_IF_ERROR(
+      Exec(db_, "CREATE TABLE IF NOT EXISTS schema_version(version INTEGER PRIMARY KEY)", context));
+  AIDN_ASSIGN_OR_RETURN(const int from, ReadSchemaVersion(db_, context));
+  if (from > kSchemaVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "store: open ", path_, ": the file has schema version ", from, ", newer than version ",
+        kSchemaVersion, ", the newest this binary knows; run a newer aidn-coordinator"));
+  }
+  for (int v = from + 1; v <= kSchemaVersion; ++v) {
+    const std::string step_context = absl::StrCat(context, " to version ", v);
+    AIDN_RETURN_IF_ERROR(Exec(db_, kMigrations[v - 1], step_context));
+    AIDN_ASSIGN_OR_RETURN(
+        Statement insert,
+        Statement::Prepare(db_, "INSERT INTO schema_version(version) VALUES(?)", step_context));
+    insert.BindInt64(1, v);
+    AIDN_RETURN_IF_ERROR(insert.Run());
+  }
+  AIDN_RETURN_IF_ERROR(txn.Commit(context));
+  if (from != kSchemaVersion) {
+    AIDN_LOG(INFO) << (from == 0 ? "store schema created" : "store schema migrated")
+                   << Kv("path", path_) << Kv("from", from) << Kv("to", kSchemaVersion);
+  }
+  return absl::OkStatus();
+}
+
+int Store::SchemaVersion() {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<int> version = ReadSchemaVersion(db_, "read schema version");
+  // The table was read when the store opened; failing now means the
+  // connection is broken, and every other call will say how.
+  return version.ok() ? *version : 0;
+}
+
+absl::Status Store::PutJob(const StoredJob& job) {
+  const std::string& id = job.job.id();
+  const std::string context = absl::StrCat("put job ", id);
+  if (id.empty()) return absl::InvalidArgumentError("store: put job: the job has no id");
+  AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(job.job, context));
+  absl::MutexLock lock(&mu_);
+  // An upsert rather than INSERT OR REPLACE: REPLACE would silently delete a
+  // different job holding the same number; this refuses with ALREADY_EXISTS.
+  AIDN_ASSIGN_OR_RETURN(Statement upsert, Statement::Prepare(db_, R"sql(
+      INSERT INTO jobs(id, number, state, trainer_token, job) VALUES(?, ?, ?, ?, ?)
+      ON CONFLICT(id) DO UPDATE SET
+        number = excluded.number, state = excluded.state,
+        trainer_token = excluded.trainer_token, job = excluded.job)sql",
+                                                             context));
+  upsert.BindText(1, id);
+  upsert.BindInt64(2, job.number);
+  upsert.BindInt64(3, job.job.state());
+  upsert.BindText(4, job.trainer_token);
+  upsert.BindBlob(5, blob);
+  return upsert.Run();
+}
+
+absl::StatusOr<std::vector<StoredJob>> Store::LoadJobs() {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(
+      Statement select,
+      Statement::Prepare(db_, "SELECT id, number, trainer_token, job FROM jobs ORDER BY number",
+                         "load jobs"));
+  std::vector<StoredJob> jobs;
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    StoredJob& job = jobs.emplace_back();
+    job.number = select.ColumnInt64(1);
+    job.trainer_token = select.ColumnText(2);
+    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(3), "jobs", select.ColumnBytes(0), &job.job));
+  }
+  return jobs;
+}
+
+absl::StatusOr<int64_t> Store::MaxJobNumber() {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(Statement select,
+                        Statement::Prepare(db_, "SELECT COALESCE(MAX(number), 0) FROM jobs",
+                                           "read largest job number"));
+  AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+  return row ? select.ColumnInt64(0) : 0;
+}
+
+absl::Status Store::PutWorker(const v1::Worker& worker) {
+  const std::string& id = worker.info().id();
+  const std::string context = absl::StrCat("put worker ", id);
+  if (id.empty()) return absl::InvalidArgumentError("store: put worker: the worker has no id");
+  AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(worker, context));
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(Statement upsert, Statement::Prepare(db_, R"sql(
+      INSERT INTO workers(id, worker) VALUES(?, ?)
+      ON CONFLICT(id) DO UPDATE SET worker = excluded.worker)sql",
+                                                             context));
+  upsert.BindText(1, id);
+  upsert.BindBlob(2, blob);
+  return upsert.Run();
+}
+
+absl::StatusOr<std::vector<v1::Worker>> Store::LoadWorkers() {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(
+      Statement select,
+      Statement::Prepare(db_, "SELECT id, worker FROM workers ORDER BY id", "load workers"));
+  std::vector<v1::Worker> workers;
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    AIDN_RETURN_IF_ERROR(
+        Parse(select.ColumnBytes(1), "workers", select.ColumnBytes(0), &workers.emplace_back()));
+  }
+  return workers;
+}
+
+absl::Status Store::AppendEvent(v1::Event* event) {
+  const std::string context = absl::StrCat("append event ", event->type());
+  // The seq is the rowid, known only after the insert; the stored blob must
+  // carry it too, so insert a placeholder and fill it in, in one transaction.
+  // `event` is only touched once the commit went through.
+  v1::Event stored = *event;
+  absl::MutexLock lock(&mu_);
+  Transaction txn(db_);
+  AIDN_RETURN_IF_ERROR(txn.Begin(context));
+  AIDN_ASSIGN_OR_RETURN(
+      Statement insert,
+      Statement::Prepare(db_, "INSERT INTO events(job_id, event) VALUES(?, x'')", context));
+  insert.BindText(1, stored.job_id());
+  AIDN_RETURN_IF_ERROR(insert.Run());
+  const int64_t seq = sqlite3_last_insert_rowid(db_);
+  stored.set_seq(seq);
+  AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(stored, context));
+  AIDN_ASSIGN_OR_RETURN(
+      Statement update,
+      Statement::Prepare(db_, "UPDATE events SET event = ? WHERE seq = ?", context));
+  update.BindBlob(1, blob);
+  update.BindInt64(2, seq);
+  AIDN_RETURN_IF_ERROR(update.Run());
+  AIDN_RETURN_IF_ERROR(txn.Commit(context));
+  event->set_seq(seq);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::Event>> Store::ListEvents(const std::string& job_id,
+                                                         int64_t after_seq, int limit) {
+  if (limit <= 0) limit = kDefaultEventLimit;
+  absl::MutexLock lock(&mu_);
+  const std::string context = absl::StrCat("list events of job \"", job_id, "\"");
+  // Two statements rather than "job_id = ?1 OR ?1 = ''" so that both can use
+  // an index (events_job_id_seq, or the seq primary key).
+  absl::StatusOr<Statement> prepared =
+      job_id.empty()
+          ? Statement::Prepare(db_,
+                               "SELECT seq, event FROM events WHERE seq > ?2 ORDER BY seq "
+                               "LIMIT ?3",
+                               context)
+          : Statement::Prepare(db_,
+                               "SELECT seq, event FROM events WHERE job_id = ?1 AND seq > ?2 "
+                               "ORDER BY seq LIMIT ?3",
+                               context);
+  if (!prepared.ok()) return prepared.status();
+  Statement& select = *prepared;
+  if (!job_id.empty()) select.BindText(1, job_id);
+  select.BindInt64(2, after_seq);
+  select.BindInt64(3, limit);
+  std::vector<v1::Event> events;
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(1), "events",
+                               absl::StrCat("seq ", select.ColumnInt64(0)),
+                               &events.emplace_back()));
+  }
+  return events;
+}
+
+absl::Status Store::PutCheckpoint(const v1::Checkpoint& checkpoint) {
+  const std::string context =
+      absl::StrCat("put checkpoint ", checkpoint.job_id(), " step ", checkpoint.step());
+  if (checkpoint.job_id().empty()) {
+    return absl::InvalidArgumentError("store: put checkpoint: the checkpoint has no job id");
+  }
+  AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(checkpoint, context));
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(Statement upsert, Statement::Prepare(db_, R"sql(
+      INSERT INTO checkpoints(job_id, step, checkpoint) VALUES(?, ?, ?)
+      ON CONFLICT(job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
+                                                             context));
+  upsert.BindText(1, checkpoint.job_id());
+  upsert.BindInt64(2, checkpoint.step());
+  upsert.BindBlob(3, blob);
+  return upsert.Run();
+}
+
+absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(
+      Statement select,
+      Statement::Prepare(db_,
+                         "SELECT step, checkpoint FROM checkpoints WHERE job_id = ? ORDER BY step",
+                         absl::StrCat("list checkpoints of job ", job_id)));
+  select.BindText(1, job_id);
+  std::vector<v1::Checkpoint> checkpoints;
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(1), "checkpoints",
+                               absl::StrCat(job_id, " step ", select.ColumnInt64(0)),
+                               &checkpoints.emplace_back()));
+  }
+  return checkpoints;
+}
+
+absl::Status Store::DeleteCheckpoint(const std::string& job_id, int64_t step) {
+  absl::MutexLock lock(&mu_);
+  // Deleting a checkpoint that is not there is not an error: retention may
+  // run again after a crash between removing the files and this row.
+  AIDN_ASSIGN_OR_RETURN(
+      Statement remove,
+      Statement::Prepare(db_, "DELETE FROM checkpoints WHERE job_id = ? AND step = ?",
+                         absl::StrCat("delete checkpoint ", job_id, " step ", step)));
+  remove.BindText(1, job_id);
+  remove.BindInt64(2, step);
+  return remove.Run();
+}
+
+absl::Status Store::AppendMetrics(const std::string& job_id,
+                                  const std::vector<v1::MetricRecord>& records) {
+  if (records.empty()) return absl::OkStatus();
+  const std::string context = absl::StrCat("append metrics of job ", job_id);
+  absl::MutexLock lock(&mu_);
+  Transaction txn(db_);
+  AIDN_RETURN_IF_ERROR(txn.Begin(context));
+  AIDN_ASSIGN_OR_RETURN(
+      Statement insert,
+      Statement::Prepare(
+          db_, "INSERT INTO metrics(job_id, step, rank, kind, record) VALUES(?, ?, ?, ?, ?)",
+          context));
+  for (const v1::MetricRecord& record : records) {
+    AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(record, context));
+    insert.Reset();
+    insert.BindText(1, job_id);
+    insert.BindInt64(2, record.step());
+    insert.BindInt64(3, record.rank());
+    insert.BindInt64(4, record.kind());
+    insert.BindBlob(5, blob);
+    AIDN_RETURN_IF_ERROR(insert.Run());
+  }
+  return txn.Commit(context);
+}
+
+absl::StatusOr<std::vector<v1::MetricRecord>> Store::GetMetrics(const std::string& job_id,
+                                                                int64_t from_step, int64_t to_step,
+                                                                int limit) {
+  if (limit <= 0) limit = kDefaultMetricLimit;
+  absl::MutexLock lock(&mu_);
+  // kind and rowid only make the order total (a TRAIN and an EVAL record of
+  // one step and rank come back in a stable order).
+  AIDN_ASSIGN_OR_RETURN(Statement select,
+                        Statement::Prepare(db_, R"sql(
+      SELECT step, rank, record FROM metrics
+      WHERE job_id = ?1 AND step >= ?2 AND (?3 = 0 OR step <= ?3)
+      ORDER BY step, rank, kind, rowid LIMIT ?4)sql",
+                                           absl::StrCat("get metrics of job ", job_id)));
+  select.BindText(1, job_id);
+  select.BindInt64(2, from_step);
+  select.BindInt64(3, to_step);
+  select.BindInt64(4, limit);
+  std::vector<v1::MetricRecord> records;
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    AIDN_RETURN_IF_ERROR(Parse(
+        select.ColumnBytes(2), "metrics",
+        absl::StrCat(job_id, " step ", select.ColumnInt64(0), " rank ", select.ColumnInt64(1)),
+        &records.emplace_back()));
+  }
+  return records;
+}
+
+}  // namespace aidn::coordinator

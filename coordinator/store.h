@@ -86,9 +86,11 @@ class Store {
                                                            int limit);
 
  private:
-  explicit Store(sqlite3* db);
+  Store(sqlite3* db, std::string path);
   absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // For error messages of Open and Migrate.
+  const std::string path_;
   absl::Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,0 +1,52 @@
+#ifndef AIDN_COORDINATOR_SERVER_H_
+#define AIDN_COORDINATOR_SERVER_H_
+
+// The coordinator's gRPC server: both services, gRPC health checking and
+// server reflection, on one port. Thread-safe.
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "coordinator/auth.h"
+#include "coordinator/coordinator.h"
+#include "grpcpp/server.h"
+
+namespace aidn::coordinator {
+
+class ClusterServiceImpl;
+class CoordinatorServiceImpl;
+
+struct ServerOptions {
+  // host:port; port 0 picks a free one (see Server::address()).
+  std::string listen = "127.0.0.1:7070";
+  // Requests larger than this are refused by gRPC before they are read
+  // into memory (RESOURCE_EXHAUSTED).
+  int max_message_bytes = 4 * 1024 * 1024;
+};
+
+class Server {
+ public:
+  // Neither pointer is owned; both must outlive the server.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options,
+                                                       Coordinator* coordinator,
+                                                       const Authenticator* auth);
+  ~Server();
+
+  // host:port actually bound.
+  const std::string& address() const { return address_; }
+  // Stops accepting calls; calls still running after `grace` are cancelled.
+  void Shutdown(std::chrono::milliseconds grace);
+
+ private:
+  Server() = default;
+  std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
+  std::unique_ptr<ClusterServiceImpl> cluster_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+}  // namespace aidn::coordinator
+
+#endif  // AIDN_COORDINATOR_SERVER_H_
