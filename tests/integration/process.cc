@@ -1,0 +1,288 @@
+#include "tests/integration/process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+extern char** environ;
+
+namespace aidn::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The environment of the test with `overrides` ("K=V") added or replacing
+// the entries with the same key.
+std::vector<std::string> MergedEnvironment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) env.emplace_back(*e);
+  for (const std::string& entry : overrides) {
+    const std::string key = entry.substr(0, entry.find('=') + 1);  // "K="
+    bool replaced = false;
+    for (std::string& existing : env) {
+      if (existing.compare(0, key.size(), key) == 0) {
+        existing = entry;
+        replaced = true;
+        break;
+      }
+    }
+    if (!replaced) env.push_back(entry);
+  }
+  return env;
+}
+
+// The path execve should run: `program` itself if it names a path, else the
+// first executable match on $PATH (resolved before fork, where allocating is
+// still allowed).
+std::string ResolveProgram(const std::string& program, const std::vector<std::string>& env) {
+  if (program.find('/') != std::string::npos) return program;
+  std::string path = "/usr/local/bin:/usr/bin:/bin";
+  for (const std::string& entry : env) {
+    if (entry.rfind("PATH=", 0) == 0) path = entry.substr(5);
+  }
+  std::stringstream dirs(path);
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    if (dir.empty()) dir = ".";
+    std::string candidate = dir + "/" + program;
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return program;
+}
+
+std::vector<char*> CStrings(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (std::string& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+int ExitCodeOf(int wait_status) {
+  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
+  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
+  return -1;
+}
+
+std::string TempRoot() {
+  const char* tmpdir = getenv("TMPDIR");
+  return (tmpdir != nullptr && tmpdir[0] != '\0') ? tmpdir : "/tmp";
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Process>> Process::Start(const std::vector<std::string>& argv,
+                                                        const std::vector<std::string>& env,
+                                                        const std::string& stdout_path,
+                                                        const std::string& stderr_path) {
+  if (argv.empty()) return absl::InvalidArgumentError("Process::Start: empty argv");
+
+  // Everything the child needs is prepared here: between fork and exec only
+  // async-signal-safe calls are allowed (the test binary runs gRPC threads).
+  std::vector<std::string> env_strings = MergedEnvironment(env);
+  std::vector<std::string> argv_strings = argv;
+  const std::string program = ResolveProgram(argv[0], env_strings);
+  std::vector<char*> child_argv = CStrings(argv_strings);
+  std::vector<char*> child_env = CStrings(env_strings);
+
+  const int out_fd = open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (out_fd < 0) return PosixError(stdout_path, errno);
+  const int err_fd = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (err_fd < 0) {
+    const int error = errno;
+    close(out_fd);
+    return PosixError(stderr_path, error);
+  }
+  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  // The child writes errno here if exec fails; a successful exec closes it.
+  int exec_pipe[2];
+  if (pipe2(exec_pipe, O_CLOEXEC) != 0) {
+    const int error = errno;
+    close(out_fd);
+    close(err_fd);
+    if (null_fd >= 0) close(null_fd);
+    return PosixError("pipe2", error);
+  }
+
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    const int error = errno;
+    close(out_fd);
+    close(err_fd);
+    if (null_fd >= 0) close(null_fd);
+    close(exec_pipe[0]);
+    close(exec_pipe[1]);
+    return PosixError("fork", error);
+  }
+  if (pid == 0) {
+    // Child. Nothing must outlive a crashed test: die with the parent.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    setpgid(0, 0);
+    // Undo any signal dispositions and mask inherited from the test.
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    signal(SIGPIPE, SIG_DFL);
+    if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(err_fd, STDERR_FILENO);
+    execve(program.c_str(), child_argv.data(), child_env.data());
+    const int error = errno;
+    ssize_t ignored = write(exec_pipe[1], &error, sizeof(error));
+    (void)ignored;
+    _exit(127);
+  }
+
+  // Parent. Set the group here too, so that it exists before Start returns
+  // whichever of the two runs first.
+  setpgid(pid, pid);
+  close(out_fd);
+  close(err_fd);
+  if (null_fd >= 0) close(null_fd);
+  close(exec_pipe[1]);
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = read(exec_pipe[0], &exec_errno, sizeof(exec_errno));
+  } while (n < 0 && errno == EINTR);
+  close(exec_pipe[0]);
+  if (n == static_cast<ssize_t>(sizeof(exec_errno))) {
+    int status;
+    waitpid(pid, &status, 0);
+    return PosixError(absl::StrCat("exec ", program), exec_errno);
+  }
+  return std::unique_ptr<Process>(new Process(pid, stdout_path, stderr_path));
+}
+
+Process::Process(pid_t pid, std::string stdout_path, std::string stderr_path)
+    : pid_(pid), stdout_path_(std::move(stdout_path)), stderr_path_(std::move(stderr_path)) {}
+
+Process::~Process() {
+  // The whole group: a child that spawned processes of its own takes them
+  // along. Once the group is empty this fails with ESRCH, harmlessly.
+  kill(-pid_, SIGKILL);
+  if (!reaped_) {
+    int status;
+    while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    reaped_ = true;
+  }
+}
+
+void Process::Signal(int sig) {
+  if (!reaped_) kill(pid_, sig);
+}
+
+absl::StatusOr<int> Process::Wait(std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (!reaped_) {
+    int status;
+    const pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      reaped_ = true;
+      exit_code_ = ExitCodeOf(status);
+      break;
+    }
+    if (r < 0 && errno != EINTR) {
+      return PosixError(absl::StrCat("waitpid ", pid_), errno);
+    }
+    if (Clock::now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("process ", pid_, " still running after ", timeout.count(), " ms"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return exit_code_;
+}
+
+bool Process::Running() { return !Wait(std::chrono::milliseconds(0)).ok() && !reaped_; }
+
+std::string Process::Stdout() const { return ReadFileOrEmpty(stdout_path_); }
+std::string Process::Stderr() const { return ReadFileOrEmpty(stderr_path_); }
+
+CommandResult RunCommand(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                         std::chrono::milliseconds timeout) {
+  CommandResult result;
+  const std::string dir = MakeTempDir("aidn-cmd");
+  const std::string out_path = dir + "/stdout";
+  const std::string err_path = dir + "/stderr";
+  auto process = Process::Start(argv, env, out_path, err_path);
+  if (!process.ok()) {
+    result.err = process.status().ToString();
+    RemoveTree(dir);
+    return result;
+  }
+  absl::StatusOr<int> code = (*process)->Wait(timeout);
+  if (!code.ok()) {
+    // Timed out: kill it (and its group) and report how it ended.
+    kill(-(*process)->pid(), SIGKILL);
+    code = (*process)->Wait(std::chrono::seconds(30));
+  }
+  result.exit_code = code.ok() ? *code : -1;
+  process->reset();
+  result.out = ReadFileOrEmpty(out_path);
+  result.err = ReadFileOrEmpty(err_path);
+  RemoveTree(dir);
+  return result;
+}
+
+bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (true) {
+    if (predicate()) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::string MakeTempDir(const std::string& prefix) {
+  std::string path = TempRoot() + "/" + prefix + ".XXXXXX";
+  if (mkdtemp(path.data()) == nullptr) {
+    fprintf(stderr, "mkdtemp %s: %s\n", path.c_str(), strerror(errno));
+    abort();
+  }
+  return path;
+}
+
+std::string ReadFileOrEmpty(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+void WriteFileOrDie(const std::string& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << contents;
+  out.close();
+  if (!out) {
+    fprintf(stderr, "cannot write %s\n", path.c_str());
+    abort();
+  }
+}
+
+void RemoveTree(const std::string& path) {
+  std::error_code ignored;
+  std::filesystem::remove_all(path, ignored);
+}
+
+}  // namespace aidn::testing

@@ -1,0 +1,78 @@
+#ifndef AIDN_TESTS_INTEGRATION_PROCESS_H_
+#define AIDN_TESTS_INTEGRATION_PROCESS_H_
+
+// Child processes and polling for integration tests. Never sleep for a fixed
+// time to wait for a state: poll with a deadline (WaitFor).
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace aidn::testing {
+
+// A child process in its own process group, stdout and stderr redirected to
+// files (appended to; both may name the same file). The child is SIGKILLed if
+// the thread that started it dies. The destructor SIGKILLs the group and
+// reaps the child if still running. Not thread-safe.
+class Process {
+ public:
+  // argv[0] is the program path. `env` entries ("K=V") are added to (or
+  // replace in) the test's environment.
+  static absl::StatusOr<std::unique_ptr<Process>> Start(const std::vector<std::string>& argv,
+                                                        const std::vector<std::string>& env,
+                                                        const std::string& stdout_path,
+                                                        const std::string& stderr_path);
+  ~Process();
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // Sends `sig` to the child (not its group).
+  void Signal(int sig);
+  // Waits for exit up to `timeout`. The exit code, or 128 + signal number if
+  // it was killed; DEADLINE_EXCEEDED if still running.
+  absl::StatusOr<int> Wait(std::chrono::milliseconds timeout);
+  bool Running();
+  std::string Stdout() const;
+  std::string Stderr() const;
+
+ private:
+  Process(pid_t pid, std::string stdout_path, std::string stderr_path);
+  pid_t pid_;
+  bool reaped_ = false;
+  int exit_code_ = -1;
+  std::string stdout_path_;
+  std::string stderr_path_;
+};
+
+struct CommandResult {
+  int exit_code = -1;  // 128 + signal if killed; -1 if it could not start
+  std::string out;
+  std::string err;
+};
+
+// Runs a command to completion, killing it after `timeout`.
+CommandResult RunCommand(const std::vector<std::string>& argv,
+                         const std::vector<std::string>& env = {},
+                         std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+// Polls `predicate` every 20 ms until it returns true (→ true) or `timeout`
+// passes (→ false).
+bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds timeout);
+
+// A new empty directory under $TMPDIR (or /tmp), named after `prefix`.
+std::string MakeTempDir(const std::string& prefix);
+std::string ReadFileOrEmpty(const std::string& path);
+void WriteFileOrDie(const std::string& path, const std::string& contents);
+// Removes `path` and everything under it; errors are ignored.
+void RemoveTree(const std::string& path);
+
+}  // namespace aidn::testing
+
+#endif  // AIDN_TESTS_INTEGRATION_PROCESS_H_
