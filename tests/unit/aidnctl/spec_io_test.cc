@@ -1,0 +1,489 @@
+// Tests of aidnctl's formats: job specs in (spec_io) and answers out (output).
+
+#include "aidnctl/spec_io.h"
+
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "aidnctl/config.h"
+#include "aidnctl/output.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace aidn::ctl {
+namespace {
+
+using ::google::protobuf::util::MessageDifferencer;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::Pair;
+using ::testing::UnorderedElementsAre;
+
+std::string ExamplePath(const std::string& name) {
+  // This file is tests/unit/aidnctl/spec_io_test.cc under the source root.
+  return (std::filesystem::path(__FILE__).parent_path() / "../../../examples" / name).string();
+}
+
+v1::JobSpec MustParse(const std::string& text, const std::string& source = "job.yaml") {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(text, source);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.ok() ? *spec : v1::JobSpec();
+}
+
+std::string ErrorOf(const std::string& text, const std::string& source = "job.yaml") {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(text, source);
+  EXPECT_FALSE(spec.ok()) << "parsed: " << spec->ShortDebugString();
+  if (spec.ok()) return "";
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(spec.status().message());
+}
+
+// ---------------------------------------------------------------------------
+// Reading specs.
+
+TEST(ParseJobSpec, ReadsTheMlpExample) {
+  absl::StatusOr<std::string> text = ReadFileToString(ExamplePath("fashion-mnist-mlp.yaml"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  const v1::JobSpec spec = MustParse(*text, "fashion-mnist-mlp.yaml");
+  EXPECT_EQ(spec.name(), "fashion-mnist-mlp");
+  EXPECT_EQ(spec.world_size(), 2);
+  EXPECT_EQ(spec.device(), v1::JobSpec::CPU);
+  EXPECT_EQ(spec.strategy(), v1::JobSpec::DDP);
+  EXPECT_EQ(spec.model().name(), "mlp");
+  EXPECT_THAT(spec.model().hidden_sizes(), ElementsAre(256, 256));
+  EXPECT_EQ(spec.dataset().kind(), "fashion-mnist");
+  EXPECT_EQ(spec.optimizer().name(), "sgd");
+  EXPECT_DOUBLE_EQ(spec.optimizer().lr(), 0.05);
+  EXPECT_DOUBLE_EQ(spec.optimizer().momentum(), 0.9);
+  EXPECT_EQ(spec.batch_size(), 64);
+  EXPECT_EQ(spec.checkpoint().every_steps(), 500);
+  EXPECT_THAT(spec.labels(), UnorderedElementsAre(Pair("team", "demo")));
+}
+
+TEST(ParseJobSpec, ReadsTheCnnExample) {
+  absl::StatusOr<std::string> text = ReadFileToString(ExamplePath("fashion-mnist-cnn.yaml"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  const v1::JobSpec spec = MustParse(*text, "fashion-mnist-cnn.yaml");
+  EXPECT_EQ(spec.model().name(), "cnn");
+  EXPECT_EQ(spec.world_size(), 2);
+  EXPECT_EQ(spec.device(), v1::JobSpec::CPU);
+  EXPECT_TRUE(spec.optimizer().has_lr());
+}
+
+constexpr char kRichYaml[] = R"(
+name: fmnist   # a comment
+world_size: 4
+device: gpu
+threads_per_rank: 2
+model:
+  name: mlp
+  hidden_sizes:
+    - 512
+    - 128
+  dropout: .25
+dataset:
+  kind: idx
+  train_images: /data/train-images
+  shuffle: false
+  drop_last: True
+optimizer:
+  name: adamw
+  lr: 1e-3
+  weight_decay: 0
+  eps: 1.5e-8
+lr_schedule:
+  kind: cosine
+  warmup_steps: 100
+  min_lr: 0.0
+seed: 18446744073709551615
+strategy: DDP
+bucket_mb: 25
+max_restarts: 0
+timeouts:
+  rendezvous: 90s
+  worker: 1.5s
+priority: -5
+labels:
+  team: ml
+  run: "7"
+)";
+
+constexpr char kRichJson[] = R"(  {
+  "name": "fmnist", "world_size": 4, "device": "GPU", "threads_per_rank": 2,
+  "model": {"name": "mlp", "hidden_sizes": [512, 128], "dropout": 0.25},
+  "dataset": {"kind": "idx", "train_images": "/data/train-images", "shuffle": false,
+              "drop_last": true},
+  "optimizer": {"name": "adamw", "lr": 0.001, "weight_decay": 0, "eps": 1.5e-8},
+  "lr_schedule": {"kind": "COSINE", "warmup_steps": "100", "min_lr": 0},
+  "seed": "18446744073709551615", "strategy": "ddp", "bucket_mb": 25, "max_restarts": 0,
+  "timeouts": {"rendezvous": "90s", "worker": "1.5s"},
+  "priority": -5,
+  "labels": {"team": "ml", "run": "7"}
+})";
+
+TEST(ParseJobSpec, YamlAndJsonOfTheSameSpecAreEqual) {
+  const v1::JobSpec from_yaml = MustParse(kRichYaml, "job.yaml");
+  const v1::JobSpec from_json = MustParse(kRichJson, "job.json");
+  EXPECT_TRUE(MessageDifferencer::Equals(from_yaml, from_json))
+      << from_yaml.ShortDebugString() << "\nvs\n"
+      << from_json.ShortDebugString();
+  // And the values are what was written.
+  EXPECT_EQ(from_yaml.device(), v1::JobSpec::GPU);
+  EXPECT_THAT(from_yaml.model().hidden_sizes(), ElementsAre(512, 128));
+  EXPECT_DOUBLE_EQ(from_yaml.model().dropout(), 0.25);
+  EXPECT_DOUBLE_EQ(from_yaml.optimizer().lr(), 0.001);
+  EXPECT_DOUBLE_EQ(from_yaml.optimizer().eps(), 1.5e-8);
+  EXPECT_TRUE(from_yaml.optimizer().has_weight_decay());
+  EXPECT_TRUE(from_yaml.dataset().has_shuffle());
+  EXPECT_FALSE(from_yaml.dataset().shuffle());
+  EXPECT_TRUE(from_yaml.dataset().drop_last());
+  EXPECT_EQ(from_yaml.seed(), 18446744073709551615ULL);
+  EXPECT_TRUE(from_yaml.has_max_restarts());
+  EXPECT_EQ(from_yaml.max_restarts(), 0);
+  EXPECT_EQ(from_yaml.priority(), -5);
+  EXPECT_EQ(from_yaml.lr_schedule().warmup_steps(), 100);
+}
+
+TEST(ParseJobSpec, EnumNamesAreReadInAnyCase) {
+  const v1::JobSpec spec = MustParse(R"(
+device: cpu
+strategy: ddp
+precision: Fp32
+lr_schedule:
+  kind: cosine
+)");
+  EXPECT_EQ(spec.device(), v1::JobSpec::CPU);
+  EXPECT_EQ(spec.strategy(), v1::JobSpec::DDP);
+  EXPECT_EQ(spec.precision(), v1::JobSpec::FP32);
+  EXPECT_EQ(spec.lr_schedule().kind(), v1::LrScheduleSpec::COSINE);
+  EXPECT_EQ(MustParse("lr_schedule: {kind: Step}").lr_schedule().kind(), v1::LrScheduleSpec::STEP);
+}
+
+TEST(ParseJobSpec, DurationsAreReadInProtobufAndAbseilForms) {
+  const v1::JobSpec spec = MustParse(R"(
+timeouts:
+  rendezvous: 1.5s
+  worker: 5m
+  progress: 1h30m
+)");
+  EXPECT_EQ(spec.timeouts().rendezvous().seconds(), 1);
+  EXPECT_EQ(spec.timeouts().rendezvous().nanos(), 500000000);
+  EXPECT_EQ(spec.timeouts().worker().seconds(), 300);
+  EXPECT_EQ(spec.timeouts().progress().seconds(), 5400);
+
+  const v1::JobSpec json = MustParse(R"({"timeouts": {"worker": "250ms", "progress": "10s"}})");
+  EXPECT_EQ(json.timeouts().worker().seconds(), 0);
+  EXPECT_EQ(json.timeouts().worker().nanos(), 250000000);
+  EXPECT_EQ(json.timeouts().progress().seconds(), 10);
+}
+
+TEST(ParseJobSpec, ADurationWithoutUnitNamesTheField) {
+  const std::string error = ErrorOf("timeouts:\n  worker: 30\n");
+  EXPECT_THAT(error, HasSubstr("job.yaml: timeouts.worker: invalid duration"));
+  EXPECT_THAT(error, HasSubstr("\"30s\""));
+  EXPECT_THAT(error, HasSubstr("(line 2)"));
+}
+
+TEST(ParseJobSpec, NumbersWrittenForStringFieldsStayTheTextWritten) {
+  EXPECT_EQ(MustParse("name: \"123\"").name(), "123");
+  EXPECT_EQ(MustParse("name: '1.50'").name(), "1.50");
+  EXPECT_EQ(MustParse("name: 123").name(), "123");
+  EXPECT_EQ(MustParse("name: 1.50").name(), "1.50");
+  EXPECT_EQ(MustParse("name: 007").name(), "007");
+  EXPECT_EQ(MustParse("name: true").name(), "true");
+  EXPECT_EQ(MustParse("name: \"~\"").name(), "~");
+  EXPECT_EQ(MustParse("dataset: {dir: 2024}").dataset().dir(), "2024");
+  const v1::JobSpec spec = MustParse("labels:\n  version: 1\n  debug: true\n  rate: 0.5\n");
+  EXPECT_THAT(spec.labels(), UnorderedElementsAre(Pair("version", "1"), Pair("debug", "true"),
+                                                  Pair("rate", "0.5")));
+}
+
+TEST(ParseJobSpec, QuotedNumbersAreAcceptedForNumericFields) {
+  const v1::JobSpec spec = MustParse("world_size: \"3\"\noptimizer: {lr: '0.5'}\n");
+  EXPECT_EQ(spec.world_size(), 3);
+  EXPECT_DOUBLE_EQ(spec.optimizer().lr(), 0.5);
+}
+
+TEST(ParseJobSpec, NullAndEmptyValuesLeaveFieldsUnset) {
+  const v1::JobSpec spec = MustParse("name: ~\nmax_restarts: null\nbucket_mb:\nworld_size: 2\n");
+  EXPECT_EQ(spec.name(), "");
+  EXPECT_FALSE(spec.has_max_restarts());
+  EXPECT_FALSE(spec.has_bucket_mb());
+  EXPECT_EQ(spec.world_size(), 2);
+}
+
+TEST(ParseJobSpec, HiddenSizesAreReadInFlowAndBlockForm) {
+  EXPECT_THAT(MustParse("model: {hidden_sizes: [64, 32, 16]}").model().hidden_sizes(),
+              ElementsAre(64, 32, 16));
+  EXPECT_THAT(MustParse("model:\n  hidden_sizes:\n  - 8\n  - 4\n").model().hidden_sizes(),
+              ElementsAre(8, 4));
+}
+
+TEST(ParseJobSpec, AnUnknownFieldIsNamedWithTheFileAndLine) {
+  const std::string error = ErrorOf("name: x\noptimizer:\n  name: sgd\n  lrr: 0.1\n");
+  EXPECT_THAT(error, HasSubstr("job.yaml: optimizer.lrr: unknown field"));
+  EXPECT_THAT(error, HasSubstr("(line 4)"));
+  EXPECT_THAT(ErrorOf("world_sise: 2\n", "my.yaml"),
+              HasSubstr("my.yaml: world_sise: unknown field (line 1)"));
+  EXPECT_THAT(ErrorOf(R"({"optimizer": {"lrr": 1}})", "job.json"),
+              HasSubstr("job.json: optimizer.lrr: unknown field"));
+}
+
+TEST(ParseJobSpec, AValueOfTheWrongTypeNamesTheField) {
+  EXPECT_THAT(ErrorOf("world_size: four\n"),
+              HasSubstr("job.yaml: world_size: invalid value \"four\": expected an integer"));
+  EXPECT_THAT(ErrorOf("model:\n  hidden_sizes: [1, x]\n"),
+              HasSubstr("job.yaml: model.hidden_sizes[1]: invalid value"));
+  EXPECT_THAT(ErrorOf("dataset: {drop_last: 1}\n"),
+              HasSubstr("job.yaml: dataset.drop_last: invalid value 1: expected true or false"));
+  EXPECT_THAT(ErrorOf("model: [1]\n"), HasSubstr("job.yaml: model:"));
+}
+
+TEST(ParseJobSpec, AnUnknownEnumValueListsTheKnownOnes) {
+  const std::string error = ErrorOf("name: x\ndevice: tpu\n");
+  EXPECT_THAT(error,
+              HasSubstr("job.yaml: device: invalid value \"tpu\": expected one of CPU, GPU"));
+  EXPECT_THAT(error, HasSubstr("(line 2)"));
+}
+
+TEST(ParseJobSpec, MalformedYamlIsReportedWithFileAndLine) {
+  const std::string error = ErrorOf("name: x\nmodel:\n  hidden_sizes: [1, 2\n", "bad.yaml");
+  EXPECT_THAT(error, HasSubstr("bad.yaml: line "));
+  EXPECT_THAT(ErrorOf("name: x\n  world_size: 2\n", "bad.yaml"), HasSubstr("bad.yaml: line 2"));
+}
+
+TEST(ParseJobSpec, MalformedJsonIsReportedWithFileAndLine) {
+  const std::string error = ErrorOf("{\n  \"name\": \"x\",\n  \"world_size\": ,\n}\n", "bad.json");
+  EXPECT_THAT(error, HasSubstr("bad.json: parse error at line 3"));
+  EXPECT_THAT(error, Not(HasSubstr("json.exception")));
+}
+
+TEST(ParseJobSpec, RefusesWhatIsNotOneMapping) {
+  EXPECT_THAT(ErrorOf(""), HasSubstr("job.yaml: the job spec is empty"));
+  EXPECT_THAT(ErrorOf("# only a comment\n"), HasSubstr("job.yaml: the job spec is empty"));
+  EXPECT_THAT(ErrorOf("- name: x\n"), HasSubstr("job.yaml: expected a mapping"));
+  EXPECT_THAT(ErrorOf("name: a\n---\nname: b\n"), HasSubstr("2 YAML documents"));
+  EXPECT_THAT(ErrorOf("name: a\nname: b\n"),
+              HasSubstr("job.yaml: duplicate key \"name\" (line 2)"));
+}
+
+TEST(ReadJobSpec, ReadsStdinForADashAndNamesItInErrors) {
+  std::istringstream in("name: from-stdin\nworld_size: 1\n");
+  absl::StatusOr<v1::JobSpec> spec = ReadJobSpec("-", in);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->name(), "from-stdin");
+
+  std::istringstream bad("nam: x\n");
+  EXPECT_THAT(std::string(ReadJobSpec("-", bad).status().message()),
+              HasSubstr("<stdin>: nam: unknown field"));
+}
+
+TEST(ReadJobSpec, AMissingFileIsNamed) {
+  std::istringstream unused;
+  const absl::Status status = ReadJobSpec("/nonexistent/job.yaml", unused).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("/nonexistent/job.yaml"));
+}
+
+// ---------------------------------------------------------------------------
+// Writing JSON and YAML.
+
+TEST(MessageToYaml, ASpecReadsBackAsTheSameSpec) {
+  const v1::JobSpec spec = MustParse(kRichYaml);
+  absl::StatusOr<std::string> yaml = MessageToYaml(spec);
+  ASSERT_TRUE(yaml.ok()) << yaml.status();
+  const v1::JobSpec again = MustParse(*yaml, "round-trip.yaml");
+  EXPECT_TRUE(MessageDifferencer::Equals(spec, again)) << *yaml;
+  // 64-bit integers print as numbers, strings that look like numbers quoted.
+  EXPECT_THAT(*yaml, HasSubstr("seed: 18446744073709551615\n"));
+  EXPECT_THAT(*yaml, HasSubstr("warmup_steps: 100\n"));
+  EXPECT_THAT(*yaml, HasSubstr("run: \"7\"\n"));
+  EXPECT_THAT(*yaml, HasSubstr("hidden_sizes: [512, 128]\n"));
+}
+
+TEST(JsonToYaml, QuotesStringsAYamlReaderWouldTakeForOtherTypes) {
+  const nlohmann::ordered_json json = {{"a", "123"},   {"b", "true"},       {"c", ""},
+                                       {"d", "yes"},   {"e", "plain text"}, {"f", 1.5},
+                                       {"g", nullptr}, {"h", false}};
+  EXPECT_EQ(
+      JsonToYaml(json),
+      "a: \"123\"\nb: \"true\"\nc: \"\"\nd: \"yes\"\ne: plain text\nf: 1.5\ng: ~\nh: false\n");
+}
+
+TEST(MessageToJson, UsesProtoFieldNamesAndLeavesDefaultsOut) {
+  v1::JobSpec spec;
+  spec.set_world_size(2);
+  spec.set_max_steps(1000);
+  spec.set_device(v1::JobSpec::CPU);
+  absl::StatusOr<std::string> json = MessageToJson(spec);
+  ASSERT_TRUE(json.ok()) << json.status();
+  const auto parsed = nlohmann::json::parse(*json);
+  EXPECT_EQ(parsed["world_size"], 2);
+  EXPECT_EQ(parsed["max_steps"], "1000");  // int64 as the JSON mapping writes it
+  EXPECT_EQ(parsed["device"], "CPU");
+  EXPECT_FALSE(parsed.contains("name"));
+  EXPECT_FALSE(parsed.contains("worldSize"));
+  EXPECT_EQ(json->back(), '\n');
+}
+
+// ---------------------------------------------------------------------------
+// Tables.
+
+const absl::Time kNow = absl::FromUnixSeconds(1'800'000'000);
+
+void SetTime(google::protobuf::Timestamp* timestamp, absl::Time time) {
+  timestamp->set_seconds(absl::ToUnixSeconds(time));
+}
+
+google::protobuf::RepeatedPtrField<v1::Job> TwoJobs() {
+  google::protobuf::RepeatedPtrField<v1::Job> jobs;
+  v1::Job* first = jobs.Add();
+  first->set_id("job-7f3a");
+  first->mutable_spec()->set_name("fashion-mnist-mlp");
+  first->mutable_spec()->set_world_size(2);
+  first->set_state(v1::Job::RUNNING);
+  first->set_generation(1);
+  SetTime(first->mutable_created_at(), kNow - absl::Minutes(5));
+  v1::Job* second = jobs.Add();
+  second->set_id("job-1");
+  second->mutable_spec()->set_name("cnn");
+  second->mutable_spec()->set_world_size(16);
+  second->set_state(v1::Job::RESTARTING);
+  second->set_generation(12);
+  second->set_restarts(3);
+  second->set_message("worker w2 lost;\nwaiting for slots");
+  SetTime(second->mutable_created_at(), kNow - absl::Hours(50));
+  return jobs;
+}
+
+TEST(JobsTable, AlignsEveryColumnUnderItsHeader) {
+  const std::string table = JobsTable(TwoJobs(), kNow);
+  const std::vector<std::string> lines = absl::StrSplit(table, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << table;
+  EXPECT_EQ(lines[0],
+            "ID         NAME                STATE        WORLD   GEN   RESTARTS   AGE   MESSAGE");
+  EXPECT_EQ(lines[1], "job-7f3a   fashion-mnist-mlp   RUNNING      2       1     0          5m");
+  EXPECT_EQ(lines[2],
+            "job-1      cnn                 RESTARTING   16      12    3          2d    worker w2 "
+            "lost; waiting for slots");
+  for (const char* header : {"NAME", "STATE", "WORLD", "GEN", "RESTARTS", "AGE"}) {
+    const size_t column = lines[0].find(header);
+    EXPECT_EQ(lines[1][column - 1], ' ');
+    EXPECT_NE(lines[1][column], ' ') << header;
+    EXPECT_NE(lines[2][column], ' ') << header;
+  }
+}
+
+TEST(JobsTable, PrintsStateNamesWithoutPrefixes) {
+  const std::string table = JobsTable(TwoJobs(), kNow);
+  EXPECT_THAT(table, HasSubstr(" RUNNING "));
+  EXPECT_THAT(table, Not(HasSubstr("STATE_")));
+  EXPECT_THAT(table, Not(HasSubstr("Job.")));
+  EXPECT_EQ(StateName(v1::Job::SUCCEEDED), "SUCCEEDED");
+  EXPECT_EQ(StateName(v1::Job::STATE_UNSPECIFIED), "UNKNOWN");
+  EXPECT_EQ(StateName(v1::Worker::LOST), "LOST");
+}
+
+TEST(FormatTable, PadsShortRowsAndLeavesNoTrailingBlanks) {
+  EXPECT_EQ(FormatTable({"A", "BB", "C"}, {{"xxx", "y"}, {"1", "2", "3"}}),
+            "A     BB   C\n"
+            "xxx   y\n"
+            "1     2    3\n");
+  EXPECT_EQ(FormatTable({"SEQ", "TYPE"}, {}), "SEQ   TYPE\n");
+}
+
+TEST(WorkersTable, ShowsSlotsUsedOfTotal) {
+  google::protobuf::RepeatedPtrField<v1::Worker> workers;
+  v1::Worker* worker = workers.Add();
+  worker->mutable_info()->set_id("node-1");
+  worker->mutable_info()->set_address("10.0.0.5");
+  worker->mutable_info()->set_cpu_slots(8);
+  worker->mutable_info()->add_gpus()->set_index(0);
+  worker->set_state(v1::Worker::ALIVE);
+  worker->set_cpu_slots_used(2);
+  worker->add_job_ids("job-a");
+  worker->add_job_ids("job-b");
+  SetTime(worker->mutable_last_heartbeat(), kNow - absl::Seconds(3));
+  EXPECT_EQ(WorkersTable(workers, kNow),
+            "ID       ADDRESS    STATE   CPU(USED/TOTAL)   GPUS   JOBS          LAST-HEARTBEAT\n"
+            "node-1   10.0.0.5   ALIVE   2/8               0/1    job-a,job-b   3s\n");
+}
+
+TEST(EventsTable, PrintsUtcTimesAndADashForClusterEvents) {
+  google::protobuf::RepeatedPtrField<v1::Event> events;
+  v1::Event* event = events.Add();
+  event->set_seq(41);
+  SetTime(event->mutable_time(), absl::FromUnixSeconds(0));
+  event->set_type("worker.registered");
+  event->set_message("node-1 with 8 slots");
+  EXPECT_EQ(EventsTable(events),
+            "SEQ   TIME   JOB   TYPE                MESSAGE\n"
+            "41    -      -     worker.registered   node-1 with 8 slots\n");
+  SetTime(events[0].mutable_time(), absl::FromUnixSeconds(1'800'000'000));
+  EXPECT_THAT(EventsTable(events), HasSubstr("2027-01-15T08:00:00Z"));
+}
+
+TEST(CheckpointsTable, ShowsCommitStateAndSize) {
+  google::protobuf::RepeatedPtrField<v1::Checkpoint> checkpoints;
+  v1::Checkpoint* done = checkpoints.Add();
+  done->set_step(500);
+  done->set_generation(1);
+  done->set_committed(true);
+  done->set_bytes(3 * 1024 * 1024 / 2);
+  done->set_path("ckpt/step-500");
+  v1::Checkpoint* partial = checkpoints.Add();
+  partial->set_step(1000);
+  partial->set_generation(2);
+  partial->add_ranks_reported(0);
+  partial->add_ranks_expected(0);
+  partial->add_ranks_expected(1);
+  partial->set_bytes(100);
+  partial->set_path("ckpt/step-1000");
+  EXPECT_EQ(CheckpointsTable(checkpoints),
+            "STEP   GEN   COMMITTED   BYTES    PATH\n"
+            "500    1     yes         1.5MiB   ckpt/step-500\n"
+            "1000   2     no(1/2)     100B     ckpt/step-1000\n");
+}
+
+TEST(DescribeJob, ShowsFieldsSpecAndPlacement) {
+  v1::Job job = TwoJobs()[0];
+  job.mutable_spec()->set_max_restarts(3);
+  (*job.mutable_spec()->mutable_labels())["team"] = "ml";
+  v1::RankPlacement* rank = job.add_placement();
+  rank->set_rank(0);
+  rank->set_worker_id("node-1");
+  rank->set_address("10.0.0.5:40001");
+  absl::StatusOr<std::string> text = DescribeJob(job, kNow);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_THAT(*text, HasSubstr("ID:              job-7f3a\n"));
+  EXPECT_THAT(*text, HasSubstr("State:           RUNNING\n"));
+  EXPECT_THAT(*text, HasSubstr("Labels:          team=ml\n"));
+  EXPECT_THAT(*text, HasSubstr("Restarts:        0 of 3 allowed\n"));
+  EXPECT_THAT(*text, HasSubstr("(5m ago)"));
+  EXPECT_THAT(*text, HasSubstr("Spec:\n  name: fashion-mnist-mlp\n  world_size: 2\n"));
+  EXPECT_THAT(*text, HasSubstr("Placement:\n  RANK   WORKER   SLOT   ADDRESS\n"
+                               "  0      node-1   0      10.0.0.5:40001\n"));
+}
+
+TEST(OutputHelpers, FormatAgesBytesAndSingleLines) {
+  EXPECT_EQ(FormatAge(absl::Seconds(59)), "59s");
+  EXPECT_EQ(FormatAge(absl::Minutes(90)), "90m");
+  EXPECT_EQ(FormatAge(absl::Hours(47)), "47h");
+  EXPECT_EQ(FormatAge(absl::Hours(72)), "3d");
+  EXPECT_EQ(FormatAge(-absl::Seconds(4)), "0s");
+  EXPECT_EQ(FormatBytes(1023), "1023B");
+  EXPECT_EQ(FormatBytes(int64_t{5} << 30), "5.0GiB");
+  EXPECT_EQ(OneLine("  a\n\tb  c "), "a b c");
+  EXPECT_EQ(OneLine("abcdefghij", 8), "abcde...");
+  EXPECT_TRUE(ParseOutputFormat("JSON").ok());
+  EXPECT_FALSE(ParseOutputFormat("xml").ok());
+}
+
+}  // namespace
+}  // namespace aidn::ctl
