@@ -208,7 +208,11 @@ absl::StatusOr<std::string> DescribeJob(const v1::Job& job, absl::Time now) {
       {"Generation", absl::StrCat(job.generation())},
       {"Restarts", restarts},
       {"Last step", absl::StrCat(job.last_step())},
-      {"Last checkpoint", absl::StrCat("step ", job.last_checkpoint_step())},
+      // Step 0 is never checkpointed (checkpoints follow completed steps),
+      // so 0 means none yet.
+      {"Last checkpoint", job.last_checkpoint_step() > 0
+                              ? absl::StrCat("step ", job.last_checkpoint_step())
+                              : std::string("none")},
       {"Created", TimeWithAge(job.created_at(), now)},
       {"Started", TimeWithAge(job.started_at(), now)},
       {"Updated", TimeWithAge(job.updated_at(), now)},
