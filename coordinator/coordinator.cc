@@ -748,13 +748,12 @@ absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& req
   size_t records = 0;
   if (request.include_metrics()) {
     AIDN_ASSIGN_OR_RETURN(
-        std::vector<v1::MetricRecord> found,
-        store_->GetMetrics(request.job_id(), std::max(cursor->next_step, request.from_step()), 0,
-                           1024));
+        std::vector<Store::StoredMetric> found,
+        store_->MetricsAfter(request.job_id(), cursor->last_metric_row, request.from_step(), 1024));
     records = found.size();
-    for (v1::MetricRecord& r : found) {
-      cursor->next_step = std::max(cursor->next_step, r.step() + 1);
-      *batch.items.emplace_back().mutable_record() = std::move(r);
+    for (Store::StoredMetric& m : found) {
+      cursor->last_metric_row = m.row;
+      *batch.items.emplace_back().mutable_record() = std::move(m.record);
     }
   }
   batch.finished = IsTerminal(entry->stored.job.state()) && events.empty() && records == 0 &&

@@ -70,7 +70,8 @@ class WatchSubscriber {
 struct WatchCursor {
   int64_t job_version_sent = -1;
   int64_t last_event_seq = 0;
-  int64_t next_step = 0;
+  // The store row of the last metric record sent.
+  int64_t last_metric_row = 0;
 };
 
 struct WatchBatch {

@@ -50,7 +50,6 @@ class WatchJobReactor final : public grpc::ServerWriteReactor<v1::WatchJobRespon
   WatchJobReactor(Coordinator* coordinator, v1::WatchJobRequest request)
       : coordinator_(coordinator), request_(std::move(request)) {
     cursor_.last_event_seq = request_.after_event_seq();
-    cursor_.next_step = request_.from_step();
   }
 
   // `auth` is the outcome of authenticating the call.

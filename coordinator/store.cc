@@ -54,6 +54,11 @@ constexpr const char* kMigrations[] = {
         record BLOB NOT NULL);
       CREATE INDEX metrics_job_id_step_rank ON metrics(job_id, step, rank);
     )sql",
+    // v2: metric records of one job in storage order (the index carries the
+    // rowid), for watchers that follow a job as records arrive.
+    R"sql(
+      CREATE INDEX metrics_job_id_rowid ON metrics(job_id);
+    )sql",
 };
 constexpr int kSchemaVersion = static_cast<int>(std::size(kMigrations));
 
@@ -604,6 +609,37 @@ absl::StatusOr<std::vector<v1::MetricRecord>> Store::GetMetrics(const std::strin
         select.ColumnBytes(2), "metrics",
         absl::StrCat(job_id, " step ", select.ColumnInt64(0), " rank ", select.ColumnInt64(1)),
         &records.emplace_back()));
+  }
+  return records;
+}
+
+int Store::CurrentSchemaVersion() { return kSchemaVersion; }
+
+absl::StatusOr<std::vector<Store::StoredMetric>> Store::MetricsAfter(const std::string& job_id,
+                                                                     int64_t after_row,
+                                                                     int64_t from_step, int limit) {
+  if (limit <= 0) limit = kDefaultMetricLimit;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(Statement select,
+                        Statement::Prepare(db_, R"sql(
+      SELECT rowid, step, rank, record FROM metrics
+      WHERE job_id = ?1 AND rowid > ?2 AND step >= ?3
+      ORDER BY rowid LIMIT ?4)sql",
+                                           absl::StrCat("follow metrics of job ", job_id)));
+  select.BindText(1, job_id);
+  select.BindInt64(2, after_row);
+  select.BindInt64(3, from_step);
+  select.BindInt64(4, limit);
+  std::vector<StoredMetric> records;
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    StoredMetric& m = records.emplace_back();
+    m.row = select.ColumnInt64(0);
+    AIDN_RETURN_IF_ERROR(Parse(
+        select.ColumnBytes(3), "metrics",
+        absl::StrCat(job_id, " step ", select.ColumnInt64(1), " rank ", select.ColumnInt64(2)),
+        &m.record));
   }
   return records;
 }

@@ -53,6 +53,8 @@ class Store {
 
   // The schema version of the open file.
   int SchemaVersion();
+  // The version this binary creates and migrates to.
+  static int CurrentSchemaVersion();
 
   // Jobs. PutJob inserts or replaces by id.
   absl::Status PutJob(const StoredJob& job);
@@ -84,6 +86,18 @@ class Store {
   absl::StatusOr<std::vector<v1::MetricRecord>> GetMetrics(const std::string& job_id,
                                                            int64_t from_step, int64_t to_step,
                                                            int limit);
+
+  // A job's records in the order they were stored: rows after `after_row`
+  // with step >= from_step, at most `limit`. Rows only grow (records are
+  // appended), so a follower that keeps the last row it saw misses none,
+  // however the ranks' records interleave.
+  struct StoredMetric {
+    int64_t row = 0;
+    v1::MetricRecord record;
+  };
+  absl::StatusOr<std::vector<StoredMetric>> MetricsAfter(const std::string& job_id,
+                                                         int64_t after_row, int64_t from_step,
+                                                         int limit);
 
  private:
   Store(sqlite3* db, std::string path);

@@ -226,14 +226,14 @@ class StoreTest : public ::testing::Test {
 TEST_F(StoreTest, OpenCreatesAFileAtTheCurrentSchemaVersion) {
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(store->SchemaVersion(), 1);
+  EXPECT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
   EXPECT_TRUE(std::filesystem::exists(path_));
 }
 
 TEST_F(StoreTest, InMemoryDatabaseWorks) {
   absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = ":memory:"});
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ((*store)->SchemaVersion(), 1);
+  EXPECT_EQ((*store)->SchemaVersion(), Store::CurrentSchemaVersion());
   StoredJob job = MakeJob(1);
   ASSERT_TRUE((*store)->PutJob(job).ok());
   absl::StatusOr<std::vector<StoredJob>> jobs = (*store)->LoadJobs();
@@ -595,7 +595,7 @@ TEST_F(StoreTest, DataSurvivesClosingAndReopening) {
   }
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(store->SchemaVersion(), 1);
+  EXPECT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
 
   absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadJobs();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
@@ -632,7 +632,7 @@ TEST_F(StoreTest, OpenRefusesAFileWithANewerSchemaVersion) {
   {
     std::unique_ptr<Store> store = OpenStore();
     ASSERT_NE(store, nullptr);
-    ASSERT_EQ(store->SchemaVersion(), 1);
+    ASSERT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
   }
   RawExec(path_, "INSERT INTO schema_version(version) VALUES(1000)");
   absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = path_});
@@ -640,7 +640,60 @@ TEST_F(StoreTest, OpenRefusesAFileWithANewerSchemaVersion) {
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
   EXPECT_THAT(store.status().message(), HasSubstr("schema version 1000"));
-  EXPECT_THAT(store.status().message(), HasSubstr("version 1,"));
+  EXPECT_THAT(store.status().message(),
+              HasSubstr(absl::StrCat("version ", Store::CurrentSchemaVersion(), ",")));
+}
+
+TEST_F(StoreTest, OpenMigratesAVersionOneFileAndKeepsItsData) {
+  // A file as the first release wrote it: the v1 schema and one record.
+  {
+    std::unique_ptr<Store> store = OpenStore();
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(store->AppendMetrics("job-1", {MakeMetric(3, 0, v1::MetricRecord::TRAIN)}).ok());
+  }
+  RawExec(path_, "DROP INDEX metrics_job_id_rowid; DELETE FROM schema_version WHERE version > 1");
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
+  absl::StatusOr<std::vector<Store::StoredMetric>> metrics = store->MetricsAfter("job-1", 0, 0, 0);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ASSERT_EQ(metrics->size(), 1u);
+  EXPECT_EQ((*metrics)[0].record.step(), 3);
+  // The v2 index exists again.
+  RawExec(path_, "DROP INDEX metrics_job_id_rowid");
+}
+
+TEST_F(StoreTest, MetricsAfterFollowsStorageOrderAcrossInterleavedRanks) {
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  // Rank 0 runs ahead of rank 1: a follower that moved on by step would
+  // lose rank 1's records of steps rank 0 already passed.
+  ASSERT_TRUE(store
+                  ->AppendMetrics("job-1", {MakeMetric(1, 0, v1::MetricRecord::TRAIN),
+                                            MakeMetric(2, 0, v1::MetricRecord::TRAIN)})
+                  .ok());
+  absl::StatusOr<std::vector<Store::StoredMetric>> first = store->MetricsAfter("job-1", 0, 0, 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->size(), 2u);
+  ASSERT_TRUE(store
+                  ->AppendMetrics("job-1", {MakeMetric(1, 1, v1::MetricRecord::TRAIN),
+                                            MakeMetric(2, 1, v1::MetricRecord::TRAIN)})
+                  .ok());
+  ASSERT_TRUE(store->AppendMetrics("job-2", {MakeMetric(1, 0, v1::MetricRecord::TRAIN)}).ok());
+  absl::StatusOr<std::vector<Store::StoredMetric>> rest =
+      store->MetricsAfter("job-1", first->back().row, 0, 0);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  ASSERT_EQ(rest->size(), 2u);
+  EXPECT_EQ((*rest)[0].record.rank(), 1);
+  EXPECT_EQ((*rest)[0].record.step(), 1);
+  EXPECT_EQ((*rest)[1].record.step(), 2);
+  EXPECT_GT((*rest)[0].row, first->back().row);
+  // from_step and limit.
+  absl::StatusOr<std::vector<Store::StoredMetric>> late = store->MetricsAfter("job-1", 0, 2, 1);
+  ASSERT_TRUE(late.ok()) << late.status();
+  ASSERT_EQ(late->size(), 1u);
+  EXPECT_EQ((*late)[0].record.step(), 2);
+  EXPECT_EQ((*late)[0].record.rank(), 0);
 }
 
 TEST_F(StoreTest, OpenRefusesAFileThatIsNotADatabase) {
