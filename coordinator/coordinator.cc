@@ -146,7 +146,7 @@ void Coordinator::Shutdown() {
       // still complete it.
       entry->rendezvous->Fail(closing, &deferred);
     }
-    if (entry->kv != nullptr) entry->kv->Expire(Clock::TimePoint::max(), &deferred);
+    if (entry->kv != nullptr) entry->kv->Close(closing, &deferred);
     NotifyWatchers(id, &deferred);
   }
   for (auto& [id, w] : workers_) {
@@ -412,8 +412,14 @@ void Coordinator::Schedule(Deferred* deferred) {
 
   for (JobEntry* entry : queue) {
     Job& job = entry->stored.job;
+    // Only workers heard from within this job's worker timeout: one silent
+    // longer would fail the new generation on the next tick again.
+    const Clock::TimePoint now = clock_->Now();
+    const milliseconds job_timeout = JobWorkerTimeout(*entry);
     std::vector<WorkerSlots> snapshot;
-    for (const auto& [id, ws] : slots) snapshot.push_back(ws);
+    for (const auto& [id, ws] : slots) {
+      if (now - workers_.at(id).last_seen <= job_timeout) snapshot.push_back(ws);
+    }
     GangRequest request;
     request.world_size = job.spec().world_size();
     request.gpu = job.spec().device() == v1::JobSpec::GPU;

@@ -41,8 +41,9 @@ class KvStore {
   explicit KvStore(const KvLimits& limits) : limits_(limits) {}
 
   // INVALID_ARGUMENT for a key or value over the limits,
-  // RESOURCE_EXHAUSTED when the store is full, FAILED_PRECONDITION once
-  // closed. A set wakes the key's waiters.
+  // RESOURCE_EXHAUSTED when the store is full, and once closed the status
+  // given to Close() (FAILED_PRECONDITION if that was OK). A set wakes the
+  // key's waiters.
   absl::Status Set(const std::string& key, std::string value, Deferred* deferred);
   // The value, or nullopt-as-NOT_FOUND.
   absl::StatusOr<std::string> Get(const std::string& key) const;
