@@ -460,32 +460,34 @@ std::string JsonToYaml(const nlohmann::ordered_json& json, const Descriptor* typ
   return absl::StrCat(out.c_str(), "\n");
 }
 
-absl::StatusOr<std::string> MessageToJson(const google::protobuf::Message& message) {
+namespace {
+
+// The message in protobuf's JSON mapping with proto field names, parsed into
+// an ordered document (field order kept). `format` names the output in errors.
+absl::StatusOr<Json> ToOrderedJson(const google::protobuf::Message& message, const char* format) {
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
   options.always_print_primitive_fields = false;
   std::string compact;
   const auto status = google::protobuf::util::MessageToJsonString(message, &compact, options);
   if (!status.ok()) {
-    return absl::InternalError(absl::StrCat("cannot print ", message.GetTypeName(),
-                                            " as JSON: ", std::string(status.message())));
+    return absl::InternalError(absl::StrCat("cannot print ", message.GetTypeName(), " as ", format,
+                                            ": ", std::string(status.message())));
   }
-  // Re-indented by nlohmann (protobuf's pretty printer indents by one space);
-  // ordered_json keeps the field order.
-  return Json::parse(compact).dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+  return Json::parse(compact);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> MessageToJson(const google::protobuf::Message& message) {
+  AIDN_ASSIGN_OR_RETURN(Json json, ToOrderedJson(message, "JSON"));
+  // Re-indented by nlohmann (protobuf's pretty printer indents by one space).
+  return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 absl::StatusOr<std::string> MessageToYaml(const google::protobuf::Message& message) {
-  google::protobuf::util::JsonPrintOptions options;
-  options.preserve_proto_field_names = true;
-  options.always_print_primitive_fields = false;
-  std::string compact;
-  const auto status = google::protobuf::util::MessageToJsonString(message, &compact, options);
-  if (!status.ok()) {
-    return absl::InternalError(absl::StrCat("cannot print ", message.GetTypeName(),
-                                            " as YAML: ", std::string(status.message())));
-  }
-  return JsonToYaml(Json::parse(compact), message.GetDescriptor());
+  AIDN_ASSIGN_OR_RETURN(Json json, ToOrderedJson(message, "YAML"));
+  return JsonToYaml(json, message.GetDescriptor());
 }
 
 }  // namespace aidn::ctl

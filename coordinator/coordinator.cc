@@ -49,6 +49,18 @@ std::string LastLine(const std::string& text) {
   return last;
 }
 
+// Answers a parked-call callback with an error once the lock is released.
+template <typename Callback>
+void AnswerLater(Deferred* deferred, Callback done, const absl::Status& status) {
+  deferred->Add([done = std::move(done), status]() { done(status); });
+}
+
+const absl::Status& ShuttingDown() {
+  static const absl::Status* status =
+      new absl::Status(absl::UnavailableError("coordinator is shutting down"));
+  return *status;
+}
+
 bool ValidWorkerId(const std::string& id) {
   static const std::regex re("[a-zA-Z0-9._-]{1,63}");
   return std::regex_match(id, re);
@@ -139,7 +151,7 @@ void Coordinator::Shutdown() {
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return;
   shutting_down_ = true;
-  const absl::Status closing = absl::UnavailableError("coordinator is shutting down");
+  const absl::Status& closing = ShuttingDown();
   for (auto& [id, entry] : jobs_) {
     if (entry->rendezvous != nullptr && !entry->rendezvous->completed()) {
       // A fresh rendezvous, so trainers that retry after the restart can
@@ -209,6 +221,12 @@ absl::StatusOr<Coordinator::JobEntry*> Coordinator::FencedJob(const std::string&
                                                       ")"));
   }
   return entry;
+}
+
+absl::StatusOr<Coordinator::JobEntry*> Coordinator::FencedJobToWaitOn(const std::string& job_id,
+                                                                      int64_t generation) {
+  if (shutting_down_) return ShuttingDown();
+  return FencedJob(job_id, generation);
 }
 
 void Coordinator::Emit(const std::string& type, const std::string& job_id,
@@ -738,7 +756,7 @@ void Coordinator::Unsubscribe(const std::string& job_id, WatchSubscriber* subscr
 absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& request,
                                                   WatchCursor* cursor) {
   absl::MutexLock lock(&mu_);
-  if (shutting_down_) return absl::UnavailableError("coordinator is shutting down");
+  if (shutting_down_) return ShuttingDown();
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
   WatchBatch batch;
   if (entry->version > cursor->job_version_sent) {
@@ -839,18 +857,12 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(
 void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallback done) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  if (shutting_down_) {
-    deferred.Add([done = std::move(done)]() {
-      done(absl::UnavailableError("coordinator is shutting down"));
-    });
-    return;
-  }
+  if (shutting_down_) return AnswerLater(&deferred, std::move(done), ShuttingDown());
   auto it = workers_.find(request.worker_id());
   if (it == workers_.end()) {
-    deferred.Add([done = std::move(done), id = request.worker_id()]() {
-      done(absl::NotFoundError(absl::StrCat("unknown worker ", id, "; register again")));
-    });
-    return;
+    return AnswerLater(&deferred, std::move(done),
+                       absl::NotFoundError(absl::StrCat("unknown worker ", request.worker_id(),
+                                                        "; register again")));
   }
   WorkerEntry& w = it->second;
   w.last_seen = clock_->Now();
@@ -908,17 +920,8 @@ void Coordinator::JoinRendezvous(const v1::JoinRendezvousRequest& request,
                                  Rendezvous::Callback done) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  if (shutting_down_) {
-    deferred.Add([done = std::move(done)]() {
-      done(absl::UnavailableError("coordinator is shutting down"));
-    });
-    return;
-  }
-  absl::StatusOr<JobEntry*> found = FencedJob(request.job_id(), request.generation());
-  if (!found.ok()) {
-    deferred.Add([done = std::move(done), s = found.status()]() { done(s); });
-    return;
-  }
+  absl::StatusOr<JobEntry*> found = FencedJobToWaitOn(request.job_id(), request.generation());
+  if (!found.ok()) return AnswerLater(&deferred, std::move(done), found.status());
   JobEntry* entry = *found;
   Job& job = entry->stored.job;
   v1::RankPlacement* placed = nullptr;
@@ -926,18 +929,16 @@ void Coordinator::JoinRendezvous(const v1::JoinRendezvousRequest& request,
     if (p.rank() == request.rank()) placed = &p;
   }
   if (placed == nullptr) {
-    deferred.Add([done = std::move(done), rank = request.rank(), n = job.spec().world_size()]() {
-      done(absl::InvalidArgumentError(absl::StrCat("rank: must be in [0, ", n, "), got ", rank)));
-    });
-    return;
+    return AnswerLater(
+        &deferred, std::move(done),
+        absl::InvalidArgumentError(absl::StrCat("rank: must be in [0, ", job.spec().world_size(),
+                                                "), got ", request.rank())));
   }
   if (!request.worker_id().empty() && request.worker_id() != placed->worker_id()) {
-    deferred.Add([done = std::move(done), request, w = placed->worker_id()]() {
-      done(absl::FailedPreconditionError(absl::StrCat("rank ", request.rank(), " of ",
-                                                      request.job_id(), " is placed on ", w,
-                                                      ", not ", request.worker_id())));
-    });
-    return;
+    return AnswerLater(&deferred, std::move(done),
+                       absl::FailedPreconditionError(absl::StrCat(
+                           "rank ", request.rank(), " of ", request.job_id(), " is placed on ",
+                           placed->worker_id(), ", not ", request.worker_id())));
   }
   v1::Peer peer;
   peer.set_rank(request.rank());
@@ -985,17 +986,8 @@ absl::Status Coordinator::KvSet(const v1::KvSetRequest& request) {
 void Coordinator::KvGet(const v1::KvGetRequest& request, KvGetCallback done) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  if (shutting_down_) {
-    deferred.Add([done = std::move(done)]() {
-      done(absl::UnavailableError("coordinator is shutting down"));
-    });
-    return;
-  }
-  absl::StatusOr<JobEntry*> found = FencedJob(request.job_id(), request.generation());
-  if (!found.ok()) {
-    deferred.Add([done = std::move(done), s = found.status()]() { done(s); });
-    return;
-  }
+  absl::StatusOr<JobEntry*> found = FencedJobToWaitOn(request.job_id(), request.generation());
+  if (!found.ok()) return AnswerLater(&deferred, std::move(done), found.status());
   KvStore* kv = (*found)->kv.get();
   const milliseconds wait = std::min(ToMillis(request.wait()), options_.max_kv_wait);
   if (wait.count() <= 0) {
@@ -1005,8 +997,7 @@ void Coordinator::KvGet(const v1::KvGetRequest& request, KvGetCallback done) {
       response.set_found(true);
       response.set_value(*std::move(value));
     } else if (value.status().code() != absl::StatusCode::kNotFound) {
-      deferred.Add([done = std::move(done), s = value.status()]() { done(s); });
-      return;
+      return AnswerLater(&deferred, std::move(done), value.status());
     }
     deferred.Add([done = std::move(done), response = std::move(response)]() { done(response); });
     return;

@@ -169,6 +169,10 @@ class Coordinator {
   // Looks up a job for a trainer call and checks its generation.
   absl::StatusOr<JobEntry*> FencedJob(const std::string& job_id, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FencedJob for calls that park (rendezvous, KV waits): UNAVAILABLE once
+  // shutting down, so nothing new is parked.
+  absl::StatusOr<JobEntry*> FencedJobToWaitOn(const std::string& job_id, int64_t generation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<JobEntry*> FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // State changes; each persists the job and records an event.
