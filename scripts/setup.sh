@@ -11,6 +11,8 @@ PACKAGES=(
   libsqlite3-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
+  # training: BLAS, Gloo, the dataset
+  libopenblas-dev libgloo-dev dataset-fashion-mnist
 )
 
 missing=()

@@ -1,0 +1,43 @@
+#ifndef AIDN_WORKER_ENGINE_COMM_COMMUNICATOR_H_
+#define AIDN_WORKER_ENGINE_COMM_COMMUNICATOR_H_
+
+// Collectives among the ranks of one generation of a job. Implementations:
+// Gloo over TCP (CPU), NCCL (GPU, a later issue).
+//
+// Call-order contract: every rank calls the same collectives, with the same
+// counts, in the same order. One collective at a time per communicator (use
+// one communicator per thread that communicates). Errors (a peer gone, a
+// timeout) come back as absl::Status; after one, the communicator is
+// unusable and the generation must end.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace aidn::engine {
+
+enum class ReduceOp { kSum, kAvg };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // In place: every rank ends with the elementwise reduction.
+  virtual absl::Status AllReduce(float* data, size_t count, ReduceOp op) = 0;
+  // In place: every rank ends with root's data.
+  virtual absl::Status Broadcast(float* data, size_t count, int root) = 0;
+  // `out` holds world_size * count: rank r's `in` at [r * count, (r+1) * count).
+  virtual absl::Status AllGather(const float* in, size_t count, float* out) = 0;
+  // `in` holds world_size * count; rank r gets the reduction of block r.
+  virtual absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp op) = 0;
+  virtual absl::Status Barrier() = 0;
+  // Collectives completed so far (the progress beat's collective_seq).
+  virtual int64_t sequence() const = 0;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_COMM_COMMUNICATOR_H_

@@ -1,0 +1,102 @@
+#ifndef AIDN_WORKER_ENGINE_MODEL_H_
+#define AIDN_WORKER_ENGINE_MODEL_H_
+
+// Layers with hand-written forward and backward passes, and the models built
+// from them. Shapes: images enter as [N, 1, 28, 28] (an MLP flattens them),
+// logits leave as [N, classes].
+//
+// Not thread-safe: one model per trainer thread. Forward keeps what Backward
+// needs, so call them in pairs.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual std::string Describe() const = 0;
+  // `training` switches dropout on. Output is resized as needed.
+  virtual void Forward(const Tensor& input, Tensor* output, bool training) = 0;
+  // Accumulates (+=) this layer's parameter gradients from `grad_output`
+  // and, if `grad_input` is not null, writes the gradient of its input.
+  virtual void Backward(const Tensor& grad_output, Tensor* grad_input) = 0;
+  virtual std::vector<Parameter*> Parameters() { return {}; }
+  // Seeds the layer's randomness (dropout masks) for the next Forward.
+  virtual void SetSeed(uint64_t /*seed*/) {}
+};
+
+struct ModelConfig {
+  // "mlp" or "cnn".
+  std::string name = "mlp";
+  // mlp: hidden widths.
+  std::vector<int> hidden_sizes = {256, 256};
+  // Dropout probability after each hidden activation (0: none).
+  double dropout = 0.0;
+  int in_channels = 1;
+  int height = 28;
+  int width = 28;
+  int classes = 10;
+};
+
+// A stack of layers, like torch.nn.Sequential. Parameter names follow the
+// torch module index: the MLP 784-256-256-10 is 1.weight (after the flatten
+// at index 0), 1.bias, 3.weight, ... exactly as nn.Sequential(Flatten(),
+// Linear, ReLU, Linear, ReLU, Linear) names them.
+class Sequential {
+ public:
+  // Called during Backward for each parameter as soon as its gradient is
+  // final for this pass, in reverse layer order (DDP starts bucket
+  // allreduces from here).
+  using GradReadyCallback = std::function<void(Parameter*)>;
+
+  void Add(std::unique_ptr<Layer> layer);
+  void Forward(const Tensor& input, Tensor* logits, bool training);
+  // `grad_logits` is dL/dlogits for the batch.
+  void Backward(const Tensor& grad_logits);
+  void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
+  // Zeroes every gradient (before the first micro-step of a step).
+  void ZeroGrad();
+  void SetSeed(uint64_t seed);
+
+  // In registration (forward) order.
+  const std::vector<Parameter*>& Parameters() const { return parameters_; }
+  int64_t ParameterCount() const;
+  std::string Describe() const;
+
+ private:
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<Parameter*> parameters_;
+  std::vector<Tensor> activations_;
+  std::vector<Tensor> grads_;
+  GradReadyCallback grad_ready_;
+};
+
+// The mlp or cnn of the spec, initialised as PyTorch initialises nn.Linear
+// and nn.Conv2d (weights and biases uniform in ±1/sqrt(fan_in)), from `seed`.
+// INVALID_ARGUMENT for an unknown name or bad sizes.
+absl::StatusOr<std::unique_ptr<Sequential>> BuildModel(const ModelConfig& config, uint64_t seed);
+
+// Softmax cross-entropy averaged over the batch, as
+// torch.nn.functional.cross_entropy. Returns the mean loss and writes
+// dL/dlogits into `grad_logits`, scaled by `grad_scale` (1/accum_steps with
+// gradient accumulation). Labels are class indices in [0, classes).
+double SoftmaxCrossEntropy(const Tensor& logits, const std::vector<int32_t>& labels,
+                           Tensor* grad_logits, double grad_scale = 1.0);
+// How many rows' argmax equals their label.
+int64_t CountCorrect(const Tensor& logits, const std::vector<int32_t>& labels);
+
+// Process-wide CPU setup for a rank: BLAS thread count and flush-to-zero /
+// denormals-are-zero (denormals slow training several-fold as weights decay).
+void ConfigureCpu(int threads);
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_MODEL_H_

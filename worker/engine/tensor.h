@@ -1,0 +1,77 @@
+#ifndef AIDN_WORKER_ENGINE_TENSOR_H_
+#define AIDN_WORKER_ENGINE_TENSOR_H_
+
+// A dense float32 tensor in row-major order with a device tag. The CPU path
+// owns its storage; the CUDA issue adds device storage behind the same type.
+// Storage is 64-byte aligned (AVX-512 loads) and reused by Resize when the
+// new size fits, so steady-state training allocates nothing.
+//
+// Not thread-safe; move-only (copies are explicit: Clone()).
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace aidn::engine {
+
+enum class Device { kCpu, kCuda };
+
+class Tensor {
+ public:
+  Tensor() = default;
+  // Zero-filled.
+  explicit Tensor(std::vector<int64_t> shape, Device device = Device::kCpu);
+  Tensor(std::initializer_list<int64_t> shape) : Tensor(std::vector<int64_t>(shape)) {}
+  Tensor(Tensor&&) noexcept = default;
+  Tensor& operator=(Tensor&&) noexcept = default;
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+
+  Tensor Clone() const;
+
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int rank() const { return static_cast<int>(shape_.size()); }
+  int64_t dim(int i) const { return shape_[static_cast<size_t>(i)]; }
+  int64_t numel() const { return numel_; }
+  Device device() const { return device_; }
+
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+  float& operator[](int64_t i) { return data_[i]; }
+  float operator[](int64_t i) const { return data_[i]; }
+
+  // Changes the shape; keeps the storage when it is large enough (contents
+  // are then unspecified), else allocates zeroed storage.
+  void Resize(std::vector<int64_t> shape);
+  void Fill(float value);
+  void Zero() { Fill(0.0f); }
+
+  // "[64, 784]"
+  std::string ShapeString() const;
+
+ private:
+  struct Free {
+    void operator()(float* p) const;
+  };
+  std::vector<int64_t> shape_;
+  int64_t numel_ = 0;
+  int64_t capacity_ = 0;
+  Device device_ = Device::kCpu;
+  std::unique_ptr<float[], Free> storage_;
+  float* data_ = nullptr;
+};
+
+// A trainable tensor and its gradient (same shape), named as in a PyTorch
+// state_dict ("0.weight", "2.bias"), so checkpoints and the safetensors
+// export line up with torch's nn.Sequential.
+struct Parameter {
+  std::string name;
+  Tensor value;
+  Tensor grad;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_TENSOR_H_

@@ -1,0 +1,48 @@
+#ifndef AIDN_WORKER_TRAINER_TRAINER_H_
+#define AIDN_WORKER_TRAINER_TRAINER_H_
+
+// The per-rank trainer process: glue between the engine and the coordinator.
+// It joins the rendezvous, builds the communicator (Gloo over the job's KV
+// store), loads its shard of the data, trains with DDP, streams metric
+// records and progress beats, evaluates after each epoch, and exits.
+
+#include <cstdint>
+#include <string>
+
+namespace aidn::trainer {
+
+// Exit codes of a trainer process.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+// A failure no restart can cure (missing or corrupt dataset, bad spec):
+// EX_CONFIG, reported to the coordinator as permanent.
+inline constexpr int kExitPermanent = 78;
+// Fenced off: this generation is over (FAILED_PRECONDITION from the
+// coordinator). Not an error of the trainer's own.
+inline constexpr int kExitSuperseded = 75;
+
+struct TrainerOptions {
+  // host:port of the coordinator.
+  std::string coordinator;
+  // The job-scoped trainer token (passed in the environment, never argv).
+  std::string token;
+  std::string job_id;
+  int64_t generation = 0;
+  int rank = 0;
+  int world_size = 1;
+  std::string worker_id;
+  // Address this rank binds for its peers (Gloo).
+  std::string host = "127.0.0.1";
+  // First CPU slot and number of threads.
+  int slot = 0;
+  int threads = 1;
+  // The worker's directory for this job (checkpoints, scratch).
+  std::string work_dir;
+};
+
+// Runs the rank to the end; returns the process exit code.
+int RunTrainer(const TrainerOptions& options);
+
+}  // namespace aidn::trainer
+
+#endif  // AIDN_WORKER_TRAINER_TRAINER_H_
