@@ -19,7 +19,9 @@ absl::Status CheckTransition(Job::State from, Job::State to) {
       ok = to == Job::SCHEDULED || to == Job::FAILED || to == Job::CANCELLED;
       break;
     case Job::SCHEDULED:
-      ok = to == Job::RUNNING || to == Job::RESTARTING || to == Job::FAILED || to == Job::CANCELLED;
+      // SUCCEEDED: every rank exited 0 before the rendezvous completed.
+      ok = to == Job::RUNNING || to == Job::RESTARTING || to == Job::SUCCEEDED ||
+           to == Job::FAILED || to == Job::CANCELLED;
       break;
     case Job::RUNNING:
       ok = to == Job::SUCCEEDED || to == Job::RESTARTING || to == Job::FAILED ||

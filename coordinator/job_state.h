@@ -4,6 +4,7 @@
 // The job lifecycle as a table of allowed transitions:
 //   PENDING → SCHEDULED → RUNNING → {SUCCEEDED, FAILED, CANCELLED}
 //   SCHEDULED | RUNNING → RESTARTING → SCHEDULED
+//   SCHEDULED → SUCCEEDED (every rank exited 0 before the rendezvous ended)
 //   any non-terminal state → FAILED | CANCELLED
 // Pure functions; thread-safe.
 

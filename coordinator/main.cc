@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
@@ -17,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "aidn/config.h"
+#include "common/flags.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "coordinator/auth.h"
@@ -75,25 +75,6 @@ absl::Status WriteAtomically(const std::string& path, const std::string& content
   return absl::OkStatus();
 }
 
-// Abseil flags are spelled with underscores; people type dashes
-// (--state-dir). Accept both by rewriting the name part of each --flag.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
-  storage->reserve(argc);
-  std::vector<char*> out;
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (i > 0 && arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
-      const size_t end = std::min(arg.find('='), arg.size());
-      for (size_t j = 2; j < end; ++j) {
-        if (arg[j] == '-') arg[j] = '_';
-      }
-    }
-    storage->push_back(std::move(arg));
-    out.push_back(storage->back().data());
-  }
-  return out;
-}
-
 int Fail(const absl::Status& status) {
   AIDN_LOG(ERROR) << "aidn-coordinator: " << status;
   return 1;
@@ -104,7 +85,7 @@ int Fail(const absl::Status& status) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("aidn-coordinator: the aidn training coordinator");
   std::vector<std::string> arg_storage;
-  std::vector<char*> args = NormalizeFlagNames(argc, argv, &arg_storage);
+  std::vector<char*> args = aidn::NormalizeFlagNames(argc, argv, &arg_storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
 
   aidn::LogLevel level;

@@ -1,1 +1,240 @@
-int main() { return 0; }  // placeholder
+// aidn-worker: flags in, Options out.
+//
+//   aidn-worker [daemon flags]           the worker daemon, until SIGINT/SIGTERM
+//   aidn-worker train [trainer flags]    one trainer rank (what the daemon runs)
+//
+// The two modes share one flag namespace; each reads the flags it needs.
+// A trainer's token comes from $AIDN_TRAINER_TOKEN, never from argv.
+#include <limits.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "aidn/config.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "worker/daemon.h"
+#include "worker/engine/device.h"
+#include "worker/trainer/trainer.h"
+
+// Both modes.
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "host:port of the coordinator");
+ABSL_FLAG(std::string, work_dir, "./aidn-work",
+          "daemon: its directory (trainer logs, job directories); train: the job's directory");
+ABSL_FLAG(std::string, worker_id, "", "this worker's id (default: the host name)");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+// Daemon.
+ABSL_FLAG(std::string, token_file, "", "file holding the worker join token");
+ABSL_FLAG(std::string, token, "", "the worker join token (prefer --token-file)");
+ABSL_FLAG(std::string, address, "127.0.0.1", "address (no port) peers use to reach this node");
+ABSL_FLAG(int32_t, cpu_slots, 1, "CPU slots this worker offers");
+ABSL_FLAG(std::string, trainer_binary, "/proc/self/exe",
+          "program run as `<trainer-binary> train ...` for each rank");
+ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
+          "SIGTERM to SIGKILL delay for trainers, unless a stop order says otherwise");
+
+// Trainer.
+ABSL_FLAG(std::string, job, "", "train: the job id");
+ABSL_FLAG(int64_t, generation, 0, "train: the job's generation");
+ABSL_FLAG(int32_t, rank, 0, "train: this rank");
+ABSL_FLAG(int32_t, world_size, 1, "train: number of ranks");
+ABSL_FLAG(std::string, host, "127.0.0.1", "train: address this rank binds for its peers");
+ABSL_FLAG(int32_t, slot, 0, "train: first CPU slot (or GPU index)");
+ABSL_FLAG(int32_t, threads, 1, "train: CPU threads");
+
+namespace {
+
+using aidn::Kv;
+
+constexpr char kTrainerTokenVariable[] = "AIDN_TRAINER_TOKEN";
+
+int Fail(const char* mode, const absl::Status& status) {
+  AIDN_LOG(ERROR) << mode << ": " << status;
+  return 1;
+}
+
+std::string Hostname() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "";
+  return name;
+}
+
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return aidn::PosixError(absl::StrCat("--token-file ", path), errno);
+  std::stringstream contents;
+  contents << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(contents.str()));
+  if (token.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--token-file ", path, ": empty"));
+  return token;
+}
+
+std::chrono::milliseconds Millis(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+int RunTrainMode() {
+  aidn::trainer::TrainerOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.job_id = absl::GetFlag(FLAGS_job);
+  options.generation = absl::GetFlag(FLAGS_generation);
+  options.rank = absl::GetFlag(FLAGS_rank);
+  options.world_size = absl::GetFlag(FLAGS_world_size);
+  options.worker_id = absl::GetFlag(FLAGS_worker_id);
+  options.host = absl::GetFlag(FLAGS_host);
+  options.slot = absl::GetFlag(FLAGS_slot);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.work_dir = absl::GetFlag(FLAGS_work_dir);
+  if (const char* token = getenv(kTrainerTokenVariable); token != nullptr) {
+    options.token = token;
+    // Nothing the trainer might start inherits the credential.
+    unsetenv(kTrainerTokenVariable);
+  }
+  aidn::LogConfigTable(
+      absl::StrCat("aidn-worker ", AIDN_VERSION, " train configuration:"),
+      {{"coordinator", options.coordinator},
+       {"job", options.job_id},
+       {"generation", absl::StrCat(options.generation)},
+       {"rank", absl::StrCat(options.rank)},
+       {"world_size", absl::StrCat(options.world_size)},
+       {"worker_id", options.worker_id},
+       {"host", options.host},
+       {"slot", absl::StrCat(options.slot)},
+       {"threads", absl::StrCat(options.threads)},
+       {"work_dir", options.work_dir},
+       {"token", options.token.empty() ? absl::StrCat("(none: $", kTrainerTokenVariable, " unset)")
+                                       : absl::StrCat("(from $", kTrainerTokenVariable, ")")}});
+  if (options.job_id.empty() || options.generation < 1 || options.world_size < 1 ||
+      options.rank < 0 || options.rank >= options.world_size || options.threads < 1) {
+    AIDN_LOG(ERROR) << "train: need --job, --generation >= 1, --world-size >= 1, "
+                       "0 <= --rank < --world-size and --threads >= 1";
+    return aidn::trainer::kExitPermanent;
+  }
+  return aidn::trainer::RunTrainer(options);
+}
+
+int RunDaemonMode(const std::string& log_level) {
+  aidn::worker::DaemonOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.hostname = Hostname();
+  options.worker_id = absl::GetFlag(FLAGS_worker_id);
+  if (options.worker_id.empty()) options.worker_id = options.hostname;
+  options.address = absl::GetFlag(FLAGS_address);
+  options.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
+  options.work_dir = absl::GetFlag(FLAGS_work_dir);
+  options.trainer_binary = absl::GetFlag(FLAGS_trainer_binary);
+  options.trainer_log_level = log_level;
+  options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
+  options.version = AIDN_VERSION;
+
+  const std::string token_file = absl::GetFlag(FLAGS_token_file);
+  if (!token_file.empty() && !absl::GetFlag(FLAGS_token).empty()) {
+    return Fail("aidn-worker",
+                absl::InvalidArgumentError("pass --token-file or --token, not both"));
+  }
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadToken(token_file);
+    if (!token.ok()) return Fail("aidn-worker", token.status());
+    options.token = *std::move(token);
+  } else {
+    options.token = absl::GetFlag(FLAGS_token);
+  }
+
+  const aidn::engine::DeviceInventory devices = aidn::engine::DiscoverDevices();
+  std::vector<std::string> gpu_names;
+  for (const aidn::engine::GpuDescription& gpu : devices.gpus) {
+    options.gpus.push_back(gpu);
+    gpu_names.push_back(
+        absl::StrCat(gpu.index, ": ", gpu.name, " (", gpu.memory_bytes / (1024 * 1024), " MiB)"));
+  }
+
+  // Signals are taken by sigwait below, so block them in every thread first
+  // (the supervisor gives trainers an empty mask again).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<aidn::worker::Daemon>> daemon =
+      aidn::worker::Daemon::Create(options);
+  const aidn::worker::DaemonOptions& resolved = daemon.ok() ? (*daemon)->options() : options;
+  std::string trainer = resolved.trainer_binary;
+  if (trainer == "/proc/self/exe") {
+    char self[PATH_MAX + 1] = {};
+    const ssize_t n = readlink("/proc/self/exe", self, PATH_MAX);
+    if (n > 0) trainer = absl::StrCat(std::string(self, static_cast<size_t>(n)), " (this binary)");
+  }
+  aidn::LogConfigTable(
+      absl::StrCat("aidn-worker ", AIDN_VERSION, " configuration:"),
+      {{"coordinator", resolved.coordinator},
+       {"token", token_file.empty() ? (resolved.token.empty() ? "(none)" : "(from --token)")
+                                    : absl::StrCat("(from ", token_file, ")")},
+       {"worker_id", resolved.worker_id},
+       {"hostname", resolved.hostname},
+       {"address", resolved.address},
+       {"cpu_slots", absl::StrCat(resolved.cpu_slots)},
+       {"gpus", gpu_names.empty() ? absl::StrCat("none (", devices.gpu_note, ")")
+                                  : absl::StrJoin(gpu_names, ", ")},
+       {"work_dir", resolved.work_dir},
+       {"trainer_binary", trainer},
+       {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
+       {"log_level", log_level}});
+  if (!daemon.ok()) return Fail("aidn-worker", daemon.status());
+  if (absl::Status s = (*daemon)->Start(); !s.ok()) return Fail("aidn-worker", s);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  AIDN_LOG(INFO) << "signal received; stopping trainers and exiting" << Kv("signal", signal_number);
+  (*daemon)->Shutdown();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "the aidn worker daemon (see --helpfull for flags)\n"
+      "  aidn-worker [flags]          run the daemon\n"
+      "  aidn-worker train [flags]    run one trainer rank (started by the daemon)");
+  // `train` is a mode, not a positional argument: take it out before parsing.
+  const bool train = argc > 1 && std::string(argv[1]) == "train";
+  std::vector<char*> raw(argv, argv + argc);
+  if (train) raw.erase(raw.begin() + 1);
+  std::vector<std::string> arg_storage;
+  std::vector<char*> args =
+      aidn::NormalizeFlagNames(static_cast<int>(raw.size()), raw.data(), &arg_storage);
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "aidn-worker: unexpected argument \"%s\" (see --help)\n", positional[1]);
+    return 2;
+  }
+
+  const std::string log_level = absl::GetFlag(FLAGS_log_level);
+  aidn::LogLevel level;
+  if (!aidn::ParseLogLevel(log_level, &level)) {
+    std::fprintf(stderr, "aidn-worker: --log-level: unknown level \"%s\"\n", log_level.c_str());
+    return 2;
+  }
+  aidn::SetMinLogLevel(level);
+  return train ? RunTrainMode() : RunDaemonMode(log_level);
+}

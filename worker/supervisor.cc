@@ -1,0 +1,326 @@
+#include "worker/supervisor.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/log.h"
+#include "common/status.h"
+
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+
+extern char** environ;
+
+namespace aidn::worker {
+namespace {
+
+// The daemon's environment with `overrides` ("K=V") added or replacing the
+// entries with the same key.
+std::vector<std::string> MergedEnvironment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) env.emplace_back(*e);
+  for (const std::string& entry : overrides) {
+    const std::string key = entry.substr(0, entry.find('=') + 1);  // "K="
+    auto same_key = [&key](const std::string& existing) {
+      return existing.compare(0, key.size(), key) == 0;
+    };
+    env.erase(std::remove_if(env.begin(), env.end(), same_key), env.end());
+    env.push_back(entry);
+  }
+  return env;
+}
+
+std::vector<char*> CStrings(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (std::string& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+void CloseIfOpen(int fd) {
+  if (fd >= 0) close(fd);
+}
+
+// Runs in the forked child: only async-signal-safe calls until execve (the
+// daemon has gRPC threads, whose locks may be held by threads that do not
+// exist in the child). Never returns.
+[[noreturn]] void ExecChild(pid_t parent, int log_fd, int null_fd, int error_fd,
+                            const char* program, char* const* argv, char* const* envp) {
+  // Its own process group, so that a stop reaches whatever it spawns.
+  setpgid(0, 0);
+  // Die with the daemon. The parent may have died before prctl took effect:
+  // then we were re-parented and must go at once.
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(127);
+
+  dup2(null_fd, STDIN_FILENO);
+  dup2(log_fd, STDOUT_FILENO);
+  dup2(log_fd, STDERR_FILENO);
+  for (int fd = 0; fd <= 2; ++fd) fcntl(fd, F_SETFD, 0);
+  // Nothing else the daemon holds (gRPC sockets, other children's log files)
+  // leaks into the child: mark every other descriptor close-on-exec (Linux
+  // 5.11+; on older kernels the call fails and only O_CLOEXEC protects). The
+  // error pipe is CLOEXEC already and still works if exec fails.
+  syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC);
+
+  // The daemon blocks SIGTERM and SIGINT (it takes them with sigwait) and
+  // gRPC ignores SIGPIPE; a trainer must start from the defaults.
+  struct sigaction dfl = {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig != SIGKILL && sig != SIGSTOP) sigaction(sig, &dfl, nullptr);
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+
+  execve(program, argv, envp);
+  const int error = errno;
+  ssize_t ignored = write(error_fd, &error, sizeof(error));
+  (void)ignored;
+  _exit(127);
+}
+
+int ReadExecError(int fd) {
+  int error = 0;
+  ssize_t n;
+  do {
+    n = read(fd, &error, sizeof(error));
+  } while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(sizeof(error)) ? error : 0;
+}
+
+void WaitBlocking(pid_t pid, int* status) {
+  while (waitpid(pid, status, 0) < 0 && errno == EINTR) {
+  }
+}
+
+}  // namespace
+
+Supervisor::Supervisor(SupervisorOptions options)
+    : options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : Clock::Real()) {}
+
+Supervisor::~Supervisor() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, child] : children_) {
+    kill(-child.pid, SIGKILL);
+    int status = 0;
+    WaitBlocking(child.pid, &status);
+    AIDN_LOG(WARNING) << "killed child at shutdown" << Kv("child", id) << Kv("pid", child.pid);
+  }
+  children_.clear();
+}
+
+absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
+  if (spec.argv.empty()) return absl::InvalidArgumentError("argv: empty");
+  if (spec.argv[0].find('/') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("argv[0]: must be a path, got \"", spec.argv[0], "\""));
+  }
+  if (spec.log_path.empty()) return absl::InvalidArgumentError("log_path: empty");
+  const std::filesystem::path parent_dir = std::filesystem::path(spec.log_path).parent_path();
+  if (!parent_dir.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(parent_dir, error);
+    if (error) {
+      return absl::InternalError(
+          absl::StrCat("mkdir ", parent_dir.string(), ": ", error.message()));
+    }
+  }
+
+  // Everything the child needs is prepared before fork.
+  std::vector<std::string> env_strings = MergedEnvironment(spec.env);
+  std::vector<std::string> argv_strings = spec.argv;
+  std::vector<char*> child_argv = CStrings(argv_strings);
+  std::vector<char*> child_env = CStrings(env_strings);
+
+  const int log_fd = open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (log_fd < 0) return PosixError(spec.log_path, errno);
+  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null_fd < 0) {
+    const int error = errno;
+    close(log_fd);
+    return PosixError("/dev/null", error);
+  }
+  // The child writes errno here if exec fails; a successful exec closes it.
+  int exec_pipe[2];
+  if (pipe2(exec_pipe, O_CLOEXEC) != 0) {
+    const int error = errno;
+    close(log_fd);
+    close(null_fd);
+    return PosixError("pipe2", error);
+  }
+
+  absl::MutexLock lock(&mu_);
+  const pid_t self = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    ExecChild(self, log_fd, null_fd, exec_pipe[1], child_argv[0], child_argv.data(),
+              child_env.data());
+  }
+  const int fork_error = errno;
+  close(exec_pipe[1]);
+  CloseIfOpen(log_fd);
+  CloseIfOpen(null_fd);
+  if (pid < 0) {
+    close(exec_pipe[0]);
+    return PosixError("fork", fork_error);
+  }
+  // Also here, so the group exists whichever of the two runs first (EACCES
+  // once the child has exec'd, harmless: it did it itself).
+  setpgid(pid, pid);
+  const int exec_error = ReadExecError(exec_pipe[0]);
+  close(exec_pipe[0]);
+  if (exec_error != 0) {
+    int status = 0;
+    WaitBlocking(pid, &status);
+    return PosixError(absl::StrCat("exec ", spec.argv[0]), exec_error);
+  }
+
+  const ChildId id = next_id_++;
+  Child& child = children_[id];
+  child.pid = pid;
+  child.log_path = spec.log_path;
+  AIDN_LOG(DEBUG) << "child started" << Kv("child", id) << Kv("pid", pid)
+                  << Kv("program", spec.argv[0]) << Kv("log", spec.log_path);
+  return id;
+}
+
+absl::Status Supervisor::Stop(ChildId id, std::chrono::milliseconds grace) {
+  absl::MutexLock lock(&mu_);
+  auto it = children_.find(id);
+  if (it == children_.end()) {
+    return absl::NotFoundError(absl::StrCat("child ", id, " is not running"));
+  }
+  Child& child = it->second;
+  const Clock::TimePoint kill_at = clock_->Now() + grace;
+  if (!child.stopping) {
+    child.stopping = true;
+    child.kill_at = kill_at;
+    kill(-child.pid, SIGTERM);
+  } else {
+    child.kill_at = std::min(child.kill_at, kill_at);
+  }
+  if (grace.count() <= 0 && !child.killed) {
+    kill(-child.pid, SIGKILL);
+    child.killed = true;
+  }
+  return absl::OkStatus();
+}
+
+std::vector<ChildExit> Supervisor::Reap() {
+  std::vector<ChildExit> exits;
+  absl::MutexLock lock(&mu_);
+  const Clock::TimePoint now = clock_->Now();
+  for (auto it = children_.begin(); it != children_.end();) {
+    Child& child = it->second;
+    siginfo_t info = {};
+    // WNOWAIT: the zombie keeps its pid (and so its group id) reserved while
+    // what is left of the group is killed below.
+    const int r = waitid(P_PID, child.pid, &info, WEXITED | WNOHANG | WNOWAIT);
+    const bool ended = r == 0 && info.si_pid == child.pid;
+    const bool lost = r < 0 && errno == ECHILD;
+    if (!ended && !lost) {
+      if (child.stopping && !child.killed && now >= child.kill_at) {
+        AIDN_LOG(WARNING) << "child ignored SIGTERM for its grace period; sending SIGKILL"
+                          << Kv("child", it->first) << Kv("pid", child.pid);
+        kill(-child.pid, SIGKILL);
+        child.killed = true;
+      }
+      ++it;
+      continue;
+    }
+    ChildExit exit;
+    exit.id = it->first;
+    exit.pid = child.pid;
+    exit.stopped = child.stopping;
+    exit.killed_after_grace = child.killed;
+    if (ended) {
+      kill(-child.pid, SIGKILL);
+      int status = 0;
+      WaitBlocking(child.pid, &status);
+      if (WIFEXITED(status)) exit.exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) exit.signal = WTERMSIG(status);
+    } else {
+      // Reaped by someone else (SIGCHLD set to SIG_IGN, say): how it ended
+      // is unknown.
+      exit.exit_code = -1;
+    }
+    exit.log_tail = LogTail(child.log_path);
+    exits.push_back(std::move(exit));
+    it = children_.erase(it);
+  }
+  return exits;
+}
+
+std::vector<ChildExit> Supervisor::StopAllAndWait(std::chrono::milliseconds grace,
+                                                  std::chrono::milliseconds poll) {
+  std::vector<ChildId> ids;
+  for (const ChildStatus& child : Running()) ids.push_back(child.id);
+  for (ChildId id : ids) Stop(id, grace).IgnoreError();  // NOT_FOUND: it ended meanwhile
+  std::vector<ChildExit> exits;
+  while (true) {
+    for (ChildExit& e : Reap()) exits.push_back(std::move(e));
+    {
+      absl::MutexLock lock(&mu_);
+      if (children_.empty()) break;
+    }
+    std::this_thread::sleep_for(poll);
+  }
+  return exits;
+}
+
+std::vector<ChildStatus> Supervisor::Running() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ChildStatus> running;
+  running.reserve(children_.size());
+  for (const auto& [id, child] : children_) {
+    running.push_back({.id = id, .pid = child.pid, .stopping = child.stopping});
+  }
+  return running;
+}
+
+std::string Supervisor::LogTail(const std::string& path) const {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  struct stat st = {};
+  std::string data;
+  if (fstat(fd, &st) == 0 && st.st_size > 0) {
+    const off_t size = st.st_size;
+    const off_t want = std::min<off_t>(size, static_cast<off_t>(options_.log_tail_max_bytes));
+    data.resize(static_cast<size_t>(want));
+    const ssize_t n = pread(fd, data.data(), data.size(), size - want);
+    data.resize(n > 0 ? static_cast<size_t>(n) : 0);
+    // A read that starts mid-file starts mid-line: drop that partial line.
+    if (want < size) {
+      const size_t newline = data.find('\n');
+      data = newline == std::string::npos ? "" : data.substr(newline + 1);
+    }
+  }
+  close(fd);
+  std::vector<std::string> lines = absl::StrSplit(data, '\n');
+  while (!lines.empty() && lines.back().empty()) lines.pop_back();
+  const size_t keep = static_cast<size_t>(std::max(0, options_.log_tail_lines));
+  if (lines.size() > keep) lines.erase(lines.begin(), lines.end() - keep);
+  return absl::StrJoin(lines, "\n");
+}
+
+}  // namespace aidn::worker

@@ -1,0 +1,559 @@
+// The worker daemon end to end: a real aidn-coordinator and real aidn-worker
+// daemons on loopback. The trainers are small shell scripts (given to the
+// daemon as --trainer-binary) that exit at once, crash, or sleep until
+// killed, so these tests are about supervision, not training.
+
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "aidn/v1/cluster.grpc.pb.h"
+#include "aidn/v1/coordinator.grpc.pb.h"
+#include "aidn/v1/job.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/process.h"
+
+#ifndef AIDN_WORKER_BIN
+#error "AIDN_WORKER_BIN must name the aidn-worker binary"
+#endif
+
+namespace aidn::testing {
+namespace {
+
+using ::testing::AssertionFailure;
+using ::testing::AssertionResult;
+using ::testing::AssertionSuccess;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Generous: other agents compile on the same 2 cores.
+constexpr std::chrono::milliseconds kLong{30'000};
+// "Within a few seconds" for stopping trainers, with room for a loaded
+// machine.
+constexpr std::chrono::milliseconds kFewSeconds{10'000};
+
+// Trainer stand-ins. Each parses the flags it is given, records them (and
+// whether the token arrived in its environment) in its work dir, then acts.
+constexpr char kScriptPrologue[] = R"(#!/bin/sh
+wd=. rank=x
+for a in "$@"; do
+  case "$a" in
+    --work-dir=*) wd="${a#--work-dir=}" ;;
+    --rank=*) rank="${a#--rank=}" ;;
+    --generation=*) gen="${a#--generation=}" ;;
+  esac
+done
+echo "$@" > "$wd/rank-$rank.gen-$gen.args"
+if [ -n "$AIDN_TRAINER_TOKEN" ]; then echo set > "$wd/rank-$rank.token"; fi
+)";
+// Exits 0 at once.
+constexpr char kExitZero[] = "echo trainer done\nexit 0\n";
+// Crashes: exit code 3, "boom" as its last stderr line.
+constexpr char kCrash[] = "echo starting\necho boom >&2\nexit 3\n";
+// Sleeps until killed, with a grandchild in its process group; writes both
+// pids (the file is renamed into place, so it is never read half-written).
+constexpr char kSleepWithChild[] = R"(sleep 1000 &
+child=$!
+echo "$$ $child" > "$wd/rank-$rank.pids.tmp"
+mv "$wd/rank-$rank.pids.tmp" "$wd/rank-$rank.pids"
+wait
+)";
+// Sleeps until killed, as a single process.
+constexpr char kSleepAlone[] = R"(echo "$$" > "$wd/rank-$rank.pids.tmp"
+mv "$wd/rank-$rank.pids.tmp" "$wd/rank-$rank.pids"
+exec sleep 1000
+)";
+
+// Gone, or a zombie (dead, waiting for some parent to reap it).
+bool IsDead(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const std::string stat = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t paren = stat.rfind(')');
+  return stat.empty() ||
+         (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'Z');
+}
+
+std::vector<pid_t> ParsePids(const std::string& text) {
+  std::vector<pid_t> pids;
+  for (absl::string_view word : absl::StrSplit(text, absl::ByAnyChar(" \n"), absl::SkipEmpty())) {
+    int pid = 0;
+    if (absl::SimpleAtoi(word, &pid) && pid > 0) pids.push_back(pid);
+  }
+  return pids;
+}
+
+v1::JobSpec Spec(int32_t world_size, int32_t max_restarts = 0) {
+  v1::JobSpec spec;
+  spec.set_name("worker-test");
+  spec.set_world_size(world_size);
+  spec.set_device(v1::JobSpec::CPU);
+  spec.mutable_model()->set_name("mlp");
+  spec.set_epochs(1);
+  spec.set_max_restarts(max_restarts);
+  return spec;
+}
+
+struct WorkerHandle {
+  std::string id;
+  std::string work_dir;
+  std::string log;
+  std::unique_ptr<Process> process;
+};
+
+class WorkerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = MakeTempDir("aidn-worker-test"); }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      for (const auto& [id, w] : workers_) {
+        std::cerr << "---- worker " << id << " log (tail) ----\n" << Tail(ReadFileOrEmpty(w.log));
+      }
+      if (coordinator_.process != nullptr) {
+        std::cerr << "---- coordinator log (tail) ----\n" << Tail(coordinator_.process->Stderr());
+      }
+      std::cerr << "---- kept " << dir_ << " ----\n";
+    }
+    // Workers first (their trainers die with them), then the coordinator.
+    for (auto& [id, w] : workers_) w.process.reset();
+    coordinator_.process.reset();
+    if (!HasFailure()) RemoveTree(dir_);
+  }
+
+  static std::string Tail(const std::string& text) {
+    return text.size() <= 6000 ? text : "..." + text.substr(text.size() - 6000);
+  }
+
+  void StartCoordinatorWith(std::vector<std::string> args, const std::string& state = "state") {
+    absl::StatusOr<CoordinatorHandle> handle = StartCoordinator(dir_ + "/" + state, args);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    coordinator_ = std::move(handle).value();
+    coord_ = CoordinatorStub(coordinator_.address);
+  }
+
+  // Heartbeats every 300 ms; a worker silent for 2 s is lost.
+  void StartDefaultCoordinator() {
+    StartCoordinatorWith(
+        {"--worker-timeout=2s", "--heartbeat-interval=300ms", "--tick-interval=50ms"});
+  }
+
+  // Writes a trainer script (prologue + `body`) and returns its path.
+  std::string WriteScript(const std::string& name, const std::string& body) {
+    const std::string path = absl::StrCat(dir_, "/", name, ".sh");
+    WriteFileOrDie(path, absl::StrCat(kScriptPrologue, body));
+    std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+    return path;
+  }
+
+  // Starts an aidn-worker daemon with one CPU slot.
+  WorkerHandle* StartWorker(const std::string& id, const std::string& trainer_script,
+                            const std::vector<std::string>& extra_args = {}) {
+    WorkerHandle& w = workers_[id];
+    w.id = id;
+    w.work_dir = absl::StrCat(dir_, "/", id);
+    w.log = absl::StrCat(dir_, "/", id, ".log");
+    std::filesystem::create_directories(w.work_dir);
+    std::vector<std::string> argv = {AIDN_WORKER_BIN,
+                                     "--coordinator=" + coordinator_.address,
+                                     "--token-file=" + coordinator_.state_dir + "/worker.token",
+                                     "--worker-id=" + id,
+                                     "--cpu-slots=1",
+                                     "--work_dir=" + w.work_dir,  // underscores work too
+                                     "--trainer-binary=" + trainer_script,
+                                     "--stop-grace=2s",
+                                     "--log-level=debug"};
+    argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+    absl::StatusOr<std::unique_ptr<Process>> process = Process::Start(argv, {}, w.log, w.log);
+    EXPECT_TRUE(process.ok()) << process.status();
+    if (process.ok()) w.process = *std::move(process);
+    return &w;
+  }
+
+  std::map<std::string, v1::Worker> Workers() {
+    v1::ListWorkersResponse response;
+    grpc::Status status = coord_->ListWorkers(Context(admin()).get(), {}, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    std::map<std::string, v1::Worker> out;
+    for (const v1::Worker& w : response.workers()) out[w.info().id()] = w;
+    return out;
+  }
+
+  bool WorkerIs(const std::string& id, v1::Worker::State state) {
+    std::map<std::string, v1::Worker> workers = Workers();
+    auto it = workers.find(id);
+    return it != workers.end() && it->second.state() == state;
+  }
+
+  std::string Submit(const v1::JobSpec& spec) {
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = spec;
+    v1::SubmitJobResponse response;
+    grpc::Status status = coord_->SubmitJob(Context(admin()).get(), request, &response);
+    EXPECT_TRUE(status.ok()) << "SubmitJob: " << status.error_message();
+    return response.job().id();
+  }
+
+  v1::Job GetJob(const std::string& job_id) {
+    v1::GetJobRequest request;
+    request.set_job_id(job_id);
+    v1::Job job;
+    grpc::Status status = coord_->GetJob(Context(admin()).get(), request, &job);
+    EXPECT_TRUE(status.ok()) << "GetJob: " << status.error_message();
+    return job;
+  }
+
+  AssertionResult WaitForJobState(const std::string& job_id, v1::Job::State state,
+                                  std::chrono::milliseconds timeout = kLong) {
+    if (WaitFor([&] { return GetJob(job_id).state() == state; }, timeout)) {
+      return AssertionSuccess();
+    }
+    const v1::Job job = GetJob(job_id);
+    return AssertionFailure() << job_id << " is " << v1::Job::State_Name(job.state()) << " ("
+                              << job.message() << "), not " << v1::Job::State_Name(state)
+                              << " after " << timeout.count() << " ms; events:\n  "
+                              << absl::StrJoin(EventLines(job_id), "\n  ");
+  }
+
+  std::vector<v1::Event> Events(const std::string& job_id) {
+    v1::ListEventsRequest request;
+    request.set_job_id(job_id);
+    request.set_limit(10000);
+    v1::ListEventsResponse response;
+    grpc::Status status = coord_->ListEvents(Context(admin()).get(), request, &response);
+    EXPECT_TRUE(status.ok()) << "ListEvents: " << status.error_message();
+    return {response.events().begin(), response.events().end()};
+  }
+
+  std::vector<std::string> EventLines(const std::string& job_id) {
+    std::vector<std::string> lines;
+    for (const v1::Event& e : Events(job_id)) {
+      lines.push_back(absl::StrCat(e.seq(), " ", e.type(), " gen=", e.generation(),
+                                   " worker=", e.worker_id(), ": ", e.message()));
+    }
+    return lines;
+  }
+
+  // The messages of the job's events of `type`.
+  std::vector<std::string> EventMessages(const std::string& job_id, const std::string& type) {
+    std::vector<std::string> messages;
+    for (const v1::Event& e : Events(job_id)) {
+      if (e.type() == type) messages.push_back(e.message());
+    }
+    return messages;
+  }
+
+  void Cancel(const std::string& job_id) {
+    v1::CancelJobRequest request;
+    request.set_job_id(job_id);
+    v1::Job job;
+    grpc::Status status = coord_->CancelJob(Context(admin()).get(), request, &job);
+    ASSERT_TRUE(status.ok()) << "CancelJob: " << status.error_message();
+  }
+
+  // Waits for the pid file a sleeping trainer script writes for `rank` in
+  // the job directory of any worker; returns the pids in it.
+  std::vector<pid_t> WaitForTrainerPids(const std::string& job_id, int rank) {
+    std::vector<pid_t> pids;
+    WaitFor(
+        [&] {
+          for (const auto& [id, w] : workers_) {
+            pids = ParsePids(ReadFileOrEmpty(
+                absl::StrCat(w.work_dir, "/jobs/", job_id, "/rank-", rank, ".pids")));
+            if (!pids.empty()) return true;
+          }
+          return false;
+        },
+        kLong);
+    return pids;
+  }
+
+  AssertionResult WaitForAllDead(const std::vector<pid_t>& pids,
+                                 std::chrono::milliseconds timeout = kFewSeconds) {
+    if (WaitFor(
+            [&] {
+              for (pid_t pid : pids) {
+                if (!IsDead(pid)) return false;
+              }
+              return true;
+            },
+            timeout)) {
+      return AssertionSuccess();
+    }
+    std::vector<pid_t> alive;
+    for (pid_t pid : pids) {
+      if (!IsDead(pid)) {
+        alive.push_back(pid);
+        kill(pid, SIGKILL);  // leave nothing behind, even on failure
+      }
+    }
+    return AssertionFailure() << "still running after " << timeout.count()
+                              << " ms: " << absl::StrJoin(alive, ", ");
+  }
+
+  const std::string& admin() const { return coordinator_.admin_token; }
+
+  std::string dir_;
+  CoordinatorHandle coordinator_;
+  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
+  std::map<std::string, WorkerHandle> workers_;
+};
+
+TEST_F(WorkerTest, TwoWorkersRegisterAndStayAlive) {
+  StartDefaultCoordinator();
+  const std::string script = WriteScript("exit0", kExitZero);
+  StartWorker("w1", script);
+  StartWorker("w2", script, {"--address=127.0.0.2", "--cpu-slots=3"});
+  ASSERT_TRUE(WaitFor(
+      [&] { return WorkerIs("w1", v1::Worker::ALIVE) && WorkerIs("w2", v1::Worker::ALIVE); },
+      kLong));
+  std::map<std::string, v1::Worker> workers = Workers();
+  EXPECT_EQ(workers["w1"].info().cpu_slots(), 1);
+  EXPECT_EQ(workers["w1"].info().address(), "127.0.0.1");
+  EXPECT_FALSE(workers["w1"].info().hostname().empty());
+  EXPECT_FALSE(workers["w1"].info().version().empty());
+  EXPECT_EQ(workers["w2"].info().cpu_slots(), 3);
+  EXPECT_EQ(workers["w2"].info().address(), "127.0.0.2");
+
+  // Still alive well past the 2 s worker timeout: they keep heartbeating.
+  const int64_t first = workers["w1"].last_heartbeat().seconds();
+  ASSERT_TRUE(
+      WaitFor([&] { return Workers()["w1"].last_heartbeat().seconds() >= first + 3; }, kLong));
+  EXPECT_TRUE(WorkerIs("w1", v1::Worker::ALIVE));
+  EXPECT_TRUE(WorkerIs("w2", v1::Worker::ALIVE));
+  // The resolved configuration is logged as a table.
+  EXPECT_THAT(ReadFileOrEmpty(workers_["w1"].log), HasSubstr("trainer_binary"));
+}
+
+TEST_F(WorkerTest, ATwoRankJobWhoseTrainersExitZeroSucceeds) {
+  StartDefaultCoordinator();
+  const std::string script = WriteScript("exit0", kExitZero);
+  StartWorker("w1", script);
+  StartWorker("w2", script);
+  ASSERT_TRUE(WaitFor(
+      [&] { return WorkerIs("w1", v1::Worker::ALIVE) && WorkerIs("w2", v1::Worker::ALIVE); },
+      kLong));
+  const std::string job = Submit(Spec(2));
+  ASSERT_FALSE(job.empty());
+  ASSERT_TRUE(WaitForJobState(job, v1::Job::SUCCEEDED));
+  EXPECT_EQ(GetJob(job).generation(), 1);
+  std::vector<std::string> exits = EventMessages(job, "trainer.exited");
+  EXPECT_EQ(exits.size(), 2u) << absl::StrJoin(exits, "\n");
+  for (const std::string& m : exits) EXPECT_THAT(m, HasSubstr("exited with code 0"));
+
+  // One rank per worker (one slot each); each has its log file and was run
+  // with the assignment's flags and the token in its environment.
+  std::map<int, std::string> args;
+  for (const auto& [id, w] : workers_) {
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string log = absl::StrCat(w.work_dir, "/logs/", job, "/gen-1/rank-", rank, ".log");
+      if (!std::filesystem::exists(log)) continue;
+      EXPECT_EQ(ReadFileOrEmpty(log), "trainer done\n") << log;
+      const std::string job_dir = absl::StrCat(w.work_dir, "/jobs/", job);
+      args[rank] = ReadFileOrEmpty(absl::StrCat(job_dir, "/rank-", rank, ".gen-1.args"));
+      EXPECT_THAT(args[rank], HasSubstr("--work-dir=" + job_dir));
+      EXPECT_THAT(args[rank], HasSubstr("--worker-id=" + id));
+      EXPECT_EQ(ReadFileOrEmpty(absl::StrCat(job_dir, "/rank-", rank, ".token")), "set\n");
+    }
+  }
+  ASSERT_EQ(args.size(), 2u) << "expected one log file per rank under the work dirs";
+  for (const auto& [rank, a] : args) {
+    EXPECT_THAT(a,
+                HasSubstr(absl::StrCat("train --coordinator=", coordinator_.address, " --job=", job,
+                                       " --generation=1 --rank=", rank, " --world-size=2")));
+    EXPECT_THAT(a, HasSubstr("--host=127.0.0.1 --slot=0 --threads=1"));
+    EXPECT_THAT(a, Not(HasSubstr("token")));
+  }
+}
+
+TEST_F(WorkerTest, ACrashingTrainerIsReportedWithItsCodeAndStderrAndTheJobFailsAfterItsRestarts) {
+  StartDefaultCoordinator();
+  StartWorker("w1", WriteScript("crash", kCrash));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string job = Submit(Spec(1, /*max_restarts=*/1));
+  ASSERT_TRUE(WaitForJobState(job, v1::Job::FAILED));
+  const v1::Job ended = GetJob(job);
+  EXPECT_EQ(ended.generation(), 2);
+  EXPECT_EQ(ended.restarts(), 1);
+  EXPECT_THAT(ended.message(), HasSubstr("code 3"));
+
+  std::vector<std::string> exits = EventMessages(job, "trainer.exited");
+  ASSERT_EQ(exits.size(), 2u) << absl::StrJoin(EventLines(job), "\n");
+  for (const std::string& m : exits) {
+    EXPECT_THAT(m, HasSubstr("code 3"));
+    EXPECT_THAT(m, HasSubstr("boom"));
+  }
+  EXPECT_EQ(EventMessages(job, "job.restarting").size(), 1u);
+  // One log per generation.
+  const std::string logs = absl::StrCat(workers_["w1"].work_dir, "/logs/", job);
+  EXPECT_EQ(ReadFileOrEmpty(logs + "/gen-1/rank-0.log"), "starting\nboom\n");
+  EXPECT_EQ(ReadFileOrEmpty(logs + "/gen-2/rank-0.log"), "starting\nboom\n");
+}
+
+TEST_F(WorkerTest, ATrainerExitingWithCode78FailsTheJobAtOnce) {
+  StartDefaultCoordinator();
+  StartWorker("w1", WriteScript("permanent", "echo 'dataset missing' >&2\nexit 78\n"));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string job = Submit(Spec(1, /*max_restarts=*/3));
+  ASSERT_TRUE(WaitForJobState(job, v1::Job::FAILED));
+  EXPECT_EQ(GetJob(job).restarts(), 0);
+  EXPECT_THAT(GetJob(job).message(), HasSubstr("dataset missing"));
+}
+
+TEST_F(WorkerTest, CancellingAJobStopsEveryTrainerWithinSeconds) {
+  StartDefaultCoordinator();
+  const std::string script = WriteScript("sleep", kSleepWithChild);
+  StartWorker("w1", script);
+  StartWorker("w2", script);
+  ASSERT_TRUE(WaitFor(
+      [&] { return WorkerIs("w1", v1::Worker::ALIVE) && WorkerIs("w2", v1::Worker::ALIVE); },
+      kLong));
+  const std::string job = Submit(Spec(2));
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<pid_t> rank_pids = WaitForTrainerPids(job, rank);
+    ASSERT_EQ(rank_pids.size(), 2u) << "rank " << rank << ": trainer and its child";
+    pids.insert(pids.end(), rank_pids.begin(), rank_pids.end());
+  }
+  for (pid_t pid : pids) ASSERT_FALSE(IsDead(pid)) << pid;
+
+  Cancel(job);
+  EXPECT_TRUE(WaitForAllDead(pids));
+  // Both exits are reported as stopped (SIGTERM), and the job stays cancelled.
+  ASSERT_TRUE(WaitFor([&] { return EventMessages(job, "trainer.exited").size() == 2; }, kLong))
+      << absl::StrJoin(EventLines(job), "\n");
+  for (const std::string& m : EventMessages(job, "trainer.exited")) {
+    EXPECT_THAT(m, HasSubstr("killed by signal 15"));
+  }
+  EXPECT_EQ(GetJob(job).state(), v1::Job::CANCELLED);
+}
+
+TEST_F(WorkerTest, KillingTheWorkerDaemonTakesItsTrainersAlongAndTheWorkerIsLost) {
+  StartDefaultCoordinator();
+  WorkerHandle* w = StartWorker("w1", WriteScript("sleep", kSleepAlone));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string job = Submit(Spec(1));
+  const std::vector<pid_t> pids = WaitForTrainerPids(job, 0);
+  ASSERT_EQ(pids.size(), 1u);
+  ASSERT_FALSE(IsDead(pids[0]));
+
+  w->process->Signal(SIGKILL);
+  ASSERT_TRUE(w->process->Wait(kLong).ok());
+  EXPECT_TRUE(WaitForAllDead(pids)) << "the trainer outlived its daemon";
+  EXPECT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::LOST); }, kLong));
+}
+
+TEST_F(WorkerTest, StoppingTheWorkerDaemonStopsItsTrainersReportsThemAndExitsZero) {
+  StartDefaultCoordinator();
+  WorkerHandle* w = StartWorker("w1", WriteScript("sleep", kSleepWithChild));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string job = Submit(Spec(1));
+  const std::vector<pid_t> pids = WaitForTrainerPids(job, 0);
+  ASSERT_EQ(pids.size(), 2u);
+
+  w->process->Signal(SIGTERM);
+  absl::StatusOr<int> code = w->process->Wait(kLong);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_TRUE(WaitForAllDead(pids));
+  // The exit was reported before the daemon left, not as stopped by order:
+  // the generation fails (no restarts left) instead of waiting for the worker
+  // timeout.
+  EXPECT_THAT(EventMessages(job, "trainer.exited"),
+              ::testing::ElementsAre(HasSubstr("killed by signal 15")));
+  EXPECT_TRUE(WaitForJobState(job, v1::Job::FAILED));
+}
+
+TEST_F(WorkerTest, TrainersKeepRunningThroughACoordinatorRestart) {
+  // A longer worker timeout: the restarted coordinator must hear from the
+  // worker (whose retries back off up to 2 s) before it declares it lost.
+  const std::vector<std::string> args = {"--worker-timeout=6s", "--heartbeat-interval=300ms",
+                                         "--tick-interval=50ms"};
+  StartCoordinatorWith(args);
+  WorkerHandle* w = StartWorker("w1", WriteScript("sleep", kSleepAlone));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string job = Submit(Spec(1));
+  const std::vector<pid_t> pids = WaitForTrainerPids(job, 0);
+  ASSERT_EQ(pids.size(), 1u);
+
+  // kill -9 the coordinator; the worker keeps its trainer while it retries.
+  const std::string address = coordinator_.address;
+  coordinator_.process->Signal(SIGKILL);
+  ASSERT_TRUE(coordinator_.process->Wait(kLong).ok());
+  ASSERT_TRUE(WaitFor(
+      [&] { return ReadFileOrEmpty(w->log).find("coordinator call failed") != std::string::npos; },
+      kLong))
+      << "the worker never noticed the coordinator was gone";
+  EXPECT_FALSE(IsDead(pids[0]));
+
+  std::vector<std::string> restart_args = args;
+  restart_args.push_back("--listen=" + address);  // the same port: the worker's address
+  StartCoordinatorWith(restart_args);
+  ASSERT_EQ(coordinator_.address, address);
+  const int64_t restarted_at = absl::ToUnixSeconds(absl::Now());
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        v1::Worker worker = Workers()["w1"];
+        return worker.state() == v1::Worker::ALIVE &&
+               worker.last_heartbeat().seconds() >= restarted_at + 1;
+      },
+      kLong));
+  EXPECT_FALSE(IsDead(pids[0]));
+  EXPECT_EQ(GetJob(job).generation(), 1);
+
+  // Orders reach the worker through the new coordinator.
+  Cancel(job);
+  EXPECT_TRUE(WaitForAllDead(pids));
+}
+
+TEST_F(WorkerTest, AWorkerRegistersAgainWithACoordinatorThatForgotIt) {
+  // Two coordinators with separate state on the same port, sharing a worker
+  // token through --token-file: the second has never heard of the worker.
+  const std::string token_file = dir_ + "/tokens";
+  WriteFileOrDie(token_file, "worker-test-token-0123456789 worker shared\n");
+  const std::vector<std::string> args = {"--worker-timeout=2s", "--heartbeat-interval=300ms",
+                                         "--tick-interval=50ms", "--token-file=" + token_file};
+  StartCoordinatorWith(args, "state-a");
+  WriteFileOrDie(dir_ + "/worker.token", "worker-test-token-0123456789\n");
+  StartWorker("w1", WriteScript("exit0", kExitZero), {"--token-file=" + dir_ + "/worker.token"});
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+
+  const std::string address = coordinator_.address;
+  coordinator_.process->Signal(SIGKILL);
+  ASSERT_TRUE(coordinator_.process->Wait(kLong).ok());
+  std::vector<std::string> fresh_args = args;
+  fresh_args.push_back("--listen=" + address);
+  StartCoordinatorWith(fresh_args, "state-b");
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  EXPECT_THAT(ReadFileOrEmpty(workers_["w1"].log), HasSubstr("registering again"));
+
+  // And it takes work from the new coordinator: its trainer ran and its exit
+  // was reported.
+  const std::string job = Submit(Spec(1));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        std::vector<std::string> exits = EventMessages(job, "trainer.exited");
+        return exits.size() == 1 && exits[0].find("exited with code 0") != std::string::npos;
+      },
+      kLong))
+      << absl::StrJoin(EventLines(job), "\n");
+}
+
+}  // namespace
+}  // namespace aidn::testing

@@ -1,0 +1,180 @@
+#include "worker/engine/ddp.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace aidn::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
+    const DdpOptions& options, const std::vector<Parameter*>& parameters,
+    Communicator* communicator) {
+  if (communicator == nullptr) return absl::InvalidArgumentError("ddp: no communicator");
+  if (!(options.bucket_mb > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket_mb: must be > 0, got ", options.bucket_mb));
+  }
+  std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
+  const size_t cap = std::max<size_t>(1, static_cast<size_t>(options.bucket_mb * 1e6 / 4));
+  // Reverse registration order: the last layer's gradients come first.
+  for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
+    Parameter* p = *it;
+    if (reducer->buckets_.empty() || reducer->buckets_.back().buffer.size() >= cap) {
+      reducer->buckets_.emplace_back();
+    }
+    Bucket& bucket = reducer->buckets_.back();
+    reducer->slots_[p] = Slot{static_cast<int>(reducer->buckets_.size()) - 1, bucket.buffer.size()};
+    bucket.parameters.push_back(p);
+    bucket.buffer.resize(bucket.buffer.size() + static_cast<size_t>(p->value.numel()));
+  }
+  if (reducer->buckets_.empty()) reducer->buckets_.emplace_back();
+  // The extra value rides at the end of the last bucket to be launched.
+  reducer->extra_bucket_ = static_cast<int>(reducer->buckets_.size()) - 1;
+  reducer->buckets_.back().buffer.push_back(0.0f);
+  reducer->thread_ = std::thread([r = reducer.get()]() { r->CommLoop(); });
+  return reducer;
+}
+
+DdpReducer::~DdpReducer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<std::vector<std::string>> DdpReducer::BucketLayout() const {
+  std::vector<std::vector<std::string>> layout;
+  for (const Bucket& b : buckets_) {
+    std::vector<std::string>& names = layout.emplace_back();
+    for (const Parameter* p : b.parameters) names.push_back(p->name);
+  }
+  return layout;
+}
+
+void DdpReducer::BeginBackward(bool communicate, float extra) {
+  communicating_ = communicate;
+  if (!communicate) return;
+  for (Bucket& b : buckets_) b.pending = static_cast<int>(b.parameters.size());
+  buckets_[extra_bucket_].buffer.back() = extra;
+  std::lock_guard<std::mutex> lock(mu_);
+  allreduce_seconds_ = 0.0;
+  // A bucket with no parameters (a model without any) goes at once.
+  for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
+    if (buckets_[i].pending == 0) {
+      queue_.push_back(i);
+      ++in_flight_;
+    }
+  }
+  if (!queue_.empty()) cv_.notify_all();
+}
+
+void DdpReducer::OnGradReady(Parameter* parameter) {
+  if (!communicating_) return;
+  auto it = slots_.find(parameter);
+  if (it == slots_.end()) return;
+  Bucket& bucket = buckets_[it->second.bucket];
+  std::memcpy(bucket.buffer.data() + it->second.offset, parameter->grad.data(),
+              sizeof(float) * static_cast<size_t>(parameter->grad.numel()));
+  if (--bucket.pending == 0) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(it->second.bucket);
+      ++in_flight_;
+    }
+    cv_.notify_all();
+  }
+}
+
+void DdpReducer::CommLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    const int index = queue_.front();
+    queue_.pop_front();
+    const bool skip = !error_.ok();
+    lock.unlock();
+    absl::Status status;
+    const Clock::time_point start = Clock::now();
+    if (!skip) {
+      std::vector<float>& buffer = buckets_[index].buffer;
+      status = communicator_->AllReduce(buffer.data(), buffer.size(), ReduceOp::kAvg);
+    }
+    const double took = Seconds(Clock::now() - start);
+    lock.lock();
+    allreduce_seconds_ += took;
+    if (!status.ok() && error_.ok()) {
+      error_ =
+          absl::Status(status.code(), absl::StrCat("ddp bucket ", index, ": ", status.message()));
+    }
+    --in_flight_;
+    cv_.notify_all();
+  }
+}
+
+absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds) {
+  if (wait_seconds != nullptr) *wait_seconds = 0.0;
+  if (allreduce_seconds != nullptr) *allreduce_seconds = 0.0;
+  if (!communicating_) return absl::OkStatus();
+  communicating_ = false;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    if (buckets_[i].pending != 0) {
+      return absl::InternalError(absl::StrCat("ddp: bucket ", i, " still misses ",
+                                              buckets_[i].pending,
+                                              " gradients (a parameter got no gradient?)"));
+    }
+  }
+  const Clock::time_point start = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return in_flight_ == 0; });
+  if (wait_seconds != nullptr) *wait_seconds = Seconds(Clock::now() - start);
+  if (allreduce_seconds != nullptr) *allreduce_seconds = allreduce_seconds_;
+  if (!error_.ok()) return error_;
+  lock.unlock();
+  for (Bucket& b : buckets_) {
+    size_t offset = 0;
+    for (Parameter* p : b.parameters) {
+      const size_t n = static_cast<size_t>(p->grad.numel());
+      std::memcpy(p->grad.data(), b.buffer.data() + offset, sizeof(float) * n);
+      offset += n;
+    }
+  }
+  averaged_extra_ = buckets_[extra_bucket_].buffer.back();
+  return absl::OkStatus();
+}
+
+absl::Status DdpReducer::BroadcastParameters(const std::vector<Parameter*>& parameters,
+                                             Communicator* communicator, int root) {
+  if (communicator->world_size() == 1) return absl::OkStatus();
+  size_t total = 0;
+  for (const Parameter* p : parameters) total += static_cast<size_t>(p->value.numel());
+  std::vector<float> packed(total);
+  size_t offset = 0;
+  for (const Parameter* p : parameters) {
+    const size_t n = static_cast<size_t>(p->value.numel());
+    std::memcpy(packed.data() + offset, p->value.data(), sizeof(float) * n);
+    offset += n;
+  }
+  absl::Status s = communicator->Broadcast(packed.data(), packed.size(), root);
+  if (!s.ok())
+    return absl::Status(s.code(), absl::StrCat("broadcast of initial weights: ", s.message()));
+  offset = 0;
+  for (Parameter* p : parameters) {
+    const size_t n = static_cast<size_t>(p->value.numel());
+    std::memcpy(p->value.data(), packed.data() + offset, sizeof(float) * n);
+    offset += n;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::engine

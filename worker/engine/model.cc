@@ -1,0 +1,190 @@
+#include "worker/engine/model.h"
+
+#include <cmath>
+#include <random>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "worker/engine/layers.h"
+
+namespace aidn::engine {
+
+// ---------------------------------------------------------------- Sequential
+
+void Sequential::Add(std::unique_ptr<Layer> layer) {
+  AIDN_CHECK(layer != nullptr) << "Sequential::Add(nullptr)";
+  const size_t index = layers_.size();
+  std::vector<Parameter*> params = layer->Parameters();
+  for (Parameter* p : params) {
+    // torch's nn.Sequential names a child's parameters "<index>.<name>".
+    p->name = absl::StrCat(index, ".", p->name);
+    parameters_.push_back(p);
+  }
+  if (!params.empty() && first_trainable_ < 0) first_trainable_ = static_cast<int>(index);
+  layer_parameters_.push_back(std::move(params));
+  layers_.push_back(std::move(layer));
+  activations_.resize(layers_.size());
+  grads_.resize(layers_.size());
+}
+
+void Sequential::Forward(const Tensor& input, Tensor* logits, bool training) {
+  AIDN_CHECK(!layers_.empty()) << "Forward on an empty Sequential";
+  const Tensor* x = &input;
+  const size_t last = layers_.size() - 1;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    // The last layer writes straight into the caller's tensor; the others
+    // into activations_ that stay alive until Backward (layers keep pointers
+    // to their inputs).
+    Tensor* y = i == last ? logits : &activations_[i];
+    layers_[i]->Forward(*x, y, training);
+    x = y;
+  }
+}
+
+void Sequential::Backward(const Tensor& grad_logits) {
+  const Tensor* g = &grad_logits;
+  for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
+    // The input of the model needs no gradient, and neither does anything
+    // before the first layer with parameters (as torch's autograd skips the
+    // first Linear's dx GEMM).
+    Tensor* grad_input = i > first_trainable_ && first_trainable_ >= 0 ? &grads_[i] : nullptr;
+    layers_[i]->Backward(*g, grad_input);
+    if (grad_ready_) {
+      const std::vector<Parameter*>& params = layer_parameters_[static_cast<size_t>(i)];
+      for (auto it = params.rbegin(); it != params.rend(); ++it) grad_ready_(*it);
+    }
+    if (grad_input == nullptr) break;
+    g = grad_input;
+  }
+}
+
+void Sequential::ZeroGrad() {
+  for (Parameter* p : parameters_) p->grad.Zero();
+}
+
+void Sequential::SetSeed(uint64_t seed) {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    // splitmix64 of (seed, index): unrelated streams per layer.
+    uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    layers_[i]->SetSeed(z ^ (z >> 31));
+  }
+}
+
+int64_t Sequential::ParameterCount() const {
+  int64_t n = 0;
+  for (const Parameter* p : parameters_) n += p->value.numel();
+  return n;
+}
+
+std::string Sequential::Describe() const {
+  std::string s = "Sequential(\n";
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    absl::StrAppend(&s, "  (", i, "): ", layers_[i]->Describe(), "\n");
+  }
+  return s + ")";
+}
+
+// ---------------------------------------------------------------- BuildModel
+
+namespace {
+
+// U(-bound, bound) with bound = 1/sqrt(fan_in): torch's default for
+// nn.Linear and nn.Conv2d (kaiming_uniform_ with a = sqrt(5) for the weight,
+// the same bound for the bias). The uniform is computed by hand from 24 bits
+// of the generator so that the values do not depend on the standard library.
+void InitUniform(Parameter* p, int64_t fan_in, std::mt19937_64* rng) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  float* v = p->value.data();
+  for (int64_t i = 0; i < p->value.numel(); ++i) {
+    const double u = static_cast<double>((*rng)() >> 40) * 0x1p-24;  // [0, 1)
+    v[i] = static_cast<float>((2.0 * u - 1.0) * bound);
+  }
+}
+
+std::unique_ptr<Linear> MakeLinear(int64_t in, int64_t out, std::mt19937_64* rng) {
+  auto layer = std::make_unique<Linear>(in, out);
+  InitUniform(&layer->weight(), in, rng);
+  InitUniform(&layer->bias(), in, rng);
+  return layer;
+}
+
+std::unique_ptr<Conv2d> MakeConv(int64_t in, int64_t out, int64_t kernel, std::mt19937_64* rng) {
+  auto layer = std::make_unique<Conv2d>(in, out, kernel);
+  InitUniform(&layer->weight(), layer->fan_in(), rng);
+  InitUniform(&layer->bias(), layer->fan_in(), rng);
+  return layer;
+}
+
+// Keeps BuildModel's allocations bounded for absurd specs.
+constexpr int64_t kMaxWidth = 1 << 20;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Sequential>> BuildModel(const ModelConfig& config, uint64_t seed) {
+  if (config.in_channels <= 0 || config.height <= 0 || config.width <= 0 || config.classes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model input must be positive: in_channels ", config.in_channels, ", height ",
+                     config.height, ", width ", config.width, ", classes ", config.classes));
+  }
+  if (!(config.dropout >= 0.0 && config.dropout < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dropout must be in [0, 1), got ", config.dropout));
+  }
+  std::mt19937_64 rng(seed);
+  auto model = std::make_unique<Sequential>();
+  if (config.name == "mlp") {
+    int64_t width = int64_t{config.in_channels} * config.height * config.width;
+    if (width > kMaxWidth) {
+      return absl::InvalidArgumentError(absl::StrCat("mlp input width ", width, " is too large"));
+    }
+    for (size_t i = 0; i < config.hidden_sizes.size(); ++i) {
+      const int h = config.hidden_sizes[i];
+      if (h <= 0 || h > kMaxWidth) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("mlp hidden_sizes[", i, "] = ", h, " must be in [1, ", kMaxWidth, "]"));
+      }
+    }
+    model->Add(std::make_unique<Flatten>());
+    for (int h : config.hidden_sizes) {
+      model->Add(MakeLinear(width, h, &rng));
+      model->Add(std::make_unique<ReLU>());
+      if (config.dropout > 0.0) model->Add(std::make_unique<Dropout>(config.dropout));
+      width = h;
+    }
+    model->Add(MakeLinear(width, config.classes, &rng));
+    return model;
+  }
+  if (config.name == "cnn") {
+    // conv 3x3 (no padding) then pool 2, twice.
+    const int64_t h = ((config.height - 2) / 2 - 2) / 2;
+    const int64_t w = ((config.width - 2) / 2 - 2) / 2;
+    if (config.height < 8 || config.width < 8 || h <= 0 || w <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cnn needs images of at least 8x8, got ", config.height, "x", config.width));
+    }
+    if (64 * h * w > kMaxWidth) {
+      return absl::InvalidArgumentError("cnn input is too large");
+    }
+    model->Add(MakeConv(config.in_channels, 32, 3, &rng));
+    model->Add(std::make_unique<ReLU>());
+    model->Add(std::make_unique<MaxPool2d>(2));
+    model->Add(MakeConv(32, 64, 3, &rng));
+    model->Add(std::make_unique<ReLU>());
+    model->Add(std::make_unique<MaxPool2d>(2));
+    model->Add(std::make_unique<Flatten>());
+    model->Add(MakeLinear(64 * h * w, 128, &rng));
+    model->Add(std::make_unique<ReLU>());
+    // The fully connected hidden activation is the cnn's only dropout site.
+    if (config.dropout > 0.0) model->Add(std::make_unique<Dropout>(config.dropout));
+    model->Add(MakeLinear(128, config.classes, &rng));
+    return model;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown model \"", config.name, "\" (want \"mlp\" or \"cnn\")"));
+}
+
+}  // namespace aidn::engine

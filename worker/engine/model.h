@@ -6,7 +6,8 @@
 // logits leave as [N, classes].
 //
 // Not thread-safe: one model per trainer thread. Forward keeps what Backward
-// needs, so call them in pairs.
+// needs, so call them in pairs; layers keep pointers to their forward inputs,
+// so the input of Forward must stay alive and unchanged until Backward.
 
 #include <cstdint>
 #include <functional>
@@ -74,6 +75,11 @@ class Sequential {
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
   std::vector<Parameter*> parameters_;
+  // layers_[i]'s parameters, for the grad-ready callbacks.
+  std::vector<std::vector<Parameter*>> layer_parameters_;
+  // Index of the first layer with parameters (-1: none); Backward computes
+  // no input gradient at or below it.
+  int first_trainable_ = -1;
   std::vector<Tensor> activations_;
   std::vector<Tensor> grads_;
   GradReadyCallback grad_ready_;

@@ -24,8 +24,9 @@ class Tensor {
   // Zero-filled.
   explicit Tensor(std::vector<int64_t> shape, Device device = Device::kCpu);
   Tensor(std::initializer_list<int64_t> shape) : Tensor(std::vector<int64_t>(shape)) {}
-  Tensor(Tensor&&) noexcept = default;
-  Tensor& operator=(Tensor&&) noexcept = default;
+  // A moved-from tensor is empty (shape [], no storage).
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
 

@@ -866,6 +866,18 @@ TEST_F(CoordinatorTest, AllRanksExitingZeroSucceedsTheJob) {
   EXPECT_EQ(Get(id).state(), Job::SUCCEEDED);
 }
 
+TEST_F(CoordinatorTest, RanksThatAllExitZeroBeforeTheRendezvousEndedSucceedTheJob) {
+  ASSERT_TRUE(Register("w1", 1).ok());
+  ASSERT_TRUE(Register("w2", 1).ok());
+  const std::string id = Submit(Spec(2));
+  ASSERT_EQ(Get(id).state(), Job::SCHEDULED);
+  ASSERT_TRUE(Exit(id, 1, 0, 0).ok());
+  ASSERT_TRUE(Exit(id, 1, 1, 0).ok());
+  Job job = Get(id);
+  EXPECT_EQ(job.state(), Job::SUCCEEDED) << job.message();
+  EXPECT_EQ(WorkerNamed("w1").cpu_slots_used(), 0);
+}
+
 TEST_F(CoordinatorTest, ReportTrainerExitOfAnUnknownJobIsNotFound) {
   v1::ReportTrainerExitRequest request;
   request.set_job_id("job-5");

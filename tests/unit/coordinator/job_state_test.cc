@@ -27,10 +27,11 @@ const std::set<std::pair<Job::State, Job::State>>& AllowedEdges() {
       {Job::PENDING, Job::SCHEDULED},    {Job::PENDING, Job::FAILED},
       {Job::PENDING, Job::CANCELLED},    {Job::SCHEDULED, Job::RUNNING},
       {Job::SCHEDULED, Job::RESTARTING}, {Job::SCHEDULED, Job::FAILED},
-      {Job::SCHEDULED, Job::CANCELLED},  {Job::RUNNING, Job::SUCCEEDED},
-      {Job::RUNNING, Job::RESTARTING},   {Job::RUNNING, Job::FAILED},
-      {Job::RUNNING, Job::CANCELLED},    {Job::RESTARTING, Job::SCHEDULED},
-      {Job::RESTARTING, Job::FAILED},    {Job::RESTARTING, Job::CANCELLED},
+      {Job::SCHEDULED, Job::CANCELLED},  {Job::SCHEDULED, Job::SUCCEEDED},
+      {Job::RUNNING, Job::SUCCEEDED},    {Job::RUNNING, Job::RESTARTING},
+      {Job::RUNNING, Job::FAILED},       {Job::RUNNING, Job::CANCELLED},
+      {Job::RESTARTING, Job::SCHEDULED}, {Job::RESTARTING, Job::FAILED},
+      {Job::RESTARTING, Job::CANCELLED},
   };
   return edges;
 }
@@ -67,13 +68,13 @@ TEST(CheckTransition, TerminalStatesGoNowhere) {
 
 TEST(CheckTransition, RefusesSkippingOrGoingBack) {
   const std::vector<std::pair<Job::State, Job::State>> forbidden = {
-      {Job::PENDING, Job::RUNNING},     {Job::PENDING, Job::SUCCEEDED},
-      {Job::PENDING, Job::RESTARTING},  {Job::RUNNING, Job::SCHEDULED},
-      {Job::RUNNING, Job::PENDING},     {Job::SCHEDULED, Job::PENDING},
-      {Job::SCHEDULED, Job::SUCCEEDED}, {Job::RESTARTING, Job::RUNNING},
-      {Job::RESTARTING, Job::PENDING},  {Job::RUNNING, Job::RUNNING},
-      {Job::SUCCEEDED, Job::RUNNING},   {Job::CANCELLED, Job::PENDING},
-      {Job::FAILED, Job::RESTARTING},   {Job::STATE_UNSPECIFIED, Job::PENDING},
+      {Job::PENDING, Job::RUNNING},           {Job::PENDING, Job::SUCCEEDED},
+      {Job::PENDING, Job::RESTARTING},        {Job::RUNNING, Job::SCHEDULED},
+      {Job::RUNNING, Job::PENDING},           {Job::SCHEDULED, Job::PENDING},
+      {Job::RESTARTING, Job::RUNNING},        {Job::RESTARTING, Job::PENDING},
+      {Job::RUNNING, Job::RUNNING},           {Job::SUCCEEDED, Job::RUNNING},
+      {Job::CANCELLED, Job::PENDING},         {Job::FAILED, Job::RESTARTING},
+      {Job::STATE_UNSPECIFIED, Job::PENDING},
   };
   for (const auto& [from, to] : forbidden) {
     EXPECT_EQ(CheckTransition(from, to).code(), absl::StatusCode::kFailedPrecondition)

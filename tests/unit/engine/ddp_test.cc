@@ -1,0 +1,205 @@
+// DdpReducer: bucketing, averaging across real Gloo ranks (threads over an
+// in-process store), the extra value, accumulation micro-steps, and faults
+// injected through a Communicator that fails.
+
+#include "worker/engine/ddp.h"
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gloo/rendezvous/hash_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "worker/engine/comm/gloo_communicator.h"
+
+namespace aidn::engine {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Parameters named p0..pN-1 with the given sizes.
+std::vector<std::unique_ptr<Parameter>> MakeParameters(const std::vector<int64_t>& sizes) {
+  std::vector<std::unique_ptr<Parameter>> params;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto p = std::make_unique<Parameter>();
+    p->name = "p" + std::to_string(i);
+    p->value = Tensor({sizes[i]});
+    p->grad = Tensor({sizes[i]});
+    params.push_back(std::move(p));
+  }
+  return params;
+}
+
+std::vector<Parameter*> Raw(const std::vector<std::unique_ptr<Parameter>>& params) {
+  std::vector<Parameter*> raw;
+  for (const auto& p : params) raw.push_back(p.get());
+  return raw;
+}
+
+// A world of one that records what it was asked, and fails from call
+// `fail_at` on (0: never).
+class FakeCommunicator final : public Communicator {
+ public:
+  explicit FakeCommunicator(int fail_at = 0) : fail_at_(fail_at) {}
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  absl::Status AllReduce(float*, size_t count, ReduceOp) override {
+    counts.push_back(count);
+    return Next();
+  }
+  absl::Status Broadcast(float*, size_t, int) override { return Next(); }
+  absl::Status AllGather(const float* in, size_t count, float* out) override {
+    std::copy(in, in + count, out);
+    return Next();
+  }
+  absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp) override {
+    std::copy(in, in + count, out);
+    return Next();
+  }
+  absl::Status Barrier() override { return Next(); }
+  int64_t sequence() const override { return calls_; }
+  std::vector<size_t> counts;
+
+ private:
+  absl::Status Next() {
+    ++calls_;
+    if (fail_at_ > 0 && calls_ >= fail_at_) return absl::UnavailableError("peer went away");
+    return absl::OkStatus();
+  }
+  int fail_at_;
+  int64_t calls_ = 0;
+};
+
+TEST(DdpReducer, BucketsFollowReverseRegistrationOrderUpToTheCap) {
+  auto params = MakeParameters({100, 200, 300, 400});
+  FakeCommunicator comm;
+  // 1000 bytes = 250 floats per bucket.
+  auto reducer = DdpReducer::Create({.bucket_mb = 0.001}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  EXPECT_THAT((*reducer)->BucketLayout(),
+              ElementsAre(ElementsAre("p3"), ElementsAre("p2"), ElementsAre("p1", "p0")));
+}
+
+TEST(DdpReducer, RefusesANonPositiveBucketSize) {
+  auto params = MakeParameters({4});
+  FakeCommunicator comm;
+  EXPECT_EQ(DdpReducer::Create({.bucket_mb = 0}, Raw(params), &comm).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(DdpReducer, LaunchesEachBucketOnceItsLastGradientArrives) {
+  auto params = MakeParameters({100, 200, 300, 400});
+  FakeCommunicator comm;
+  auto reducer = DdpReducer::Create({.bucket_mb = 0.001}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok());
+  (*reducer)->BeginBackward(true, 1.5f);
+  for (int i = 3; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
+  double wait = -1, allreduce = -1;
+  ASSERT_TRUE((*reducer)->Finish(&wait, &allreduce).ok());
+  // p3, p2, then p1+p0 with the extra slot.
+  EXPECT_THAT(comm.counts, ElementsAre(400u, 300u, 301u));
+  EXPECT_GE(wait, 0.0);
+  EXPECT_GE(allreduce, 0.0);
+  EXPECT_FLOAT_EQ((*reducer)->averaged_extra(), 1.5f);
+}
+
+TEST(DdpReducer, AccumulationMicroStepsDoNotCommunicate) {
+  auto params = MakeParameters({10, 10});
+  FakeCommunicator comm;
+  auto reducer = DdpReducer::Create({}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok());
+  (*reducer)->BeginBackward(false, 0.0f);
+  for (int i = 1; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
+  ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+  EXPECT_TRUE(comm.counts.empty());
+}
+
+TEST(DdpReducer, AMissingGradientIsAnErrorNotAHang) {
+  auto params = MakeParameters({10, 10});
+  FakeCommunicator comm;
+  auto reducer = DdpReducer::Create({}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok());
+  (*reducer)->BeginBackward(true, 0.0f);
+  (*reducer)->OnGradReady(params[1].get());
+  absl::Status s = (*reducer)->Finish(nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(s.message(), HasSubstr("misses 1"));
+}
+
+TEST(DdpReducer, ACommunicatorFailureComesBackFromFinishNamingTheBucket) {
+  auto params = MakeParameters({100, 200, 300});
+  FakeCommunicator comm(/*fail_at=*/2);
+  auto reducer = DdpReducer::Create({.bucket_mb = 0.001}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok());
+  (*reducer)->BeginBackward(true, 0.0f);
+  for (int i = 2; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
+  absl::Status s = (*reducer)->Finish(nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("ddp bucket 1"));
+  EXPECT_THAT(s.message(), HasSubstr("peer went away"));
+}
+
+// Runs `body(rank, communicator)` on `n` threads over real Gloo communicators.
+template <typename Body>
+void OnRanks(int n, const Body& body) {
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      GlooOptions options;
+      options.rank = r;
+      options.world_size = n;
+      options.timeout = std::chrono::seconds(20);
+      options.prefix = "ddp-test";
+      auto comm = CreateGlooCommunicator(options, store);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      body(r, comm->get());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(DdpReducer, AveragesGradientsAndTheExtraValueAcrossGlooRanks) {
+  for (int n : {2, 3}) {
+    OnRanks(n, [n](int rank, Communicator* comm) {
+      auto params = MakeParameters({1000, 3, 50000});
+      auto reducer = DdpReducer::Create({.bucket_mb = 0.01}, Raw(params), comm);
+      ASSERT_TRUE(reducer.ok()) << reducer.status();
+      for (int step = 0; step < 3; ++step) {
+        for (auto& p : params) {
+          for (int64_t i = 0; i < p->grad.numel(); ++i) {
+            p->grad[i] = static_cast<float>(rank + i % 7 + step);
+          }
+        }
+        (*reducer)->BeginBackward(true, static_cast<float>(rank));
+        for (int i = 2; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
+        ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+        const float mean_rank = static_cast<float>(n - 1) / 2.0f;
+        for (auto& p : params) {
+          for (int64_t i = 0; i < p->grad.numel(); ++i) {
+            ASSERT_FLOAT_EQ(p->grad[i], mean_rank + static_cast<float>(i % 7 + step))
+                << p->name << "[" << i << "] rank " << rank << " of " << n;
+          }
+        }
+        EXPECT_FLOAT_EQ((*reducer)->averaged_extra(), mean_rank);
+      }
+    });
+  }
+}
+
+TEST(DdpReducer, BroadcastGivesEveryRankTheRootsWeights) {
+  OnRanks(3, [](int rank, Communicator* comm) {
+    auto params = MakeParameters({5, 7});
+    for (auto& p : params) p->value.Fill(static_cast<float>(rank + 1));
+    ASSERT_TRUE(DdpReducer::BroadcastParameters(Raw(params), comm, /*root=*/0).ok());
+    for (auto& p : params) {
+      for (int64_t i = 0; i < p->value.numel(); ++i) ASSERT_EQ(p->value[i], 1.0f);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace aidn::engine

@@ -1,0 +1,416 @@
+// The numerical oracle: PyTorch trains the MLP and the CNN for 20 steps with
+// SGD (momentum) and with AdamW from the same initial weights on the same
+// batches; aidn, started from torch's initial weights (read through
+// safetensors), trains the same steps with 1 rank and with 2 ranks (threads
+// with a Gloo communicator each and a DdpReducer, each rank half of every
+// batch), and must end within 1e-4 relative error (‖a − b‖ / ‖b‖ per tensor)
+// of torch's single-process weights. Each step's loss is checked too.
+//
+// The batches are random normal images with labels from a fixed random
+// linear teacher (so the weights move well away from their start: 5-70 % of
+// their norm), generated and saved by the script. It skips only when
+// /usr/bin/python3 cannot import torch.
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/ddp.h"
+#include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
+#include "worker/engine/safetensors.h"
+
+namespace aidn::engine {
+namespace {
+
+constexpr char kPython[] = "/usr/bin/python3";
+constexpr int kSteps = 20;
+constexpr int kBatch = 64;
+constexpr int64_t kImageSize = 28 * 28;
+constexpr double kTolerance = 1e-4;
+
+constexpr char kTorchScript[] = R"PY(
+# The PyTorch side of the oracle: same models, same batches, 20 steps each of
+# SGD with momentum and AdamW from the same initial weights.
+import json, struct, sys, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+d = sys.argv[1]
+STEPS, BATCH = 20, 64
+torch.set_num_threads(1)
+if hasattr(torch, "set_flush_denormal"):
+    torch.set_flush_denormal(True)
+
+
+def save(path, tensors):
+    """safetensors by its published layout (python3-safetensors is not packaged)."""
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        b = t.detach().contiguous().to(torch.float32).numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    text = json.dumps(header).encode("utf-8")
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def build(name):
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256),
+                             nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1600, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
+g = torch.Generator().manual_seed(1)
+images = torch.randn(STEPS * BATCH, 1, 28, 28, generator=g)
+# Learnable labels (a fixed random linear teacher), so that training moves the
+# weights well away from their start.
+teacher = torch.randn(784, 10, generator=g)
+labels = (images.flatten(1) @ teacher).argmax(1)
+with open(f"{d}/images.f32", "wb") as f:
+    f.write(images.numpy().astype("<f4").tobytes())
+with open(f"{d}/labels.i32", "wb") as f:
+    f.write(labels.numpy().astype("<i4").tobytes())
+
+for name in ("mlp", "cnn"):
+    torch.manual_seed(0)
+    model = build(name)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save(f"{d}/{name}_init.safetensors", init)
+    for opt_name in ("sgd", "adamw"):
+        model.load_state_dict(init)
+        if opt_name == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        start = time.perf_counter()
+        losses = []
+        for s in range(STEPS):
+            x = images[s * BATCH:(s + 1) * BATCH]
+            y = labels[s * BATCH:(s + 1) * BATCH]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        save(f"{d}/{name}_{opt_name}_final.safetensors", model.state_dict())
+        with open(f"{d}/{name}_{opt_name}_losses.f64", "wb") as f:
+            f.write(struct.pack("<%dd" % len(losses), *losses))
+        print("torch %s %s: %d steps in %.2f s, loss %.4f -> %.4f" % (
+            name, opt_name, STEPS, time.perf_counter() - start, losses[0], losses[-1]))
+print("ok")
+)PY";
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+template <typename T>
+std::vector<T> ReadArray(const std::string& path) {
+  const std::string bytes = ReadAll(path);
+  std::vector<T> out(bytes.size() / sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+  return out;
+}
+
+// The script's outputs, produced once for every test of the suite.
+struct Oracle {
+  bool torch_available = false;
+  // Empty when the script ran and wrote everything; else why not.
+  std::string failure;
+  std::string dir;
+  std::vector<float> images;    // [kSteps * kBatch, 1, 28, 28]
+  std::vector<int32_t> labels;  // [kSteps * kBatch]
+
+  ~Oracle() {
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+};
+
+const Oracle& GetOracle() {
+  // Destroyed at exit, which removes the directory.
+  static const std::unique_ptr<Oracle> oracle = [] {
+    auto o = std::make_unique<Oracle>();
+    const std::string probe = absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1");
+    o->torch_available = std::system(probe.c_str()) == 0;
+    if (!o->torch_available) return o;
+    std::string tmpl = (std::filesystem::temp_directory_path() / "aidn_oracle_XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      o->failure = "mkdtemp failed";
+      return o;
+    }
+    o->dir = tmpl;
+    { std::ofstream(o->dir + "/oracle.py") << kTorchScript; }
+    const std::string command =
+        absl::StrCat(kPython, " ", o->dir, "/oracle.py ", o->dir, " >", o->dir, "/oracle.log 2>&1");
+    const auto start = std::chrono::steady_clock::now();
+    const int rc = std::system(command.c_str());
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::string log = ReadAll(o->dir + "/oracle.log");
+    if (rc != 0) {
+      o->failure = absl::StrCat("the torch script failed (status ", rc, "):\n", log);
+      return o;
+    }
+    std::printf("%s(torch script: %.1f s with python start-up)\n", log.c_str(), seconds);
+    o->images = ReadArray<float>(o->dir + "/images.f32");
+    o->labels = ReadArray<int32_t>(o->dir + "/labels.i32");
+    if (o->images.size() != static_cast<size_t>(kSteps * kBatch * kImageSize) ||
+        o->labels.size() != static_cast<size_t>(kSteps * kBatch)) {
+      o->failure = absl::StrCat("the torch script wrote ", o->images.size(), " pixels and ",
+                                o->labels.size(), " labels");
+    }
+    return o;
+  }();
+  return *oracle;
+}
+
+struct Case {
+  std::string model;      // "mlp" or "cnn"
+  std::string optimizer;  // "sgd" or "adamw"
+  int ranks = 1;
+};
+
+OptimizerConfig OptimizerFor(const std::string& name) {
+  OptimizerConfig config;
+  config.name = name;
+  if (name == "sgd") {
+    config.lr = 0.05;
+    config.momentum = 0.9;
+  } else {
+    config.lr = 1e-3;
+    config.weight_decay = 0.01;  // torch's AdamW default
+  }
+  return config;
+}
+
+ModelConfig ModelFor(const std::string& name) {
+  ModelConfig config;
+  config.name = name;
+  config.hidden_sizes = {256, 256};
+  return config;
+}
+
+// What one rank ends with.
+struct RankResult {
+  absl::Status status;
+  std::unique_ptr<Sequential> model;
+  std::vector<double> losses;  // the mean loss over all ranks, per step
+};
+
+// Trains one rank (its rows of every batch) from torch's initial weights;
+// `communicator` is null for a single rank.
+absl::Status TrainRank(const Case& c, const Oracle& oracle, int rank, Communicator* communicator,
+                       RankResult* result) {
+  // Per thread: flush-to-zero lives in each thread's MXCSR.
+  ConfigureCpu(1);
+  AIDN_ASSIGN_OR_RETURN(result->model, BuildModel(ModelFor(c.model), /*seed=*/7));
+  Sequential& model = *result->model;
+  AIDN_RETURN_IF_ERROR(LoadSafetensors(absl::StrCat(oracle.dir, "/", c.model, "_init.safetensors"),
+                                       model.Parameters()));
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
+                        Optimizer::Create(OptimizerFor(c.optimizer), model.Parameters()));
+  std::unique_ptr<DdpReducer> reducer;
+  if (communicator != nullptr) {
+    // Small buckets, so several allreduces overlap backward.
+    DdpOptions options;
+    options.bucket_mb = 0.25;
+    AIDN_ASSIGN_OR_RETURN(reducer, DdpReducer::Create(options, model.Parameters(), communicator));
+    AIDN_RETURN_IF_ERROR(DdpReducer::BroadcastParameters(model.Parameters(), communicator));
+    model.SetGradReadyCallback([r = reducer.get()](Parameter* p) { r->OnGradReady(p); });
+  }
+  const int64_t rows = kBatch / c.ranks;
+  Tensor images({rows, 1, 28, 28});
+  std::vector<int32_t> labels(static_cast<size_t>(rows));
+  Tensor logits;
+  Tensor grad_logits;
+  for (int step = 0; step < kSteps; ++step) {
+    const int64_t first = int64_t{step} * kBatch + rank * rows;
+    std::memcpy(images.data(), oracle.images.data() + first * kImageSize,
+                static_cast<size_t>(rows * kImageSize) * sizeof(float));
+    std::memcpy(labels.data(), oracle.labels.data() + first,
+                static_cast<size_t>(rows) * sizeof(int32_t));
+    model.ZeroGrad();
+    model.Forward(images, &logits, /*training=*/true);
+    const double loss = SoftmaxCrossEntropy(logits, labels, &grad_logits);
+    if (reducer != nullptr) reducer->BeginBackward(/*communicate=*/true, static_cast<float>(loss));
+    model.Backward(grad_logits);
+    if (reducer != nullptr) {
+      AIDN_RETURN_IF_ERROR(reducer->Finish(nullptr, nullptr));
+      result->losses.push_back(reducer->averaged_extra());
+    } else {
+      result->losses.push_back(loss);
+    }
+    AIDN_RETURN_IF_ERROR(optimizer->Step(OptimizerFor(c.optimizer).lr));
+  }
+  if (reducer != nullptr) model.SetGradReadyCallback(nullptr);
+  return absl::OkStatus();
+}
+
+// Every rank on a thread of its own; Gloo over one in-memory store.
+std::vector<RankResult> Train(const Case& c, const Oracle& oracle) {
+  std::vector<RankResult> results(static_cast<size_t>(c.ranks));
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < c.ranks; ++rank) {
+    threads.emplace_back([&, rank] {
+      RankResult& result = results[static_cast<size_t>(rank)];
+      if (c.ranks == 1) {
+        result.status = TrainRank(c, oracle, rank, nullptr, &result);
+        return;
+      }
+      GlooOptions options;
+      options.rank = rank;
+      options.world_size = c.ranks;
+      options.timeout = std::chrono::milliseconds(30'000);
+      options.prefix = "oracle";
+      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, store);
+      if (!comm.ok()) {
+        result.status = comm.status();
+        return;
+      }
+      result.status = TrainRank(c, oracle, rank, comm->get(), &result);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+double Norm(const float* a, const float* b, int64_t n) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - (b != nullptr ? static_cast<double>(b[i]) : 0.0);
+    sum += d * d;
+  }
+  return std::sqrt(sum);
+}
+
+class TorchOracle : public ::testing::TestWithParam<std::tuple<std::string, std::string, int>> {};
+
+TEST_P(TorchOracle, EndsTwentyStepsWithinOneInTenThousandOfPyTorch) {
+  const Case c{std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam())};
+  const Oracle& oracle = GetOracle();
+  if (!oracle.torch_available) {
+    GTEST_SKIP() << kPython << " cannot import torch (install python3-torch): no PyTorch oracle";
+  }
+  ASSERT_TRUE(oracle.failure.empty()) << oracle.failure;
+  const std::string prefix = absl::StrCat(oracle.dir, "/", c.model, "_");
+
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<RankResult> results = Train(c, oracle);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int rank = 0; rank < c.ranks; ++rank) {
+    ASSERT_TRUE(results[static_cast<size_t>(rank)].status.ok())
+        << "rank " << rank << ": " << results[static_cast<size_t>(rank)].status;
+  }
+  const std::vector<Parameter*>& params = results[0].model->Parameters();
+
+  // Every tensor of torch's model is one of aidn's: nothing stayed at
+  // aidn's own initialisation.
+  absl::StatusOr<std::map<std::string, Tensor>> init = ReadSafetensors(prefix + "init.safetensors");
+  ASSERT_TRUE(init.ok()) << init.status();
+  EXPECT_EQ(init->size(), params.size());
+
+  // Ranks apply the same averaged gradients, so they agree bit for bit.
+  for (int rank = 1; rank < c.ranks; ++rank) {
+    const std::vector<Parameter*>& other = results[static_cast<size_t>(rank)].model->Parameters();
+    ASSERT_EQ(other.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(std::memcmp(other[i]->value.data(), params[i]->value.data(),
+                            static_cast<size_t>(params[i]->value.numel()) * sizeof(float)),
+                0)
+          << "rank " << rank << " differs from rank 0 in " << params[i]->name;
+    }
+    EXPECT_EQ(results[static_cast<size_t>(rank)].losses, results[0].losses);
+  }
+
+  absl::StatusOr<std::map<std::string, Tensor>> want =
+      ReadSafetensors(absl::StrCat(prefix, c.optimizer, "_final.safetensors"));
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(want->size(), params.size());
+  double worst = 0;
+  double worst_of_update = 0;
+  std::string worst_name;
+  for (const Parameter* p : params) {
+    ASSERT_EQ(want->count(p->name), 1u) << p->name;
+    const Tensor& b = want->at(p->name);
+    ASSERT_EQ(b.shape(), p->value.shape()) << p->name;
+    const double error =
+        Norm(p->value.data(), b.data(), b.numel()) / Norm(b.data(), nullptr, b.numel());
+    // The same difference measured against how far torch moved the tensor:
+    // a stricter view, reported only.
+    const double update = Norm(b.data(), init->at(p->name).data(), b.numel());
+    EXPECT_LT(error, kTolerance) << c.model << " " << c.optimizer << " " << c.ranks
+                                 << " rank(s): tensor " << p->name;
+    if (error > worst) {
+      worst = error;
+      worst_name = p->name;
+    }
+    if (update > 0) {
+      worst_of_update =
+          std::max(worst_of_update, Norm(p->value.data(), b.data(), b.numel()) / update);
+    }
+  }
+
+  const std::vector<double> torch_losses =
+      ReadArray<double>(absl::StrCat(prefix, c.optimizer, "_losses.f64"));
+  ASSERT_EQ(torch_losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(results[0].losses.size(), static_cast<size_t>(kSteps));
+  double worst_loss = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    const double a = results[0].losses[static_cast<size_t>(step)];
+    const double b = torch_losses[static_cast<size_t>(step)];
+    EXPECT_LT(std::fabs(a - b) / std::fabs(b), kTolerance)
+        << "step " << step << ": aidn loss " << a << ", torch " << b;
+    worst_loss = std::max(worst_loss, std::fabs(a - b) / std::fabs(b));
+  }
+  std::printf(
+      "[  oracle  ] %s %-5s %d rank(s): max ‖a−b‖/‖b‖ %.2e (%s), max ‖a−b‖/‖update‖ %.2e, "
+      "max loss error %.2e, %.2f s\n",
+      c.model.c_str(), c.optimizer.c_str(), c.ranks, worst, worst_name.c_str(), worst_of_update,
+      worst_loss, seconds);
+}
+
+INSTANTIATE_TEST_SUITE_P(ModelsOptimizersRanks, TorchOracle,
+                         ::testing::Combine(::testing::Values("mlp", "cnn"),
+                                            ::testing::Values("sgd", "adamw"),
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<TorchOracle::ParamType>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "_",
+                                               std::get<1>(info.param), "_",
+                                               std::get<2>(info.param), "rank");
+                         });
+
+}  // namespace
+}  // namespace aidn::engine

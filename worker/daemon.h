@@ -1,0 +1,204 @@
+#ifndef AIDN_WORKER_DAEMON_H_
+#define AIDN_WORKER_DAEMON_H_
+
+// The worker daemon (`aidn-worker`): registers with the coordinator, keeps
+// heartbeating, runs one trainer process per assigned rank and reports how
+// each one ended.
+//
+//   auto daemon = Daemon::Create(options);   // validates, builds the channel
+//   (*daemon)->Start();                      // threads run from here on
+//   ... sigwait(SIGTERM) ...
+//   (*daemon)->Shutdown();                   // trainers stopped, threads joined
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "aidn/v1/cluster.grpc.pb.h"
+#include "worker/engine/device.h"
+#include "worker/supervisor.h"
+
+namespace grpc {
+class ClientContext;
+class Status;
+}  // namespace grpc
+
+namespace aidn::worker {
+
+struct DaemonOptions {
+  // host:port of the coordinator.
+  std::string coordinator = "127.0.0.1:7070";
+  // The worker join token (role worker).
+  std::string token;
+  // This worker's id, stable across restarts: [a-zA-Z0-9._-]{1,63}.
+  std::string worker_id;
+  // Reported as WorkerInfo.hostname.
+  std::string hostname;
+  // The address (no port) peers use to reach trainers on this node; passed
+  // to each trainer as --host.
+  std::string address = "127.0.0.1";
+  int cpu_slots = 1;
+  std::vector<engine::GpuDescription> gpus;
+  // Reported as WorkerInfo.version.
+  std::string version;
+  // Trainer logs go to <work_dir>/logs/<job>/gen-<g>/rank-<r>.log; a
+  // trainer's own directory is <work_dir>/jobs/<job>. Made absolute by
+  // Create().
+  std::string work_dir = "./aidn-work";
+  // Run as `<trainer_binary> train --coordinator=... --job=... ...`.
+  std::string trainer_binary = "/proc/self/exe";
+  // Passed to trainers as --log-level when not empty.
+  std::string trainer_log_level;
+  // SIGTERM → SIGKILL delay for trainers, unless a StopOrder names one.
+  std::chrono::milliseconds stop_grace{10'000};
+  // Used until the coordinator tells its own (RegisterWorkerResponse).
+  std::chrono::milliseconds heartbeat_interval{2'000};
+  // Deadline of each RPC (a held heartbeat gets its max_wait on top).
+  std::chrono::milliseconds rpc_timeout{5'000};
+  // Retry delays while the coordinator is unreachable: doubling from the
+  // first to the cap.
+  std::chrono::milliseconds backoff_initial{100};
+  std::chrono::milliseconds backoff_max{2'000};
+  // How often trainers are checked for exits and overdue stops.
+  std::chrono::milliseconds supervise_interval{50};
+  // Exit reports kept while they cannot be delivered; the oldest is dropped
+  // (and logged) beyond this.
+  size_t max_pending_reports = 1024;
+  // At Shutdown(), how long undelivered exit reports are still retried.
+  std::chrono::milliseconds shutdown_report_timeout{3'000};
+  // Largest gRPC message sent or received.
+  int max_message_bytes = 4 * 1024 * 1024;
+};
+
+// Checks `options` (worker id syntax, token present, cpu_slots >= 0,
+// positive durations, ...). INVALID_ARGUMENT naming the field.
+absl::Status ValidateDaemonOptions(const DaemonOptions& options);
+
+// One daemon per node. It runs three threads:
+//  - heartbeat: RegisterWorker (listing the trainers it runs), then
+//    Heartbeat long-polls (max_wait = the heartbeat interval, with the last
+//    assignments_version, so new work arrives at once); NOT_FOUND registers
+//    again under the same id; an unreachable coordinator is retried with
+//    capped exponential backoff while trainers keep running.
+//  - supervision: reconciles the latest assignment set with the running
+//    trainers (start what is missing, stop what is no longer listed, apply
+//    stop orders with their grace), reaps trainers and queues their exit
+//    reports. It is the only thread that starts trainers, so their
+//    PR_SET_PDEATHSIG follows it (see Supervisor).
+//  - reports: delivers ReportTrainerExit in order, retrying with backoff; a
+//    report the coordinator refuses for good (unknown job, bad request) is
+//    logged and dropped.
+// A trainer that exited is not started again for the same (job, generation,
+// rank), even while the coordinator still lists it.
+//
+// Thread-safe. Start() once; Shutdown() (idempotent, also run by the
+// destructor) stops every trainer (SIGTERM, SIGKILL after stop_grace), tries
+// to deliver their exit reports for shutdown_report_timeout, and joins.
+class Daemon {
+ public:
+  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonOptions& options);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // FAILED_PRECONDITION if started before or shut down.
+  absl::Status Start();
+  void Shutdown();
+
+  // The options after Create() filled them in (absolute work_dir).
+  const DaemonOptions& options() const { return options_; }
+
+ private:
+  // (job, generation, rank): one trainer.
+  struct Key {
+    std::string job_id;
+    int64_t generation = 0;
+    int32_t rank = 0;
+    friend bool operator<(const Key& a, const Key& b) {
+      return std::tie(a.job_id, a.generation, a.rank) < std::tie(b.job_id, b.generation, b.rank);
+    }
+  };
+  struct Trainer {
+    Supervisor::ChildId child = 0;
+    pid_t pid = 0;
+    bool stopping = false;
+    // Stopped on the coordinator's order (dropped from the assignment set,
+    // or a StopOrder), as opposed to by the daemon's own shutdown.
+    bool by_order = false;
+  };
+
+  explicit Daemon(const DaemonOptions& options);
+
+  void HeartbeatLoop();
+  void SuperviseLoop();
+  void ReportLoop();
+
+  // Heartbeat thread helpers.
+  bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
+  // False when shutting down (at once, not after `delay`).
+  bool SleepUnlessStopping(std::chrono::milliseconds delay) ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `fn` with a context Shutdown() can cancel.
+  grpc::Status CallCancellable(std::chrono::milliseconds timeout,
+                               const std::function<grpc::Status(grpc::ClientContext*)>& fn)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<v1::TrainerStatus> TrainerStatuses() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Supervision thread helpers.
+  void ApplyStops(const std::vector<v1::StopOrder>& stops);
+  void Reconcile(const std::vector<v1::TrainerAssignment>& desired);
+  void StartTrainer(const v1::TrainerAssignment& assignment);
+  void StopTrainer(const Key& key, std::chrono::milliseconds grace, bool by_order);
+  void HandleExits(const std::vector<ChildExit>& exits);
+  void QueueReport(v1::ReportTrainerExitRequest report);
+
+  std::string LogPath(const Key& key) const;
+
+  DaemonOptions options_;
+  std::unique_ptr<v1::ClusterService::Stub> stub_;
+  Supervisor supervisor_;
+
+  // Serialises Shutdown() calls.
+  absl::Mutex shutdown_mu_;
+  std::thread heartbeat_thread_;
+  std::thread supervise_thread_;
+  std::thread report_thread_;
+
+  mutable absl::Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Set once the supervision thread stopped every trainer at shutdown.
+  bool trainers_stopped_ ABSL_GUARDED_BY(mu_) = false;
+  // The in-flight RPC of the heartbeat thread, cancelled by Shutdown().
+  grpc::ClientContext* heartbeat_call_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Handed from the heartbeat thread to the supervision thread.
+  bool have_desired_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<v1::TrainerAssignment> desired_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::StopOrder> stops_ ABSL_GUARDED_BY(mu_);
+  // Written by the supervision thread, read for heartbeats.
+  std::map<Key, Trainer> trainers_ ABSL_GUARDED_BY(mu_);
+  // Supervision thread only: trainers that ended while still assigned (not
+  // to be started again).
+  std::set<Key> finished_;
+  // Handed from the supervision thread to the report thread, oldest first,
+  // each with a sequence number (the front is popped only once delivered).
+  std::deque<std::pair<uint64_t, v1::ReportTrainerExitRequest>> reports_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_report_seq_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace aidn::worker
+
+#endif  // AIDN_WORKER_DAEMON_H_

@@ -1,0 +1,106 @@
+#ifndef AIDN_WORKER_ENGINE_DDP_H_
+#define AIDN_WORKER_ENGINE_DDP_H_
+
+// Data-parallel gradient averaging, as torch's DistributedDataParallel does
+// it: parameters are grouped into buckets of about bucket_mb in reverse
+// registration order (the order backward produces their gradients), and each
+// bucket's allreduce starts on a communication thread as soon as its last
+// gradient is ready, so communication overlaps the rest of backward.
+//
+// Call order per optimizer step, on the training thread:
+//   BeginBackward(communicate, extra) ; model.Backward(...) (which calls
+//   OnGradReady for every parameter) ; Finish(...)
+// With gradient accumulation, only the last micro-step communicates.
+//
+// `extra` rides in a spare slot of the last bucket, so the step's loss is
+// averaged across ranks without a collective of its own.
+//
+// Not thread-safe apart from the internal hand-off to the communication
+// thread. The communicator must not be used by anyone else between
+// BeginBackward and Finish.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+struct DdpOptions {
+  // Target bucket size in MB (10^6 bytes, as torch's bucket_cap_mb).
+  double bucket_mb = 25.0;
+};
+
+class DdpReducer {
+ public:
+  // `parameters` in registration order; the communicator is not owned.
+  static absl::StatusOr<std::unique_ptr<DdpReducer>> Create(
+      const DdpOptions& options, const std::vector<Parameter*>& parameters,
+      Communicator* communicator);
+  ~DdpReducer();
+
+  // Starts a backward pass. With communicate false, OnGradReady does nothing
+  // (an accumulation micro-step).
+  void BeginBackward(bool communicate, float extra);
+  // The model's grad-ready callback.
+  void OnGradReady(Parameter* parameter);
+  // Waits for every bucket and writes the averaged gradients back. The time
+  // the training thread waited goes into *wait_seconds and the time the
+  // collectives took into *allreduce_seconds (either may be null).
+  absl::Status Finish(double* wait_seconds, double* allreduce_seconds);
+  // `extra` averaged over the ranks (valid after a communicating Finish).
+  float averaged_extra() const { return averaged_extra_; }
+
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // Parameter names per bucket, for logs and tests.
+  std::vector<std::vector<std::string>> BucketLayout() const;
+
+  // Copies rank `root`'s parameter values to every rank (identical initial
+  // weights), in one collective over a packed buffer.
+  static absl::Status BroadcastParameters(const std::vector<Parameter*>& parameters,
+                                          Communicator* communicator, int root = 0);
+
+ private:
+  struct Slot {
+    int bucket = 0;
+    size_t offset = 0;
+  };
+  struct Bucket {
+    std::vector<Parameter*> parameters;
+    std::vector<float> buffer;  // packed gradients (+ the extra slot in the last)
+    int pending = 0;            // gradients still to arrive this pass
+  };
+
+  DdpReducer(Communicator* communicator) : communicator_(communicator) {}
+  void CommLoop();
+
+  Communicator* communicator_;
+  std::vector<Bucket> buckets_;
+  std::unordered_map<Parameter*, Slot> slots_;
+  int extra_bucket_ = 0;
+  bool communicating_ = false;
+  float averaged_extra_ = 0.0f;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<int> queue_;  // buckets ready to reduce
+  int in_flight_ = 0;      // queued or being reduced
+  bool stop_ = false;
+  absl::Status error_;
+  double allreduce_seconds_ = 0.0;
+  std::thread thread_;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_DDP_H_

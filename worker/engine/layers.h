@@ -1,0 +1,160 @@
+#ifndef AIDN_WORKER_ENGINE_LAYERS_H_
+#define AIDN_WORKER_ENGINE_LAYERS_H_
+
+// The layer types behind BuildModel (internal to the engine; tests use them
+// directly). All are batch-first float32 on the CPU, with torch's layouts:
+// Linear weight [out, in], Conv2d weight [out, in, kh, kw], images NCHW.
+//
+// Lifetime contract: a layer may keep a pointer to the `input` of its last
+// Forward (Linear and ReLU do), so that tensor must stay alive and unchanged
+// until the matching Backward. Sequential's own activations satisfy this; a
+// caller that drives layers by hand must keep its input tensors around.
+//
+// Buffers (outputs, gradients, im2col columns, masks) are resized only when
+// a shape changes, so repeated steps at a fixed batch size allocate nothing.
+
+#include <cstdint>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "worker/engine/model.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+// Resizes `t` to `shape` unless it already has exactly that shape, so that
+// the steady state performs no allocation at all (not even of a shape vector).
+void EnsureShape(Tensor* t, std::initializer_list<int64_t> shape);
+void EnsureShape(Tensor* t, const std::vector<int64_t>& shape);
+
+// y = x W^T + b. Input [N, in], output [N, out].
+class Linear final : public Layer {
+ public:
+  Linear(int64_t in_features, int64_t out_features);
+  std::string Describe() const override;
+  void Forward(const Tensor& input, Tensor* output, bool training) override;
+  void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+  std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  Parameter& weight() { return weight_; }
+  Parameter& bias() { return bias_; }
+
+ private:
+  int64_t in_;
+  int64_t out_;
+  Parameter weight_;
+  Parameter bias_;
+  const Tensor* input_ = nullptr;
+};
+
+// max(x, 0), any shape.
+class ReLU final : public Layer {
+ public:
+  std::string Describe() const override { return "ReLU()"; }
+  void Forward(const Tensor& input, Tensor* output, bool training) override;
+  void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+
+ private:
+  const Tensor* input_ = nullptr;
+};
+
+// 2-D convolution (cross-correlation, as torch), square kernel, stride and
+// zero padding. Input [N, C, H, W], output [N, O, OH, OW] with
+// OH = (H + 2 padding - kernel) / stride + 1. Implemented as im2col + one
+// GEMM over the whole batch; the columns are kept for Backward.
+class Conv2d final : public Layer {
+ public:
+  Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride = 1,
+         int64_t padding = 0);
+  std::string Describe() const override;
+  void Forward(const Tensor& input, Tensor* output, bool training) override;
+  void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+  std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
+
+  // in_channels * kernel * kernel.
+  int64_t fan_in() const { return in_ * kernel_ * kernel_; }
+  Parameter& weight() { return weight_; }
+  Parameter& bias() { return bias_; }
+
+ private:
+  int64_t in_;
+  int64_t out_;
+  int64_t kernel_;
+  int64_t stride_;
+  int64_t padding_;
+  // Geometry of the last Forward.
+  int64_t batch_ = 0;
+  int64_t height_ = 0;
+  int64_t width_ = 0;
+  int64_t out_height_ = 0;
+  int64_t out_width_ = 0;
+  Parameter weight_;
+  Parameter bias_;
+  // [C*k*k, N*OH*OW]: sample n's columns are the block at n*OH*OW.
+  Tensor columns_;
+  // [O, N*OH*OW]: the GEMM output in Forward, the gathered grad_output in
+  // Backward.
+  Tensor rows_;
+  // [C*k*k, N*OH*OW]: gradient of the columns.
+  Tensor grad_columns_;
+};
+
+// Max pooling without padding; stride defaults to the kernel size. Backward
+// routes each output gradient to the input element that won (the first
+// maximum in row-major window order, as torch).
+class MaxPool2d final : public Layer {
+ public:
+  explicit MaxPool2d(int64_t kernel, int64_t stride = 0);
+  std::string Describe() const override;
+  void Forward(const Tensor& input, Tensor* output, bool training) override;
+  void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+
+ private:
+  int64_t kernel_;
+  int64_t stride_;
+  std::vector<int64_t> input_shape_;
+  // Per output element: offset of the winner within its input plane.
+  std::vector<int32_t> argmax_;
+};
+
+// [N, d1, d2, ...] -> [N, d1*d2*...] (torch's Flatten(start_dim=1)).
+class Flatten final : public Layer {
+ public:
+  std::string Describe() const override { return "Flatten(start_dim=1, end_dim=-1)"; }
+  void Forward(const Tensor& input, Tensor* output, bool training) override;
+  void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+
+ private:
+  std::vector<int64_t> input_shape_;
+};
+
+// Inverted dropout: in training each element is kept with probability 1-p
+// and scaled by 1/(1-p) (p = 1 zeroes everything); in evaluation it is the
+// identity. Masks come from a std::mt19937_64 that SetSeed re-seeds; each
+// training Forward draws a fresh mask from it.
+class Dropout final : public Layer {
+ public:
+  explicit Dropout(double p);
+  std::string Describe() const override;
+  void Forward(const Tensor& input, Tensor* output, bool training) override;
+  void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+  void SetSeed(uint64_t seed) override { rng_.seed(seed); }
+
+  double p() const { return p_; }
+  // The last training mask: 0 or 1/(1-p) per element.
+  const Tensor& mask() const { return mask_; }
+
+ private:
+  double p_;
+  std::mt19937_64 rng_{0};
+  bool last_training_ = false;
+  Tensor mask_;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_LAYERS_H_

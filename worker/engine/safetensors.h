@@ -1,0 +1,57 @@
+#ifndef AIDN_WORKER_ENGINE_SAFETENSORS_H_
+#define AIDN_WORKER_ENGINE_SAFETENSORS_H_
+
+// Weights in the safetensors format (huggingface/safetensors), so PyTorch
+// and aidn exchange them: the torch oracle test loads torch's initial weights
+// through it, and checkpoints export weights that torch can load.
+//
+// Layout: an 8-byte little-endian header length N, N bytes of JSON
+//   {"__metadata__": {"key": "value", ...},
+//    "<name>": {"dtype": "F32", "shape": [d0, ...], "data_offsets": [begin, end]}, ...}
+// padded with spaces to a multiple of 8 bytes, then the raw little-endian
+// data; offsets are relative to the end of the header.
+//
+// Reading is as strict as the reference implementation: the header must be
+// well-formed JSON of that shape (no duplicate keys, no unknown fields), every
+// tensor's byte range must match its dtype and shape, and the ranges must
+// cover the data exactly (no overlap, no gap, nothing after the last tensor).
+// Only F32 tensors are read and written. Errors name the file and the problem:
+// DATA_LOSS for a truncated or malformed file, INVALID_ARGUMENT for a file
+// that does not fit the parameters (a missing tensor, a shape or dtype
+// mismatch), the errno's code (NOT_FOUND, ...) for I/O failures.
+//
+// Thread-compatible: the functions keep no state; callers must not write a
+// parameter while it is being saved or loaded.
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+// Writes the parameters' values under their names, in the given order, with
+// `metadata` as "__metadata__" (omitted when empty). Atomic: writes
+// "<path>.tmp", fsyncs it, renames it over `path` and fsyncs the directory,
+// so `path` holds either the old file or the complete new one.
+// INVALID_ARGUMENT for a null parameter, an empty or duplicate name, or the
+// reserved name "__metadata__"; UNIMPLEMENTED for a non-CPU tensor.
+absl::Status SaveSafetensors(const std::string& path, const std::vector<const Parameter*>& params,
+                             const std::map<std::string, std::string>& metadata = {});
+
+// Fills each parameter's value (same shape, storage kept) from the tensor of
+// the same name. Tensors in the file that no parameter names are ignored.
+// All or nothing: on any error no parameter has changed.
+absl::Status LoadSafetensors(const std::string& path, const std::vector<Parameter*>& params);
+
+// Every tensor of the file by name (all must be F32), and its
+// "__metadata__" into *metadata when that is not null (empty if absent).
+absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensors(
+    const std::string& path, std::map<std::string, std::string>* metadata = nullptr);
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_SAFETENSORS_H_
