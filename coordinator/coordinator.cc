@@ -266,7 +266,11 @@ void Coordinator::PersistWorker(const WorkerEntry& entry) {
 absl::Status Coordinator::SetState(JobEntry* entry, Job::State state, const std::string& message,
                                    Deferred* deferred) {
   Job& job = entry->stored.job;
-  AIDN_RETURN_IF_ERROR(CheckTransition(job.state(), state));
+  if (absl::Status refused = CheckTransition(job.state(), state); !refused.ok()) {
+    // A programmer error: the callers only ask for edges of the lifecycle.
+    AIDN_LOG(ERROR) << "refused job state change: " << refused << Kv("job", job.id());
+    return refused;
+  }
   job.set_state(state);
   job.set_message(message);
   if (state == Job::RUNNING && !job.has_started_at()) {
@@ -891,7 +895,9 @@ absl::Status Coordinator::ReportTrainerExit(const v1::ReportTrainerExitRequest& 
   const bool current = request.generation() == job.generation() && HoldsSlots(job.state());
   std::string what = request.signal() != 0 ? absl::StrCat("killed by signal ", request.signal())
                                            : absl::StrCat("exited with code ", request.exit_code());
-  const std::string tail = LastLine(request.stderr_tail());
+  const bool clean = request.exit_code() == 0 && request.signal() == 0;
+  // A clean exit's last log line is no reason for anything.
+  const std::string tail = clean ? "" : LastLine(request.stderr_tail());
   std::string message = absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id(),
                                      " ", what, tail.empty() ? "" : ": " + tail);
   Emit("trainer.exited", job.id(), request.worker_id(), request.generation(), message, &deferred);

@@ -13,6 +13,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # training: BLAS, Gloo, the dataset
   libopenblas-dev libgloo-dev dataset-fashion-mnist
+  # the numerical oracle and speed peer (tests skip their torch checks only without it)
+  python3-torch libopenblas0-openmp
 )
 
 missing=()
