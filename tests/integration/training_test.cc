@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -212,6 +213,52 @@ TEST_F(TrainingTest, AMissingDatasetFailsTheJobAtOnceNamingTheFile) {
   EXPECT_EQ(job.state(), v1::Job::FAILED);
   EXPECT_EQ(job.restarts(), 0) << "a permanent failure must not use up restarts";
   EXPECT_TRUE(absl::StrContains(job.message(), "/nonexistent/train-images.gz")) << job.message();
+}
+
+TEST_F(TrainingTest, GradientAccumulationTrainsWithFewerOptimizerSteps) {
+  v1::JobSpec spec = MlpSpec();
+  spec.set_grad_accum_steps(2);
+  spec.set_max_steps(150);
+  const std::string id = Submit(spec);
+  v1::Job job = WaitForEnd(id);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  int64_t last_step = 0;
+  double accuracy = -1;
+  for (const v1::MetricRecord& r : Metrics(id)) {
+    if (r.kind() == v1::MetricRecord::EVAL) {
+      accuracy = r.test_accuracy();
+    } else {
+      last_step = std::max(last_step, r.step());
+      EXPECT_EQ(r.samples(), 128) << "two micro-batches of 64 per optimizer step";
+    }
+  }
+  EXPECT_EQ(last_step, 150);
+  EXPECT_GT(accuracy, 0.7);
+}
+
+TEST_F(TrainingTest, ATruncatedDatasetFileFailsTheJobNamingTheFileAndTheProblem) {
+  // The real labels, and a training image file cut off after its header.
+  const std::string images = dir_ + "/train-images-truncated";
+  {
+    std::ofstream out(images, std::ios::binary);
+    const unsigned char header[16] = {0, 0, 8, 3, 0, 0, 0xea, 0x60, 0, 0, 0, 28, 0, 0, 0, 28};
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+    out << std::string(1000, '\x7f');
+  }
+  v1::JobSpec spec = MlpSpec();
+  spec.set_max_restarts(2);
+  v1::DatasetSpec* d = spec.mutable_dataset();
+  d->set_kind("idx");
+  d->set_train_images(images);
+  d->set_train_labels(std::string(kDataset) + "/train-labels-idx1-ubyte.gz");
+  d->set_test_images(std::string(kDataset) + "/t10k-images-idx3-ubyte.gz");
+  d->set_test_labels(std::string(kDataset) + "/t10k-labels-idx1-ubyte.gz");
+  const std::string id = Submit(spec);
+  v1::Job job = WaitForEnd(id);
+  EXPECT_EQ(job.state(), v1::Job::FAILED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_TRUE(absl::StrContains(job.message(), images)) << job.message();
+  EXPECT_TRUE(absl::StrContains(job.message(), "truncated")) << job.message();
 }
 
 TEST_F(TrainingTest, CancelStopsEveryTrainerWithinSeconds) {
