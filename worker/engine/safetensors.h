@@ -11,10 +11,12 @@
 // padded with spaces to a multiple of 8 bytes, then the raw little-endian
 // data; offsets are relative to the end of the header.
 //
-// Reading is as strict as the reference implementation: the header must be
-// well-formed JSON of that shape (no duplicate keys, no unknown fields), every
-// tensor's byte range must match its dtype and shape, and the ranges must
-// cover the data exactly (no overlap, no gap, nothing after the last tensor).
+// Reading is strict: the header must be well-formed UTF-8 JSON of that shape
+// (no duplicate keys, no unknown fields, at most 100 MiB), every tensor's byte
+// range must match its dtype and shape, and the ranges must cover the data
+// exactly (no overlap, no gap, nothing after the last tensor), as the
+// reference implementation requires.
+//
 // Only F32 tensors are read and written. Errors name the file and the problem:
 // DATA_LOSS for a truncated or malformed file, INVALID_ARGUMENT for a file
 // that does not fit the parameters (a missing tensor, a shape or dtype
