@@ -1,0 +1,394 @@
+#!/usr/bin/env bash
+# Quick, repeatable training-throughput comparison: aidn vs PyTorch, measured
+# in the same run, interleaved.
+#
+#   bench/train_quick.sh            # ~3-6 minutes on an idle 2-core machine
+#
+# Cases: Fashion-MNIST, batch 64 per rank, SGD lr 0.05 momentum 0.9, seed 1:
+#   MLP 784-256-256-10 and the small CNN, each on 1 rank x 1 thread and on
+#   2 ranks x 1 thread (DDP over gloo on both sides).
+#
+# aidn: one real coordinator and two real workers (1 CPU slot each) on
+#   loopback, started once; each measurement is a job submitted with aidnctl.
+#   Throughput comes from rank 0's per-step metric records (there is no
+#   metrics command in aidnctl yet, so they are read straight from the
+#   coordinator's SQLite file, read-only): each record carries the wall-clock
+#   time at the end of its step. Throughput = global samples of the steps in
+#   the window / wall time of the window, where the window is every step
+#   after the first 10 %, and a step interval that crosses an epoch boundary
+#   (it holds the test-set evaluation) is left out. The ~20 step lines of
+#   rank 0's log give a cross-check (median of the logged step times) and,
+#   with the records, the allreduce share of the step.
+# torch: bench/torch_peer.py, the same model, optimizer, batch and window,
+#   timed by a timestamp after every optimizer step; 2 ranks run as two
+#   processes launched directly (torchrun is broken here), DDP/gloo.
+#   OpenBLAS (OpenMP build) selected with LD_LIBRARY_PATH; flush-denormal on.
+#
+# Before every measurement the script waits until /proc/loadavg's 1-minute
+# value is below LOAD_MAX (polling up to LOAD_WAIT_S, and at most
+# WAIT_BUDGET_S over the whole run, so the run stays near 10 minutes); a
+# measurement that started on a busier machine is flagged in the output.
+#
+# Knobs (environment): REPS (3), MLP_STEPS (600), CNN_STEPS (60),
+# LOAD_MAX (1.0), LOAD_WAIT_S (120), WAIT_BUDGET_S (300), WARMUP_FRAC (0.1),
+# AIDN_BUILD (<repo>/build), TORCH_BLAS_DIR
+# (/usr/lib/x86_64-linux-gnu/openblas-openmp), RUN_DIR (a new /tmp dir),
+# KEEP_RUN_DIR (0: delete RUN_DIR at the end unless something failed).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${AIDN_BUILD:-$ROOT/build}
+REPS=${REPS:-3}
+MLP_STEPS=${MLP_STEPS:-600}
+CNN_STEPS=${CNN_STEPS:-60}
+LOAD_MAX=${LOAD_MAX:-1.0}
+LOAD_WAIT_S=${LOAD_WAIT_S:-120}
+WAIT_BUDGET_S=${WAIT_BUDGET_S:-300}
+WARMUP_FRAC=${WARMUP_FRAC:-0.1}
+TORCH_BLAS_DIR=${TORCH_BLAS_DIR:-/usr/lib/x86_64-linux-gnu/openblas-openmp}
+KEEP_RUN_DIR=${KEEP_RUN_DIR:-0}
+JOB_TIMEOUT_S=${JOB_TIMEOUT_S:-300}
+DATA_DIR=/usr/share/datasets/fashion-mnist
+BATCH=64
+PY=/usr/bin/python3  # the python3 first on PATH has no torch
+
+COORDINATOR=$BUILD/coordinator/aidn-coordinator
+WORKER=$BUILD/worker/aidn-worker
+AIDNCTL=$BUILD/aidnctl/aidnctl
+for bin in "$COORDINATOR" "$WORKER" "$AIDNCTL"; do
+  [[ -x $bin ]] || { echo "missing $bin (ninja -C $BUILD aidn-coordinator aidn-worker aidnctl)" >&2; exit 1; }
+done
+[[ -d $TORCH_BLAS_DIR ]] || { echo "missing $TORCH_BLAS_DIR (libopenblas0-openmp)" >&2; exit 1; }
+
+RUN_DIR=${RUN_DIR:-$(mktemp -d /tmp/aidn-train-quick.XXXXXX)}
+mkdir -p "$RUN_DIR/specs" "$RUN_DIR/torch"
+RESULTS=$RUN_DIR/results.jsonl
+: >"$RESULTS"
+FAILURES=0
+SCRIPT_START=$SECONDS
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# ------------------------------------------------------------------ cluster
+# aidn's processes get no LD_LIBRARY_PATH: they use the BLAS they link.
+PIDS=()
+cleanup() {
+  local pid
+  for pid in "${TORCH_PIDS[@]:-}"; do [[ -n $pid ]] && kill "$pid" 2>/dev/null || true; done
+  # Workers first (they stop their trainers), then the coordinator.
+  for pid in "${PIDS[@]:1}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]:1}"; do wait "$pid" 2>/dev/null || true; done
+  if [[ ${#PIDS[@]} -gt 0 ]]; then
+    kill "${PIDS[0]}" 2>/dev/null || true
+    wait "${PIDS[0]}" 2>/dev/null || true
+  fi
+  if [[ $KEEP_RUN_DIR == 1 || $FAILURES -gt 0 ]]; then
+    log "run directory kept: $RUN_DIR"
+  else
+    rm -rf "$RUN_DIR"
+  fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+STATE=$RUN_DIR/state
+env -u LD_LIBRARY_PATH "$COORDINATOR" --listen=127.0.0.1:0 --state-dir="$STATE" \
+  --addr-file="$RUN_DIR/addr" >"$RUN_DIR/coordinator.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do [[ -s $RUN_DIR/addr ]] && break; sleep 0.1; done
+[[ -s $RUN_DIR/addr && -s $STATE/admin.token ]] || {
+  FAILURES=1; echo "coordinator did not start; see $RUN_DIR/coordinator.log" >&2; exit 1; }
+AIDN_ADDR=$(cat "$RUN_DIR/addr")
+AIDN_TOKEN=$(cat "$STATE/admin.token")
+export AIDN_ADDR AIDN_TOKEN
+for w in 1 2; do
+  env -u LD_LIBRARY_PATH "$WORKER" --coordinator="$AIDN_ADDR" --token-file="$STATE/worker.token" \
+    --worker-id="w$w" --cpu-slots=1 --work-dir="$RUN_DIR/w$w" >"$RUN_DIR/worker-w$w.log" 2>&1 &
+  PIDS+=($!)
+done
+for _ in $(seq 100); do
+  alive=$("$AIDNCTL" -o json workers 2>/dev/null | grep -c '"state": "ALIVE"' || true)
+  [[ $alive -ge 2 ]] && break
+  sleep 0.1
+done
+[[ $alive -ge 2 ]] || { FAILURES=1; echo "workers did not register; see $RUN_DIR/worker-*.log" >&2; exit 1; }
+log "coordinator $AIDN_ADDR, workers w1 w2 (1 CPU slot each); run dir $RUN_DIR"
+
+# ------------------------------------------------------------- load waiting
+WAIT_SPENT=0
+LOAD_AT_START=0
+LOAD_OK=1
+WAITED=0
+wait_quiet() {
+  local start=$SECONDS load
+  while :; do
+    load=$(cut -d' ' -f1 /proc/loadavg)
+    if awk -v l="$load" -v m="$LOAD_MAX" 'BEGIN { exit !(l < m) }'; then LOAD_OK=1; break; fi
+    if (( SECONDS - start >= LOAD_WAIT_S || WAIT_SPENT + SECONDS - start >= WAIT_BUDGET_S )); then
+      LOAD_OK=0
+      break
+    fi
+    sleep 2
+  done
+  WAITED=$((SECONDS - start))
+  WAIT_SPENT=$((WAIT_SPENT + WAITED))
+  LOAD_AT_START=$load
+  if [[ $LOAD_OK == 0 ]]; then
+    log "load ${load} still >= ${LOAD_MAX} after ${WAITED}s (wait budget used ${WAIT_SPENT}s): measuring anyway"
+  fi
+}
+
+# --------------------------------------------------------------------- aidn
+# Reads rank 0's TRAIN records of the job's latest generation from the
+# coordinator's SQLite file (MetricRecord decoded by hand: python3-protobuf
+# has no generated module here) and rank 0's log, and prints one JSON line.
+AIDN_ANALYSIS=$(cat <<'PY'
+import json, re, sqlite3, statistics, struct, sys
+db, job, log_path, steps, world, batch, warm_frac = sys.argv[1:8]
+steps, world, batch, warm_frac = int(steps), int(world), int(batch), float(warm_frac)
+
+def varint(b, i):
+    r = s = 0
+    while True:
+        c = b[i]; i += 1; r |= (c & 0x7F) << s; s += 7
+        if c < 0x80:
+            return r, i
+
+def fields(b):
+    out, i = {}, 0
+    while i < len(b):
+        key, i = varint(b, i)
+        f, wt = key >> 3, key & 7
+        if wt == 0: v, i = varint(b, i)
+        elif wt == 1: v = struct.unpack_from("<d", b, i)[0]; i += 8
+        elif wt == 2:
+            n, i = varint(b, i); v = bytes(b[i:i + n]); i += n
+        elif wt == 5: v = struct.unpack_from("<f", b, i)[0]; i += 4
+        else: raise ValueError("wire type %d" % wt)
+        out[f] = v
+    return out
+
+con = sqlite3.connect("file:%s?mode=ro" % db, uri=True)
+rows = con.execute("SELECT record FROM metrics WHERE job_id = ? AND rank = 0 AND kind = 0",
+                   (job,)).fetchall()
+recs = []
+for (blob,) in rows:
+    f = fields(blob)
+    t = fields(f.get(13, b""))
+    recs.append(dict(step=f.get(2, 0), epoch=f.get(3, 0), gen=f.get(5, 0),
+                     step_s=f.get(8, 0.0), allreduce_s=f.get(9, 0.0),
+                     time=t.get(1, 0) + t.get(2, 0) * 1e-9))
+gen = max(r["gen"] for r in recs)
+by_step = {r["step"]: r for r in recs if r["gen"] == gen}
+missing = [k for k in range(1, steps + 1) if k not in by_step]
+if missing:
+    raise SystemExit("job %s: %d of %d step records missing" % (job, len(missing), steps))
+warm = min(steps - 1, max(1, round(warm_frac * steps)))
+wall, n, dts, step_s, ar_s = 0.0, 0, [], [], []
+for k in range(warm + 1, steps + 1):
+    a, b = by_step[k - 1], by_step[k]
+    step_s.append(b["step_s"]); ar_s.append(b["allreduce_s"])
+    if a["epoch"] != b["epoch"]:
+        continue  # holds the test-set evaluation after an epoch
+    wall += b["time"] - a["time"]; n += 1; dts.append(b["time"] - a["time"])
+res = dict(samples_per_s=n * batch * world / wall, window_steps=n, window_s=wall,
+           median_step_ms=statistics.median(dts) * 1e3,
+           median_samples_per_s=batch * world / statistics.median(dts),
+           compute_step_ms=statistics.median(step_s) * 1e3,
+           allreduce_ms=statistics.median(ar_s) * 1e3,
+           allreduce_share=sum(ar_s) / sum(step_s), generation=gen)
+# Cross-check from the log lines: "step N/M | loss L | T ms | S samples/s | allreduce A ms".
+logged = []
+with open(log_path) as lf:
+    for line in lf:
+        m = re.match(r"step (\d+)/\d+ \| loss \S+ \| ([\d.]+) ms \| \S+ samples/s \| allreduce ([\d.]+) ms", line)
+        if m and int(m.group(1)) > warm:
+            logged.append((float(m.group(2)), float(m.group(3))))
+if logged:
+    med = statistics.median(t for t, _ in logged)
+    res["log_lines"] = len(logged)
+    res["log_median_samples_per_s"] = batch * world / (med / 1e3)
+print(json.dumps(res))
+PY
+)
+
+run_aidn() {  # model world steps rep case
+  local model=$1 world=$2 steps=$3 rep=$4 case=$5
+  local spec=$RUN_DIR/specs/$model-w$world-r$rep.yaml
+  cat >"$spec" <<EOF
+name: quick-$model-w$world-r$rep
+world_size: $world
+threads_per_rank: 1
+device: cpu
+strategy: ddp
+model:
+  name: $model
+$([[ $model == mlp ]] && echo "  hidden_sizes: [256, 256]")
+dataset:
+  kind: fashion-mnist
+  dir: $DATA_DIR
+optimizer:
+  name: sgd
+  lr: 0.05
+  momentum: 0.9
+batch_size: $BATCH
+max_steps: $steps
+seed: 1
+EOF
+  wait_quiet
+  local job
+  job=$("$AIDNCTL" -o json submit -f "$spec" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4) || {
+    FAILURES=$((FAILURES + 1))
+    echo "aidnctl submit -f $spec failed" >&2
+    exit 1
+  }
+  local deadline=$((SECONDS + JOB_TIMEOUT_S)) state=""
+  while :; do
+    state=$("$AIDNCTL" -o json describe "$job" | grep -m1 -o '"state": "[A-Z_]*"' | cut -d'"' -f4 || true)
+    case $state in SUCCEEDED | FAILED | CANCELLED) break ;; esac
+    if ((SECONDS >= deadline)); then
+      "$AIDNCTL" cancel "$job" >/dev/null 2>&1 || true
+      state="TIMEOUT"
+      break
+    fi
+    sleep 0.5
+  done
+  local gen rank0_log
+  gen=$("$AIDNCTL" -o json describe "$job" | grep -m1 -o '"generation": "[0-9]*"' | cut -d'"' -f4 || true)
+  rank0_log=$(ls "$RUN_DIR"/w*/logs/"$job"/gen-"$gen"/rank-0.log 2>/dev/null | head -1 || true)
+  local stats=""
+  if [[ $state == SUCCEEDED ]]; then
+    stats=$($PY -c "$AIDN_ANALYSIS" "$STATE/coordinator.db" "$job" "$rank0_log" "$steps" \
+      "$world" "$BATCH" "$WARMUP_FRAC") || stats=""
+  fi
+  if [[ -z $stats ]]; then
+    FAILURES=$((FAILURES + 1))
+    log "aidn $case rep $rep: job $job ended $state; see $rank0_log"
+    [[ -n $rank0_log ]] && tail -5 "$rank0_log" >&2
+    stats='{}'
+  fi
+  printf '{"system": "aidn", "case": "%s", "rep": %d, "job": "%s", "state": "%s", "load1": %s, "load_ok": %d, "waited_s": %d, "stats": %s}\n' \
+    "$case" "$rep" "$job" "$state" "$LOAD_AT_START" "$LOAD_OK" "$WAITED" "$stats" >>"$RESULTS"
+  log "aidn  $case rep $rep: $(extract_rate "$stats") samples/s (job $job, load $LOAD_AT_START)"
+}
+
+# -------------------------------------------------------------------- torch
+TORCH_PIDS=()
+run_torch() {  # model world steps rep case
+  local model=$1 world=$2 steps=$3 rep=$4 case=$5
+  local port r ok=1
+  wait_quiet
+  port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  TORCH_PIDS=()
+  for ((r = 0; r < world; r++)); do
+    LD_LIBRARY_PATH=$TORCH_BLAS_DIR OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      WORLD_SIZE=$world RANK=$r timeout "$JOB_TIMEOUT_S" $PY "$ROOT/bench/torch_peer.py" \
+      --model "$model" --world "$world" --steps "$steps" --threads 1 --batch "$BATCH" \
+      --lr 0.05 --momentum 0.9 --seed 1 --warmup-frac "$WARMUP_FRAC" --data "$DATA_DIR" \
+      >"$RUN_DIR/torch/$model-w$world-r$rep-rank$r.log" 2>&1 &
+    TORCH_PIDS+=($!)
+  done
+  for r in "${TORCH_PIDS[@]}"; do wait "$r" || ok=0; done
+  TORCH_PIDS=()
+  local stats
+  stats=$(grep -m1 '^RESULT ' "$RUN_DIR/torch/$model-w$world-r$rep-rank0.log" | cut -d' ' -f2- || true)
+  if [[ $ok == 0 || -z $stats ]]; then
+    FAILURES=$((FAILURES + 1))
+    log "torch $case rep $rep failed; see $RUN_DIR/torch/$model-w$world-r$rep-rank*.log"
+    tail -5 "$RUN_DIR/torch/$model-w$world-r$rep-rank0.log" >&2 || true
+    stats='{}'
+  fi
+  printf '{"system": "torch", "case": "%s", "rep": %d, "load1": %s, "load_ok": %d, "waited_s": %d, "stats": %s}\n' \
+    "$case" "$rep" "$LOAD_AT_START" "$LOAD_OK" "$WAITED" "$stats" >>"$RESULTS"
+  log "torch $case rep $rep: $(extract_rate "$stats") samples/s (load $LOAD_AT_START)"
+}
+
+extract_rate() { grep -o '"samples_per_s": [0-9.]*' <<<"$1" | head -1 | awk '{printf "%.0f", $2}'; }
+
+# --------------------------------------------------------------------- runs
+CASES=("mlp 1 $MLP_STEPS" "mlp 2 $MLP_STEPS" "cnn 1 $CNN_STEPS" "cnn 2 $CNN_STEPS")
+for ((rep = 1; rep <= REPS; rep++)); do
+  for c in "${CASES[@]}"; do
+    read -r model world steps <<<"$c"
+    name="$model ${world}r x 1t"
+    # Alternate which side goes first, so a drift in background load does
+    # not always favour the same side.
+    if ((rep % 2 == 1)); then
+      run_aidn "$model" "$world" "$steps" "$rep" "$name"
+      run_torch "$model" "$world" "$steps" "$rep" "$name"
+    else
+      run_torch "$model" "$world" "$steps" "$rep" "$name"
+      run_aidn "$model" "$world" "$steps" "$rep" "$name"
+    fi
+  done
+done
+
+# ------------------------------------------------------------------ summary
+AIDN_BLAS=$(env -u LD_LIBRARY_PATH ldd "$WORKER" | awk '/blas|lapack/ { print $3 }' |
+  xargs -r readlink -f | sort -u | paste -sd' ')
+$PY - "$RESULTS" "$AIDN_BLAS" "$REPS" "$MLP_STEPS" "$CNN_STEPS" "$WARMUP_FRAC" \
+  "$LOAD_MAX" "$((SECONDS - SCRIPT_START))" <<'PY'
+import json, statistics, sys
+path, aidn_blas, reps, mlp_steps, cnn_steps, warm, load_max, elapsed = sys.argv[1:9]
+runs = [json.loads(l) for l in open(path)]
+cases = []
+for r in runs:
+    if r["case"] not in cases:
+        cases.append(r["case"])
+
+def rates(system, case, key="samples_per_s"):
+    return [r["stats"][key] for r in runs
+            if r["system"] == system and r["case"] == case and key in r["stats"]]
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+print()
+print("Training throughput, global samples/s (median of %s runs; batch 64/rank; MLP %s steps, "
+      "CNN %s steps; first %.0f %% of steps left out)" % (reps, mlp_steps, cnn_steps, 100 * float(warm)))
+print()
+hdr = "%-14s | %14s | %15s | %10s" % ("case", "aidn samples/s", "torch samples/s", "aidn/torch")
+print(hdr)
+print("-" * len(hdr))
+for c in cases:
+    a, t = med(rates("aidn", c)), med(rates("torch", c))
+    print("%-14s | %14.0f | %15.0f | %10.2f" % (c, a, t, a / t if t else float("nan")))
+print()
+print("Runs (samples/s, in order):")
+for c in cases:
+    print("  %-14s aidn %s | torch %s" % (
+        c, " ".join("%.0f" % x for x in rates("aidn", c)),
+        " ".join("%.0f" % x for x in rates("torch", c))))
+print("Cross-checks (medians):")
+for c in cases:
+    a_med = med(rates("aidn", c, "median_samples_per_s"))
+    a_log = med(rates("aidn", c, "log_median_samples_per_s"))
+    t_med = med(rates("torch", c, "median_samples_per_s"))
+    share = med(rates("aidn", c, "allreduce_share"))
+    ar = med(rates("aidn", c, "allreduce_ms"))
+    st = med(rates("aidn", c, "compute_step_ms"))
+    line = ("  %-14s from the median step: aidn %.0f (log lines: %.0f), torch %.0f"
+            % (c, a_med, a_log, t_med))
+    if "2r" in c:
+        line += "; aidn allreduce %.2f ms of a %.2f ms step (%.0f %%)" % (ar, st, 100 * share)
+    print(line)
+torch_blas = next((r["stats"].get("blas") for r in runs
+                   if r["system"] == "torch" and r["stats"].get("blas")), [])
+conv = next((r["stats"].get("conv_backend") for r in runs
+             if r["system"] == "torch" and r["stats"].get("conv_backend")), "?")
+tver = next((r["stats"].get("torch") for r in runs
+             if r["system"] == "torch" and r["stats"].get("torch")), "?")
+print()
+print("BLAS: aidn   %s (linear and im2col conv via cblas_sgemm; 1 thread)" % (aidn_blas or "?"))
+print("      torch  %s %s (linear); conv backend %s (oneDNN); 1 thread; flush-denormal on"
+      % (tver, " ".join(torch_blas) or "?", conv))
+busy = [r for r in runs if not r["load_ok"]]
+loads = [r["load1"] for r in runs]
+print("Load: 1-min loadavg at measurement start %.2f-%.2f; %d of %d measurements started at or "
+      "above %s after waiting; script ran %s s"
+      % (min(loads), max(loads), len(busy), len(runs), load_max, elapsed))
+failed = [r for r in runs if "samples_per_s" not in r["stats"]]
+if failed:
+    print("FAILED runs: %d (see the log above)" % len(failed))
+PY
+exit $((FAILURES > 0))
