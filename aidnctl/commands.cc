@@ -103,12 +103,13 @@ absl::Status RpcError(const grpc::Status& status, const std::string& address,
   return absl::Status(code, what);
 }
 
-absl::Status RunSubmit(const CommandEnv& env, const std::string& path) {
+absl::Status RunSubmit(const CommandEnv& env, const std::string& path, std::string* job_id) {
   v1::SubmitJobRequest request;
   AIDN_ASSIGN_OR_RETURN(*request.mutable_spec(), ReadJobSpec(path, *env.in));
   v1::SubmitJobResponse response;
   AIDN_RETURN_IF_ERROR(Call(env, &Stub::SubmitJob, request, &response,
                             /*invalid_argument_prefix=*/"invalid job spec: "));
+  if (job_id != nullptr) *job_id = response.job().id();
   return Print(env, response, [&]() -> absl::StatusOr<std::string> {
     return absl::StrCat("submitted ", response.job().id(), "\n");
   });
@@ -198,6 +199,7 @@ std::string VersionText(OutputFormat format) {
     case OutputFormat::kYaml:
       return JsonToYaml(json);
     case OutputFormat::kTable:
+    case OutputFormat::kCsv:  // refused by main
       break;
   }
   return absl::StrCat("aidnctl ", AIDN_VERSION, "\n");
@@ -255,11 +257,7 @@ std::string BashCompletionScript(const std::vector<CompletionFlag>& global_flags
     return absl::StrJoin(out, " ");
   };
   std::vector<std::string> command_names;
-  std::vector<CompletionFlag> value_flags = global_flags;
-  for (const CompletionCommand& command : commands) {
-    command_names.push_back(command.name);
-    value_flags.insert(value_flags.end(), command.flags.begin(), command.flags.end());
-  }
+  for (const CompletionCommand& command : commands) command_names.push_back(command.name);
   std::vector<std::string> states;
   for (int i = v1::Job::State_MIN; i <= v1::Job::State_MAX; ++i) {
     if (i != v1::Job::STATE_UNSPECIFIED && v1::Job::State_IsValid(i)) {
@@ -271,8 +269,30 @@ std::string BashCompletionScript(const std::vector<CompletionFlag>& global_flags
     std::replace(out.begin(), out.end(), ' ', '|');
     return out;
   };
+  // Case patterns "<command>:<flag>" for the word before the cursor; the
+  // command is "" before one is given, and global flags go anywhere.
+  auto patterns = [](const std::string& command, const std::vector<CompletionFlag>& flags,
+                     bool (*wanted)(const CompletionFlag&)) {
+    std::vector<std::string> out;
+    for (const CompletionFlag& flag : flags) {
+      if (!wanted(flag)) continue;
+      for (const std::string& name : flag.names) out.push_back(absl::StrCat(command, ":", name));
+    }
+    return out;
+  };
+  const auto file_flag = [](const CompletionFlag& flag) { return flag.takes_file; };
+  const auto value_flag = [](const CompletionFlag& flag) { return flag.takes_value; };
+  std::vector<std::string> file_patterns = patterns("*", global_flags, file_flag);
+  std::vector<std::string> value_patterns = patterns("*", global_flags, value_flag);
+  for (const CompletionCommand& command : commands) {
+    for (std::string& p : patterns(command.name, command.flags, file_flag)) {
+      file_patterns.push_back(std::move(p));
+    }
+    for (std::string& p : patterns(command.name, command.flags, value_flag)) {
+      value_patterns.push_back(std::move(p));
+    }
+  }
   const std::string global_value_flags = names(global_flags, true);
-  const std::string all_value_flags = names(value_flags, true);
 
   std::string script = absl::StrCat(
       "# bash completion for aidnctl.\n"
@@ -286,20 +306,9 @@ std::string BashCompletionScript(const std::vector<CompletionFlag>& global_flags
       "  local global_flags=\"",
       names(global_flags, false),
       "\"\n"
-      "  case \"$prev\" in\n"
-      "    -o|--output) COMPREPLY=($(compgen -W \"table json yaml\" -- \"$cur\")); return ;;\n"
-      "    --state) COMPREPLY=($(compgen -W \"",
-      absl::StrJoin(states, " "),
-      "\" -- \"$cur\")); return ;;\n"
-      "    -f|--file) COMPREPLY=($(compgen -f -- \"$cur\")); return ;;\n");
-  if (!all_value_flags.empty()) {
-    absl::StrAppend(&script, "    ", alternatives(all_value_flags), ") return ;;\n");
-  }
-  absl::StrAppend(&script,
-                  "  esac\n"
-                  "  local cmd=\"\" i\n"
-                  "  for ((i = 1; i < COMP_CWORD; i++)); do\n"
-                  "    case \"${COMP_WORDS[i]}\" in\n");
+      "  local cmd=\"\" i\n"
+      "  for ((i = 1; i < COMP_CWORD; i++)); do\n"
+      "    case \"${COMP_WORDS[i]}\" in\n");
   if (!global_value_flags.empty()) {
     absl::StrAppend(&script, "      ", alternatives(global_value_flags), ") ((i++)) ;;\n");
   }
@@ -308,6 +317,23 @@ std::string BashCompletionScript(const std::vector<CompletionFlag>& global_flags
                   "      *) cmd=\"${COMP_WORDS[i]}\"; break ;;\n"
                   "    esac\n"
                   "  done\n"
+                  "  case \"$cmd:$prev\" in\n");
+  if (!file_patterns.empty()) {
+    absl::StrAppend(&script, "    ", absl::StrJoin(file_patterns, "|"),
+                    ") COMPREPLY=($(compgen -f -- \"$cur\")); return ;;\n");
+  }
+  absl::StrAppend(
+      &script,
+      "    metrics:-o|metrics:--output) COMPREPLY=($(compgen -W \"table json yaml csv\" -- "
+      "\"$cur\")); return ;;\n"
+      "    *:-o|*:--output) COMPREPLY=($(compgen -W \"table json yaml\" -- \"$cur\")); return ;;\n"
+      "    *:--state) COMPREPLY=($(compgen -W \"",
+      absl::StrJoin(states, " "), "\" -- \"$cur\")); return ;;\n");
+  if (!value_patterns.empty()) {
+    absl::StrAppend(&script, "    ", absl::StrJoin(value_patterns, "|"), ") return ;;\n");
+  }
+  absl::StrAppend(&script,
+                  "  esac\n"
                   "  if [[ -z \"$cmd\" ]]; then\n"
                   "    if [[ \"$cur\" == -* ]]; then\n"
                   "      COMPREPLY=($(compgen -W \"$global_flags\" -- \"$cur\"))\n"

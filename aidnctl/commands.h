@@ -69,8 +69,10 @@ struct EventsOptions {
 };
 
 // Table output: "submitted <job-id>"; JSON/YAML: the SubmitJobResponse.
-// `path` "-" reads the spec from env.in.
-absl::Status RunSubmit(const CommandEnv& env, const std::string& path);
+// `path` "-" reads the spec from env.in. `job_id`, if given, receives the new
+// job's ID.
+absl::Status RunSubmit(const CommandEnv& env, const std::string& path,
+                       std::string* job_id = nullptr);
 // Table output: JobsTable; JSON/YAML: one ListJobsResponse holding every job
 // fetched, with the next_page_token of the last page read.
 absl::Status RunList(const CommandEnv& env, const ListOptions& options);
@@ -111,14 +113,18 @@ absl::StatusOr<std::chrono::milliseconds> ParseTimeout(absl::string_view text);
 struct CompletionFlag {
   std::vector<std::string> names;  // "-o", "--output"
   bool takes_value = false;
+  // Its value is a path (completed as file names).
+  bool takes_file = false;
 };
 struct CompletionCommand {
   std::string name;
   std::vector<CompletionFlag> flags;
 };
 // A bash completion script (`source <(aidnctl completion bash)`) completing
-// commands, their flags and the values of --output, --state, --file and
-// `completion`.
+// commands, their flags, file names for flags that take_file, the values of
+// --output (csv for metrics too) and --state, and the shell of `completion`.
+// A command's own flag comes before a global flag of the same name (plot's
+// -o is its output file).
 std::string BashCompletionScript(const std::vector<CompletionFlag>& global_flags,
                                  const std::vector<CompletionCommand>& commands);
 

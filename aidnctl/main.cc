@@ -2,10 +2,15 @@
 // command line and calls the command functions of aidnctl_lib (commands.h).
 //
 // Exit status: 0 on success, 1 when a command fails (coordinator unreachable
-// or answering with an error, a bad job spec or config file), 2 for a usage
-// error. Every failure is one line on stderr: "aidnctl: error: <what>".
+// or answering with an error, a bad job spec or config file; for `watch` and
+// `submit --watch` also a job that FAILED or was CANCELLED), 2 for a usage
+// error, 130 for Ctrl-C during a live watch. Every failure is one line on
+// stderr: "aidnctl: error: <what>".
+
+#include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -14,7 +19,10 @@
 #include "CLI/CLI.hpp"
 #include "aidnctl/commands.h"
 #include "aidnctl/config.h"
+#include "aidnctl/metrics.h"
 #include "aidnctl/output.h"
+#include "aidnctl/plot.h"
+#include "aidnctl/watch.h"
 
 namespace {
 
@@ -57,6 +65,7 @@ std::vector<ctl::CompletionFlag> FlagsOf(const CLI::App* app) {
     for (const std::string& name : option->get_snames()) flag.names.push_back("-" + name);
     for (const std::string& name : option->get_lnames()) flag.names.push_back("--" + name);
     flag.takes_value = option->get_type_size() > 0;
+    flag.takes_file = option->get_type_name().rfind("FILE", 0) == 0;
     flags.push_back(std::move(flag));
   }
   return flags;
@@ -79,16 +88,25 @@ int main(int argc, char** argv) {
                      "Coordinator HOST:PORT (else $AIDN_ADDR, the config file, 127.0.0.1:7070)");
   CLI::Option* token_flag =
       app.add_option("--token", token, "Bearer token (else $AIDN_TOKEN, the config file)");
-  app.add_option("-o,--output", output, "Output format: table, json or yaml")
+  app.add_option("-o,--output", output, "Output format: table, json or yaml (metrics: csv too)")
       ->check(Check(ctl::ParseOutputFormat, "FORMAT"))
       ->capture_default_str();
   app.add_option("--timeout", timeout, "Deadline of each call: 30s, 500ms, 2m")
       ->check(Check(ctl::ParseTimeout, "DURATION"))
       ->capture_default_str();
 
-  std::string spec_path;
+  std::string spec_path, reconnect_timeout = "5m";
+  bool submit_watch = false;
   CLI::App* submit = app.add_subcommand("submit", "Submit a job spec (YAML or JSON)");
-  submit->add_option("-f,--file", spec_path, "The job spec file; - reads stdin")->required();
+  submit->add_option("-f,--file", spec_path, "The job spec file; - reads stdin")
+      ->required()
+      ->type_name("FILE");
+  submit->add_flag("--watch", submit_watch, "Then watch the job as `aidnctl watch` does");
+  submit
+      ->add_option("--reconnect-timeout", reconnect_timeout,
+                   "With --watch: give up when the coordinator is gone this long")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
 
   std::vector<std::string> states, labels;
   int list_limit = 100;
@@ -124,6 +142,54 @@ int main(int argc, char** argv) {
   CLI::App* checkpoints = app.add_subcommand("checkpoints", "List a job's checkpoints");
   checkpoints->add_option("job", job_id, "Job ID")->required();
 
+  ctl::WatchOptions watch_options;
+  CLI::App* watch = app.add_subcommand(
+      "watch",
+      "Follow a job until it ends: progress and ETA, loss, samples/s, slowest rank, allreduce "
+      "share, checkpoints, evaluations, events. Redraws in place on a terminal, else appends "
+      "lines. Exit status 0 if the job succeeded, 1 if it failed or was cancelled");
+  watch->add_option("job", watch_options.job_id, "Job ID")->required();
+  watch
+      ->add_option("--from-step", watch_options.from_step,
+                   "Show step metrics from this step on (default: all)")
+      ->check(kNotNegative);
+  watch
+      ->add_option("--reconnect-timeout", reconnect_timeout,
+                   "Give up when the coordinator is gone this long")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
+
+  ctl::MetricsOptions metrics_options;
+  CLI::App* metrics = app.add_subcommand(
+      "metrics", "Print a job's step metrics: -o table (default), csv, json or yaml");
+  metrics->add_option("job", metrics_options.job_id, "Job ID")->required();
+  metrics->add_option("--from", metrics_options.from_step, "From this step (default: the first)")
+      ->check(kNotNegative);
+  metrics
+      ->add_option("--to", metrics_options.to_step, "To this step, inclusive (default: the last)")
+      ->check(kNotNegative);
+
+  ctl::PlotOptions plot_options;
+  CLI::App* plot = app.add_subcommand(
+      "plot",
+      "Draw a job's training loss (and test accuracy) against step as a PNG with gnuplot "
+      "(Debian package gnuplot-nox). Here -o/--output names the PNG file; the global output "
+      "format does not apply");
+  plot->add_option("job", plot_options.job_id, "Job ID")->required();
+  plot->add_option("-o,--output", plot_options.output_path, "The PNG file to write")
+      ->required()
+      ->type_name("FILE");
+  plot->add_option("--from", plot_options.from_step, "From this step (default: the first)")
+      ->check(kNotNegative);
+  plot->add_option("--to", plot_options.to_step, "To this step, inclusive (default: the last)")
+      ->check(kNotNegative);
+  plot->add_option("--width", plot_options.width, "Image width in pixels")
+      ->check(CLI::Range(100, 10000))
+      ->capture_default_str();
+  plot->add_option("--height", plot_options.height, "Image height in pixels")
+      ->check(CLI::Range(100, 10000))
+      ->capture_default_str();
+
   std::string shell;
   CLI::App* completion = app.add_subcommand("completion", "Print a shell completion script");
   completion->add_option("shell", shell, "Shell: bash")->required()->check(CLI::IsMember({"bash"}));
@@ -154,6 +220,22 @@ int main(int argc, char** argv) {
   options.format = *ctl::ParseOutputFormat(output);  // checked by the validators
   options.timeout = *ctl::ParseTimeout(timeout);
 
+  const bool watching = *watch || (*submit && submit_watch);
+  if (options.format == ctl::OutputFormat::kCsv && !*metrics && !*completion) {
+    return Fail("-o csv is only for `aidnctl metrics`; use table, json or yaml here", kExitUsage);
+  }
+  if (watching && options.format != ctl::OutputFormat::kTable) {
+    return Fail("watching prints for people, -o " + output +
+                    " does not apply (for data: aidnctl metrics JOB -o json)",
+                kExitUsage);
+  }
+  const char* term = std::getenv("TERM");
+  watch_options.live =
+      isatty(STDOUT_FILENO) == 1 && !(term != nullptr && std::strcmp(term, "dumb") == 0);
+  watch_options.hide_cursor = watch_options.live;
+  watch_options.width = [] { return ctl::TerminalWidth(STDOUT_FILENO); };
+  watch_options.reconnect_timeout = *ctl::ParseTimeout(reconnect_timeout);
+
   if (*version) {
     std::cout << ctl::VersionText(options.format);
     return 0;
@@ -183,7 +265,8 @@ int main(int argc, char** argv) {
 
   absl::Status status;
   if (*submit) {
-    status = ctl::RunSubmit(env, spec_path);
+    status = ctl::RunSubmit(env, spec_path, &watch_options.job_id);
+    if (status.ok() && submit_watch) status = ctl::RunWatch(env, watch_options);
   } else if (*list) {
     ctl::ListOptions list_options;
     for (const std::string& state : states)
@@ -201,6 +284,12 @@ int main(int argc, char** argv) {
     status = ctl::RunEvents(env, events_options);
   } else if (*checkpoints) {
     status = ctl::RunCheckpoints(env, job_id);
+  } else if (*watch) {
+    status = ctl::RunWatch(env, watch_options);
+  } else if (*metrics) {
+    status = ctl::RunMetrics(env, metrics_options);
+  } else if (*plot) {
+    status = ctl::RunPlot(env, plot_options);
   }
   if (!status.ok()) return Fail(std::string(status.message()), kExitFailure);
   return 0;

@@ -45,8 +45,9 @@ absl::StatusOr<OutputFormat> ParseOutputFormat(absl::string_view text) {
   if (lower == "table") return OutputFormat::kTable;
   if (lower == "json") return OutputFormat::kJson;
   if (lower == "yaml") return OutputFormat::kYaml;
+  if (lower == "csv") return OutputFormat::kCsv;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown output format \"", text, "\" (table, json or yaml)"));
+      absl::StrCat("unknown output format \"", text, "\" (table, json or yaml; csv for metrics)"));
 }
 
 std::string StateName(v1::Job::State state) {
@@ -255,6 +256,9 @@ absl::StatusOr<std::string> FormatMessage(const google::protobuf::Message& messa
       return MessageToJson(message);
     case OutputFormat::kYaml:
       return MessageToYaml(message);
+    case OutputFormat::kCsv:
+      return absl::InvalidArgumentError(
+          "-o csv is only for `aidnctl metrics`; use table, json or yaml here");
     case OutputFormat::kTable:
       break;
   }

@@ -21,9 +21,10 @@
 
 namespace aidn::ctl {
 
-enum class OutputFormat { kTable, kJson, kYaml };
+// kCsv is for `aidnctl metrics` only; other commands refuse it.
+enum class OutputFormat { kTable, kJson, kYaml, kCsv };
 
-// "table", "json" or "yaml", in any case.
+// "table", "json", "yaml" or "csv", in any case.
 absl::StatusOr<OutputFormat> ParseOutputFormat(absl::string_view text);
 
 // "RUNNING"; "UNKNOWN" for STATE_UNSPECIFIED and values this build lacks.
@@ -61,7 +62,8 @@ std::string CheckpointsTable(const google::protobuf::RepeatedPtrField<v1::Checkp
 // "Key: value" lines, the spec as YAML and the placement table.
 absl::StatusOr<std::string> DescribeJob(const v1::Job& job, absl::Time now);
 
-// `message` as JSON or YAML; kTable is a programmer error (INTERNAL).
+// `message` as JSON or YAML; kTable is a programmer error (INTERNAL), kCsv
+// INVALID_ARGUMENT (only `aidnctl metrics` writes CSV).
 absl::StatusOr<std::string> FormatMessage(const google::protobuf::Message& message,
                                           OutputFormat format);
 

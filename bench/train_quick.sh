@@ -10,10 +10,9 @@
 #
 # aidn: one real coordinator and two real workers (1 CPU slot each) on
 #   loopback, started once; each measurement is a job submitted with aidnctl.
-#   Throughput comes from rank 0's per-step metric records (there is no
-#   metrics command in aidnctl yet, so they are read straight from the
-#   coordinator's SQLite file, read-only): each record carries the wall-clock
-#   time at the end of its step. Throughput = global samples of the steps in
+#   Throughput comes from the job's per-step metrics (`aidnctl metrics -o
+#   csv`, the coordinator's combination of the ranks' records): each step
+#   carries the wall-clock time its last rank finished it. Throughput = global samples of the steps in
 #   the window / wall time of the window, where the window is every step
 #   after the first 10 %, and a step interval that crosses an epoch boundary
 #   (it holds the test-set evaluation) is left out. The ~20 step lines of
@@ -93,7 +92,7 @@ trap 'exit 130' INT TERM
 
 STATE=$RUN_DIR/state
 env -u LD_LIBRARY_PATH "$COORDINATOR" --listen=127.0.0.1:0 --state-dir="$STATE" \
-  --addr-file="$RUN_DIR/addr" >"$RUN_DIR/coordinator.log" 2>&1 &
+  --addr-file="$RUN_DIR/addr" --metrics-addr=127.0.0.1:0 >"$RUN_DIR/coordinator.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 100); do [[ -s $RUN_DIR/addr ]] && break; sleep 0.1; done
 [[ -s $RUN_DIR/addr && -s $STATE/admin.token ]] || {
@@ -103,7 +102,7 @@ AIDN_TOKEN=$(cat "$STATE/admin.token")
 export AIDN_ADDR AIDN_TOKEN
 for w in 1 2; do
   env -u LD_LIBRARY_PATH "$WORKER" --coordinator="$AIDN_ADDR" --token-file="$STATE/worker.token" \
-    --worker-id="w$w" --cpu-slots=1 --work-dir="$RUN_DIR/w$w" >"$RUN_DIR/worker-w$w.log" 2>&1 &
+    --worker-id="w$w" --cpu-slots=1 --work-dir="$RUN_DIR/w$w" --metrics-addr=127.0.0.1:0 >"$RUN_DIR/worker-w$w.log" 2>&1 &
   PIDS+=($!)
 done
 for _ in $(seq 100); do
@@ -139,45 +138,21 @@ wait_quiet() {
 }
 
 # --------------------------------------------------------------------- aidn
-# Reads rank 0's TRAIN records of the job's latest generation from the
-# coordinator's SQLite file (MetricRecord decoded by hand: python3-protobuf
-# has no generated module here) and rank 0's log, and prints one JSON line.
+# Reads the job's TRAIN steps of its latest generation (`aidnctl metrics -o
+# csv` on stdin) and rank 0's log, and prints one JSON line.
 AIDN_ANALYSIS=$(cat <<'PY'
-import json, re, sqlite3, statistics, struct, sys
-db, job, log_path, steps, world, batch, warm_frac = sys.argv[1:8]
+import csv, datetime, json, re, statistics, sys
+log_path, steps, world, batch, warm_frac = sys.argv[1:6]
 steps, world, batch, warm_frac = int(steps), int(world), int(batch), float(warm_frac)
 
-def varint(b, i):
-    r = s = 0
-    while True:
-        c = b[i]; i += 1; r |= (c & 0x7F) << s; s += 7
-        if c < 0x80:
-            return r, i
-
-def fields(b):
-    out, i = {}, 0
-    while i < len(b):
-        key, i = varint(b, i)
-        f, wt = key >> 3, key & 7
-        if wt == 0: v, i = varint(b, i)
-        elif wt == 1: v = struct.unpack_from("<d", b, i)[0]; i += 8
-        elif wt == 2:
-            n, i = varint(b, i); v = bytes(b[i:i + n]); i += n
-        elif wt == 5: v = struct.unpack_from("<f", b, i)[0]; i += 4
-        else: raise ValueError("wire type %d" % wt)
-        out[f] = v
-    return out
-
-con = sqlite3.connect("file:%s?mode=ro" % db, uri=True)
-rows = con.execute("SELECT record FROM metrics WHERE job_id = ? AND rank = 0 AND kind = 0",
-                   (job,)).fetchall()
 recs = []
-for (blob,) in rows:
-    f = fields(blob)
-    t = fields(f.get(13, b""))
-    recs.append(dict(step=f.get(2, 0), epoch=f.get(3, 0), gen=f.get(5, 0),
-                     step_s=f.get(8, 0.0), allreduce_s=f.get(9, 0.0),
-                     time=t.get(1, 0) + t.get(2, 0) * 1e-9))
+for row in csv.DictReader(sys.stdin):
+    if row["kind"] != "TRAIN":
+        continue
+    t = datetime.datetime.fromisoformat(row["time"].replace("Z", "+00:00")).timestamp()
+    recs.append(dict(step=int(row["step"]), epoch=int(row["epoch"]), gen=int(row["generation"]),
+                     step_s=float(row["step_seconds"]), allreduce_s=float(row["allreduce_seconds"]),
+                     time=t))
 gen = max(r["gen"] for r in recs)
 by_step = {r["step"]: r for r in recs if r["gen"] == gen}
 missing = [k for k in range(1, steps + 1) if k not in by_step]
@@ -258,8 +233,8 @@ EOF
   rank0_log=$(ls "$RUN_DIR"/w*/logs/"$job"/gen-"$gen"/rank-0.log 2>/dev/null | head -1 || true)
   local stats=""
   if [[ $state == SUCCEEDED ]]; then
-    stats=$($PY -c "$AIDN_ANALYSIS" "$STATE/coordinator.db" "$job" "$rank0_log" "$steps" \
-      "$world" "$BATCH" "$WARMUP_FRAC") || stats=""
+    stats=$("$AIDNCTL" metrics "$job" -o csv |
+      $PY -c "$AIDN_ANALYSIS" "$rank0_log" "$steps" "$world" "$BATCH" "$WARMUP_FRAC") || stats=""
   fi
   if [[ -z $stats ]]; then
     FAILURES=$((FAILURES + 1))

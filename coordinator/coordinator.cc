@@ -76,6 +76,8 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Stor
     : options_(options),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
       auth_(auth),
+      own_registry_(options.registry == nullptr ? std::make_unique<metrics::Registry>() : nullptr),
+      metrics_(options.registry != nullptr ? options.registry : own_registry_.get()),
       store_(std::move(store)) {}
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const CoordinatorOptions& options,
@@ -89,6 +91,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
     absl::MutexLock lock(&c->mu_);
     AIDN_RETURN_IF_ERROR(c->Load());
   }
+  // The hook calls into the coordinator: whoever serves the registry stops
+  // before the coordinator goes (see main.cc).
+  Coordinator* raw = c.get();
+  c->metrics_.registry->AddCollectHook([raw] { raw->CollectMetrics(); });
   return c;
 }
 
@@ -175,7 +181,11 @@ void Coordinator::StartTicker(milliseconds interval) {
   ticker_stop_ = std::make_unique<absl::Notification>();
   absl::Notification* stop = ticker_stop_.get();
   ticker_ = std::thread([this, stop, interval]() {
-    while (!stop->WaitForNotificationWithTimeout(absl::FromChrono(interval))) Tick();
+    while (!stop->WaitForNotificationWithTimeout(absl::FromChrono(interval))) {
+      Tick();
+      FlushSteps();
+    }
+    FlushSteps();
   });
 }
 
@@ -191,7 +201,66 @@ void Coordinator::Tick() {
   absl::MutexLock lock(&mu_);
   CheckTimeouts(&deferred);
   Schedule(&deferred);
+  const Clock::TimePoint now = clock_->Now();
+  for (auto& [id, entry] : jobs_) {
+    if (entry->steps == nullptr) continue;
+    const int64_t before = entry->steps->last_seq();
+    entry->steps->Expire(now, /*everything=*/false);
+    if (entry->steps->last_seq() != before) NotifyWatchers(id, &deferred);
+    // A finished job's steps are all in the store; past the retention
+    // period, watchers read them back from there.
+    if (IsTerminal(entry->stored.job.state()) && !entry->steps->has_unstored() &&
+        entry->stored_seq == entry->steps->last_seq() && PastRetention(entry->stored.job)) {
+      entry->steps.reset();
+    }
+  }
   // `deferred` runs after the lock is released (declared first, destroyed last).
+}
+
+void Coordinator::FlushSteps() {
+  absl::MutexLock flush(&flush_mu_);
+  FlushStepsLocked();
+}
+
+void Coordinator::FlushStepsLocked() {
+  std::vector<Store::JobStep> batch;
+  batch.swap(failed_steps_);
+  std::vector<std::pair<std::string, int64_t>> taken;
+  taken.swap(failed_taken_);
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, entry] : jobs_) {
+      if (entry->steps == nullptr || !entry->steps->has_unstored()) continue;
+      std::vector<v1::StepMetrics> steps;
+      const int64_t seq = entry->steps->TakeUnstored(&steps);
+      for (v1::StepMetrics& step : steps) batch.push_back({id, std::move(step)});
+      taken.emplace_back(id, seq);
+    }
+  }
+  if (batch.empty()) return;
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = store_->PutSteps(batch);
+  metrics_.store_batch_seconds.Observe(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  if (!s.ok()) {
+    // Kept for the next flush; watchers still get them from memory.
+    constexpr size_t kMaxFailed = 1'000'000;
+    if (batch.size() > kMaxFailed) {
+      metrics_.records_dropped.Increment(static_cast<double>(batch.size() - kMaxFailed));
+      batch.erase(batch.begin(), batch.end() - kMaxFailed);
+    }
+    AIDN_LOG(ERROR) << "could not store metric steps; will retry" << Kv("steps", batch.size())
+                    << Kv("error", s);
+    failed_steps_ = std::move(batch);
+    failed_taken_ = std::move(taken);
+    return;
+  }
+  metrics_.steps_stored.Increment(static_cast<double>(batch.size()));
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, seq] : taken) {
+    auto it = jobs_.find(id);
+    if (it != jobs_.end()) it->second->stored_seq = std::max(it->second->stored_seq, seq);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -362,6 +431,12 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
   entry->kv.reset();
   entry->exited_ok.clear();
   entry->progress_step.clear();
+  entry->progress_at.clear();
+  // Steps still missing a rank will not get it from this generation.
+  if (entry->steps != nullptr) {
+    entry->steps->Expire(Clock::TimePoint::max(), /*everything=*/true);
+    NotifyWatchers(job.id(), deferred);
+  }
   AssignmentsChanged(deferred);
 }
 
@@ -678,27 +753,29 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std:
 v1::ListWorkersResponse Coordinator::ListWorkers() {
   absl::MutexLock lock(&mu_);
   v1::ListWorkersResponse response;
-  for (const auto& [id, w] : workers_) {
-    v1::Worker worker = w.worker;
-    std::set<std::string> job_ids;
-    for (const auto& [job_id, entry] : jobs_) {
-      const Job& job = entry->stored.job;
-      if (!HoldsSlots(job.state())) continue;
-      for (const v1::RankPlacement& p : job.placement()) {
-        if (p.worker_id() != id) continue;
-        job_ids.insert(job_id);
-        if (job.spec().device() == v1::JobSpec::GPU) {
-          worker.set_gpus_used(worker.gpus_used() + 1);
-        } else {
-          worker.set_cpu_slots_used(worker.cpu_slots_used() +
-                                    std::max(1, job.spec().threads_per_rank()));
-        }
+  for (const auto& [id, w] : workers_) *response.add_workers() = WorkerView(id, w);
+  return response;
+}
+
+v1::Worker Coordinator::WorkerView(const std::string& id, const WorkerEntry& w) {
+  v1::Worker worker = w.worker;
+  std::set<std::string> job_ids;
+  for (const auto& [job_id, entry] : jobs_) {
+    const Job& job = entry->stored.job;
+    if (!HoldsSlots(job.state())) continue;
+    for (const v1::RankPlacement& p : job.placement()) {
+      if (p.worker_id() != id) continue;
+      job_ids.insert(job_id);
+      if (job.spec().device() == v1::JobSpec::GPU) {
+        worker.set_gpus_used(worker.gpus_used() + 1);
+      } else {
+        worker.set_cpu_slots_used(worker.cpu_slots_used() +
+                                  std::max(1, job.spec().threads_per_rank()));
       }
     }
-    for (const std::string& j : job_ids) worker.add_job_ids(j);
-    *response.add_workers() = std::move(worker);
   }
-  return response;
+  for (const std::string& j : job_ids) worker.add_job_ids(j);
+  return worker;
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
@@ -729,13 +806,16 @@ absl::StatusOr<v1::GetMetricsResponse> Coordinator::GetMetrics(
   if (request.from_step() < 0 || request.to_step() < 0) {
     return absl::InvalidArgumentError("from_step, to_step: must be >= 0");
   }
-  absl::MutexLock lock(&mu_);
-  AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  {
+    absl::MutexLock lock(&mu_);
+    AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  }
+  FlushSteps();
   AIDN_ASSIGN_OR_RETURN(
-      std::vector<v1::MetricRecord> records,
-      store_->GetMetrics(request.job_id(), request.from_step(), request.to_step(), limit));
+      std::vector<v1::StepMetrics> steps,
+      store_->GetSteps(request.job_id(), request.from_step(), request.to_step(), limit));
   v1::GetMetricsResponse response;
-  for (v1::MetricRecord& r : records) *response.add_records() = std::move(r);
+  for (v1::StepMetrics& step : steps) *response.add_steps() = std::move(step);
   return response;
 }
 
@@ -759,34 +839,85 @@ void Coordinator::Unsubscribe(const std::string& job_id, WatchSubscriber* subscr
 
 absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& request,
                                                   WatchCursor* cursor) {
-  absl::MutexLock lock(&mu_);
-  if (shutting_down_) return ShuttingDown();
-  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+  constexpr size_t kMaxSteps = 1024;
+  if (cursor->next_step < 0) cursor->next_step = std::max<int64_t>(request.from_step(), 0);
   WatchBatch batch;
-  if (entry->version > cursor->job_version_sent) {
-    *batch.items.emplace_back().mutable_job() = entry->stored.job;
-    cursor->job_version_sent = entry->version;
-  }
-  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Event> events,
-                        store_->ListEvents(request.job_id(), cursor->last_event_seq, 256));
-  for (v1::Event& e : events) {
-    cursor->last_event_seq = e.seq();
-    *batch.items.emplace_back().mutable_event() = std::move(e);
-  }
-  size_t records = 0;
-  if (request.include_metrics()) {
-    AIDN_ASSIGN_OR_RETURN(
-        std::vector<Store::StoredMetric> found,
-        store_->MetricsAfter(request.job_id(), cursor->last_metric_row, request.from_step(), 1024));
-    records = found.size();
-    for (Store::StoredMetric& m : found) {
-      cursor->last_metric_row = m.row;
-      *batch.items.emplace_back().mutable_record() = std::move(m.record);
+  bool terminal = false;
+  bool quiet = true;  // nothing new but possibly steps
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return ShuttingDown();
+    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+    if (entry->version > cursor->job_version_sent) {
+      *batch.items.emplace_back().mutable_job() = entry->stored.job;
+      cursor->job_version_sent = entry->version;
+      quiet = false;
     }
+    AIDN_ASSIGN_OR_RETURN(std::vector<v1::Event> events,
+                          store_->ListEvents(request.job_id(), cursor->last_event_seq, 256));
+    for (v1::Event& e : events) {
+      cursor->last_event_seq = e.seq();
+      *batch.items.emplace_back().mutable_event() = std::move(e);
+      quiet = false;
+    }
+    if (request.include_metrics() && !cursor->catching_up && entry->steps != nullptr) {
+      std::vector<v1::StepMetrics> steps;
+      int64_t last = 0;
+      const int64_t from = std::max(request.from_step(), cursor->last_step_sent + 1);
+      if (entry->steps->After(cursor->metrics_seq, request.from_step(), kMaxSteps, &steps, &last)) {
+        cursor->metrics_seq = last;
+        for (v1::StepMetrics& step : steps) {
+          cursor->last_step_sent = step.step();
+          *batch.items.emplace_back().mutable_step() = std::move(step);
+        }
+        if (!steps.empty()) quiet = false;
+      } else {
+        // This watcher fell behind what memory holds: read the rest back.
+        cursor->catching_up = true;
+        cursor->next_step = from;
+      }
+    }
+    terminal = IsTerminal(entry->stored.job.state()) &&
+               (entry->steps == nullptr || entry->steps->pending() == 0);
   }
-  batch.finished = IsTerminal(entry->stored.job.state()) && events.empty() && records == 0 &&
-                   cursor->job_version_sent == entry->version;
+  if (request.include_metrics() && cursor->catching_up) {
+    const size_t before = batch.items.size();
+    AIDN_RETURN_IF_ERROR(CatchUpFromStore(request, cursor, &batch));
+    if (batch.items.size() != before) quiet = false;
+  }
+  batch.finished = terminal && quiet && !(request.include_metrics() && cursor->catching_up);
   return batch;
+}
+
+absl::Status Coordinator::CatchUpFromStore(const v1::WatchJobRequest& request, WatchCursor* cursor,
+                                           WatchBatch* batch) {
+  constexpr int kMaxSteps = 1024;
+  // Under flush_mu_ from the flush to reading stored_seq: no other flush
+  // can store steps in between, so every step numbered after stored_seq is
+  // still only in memory, and none is sent twice.
+  absl::MutexLock flush(&flush_mu_);
+  FlushStepsLocked();
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::StepMetrics> steps,
+                        store_->GetSteps(request.job_id(), cursor->next_step, 0, kMaxSteps));
+  const bool more = static_cast<int>(steps.size()) == kMaxSteps;
+  if (more) {
+    // Leave the last step's rows for the next read, so a TRAIN and an EVAL
+    // row of one step are not split between reads.
+    const int64_t last = steps.back().step();
+    while (!steps.empty() && steps.back().step() == last) steps.pop_back();
+    cursor->next_step = last;
+  }
+  for (v1::StepMetrics& step : steps) {
+    cursor->last_step_sent = step.step();
+    *batch->items.emplace_back().mutable_step() = std::move(step);
+  }
+  if (!more) {
+    absl::MutexLock lock(&mu_);
+    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+    cursor->catching_up = false;
+    cursor->metrics_seq = entry->stored_seq;
+  }
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------
@@ -1050,16 +1181,28 @@ absl::StatusOr<v1::KvCompareAndSetResponse> Coordinator::KvCompareAndSet(
 
 absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
     const v1::ReportProgressRequest& request) {
+  if (request.total_steps() < 0) return absl::InvalidArgumentError("total_steps: must be >= 0");
+  Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
   if (request.rank() < 0 || request.rank() >= entry->stored.job.spec().world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
   }
+  const Clock::TimePoint now = clock_->Now();
   entry->progress_step[request.rank()] = request.step();
-  entry->last_progress = clock_->Now();
+  entry->progress_at[request.rank()] = now;
+  entry->last_progress = now;
   // Kept in memory; persisted with the job's next state change.
   Job& job = entry->stored.job;
-  job.set_last_step(std::max(job.last_step(), request.step()));
+  if (request.step() >= job.last_step()) {
+    job.set_last_step(request.step());
+    job.set_epoch(request.epoch());
+  }
+  if (request.total_steps() > 0 && request.total_steps() != job.total_steps()) {
+    job.set_total_steps(request.total_steps());
+    ++entry->version;
+    NotifyWatchers(job.id(), &deferred);
+  }
   return v1::ReportProgressResponse();
 }
 
@@ -1070,17 +1213,156 @@ absl::Status Coordinator::AppendMetrics(const v1::StreamMetricsRequest& request)
   Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
-  std::vector<v1::MetricRecord> records(request.records().begin(), request.records().end());
-  int64_t last = entry->stored.job.last_step();
-  for (v1::MetricRecord& r : records) {
-    r.set_rank(request.rank());
-    r.set_generation(request.generation());
-    last = std::max(last, r.step());
+  Job& job = entry->stored.job;
+  if (request.rank() < 0 || request.rank() >= job.spec().world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
   }
-  AIDN_RETURN_IF_ERROR(store_->AppendMetrics(request.job_id(), records));
-  entry->stored.job.set_last_step(last);
-  NotifyWatchers(request.job_id(), &deferred);
+  StepLog* steps = StepsOf(entry);
+  EnsureRankSeries(entry);
+  const int64_t seq_before = steps->last_seq();
+  const Clock::TimePoint now = clock_->Now();
+  const int rank = request.rank();
+  int64_t dropped = 0;
+  for (const v1::MetricRecord& in : request.records()) {
+    v1::MetricRecord r = in;
+    r.set_rank(rank);
+    r.set_generation(request.generation());
+    if (r.kind() == v1::MetricRecord::TRAIN) {
+      entry->rank_step_seconds[rank]->Observe(r.step_seconds());
+      entry->rank_allreduce_seconds[rank]->Observe(r.allreduce_seconds());
+      if (r.step() >= job.last_step()) {
+        job.set_last_step(r.step());
+        job.set_epoch(r.epoch());
+      }
+    }
+    if (!steps->Add(r, now)) ++dropped;
+  }
+  metrics_.records_received.Increment(request.records_size());
+  if (dropped > 0) metrics_.records_dropped.Increment(static_cast<double>(dropped));
+  if (steps->last_seq() != seq_before) NotifyWatchers(request.job_id(), &deferred);
   return absl::OkStatus();
+}
+
+StepLog* Coordinator::StepsOf(JobEntry* entry) {
+  const Job& job = entry->stored.job;
+  if (entry->steps == nullptr) entry->steps = std::make_unique<StepLog>(options_.step_log);
+  if (entry->steps_generation != job.generation()) {
+    entry->steps->StartGeneration(job.generation(), job.spec().world_size());
+    entry->steps_generation = job.generation();
+  }
+  return entry->steps.get();
+}
+
+void Coordinator::EnsureRankSeries(JobEntry* entry) {
+  const Job& job = entry->stored.job;
+  const int world = job.spec().world_size();
+  if (static_cast<int>(entry->rank_step_seconds.size()) == world) return;
+  entry->rank_step_seconds.clear();
+  entry->rank_allreduce_seconds.clear();
+  for (int r = 0; r < world; ++r) {
+    const metrics::Labels labels{{"job_id", job.id()}, {"rank", absl::StrCat(r)}};
+    entry->rank_step_seconds.push_back(&metrics_.rank_step_seconds.Add(labels));
+    entry->rank_allreduce_seconds.push_back(&metrics_.rank_allreduce_seconds.Add(labels));
+  }
+  entry->series_removed = false;
+}
+
+bool Coordinator::PastRetention(const Job& job) const {
+  if (!IsTerminal(job.state())) return false;
+  const absl::Time finished = absl::FromUnixSeconds(job.finished_at().seconds()) +
+                              absl::Nanoseconds(job.finished_at().nanos());
+  return clock_->WallNow() - finished >= absl::FromChrono(options_.metrics_retention);
+}
+
+void Coordinator::RemoveJobSeries(JobEntry* entry) {
+  const metrics::Labels match{{"job_id", entry->stored.job.id()}};
+  for (metrics::Family<metrics::Gauge>* f :
+       {&metrics_.job_state, &metrics_.job_step, &metrics_.job_total_steps, &metrics_.job_epoch,
+        &metrics_.job_loss, &metrics_.job_samples_per_second, &metrics_.job_step_seconds,
+        &metrics_.job_allreduce_seconds, &metrics_.job_restarts, &metrics_.job_generation,
+        &metrics_.job_world_size, &metrics_.job_last_checkpoint_step, &metrics_.job_test_accuracy,
+        &metrics_.job_test_loss, &metrics_.rank_step, &metrics_.rank_last_progress_age_seconds}) {
+    f->RemoveMatching(match);
+  }
+  metrics_.rank_step_seconds.RemoveMatching(match);
+  metrics_.rank_allreduce_seconds.RemoveMatching(match);
+  entry->rank_step_seconds.clear();
+  entry->rank_allreduce_seconds.clear();
+  entry->series_removed = true;
+}
+
+void Coordinator::CollectMetrics() {
+  absl::MutexLock lock(&mu_);
+  const Clock::TimePoint now = clock_->Now();
+  std::map<Job::State, int> by_state;
+  for (int s = Job::PENDING; s <= Job::CANCELLED; ++s) by_state[static_cast<Job::State>(s)] = 0;
+  for (auto& [id, entry] : jobs_) {
+    const Job& job = entry->stored.job;
+    ++by_state[job.state()];
+    if (entry->series_removed) continue;
+    if (PastRetention(job)) {
+      RemoveJobSeries(entry.get());
+      continue;
+    }
+    const metrics::Labels labels{{"job_id", id}};
+    // One series per job: the old state's goes when the state changes.
+    metrics_.job_state.RemoveMatching(labels);
+    metrics_.job_state.Add({{"job_id", id}, {"state", StateName(job.state())}}).Set(1);
+    metrics_.job_step.Add(labels).Set(static_cast<double>(job.last_step()));
+    metrics_.job_total_steps.Add(labels).Set(static_cast<double>(job.total_steps()));
+    metrics_.job_epoch.Add(labels).Set(job.epoch());
+    metrics_.job_restarts.Add(labels).Set(job.restarts());
+    metrics_.job_generation.Add(labels).Set(static_cast<double>(job.generation()));
+    metrics_.job_world_size.Add(labels).Set(job.spec().world_size());
+    metrics_.job_last_checkpoint_step.Add(labels).Set(
+        static_cast<double>(job.last_checkpoint_step()));
+    if (entry->steps != nullptr) {
+      if (const v1::StepMetrics* t = entry->steps->last_train(); t != nullptr) {
+        metrics_.job_loss.Add(labels).Set(t->loss());
+        metrics_.job_samples_per_second.Add(labels).Set(t->samples_per_second());
+        metrics_.job_step_seconds.Add(labels).Set(t->step_seconds());
+        metrics_.job_allreduce_seconds.Add(labels).Set(t->allreduce_seconds());
+      }
+      if (const v1::StepMetrics* e = entry->steps->last_eval(); e != nullptr) {
+        metrics_.job_test_accuracy.Add(labels).Set(e->test_accuracy());
+        metrics_.job_test_loss.Add(labels).Set(e->test_loss());
+      }
+    }
+    // Progress of the ranks of a generation that holds slots; none after.
+    metrics_.rank_step.RemoveMatching(labels);
+    metrics_.rank_last_progress_age_seconds.RemoveMatching(labels);
+    for (const auto& [rank, at] : entry->progress_at) {
+      const metrics::Labels rank_labels{{"job_id", id}, {"rank", absl::StrCat(rank)}};
+      auto step = entry->progress_step.find(rank);
+      if (step != entry->progress_step.end()) {
+        metrics_.rank_step.Add(rank_labels).Set(static_cast<double>(step->second));
+      }
+      metrics_.rank_last_progress_age_seconds.Add(rank_labels)
+          .Set(std::chrono::duration<double>(now - at).count());
+    }
+  }
+  for (const auto& [state, count] : by_state) {
+    metrics_.jobs.Add({{"state", StateName(state)}}).Set(count);
+  }
+
+  for (const auto& [id, w] : workers_) {
+    const v1::Worker worker = WorkerView(id, w);
+    const bool alive = worker.state() != v1::Worker::LOST;
+    const metrics::Labels labels{{"worker_id", id}};
+    metrics_.worker_up.Add(labels).Set(alive ? 1 : 0);
+    metrics_.worker_heartbeat_age_seconds.Add(labels).Set(
+        std::chrono::duration<double>(now - w.last_seen).count());
+    const std::pair<const char*, std::pair<int, int>> kinds[] = {
+        {"cpu", {worker.info().cpu_slots(), worker.cpu_slots_used()}},
+        {"gpu", {worker.info().gpus_size(), worker.gpus_used()}}};
+    for (const auto& [kind, total_used] : kinds) {
+      const metrics::Labels slot_labels{{"worker_id", id}, {"kind", kind}};
+      const auto [total, in_use] = total_used;
+      metrics_.worker_slots.Add(slot_labels).Set(total);
+      metrics_.worker_slots_used.Add(slot_labels).Set(in_use);
+      metrics_.worker_slots_free.Add(slot_labels).Set(alive ? std::max(total - in_use, 0) : 0);
+    }
+  }
 }
 
 absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(

@@ -33,11 +33,14 @@
 #include "aidn/v1/cluster.pb.h"
 #include "aidn/v1/coordinator.pb.h"
 #include "common/clock.h"
+#include "common/metrics/registry.h"
 #include "coordinator/auth.h"
 #include "coordinator/deferred.h"
 #include "coordinator/kv_store.h"
+#include "coordinator/metrics.h"
 #include "coordinator/rendezvous.h"
 #include "coordinator/spec.h"
+#include "coordinator/step_log.h"
 #include "coordinator/store.h"
 
 namespace aidn::coordinator {
@@ -55,6 +58,15 @@ struct CoordinatorOptions {
   KvLimits kv_limits;
   // Not owned; Clock::Real() when null.
   Clock* clock = nullptr;
+  // Where the coordinator's Prometheus metrics go (not owned); the
+  // coordinator keeps a registry of its own when null.
+  metrics::Registry* registry = nullptr;
+  // A finished job's series leave /metrics, and its recent steps leave
+  // memory, this long after it ended.
+  std::chrono::milliseconds metrics_retention{600'000};
+  // Per job: how many combined steps stay in memory, how long a step waits
+  // for missing ranks.
+  StepLogOptions step_log;
 };
 
 // Something watching one job (a WatchJob stream). Notify() is called, never
@@ -70,8 +82,12 @@ class WatchSubscriber {
 struct WatchCursor {
   int64_t job_version_sent = -1;
   int64_t last_event_seq = 0;
-  // The store row of the last metric record sent.
-  int64_t last_metric_row = 0;
+  // Steps: first read back from the store from `next_step` on, then
+  // followed in memory after step number `metrics_seq`.
+  bool catching_up = true;
+  int64_t next_step = -1;  // -1: the request's from_step
+  int64_t metrics_seq = 0;
+  int64_t last_step_sent = -1;
 };
 
 struct WatchBatch {
@@ -100,6 +116,14 @@ class Coordinator {
   void StartTicker(std::chrono::milliseconds interval);
   void StopTicker();
   void Tick();
+  // Writes combined steps not yet in the store, all jobs' in one
+  // transaction, without holding the coordinator's mutex while writing.
+  // The ticker calls it after every Tick.
+  void FlushSteps();
+
+  // The registry /metrics serves (options.registry, or the coordinator's).
+  metrics::Registry* registry() const { return metrics_.registry; }
+  CoordinatorMetrics* metrics() { return &metrics_; }
 
   // --- CoordinatorService ---
   absl::StatusOr<v1::Job> SubmitJob(v1::JobSpec spec, const std::string& owner);
@@ -109,6 +133,8 @@ class Coordinator {
   v1::ListWorkersResponse ListWorkers();
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id);
   absl::StatusOr<v1::ListEventsResponse> ListEvents(const v1::ListEventsRequest& request);
+  // Flushes combined steps to the store first, so it sees every step
+  // combined so far.
   absl::StatusOr<v1::GetMetricsResponse> GetMetrics(const v1::GetMetricsRequest& request);
 
   // WatchJob: subscribe, then pull. NOT_FOUND for an unknown job.
@@ -151,6 +177,17 @@ class Coordinator {
     Clock::TimePoint last_progress{};
     // The reason it last waited for, so "job.waiting" is not repeated.
     std::string waiting_reason;
+    // Metrics: combined steps (null until the first record, and again once
+    // the job ended longer than the retention period ago), the highest
+    // step number known to be in the store, per-rank series and progress
+    // times, and whether the job's series were taken off /metrics.
+    std::unique_ptr<StepLog> steps;
+    int64_t steps_generation = 0;
+    int64_t stored_seq = 0;
+    std::vector<metrics::Histogram*> rank_step_seconds;
+    std::vector<metrics::Histogram*> rank_allreduce_seconds;
+    std::map<int, Clock::TimePoint> progress_at;
+    bool series_removed = false;
   };
   struct HeldHeartbeat {
     Clock::TimePoint deadline;
@@ -197,14 +234,45 @@ class Coordinator {
   void AssignmentsChanged(Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::HeartbeatResponse BuildHeartbeat(WorkerEntry* worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyWatchers(const std::string& job_id, Deferred* deferred);
+  // The worker as ListWorkers shows it: with the slots and jobs it has now.
+  v1::Worker WorkerView(const std::string& id, const WorkerEntry& w)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's StepLog, started on the job's current generation.
+  StepLog* StepsOf(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per-rank histograms of the job's current world size.
+  void EnsureRankSeries(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Refreshes the gauges /metrics shows (a registry collect hook), and
+  // takes finished jobs' series off once their retention ran out.
+  void CollectMetrics();
+  void RemoveJobSeries(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PastRetention(const v1::Job& job) const;
+  void FlushStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(flush_mu_);
+  // Reads steps of a watched job back from the store (PollWatch's catch-up).
+  absl::Status CatchUpFromStore(const v1::WatchJobRequest& request, WatchCursor* cursor,
+                                WatchBatch* batch);
   std::chrono::milliseconds JobWorkerTimeout(const JobEntry& entry) const;
 
   const CoordinatorOptions options_;
   Clock* const clock_;
   Authenticator* const auth_;
 
+  // Its own registry when options.registry is null; then the metrics.
+  std::unique_ptr<metrics::Registry> own_registry_;
+  CoordinatorMetrics metrics_;
+
+  // Thread-safe on its own. Jobs, workers, events and checkpoints are
+  // written under mu_, so memory and disk change together; combined steps
+  // are written by FlushSteps outside it.
+  const std::unique_ptr<Store> store_;
+  // Held across one FlushSteps (and a watcher's read-back after it), so no
+  // two flushes interleave. Taken before mu_, never after.
+  absl::Mutex flush_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Steps taken from the logs whose write failed, retried first.
+  std::vector<Store::JobStep> failed_steps_ ABSL_GUARDED_BY(flush_mu_);
+  // (job id, highest step number) of those steps.
+  std::vector<std::pair<std::string, int64_t>> failed_taken_ ABSL_GUARDED_BY(flush_mu_);
+
   absl::Mutex mu_;
-  std::unique_ptr<Store> store_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<JobEntry>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;

@@ -6,7 +6,6 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -16,8 +15,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "aidn/config.h"
+#include "common/file.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/metrics/http_server.h"
+#include "common/metrics/process_stats.h"
+#include "common/metrics/registry.h"
 #include "common/status.h"
 #include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
@@ -39,6 +42,12 @@ ABSL_FLAG(int32_t, max_restarts, 3, "default max_restarts for jobs");
 ABSL_FLAG(int32_t, max_message_bytes, 4 * 1024 * 1024, "largest gRPC message accepted");
 ABSL_FLAG(absl::Duration, tick_interval, absl::Milliseconds(100), "how often timeouts are checked");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+ABSL_FLAG(std::string, metrics_addr, "127.0.0.1:9464",
+          "host:port for Prometheus /metrics (port 0 picks one); empty turns it off");
+ABSL_FLAG(std::string, metrics_addr_file, "",
+          "write the host:port /metrics is served on to this file once serving");
+ABSL_FLAG(absl::Duration, metrics_retention, absl::Minutes(10),
+          "how long a finished job's series stay on /metrics (and its steps in memory)");
 
 namespace {
 
@@ -57,20 +66,6 @@ absl::Status MakeDirs(const std::string& path) {
         return aidn::PosixError(absl::StrCat("mkdir ", partial), errno);
       }
     }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status WriteAtomically(const std::string& path, const std::string& contents) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) return aidn::PosixError(absl::StrCat("write ", tmp), errno);
-    out << contents;
-    if (!out.flush()) return aidn::PosixError(absl::StrCat("write ", tmp), errno);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return aidn::PosixError(absl::StrCat("rename ", tmp), errno);
   }
   return absl::OkStatus();
 }
@@ -111,6 +106,10 @@ int main(int argc, char** argv) {
   options.spec_limits.default_max_restarts = absl::GetFlag(FLAGS_max_restarts);
   options.heartbeat_interval = Millis(absl::GetFlag(FLAGS_heartbeat_interval));
   options.worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
+  options.metrics_retention = Millis(absl::GetFlag(FLAGS_metrics_retention));
+  aidn::metrics::Registry registry;
+  aidn::metrics::AddProcessMetrics(&registry);
+  options.registry = &registry;
   aidn::coordinator::ServerOptions server_options;
   server_options.listen = absl::GetFlag(FLAGS_listen);
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -118,10 +117,11 @@ int main(int argc, char** argv) {
 
   if (options.spec_limits.max_world_size < 1 || options.heartbeat_interval.count() <= 0 ||
       options.worker_timeout <= options.heartbeat_interval || tick.count() <= 0 ||
-      server_options.max_message_bytes < 1024) {
+      server_options.max_message_bytes < 1024 || options.metrics_retention.count() < 0) {
     return Fail(absl::InvalidArgumentError(
         "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
-        "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024"));
+        "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024, "
+        "--metrics_retention >= 0"));
   }
 
   aidn::LogConfigTable(
@@ -137,6 +137,8 @@ int main(int argc, char** argv) {
        {"max_restarts", absl::StrCat(options.spec_limits.default_max_restarts)},
        {"max_message_bytes", absl::StrCat(server_options.max_message_bytes)},
        {"tick_interval", absl::FormatDuration(absl::GetFlag(FLAGS_tick_interval))},
+       {"metrics_addr", absl::GetFlag(FLAGS_metrics_addr)},
+       {"metrics_retention", absl::FormatDuration(absl::GetFlag(FLAGS_metrics_retention))},
        {"log_level", absl::GetFlag(FLAGS_log_level)}});
 
   if (absl::Status s = MakeDirs(state_dir); !s.ok()) return Fail(s);
@@ -151,10 +153,25 @@ int main(int argc, char** argv) {
   auto server = aidn::coordinator::Server::Start(server_options, coordinator->get(), auth->get());
   if (!server.ok()) return Fail(server.status());
   (*coordinator)->StartTicker(tick);
+  std::unique_ptr<aidn::metrics::HttpServer> metrics_server;
+  if (!absl::GetFlag(FLAGS_metrics_addr).empty()) {
+    auto started =
+        aidn::metrics::HttpServer::Start({.address = absl::GetFlag(FLAGS_metrics_addr)}, &registry);
+    if (!started.ok()) return Fail(started.status());
+    metrics_server = *std::move(started);
+    AIDN_LOG(INFO) << "serving /metrics" << Kv("address", metrics_server->address());
+    if (const std::string file = absl::GetFlag(FLAGS_metrics_addr_file); !file.empty()) {
+      if (absl::Status s = aidn::WriteFileAtomically(file, metrics_server->address() + "\n");
+          !s.ok()) {
+        return Fail(s);
+      }
+    }
+  }
 
   const std::string& address = (*server)->address();
   if (!absl::GetFlag(FLAGS_addr_file).empty()) {
-    if (absl::Status s = WriteAtomically(absl::GetFlag(FLAGS_addr_file), address + "\n"); !s.ok()) {
+    if (absl::Status s = aidn::WriteFileAtomically(absl::GetFlag(FLAGS_addr_file), address + "\n");
+        !s.ok()) {
       return Fail(s);
     }
   }
@@ -168,5 +185,7 @@ int main(int argc, char** argv) {
   (*coordinator)->Shutdown();
   (*server)->Shutdown(std::chrono::seconds(2));
   (*coordinator)->StopTicker();
+  // /metrics calls into the coordinator: stop it before the coordinator goes.
+  metrics_server.reset();
   return 0;
 }

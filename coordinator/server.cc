@@ -1,6 +1,7 @@
 #include "coordinator/server.h"
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/metrics.h"
 #include "coordinator/service.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -32,6 +33,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->coordinator_service_.get());
   builder.RegisterService(server->cluster_service_.get());
+  // Every call is counted and timed by method and status code (/metrics).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(NewRpcMetricsInterceptor(coordinator->metrics()));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || port == 0) {
     return absl::UnavailableError(

@@ -11,6 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "coordinator/step_metrics.h"
 #include "google/protobuf/message_lite.h"
 
 namespace aidn::coordinator {
@@ -59,7 +60,19 @@ constexpr const char* kMigrations[] = {
     R"sql(
       CREATE INDEX metrics_job_id_rowid ON metrics(job_id);
     )sql",
+    // v3: metrics combined per step (StepMetrics) instead of one row per
+    // rank and step; Migrate combines the old rows (CombineOldMetrics) and
+    // then drops the old table.
+    R"sql(
+      CREATE TABLE steps(
+        job_id TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        kind INTEGER NOT NULL,
+        metrics BLOB NOT NULL,
+        PRIMARY KEY(job_id, step, kind)) WITHOUT ROWID;
+    )sql",
 };
+constexpr int kStepsSchemaVersion = 3;
 constexpr int kSchemaVersion = static_cast<int>(std::size(kMigrations));
 
 constexpr int kDefaultEventLimit = 1000;
@@ -347,6 +360,10 @@ absl::Status Store::Migrate() {
   for (int v = from + 1; v <= kSchemaVersion; ++v) {
     const std::string step_context = absl::StrCat(context, " to version ", v);
     AIDN_RETURN_IF_ERROR(Exec(db_, kMigrations[v - 1], step_context));
+    if (v == kStepsSchemaVersion) {
+      AIDN_RETURN_IF_ERROR(CombineOldMetrics(step_context));
+      AIDN_RETURN_IF_ERROR(Exec(db_, "DROP TABLE metrics", step_context));
+    }
     AIDN_ASSIGN_OR_RETURN(
         Statement insert,
         Statement::Prepare(db_, "INSERT INTO schema_version(version) VALUES(?)", step_context));
@@ -559,89 +576,104 @@ absl::Status Store::DeleteCheckpoint(const std::string& job_id, int64_t step) {
   return remove.Run();
 }
 
-absl::Status Store::AppendMetrics(const std::string& job_id,
-                                  const std::vector<v1::MetricRecord>& records) {
-  if (records.empty()) return absl::OkStatus();
-  const std::string context = absl::StrCat("append metrics of job ", job_id);
-  absl::MutexLock lock(&mu_);
-  Transaction txn(db_);
-  AIDN_RETURN_IF_ERROR(txn.Begin(context));
+namespace {
+
+absl::Status InsertSteps(sqlite3* db, const std::vector<Store::JobStep>& steps,
+                         const std::string& context) {
   AIDN_ASSIGN_OR_RETURN(
       Statement insert,
       Statement::Prepare(
-          db_, "INSERT INTO metrics(job_id, step, rank, kind, record) VALUES(?, ?, ?, ?, ?)",
+          db, "INSERT OR REPLACE INTO steps(job_id, step, kind, metrics) VALUES(?, ?, ?, ?)",
           context));
-  for (const v1::MetricRecord& record : records) {
-    AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(record, context));
+  for (const Store::JobStep& s : steps) {
+    AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(s.step, context));
     insert.Reset();
-    insert.BindText(1, job_id);
-    insert.BindInt64(2, record.step());
-    insert.BindInt64(3, record.rank());
-    insert.BindInt64(4, record.kind());
-    insert.BindBlob(5, blob);
+    insert.BindText(1, s.job_id);
+    insert.BindInt64(2, s.step.step());
+    insert.BindInt64(3, s.step.kind());
+    insert.BindBlob(4, blob);
     AIDN_RETURN_IF_ERROR(insert.Run());
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Store::CombineOldMetrics(const std::string& context) {
+  AIDN_ASSIGN_OR_RETURN(Statement select, Statement::Prepare(db_, R"sql(
+      SELECT job_id, step, kind, record FROM metrics
+      ORDER BY job_id, step, kind, rank, rowid)sql",
+                                                             context));
+  std::vector<JobStep> steps;
+  std::vector<v1::MetricRecord> group;
+  std::string group_job;
+  auto flush = [&] {
+    if (group.empty()) return;
+    // The old rows do not say the world size: the ranks that reported it.
+    steps.push_back({group_job, CombineRecords(group, 0)});
+    group.clear();
+  };
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    v1::MetricRecord record;
+    std::string job_id(select.ColumnText(0));
+    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(3), "metrics",
+                               absl::StrCat(job_id, " step ", select.ColumnInt64(1)), &record));
+    if (!group.empty() && (job_id != group_job || record.step() != group.front().step() ||
+                           record.kind() != group.front().kind())) {
+      flush();
+    }
+    // A rank's record stored twice counts once.
+    if (!group.empty() && group.back().rank() == record.rank()) continue;
+    group_job = job_id;
+    group.push_back(std::move(record));
+  }
+  flush();
+  AIDN_RETURN_IF_ERROR(InsertSteps(db_, steps, context));
+  if (!steps.empty()) {
+    AIDN_LOG(INFO) << "old per-rank metric records combined into steps"
+                   << Kv("steps", steps.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::PutSteps(const std::vector<JobStep>& steps) {
+  if (steps.empty()) return absl::OkStatus();
+  const std::string context = absl::StrCat("put ", steps.size(), " metric steps");
+  absl::MutexLock lock(&mu_);
+  Transaction txn(db_);
+  AIDN_RETURN_IF_ERROR(txn.Begin(context));
+  AIDN_RETURN_IF_ERROR(InsertSteps(db_, steps, context));
   return txn.Commit(context);
 }
 
-absl::StatusOr<std::vector<v1::MetricRecord>> Store::GetMetrics(const std::string& job_id,
-                                                                int64_t from_step, int64_t to_step,
-                                                                int limit) {
+absl::StatusOr<std::vector<v1::StepMetrics>> Store::GetSteps(const std::string& job_id,
+                                                             int64_t from_step, int64_t to_step,
+                                                             int limit) {
   if (limit <= 0) limit = kDefaultMetricLimit;
+  const std::string context = absl::StrCat("get metrics of job ", job_id);
   absl::MutexLock lock(&mu_);
-  // kind and rowid only make the order total (a TRAIN and an EVAL record of
-  // one step and rank come back in a stable order).
-  AIDN_ASSIGN_OR_RETURN(Statement select,
-                        Statement::Prepare(db_, R"sql(
-      SELECT step, rank, record FROM metrics
+  AIDN_ASSIGN_OR_RETURN(Statement select, Statement::Prepare(db_, R"sql(
+      SELECT step, metrics FROM steps
       WHERE job_id = ?1 AND step >= ?2 AND (?3 = 0 OR step <= ?3)
-      ORDER BY step, rank, kind, rowid LIMIT ?4)sql",
-                                           absl::StrCat("get metrics of job ", job_id)));
+      ORDER BY step, kind LIMIT ?4)sql",
+                                                             context));
   select.BindText(1, job_id);
   select.BindInt64(2, from_step);
   select.BindInt64(3, to_step);
   select.BindInt64(4, limit);
-  std::vector<v1::MetricRecord> records;
+  std::vector<v1::StepMetrics> steps;
   while (true) {
     AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
     if (!row) break;
-    AIDN_RETURN_IF_ERROR(Parse(
-        select.ColumnBytes(2), "metrics",
-        absl::StrCat(job_id, " step ", select.ColumnInt64(0), " rank ", select.ColumnInt64(1)),
-        &records.emplace_back()));
+    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(1), "steps",
+                               absl::StrCat(job_id, " step ", select.ColumnInt64(0)),
+                               &steps.emplace_back()));
   }
-  return records;
+  return steps;
 }
 
 int Store::CurrentSchemaVersion() { return kSchemaVersion; }
-
-absl::StatusOr<std::vector<Store::StoredMetric>> Store::MetricsAfter(const std::string& job_id,
-                                                                     int64_t after_row,
-                                                                     int64_t from_step, int limit) {
-  if (limit <= 0) limit = kDefaultMetricLimit;
-  absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(Statement select,
-                        Statement::Prepare(db_, R"sql(
-      SELECT rowid, step, rank, record FROM metrics
-      WHERE job_id = ?1 AND rowid > ?2 AND step >= ?3
-      ORDER BY rowid LIMIT ?4)sql",
-                                           absl::StrCat("follow metrics of job ", job_id)));
-  select.BindText(1, job_id);
-  select.BindInt64(2, after_row);
-  select.BindInt64(3, from_step);
-  select.BindInt64(4, limit);
-  std::vector<StoredMetric> records;
-  while (true) {
-    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
-    if (!row) break;
-    StoredMetric& m = records.emplace_back();
-    m.row = select.ColumnInt64(0);
-    AIDN_RETURN_IF_ERROR(Parse(
-        select.ColumnBytes(3), "metrics",
-        absl::StrCat(job_id, " step ", select.ColumnInt64(1), " rank ", select.ColumnInt64(2)),
-        &m.record));
-  }
-  return records;
-}
 
 }  // namespace aidn::coordinator

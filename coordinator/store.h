@@ -3,7 +3,7 @@
 
 // The coordinator's durable state in one SQLite file (WAL mode, a schema
 // version table and forward migrations): jobs, workers, events, checkpoints
-// and metric records. Rows hold the serialized v1 protos beside the columns
+// and the jobs' per-step metrics. Rows hold the serialized v1 protos beside the columns
 // queries filter on, so the schema follows the API without a migration per
 // field.
 //
@@ -78,30 +78,27 @@ class Store {
   absl::StatusOr<std::vector<v1::Checkpoint>> ListCheckpoints(const std::string& job_id);
   absl::Status DeleteCheckpoint(const std::string& job_id, int64_t step);
 
-  // Metric records, in one transaction per call.
-  absl::Status AppendMetrics(const std::string& job_id,
-                             const std::vector<v1::MetricRecord>& records);
-  // Records with from_step <= step <= to_step (to_step 0: no bound),
-  // ordered by step then rank, at most `limit`.
-  absl::StatusOr<std::vector<v1::MetricRecord>> GetMetrics(const std::string& job_id,
-                                                           int64_t from_step, int64_t to_step,
-                                                           int limit);
-
-  // A job's records in the order they were stored: rows after `after_row`
-  // with step >= from_step, at most `limit`. Rows only grow (records are
-  // appended), so a follower that keeps the last row it saw misses none,
-  // however the ranks' records interleave.
-  struct StoredMetric {
-    int64_t row = 0;
-    v1::MetricRecord record;
+  // A job's metrics, one row per (job, step, kind): StepMetrics combined
+  // from the ranks' records. PutSteps writes a batch of any jobs' steps in
+  // one transaction; a step written again (a restarted generation redoing
+  // it) replaces the old row.
+  struct JobStep {
+    std::string job_id;
+    v1::StepMetrics step;
   };
-  absl::StatusOr<std::vector<StoredMetric>> MetricsAfter(const std::string& job_id,
-                                                         int64_t after_row, int64_t from_step,
-                                                         int limit);
+  absl::Status PutSteps(const std::vector<JobStep>& steps);
+  // Steps with from_step <= step <= to_step (to_step 0: no bound), ordered
+  // by step, TRAIN before EVAL, at most `limit` (0: 10000).
+  absl::StatusOr<std::vector<v1::StepMetrics>> GetSteps(const std::string& job_id,
+                                                        int64_t from_step, int64_t to_step,
+                                                        int limit);
 
  private:
   Store(sqlite3* db, std::string path);
   absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Schema v3: the per-rank records of the old metrics table, combined into
+  // steps. Runs inside Migrate's transaction.
+  absl::Status CombineOldMetrics(const std::string& context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // For error messages of Open and Migrate.
   const std::string path_;

@@ -22,7 +22,8 @@ trap cleanup EXIT
 
 echo "==> starting aidn-coordinator (log: $DEMO/coordinator.log)"
 "$BIN/coordinator/aidn-coordinator" --listen=127.0.0.1:0 --state-dir="$DEMO/state" \
-  --addr-file="$DEMO/addr" >"$DEMO/coordinator.log" 2>&1 &
+  --addr-file="$DEMO/addr" --metrics-addr=127.0.0.1:0 --metrics-addr-file="$DEMO/metrics.addr" \
+  >"$DEMO/coordinator.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 200); do [ -s "$DEMO/addr" ] && break; sleep 0.1; done
 [ -s "$DEMO/addr" ] || { echo "coordinator did not start"; cat "$DEMO/coordinator.log"; exit 1; }
@@ -33,7 +34,8 @@ for w in w1 w2; do
   echo "==> starting aidn-worker $w, 1 CPU slot (log: $DEMO/$w/worker.log)"
   mkdir -p "$DEMO/$w"
   "$BIN/worker/aidn-worker" --coordinator="$AIDN_ADDR" --token-file="$DEMO/state/worker.token" \
-    --worker-id="$w" --cpu-slots=1 --work-dir="$DEMO/$w" >"$DEMO/$w/worker.log" 2>&1 &
+    --worker-id="$w" --cpu-slots=1 --work-dir="$DEMO/$w" --metrics-addr=127.0.0.1:0 \
+    >"$DEMO/$w/worker.log" 2>&1 &
   PIDS+=($!)
 done
 
@@ -43,34 +45,28 @@ for _ in $(seq 1 100); do
   sleep 0.1
 done
 echo; echo "\$ aidnctl workers"; ctl workers
-echo; echo "\$ aidnctl submit -f $JOB_FILE"
-JOB=$(ctl submit -f "$JOB_FILE" | awk '{print $2}')
-echo "submitted $JOB"
-
-state() { ctl describe "$JOB" | sed -n 's/^State: *//p'; }
-echo; echo "==> training (rank 0's progress lines)"
-shown=0
-while true; do
-  s=$(state)
-  log=$(ls "$DEMO"/w*/logs/"$JOB"/gen-*/rank-0.log 2>/dev/null | tail -1 || true)
-  if [ -n "$log" ]; then
-    total=$(grep -c -E '^(step|epoch) ' "$log" || true)
-    if [ "$total" -gt "$shown" ]; then
-      grep -E '^(step|epoch) ' "$log" | tail -n +"$((shown + 1))"
-      shown=$total
-    fi
-  fi
-  case "$s" in SUCCEEDED|FAILED|CANCELLED) break ;; esac
-  sleep 0.5
-done
+echo; echo "\$ aidnctl submit --watch -f $JOB_FILE"
+set +e
+ctl submit --watch -f "$JOB_FILE"
+watched=$?
+set -e
+JOB=$(ctl -o json list | sed -n 's/.*"id": "\(job-[0-9]*\)".*/\1/p' | head -1)
 
 echo; echo "\$ aidnctl list"; ctl list
 echo; echo "\$ aidnctl events $JOB"; ctl events "$JOB"
-accuracy=$(grep -E '^epoch ' "$log" | tail -1 | sed -n 's/.*test accuracy \([0-9.]*\).*/\1/p')
+echo; echo "\$ aidnctl metrics $JOB --from 1 --to 5"; ctl metrics "$JOB" --from 1 --to 5
+echo; echo "\$ aidnctl plot $JOB -o $DEMO/loss.png"; ctl plot "$JOB" -o "$DEMO/loss.png"
+echo; echo "==> Prometheus metrics of the coordinator: http://$(cat "$DEMO/metrics.addr")/metrics"
+curl_metrics() {
+  python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+    "http://$(cat "$DEMO/metrics.addr")/metrics"
+}
+curl_metrics | grep -E "^aidn_job_(step|loss|test_accuracy|samples_per_second)\{" || true
+accuracy=$(ctl metrics "$JOB" -o csv | awk -F, '$1 == "EVAL" { a = $13 } END { print a }')
 echo
-if [ "$s" = SUCCEEDED ]; then
+if [ "$watched" -eq 0 ]; then
   echo "==> $JOB SUCCEEDED: final test accuracy $accuracy"
 else
-  echo "==> $JOB ended $s: $(ctl describe "$JOB" | sed -n 's/^Message: *//p')"
+  echo "==> $JOB did not succeed: $(ctl describe "$JOB" | sed -n 's/^Message: *//p')"
   exit 1
 fi

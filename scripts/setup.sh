@@ -9,10 +9,15 @@ PACKAGES=(
   # service libraries
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libsqlite3-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
+  libcpp-httplib-dev
+  # aidnctl plot draws through gnuplot
+  gnuplot-nox
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # training: BLAS, Gloo, the dataset
   libopenblas-dev libgloo-dev dataset-fashion-mnist
+  # the metrics tests scrape with a real Prometheus server and promtool
+  prometheus
   # the numerical oracle and speed peer (tests skip their torch checks only without it)
   python3-torch libopenblas0-openmp
 )

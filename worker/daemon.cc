@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "common/metrics/process_stats.h"
 #include "common/rpc/client.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
@@ -127,11 +128,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   if (access(resolved.trainer_binary.c_str(), X_OK) != 0) {
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
-  return std::unique_ptr<Daemon>(new Daemon(resolved));
+  std::unique_ptr<Daemon> daemon(new Daemon(resolved));
+  if (options.registry != nullptr) {
+    Daemon* raw = daemon.get();
+    options.registry->AddCollectHook([raw] { raw->CollectMetrics(); });
+  }
+  return daemon;
 }
 
 Daemon::Daemon(const DaemonOptions& options)
     : options_(options),
+      metrics_(options.registry != nullptr ? std::make_unique<WorkerMetrics>(options.registry)
+                                           : nullptr),
       stub_(v1::ClusterService::NewStub(rpc::MakeChannel(
           {.address = options.coordinator, .max_message_bytes = options.max_message_bytes}))) {}
 
@@ -219,6 +227,10 @@ void Daemon::HeartbeatLoop() {
   std::string problem;
   auto failed = [&](const char* call, const grpc::Status& status) {
     if (Stopping()) return false;  // cancelled by Shutdown(): nothing to log
+    if (metrics_ != nullptr) {
+      metrics_->coordinator_up.Set(0);
+      metrics_->coordinator_call_failures.Add({{"call", call}}).Increment();
+    }
     const std::string now = absl::StrCat(call, " ", Describe(status));
     if (now != problem) {
       AIDN_LOG(WARNING) << "coordinator call failed; retrying with backoff" << Kv("call", call)
@@ -232,6 +244,7 @@ void Daemon::HeartbeatLoop() {
     return SleepUnlessStopping(delay);
   };
   auto succeeded = [&] {
+    if (metrics_ != nullptr) metrics_->coordinator_up.Set(1);
     if (!problem.empty()) {
       AIDN_LOG(INFO) << "coordinator reachable again" << Kv("coordinator", options_.coordinator);
       problem.clear();
@@ -445,6 +458,7 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
     report.set_generation(a.generation());
     report.set_rank(a.rank());
     report.set_exit_code(kExitNotStarted);
+    if (metrics_ != nullptr) metrics_->trainer_exits.Add({{"outcome", "not_started"}}).Increment();
     report.set_stderr_tail(absl::StrCat("worker ", options_.worker_id,
                                         " could not start the trainer: ", why.ToString()));
     QueueReport(std::move(report));
@@ -489,6 +503,12 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
     absl::MutexLock lock(&mu_);
     trainers_[key] = Trainer{.child = *child, .pid = pid};
   }
+  auto [seen, first] = generation_started_.try_emplace(a.job_id(), a.generation());
+  if (metrics_ != nullptr) {
+    metrics_->trainers_started.Increment();
+    if (!first && a.generation() > seen->second) metrics_->trainer_restarts.Increment();
+  }
+  seen->second = std::max(seen->second, a.generation());
   AIDN_LOG(INFO) << "trainer started" << Kv("trainer", name) << Kv("pid", pid)
                  << Kv("world_size", a.world_size()) << Kv("slot", a.slot())
                  << Kv("log", spec.log_path);
@@ -529,6 +549,13 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     const std::string how = exit.signal != 0 ? absl::StrCat("signal ", exit.signal)
                                              : absl::StrCat("code ", exit.exit_code);
     const bool clean = exit.signal == 0 && exit.exit_code == 0;
+    if (metrics_ != nullptr) {
+      const char* outcome = clean                        ? "ok"
+                            : (exit.stopped && by_order) ? "stopped"
+                            : exit.signal != 0           ? "killed"
+                                                         : "failed";
+      metrics_->trainer_exits.Add({{"outcome", outcome}}).Increment();
+    }
     if (clean || (exit.stopped && by_order)) {
       AIDN_LOG(INFO) << "trainer exited"
                      << Kv("trainer", KeyText(key.job_id, key.generation, key.rank))
@@ -549,6 +576,31 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     report.set_permanent(exit.signal == 0 && exit.exit_code == kExitPermanent);
     report.set_stopped_by_order(by_order);
     QueueReport(std::move(report));
+  }
+}
+
+void Daemon::CollectMetrics() {
+  std::vector<std::pair<Key, pid_t>> running;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, trainer] : trainers_) running.emplace_back(key, trainer.pid);
+  }
+  metrics_->trainers_running.Set(static_cast<double>(running.size()));
+  // Only trainers running now have series.
+  metrics_->trainer_cpu_seconds.RemoveMatching({});
+  metrics_->trainer_resident_memory_bytes.RemoveMatching({});
+  for (const auto& [key, pid] : running) {
+    absl::StatusOr<metrics::ProcessStats> stats = metrics::ReadProcessStats(pid);
+    if (!stats.ok()) continue;  // it just ended
+    const metrics::Labels labels{{"job_id", key.job_id}, {"rank", absl::StrCat(key.rank)}};
+    metrics_->trainer_cpu_seconds.Add(labels).Set(stats->cpu_seconds);
+    metrics_->trainer_resident_memory_bytes.Add(labels).Set(
+        static_cast<double>(stats->resident_bytes));
+  }
+  for (const GpuMemory& gpu : ReadGpuMemory()) {
+    const metrics::Labels labels{{"gpu", absl::StrCat(gpu.index)}};
+    metrics_->gpu_memory_used_bytes.Add(labels).Set(static_cast<double>(gpu.used_bytes));
+    metrics_->gpu_memory_total_bytes.Add(labels).Set(static_cast<double>(gpu.total_bytes));
   }
 }
 

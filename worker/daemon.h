@@ -29,7 +29,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "aidn/v1/cluster.grpc.pb.h"
+#include "common/metrics/registry.h"
 #include "worker/engine/device.h"
+#include "worker/metrics.h"
 #include "worker/supervisor.h"
 
 namespace grpc {
@@ -82,6 +84,10 @@ struct DaemonOptions {
   std::chrono::milliseconds shutdown_report_timeout{3'000};
   // Largest gRPC message sent or received.
   int max_message_bytes = 4 * 1024 * 1024;
+  // Where the daemon's Prometheus metrics go (not owned); none when null.
+  // The daemon adds a collect hook: stop serving the registry before the
+  // daemon is destroyed.
+  metrics::Registry* registry = nullptr;
 };
 
 // Checks `options` (worker id syntax, token present, cpu_slots >= 0,
@@ -166,8 +172,12 @@ class Daemon {
   void QueueReport(v1::ReportTrainerExitRequest report);
 
   std::string LogPath(const Key& key) const;
+  // Registry collect hook: trainers running, their CPU and memory, GPUs.
+  void CollectMetrics() ABSL_LOCKS_EXCLUDED(mu_);
 
   DaemonOptions options_;
+  // Null without options.registry.
+  std::unique_ptr<WorkerMetrics> metrics_;
   std::unique_ptr<v1::ClusterService::Stub> stub_;
   Supervisor supervisor_;
 
@@ -193,6 +203,9 @@ class Daemon {
   // Supervision thread only: trainers that ended while still assigned (not
   // to be started again).
   std::set<Key> finished_;
+  // Supervision thread only: the newest generation started per job, to
+  // count restarts.
+  std::map<std::string, int64_t> generation_started_;
   // Handed from the supervision thread to the report thread, oldest first,
   // each with a sequence number (the front is popped only once delivered).
   std::deque<std::pair<uint64_t, v1::ReportTrainerExitRequest>> reports_ ABSL_GUARDED_BY(mu_);

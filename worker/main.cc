@@ -26,8 +26,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "aidn/config.h"
+#include "common/file.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/metrics/http_server.h"
+#include "common/metrics/process_stats.h"
+#include "common/metrics/registry.h"
 #include "common/status.h"
 #include "worker/daemon.h"
 #include "worker/engine/device.h"
@@ -45,6 +49,10 @@ ABSL_FLAG(std::string, token_file, "", "file holding the worker join token");
 ABSL_FLAG(std::string, token, "", "the worker join token (prefer --token-file)");
 ABSL_FLAG(std::string, address, "127.0.0.1", "address (no port) peers use to reach this node");
 ABSL_FLAG(int32_t, cpu_slots, 1, "CPU slots this worker offers");
+ABSL_FLAG(std::string, metrics_addr, "127.0.0.1:9465",
+          "host:port for Prometheus /metrics (port 0 picks one); empty turns it off");
+ABSL_FLAG(std::string, metrics_addr_file, "",
+          "write the host:port /metrics is served on to this file once serving");
 ABSL_FLAG(std::string, trainer_binary, "/proc/self/exe",
           "program run as `<trainer-binary> train ...` for each rank");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
@@ -144,6 +152,10 @@ int RunDaemonMode(const std::string& log_level) {
   options.trainer_log_level = log_level;
   options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
   options.version = AIDN_VERSION;
+  aidn::metrics::Registry registry;
+  aidn::metrics::AddProcessMetrics(&registry);
+  const std::string metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
+  if (!metrics_addr.empty()) options.registry = &registry;
 
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (!token_file.empty() && !absl::GetFlag(FLAGS_token).empty()) {
@@ -197,14 +209,28 @@ int RunDaemonMode(const std::string& log_level) {
        {"work_dir", resolved.work_dir},
        {"trainer_binary", trainer},
        {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
+       {"metrics_addr", metrics_addr.empty() ? "(off)" : metrics_addr},
        {"log_level", log_level}});
   if (!daemon.ok()) return Fail("aidn-worker", daemon.status());
+  std::unique_ptr<aidn::metrics::HttpServer> metrics_server;
+  if (!metrics_addr.empty()) {
+    auto started = aidn::metrics::HttpServer::Start({.address = metrics_addr}, &registry);
+    if (!started.ok()) return Fail("aidn-worker", started.status());
+    metrics_server = *std::move(started);
+    AIDN_LOG(INFO) << "serving /metrics" << aidn::Kv("address", metrics_server->address());
+    if (const std::string file = absl::GetFlag(FLAGS_metrics_addr_file); !file.empty()) {
+      absl::Status s = aidn::WriteFileAtomically(file, metrics_server->address() + "\n");
+      if (!s.ok()) return Fail("aidn-worker", s);
+    }
+  }
   if (absl::Status s = (*daemon)->Start(); !s.ok()) return Fail("aidn-worker", s);
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   AIDN_LOG(INFO) << "signal received; stopping trainers and exiting" << Kv("signal", signal_number);
   (*daemon)->Shutdown();
+  // /metrics calls into the daemon: stop it before the daemon goes.
+  metrics_server.reset();
   return 0;
 }
 

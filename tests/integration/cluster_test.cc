@@ -1238,7 +1238,8 @@ TEST_F(ClusterTest, TrainersStreamMetricsCommitCheckpointsAndAWatcherSeesItAll) 
     EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   }
 
-  // GetMetrics: an inclusive step range, ordered by step then rank.
+  // GetMetrics: an inclusive step range, ordered by step, each step the
+  // combination of both ranks' records (rank r sent loss 2/step + r).
   {
     v1::GetMetricsRequest request;
     request.set_job_id(job_id);
@@ -1247,11 +1248,14 @@ TEST_F(ClusterTest, TrainersStreamMetricsCommitCheckpointsAndAWatcherSeesItAll) 
     v1::GetMetricsResponse response;
     grpc::Status status = coord_->GetMetrics(Context(admin()).get(), request, &response);
     ASSERT_TRUE(status.ok()) << Describe(status);
-    ASSERT_EQ(response.records_size(), 6);
-    for (int i = 0; i < 6; ++i) {
-      EXPECT_EQ(response.records(i).step(), 2 + i / 2);
-      EXPECT_EQ(response.records(i).rank(), i % 2);
-      EXPECT_EQ(response.records(i).generation(), 1);
+    ASSERT_EQ(response.steps_size(), 3);
+    for (int i = 0; i < 3; ++i) {
+      const v1::StepMetrics& step = response.steps(i);
+      EXPECT_EQ(step.step(), 2 + i);
+      EXPECT_EQ(step.generation(), 1);
+      EXPECT_EQ(step.ranks_reported(), 2);
+      EXPECT_EQ(step.world_size(), 2);
+      EXPECT_DOUBLE_EQ(step.loss(), 2.0 / static_cast<double>(step.step()) + 0.5);
     }
   }
 
@@ -1311,11 +1315,12 @@ TEST_F(ClusterTest, TrainersStreamMetricsCommitCheckpointsAndAWatcherSeesItAll) 
       types.push_back(item.event().type());
     } else if (item.has_job()) {
       states.push_back(item.job().state());
-    } else if (item.has_record()) {
+    } else if (item.has_step()) {
+      EXPECT_EQ(item.step().step(), records + 1) << "steps arrive in order, once";
       ++records;
     }
   }
-  EXPECT_EQ(records, 10);
+  EXPECT_EQ(records, 5);
   for (const char* type :
        {"job.submitted", "job.scheduled", "job.running", "checkpoint.committed", "job.succeeded"}) {
     EXPECT_NE(std::find(types.begin(), types.end(), type), types.end()) << type;

@@ -85,8 +85,14 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
     if (!std::filesystem::exists(log_path)) break;
   }
 
-  std::vector<std::string> argv = {AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-                                   "--state-dir=" + state_dir, "--addr-file=" + addr_file};
+  // /metrics on a free port too (it is written before the address file);
+  // `extra_args` may override both flags.
+  const std::string metrics_addr_file = state_dir + "/metrics.addr";
+  std::filesystem::remove(metrics_addr_file, error);
+  std::vector<std::string> argv = {
+      AIDN_COORDINATOR_BIN,         "--listen=127.0.0.1:0",
+      "--state-dir=" + state_dir,   "--addr-file=" + addr_file,
+      "--metrics-addr=127.0.0.1:0", "--metrics-addr-file=" + metrics_addr_file};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   CoordinatorHandle handle;
   handle.state_dir = state_dir;
@@ -117,6 +123,8 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
         const std::string addr = ReadFileOrEmpty(addr_file);
         if (addr.empty() || addr.back() != '\n') return false;
         handle.address = std::string(absl::StripAsciiWhitespace(addr));
+        handle.metrics_address =
+            std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(metrics_addr_file)));
         handle.admin_token =
             std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(state_dir + "/admin.token")));
         handle.worker_token =

@@ -20,13 +20,16 @@ namespace aidn::testing {
 struct CoordinatorHandle {
   std::unique_ptr<Process> process;
   std::string address;  // 127.0.0.1:PORT
+  // Where /metrics is served; empty when the extra args turned it off.
+  std::string metrics_address;
   std::string state_dir;
   std::string admin_token;   // read from <state_dir>/admin.token
   std::string worker_token;  // read from <state_dir>/worker.token
 };
 
 // Starts AIDN_COORDINATOR_BIN with --listen=127.0.0.1:0
-// --state-dir=<state_dir> --addr-file=<state_dir>/coordinator.addr plus
+// --state-dir=<state_dir> --addr-file=<state_dir>/coordinator.addr
+// --metrics-addr=127.0.0.1:0 --metrics-addr-file=<state_dir>/metrics.addr plus
 // `extra_args`, and waits (up to 30 s) until the address file appears and the
 // gRPC health check answers SERVING. The address file is removed first, so a
 // restart on the same state dir never reads a stale one. The coordinator's

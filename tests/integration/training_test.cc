@@ -62,7 +62,8 @@ class TrainingTest : public ::testing::Test {
       absl::StatusOr<std::unique_ptr<Process>> w =
           Process::Start({AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
                           "--token-file=" + coordinator_.state_dir + "/worker.token",
-                          std::string("--worker-id=") + id, "--cpu-slots=1", "--work-dir=" + work},
+                          std::string("--worker-id=") + id, "--cpu-slots=1", "--work-dir=" + work,
+                          "--metrics-addr=127.0.0.1:0"},
                          {}, work + "/worker.out", work + "/worker.err");
       ASSERT_TRUE(w.ok()) << w.status();
       workers_.push_back(std::move(*w));
@@ -141,12 +142,12 @@ class TrainingTest : public ::testing::Test {
     return job;
   }
 
-  std::vector<v1::MetricRecord> Metrics(const std::string& id) {
+  std::vector<v1::StepMetrics> Metrics(const std::string& id) {
     v1::GetMetricsRequest request;
     request.set_job_id(id);
     v1::GetMetricsResponse response;
     EXPECT_TRUE(coord_->GetMetrics(Context(admin()).get(), request, &response).ok());
-    return {response.records().begin(), response.records().end()};
+    return {response.steps().begin(), response.steps().end()};
   }
 
   std::string dir_;
@@ -161,24 +162,25 @@ TEST_F(TrainingTest, TwoWorkersTrainTheMlpToARealTestAccuracy) {
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   EXPECT_EQ(job.generation(), 1);
 
-  std::vector<v1::MetricRecord> records = Metrics(id);
-  int train[2] = {0, 0};
+  std::vector<v1::StepMetrics> steps = Metrics(id);
+  int train = 0;
   double first_loss = 0, last_loss = 0;
   double accuracy = -1;
-  for (const v1::MetricRecord& r : records) {
-    if (r.kind() == v1::MetricRecord::EVAL) {
-      accuracy = r.test_accuracy();
+  for (const v1::StepMetrics& s : steps) {
+    if (s.kind() == v1::MetricRecord::EVAL) {
+      accuracy = s.test_accuracy();
       continue;
     }
-    ASSERT_GE(r.rank(), 0);
-    ASSERT_LT(r.rank(), 2);
-    ++train[r.rank()];
-    if (r.step() == 1) first_loss = r.loss();
-    if (r.step() == 300) last_loss = r.loss();
+    ++train;
+    EXPECT_EQ(s.step(), train) << "one combined step each, in order";
+    // Every step of both ranks arrived.
+    EXPECT_EQ(s.ranks_reported(), 2) << "step " << s.step();
+    EXPECT_EQ(s.samples(), 128) << "2 ranks x 64";
+    EXPECT_GT(s.samples_per_second(), 0);
+    if (s.step() == 1) first_loss = s.loss();
+    if (s.step() == 300) last_loss = s.loss();
   }
-  // Every step of both ranks arrived, and both report the same mean loss.
-  EXPECT_EQ(train[0], 300);
-  EXPECT_EQ(train[1], 300);
+  EXPECT_EQ(train, 300);
   EXPECT_GT(first_loss, 1.5) << "an untrained 10-class model starts near ln 10";
   EXPECT_LT(last_loss, 0.9);
   // 300 steps x 128 samples (under one epoch) already reach ~0.8 on
@@ -196,7 +198,7 @@ TEST_F(TrainingTest, TheCnnTrainsToo) {
   v1::Job job = WaitForEnd(id);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   bool eval = false;
-  for (const v1::MetricRecord& r : Metrics(id)) eval = eval || r.kind() == v1::MetricRecord::EVAL;
+  for (const v1::StepMetrics& s : Metrics(id)) eval = eval || s.kind() == v1::MetricRecord::EVAL;
   EXPECT_TRUE(eval);
 }
 
@@ -224,12 +226,12 @@ TEST_F(TrainingTest, GradientAccumulationTrainsWithFewerOptimizerSteps) {
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   int64_t last_step = 0;
   double accuracy = -1;
-  for (const v1::MetricRecord& r : Metrics(id)) {
-    if (r.kind() == v1::MetricRecord::EVAL) {
-      accuracy = r.test_accuracy();
+  for (const v1::StepMetrics& s : Metrics(id)) {
+    if (s.kind() == v1::MetricRecord::EVAL) {
+      accuracy = s.test_accuracy();
     } else {
-      last_step = std::max(last_step, r.step());
-      EXPECT_EQ(r.samples(), 128) << "two micro-batches of 64 per optimizer step";
+      last_step = std::max(last_step, s.step());
+      EXPECT_EQ(s.samples(), 256) << "2 ranks x two micro-batches of 64 per optimizer step";
     }
   }
   EXPECT_EQ(last_step, 150);

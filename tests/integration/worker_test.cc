@@ -178,6 +178,7 @@ class WorkerTest : public ::testing::Test {
                                      "--work_dir=" + w.work_dir,  // underscores work too
                                      "--trainer-binary=" + trainer_script,
                                      "--stop-grace=2s",
+                                     "--metrics-addr=127.0.0.1:0",
                                      "--log-level=debug"};
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     absl::StatusOr<std::unique_ptr<Process>> process = Process::Start(argv, {}, w.log, w.log);

@@ -85,8 +85,9 @@ class Reporter {
     records_.push_back(std::move(record));
   }
 
-  void Progress(int64_t step, int32_t epoch, int64_t collective_seq) {
+  void Progress(int64_t step, int32_t epoch, int64_t collective_seq, int64_t total_steps) {
     std::lock_guard<std::mutex> lock(mu_);
+    total_steps_ = total_steps;
     progress_step_ = step;
     progress_epoch_ = epoch;
     collective_seq_ = collective_seq;
@@ -131,6 +132,7 @@ class Reporter {
       const int64_t step = progress_step_;
       const int32_t epoch = progress_epoch_;
       const int64_t seq = collective_seq_;
+      const int64_t total = total_steps_;
       lock.unlock();
       if (!batch.empty() && !Send(batch)) {
         lock.lock();
@@ -140,7 +142,7 @@ class Reporter {
         std::this_thread::sleep_for(milliseconds(200));
       }
       if (beat) {
-        SendProgress(step, epoch, seq);
+        SendProgress(step, epoch, seq, total);
         next_beat = SteadyClock::now() + milliseconds(1000);
       }
       lock.lock();
@@ -168,7 +170,7 @@ class Reporter {
     return status.ok();
   }
 
-  void SendProgress(int64_t step, int32_t epoch, int64_t seq) {
+  void SendProgress(int64_t step, int32_t epoch, int64_t seq, int64_t total) {
     grpc::ClientContext context;
     rpc::PrepareContext(&context, options_.token, kRpcTimeout);
     v1::ReportProgressRequest request;
@@ -178,6 +180,7 @@ class Reporter {
     request.set_step(step);
     request.set_epoch(epoch);
     request.set_collective_seq(seq);
+    request.set_total_steps(total);
     v1::ReportProgressResponse response;
     grpc::Status status = stub_->ReportProgress(&context, request, &response);
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION || response.stop()) {
@@ -194,6 +197,7 @@ class Reporter {
   int64_t progress_step_ = -1;
   int32_t progress_epoch_ = 0;
   int64_t collective_seq_ = 0;
+  int64_t total_steps_ = 0;
   bool closing_ = false;
   SteadyClock::time_point close_deadline_;
   std::atomic<bool> superseded_{false};
@@ -437,6 +441,8 @@ std::optional<Failure> Run::Execute() {
   std::vector<int32_t> labels;
   std::vector<int64_t> indices;
   int32_t epoch = -1;
+  // Tells the coordinator how long the job is before the first step ends.
+  reporter_->Progress(0, 0, comm_->sequence(), total_steps);
   for (int64_t step = 0; step < total_steps; ++step) {
     if (reporter_->superseded()) {
       return Failure{kExitSuperseded,
@@ -479,7 +485,9 @@ std::optional<Failure> Run::Execute() {
     v1::MetricRecord record;
     record.set_kind(v1::MetricRecord::TRAIN);
     record.set_step(step + 1);
-    record.set_epoch(epoch);
+    // Epochs are counted from 1 in records and progress, as people count
+    // them: steps of the first epoch and its evaluation both say 1.
+    record.set_epoch(epoch + 1);
     record.set_loss(mean_loss);
     record.set_samples(batch * accum);
     record.set_step_seconds(step_s);
@@ -487,7 +495,7 @@ std::optional<Failure> Run::Execute() {
     record.set_lr(lr);
     *record.mutable_time() = Now();
     reporter_->Record(std::move(record));
-    reporter_->Progress(step + 1, epoch, comm_->sequence());
+    reporter_->Progress(step + 1, epoch + 1, comm_->sequence(), total_steps);
     if (rank == 0 && ((step + 1) % log_every == 0 || step + 1 == total_steps)) {
       std::printf("step %lld/%lld | loss %.4f | %.1f ms | %.0f samples/s | allreduce %.1f ms\n",
                   static_cast<long long>(step + 1), static_cast<long long>(total_steps), mean_loss,

@@ -125,7 +125,7 @@ class CoordinatorTest : public ::testing::Test {
     auth_ = Authenticator::CreateEmpty();
     absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = path});
     ASSERT_TRUE(store.ok()) << store.status();
-    CoordinatorOptions options;
+    CoordinatorOptions options = options_;
     options.clock = &clock_;
     options.heartbeat_interval = kHeartbeatInterval;
     options.worker_timeout = kWorkerTimeout;
@@ -273,6 +273,38 @@ class CoordinatorTest : public ::testing::Test {
     return id;
   }
 
+  // Rank `rank` of generation 1 sends TRAIN records of steps [first, last];
+  // rank r's loss at step k is 1/k + r.
+  absl::Status SendSteps(const std::string& job_id, int rank, int64_t first, int64_t last,
+                         v1::MetricRecord::Kind kind = v1::MetricRecord::TRAIN) {
+    v1::StreamMetricsRequest request;
+    request.set_job_id(job_id);
+    request.set_generation(1);
+    request.set_rank(rank);
+    for (int64_t step = first; step <= last; ++step) {
+      v1::MetricRecord* r = request.add_records();
+      r->set_kind(kind);
+      r->set_step(step);
+      r->set_epoch(1);
+      r->set_loss(1.0 / static_cast<double>(step) + rank);
+      r->set_samples(64);
+      r->set_step_seconds(0.01 * (rank + 1));
+      r->set_allreduce_seconds(0.002);
+      if (kind == v1::MetricRecord::EVAL) r->set_test_accuracy(0.8 + 0.1 * rank);
+    }
+    return c().AppendMetrics(request);
+  }
+
+  // Every step item of `batch`, as (step, kind).
+  static std::vector<std::pair<int64_t, int>> StepItems(const WatchBatch& batch) {
+    std::vector<std::pair<int64_t, int>> out;
+    for (const v1::WatchJobResponse& item : batch.items) {
+      if (item.has_step()) out.emplace_back(item.step().step(), item.step().kind());
+    }
+    return out;
+  }
+
+  CoordinatorOptions options_;
   FakeClock clock_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<Coordinator> coord_;
@@ -1249,41 +1281,207 @@ TEST_F(CoordinatorTest, PollWatchSendsTheJobThenEventsAfterTheCursorThenFinishes
   EXPECT_THAT(batch->items, IsEmpty());
 }
 
-TEST_F(CoordinatorTest, PollWatchIncludesMetricRecordsFromTheRequestedStep) {
+TEST_F(CoordinatorTest, StepsAreCombinedOnceEveryRankReported) {
   const std::string id = RunningJobOnTwoWorkers();
-  v1::StreamMetricsRequest metrics;
-  metrics.set_job_id(id);
-  metrics.set_generation(1);
-  metrics.set_rank(0);
-  for (int step = 1; step <= 3; ++step) {
-    v1::MetricRecord* r = metrics.add_records();
-    r->set_step(step);
-    r->set_loss(1.0 / step);
-  }
-  ASSERT_TRUE(c().AppendMetrics(metrics).ok());
+  ASSERT_TRUE(SendSteps(id, 0, 1, 3).ok());
   EXPECT_EQ(Get(id).last_step(), 3);
+  v1::GetMetricsRequest get;
+  get.set_job_id(id);
+  absl::StatusOr<v1::GetMetricsResponse> none = c().GetMetrics(get);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->steps_size(), 0) << "rank 1 has not reported yet";
+
+  ASSERT_TRUE(SendSteps(id, 1, 1, 2).ok());
+  absl::StatusOr<v1::GetMetricsResponse> two = c().GetMetrics(get);
+  ASSERT_TRUE(two.ok()) << two.status();
+  ASSERT_EQ(two->steps_size(), 2);
+  const v1::StepMetrics& s = two->steps(1);
+  EXPECT_EQ(s.step(), 2);
+  EXPECT_EQ(s.generation(), 1);
+  EXPECT_EQ(s.ranks_reported(), 2);
+  EXPECT_EQ(s.world_size(), 2);
+  EXPECT_DOUBLE_EQ(s.loss(), 0.5 + 0.5);  // mean of 1/2 and 1/2 + 1
+  EXPECT_EQ(s.samples(), 128);
+  EXPECT_DOUBLE_EQ(s.step_seconds(), 0.02);
+  EXPECT_EQ(s.slowest_rank(), 1);
+  EXPECT_DOUBLE_EQ(s.samples_per_second(), 128 / 0.02);
+  EXPECT_THAT(s.rank_step_seconds(), ElementsAre(0.01, 0.02));
+
+  // Range and refusals.
+  get.set_from_step(2);
+  get.set_to_step(2);
+  absl::StatusOr<v1::GetMetricsResponse> one = c().GetMetrics(get);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->steps_size(), 1);
+  get.set_from_step(-1);
+  EXPECT_EQ(c().GetMetrics(get).status().code(), absl::StatusCode::kInvalidArgument);
+  get.set_job_id("job-404");
+  get.set_from_step(0);
+  EXPECT_EQ(c().GetMetrics(get).status().code(), absl::StatusCode::kNotFound);
+  v1::StreamMetricsRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(1);
+  bad.set_rank(2);
+  EXPECT_EQ(c().AppendMetrics(bad).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, AStepStillMissingARankIsCombinedAfterTheWait) {
+  options_.step_log.max_wait = milliseconds(5000);
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  ASSERT_TRUE(SendSteps(id, 0, 1, 2).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 1).ok());
+  v1::GetMetricsRequest get;
+  get.set_job_id(id);
+  ASSERT_EQ(c().GetMetrics(get)->steps_size(), 1);
+  clock_.Advance(milliseconds(4000));
+  c().Tick();
+  EXPECT_EQ(c().GetMetrics(get)->steps_size(), 1);
+  clock_.Advance(milliseconds(1500));
+  c().Tick();
+  absl::StatusOr<v1::GetMetricsResponse> after = c().GetMetrics(get);
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(after->steps_size(), 2);
+  EXPECT_EQ(after->steps(1).ranks_reported(), 1);
+  EXPECT_DOUBLE_EQ(after->steps(1).loss(), 0.5);
+  // Rank 1's record of step 2 comes too late: dropped, step 2 unchanged.
+  ASSERT_TRUE(SendSteps(id, 1, 2, 2).ok());
+  EXPECT_EQ(c().GetMetrics(get)->steps(1).ranks_reported(), 1);
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr("aidn_metric_records_dropped_total 1\n"));
+}
+
+TEST_F(CoordinatorTest, PollWatchReadsStoredStepsBackThenFollowsMemoryWithoutGapsOrRepeats) {
+  options_.step_log.recent_steps = 4;
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 1, 10).ok());
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 10, 10, v1::MetricRecord::EVAL).ok());
 
   v1::WatchJobRequest request;
   request.set_job_id(id);
   request.set_include_metrics(true);
-  request.set_from_step(2);
+  request.set_from_step(3);
   WatchCursor cursor;
   absl::StatusOr<WatchBatch> batch = c().PollWatch(request, &cursor);
   ASSERT_TRUE(batch.ok()) << batch.status();
-  std::vector<int64_t> steps;
-  for (const v1::WatchJobResponse& item : batch->items) {
-    if (!item.has_record()) continue;
-    steps.push_back(item.record().step());
-    EXPECT_EQ(item.record().rank(), 0);
-    EXPECT_EQ(item.record().generation(), 1);
-  }
-  EXPECT_THAT(steps, ElementsAre(2, 3));
+  EXPECT_TRUE(batch->items.front().has_job());
+  using Steps = std::vector<std::pair<int64_t, int>>;
+  const int kTrain = v1::MetricRecord::TRAIN, kEval = v1::MetricRecord::EVAL;
+  Steps expected;
+  for (int64_t k = 3; k <= 10; ++k) expected.emplace_back(k, kTrain);
+  expected.emplace_back(10, kEval);
+  EXPECT_EQ(StepItems(*batch), expected);
 
+  // New steps come from memory, once each.
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 11, 12).ok());
+  batch = c().PollWatch(request, &cursor);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_EQ(StepItems(*batch), (Steps{{11, kTrain}, {12, kTrain}}));
+  batch = c().PollWatch(request, &cursor);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_THAT(StepItems(*batch), IsEmpty());
+
+  // Ten steps while this watcher was away: more than the 4 memory holds,
+  // so the rest is read back from the store.
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 13, 22).ok());
+  Steps got;
+  for (int i = 0; i < 3; ++i) {
+    batch = c().PollWatch(request, &cursor);
+    ASSERT_TRUE(batch.ok());
+    for (const auto& item : StepItems(*batch)) got.push_back(item);
+  }
+  Steps later;
+  for (int64_t k = 13; k <= 22; ++k) later.emplace_back(k, kTrain);
+  EXPECT_EQ(got, later);
+  EXPECT_FALSE(batch->finished);
+
+  // Once the job ended and everything was sent, the watch is finished.
+  for (int rank : {0, 1}) ASSERT_TRUE(Exit(id, 1, rank, 0).ok());
+  ASSERT_EQ(Get(id).state(), Job::SUCCEEDED);
+  bool finished = false;
+  for (int i = 0; i < 5 && !finished; ++i) {
+    batch = c().PollWatch(request, &cursor);
+    ASSERT_TRUE(batch.ok());
+    EXPECT_THAT(StepItems(*batch), IsEmpty());
+    finished = batch->finished;
+  }
+  EXPECT_TRUE(finished);
+}
+
+TEST_F(CoordinatorTest, ProgressCarriesTotalStepsAndEpochToTheJob) {
+  const std::string id = RunningJobOnTwoWorkers();
+  v1::ReportProgressRequest progress;
+  progress.set_job_id(id);
+  progress.set_generation(1);
+  progress.set_rank(0);
+  progress.set_step(40);
+  progress.set_epoch(2);
+  progress.set_total_steps(300);
+  v1::WatchJobRequest request;
+  request.set_job_id(id);
+  WatchCursor cursor;
+  ASSERT_TRUE(c().PollWatch(request, &cursor).ok());
+  ASSERT_TRUE(c().ReportProgress(progress).ok());
+  const Job job = Get(id);
+  EXPECT_EQ(job.total_steps(), 300);
+  EXPECT_EQ(job.last_step(), 40);
+  EXPECT_EQ(job.epoch(), 2);
+  // Watchers see the new total.
+  absl::StatusOr<WatchBatch> batch = c().PollWatch(request, &cursor);
+  ASSERT_TRUE(batch.ok());
+  ASSERT_FALSE(batch->items.empty());
+  EXPECT_EQ(batch->items.front().job().total_steps(), 300);
+  progress.set_total_steps(-1);
+  EXPECT_EQ(c().ReportProgress(progress).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, RegistryShowsJobsRanksAndWorkersAndForgetsFinishedJobsAfterRetention) {
+  options_.metrics_retention = milliseconds(60'000);
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 1, 5).ok());
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 5, 5, v1::MetricRecord::EVAL).ok());
+  v1::ReportProgressRequest progress;
+  progress.set_job_id(id);
+  progress.set_generation(1);
+  progress.set_rank(1);
+  progress.set_step(5);
+  progress.set_total_steps(50);
+  ASSERT_TRUE(c().ReportProgress(progress).ok());
+
+  std::string text = c().registry()->Serialize();
+  const std::string job = absl::StrCat("job_id=\"", id, "\"");
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_step{", job, "} 5\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_total_steps{", job, "} 50\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_loss{", job, "} 0.7\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_test_accuracy{", job, "} 0.85")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_state{", job, ",state=\"RUNNING\"} 1\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_step_seconds_count{", job,
+                                           ",rank=\"1\"} 5\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_last_progress_age_seconds{", job,
+                                           ",rank=\"1\"} 0\n")));
+  EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"RUNNING\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("aidn_worker_up{worker_id=\"w1\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("aidn_metric_records_total 12\n"));
+
+  for (int rank : {0, 1}) ASSERT_TRUE(Exit(id, 1, rank, 0).ok());
+  clock_.Advance(milliseconds(30'000));
+  text = c().registry()->Serialize();
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_state{", job, ",state=\"SUCCEEDED\"} 1\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_step{", job, "} 5\n")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("aidn_rank_last_progress_age_seconds{")));
+  EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 0\n"));
+
+  clock_.Advance(milliseconds(31'000));
+  text = c().registry()->Serialize();
+  EXPECT_THAT(text, ::testing::Not(HasSubstr(job)));
+  EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"SUCCEEDED\"} 1\n"));
+  // The steps are still in the store.
+  c().Tick();
   v1::GetMetricsRequest get;
   get.set_job_id(id);
-  absl::StatusOr<v1::GetMetricsResponse> all = c().GetMetrics(get);
-  ASSERT_TRUE(all.ok()) << all.status();
-  EXPECT_EQ(all->records_size(), 3);
+  EXPECT_EQ(c().GetMetrics(get)->steps_size(), 6);
 }
 
 TEST_F(CoordinatorTest, SubscribersAreNotifiedOutsideTheLockAndCanPull) {

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -164,6 +165,34 @@ v1::MetricRecord MakeMetric(int64_t step, int32_t rank, v1::MetricRecord::Kind k
   }
   SetTime(record.mutable_time(), 1700000000 + step, rank);
   return record;
+}
+
+v1::StepMetrics MakeStep(int64_t step, v1::MetricRecord::Kind kind) {
+  v1::StepMetrics s;
+  s.set_kind(kind);
+  s.set_step(step);
+  s.set_epoch(static_cast<int32_t>(step / 10) + 1);
+  s.set_generation(1);
+  s.set_world_size(2);
+  s.set_ranks_reported(2);
+  if (kind == v1::MetricRecord::TRAIN) {
+    s.set_loss(1.0 / static_cast<double>(step + 1));
+    s.set_samples(128);
+    s.set_step_seconds(0.0125);
+    s.set_slowest_rank(1);
+    s.set_allreduce_seconds(0.002);
+    s.set_samples_per_second(128 / 0.0125);
+    s.set_lr(1e-3);
+    s.add_rank_step_seconds(0.011);
+    s.add_rank_step_seconds(0.0125);
+    s.add_rank_allreduce_seconds(0.002);
+    s.add_rank_allreduce_seconds(0.002);
+  } else {
+    s.set_test_loss(0.5);
+    s.set_test_accuracy(0.875);
+  }
+  SetTime(s.mutable_time(), 1700000000 + step, 0);
+  return s;
 }
 
 // Runs SQL on the file through a connection of its own, as another process
@@ -498,55 +527,65 @@ TEST_F(StoreTest, CheckpointsRoundTripReplaceAndDelete) {
   EXPECT_EQ(checkpoints->size(), 1u);
 }
 
-TEST_F(StoreTest, GetMetricsSelectsAnInclusiveStepRangeOrderedByStepThenRank) {
+TEST_F(StoreTest, GetStepsSelectsAnInclusiveRangeOrderedByStepTrainBeforeEval) {
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);
-  // Appended in scrambled order, over several calls.
-  std::vector<v1::MetricRecord> batch1;
-  std::vector<v1::MetricRecord> batch2;
-  for (int64_t step : {5, 1, 3}) {
-    for (int32_t rank : {1, 0}) batch1.push_back(MakeMetric(step, rank, v1::MetricRecord::TRAIN));
-  }
-  for (int64_t step : {4, 2}) {
-    for (int32_t rank : {0, 1}) batch2.push_back(MakeMetric(step, rank, v1::MetricRecord::TRAIN));
-  }
-  ASSERT_TRUE(store->AppendMetrics("job-1", batch1).ok());
-  ASSERT_TRUE(store->AppendMetrics("job-1", batch2).ok());
-  ASSERT_TRUE(store->AppendMetrics("job-2", {MakeMetric(3, 0, v1::MetricRecord::EVAL)}).ok());
-  ASSERT_TRUE(store->AppendMetrics("job-1", {}).ok());
+  // Written in scrambled order, over several batches and jobs.
+  ASSERT_TRUE(store
+                  ->PutSteps({{"job-1", MakeStep(5, v1::MetricRecord::TRAIN)},
+                              {"job-1", MakeStep(3, v1::MetricRecord::EVAL)},
+                              {"job-2", MakeStep(3, v1::MetricRecord::TRAIN)},
+                              {"job-1", MakeStep(1, v1::MetricRecord::TRAIN)}})
+                  .ok());
+  ASSERT_TRUE(store
+                  ->PutSteps({{"job-1", MakeStep(4, v1::MetricRecord::TRAIN)},
+                              {"job-1", MakeStep(3, v1::MetricRecord::TRAIN)},
+                              {"job-1", MakeStep(2, v1::MetricRecord::TRAIN)}})
+                  .ok());
+  ASSERT_TRUE(store->PutSteps({}).ok());
 
-  auto steps_ranks = [](const absl::StatusOr<std::vector<v1::MetricRecord>>& records) {
-    std::vector<std::pair<int64_t, int32_t>> out;
-    EXPECT_TRUE(records.ok()) << records.status();
-    if (records.ok()) {
-      for (const v1::MetricRecord& record : *records)
-        out.emplace_back(record.step(), record.rank());
+  using Rows = std::vector<std::pair<int64_t, int>>;
+  auto rows = [](const absl::StatusOr<std::vector<v1::StepMetrics>>& steps) {
+    Rows out;
+    EXPECT_TRUE(steps.ok()) << steps.status();
+    if (steps.ok()) {
+      for (const v1::StepMetrics& step : *steps) out.emplace_back(step.step(), step.kind());
     }
     return out;
   };
-  using Rows = std::vector<std::pair<int64_t, int32_t>>;
-  EXPECT_EQ(steps_ranks(store->GetMetrics("job-1", 2, 4, 0)),
-            (Rows{{2, 0}, {2, 1}, {3, 0}, {3, 1}, {4, 0}, {4, 1}}));
-  EXPECT_EQ(steps_ranks(store->GetMetrics("job-1", 4, 0, 0)),
-            (Rows{{4, 0}, {4, 1}, {5, 0}, {5, 1}}));
-  EXPECT_EQ(steps_ranks(store->GetMetrics("job-1", 0, 0, 3)), (Rows{{1, 0}, {1, 1}, {2, 0}}));
-  EXPECT_EQ(steps_ranks(store->GetMetrics("job-1", 3, 3, 0)), (Rows{{3, 0}, {3, 1}}));
-  EXPECT_EQ(steps_ranks(store->GetMetrics("job-1", 6, 0, 0)), Rows{});
-  EXPECT_EQ(steps_ranks(store->GetMetrics("job-2", 0, 0, 0)), (Rows{{3, 0}}));
+  const int kTrain = v1::MetricRecord::TRAIN, kEval = v1::MetricRecord::EVAL;
+  EXPECT_EQ(rows(store->GetSteps("job-1", 2, 4, 0)),
+            (Rows{{2, kTrain}, {3, kTrain}, {3, kEval}, {4, kTrain}}));
+  EXPECT_EQ(rows(store->GetSteps("job-1", 4, 0, 0)), (Rows{{4, kTrain}, {5, kTrain}}));
+  EXPECT_EQ(rows(store->GetSteps("job-1", 0, 0, 3)), (Rows{{1, kTrain}, {2, kTrain}, {3, kTrain}}));
+  EXPECT_EQ(rows(store->GetSteps("job-1", 6, 0, 0)), Rows{});
+  EXPECT_EQ(rows(store->GetSteps("job-2", 0, 0, 0)), (Rows{{3, kTrain}}));
+  EXPECT_EQ(rows(store->GetSteps("job-3", 0, 0, 0)), Rows{});
 
-  // Whole records come back as written.
-  absl::StatusOr<std::vector<v1::MetricRecord>> records = store->GetMetrics("job-1", 5, 5, 0);
-  ASSERT_TRUE(records.ok()) << records.status();
-  ASSERT_EQ(records->size(), 2u);
-  EXPECT_THAT((*records)[0], ProtoEquals(batch1[1]));  // step 5 rank 0
-  EXPECT_THAT((*records)[1], ProtoEquals(batch1[0]));  // step 5 rank 1
-  records = store->GetMetrics("job-2", 0, 0, 0);
-  ASSERT_TRUE(records.ok()) << records.status();
-  ASSERT_EQ(records->size(), 1u);
-  EXPECT_THAT((*records)[0], ProtoEquals(MakeMetric(3, 0, v1::MetricRecord::EVAL)));
+  // Whole steps come back as written.
+  absl::StatusOr<std::vector<v1::StepMetrics>> steps = store->GetSteps("job-1", 3, 3, 0);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  ASSERT_EQ(steps->size(), 2u);
+  EXPECT_THAT((*steps)[0], ProtoEquals(MakeStep(3, v1::MetricRecord::TRAIN)));
+  EXPECT_THAT((*steps)[1], ProtoEquals(MakeStep(3, v1::MetricRecord::EVAL)));
 }
 
-TEST_F(StoreTest, AppendMetricsStoresNothingWhenOneRecordFails) {
+TEST_F(StoreTest, AStepWrittenAgainReplacesTheOldRow) {
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->PutSteps({{"job-1", MakeStep(7, v1::MetricRecord::TRAIN)}}).ok());
+  // A restarted generation redoes step 7.
+  v1::StepMetrics redone = MakeStep(7, v1::MetricRecord::TRAIN);
+  redone.set_generation(2);
+  redone.set_loss(0.25);
+  ASSERT_TRUE(store->PutSteps({{"job-1", redone}}).ok());
+  absl::StatusOr<std::vector<v1::StepMetrics>> steps = store->GetSteps("job-1", 0, 0, 0);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  ASSERT_EQ(steps->size(), 1u);
+  EXPECT_THAT((*steps)[0], ProtoEquals(redone));
+}
+
+TEST_F(StoreTest, PutStepsStoresNothingWhenOneStepFails) {
   {
     std::unique_ptr<Store> store = OpenStore();
     ASSERT_NE(store, nullptr);
@@ -554,28 +593,28 @@ TEST_F(StoreTest, AppendMetricsStoresNothingWhenOneRecordFails) {
   // Another connection adds a trigger refusing step 3, so the third insert of
   // the batch fails after two succeeded.
   RawExec(path_,
-          "CREATE TRIGGER refuse_step_3 BEFORE INSERT ON metrics WHEN NEW.step = 3 "
+          "CREATE TRIGGER refuse_step_3 BEFORE INSERT ON steps WHEN NEW.step = 3 "
           "BEGIN SELECT RAISE(ABORT, 'step 3 refused by test'); END");
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);
-  std::vector<v1::MetricRecord> batch;
+  std::vector<Store::JobStep> batch;
   for (int64_t step = 1; step <= 5; ++step) {
-    batch.push_back(MakeMetric(step, 0, v1::MetricRecord::TRAIN));
+    batch.push_back({"job-1", MakeStep(step, v1::MetricRecord::TRAIN)});
   }
-  absl::Status status = store->AppendMetrics("job-1", batch);
+  absl::Status status = store->PutSteps(batch);
   EXPECT_FALSE(status.ok());
-  EXPECT_THAT(status.message(), HasSubstr("store: append metrics of job job-1"));
+  EXPECT_THAT(status.message(), HasSubstr("store: put 5 metric steps"));
   EXPECT_THAT(status.message(), HasSubstr("step 3 refused by test"));
 
-  absl::StatusOr<std::vector<v1::MetricRecord>> records = store->GetMetrics("job-1", 0, 0, 0);
-  ASSERT_TRUE(records.ok()) << records.status();
-  EXPECT_TRUE(records->empty()) << records->size() << " records survived the rollback";
+  absl::StatusOr<std::vector<v1::StepMetrics>> steps = store->GetSteps("job-1", 0, 0, 0);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  EXPECT_TRUE(steps->empty()) << steps->size() << " steps survived the rollback";
 
   // The connection is usable afterwards (no transaction left open).
-  ASSERT_TRUE(store->AppendMetrics("job-1", {batch[0], batch[1]}).ok());
-  records = store->GetMetrics("job-1", 0, 0, 0);
-  ASSERT_TRUE(records.ok()) << records.status();
-  EXPECT_EQ(records->size(), 2u);
+  ASSERT_TRUE(store->PutSteps({batch[0], batch[1]}).ok());
+  steps = store->GetSteps("job-1", 0, 0, 0);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  EXPECT_EQ(steps->size(), 2u);
 }
 
 TEST_F(StoreTest, DataSurvivesClosingAndReopening) {
@@ -583,7 +622,7 @@ TEST_F(StoreTest, DataSurvivesClosingAndReopening) {
   v1::Worker worker = MakeWorker("worker-0");
   v1::Event event = MakeEvent("job-9", "job.submitted");
   v1::Checkpoint checkpoint = MakeCheckpoint("job-9", 500);
-  v1::MetricRecord metric = MakeMetric(500, 1, v1::MetricRecord::EVAL);
+  v1::StepMetrics metric = MakeStep(500, v1::MetricRecord::EVAL);
   {
     std::unique_ptr<Store> store = OpenStore();
     ASSERT_NE(store, nullptr);
@@ -591,7 +630,7 @@ TEST_F(StoreTest, DataSurvivesClosingAndReopening) {
     ASSERT_TRUE(store->PutWorker(worker).ok());
     ASSERT_TRUE(store->AppendEvent(&event).ok());
     ASSERT_TRUE(store->PutCheckpoint(checkpoint).ok());
-    ASSERT_TRUE(store->AppendMetrics("job-9", {metric}).ok());
+    ASSERT_TRUE(store->PutSteps({{"job-9", metric}}).ok());
   }
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);
@@ -622,7 +661,7 @@ TEST_F(StoreTest, DataSurvivesClosingAndReopening) {
   ASSERT_EQ(checkpoints->size(), 1u);
   EXPECT_THAT((*checkpoints)[0], ProtoEquals(checkpoint));
 
-  absl::StatusOr<std::vector<v1::MetricRecord>> metrics = store->GetMetrics("job-9", 0, 0, 0);
+  absl::StatusOr<std::vector<v1::StepMetrics>> metrics = store->GetSteps("job-9", 0, 0, 0);
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   ASSERT_EQ(metrics->size(), 1u);
   EXPECT_THAT((*metrics)[0], ProtoEquals(metric));
@@ -644,56 +683,71 @@ TEST_F(StoreTest, OpenRefusesAFileWithANewerSchemaVersion) {
               HasSubstr(absl::StrCat("version ", Store::CurrentSchemaVersion(), ",")));
 }
 
-TEST_F(StoreTest, OpenMigratesAVersionOneFileAndKeepsItsData) {
-  // A file as the first release wrote it: the v1 schema and one record.
-  {
-    std::unique_ptr<Store> store = OpenStore();
-    ASSERT_NE(store, nullptr);
-    ASSERT_TRUE(store->AppendMetrics("job-1", {MakeMetric(3, 0, v1::MetricRecord::TRAIN)}).ok());
+// Rewrites the file at path_ (current schema, empty) as schema version
+// `version` (1 or 2) with the per-rank metrics table of those versions,
+// holding `records` of job-1.
+void MakeOldMetricsFile(const std::string& path, int version,
+                        const std::vector<v1::MetricRecord>& records) {
+  std::string sql = R"sql(
+      DROP TABLE steps;
+      CREATE TABLE metrics(job_id TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL,
+                           kind INTEGER NOT NULL, record BLOB NOT NULL);
+      CREATE INDEX metrics_job_id_step_rank ON metrics(job_id, step, rank);)sql";
+  if (version >= 2) sql += "CREATE INDEX metrics_job_id_rowid ON metrics(job_id);";
+  sql += absl::StrCat("DELETE FROM schema_version WHERE version > ", version, ";");
+  for (const v1::MetricRecord& r : records) {
+    sql += absl::StrCat("INSERT INTO metrics VALUES('job-1', ", r.step(), ", ", r.rank(), ", ",
+                        r.kind(), ", X'", absl::BytesToHexString(r.SerializeAsString()), "');");
   }
-  RawExec(path_, "DROP INDEX metrics_job_id_rowid; DELETE FROM schema_version WHERE version > 1");
-  std::unique_ptr<Store> store = OpenStore();
-  ASSERT_NE(store, nullptr);
-  EXPECT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
-  absl::StatusOr<std::vector<Store::StoredMetric>> metrics = store->MetricsAfter("job-1", 0, 0, 0);
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  ASSERT_EQ(metrics->size(), 1u);
-  EXPECT_EQ((*metrics)[0].record.step(), 3);
-  // The v2 index exists again.
-  RawExec(path_, "DROP INDEX metrics_job_id_rowid");
+  RawExec(path, sql);
 }
 
-TEST_F(StoreTest, MetricsAfterFollowsStorageOrderAcrossInterleavedRanks) {
-  std::unique_ptr<Store> store = OpenStore();
-  ASSERT_NE(store, nullptr);
-  // Rank 0 runs ahead of rank 1: a follower that moved on by step would
-  // lose rank 1's records of steps rank 0 already passed.
-  ASSERT_TRUE(store
-                  ->AppendMetrics("job-1", {MakeMetric(1, 0, v1::MetricRecord::TRAIN),
-                                            MakeMetric(2, 0, v1::MetricRecord::TRAIN)})
-                  .ok());
-  absl::StatusOr<std::vector<Store::StoredMetric>> first = store->MetricsAfter("job-1", 0, 0, 0);
-  ASSERT_TRUE(first.ok()) << first.status();
-  ASSERT_EQ(first->size(), 2u);
-  ASSERT_TRUE(store
-                  ->AppendMetrics("job-1", {MakeMetric(1, 1, v1::MetricRecord::TRAIN),
-                                            MakeMetric(2, 1, v1::MetricRecord::TRAIN)})
-                  .ok());
-  ASSERT_TRUE(store->AppendMetrics("job-2", {MakeMetric(1, 0, v1::MetricRecord::TRAIN)}).ok());
-  absl::StatusOr<std::vector<Store::StoredMetric>> rest =
-      store->MetricsAfter("job-1", first->back().row, 0, 0);
-  ASSERT_TRUE(rest.ok()) << rest.status();
-  ASSERT_EQ(rest->size(), 2u);
-  EXPECT_EQ((*rest)[0].record.rank(), 1);
-  EXPECT_EQ((*rest)[0].record.step(), 1);
-  EXPECT_EQ((*rest)[1].record.step(), 2);
-  EXPECT_GT((*rest)[0].row, first->back().row);
-  // from_step and limit.
-  absl::StatusOr<std::vector<Store::StoredMetric>> late = store->MetricsAfter("job-1", 0, 2, 1);
-  ASSERT_TRUE(late.ok()) << late.status();
-  ASSERT_EQ(late->size(), 1u);
-  EXPECT_EQ((*late)[0].record.step(), 2);
-  EXPECT_EQ((*late)[0].record.rank(), 0);
+TEST_F(StoreTest, OpenCombinesTheRanksRecordsOfAnOlderFileIntoSteps) {
+  for (int version : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("from schema version ", version));
+    for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(path_ + suffix);
+    {
+      std::unique_ptr<Store> store = OpenStore();
+      ASSERT_NE(store, nullptr);
+    }
+    v1::MetricRecord r0 = MakeMetric(1, 0, v1::MetricRecord::TRAIN);
+    v1::MetricRecord r1 = MakeMetric(1, 1, v1::MetricRecord::TRAIN);
+    r1.set_loss(r0.loss() + 1.0);
+    r1.set_step_seconds(0.05);
+    v1::MetricRecord lone = MakeMetric(2, 0, v1::MetricRecord::TRAIN);
+    v1::MetricRecord eval = MakeMetric(2, 0, v1::MetricRecord::EVAL);
+    // r0 twice: a batch the trainer sent again counts once.
+    MakeOldMetricsFile(path_, version, {r1, r0, r0, lone, eval});
+
+    std::unique_ptr<Store> store = OpenStore();
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(store->SchemaVersion(), 3);
+    absl::StatusOr<std::vector<v1::StepMetrics>> steps = store->GetSteps("job-1", 0, 0, 0);
+    ASSERT_TRUE(steps.ok()) << steps.status();
+    ASSERT_EQ(steps->size(), 3u);
+    const v1::StepMetrics& both = (*steps)[0];
+    EXPECT_EQ(both.step(), 1);
+    EXPECT_EQ(both.ranks_reported(), 2);
+    EXPECT_EQ(both.world_size(), 2);
+    EXPECT_DOUBLE_EQ(both.loss(), r0.loss() + 0.5);
+    EXPECT_EQ(both.samples(), r0.samples() + r1.samples());
+    EXPECT_EQ(both.slowest_rank(), 1);
+    EXPECT_DOUBLE_EQ(both.step_seconds(), 0.05);
+    EXPECT_EQ((*steps)[1].step(), 2);
+    EXPECT_EQ((*steps)[1].kind(), v1::MetricRecord::TRAIN);
+    EXPECT_EQ((*steps)[1].ranks_reported(), 1);
+    EXPECT_EQ((*steps)[2].kind(), v1::MetricRecord::EVAL);
+    EXPECT_DOUBLE_EQ((*steps)[2].test_accuracy(), 0.875);
+    // The old table is gone.
+    store.reset();
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open_v2(path_.c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+    sqlite3_stmt* select = nullptr;
+    EXPECT_NE(sqlite3_prepare_v2(db, "SELECT * FROM metrics", -1, &select, nullptr), SQLITE_OK);
+    EXPECT_THAT(sqlite3_errmsg(db), HasSubstr("no such table"));
+    sqlite3_finalize(select);
+    sqlite3_close(db);
+  }
 }
 
 TEST_F(StoreTest, OpenRefusesAFileThatIsNotADatabase) {

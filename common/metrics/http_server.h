@@ -1,0 +1,46 @@
+#ifndef AIDN_COMMON_METRICS_HTTP_SERVER_H_
+#define AIDN_COMMON_METRICS_HTTP_SERVER_H_
+
+// The HTTP endpoint Prometheus scrapes: GET /metrics answers the registry's
+// text exposition (Content-Type text/plain; version=0.0.4), GET /healthz
+// answers "ok", anything else 404 (and non-GET methods 405). Built on
+// cpp-httplib, serving on a thread pool of its own.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/metrics/registry.h"
+
+namespace aidn::metrics {
+
+struct HttpServerOptions {
+  // "host:port"; port 0 picks a free one (see port()).
+  std::string address = "127.0.0.1:9464";
+};
+
+class HttpServer {
+ public:
+  // Binds and starts serving `registry` (not owned; must outlive the
+  // server). INVALID_ARGUMENT for an address that does not parse,
+  // UNAVAILABLE naming the address when it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& options,
+                                                           Registry* registry);
+  // Stops serving and joins the thread.
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // The port bound, and "host:port" with it.
+  int port() const;
+  std::string address() const;
+
+ private:
+  struct Impl;
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace aidn::metrics
+
+#endif  // AIDN_COMMON_METRICS_HTTP_SERVER_H_

@@ -1,0 +1,63 @@
+#include "coordinator/step_metrics.h"
+
+#include <algorithm>
+
+namespace aidn::coordinator {
+
+v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int world_size) {
+  v1::StepMetrics out;
+  if (records.empty()) return out;
+  int ranks = world_size;
+  for (const v1::MetricRecord& r : records) ranks = std::max(ranks, r.rank() + 1);
+  const v1::MetricRecord& first = records.front();
+  out.set_kind(first.kind());
+  out.set_step(first.step());
+  out.set_epoch(first.epoch());
+  out.set_generation(first.generation());
+  out.set_world_size(ranks);
+  out.set_ranks_reported(static_cast<int>(records.size()));
+  // Evaluations have no step times.
+  const bool train = first.kind() == v1::MetricRecord::TRAIN;
+  if (train) {
+    out.mutable_rank_step_seconds()->Resize(ranks, 0.0);
+    out.mutable_rank_allreduce_seconds()->Resize(ranks, 0.0);
+  }
+
+  double loss = 0, allreduce = 0, test_loss = 0, test_accuracy = 0;
+  int64_t samples = 0;
+  double slowest = -1;
+  for (const v1::MetricRecord& r : records) {
+    loss += r.loss();
+    allreduce += r.allreduce_seconds();
+    test_loss += r.test_loss();
+    test_accuracy += r.test_accuracy();
+    samples += r.samples();
+    if (train && r.rank() >= 0) {
+      out.set_rank_step_seconds(r.rank(), r.step_seconds());
+      out.set_rank_allreduce_seconds(r.rank(), r.allreduce_seconds());
+    }
+    if (r.step_seconds() > slowest) {
+      slowest = r.step_seconds();
+      out.set_slowest_rank(r.rank());
+    }
+    // The newest of the ranks' times: when the step was done everywhere.
+    if (r.time().seconds() > out.time().seconds() ||
+        (r.time().seconds() == out.time().seconds() && r.time().nanos() > out.time().nanos())) {
+      *out.mutable_time() = r.time();
+    }
+    // Every rank computes the same schedule; the first rank's is as good.
+    if (out.lr() == 0) out.set_lr(r.lr());
+  }
+  const double n = static_cast<double>(records.size());
+  out.set_loss(loss / n);
+  out.set_allreduce_seconds(allreduce / n);
+  out.set_test_loss(test_loss / n);
+  out.set_test_accuracy(test_accuracy / n);
+  out.set_samples(samples);
+  out.set_step_seconds(std::max(slowest, 0.0));
+  // A step's samples are done when its slowest rank is: the job's rate.
+  if (slowest > 0) out.set_samples_per_second(static_cast<double>(samples) / slowest);
+  return out;
+}
+
+}  // namespace aidn::coordinator
