@@ -1456,8 +1456,8 @@ TEST_F(CoordinatorTest, RegistryShowsJobsRanksAndWorkersAndForgetsFinishedJobsAf
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_loss{", job, "} 0.7\n")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_test_accuracy{", job, "} 0.85")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_state{", job, ",state=\"RUNNING\"} 1\n")));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_step_seconds_count{", job,
-                                           ",rank=\"1\"} 5\n")));
+  EXPECT_THAT(text,
+              HasSubstr(absl::StrCat("aidn_rank_step_seconds_count{", job, ",rank=\"1\"} 5\n")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_last_progress_age_seconds{", job,
                                            ",rank=\"1\"} 0\n")));
   EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"RUNNING\"} 1\n"));
