@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -19,6 +20,7 @@
 #include "CLI/CLI.hpp"
 #include "aidnctl/commands.h"
 #include "aidnctl/config.h"
+#include "aidnctl/export.h"
 #include "aidnctl/metrics.h"
 #include "aidnctl/output.h"
 #include "aidnctl/plot.h"
@@ -64,7 +66,8 @@ std::vector<ctl::CompletionFlag> FlagsOf(const CLI::App* app) {
     ctl::CompletionFlag flag;
     for (const std::string& name : option->get_snames()) flag.names.push_back("-" + name);
     for (const std::string& name : option->get_lnames()) flag.names.push_back("--" + name);
-    flag.takes_value = option->get_type_size() > 0;
+    // Flags (--watch, --force) expect no item; get_type_size() is 1 for them too.
+    flag.takes_value = option->get_items_expected_min() > 0;
     flag.takes_file = option->get_type_name().rfind("FILE", 0) == 0;
     flags.push_back(std::move(flag));
   }
@@ -141,6 +144,27 @@ int main(int argc, char** argv) {
 
   CLI::App* checkpoints = app.add_subcommand("checkpoints", "List a job's checkpoints");
   checkpoints->add_option("job", job_id, "Job ID")->required();
+
+  ctl::ExportOptions export_options;
+  int64_t export_step = 0;
+  CLI::App* export_command = app.add_subcommand(
+      "export",
+      "Copy a checkpoint's weights (model.safetensors, Hugging Face layout) to a file, after "
+      "verifying the checkpoint against its manifest. The checkpoint directory must be reachable "
+      "from this machine at the path the workers wrote it to. Here -o/--output names the file; "
+      "the global output format does not apply");
+  export_command->add_option("job", export_options.job_id, "Job ID")->required();
+  CLI::Option* export_step_flag =
+      export_command
+          ->add_option("--step", export_step,
+                       "The checkpoint of this step (default: the newest committed, valid one)")
+          ->check(kNotNegative);
+  export_command
+      ->add_option("-o,--output", export_options.output_path,
+                   "The file to write, ending in .safetensors; its directory must exist")
+      ->required()
+      ->type_name("FILE");
+  export_command->add_flag("--force", export_options.force, "Replace the file if it exists");
 
   ctl::WatchOptions watch_options;
   CLI::App* watch = app.add_subcommand(
@@ -284,6 +308,9 @@ int main(int argc, char** argv) {
     status = ctl::RunEvents(env, events_options);
   } else if (*checkpoints) {
     status = ctl::RunCheckpoints(env, job_id);
+  } else if (*export_command) {
+    if (export_step_flag->count() > 0) export_options.step = export_step;
+    status = ctl::RunExport(env, export_options);
   } else if (*watch) {
     status = ctl::RunWatch(env, watch_options);
   } else if (*metrics) {

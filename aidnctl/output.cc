@@ -18,6 +18,10 @@ namespace {
 constexpr char kColumnGap[] = "   ";
 // Longest MESSAGE shown in a listing; describe shows all of it.
 constexpr size_t kListMessageChars = 60;
+// Longest invalid_reason shown in the checkpoints table: the reasons
+// VerifyCheckpointDir gives ("optimizer.safetensors: CRC-32C 1a2b3c4d, the
+// manifest says 5e6f7a8b") fit whole.
+constexpr size_t kInvalidReasonChars = 80;
 
 bool IsSet(const google::protobuf::Timestamp& t) { return t.seconds() != 0 || t.nanos() != 0; }
 
@@ -187,10 +191,17 @@ std::string CheckpointsTable(
                                       ? "yes"
                                       : absl::StrCat("no(", checkpoint.ranks_reported_size(), "/",
                                                      checkpoint.ranks_expected_size(), ")");
+    // A rank found it fails verification; it is never resumed from nor
+    // exported. The full reason is in -o json and in the job's events.
+    const std::string note =
+        checkpoint.invalid_reason().empty()
+            ? ""
+            : absl::StrCat("invalid: ", OneLine(checkpoint.invalid_reason(), kInvalidReasonChars));
     rows.push_back({absl::StrCat(checkpoint.step()), absl::StrCat(checkpoint.generation()),
-                    committed, FormatBytes(checkpoint.bytes()), checkpoint.path()});
+                    committed, FormatTimestamp(checkpoint.created_at()),
+                    FormatBytes(checkpoint.bytes()), OrDash(checkpoint.path()), note});
   }
-  return FormatTable({"STEP", "GEN", "COMMITTED", "BYTES", "PATH"}, rows);
+  return FormatTable({"STEP", "GEN", "COMMITTED", "CREATED", "BYTES", "PATH", "NOTE"}, rows);
 }
 
 absl::StatusOr<std::string> DescribeJob(const v1::Job& job, absl::Time now) {

@@ -56,7 +56,8 @@ std::string WorkersTable(const google::protobuf::RepeatedPtrField<v1::Worker>& w
                          absl::Time now);
 // SEQ TIME JOB TYPE MESSAGE
 std::string EventsTable(const google::protobuf::RepeatedPtrField<v1::Event>& events);
-// STEP GEN COMMITTED BYTES PATH
+// STEP GEN COMMITTED CREATED BYTES PATH NOTE; NOTE is "invalid: <reason>"
+// (shortened) for a checkpoint a rank found failing verification.
 std::string CheckpointsTable(const google::protobuf::RepeatedPtrField<v1::Checkpoint>& checkpoints);
 
 // "Key: value" lines, the spec as YAML and the placement table.

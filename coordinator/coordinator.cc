@@ -1,12 +1,17 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <deque>
+#include <functional>
+#include <iterator>
+#include <optional>
 #include <regex>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
@@ -66,6 +71,66 @@ bool ValidWorkerId(const std::string& id) {
   return std::regex_match(id, re);
 }
 
+// The longest restart backoff, and the default for specs stored before
+// timeouts.restart_backoff existed.
+constexpr milliseconds kMaxRestartBackoff{5 * 60 * 1000};
+constexpr milliseconds kDefaultRestartBackoff{1000};
+// The automatic progress timeout: at least this, and this many median steps.
+constexpr milliseconds kMinAutoProgressTimeout{60'000};
+constexpr double kAutoProgressSteps = 10;
+// A hung generation's rank is "silent" after this many beat intervals
+// without a beat.
+constexpr int kSilentBeats = 3;
+// Stragglers: the window of step times per rank, how many a rank needs
+// before it is judged, and how much slower than the others' median is too
+// slow.
+constexpr size_t kStragglerWindow = 50;
+constexpr size_t kStragglerMinSamples = 20;
+constexpr double kStragglerRatio = 1.5;
+// A checkpoint's invalid_reason is at most this long.
+constexpr size_t kMaxInvalidReason = 1024;
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(mid), v.end());
+  const double upper = v[mid];
+  if (v.size() % 2 == 1) return upper;
+  const double lower = *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(mid));
+  return (lower + upper) / 2;
+}
+
+// The median of `sorted` without its element at index `skip`.
+double MedianWithout(const std::vector<double>& sorted, size_t skip) {
+  const size_t n = sorted.size() - 1;
+  auto at = [&](size_t j) { return sorted[j < skip ? j : j + 1]; };
+  if (n % 2 == 1) return at(n / 2);
+  return (at(n / 2 - 1) + at(n / 2)) / 2;
+}
+
+// "rank 3" or "ranks 0, 1, 2".
+std::string RankList(const std::vector<int>& ranks) {
+  constexpr size_t kMaxNamed = 16;
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size() && i < kMaxNamed; ++i) {
+    absl::StrAppend(&out, i == 0 ? "" : ", ", ranks[i]);
+  }
+  if (ranks.size() > kMaxNamed) absl::StrAppend(&out, " and ", ranks.size() - kMaxNamed, " more");
+  return out;
+}
+
+bool Valid(const v1::Checkpoint& c) { return c.committed() && c.invalid_reason().empty(); }
+
+// The step of the newest committed checkpoint that is not known to be
+// invalid, 0 if there is none.
+int64_t NewestValidStep(const std::vector<v1::Checkpoint>& checkpoints) {
+  int64_t newest = 0;
+  for (const v1::Checkpoint& c : checkpoints) {
+    if (Valid(c)) newest = std::max(newest, c.step());
+  }
+  return newest;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -87,6 +152,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
     return absl::InvalidArgumentError("coordinator needs a store and an authenticator");
   }
   std::unique_ptr<Coordinator> c(new Coordinator(options, std::move(store), auth));
+  AIDN_ASSIGN_OR_RETURN(c->incarnation_, RandomHex(8));
   {
     absl::MutexLock lock(&c->mu_);
     AIDN_RETURN_IF_ERROR(c->Load());
@@ -117,7 +183,10 @@ absl::Status Coordinator::Load() {
       entry->rendezvous = std::make_unique<Rendezvous>(
           job.spec().world_size(), now + ToMillis(job.spec().timeouts().rendezvous()));
       entry->kv = std::make_unique<KvStore>(options_.kv_limits);
-      entry->last_progress = now;
+      // The ranks kept training while the coordinator was away: a full
+      // progress timeout from now.
+      entry->last_advance = now;
+      entry->running_since = now;
       if (job.state() == Job::RUNNING) {
         // The rendezvous had completed before the restart: rebuild its answer
         // so a trainer that retries its join gets the same peers.
@@ -134,9 +203,23 @@ absl::Status Coordinator::Load() {
               peer, [](absl::StatusOr<v1::JoinRendezvousResponse>) {}, &deferred);
           *base.add_peers() = peer;
         }
+        FillResume(entry.get(), &base);
         entry->rendezvous->Complete(base, &deferred);
+        // Where the generation's stored steps end: its trainers send again
+        // the records the last process may not have stored.
+        absl::StatusOr<std::optional<v1::StepMetrics>> last = store_->LastStepOfGeneration(
+            job.id(), job.generation(), std::max<int64_t>(entry->resumed_from_step - 1, -1));
+        if (!last.ok()) {
+          AIDN_LOG(ERROR) << "could not find the job's stored steps: " << last.status()
+                          << Kv("job", job.id());
+        } else if (last->has_value()) {
+          NoteStored(entry.get(), **last);
+          entry->resent_generation = job.generation();
+          entry->resent_floor = entry->stored_key;
+        }
       }
     }
+    if (job.state() == Job::RESTARTING) entry->restart_at = now + RestartDelay(job);
     jobs_[job.id()] = std::move(entry);
   }
   AIDN_ASSIGN_OR_RETURN(std::vector<v1::Worker> workers, store_->LoadWorkers());
@@ -203,6 +286,7 @@ void Coordinator::Tick() {
   Schedule(&deferred);
   const Clock::TimePoint now = clock_->Now();
   for (auto& [id, entry] : jobs_) {
+    if (entry->step_window_changed) CheckStragglers(entry.get(), &deferred);
     if (entry->steps == nullptr) continue;
     const int64_t before = entry->steps->last_seq();
     entry->steps->Expire(now, /*everything=*/false);
@@ -260,6 +344,10 @@ void Coordinator::FlushStepsLocked() {
   for (auto& [id, seq] : taken) {
     auto it = jobs_.find(id);
     if (it != jobs_.end()) it->second->stored_seq = std::max(it->second->stored_seq, seq);
+  }
+  for (const Store::JobStep& s : batch) {
+    auto it = jobs_.find(s.job_id);
+    if (it != jobs_.end()) NoteStored(it->second.get(), s.step);
   }
 }
 
@@ -430,8 +518,10 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
   entry->rendezvous.reset();
   entry->kv.reset();
   entry->exited_ok.clear();
-  entry->progress_step.clear();
-  entry->progress_at.clear();
+  entry->beats.clear();
+  entry->step_window.clear();
+  entry->step_window_changed = false;
+  entry->stragglers.clear();
   // Steps still missing a rank will not get it from this generation.
   if (entry->steps != nullptr) {
     entry->steps->Expire(Clock::TimePoint::max(), /*everything=*/true);
@@ -464,9 +554,18 @@ void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, boo
   }
   job.set_restarts(job.restarts() + 1);
   job.set_generation(generation + 1);
+  entry->unconfirmed_workers.clear();
+  for (const v1::RankPlacement& p : job.placement())
+    entry->unconfirmed_workers.insert(p.worker_id());
+  entry->failed_at = clock_->Now();
   job.clear_placement();
+  // A failure that repeats (a crash at start-up, a bad node) should not spin:
+  // each restart waits twice as long as the one before.
+  const milliseconds delay = RestartDelay(job);
+  entry->restart_at = clock_->Now() + delay;
   (void)SetState(entry, Job::RESTARTING,
-                 absl::StrCat("restart ", job.restarts(), " of ", max_restarts, ": ", reason),
+                 absl::StrCat("restart ", job.restarts(), " of ", max_restarts, " in ",
+                              FormatMillis(delay), ": ", reason),
                  deferred);
 }
 
@@ -509,13 +608,18 @@ void Coordinator::Schedule(Deferred* deferred) {
 
   for (JobEntry* entry : queue) {
     Job& job = entry->stored.job;
+    const Clock::TimePoint now = clock_->Now();
+    // Backing off before a restart; it does not hold up the jobs behind it.
+    if (job.state() == Job::RESTARTING && now < entry->restart_at) continue;
     // Only workers heard from within this job's worker timeout: one silent
     // longer would fail the new generation on the next tick again.
-    const Clock::TimePoint now = clock_->Now();
     const milliseconds job_timeout = JobWorkerTimeout(*entry);
     std::vector<WorkerSlots> snapshot;
     for (const auto& [id, ws] : slots) {
-      if (now - workers_.at(id).last_seen <= job_timeout) snapshot.push_back(ws);
+      const Clock::TimePoint seen = workers_.at(id).last_seen;
+      if (now - seen > job_timeout) continue;
+      if (entry->unconfirmed_workers.contains(id) && seen < entry->failed_at) continue;
+      snapshot.push_back(ws);
     }
     GangRequest request;
     request.world_size = job.spec().world_size();
@@ -544,12 +648,14 @@ void Coordinator::Schedule(Deferred* deferred) {
     mark_used(job);
     if (job.generation() == 0) job.set_generation(1);
     entry->waiting_reason.clear();
+    entry->unconfirmed_workers.clear();
     entry->rendezvous = std::make_unique<Rendezvous>(
         job.spec().world_size(), clock_->Now() + ToMillis(job.spec().timeouts().rendezvous()));
     entry->kv = std::make_unique<KvStore>(options_.kv_limits);
     entry->exited_ok.clear();
-    entry->progress_step.clear();
-    entry->last_progress = clock_->Now();
+    entry->beats.clear();
+    entry->last_advance = clock_->Now();
+    entry->running_since = entry->last_advance;
     (void)SetState(
         entry, Job::SCHEDULED,
         absl::StrCat("placed ", job.spec().world_size(), " ranks on ", absl::StrJoin(on, ", ")),
@@ -617,24 +723,16 @@ void Coordinator::CheckTimeouts(Deferred* deferred) {
       FailGeneration(entry.get(), reason, false, deferred);
       continue;
     }
-    // Progress deadline (only when the spec sets one; the automatic one
-    // needs step times from trainers).
-    const milliseconds progress = ToMillis(job.spec().timeouts().progress());
-    if (job.state() == Job::RUNNING && progress.count() > 0 &&
-        now - entry->last_progress > progress) {
-      int64_t best = -1;
-      for (const auto& [rank, step] : entry->progress_step) best = std::max(best, step);
-      std::vector<int> behind;
-      for (int r = 0; r < job.spec().world_size(); ++r) {
-        auto it = entry->progress_step.find(r);
-        if (it == entry->progress_step.end() || it->second < best) behind.push_back(r);
+    // Progress deadline. Beats go on while training is stuck (they come from
+    // a thread of their own), so it runs from the last step taken.
+    if (job.state() == Job::RUNNING) {
+      const milliseconds timeout = ProgressTimeout(*entry);
+      if (now - entry->last_advance > timeout) {
+        const std::string reason = HangReport(*entry, now, timeout);
+        Emit("job.hang", job_id, "", job.generation(), reason, deferred);
+        FailGeneration(entry.get(), reason, false, deferred);
+        continue;
       }
-      const std::string reason = absl::StrCat(
-          "no progress for ", FormatMillis(progress), "; ",
-          behind.empty() ? std::string("all ranks stalled at step ") + std::to_string(best)
-                         : absl::StrCat("ranks behind: ", absl::StrJoin(behind, ", ")));
-      FailGeneration(entry.get(), reason, false, deferred);
-      continue;
     }
     if (entry->kv != nullptr) entry->kv->Expire(now, deferred);
   }
@@ -1094,18 +1192,9 @@ void Coordinator::JoinRendezvous(const v1::JoinRendezvousRequest& request,
       if (rp.rank() == p.rank()) rp.set_address(p.address());
     }
   }
-  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store_->ListCheckpoints(job.id());
-  if (checkpoints.ok()) {
-    for (auto it = checkpoints->rbegin(); it != checkpoints->rend(); ++it) {
-      if (it->committed()) {
-        *base.mutable_resume_from() = *it;
-        break;
-      }
-    }
-  } else {
-    AIDN_LOG(ERROR) << "could not list checkpoints: " << checkpoints.status();
-  }
-  entry->last_progress = clock_->Now();
+  FillResume(entry, &base);
+  entry->last_advance = clock_->Now();
+  entry->running_since = entry->last_advance;
   (void)SetState(
       entry, Job::RUNNING,
       absl::StrCat("all ", job.spec().world_size(), " ranks joined generation ", job.generation()),
@@ -1189,9 +1278,11 @@ absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
     return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
   }
   const Clock::TimePoint now = clock_->Now();
-  entry->progress_step[request.rank()] = request.step();
-  entry->progress_at[request.rank()] = now;
-  entry->last_progress = now;
+  JobEntry::Beat& beat = entry->beats[request.rank()];
+  if (request.step() > beat.step) entry->last_advance = now;
+  beat.step = request.step();
+  beat.collective_seq = request.collective_seq();
+  beat.at = now;
   // Kept in memory; persisted with the job's next state change.
   Job& job = entry->stored.job;
   if (request.step() >= job.last_step()) {
@@ -1203,7 +1294,9 @@ absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
     ++entry->version;
     NotifyWatchers(job.id(), &deferred);
   }
-  return v1::ReportProgressResponse();
+  v1::ReportProgressResponse response;
+  response.set_incarnation(incarnation_);
+  return response;
 }
 
 absl::Status Coordinator::AppendMetrics(const v1::StreamMetricsRequest& request) {
@@ -1222,14 +1315,28 @@ absl::Status Coordinator::AppendMetrics(const v1::StreamMetricsRequest& request)
   const int64_t seq_before = steps->last_seq();
   const Clock::TimePoint now = clock_->Now();
   const int rank = request.rank();
+  // Records of steps the last coordinator process stored: a trainer sends
+  // again what it was not told is durable when the coordinator restarted.
+  // (Later duplicates the StepLog drops as late.)
+  std::optional<std::pair<int64_t, int>> stored;
+  if (entry->resent_generation == job.generation()) stored = entry->resent_floor;
   int64_t dropped = 0;
   for (const v1::MetricRecord& in : request.records()) {
+    if (stored.has_value() && std::make_pair(in.step(), static_cast<int>(in.kind())) <= *stored) {
+      continue;
+    }
     v1::MetricRecord r = in;
     r.set_rank(rank);
     r.set_generation(request.generation());
     if (r.kind() == v1::MetricRecord::TRAIN) {
       entry->rank_step_seconds[rank]->Observe(r.step_seconds());
       entry->rank_allreduce_seconds[rank]->Observe(r.allreduce_seconds());
+      std::deque<double>& window = entry->step_window[rank];
+      // What the rank itself spent: in DDP the others wait for a slow rank
+      // in the allreduce, so their step_seconds are as long as its.
+      window.push_back(r.compute_seconds() > 0 ? r.compute_seconds() : r.step_seconds());
+      if (window.size() > kStragglerWindow) window.pop_front();
+      entry->step_window_changed = true;
       if (r.step() >= job.last_step()) {
         job.set_last_step(r.step());
         job.set_epoch(r.epoch());
@@ -1281,7 +1388,8 @@ void Coordinator::RemoveJobSeries(JobEntry* entry) {
         &metrics_.job_loss, &metrics_.job_samples_per_second, &metrics_.job_step_seconds,
         &metrics_.job_allreduce_seconds, &metrics_.job_restarts, &metrics_.job_generation,
         &metrics_.job_world_size, &metrics_.job_last_checkpoint_step, &metrics_.job_test_accuracy,
-        &metrics_.job_test_loss, &metrics_.rank_step, &metrics_.rank_last_progress_age_seconds}) {
+        &metrics_.job_test_loss, &metrics_.rank_step, &metrics_.rank_last_progress_age_seconds,
+        &metrics_.rank_straggler}) {
     f->RemoveMatching(match);
   }
   metrics_.rank_step_seconds.RemoveMatching(match);
@@ -1331,14 +1439,18 @@ void Coordinator::CollectMetrics() {
     // Progress of the ranks of a generation that holds slots; none after.
     metrics_.rank_step.RemoveMatching(labels);
     metrics_.rank_last_progress_age_seconds.RemoveMatching(labels);
-    for (const auto& [rank, at] : entry->progress_at) {
+    metrics_.rank_straggler.RemoveMatching(labels);
+    for (const auto& [rank, beat] : entry->beats) {
       const metrics::Labels rank_labels{{"job_id", id}, {"rank", absl::StrCat(rank)}};
-      auto step = entry->progress_step.find(rank);
-      if (step != entry->progress_step.end()) {
-        metrics_.rank_step.Add(rank_labels).Set(static_cast<double>(step->second));
-      }
+      metrics_.rank_step.Add(rank_labels).Set(static_cast<double>(beat.step));
       metrics_.rank_last_progress_age_seconds.Add(rank_labels)
-          .Set(std::chrono::duration<double>(now - at).count());
+          .Set(std::chrono::duration<double>(now - beat.at).count());
+    }
+    if (job.state() == Job::RUNNING) {
+      for (int rank = 0; rank < job.spec().world_size(); ++rank) {
+        metrics_.rank_straggler.Add({{"job_id", id}, {"rank", absl::StrCat(rank)}})
+            .Set(entry->stragglers.contains(rank) ? 1 : 0);
+      }
     }
   }
   for (const auto& [state, count] : by_state) {
@@ -1387,15 +1499,14 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
         absl::StrCat("rank ", request.rank(), " is not among writer_ranks"));
   }
   AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> existing, store_->ListCheckpoints(job.id()));
-  v1::Checkpoint checkpoint;
-  bool found = false;
-  for (v1::Checkpoint& c : existing) {
-    if (c.step() == request.step()) {
-      checkpoint = std::move(c);
-      found = true;
-    }
-  }
-  if (!found || checkpoint.generation() != request.generation()) {
+  auto found = std::find_if(existing.begin(), existing.end(),
+                            [&](const v1::Checkpoint& c) { return c.step() == request.step(); });
+  if (found == existing.end()) found = existing.insert(existing.end(), v1::Checkpoint());
+  // `existing` stays the store's view: retention looks at all of them.
+  v1::Checkpoint& checkpoint = *found;
+  if (checkpoint.job_id().empty() || checkpoint.generation() != request.generation()) {
+    // New, or a directory an earlier generation left at this step that this
+    // one wrote again.
     checkpoint.Clear();
     checkpoint.set_job_id(job.id());
     checkpoint.set_step(request.step());
@@ -1418,15 +1529,313 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   for (int r : checkpoint.ranks_expected()) all = all && reported.contains(r);
   checkpoint.set_committed(all);
   AIDN_RETURN_IF_ERROR(store_->PutCheckpoint(checkpoint));
-  if (all && !was_committed) {
-    job.set_last_checkpoint_step(std::max(job.last_checkpoint_step(), request.step()));
-    (void)PersistJob(entry, &deferred);
-    Emit("checkpoint.committed", job.id(), "", job.generation(),
-         absl::StrCat("step ", request.step(), " at ", request.path()), &deferred);
-  }
   v1::CommitCheckpointResponse response;
   response.set_committed(all);
+  if (all && !was_committed) {
+    Emit("checkpoint.committed", job.id(), "", job.generation(),
+         absl::StrCat("step ", request.step(), " at ", request.path()), &deferred);
+    for (int64_t step : RetireCheckpoints(entry, existing)) response.add_retired_steps(step);
+    std::erase_if(existing, [&](const v1::Checkpoint& c) {
+      return std::find(response.retired_steps().begin(), response.retired_steps().end(),
+                       c.step()) != response.retired_steps().end();
+    });
+    job.set_last_checkpoint_step(NewestValidStep(existing));
+    (void)PersistJob(entry, &deferred);
+  }
   return response;
+}
+
+std::vector<int64_t> Coordinator::RetireCheckpoints(
+    JobEntry* entry, const std::vector<v1::Checkpoint>& checkpoints) {
+  const Job& job = entry->stored.job;
+  const int keep = std::max(1, job.spec().checkpoint().keep_last());
+  std::vector<int64_t> valid;  // newest first
+  for (const v1::Checkpoint& c : checkpoints) {
+    if (Valid(c)) valid.push_back(c.step());
+  }
+  std::sort(valid.rbegin(), valid.rend());
+  if (valid.empty()) return {};
+  const int64_t newest_valid = valid.front();
+  std::vector<int64_t> retired;
+  for (const v1::Checkpoint& c : checkpoints) {
+    bool retire;
+    if (!c.invalid_reason().empty()) {
+      // Never resumed from again; one newer than every valid checkpoint is
+      // kept until a newer valid one exists, so that it can still be looked at.
+      retire = c.step() < newest_valid;
+    } else if (c.committed()) {
+      retire = std::find(valid.begin(), valid.end(), c.step()) - valid.begin() >= keep;
+    } else {
+      // Half written by a generation that is gone: it will never commit.
+      retire = c.generation() < job.generation() && c.step() < newest_valid;
+    }
+    // Ranks may still be reading it.
+    if (c.step() == entry->resumed_from_step) retire = false;
+    if (!retire) continue;
+    absl::Status s = store_->DeleteCheckpoint(job.id(), c.step());
+    if (!s.ok()) {
+      AIDN_LOG(ERROR) << "could not retire checkpoint: " << s << Kv("job", job.id())
+                      << Kv("step", c.step());
+      continue;
+    }
+    retired.push_back(c.step());
+  }
+  std::sort(retired.begin(), retired.end());
+  if (!retired.empty()) {
+    AIDN_LOG(INFO) << "checkpoints retired" << Kv("job", job.id())
+                   << Kv("steps", absl::StrJoin(retired, ",")) << Kv("keep_last", keep);
+  }
+  return retired;
+}
+
+absl::Status Coordinator::ReportCheckpointInvalid(
+    const v1::ReportCheckpointInvalidRequest& request) {
+  if (request.step() < 0) return absl::InvalidArgumentError("step: must be >= 0");
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  Job& job = entry->stored.job;
+  if (request.rank() < 0 || request.rank() >= job.spec().world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints, store_->ListCheckpoints(job.id()));
+  auto it = std::find_if(checkpoints.begin(), checkpoints.end(),
+                         [&](const v1::Checkpoint& c) { return c.step() == request.step(); });
+  if (it == checkpoints.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no checkpoint of ", job.id(), " at step ", request.step()));
+  }
+  // Every rank that tries it finds it bad; the first one says so.
+  if (!it->invalid_reason().empty()) return absl::OkStatus();
+  std::string reason = request.reason().empty() ? "no reason given" : request.reason();
+  if (reason.size() > kMaxInvalidReason) reason = reason.substr(0, kMaxInvalidReason) + "...";
+  it->set_invalid_reason(reason);
+  AIDN_RETURN_IF_ERROR(store_->PutCheckpoint(*it));
+  if (entry->resumed_from_step == request.step()) {
+    // The ranks go on to the next candidate, the newest valid one below.
+    entry->resumed_from_step = -1;
+    for (const v1::Checkpoint& c : checkpoints) {
+      if (Valid(c) && c.step() < request.step() && c.generation() < job.generation()) {
+        entry->resumed_from_step = std::max(entry->resumed_from_step, c.step());
+      }
+    }
+  }
+  const int64_t newest = NewestValidStep(checkpoints);
+  if (newest != job.last_checkpoint_step()) {
+    job.set_last_checkpoint_step(newest);
+    (void)PersistJob(entry, &deferred);
+  }
+  Emit("checkpoint.invalid", job.id(), WorkerOfRank(job, request.rank()), job.generation(),
+       absl::StrCat("step ", request.step(), " (", it->path(), ") failed verification on rank ",
+                    request.rank(), ": ", reason),
+       &deferred);
+  return absl::OkStatus();
+}
+
+void Coordinator::FillResume(JobEntry* entry, v1::JoinRendezvousResponse* response) {
+  const Job& job = entry->stored.job;
+  entry->resumed_from_step = -1;
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store_->ListCheckpoints(job.id());
+  if (!checkpoints.ok()) {
+    // The ranks start from scratch rather than not at all; steps are
+    // redone, nothing is lost.
+    AIDN_LOG(ERROR) << "could not list checkpoints: " << checkpoints.status()
+                    << Kv("job", job.id());
+    return;
+  }
+  // Listed by step: newest first. Only earlier generations' checkpoints: a
+  // coordinator that restarted rebuilds this answer while the generation
+  // writes its own.
+  for (auto it = checkpoints->rbegin(); it != checkpoints->rend(); ++it) {
+    if (!Valid(*it) || it->generation() >= job.generation()) continue;
+    *response->add_resume_candidates() = *it;
+  }
+  if (response->resume_candidates().empty()) {
+    response->clear_resume_from();
+    return;
+  }
+  *response->mutable_resume_from() = response->resume_candidates(0);
+  entry->resumed_from_step = response->resume_from().step();
+}
+
+absl::StatusOr<v1::StreamMetricsResponse> Coordinator::MetricsReceipt(const std::string& job_id) {
+  // No flush here: a receipt per stream would put a SQLite transaction on
+  // every StreamMetrics call. The answer covers what the ticker's batched
+  // flushes stored so far; the sender keeps the rest and learns of it from
+  // a later receipt.
+  absl::MutexLock flush(&flush_mu_);
+  // Steps whose write failed are waiting for the next flush.
+  std::optional<int64_t> failed;
+  for (const Store::JobStep& s : failed_steps_) {
+    if (s.job_id == job_id && (!failed.has_value() || s.step.step() < *failed)) {
+      failed = s.step.step();
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  const Job& job = entry->stored.job;
+  int64_t durable = 0;
+  if (entry->stored_generation == job.generation() && entry->stored_key.has_value()) {
+    durable = entry->stored_key->first;
+  }
+  if (entry->steps != nullptr) {
+    if (std::optional<int64_t> first = entry->steps->FirstStepNotTaken(); first.has_value()) {
+      durable = std::min(durable, *first - 1);
+    }
+  }
+  if (failed.has_value()) durable = std::min(durable, *failed - 1);
+  v1::StreamMetricsResponse response;
+  response.set_durable_step(std::max<int64_t>(durable, 0));
+  response.set_incarnation(incarnation_);
+  return response;
+}
+
+void Coordinator::NoteStored(JobEntry* entry, const v1::StepMetrics& step) {
+  const int64_t generation = entry->stored.job.generation();
+  if (step.generation() != generation) return;
+  if (entry->stored_generation != generation) {
+    entry->stored_generation = generation;
+    entry->stored_key.reset();
+  }
+  const std::pair<int64_t, int> key{step.step(), static_cast<int>(step.kind())};
+  if (!entry->stored_key.has_value() || key > *entry->stored_key) entry->stored_key = key;
+}
+
+std::string Coordinator::WorkerOfRank(const Job& job, int rank) {
+  for (const v1::RankPlacement& p : job.placement()) {
+    if (p.rank() == rank) return p.worker_id();
+  }
+  return "";
+}
+
+milliseconds Coordinator::RestartDelay(const Job& job) const {
+  milliseconds base = ToMillis(job.spec().timeouts().restart_backoff());
+  if (base.count() <= 0) base = kDefaultRestartBackoff;
+  // restarts() counts this one: the k-th restart waits base * 2^(k-1).
+  milliseconds delay = base;
+  for (int k = 1; k < job.restarts() && delay < kMaxRestartBackoff; ++k) delay *= 2;
+  return std::min(delay, kMaxRestartBackoff);
+}
+
+milliseconds Coordinator::ProgressTimeout(const JobEntry& entry) const {
+  const milliseconds set = ToMillis(entry.stored.job.spec().timeouts().progress());
+  if (set.count() > 0) return set;
+  milliseconds timeout = kMinAutoProgressTimeout;
+  if (entry.steps != nullptr) {
+    const std::deque<double>& recent = entry.steps->recent_train_step_seconds();
+    const double median = Median({recent.begin(), recent.end()});
+    const auto steps = std::chrono::duration_cast<milliseconds>(
+        std::chrono::duration<double>(kAutoProgressSteps * median));
+    timeout = std::max(timeout, steps);
+  }
+  return timeout;
+}
+
+std::string Coordinator::HangReport(const JobEntry& entry, Clock::TimePoint now,
+                                    milliseconds timeout) const {
+  const Job& job = entry.stored.job;
+  const int world = job.spec().world_size();
+  const auto silent_after = kSilentBeats * options_.trainer_beat_interval;
+  int64_t top_step = -1;
+  for (const auto& [rank, beat] : entry.beats) top_step = std::max(top_step, beat.step);
+  std::string reason = absl::StrCat("no progress for ", FormatMillis(timeout));
+  if (top_step >= 0) {
+    absl::StrAppend(&reason, " at step ", top_step, ": ");
+  } else {
+    absl::StrAppend(&reason, " since the generation started: ");
+  }
+
+  // Ranks whose beats stopped (a stopped or wedged process) are the culprits;
+  // the others are waiting for them in a collective.
+  std::vector<std::string> silent;
+  std::vector<int> alive;
+  for (int r = 0; r < world; ++r) {
+    auto it = entry.beats.find(r);
+    if (it == entry.beats.end()) {
+      const auto quiet = std::chrono::duration_cast<milliseconds>(now - entry.running_since);
+      silent.push_back(
+          absl::StrCat("rank ", r, " silent for ", FormatMillis(quiet), " (no beat yet)"));
+      continue;
+    }
+    const auto quiet = std::chrono::duration_cast<milliseconds>(now - it->second.at);
+    if (quiet > silent_after) {
+      silent.push_back(absl::StrCat("rank ", r, " silent for ", FormatMillis(quiet),
+                                    " (last beat at step ", it->second.step, ", collective ",
+                                    it->second.collective_seq, ")"));
+    } else {
+      alive.push_back(r);
+    }
+  }
+  constexpr size_t kMaxNamed = 16;
+  if (silent.size() > kMaxNamed) {
+    const size_t more = silent.size() - kMaxNamed;
+    silent.resize(kMaxNamed);
+    silent.push_back(absl::StrCat("and ", more, " more silent"));
+  }
+  // The alive ranks by where they are, furthest first.
+  std::map<std::pair<int64_t, int64_t>, std::vector<int>, std::greater<>> at;
+  for (int r : alive) {
+    const JobEntry::Beat& b = entry.beats.at(r);
+    at[{b.step, b.collective_seq}].push_back(r);
+  }
+  auto where = [](const std::pair<int64_t, int64_t>& p) {
+    return absl::StrCat("step ", p.first, ", collective ", p.second);
+  };
+  std::vector<std::string> parts;
+  if (!silent.empty()) {
+    parts.push_back(absl::StrJoin(silent, ", "));
+    for (const auto& [pos, ranks] : at) {
+      parts.push_back(absl::StrCat(RankList(ranks), " waiting at ", where(pos)));
+    }
+  } else if (at.size() <= 1) {
+    // Everyone beats from the same place: no rank to blame.
+    parts.push_back(at.empty() ? "no rank reported"
+                               : absl::StrCat("all ranks at ", where(at.begin()->first)));
+  } else {
+    // Those behind the furthest in step or collective are where it hangs.
+    for (auto it = std::next(at.begin()); it != at.end(); ++it) {
+      parts.push_back(absl::StrCat(RankList(it->second), " behind at ", where(it->first)));
+    }
+    parts.push_back(
+        absl::StrCat(RankList(at.begin()->second), " waiting at ", where(at.begin()->first)));
+  }
+  absl::StrAppend(&reason, absl::StrJoin(parts, "; "));
+  return reason;
+}
+
+void Coordinator::CheckStragglers(JobEntry* entry, Deferred* deferred) {
+  entry->step_window_changed = false;
+  Job& job = entry->stored.job;
+  std::vector<std::pair<int, double>> medians;
+  for (const auto& [rank, window] : entry->step_window) {
+    if (window.size() >= kStragglerMinSamples) {
+      medians.emplace_back(rank, Median({window.begin(), window.end()}));
+    }
+  }
+  if (medians.size() < 2) return;
+  std::vector<double> sorted;
+  for (const auto& [rank, m] : medians) sorted.push_back(m);
+  std::sort(sorted.begin(), sorted.end());
+  for (const auto& [rank, m] : medians) {
+    const size_t index = std::lower_bound(sorted.begin(), sorted.end(), m) - sorted.begin();
+    const double others = MedianWithout(sorted, index);
+    const bool slow = m > kStragglerRatio * others;
+    if (slow == entry->stragglers.contains(rank)) continue;
+    const size_t samples = entry->step_window.at(rank).size();
+    std::string message = absl::StrFormat(
+        "rank %d: median step time %.3gs over its last %d steps, the other ranks' %.3gs", rank, m,
+        samples, others);
+    if (others > 0) absl::StrAppend(&message, absl::StrFormat(" (%.2fx)", m / others));
+    if (slow) {
+      entry->stragglers.insert(rank);
+      Emit("rank.straggler", job.id(), WorkerOfRank(job, rank), job.generation(), message,
+           deferred);
+    } else {
+      entry->stragglers.erase(rank);
+      Emit("rank.recovered", job.id(), WorkerOfRank(job, rank), job.generation(), message,
+           deferred);
+    }
+  }
 }
 
 }  // namespace aidn::coordinator

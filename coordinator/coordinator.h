@@ -17,12 +17,15 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -67,6 +70,10 @@ struct CoordinatorOptions {
   // Per job: how many combined steps stay in memory, how long a step waits
   // for missing ranks.
   StepLogOptions step_log;
+  // How often trainers send progress beats. A rank of a hung generation
+  // whose beats stopped for more than three of these (a stopped or wedged
+  // process) is named as the culprit rather than the ranks waiting for it.
+  std::chrono::milliseconds trainer_beat_interval{1000};
 };
 
 // Something watching one job (a WatchJob stream). Notify() is called, never
@@ -161,8 +168,22 @@ class Coordinator {
       const v1::ReportProgressRequest& request);
   // One StreamMetrics message.
   absl::Status AppendMetrics(const v1::StreamMetricsRequest& request);
+  // Records the checkpoint as committed once every writer reported; the
+  // commit that completes it also applies the job's keep_last retention
+  // and answers the steps it retired.
   absl::StatusOr<v1::CommitCheckpointResponse> CommitCheckpoint(
       const v1::CommitCheckpointRequest& request);
+  // A rank found a checkpoint fails verification: it is never offered for a
+  // resume again. Idempotent; NOT_FOUND for a step with no checkpoint.
+  absl::Status ReportCheckpointInvalid(const v1::ReportCheckpointInvalidRequest& request);
+  // What a StreamMetrics call answers once its stream ended: up to which
+  // step the job's records are in the store (the ticker's batched flushes
+  // put them there; this does not flush), and the incarnation.
+  absl::StatusOr<v1::StreamMetricsResponse> MetricsReceipt(const std::string& job_id);
+
+  // Random, made once per process: trainers that see it change know the
+  // coordinator restarted and send again what it may have lost.
+  const std::string& incarnation() const { return incarnation_; }
 
  private:
   struct JobEntry {
@@ -173,8 +194,36 @@ class Coordinator {
     std::unique_ptr<Rendezvous> rendezvous;
     std::unique_ptr<KvStore> kv;
     std::set<int> exited_ok;
-    std::map<int, int64_t> progress_step;
-    Clock::TimePoint last_progress{};
+    // The last progress beat of each rank of the current generation.
+    struct Beat {
+      int64_t step = -1;
+      int64_t collective_seq = 0;
+      Clock::TimePoint at{};
+    };
+    std::map<int, Beat> beats;
+    // When a rank's step last went up, or the generation started running
+    // (or the coordinator did): the progress deadline runs from here, not
+    // from the last beat, since beats go on while training is stuck.
+    Clock::TimePoint last_advance{};
+    // When the generation started running (or the coordinator did).
+    Clock::TimePoint running_since{};
+    // The checkpoint step the current generation resumed from (-1: none);
+    // retention never retires it.
+    int64_t resumed_from_step = -1;
+    // A RESTARTING job is not placed before this (restart backoff).
+    Clock::TimePoint restart_at{};
+    // Workers that ran the failed generation, and when it failed: a restart
+    // is placed on one of them only once it was heard from after that (it
+    // got its stop orders, it is alive), so a worker that died with the
+    // generation is not chosen again before it is declared lost.
+    std::set<std::string> unconfirmed_workers;
+    Clock::TimePoint failed_at{};
+    // Stragglers: each rank's newest TRAIN step times of this generation,
+    // whether they changed since the last look, and the ranks reported as
+    // stragglers now.
+    std::map<int, std::deque<double>> step_window;
+    bool step_window_changed = false;
+    std::set<int> stragglers;
     // The reason it last waited for, so "job.waiting" is not repeated.
     std::string waiting_reason;
     // Metrics: combined steps (null until the first record, and again once
@@ -186,8 +235,16 @@ class Coordinator {
     int64_t stored_seq = 0;
     std::vector<metrics::Histogram*> rank_step_seconds;
     std::vector<metrics::Histogram*> rank_allreduce_seconds;
-    std::map<int, Clock::TimePoint> progress_at;
     bool series_removed = false;
+    // The highest (step, kind) of generation `stored_generation` known to be
+    // in the store (for durable_step).
+    int64_t stored_generation = 0;
+    std::optional<std::pair<int64_t, int>> stored_key;
+    // What the store held of the running generation when this process
+    // loaded it: records at or below it, sent again by trainers that saw the
+    // coordinator restart, are ignored. Above it the StepLog knows.
+    int64_t resent_generation = 0;
+    std::optional<std::pair<int64_t, int>> resent_floor;
   };
   struct HeldHeartbeat {
     Clock::TimePoint deadline;
@@ -251,10 +308,35 @@ class Coordinator {
   absl::Status CatchUpFromStore(const v1::WatchJobRequest& request, WatchCursor* cursor,
                                 WatchBatch* batch);
   std::chrono::milliseconds JobWorkerTimeout(const JobEntry& entry) const;
+  // The job's progress timeout: the spec's, or the larger of 60s and 10x
+  // the median of its recent step times.
+  std::chrono::milliseconds ProgressTimeout(const JobEntry& entry) const;
+  // Why a generation without progress hangs, naming the culprit ranks.
+  std::string HangReport(const JobEntry& entry, Clock::TimePoint now,
+                         std::chrono::milliseconds timeout) const;
+  // Reports ranks that became (or stopped being) stragglers.
+  void CheckStragglers(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The wait before the job's restart number job.restarts().
+  std::chrono::milliseconds RestartDelay(const v1::Job& job) const;
+  // Fills resume_from and resume_candidates from the checkpoints of
+  // generations before the current one, and remembers what it resumes from.
+  void FillResume(JobEntry* entry, v1::JoinRendezvousResponse* response)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // keep_last retention over `checkpoints` (all of the job's): deletes the
+  // retired ones from the store and returns their steps.
+  std::vector<int64_t> RetireCheckpoints(JobEntry* entry,
+                                         const std::vector<v1::Checkpoint>& checkpoints)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A combined step of the job went to the store.
+  static void NoteStored(JobEntry* entry, const v1::StepMetrics& step);
+  // The worker running `rank` of the job's current placement, "" if none.
+  static std::string WorkerOfRank(const v1::Job& job, int rank);
 
   const CoordinatorOptions options_;
   Clock* const clock_;
   Authenticator* const auth_;
+  // Set once in Create.
+  std::string incarnation_;
 
   // Its own registry when options.registry is null; then the metrics.
   std::unique_ptr<metrics::Registry> own_registry_;

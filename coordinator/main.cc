@@ -34,6 +34,8 @@ ABSL_FLAG(std::string, token_file, "",
           "extra tokens, one per line: <token> <admin|user|worker> [<name>]");
 ABSL_FLAG(int32_t, max_world_size, 1024, "largest world_size a job may ask for");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2), "how often workers heartbeat");
+ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
+          "how long a worker lets a trainer it was told to stop exit after SIGTERM before SIGKILL");
 ABSL_FLAG(absl::Duration, worker_timeout, absl::Seconds(10),
           "a worker silent this long is declared lost");
 ABSL_FLAG(absl::Duration, rendezvous_timeout, absl::Minutes(5),
@@ -106,6 +108,7 @@ int main(int argc, char** argv) {
   options.spec_limits.default_max_restarts = absl::GetFlag(FLAGS_max_restarts);
   options.heartbeat_interval = Millis(absl::GetFlag(FLAGS_heartbeat_interval));
   options.worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
+  options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
   options.metrics_retention = Millis(absl::GetFlag(FLAGS_metrics_retention));
   aidn::metrics::Registry registry;
   aidn::metrics::AddProcessMetrics(&registry);
@@ -117,11 +120,12 @@ int main(int argc, char** argv) {
 
   if (options.spec_limits.max_world_size < 1 || options.heartbeat_interval.count() <= 0 ||
       options.worker_timeout <= options.heartbeat_interval || tick.count() <= 0 ||
-      server_options.max_message_bytes < 1024 || options.metrics_retention.count() < 0) {
+      options.stop_grace.count() < 0 || server_options.max_message_bytes < 1024 ||
+      options.metrics_retention.count() < 0) {
     return Fail(absl::InvalidArgumentError(
         "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
         "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024, "
-        "--metrics_retention >= 0"));
+        "--metrics_retention >= 0, --stop_grace >= 0"));
   }
 
   aidn::LogConfigTable(
@@ -132,6 +136,7 @@ int main(int argc, char** argv) {
        {"token_file", absl::GetFlag(FLAGS_token_file)},
        {"max_world_size", absl::StrCat(options.spec_limits.max_world_size)},
        {"heartbeat_interval", absl::FormatDuration(absl::GetFlag(FLAGS_heartbeat_interval))},
+       {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
        {"worker_timeout", absl::FormatDuration(absl::GetFlag(FLAGS_worker_timeout))},
        {"rendezvous_timeout", absl::FormatDuration(absl::GetFlag(FLAGS_rendezvous_timeout))},
        {"max_restarts", absl::StrCat(options.spec_limits.default_max_restarts)},

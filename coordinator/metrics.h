@@ -41,6 +41,7 @@ struct CoordinatorMetrics {
   metrics::Family<metrics::Histogram>& rank_allreduce_seconds;
   metrics::Family<metrics::Gauge>& rank_step;
   metrics::Family<metrics::Gauge>& rank_last_progress_age_seconds;
+  metrics::Family<metrics::Gauge>& rank_straggler;  // 0 or 1
   // Per worker (label worker_id).
   metrics::Family<metrics::Gauge>& worker_up;
   metrics::Family<metrics::Gauge>& worker_heartbeat_age_seconds;

@@ -167,6 +167,17 @@ class MetricsReader final : public grpc::ServerReadReactor<v1::StreamMetricsRequ
 
   void OnReadDone(bool ok) override {
     if (!ok) {
+      // The sender closed the stream: tell it how far its records are
+      // durable. Without a job (no message came) that is nothing.
+      response_->set_incarnation(coordinator_->incarnation());
+      if (!job_id_.empty()) {
+        absl::StatusOr<v1::StreamMetricsResponse> receipt = coordinator_->MetricsReceipt(job_id_);
+        if (receipt.ok()) {
+          response_->set_durable_step(receipt->durable_step());
+        } else {
+          AIDN_LOG(WARNING) << "no metrics receipt: " << receipt.status() << Kv("job", job_id_);
+        }
+      }
       Finish(grpc::Status::OK);
       return;
     }
@@ -176,6 +187,7 @@ class MetricsReader final : public grpc::ServerReadReactor<v1::StreamMetricsRequ
       Finish(rpc::ToGrpcStatus(s));
       return;
     }
+    job_id_ = request_.job_id();
     response_->set_accepted(response_->accepted() + request_.records_size());
     StartRead(&request_);
   }
@@ -187,6 +199,7 @@ class MetricsReader final : public grpc::ServerReadReactor<v1::StreamMetricsRequ
   const Principal principal_;
   v1::StreamMetricsResponse* const response_;
   v1::StreamMetricsRequest request_;
+  std::string job_id_;
 };
 
 }  // namespace
@@ -415,6 +428,16 @@ grpc::ServerUnaryReactor* ClusterServiceImpl::CommitCheckpoint(
     AIDN_RETURN_IF_ERROR(RequireTrainerOf(p, request->job_id()));
     AIDN_ASSIGN_OR_RETURN(*response, coordinator_->CommitCheckpoint(*request));
     return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ClusterServiceImpl::ReportCheckpointInvalid(
+    grpc::CallbackServerContext* context, const v1::ReportCheckpointInvalidRequest* request,
+    v1::ReportCheckpointInvalidResponse*) {
+  return Unary(context, [&]() -> absl::Status {
+    AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
+    AIDN_RETURN_IF_ERROR(RequireTrainerOf(p, request->job_id()));
+    return coordinator_->ReportCheckpointInvalid(*request);
   });
 }
 

@@ -86,6 +86,9 @@ class ClusterServiceImpl final : public v1::ClusterService::CallbackService {
   grpc::ServerUnaryReactor* CommitCheckpoint(grpc::CallbackServerContext* context,
                                              const v1::CommitCheckpointRequest* request,
                                              v1::CommitCheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* ReportCheckpointInvalid(
+      grpc::CallbackServerContext* context, const v1::ReportCheckpointInvalidRequest* request,
+      v1::ReportCheckpointInvalidResponse* response) override;
 
  private:
   Coordinator* const coordinator_;

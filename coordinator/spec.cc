@@ -39,6 +39,9 @@ constexpr int32_t kMaxKeepLast = 1000;
 constexpr int32_t kMaxRestarts = 100;
 constexpr int32_t kMaxPriority = 1000;
 constexpr int64_t kMaxTimeoutSeconds = 24 * 60 * 60;
+// A longer wait between restarts only hides a job that cannot run.
+constexpr int64_t kMaxRestartBackoffSeconds = 5 * 60;
+constexpr std::chrono::milliseconds kDefaultRestartBackoff{1000};
 constexpr size_t kMaxLabels = 64;
 constexpr size_t kMaxLabelKeyBytes = 63;
 constexpr size_t kMaxLabelValueBytes = 256;
@@ -326,7 +329,16 @@ absl::Status ValidateTimeouts(const v1::TimeoutsSpec& t) {
   AIDN_RETURN_IF_ERROR(ValidateTimeout("timeouts.worker", t.worker()));
   // progress left unset means "automatic".
   if (t.has_progress()) AIDN_RETURN_IF_ERROR(ValidateTimeout("timeouts.progress", t.progress()));
-  return absl::OkStatus();
+  if (!t.has_restart_backoff()) {
+    return Invalid("timeouts.restart_backoff", "not set (defaults were not applied)");
+  }
+  const google::protobuf::Duration& b = t.restart_backoff();
+  if (b.seconds() > kMaxRestartBackoffSeconds ||
+      (b.seconds() == kMaxRestartBackoffSeconds && b.nanos() > 0)) {
+    return Invalid("timeouts.restart_backoff",
+                   absl::StrCat("must be at most 5m (300s), got ", FormatDuration(b)));
+  }
+  return ValidateTimeout("timeouts.restart_backoff", b);
 }
 
 bool IsLabelKeyChar(char c) {
@@ -412,6 +424,9 @@ void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
   }
   if (!timeouts->has_worker())
     *timeouts->mutable_worker() = ToDuration(limits.default_worker_timeout);
+  if (!timeouts->has_restart_backoff()) {
+    *timeouts->mutable_restart_backoff() = ToDuration(kDefaultRestartBackoff);
+  }
 }
 
 absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) {

@@ -75,6 +75,8 @@ void StepLog::Combine(std::map<Key, Pending>::iterator it) {
   } else {
     last_train_ = step;
     has_train_ = true;
+    recent_train_seconds_.push_back(step.step_seconds());
+    if (recent_train_seconds_.size() > kRecentTrainSteps) recent_train_seconds_.pop_front();
   }
   unstored_.push_back(step);
   unstored_last_seq_ = next_seq_;
@@ -93,6 +95,17 @@ bool StepLog::After(int64_t after_seq, int64_t from_step, size_t limit,
     if (step.step() >= from_step) out->push_back(step);
   }
   return true;
+}
+
+std::optional<int64_t> StepLog::FirstStepNotTaken() const {
+  std::optional<int64_t> first;
+  if (!pending_.empty()) first = pending_.begin()->first.first;
+  // After a new generation started, unstored steps of the old one may lie
+  // above the pending ones: look at all of them.
+  for (const v1::StepMetrics& s : unstored_) {
+    if (!first.has_value() || s.step() < *first) first = s.step();
+  }
+  return first;
 }
 
 int64_t StepLog::TakeUnstored(std::vector<v1::StepMetrics>* out) {

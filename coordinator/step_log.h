@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -70,6 +71,18 @@ class StepLog {
   const v1::StepMetrics* last_train() const { return has_train_ ? &last_train_ : nullptr; }
   const v1::StepMetrics* last_eval() const { return has_eval_ ? &last_eval_ : nullptr; }
 
+  // The smallest step of a record that Add accepted and TakeUnstored has
+  // not yet taken (still waiting for ranks, or combined but not taken);
+  // nullopt when there is none. Every record of a lower step that was
+  // accepted went to the store writer.
+  std::optional<int64_t> FirstStepNotTaken() const;
+
+  // The slowest rank's step time of the newest combined TRAIN steps, at
+  // most kRecentTrainSteps of them, oldest first: what "a normal step"
+  // takes, for the automatic progress timeout.
+  static constexpr size_t kRecentTrainSteps = 100;
+  const std::deque<double>& recent_train_step_seconds() const { return recent_train_seconds_; }
+
   // Records dropped by Add so far.
   int64_t dropped() const { return dropped_; }
   size_t pending() const { return pending_.size(); }
@@ -101,6 +114,7 @@ class StepLog {
   int64_t unstored_last_seq_ = 0;
   v1::StepMetrics last_train_, last_eval_;
   bool has_train_ = false, has_eval_ = false;
+  std::deque<double> recent_train_seconds_;
   int64_t dropped_ = 0;
 };
 

@@ -674,6 +674,31 @@ absl::StatusOr<std::vector<v1::StepMetrics>> Store::GetSteps(const std::string& 
   return steps;
 }
 
+absl::StatusOr<std::optional<v1::StepMetrics>> Store::LastStepOfGeneration(
+    const std::string& job_id, int64_t generation, int64_t after_step) {
+  const std::string context =
+      absl::StrCat("find the last step of job ", job_id, " generation ", generation);
+  absl::MutexLock lock(&mu_);
+  // The generation is only in the blob: read down from the top until a row
+  // of it turns up.
+  AIDN_ASSIGN_OR_RETURN(Statement select, Statement::Prepare(db_, R"sql(
+      SELECT step, metrics FROM steps
+      WHERE job_id = ?1 AND step > ?2
+      ORDER BY step DESC, kind DESC)sql",
+                                                             context));
+  select.BindText(1, job_id);
+  select.BindInt64(2, after_step);
+  while (true) {
+    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
+    if (!row) break;
+    v1::StepMetrics step;
+    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(1), "steps",
+                               absl::StrCat(job_id, " step ", select.ColumnInt64(0)), &step));
+    if (step.generation() == generation) return step;
+  }
+  return std::nullopt;
+}
+
 int Store::CurrentSchemaVersion() { return kSchemaVersion; }
 
 }  // namespace aidn::coordinator

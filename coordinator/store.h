@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -92,6 +93,16 @@ class Store {
   absl::StatusOr<std::vector<v1::StepMetrics>> GetSteps(const std::string& job_id,
                                                         int64_t from_step, int64_t to_step,
                                                         int limit);
+  // The highest stored step written by `generation` (at one step, EVAL
+  // counts as above TRAIN, as GetSteps orders them), looking only at steps above
+  // `after_step`; nullopt if there is none. A restarted coordinator asks
+  // where the running generation's stored steps end, so that records its
+  // trainers send again are not combined twice. Rows of one generation are
+  // a run of consecutive steps, with older generations' rows above them
+  // only where those went further, so the scan stops soon.
+  absl::StatusOr<std::optional<v1::StepMetrics>> LastStepOfGeneration(const std::string& job_id,
+                                                                      int64_t generation,
+                                                                      int64_t after_step);
 
  private:
   Store(sqlite3* db, std::string path);

@@ -33,9 +33,10 @@ export AIDN_TOKEN; AIDN_TOKEN=$(cat "$DEMO/state/admin.token")
 for w in w1 w2; do
   echo "==> starting aidn-worker $w, 1 CPU slot (log: $DEMO/$w/worker.log)"
   mkdir -p "$DEMO/$w"
+  # One checkpoint root for both, as nodes share checkpoint storage.
   "$BIN/worker/aidn-worker" --coordinator="$AIDN_ADDR" --token-file="$DEMO/state/worker.token" \
     --worker-id="$w" --cpu-slots=1 --work-dir="$DEMO/$w" --metrics-addr=127.0.0.1:0 \
-    >"$DEMO/$w/worker.log" 2>&1 &
+    --checkpoint-root="$DEMO/checkpoints" >"$DEMO/$w/worker.log" 2>&1 &
   PIDS+=($!)
 done
 
@@ -56,6 +57,9 @@ echo; echo "\$ aidnctl list"; ctl list
 echo; echo "\$ aidnctl events $JOB"; ctl events "$JOB"
 echo; echo "\$ aidnctl metrics $JOB --from 1 --to 5"; ctl metrics "$JOB" --from 1 --to 5
 echo; echo "\$ aidnctl plot $JOB -o $DEMO/loss.png"; ctl plot "$JOB" -o "$DEMO/loss.png"
+echo; echo "\$ aidnctl checkpoints $JOB"; ctl checkpoints "$JOB"
+echo; echo "\$ aidnctl export $JOB -o $DEMO/model.safetensors"
+ctl export "$JOB" -o "$DEMO/model.safetensors" --force || true
 echo; echo "==> Prometheus metrics of the coordinator: http://$(cat "$DEMO/metrics.addr")/metrics"
 curl_metrics() {
   python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \

@@ -7,7 +7,7 @@ PACKAGES=(
   # toolchain
   g++ cmake ninja-build pkg-config
   # service libraries
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev libssl-dev
   libsqlite3-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
   libcpp-httplib-dev
   # aidnctl plot draws through gnuplot

@@ -125,6 +125,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   if (error) {
     return absl::InternalError(absl::StrCat("mkdir ", resolved.work_dir, ": ", error.message()));
   }
+  resolved.checkpoint_root =
+      options.checkpoint_root.empty()
+          ? absl::StrCat(resolved.work_dir, "/checkpoints")
+          : std::filesystem::absolute(options.checkpoint_root, error).lexically_normal().string();
+  if (error) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint_root: ", error.message()));
+  }
+  while (resolved.checkpoint_root.size() > 1 && resolved.checkpoint_root.back() == '/') {
+    resolved.checkpoint_root.pop_back();
+  }
   if (access(resolved.trainer_binary.c_str(), X_OK) != 0) {
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
@@ -140,8 +150,9 @@ Daemon::Daemon(const DaemonOptions& options)
     : options_(options),
       metrics_(options.registry != nullptr ? std::make_unique<WorkerMetrics>(options.registry)
                                            : nullptr),
-      stub_(v1::ClusterService::NewStub(rpc::MakeChannel(
-          {.address = options.coordinator, .max_message_bytes = options.max_message_bytes}))) {}
+      channel_(rpc::MakeChannel(
+          {.address = options.coordinator, .max_message_bytes = options.max_message_bytes})),
+      stub_(v1::ClusterService::NewStub(channel_)) {}
 
 Daemon::~Daemon() { Shutdown(); }
 
@@ -239,6 +250,7 @@ void Daemon::HeartbeatLoop() {
                         << Kv("error", status.error_message());
       problem = now;
     }
+    rpc::ResetBackoffAfter(status, channel_.get());
     const milliseconds delay = backoff;
     backoff = std::min(backoff * 2, options_.backoff_max);
     return SleepUnlessStopping(delay);
@@ -486,7 +498,8 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
                "--host=" + options_.address,
                absl::StrCat("--slot=", a.slot()),
                absl::StrCat("--threads=", std::max(1, a.spec().threads_per_rank())),
-               "--work-dir=" + job_dir};
+               "--work-dir=" + job_dir,
+               "--checkpoint-root=" + options_.checkpoint_root};
   if (!options_.trainer_log_level.empty()) {
     spec.argv.push_back("--log-level=" + options_.trainer_log_level);
   }
@@ -678,6 +691,7 @@ void Daemon::ReportLoop() {
                         << Kv("trainer", name) << Kv("code", static_cast<int>(status.error_code()))
                         << Kv("error", status.error_message());
     }
+    rpc::ResetBackoffAfter(status, channel_.get());
     milliseconds delay = backoff;
     if (give_up_at.has_value()) {
       delay = std::min(delay,

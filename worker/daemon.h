@@ -61,6 +61,9 @@ struct DaemonOptions {
   // trainer's own directory is <work_dir>/jobs/<job>. Made absolute by
   // Create().
   std::string work_dir = "./aidn-work";
+  // Where a job's relative checkpoint.dir is taken from (an absolute one is
+  // used as it is). Empty: <work_dir>/checkpoints. Made absolute by Create().
+  std::string checkpoint_root;
   // Run as `<trainer_binary> train --coordinator=... --job=... ...`.
   std::string trainer_binary = "/proc/self/exe";
   // Passed to trainers as --log-level when not empty.
@@ -178,6 +181,7 @@ class Daemon {
   DaemonOptions options_;
   // Null without options.registry.
   std::unique_ptr<WorkerMetrics> metrics_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ClusterService::Stub> stub_;
   Supervisor supervisor_;
 

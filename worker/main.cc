@@ -41,6 +41,9 @@
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "host:port of the coordinator");
 ABSL_FLAG(std::string, work_dir, "./aidn-work",
           "daemon: its directory (trainer logs, job directories); train: the job's directory");
+ABSL_FLAG(std::string, checkpoint_root, "",
+          "relative checkpoint.dir of jobs are taken under this (default <work-dir>/checkpoints); "
+          "workers that may take over each other's ranks should share it");
 ABSL_FLAG(std::string, worker_id, "", "this worker's id (default: the host name)");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
@@ -111,6 +114,7 @@ int RunTrainMode() {
   options.slot = absl::GetFlag(FLAGS_slot);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
+  options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   if (const char* token = getenv(kTrainerTokenVariable); token != nullptr) {
     options.token = token;
     // Nothing the trainer might start inherits the credential.
@@ -128,6 +132,7 @@ int RunTrainMode() {
        {"slot", absl::StrCat(options.slot)},
        {"threads", absl::StrCat(options.threads)},
        {"work_dir", options.work_dir},
+       {"checkpoint_root", options.checkpoint_root},
        {"token", options.token.empty() ? absl::StrCat("(none: $", kTrainerTokenVariable, " unset)")
                                        : absl::StrCat("(from $", kTrainerTokenVariable, ")")}});
   if (options.job_id.empty() || options.generation < 1 || options.world_size < 1 ||
@@ -148,6 +153,7 @@ int RunDaemonMode(const std::string& log_level) {
   options.address = absl::GetFlag(FLAGS_address);
   options.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
+  options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   options.trainer_binary = absl::GetFlag(FLAGS_trainer_binary);
   options.trainer_log_level = log_level;
   options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
@@ -207,6 +213,7 @@ int RunDaemonMode(const std::string& log_level) {
        {"gpus", gpu_names.empty() ? absl::StrCat("none (", devices.gpu_note, ")")
                                   : absl::StrJoin(gpu_names, ", ")},
        {"work_dir", resolved.work_dir},
+       {"checkpoint_root", resolved.checkpoint_root},
        {"trainer_binary", trainer},
        {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
        {"metrics_addr", metrics_addr.empty() ? "(off)" : metrics_addr},

@@ -1,5 +1,7 @@
 #include "common/rpc/client.h"
 
+#include <cstdlib>
+
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -7,6 +9,14 @@
 namespace aidn::rpc {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
+  // A synchronous client polls its sockets only inside calls, and a call
+  // made while the channel is down fails at once; between calls, only
+  // gRPC's backup poller (every 5 s by default) finishes a connection
+  // attempt. A worker or trainer retrying a restarted coordinator then
+  // needs up to tens of seconds to see it back. Poll every 100 ms instead.
+  // Read once, when gRPC initialises (the first channel), and a value set
+  // by the user wins.
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "100", /*overwrite=*/0);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
@@ -15,6 +25,11 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   return grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+}
+
+void ResetBackoffAfter(const grpc::Status& status, grpc::Channel* channel) {
+  if (channel == nullptr || status.error_code() != grpc::StatusCode::UNAVAILABLE) return;
+  grpc::experimental::ChannelResetConnectionBackoff(channel);
 }
 
 void PrepareContext(grpc::ClientContext* context, const std::string& token,

@@ -23,6 +23,13 @@ struct ChannelOptions {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options);
 
+// After a failed call that our own loop retries with its own backoff: makes
+// the channel try to connect at once on the next call. Without it gRPC's
+// subchannel backoff (which here ignores the channel's max reconnect
+// backoff once a connection was lost) keeps a client away from a restarted
+// coordinator for tens of seconds. Only for UNAVAILABLE; a no-op otherwise.
+void ResetBackoffAfter(const grpc::Status& status, grpc::Channel* channel);
+
 // Adds "authorization: Bearer <token>" (if the token is not empty) and a
 // deadline `timeout` from now (if it is positive).
 void PrepareContext(grpc::ClientContext* context, const std::string& token,

@@ -1,6 +1,7 @@
 // aidnctl against a real coordinator on loopback: the submit/list/describe/
-// cancel cycle, refusal of bad specs, authentication, an unreachable
-// coordinator, oversized requests, and persistence across kill -9.
+// cancel cycle, checkpoints and export of a job without any, refusal of bad
+// specs, authentication, an unreachable coordinator, oversized requests, and
+// persistence across kill -9.
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -242,6 +243,30 @@ TEST_F(Cli, SubmitsListsDescribesAndCancelsAJob) {
   const std::string unknown = Normalized(r.err);
   EXPECT_TRUE(absl::StrContains(unknown, "not found") || absl::StrContains(unknown, "no such"))
       << Describe(r);
+}
+
+TEST_F(Cli, ListsCheckpointsAndExportSaysWhenThereIsNone) {
+  auto c = StartCoordinator(StateDir());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string& token = c->admin_token;
+  CommandResult r = Aidnctl(*c, token, {"submit", "-f", kExampleSpec});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+
+  r = Aidnctl(*c, token, {"checkpoints", "job-1"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.out, "STEP   GEN   COMMITTED   CREATED   BYTES   PATH   NOTE\n") << Describe(r);
+  EXPECT_TRUE(Items(AidnctlJson(*c, token, {"checkpoints", "job-1"}), "checkpoints").empty());
+
+  // Nothing to export yet; the global -o still names the format before the
+  // command and the file after it.
+  const std::string output = dir_ + "/model.safetensors";
+  r = Aidnctl(*c, token, {"-o", "json", "export", "job-1", "-o", output});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, StartsWith("aidnctl: error: job job-1 has no checkpoints")) << Describe(r);
+  r = Aidnctl(*c, token, {"export", "job-404", "--step", "10", "-o", output});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("job-404")) << Describe(r);
+  EXPECT_EQ(access(output.c_str(), F_OK), -1) << output << " was written";
 }
 
 // The parts of a spec the bad-spec cases vary; the defaults make a valid one.

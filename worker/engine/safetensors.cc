@@ -610,21 +610,20 @@ absl::Status InFile(const std::string& path, const absl::Status& status) {
   return Annotate(status, absl::StrCat("safetensors file ", path));
 }
 
-absl::Status Save(const std::string& path, const std::vector<const Parameter*>& params,
+absl::Status Save(const std::string& path, const std::vector<NamedTensor>& tensors,
                   const std::map<std::string, std::string>& metadata) {
   std::set<std::string> names;
-  for (const Parameter* p : params) {
-    if (p == nullptr) return absl::InvalidArgumentError("null parameter");
-    if (p->name.empty()) return absl::InvalidArgumentError("a parameter without a name");
-    if (p->name == kMetadataKey) {
-      return absl::InvalidArgumentError("a parameter named \"__metadata__\" (reserved)");
+  for (const auto& [name, value] : tensors) {
+    if (value == nullptr) return absl::InvalidArgumentError("null tensor");
+    if (name.empty()) return absl::InvalidArgumentError("a tensor without a name");
+    if (name == kMetadataKey) {
+      return absl::InvalidArgumentError("a tensor named \"__metadata__\" (reserved)");
     }
-    if (!names.insert(p->name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name ", Quote(p->name)));
+    if (!names.insert(name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("duplicate tensor name ", Quote(name)));
     }
-    if (p->value.device() != Device::kCpu) {
-      return absl::UnimplementedError(
-          absl::StrCat("parameter ", Quote(p->name), " is not on the CPU"));
+    if (value->device() != Device::kCpu) {
+      return absl::UnimplementedError(absl::StrCat("tensor ", Quote(name), " is not on the CPU"));
     }
   }
 
@@ -643,11 +642,11 @@ absl::Status Save(const std::string& path, const std::vector<const Parameter*>& 
     header += "}";
   }
   uint64_t offset = 0;
-  for (const Parameter* p : params) {
+  for (const auto& [name, value] : tensors) {
     if (header.size() > 1) header += ",";
-    AppendJsonString(p->name, &header);
-    const uint64_t bytes = static_cast<uint64_t>(p->value.numel()) * sizeof(float);
-    absl::StrAppend(&header, ":{\"dtype\":\"F32\",\"shape\":", ShapeString(p->value.shape()),
+    AppendJsonString(name, &header);
+    const uint64_t bytes = static_cast<uint64_t>(value->numel()) * sizeof(float);
+    absl::StrAppend(&header, ":{\"dtype\":\"F32\",\"shape\":", ShapeString(value->shape()),
                     ",\"data_offsets\":[", offset, ",", offset + bytes, "]}");
     offset += bytes;
   }
@@ -663,11 +662,10 @@ absl::Status Save(const std::string& path, const std::vector<const Parameter*>& 
   if (fd.get() < 0) return PosixError(absl::StrCat("create ", tmp), errno);
   absl::Status status = WriteAll(fd.get(), length_bytes, sizeof(length_bytes));
   if (status.ok()) status = WriteAll(fd.get(), header.data(), header.size());
-  for (const Parameter* p : params) {
+  for (const auto& [name, value] : tensors) {
     if (!status.ok()) break;
-    if (p->value.numel() == 0) continue;
-    status =
-        WriteAll(fd.get(), p->value.data(), static_cast<size_t>(p->value.numel()) * sizeof(float));
+    if (value->numel() == 0) continue;
+    status = WriteAll(fd.get(), value->data(), static_cast<size_t>(value->numel()) * sizeof(float));
   }
   if (status.ok() && ::fsync(fd.get()) != 0) status = PosixError("fsync", errno);
   if (fd.Close() != 0 && status.ok()) status = PosixError("close", errno);
@@ -757,7 +755,18 @@ absl::StatusOr<std::map<std::string, Tensor>> Read(const std::string& path,
 
 absl::Status SaveSafetensors(const std::string& path, const std::vector<const Parameter*>& params,
                              const std::map<std::string, std::string>& metadata) {
-  return InFile(path, Save(path, params, metadata));
+  std::vector<NamedTensor> tensors;
+  for (const Parameter* p : params) {
+    if (p == nullptr) return InFile(path, absl::InvalidArgumentError("null parameter"));
+    tensors.emplace_back(p->name, &p->value);
+  }
+  return InFile(path, Save(path, tensors, metadata));
+}
+
+absl::Status SaveTensorsSafetensors(const std::string& path,
+                                    const std::vector<NamedTensor>& tensors,
+                                    const std::map<std::string, std::string>& metadata) {
+  return InFile(path, Save(path, tensors, metadata));
 }
 
 absl::Status LoadSafetensors(const std::string& path, const std::vector<Parameter*>& params) {

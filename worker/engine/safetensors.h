@@ -27,6 +27,7 @@
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -43,6 +44,12 @@ namespace aidn::engine {
 // reserved name "__metadata__"; UNIMPLEMENTED for a non-CPU tensor.
 absl::Status SaveSafetensors(const std::string& path, const std::vector<const Parameter*>& params,
                              const std::map<std::string, std::string>& metadata = {});
+
+// The same for tensors that are not parameters (optimizer state, say).
+using NamedTensor = std::pair<std::string, const Tensor*>;
+absl::Status SaveTensorsSafetensors(const std::string& path,
+                                    const std::vector<NamedTensor>& tensors,
+                                    const std::map<std::string, std::string>& metadata = {});
 
 // Fills each parameter's value (same shape, storage kept) from the tensor of
 // the same name. Tensors in the file that no parameter names are ignored.

@@ -1,17 +1,23 @@
 #include "worker/trainer/trainer.h"
 
+#include <openssl/sha.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <deque>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -19,6 +25,8 @@
 #include "common/log.h"
 #include "common/rpc/client.h"
 #include "common/rpc/status_convert.h"
+#include "common/status.h"
+#include "worker/engine/checkpoint.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
@@ -66,23 +74,70 @@ Failure FailureFor(const absl::Status& status, const char* what) {
   return {kExitFailure, annotated};
 }
 
-// Sends metric records (batched) and progress beats from a thread of its
-// own, so training never waits on the coordinator. Records that cannot be
-// sent are kept (bounded: the oldest are dropped and counted) and retried.
+std::string Sha256Hex(const std::string& text) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
+  std::string hex;
+  for (unsigned char b : digest) absl::StrAppendFormat(&hex, "%02x", b);
+  return hex;
+}
+
+bool Retryable(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+         status.error_code() == grpc::StatusCode::CANCELLED;
+}
+
+// Sends metric records (batched), checkpoint commits and progress beats from
+// a thread of its own, so training never waits on the coordinator. What
+// cannot be sent is kept (records bounded: the oldest are dropped and
+// counted) and retried with the coordinator's return. Records stay held
+// until the coordinator says they are in its database (durable_step), and
+// all those not yet there are sent again when it restarted (a new
+// incarnation), so a coordinator crash loses no step.
 class Reporter {
  public:
-  Reporter(std::shared_ptr<Stub> stub, const TrainerOptions& options)
-      : stub_(std::move(stub)), options_(options), thread_([this] { Loop(); }) {}
+  // Called (on the reporter's thread) with the steps whose checkpoint
+  // directories retention dropped.
+  using RetireFn = std::function<void(int64_t step)>;
+
+  Reporter(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<Stub> stub,
+           const TrainerOptions& options, RetireFn retire)
+      : channel_(std::move(channel)),
+        stub_(std::move(stub)),
+        options_(options),
+        retire_(std::move(retire)),
+        thread_([this] { Loop(); }) {}
 
   ~Reporter() { Close(milliseconds(5000)); }
 
   void Record(v1::MetricRecord record) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (records_.size() >= kMaxBuffered) {
-      records_.pop_front();
-      ++dropped_;
+    if (records_.size() + unacked_.size() >= kMaxBuffered) {
+      // Sent but unconfirmed ones go first: they most likely arrived.
+      if (!unacked_.empty()) {
+        unacked_.pop_front();
+      } else {
+        records_.pop_front();
+        ++dropped_;
+      }
     }
     records_.push_back(std::move(record));
+  }
+
+  // Queues a commit; commits are sent in order and retried until the
+  // coordinator answers. Bounded like the records: while the coordinator is
+  // away only the newest commits matter (a resume takes the newest).
+  void Commit(v1::CommitCheckpointRequest request) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (commits_.size() >= kMaxCommits) {
+        commits_.pop_front();
+        ++dropped_commits_;
+      }
+      commits_.push_back(std::move(request));
+    }
+    cv_.notify_all();
   }
 
   void Progress(int64_t step, int32_t epoch, int64_t collective_seq, int64_t total_steps) {
@@ -96,7 +151,8 @@ class Reporter {
   // The coordinator said this generation is over.
   bool superseded() const { return superseded_.load(); }
 
-  // Sends what is left (within `timeout`) and stops the thread.
+  // Sends what is left (records and commits, within `timeout`) and stops
+  // the thread.
   void Close(milliseconds timeout) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -110,19 +166,29 @@ class Reporter {
       AIDN_LOG(WARNING) << "metric records dropped while the coordinator was away"
                         << Kv("dropped", dropped_);
     }
+    if (dropped_commits_ > 0) {
+      AIDN_LOG(WARNING) << "checkpoint commits dropped while the coordinator was away"
+                        << Kv("dropped", dropped_commits_);
+    }
   }
 
  private:
   static constexpr size_t kMaxBuffered = 100'000;
   static constexpr size_t kBatch = 512;
+  static constexpr size_t kMaxCommits = 1024;
 
   void Loop() {
     SteadyClock::time_point next_beat = SteadyClock::now();
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-      cv_.wait_for(lock, milliseconds(200), [this] { return closing_; });
+      cv_.wait_for(lock, milliseconds(200), [this] { return closing_ || !commits_.empty(); });
       const bool closing = closing_;
-      if (closing && (records_.empty() || SteadyClock::now() > close_deadline_)) break;
+      if (closing &&
+          ((records_.empty() && commits_.empty()) || SteadyClock::now() > close_deadline_)) {
+        break;
+      }
+      std::optional<v1::CommitCheckpointRequest> commit;
+      if (!commits_.empty()) commit = commits_.front();
       std::vector<v1::MetricRecord> batch;
       while (!records_.empty() && batch.size() < kBatch) {
         batch.push_back(std::move(records_.front()));
@@ -134,13 +200,23 @@ class Reporter {
       const int64_t seq = collective_seq_;
       const int64_t total = total_steps_;
       lock.unlock();
+      bool failed = false;
+      if (commit.has_value()) {
+        if (SendCommit(*commit)) {
+          std::lock_guard<std::mutex> relock(mu_);
+          commits_.pop_front();
+        } else {
+          failed = true;
+        }
+      }
       if (!batch.empty() && !Send(batch)) {
         lock.lock();
         // Put them back in front, in order, for the next try.
         for (auto it = batch.rbegin(); it != batch.rend(); ++it) records_.push_front(*it);
         lock.unlock();
-        std::this_thread::sleep_for(milliseconds(200));
+        failed = true;
       }
+      if (failed) std::this_thread::sleep_for(milliseconds(200));
       if (beat) {
         SendProgress(step, epoch, seq, total);
         next_beat = SteadyClock::now() + milliseconds(1000);
@@ -163,11 +239,60 @@ class Reporter {
     writer->Write(request);
     writer->WritesDone();
     grpc::Status status = writer->Finish();
+    rpc::ResetBackoffAfter(status, channel_.get());
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
       superseded_ = true;
       return true;  // nobody wants them any more
     }
-    return status.ok();
+    if (!status.ok()) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const v1::MetricRecord& r : batch) unacked_.push_back(r);
+    SeenIncarnationLocked(response.incarnation());
+    const int64_t durable = response.durable_step();
+    unacked_.erase(
+        std::remove_if(unacked_.begin(), unacked_.end(),
+                       [durable](const v1::MetricRecord& r) { return r.step() <= durable; }),
+        unacked_.end());
+    return true;
+  }
+
+  // A new incarnation is a restarted coordinator: whatever it had not
+  // stored is gone, so every unconfirmed record goes again (it ignores the
+  // ones it has).
+  void SeenIncarnationLocked(const std::string& incarnation) {
+    if (incarnation.empty()) return;
+    if (!incarnation_.empty() && incarnation != incarnation_) {
+      AIDN_LOG(INFO) << "the coordinator restarted; sending unconfirmed metric records again"
+                     << Kv("records", unacked_.size());
+      records_.insert(records_.begin(), unacked_.begin(), unacked_.end());
+      unacked_.clear();
+    }
+    incarnation_ = incarnation;
+  }
+
+  // True when done with (answered, or never to be answered).
+  bool SendCommit(const v1::CommitCheckpointRequest& request) {
+    grpc::ClientContext context;
+    rpc::PrepareContext(&context, options_.token, kRpcTimeout);
+    v1::CommitCheckpointResponse response;
+    grpc::Status status = stub_->CommitCheckpoint(&context, request, &response);
+    rpc::ResetBackoffAfter(status, channel_.get());
+    if (Retryable(status)) return false;
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+      superseded_ = true;
+      return true;
+    }
+    if (!status.ok()) {
+      AIDN_LOG(ERROR) << "checkpoint commit refused: " << status.error_message()
+                      << Kv("step", request.step());
+      return true;
+    }
+    AIDN_LOG(INFO) << "checkpoint reported" << Kv("step", request.step())
+                   << Kv("committed", response.committed() ? "yes" : "no");
+    for (int64_t step : response.retired_steps()) {
+      if (retire_) retire_(step);
+    }
+    return true;
   }
 
   void SendProgress(int64_t step, int32_t epoch, int64_t seq, int64_t total) {
@@ -183,17 +308,29 @@ class Reporter {
     request.set_total_steps(total);
     v1::ReportProgressResponse response;
     grpc::Status status = stub_->ReportProgress(&context, request, &response);
+    rpc::ResetBackoffAfter(status, channel_.get());
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION || response.stop()) {
       superseded_ = true;
     }
+    if (status.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      SeenIncarnationLocked(response.incarnation());
+    }
   }
 
+  std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<Stub> stub_;
   const TrainerOptions options_;
+  const RetireFn retire_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<v1::MetricRecord> records_;
+  // Sent, but not yet reported stored by the coordinator.
+  std::deque<v1::MetricRecord> unacked_;
+  std::deque<v1::CommitCheckpointRequest> commits_;
+  std::string incarnation_;
   int64_t dropped_ = 0;
+  int64_t dropped_commits_ = 0;
   int64_t progress_step_ = -1;
   int32_t progress_epoch_ = 0;
   int64_t collective_seq_ = 0;
@@ -205,7 +342,8 @@ class Reporter {
 };
 
 // Joins the rendezvous, retrying while the coordinator is unreachable.
-absl::StatusOr<v1::JoinRendezvousResponse> Join(Stub* stub, const TrainerOptions& options) {
+absl::StatusOr<v1::JoinRendezvousResponse> Join(grpc::Channel* channel, Stub* stub,
+                                                const TrainerOptions& options) {
   const SteadyClock::time_point deadline = SteadyClock::now() + std::chrono::minutes(30);
   milliseconds backoff{100};
   while (true) {
@@ -225,6 +363,7 @@ absl::StatusOr<v1::JoinRendezvousResponse> Join(Stub* stub, const TrainerOptions
         SteadyClock::now() + backoff > deadline) {
       return rpc::FromGrpcStatus(status);
     }
+    rpc::ResetBackoffAfter(status, channel);
     AIDN_LOG(WARNING) << "coordinator unreachable, retrying the rendezvous: "
                       << status.error_message();
     std::this_thread::sleep_for(backoff);
@@ -298,19 +437,54 @@ absl::Status LoadData(const v1::DatasetSpec& spec, engine::Dataset* train, engin
   return absl::OkStatus();
 }
 
+// Where this job's checkpoints go on this worker: <checkpoint.dir>/<job>,
+// a relative checkpoint.dir taken under the worker's checkpoint root. Empty
+// when the spec asks for none.
+std::string CheckpointDirOf(const v1::JobSpec& spec, const TrainerOptions& options) {
+  const std::string& dir = spec.checkpoint().dir();
+  if (dir.empty()) return "";
+  std::filesystem::path path(dir);
+  if (path.is_relative()) {
+    path = std::filesystem::path(options.checkpoint_root.empty() ? options.work_dir
+                                                                 : options.checkpoint_root) /
+           path;
+  }
+  return (path / options.job_id).lexically_normal().string();
+}
+
+// int64 values through a float collective: the bits travel unchanged
+// (broadcast copies, it never adds).
+absl::Status BroadcastInts(engine::Communicator* comm, int64_t* values, size_t count) {
+  std::vector<float> buffer(count * 2);
+  std::memcpy(buffer.data(), values, count * sizeof(int64_t));
+  AIDN_RETURN_IF_ERROR(comm->Broadcast(buffer.data(), buffer.size(), 0));
+  std::memcpy(values, buffer.data(), count * sizeof(int64_t));
+  return absl::OkStatus();
+}
+
 class Run {
  public:
-  Run(const TrainerOptions& options, std::shared_ptr<Stub> stub)
-      : options_(options), stub_(std::move(stub)) {}
+  Run(const TrainerOptions& options, std::shared_ptr<grpc::Channel> channel)
+      : options_(options), channel_(channel), stub_(v1::ClusterService::NewStub(channel)) {}
 
   // 0 on success, else the failure.
   std::optional<Failure> Execute();
 
  private:
   std::optional<Failure> Setup();
+  // Rank 0 loads the newest candidate checkpoint that verifies (reporting
+  // each one that does not); every rank then gets its step, weights and
+  // optimizer state from rank 0, so only rank 0's node needs the files.
+  std::optional<Failure> Resume(int64_t steps_per_epoch);
+  // DDP: rank 0 writes the state after `step`, and commits it in the
+  // background.
+  std::optional<Failure> Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps);
+  void ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
+                     const absl::Status& why);
   std::optional<Failure> Evaluate(int32_t epoch, int64_t step);
 
   const TrainerOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<Stub> stub_;
   v1::JoinRendezvousResponse rendezvous_;
   v1::JobSpec spec_;
@@ -320,17 +494,44 @@ class Run {
   std::unique_ptr<engine::Optimizer> optimizer_;
   std::unique_ptr<engine::DdpReducer> reducer_;
   std::unique_ptr<Reporter> reporter_;
+  std::string checkpoint_dir_;
+  // The step training starts after: 0, or the resumed checkpoint's.
+  int64_t start_step_ = 0;
+  // Loaded by rank 0 in Setup, handed to the optimizer in Resume.
+  std::optional<engine::LoadedCheckpoint> loaded_;
 };
 
 std::optional<Failure> Run::Setup() {
-  absl::StatusOr<v1::JoinRendezvousResponse> joined = Join(stub_.get(), options_);
+  absl::StatusOr<v1::JoinRendezvousResponse> joined = Join(channel_.get(), stub_.get(), options_);
   if (!joined.ok()) return FailureFor(joined.status(), "rendezvous");
   rendezvous_ = *std::move(joined);
   spec_ = rendezvous_.spec();
   AIDN_LOG(INFO) << "joined the rendezvous" << Kv("job", options_.job_id)
                  << Kv("generation", options_.generation) << Kv("rank", rendezvous_.rank())
                  << Kv("world_size", rendezvous_.world_size());
-  reporter_ = std::make_unique<Reporter>(stub_, options_);
+  checkpoint_dir_ = CheckpointDirOf(spec_, options_);
+  if (!checkpoint_dir_.empty() && rendezvous_.rank() == 0) {
+    // A directory that cannot be made is no passing trouble: fail for good.
+    std::error_code error;
+    std::filesystem::create_directories(checkpoint_dir_, error);
+    if (error) {
+      return Failure{kExitPermanent, absl::FailedPreconditionError(
+                                         absl::StrCat("checkpoint.dir: cannot create ",
+                                                      checkpoint_dir_, ": ", error.message()))};
+    }
+    // Left by a writer killed half way; no writer runs now.
+    if (absl::Status s = engine::RemoveTemporaries(checkpoint_dir_); !s.ok()) {
+      AIDN_LOG(WARNING) << "could not clear unfinished checkpoints: " << s;
+    }
+  }
+  const std::string dir = checkpoint_dir_;
+  reporter_ = std::make_unique<Reporter>(channel_, stub_, options_, [dir](int64_t step) {
+    if (absl::Status s = engine::RemoveCheckpoint(dir, step); !s.ok()) {
+      AIDN_LOG(WARNING) << "retention: " << s;
+    } else {
+      AIDN_LOG(INFO) << "retention removed a checkpoint" << Kv("step", step);
+    }
+  });
 
   engine::ConfigureCpu(std::max(1, options_.threads));
   if (absl::Status s = LoadData(spec_.dataset(), &train_, &test_); !s.ok()) {
@@ -358,6 +559,25 @@ std::optional<Failure> Run::Setup() {
   if (!comm.ok()) return FailureFor(comm.status(), "communicator");
   comm_ = *std::move(comm);
 
+  if (rendezvous_.rank() == 0 && !checkpoint_dir_.empty()) {
+    for (const v1::Checkpoint& candidate : rendezvous_.resume_candidates()) {
+      const std::string path =
+          absl::StrCat(checkpoint_dir_, "/", engine::CheckpointDirName(candidate.step()));
+      absl::StatusOr<engine::LoadedCheckpoint> loaded =
+          engine::LoadCheckpoint(path, model_->Parameters());
+      if (loaded.ok() && loaded->step != candidate.step()) {
+        loaded = absl::DataLossError(absl::StrCat("MANIFEST: says step ", loaded->step));
+      }
+      if (loaded.ok()) {
+        AIDN_LOG(INFO) << "resuming from a checkpoint" << Kv("step", candidate.step())
+                       << Kv("path", path);
+        loaded_ = *std::move(loaded);
+        break;
+      }
+      ReportInvalid(candidate, path, loaded.status());
+    }
+  }
+  // Rank 0's weights, loaded or fresh, become everyone's.
   if (absl::Status s = engine::DdpReducer::BroadcastParameters(model_->Parameters(), comm_.get());
       !s.ok()) {
     return FailureFor(s, "initial weights");
@@ -373,6 +593,141 @@ std::optional<Failure> Run::Setup() {
   reducer_ = *std::move(reducer);
   engine::DdpReducer* r = reducer_.get();
   model_->SetGradReadyCallback([r](engine::Parameter* p) { r->OnGradReady(p); });
+  return std::nullopt;
+}
+
+void Run::ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
+                        const absl::Status& why) {
+  const std::string reason = absl::StrCat(path, ": ", why.message());
+  AIDN_LOG(WARNING) << "skipping a checkpoint that fails verification: " << reason;
+  v1::ReportCheckpointInvalidRequest request;
+  request.set_job_id(options_.job_id);
+  request.set_generation(options_.generation);
+  request.set_rank(rendezvous_.rank());
+  request.set_step(checkpoint.step());
+  request.set_reason(reason);
+  milliseconds backoff{100};
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    grpc::ClientContext context;
+    rpc::PrepareContext(&context, options_.token, kRpcTimeout);
+    v1::ReportCheckpointInvalidResponse response;
+    grpc::Status status = stub_->ReportCheckpointInvalid(&context, request, &response);
+    rpc::ResetBackoffAfter(status, channel_.get());
+    if (!Retryable(status)) {
+      if (!status.ok()) {
+        AIDN_LOG(WARNING) << "could not report the bad checkpoint: " << status.error_message();
+      }
+      return;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+}
+
+std::optional<Failure> Run::Resume(int64_t steps_per_epoch) {
+  // [resume step, optimizer steps, steps per epoch, world size] from rank 0.
+  int64_t header[4] = {0, 0, steps_per_epoch, rendezvous_.world_size()};
+  if (loaded_.has_value()) {
+    header[0] = loaded_->step;
+    auto get = [this](const char* key, int64_t* out) {
+      auto it = loaded_->state.find(key);
+      return it != loaded_->state.end() && absl::SimpleAtoi(it->second, out);
+    };
+    if (!get("optimizer_steps", &header[1]) || !get("steps_per_epoch", &header[2]) ||
+        !get("world_size", &header[3])) {
+      return Failure{kExitFailure, absl::DataLossError("checkpoint state.txt lacks a key")};
+    }
+  }
+  if (absl::Status s = BroadcastInts(comm_.get(), header, 4); !s.ok()) {
+    return FailureFor(s, "resume");
+  }
+  if (header[0] == 0) return std::nullopt;
+  if (header[2] != steps_per_epoch || header[3] != rendezvous_.world_size()) {
+    return Failure{kExitPermanent,
+                   absl::FailedPreconditionError(absl::StrCat(
+                       "the checkpoint of step ", header[0], " was made with ", header[3],
+                       " ranks and ", header[2], " steps per epoch; this job has ",
+                       rendezvous_.world_size(), " and ", steps_per_epoch))};
+  }
+  // Optimizer state: rank 0's loaded buffers, broadcast entry by entry in
+  // the order State() lists them (the same on every rank).
+  std::vector<engine::Tensor> buffers;
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
+    engine::Tensor t = e.second->Clone();
+    if (loaded_.has_value()) {
+      auto it = loaded_->optimizer_state.find(e.first);
+      if (it == loaded_->optimizer_state.end() || it->second.numel() != t.numel()) {
+        return Failure{kExitFailure, absl::DataLossError(absl::StrCat(
+                                         "checkpoint of step ", header[0], ": optimizer state \"",
+                                         e.first, "\" is missing or has the wrong size"))};
+      }
+      std::memcpy(t.data(), it->second.data(), static_cast<size_t>(t.numel()) * sizeof(float));
+    }
+    if (absl::Status s = comm_->Broadcast(t.data(), static_cast<size_t>(t.numel()), 0); !s.ok()) {
+      return FailureFor(s, "resume");
+    }
+    buffers.push_back(std::move(t));
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    entries.emplace_back(optimizer_->State()[i].first, &buffers[i]);
+  }
+  if (absl::Status s = optimizer_->LoadState(entries, header[1]); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  start_step_ = header[0];
+  loaded_.reset();
+  return std::nullopt;
+}
+
+std::optional<Failure> Run::Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps) {
+  if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
+  const SteadyClock::time_point start = SteadyClock::now();
+  engine::CheckpointContents contents;
+  for (const engine::Parameter* p : model_->Parameters()) contents.model.push_back(p);
+  contents.model_metadata = {{"aidn.job", options_.job_id},
+                             {"aidn.step", absl::StrCat(step)},
+                             {"aidn.model", spec_.model().name()}};
+  for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
+    contents.optimizer_state.emplace_back(e.first, e.second);
+  }
+  const int64_t accum = std::max(1, spec_.grad_accum_steps());
+  contents.state = {
+      {"step", absl::StrCat(step)},
+      {"epoch", absl::StrCat(step / steps_per_epoch)},
+      {"total_steps", absl::StrCat(total_steps)},
+      {"steps_per_epoch", absl::StrCat(steps_per_epoch)},
+      // DistributedSampler position: the epoch's permutation comes from
+      // seed + epoch; this rank has used this many of its samples.
+      {"sampler_epoch", absl::StrCat(step / steps_per_epoch)},
+      {"sampler_offset", absl::StrCat((step % steps_per_epoch) * spec_.batch_size() * accum)},
+      {"seed", absl::StrCat(spec_.seed())},
+      // Dropout's generator is reseeded every micro-step from this rule, so
+      // the step number is its whole state.
+      {"rng", "dropout seed = seed * 1000003 + (step * accum + micro) * world_size + rank"},
+      {"world_size", absl::StrCat(rendezvous_.world_size())},
+      {"optimizer", spec_.optimizer().name()},
+      {"optimizer_steps", absl::StrCat(optimizer_->steps())},
+      {"model", spec_.model().name()},
+      {"job", options_.job_id},
+      {"generation", absl::StrCat(options_.generation)},
+  };
+  absl::StatusOr<engine::WrittenCheckpoint> written =
+      engine::WriteCheckpoint(checkpoint_dir_, step, contents);
+  if (!written.ok()) return FailureFor(written.status(), "checkpoint");
+  AIDN_LOG(INFO) << "checkpoint written" << Kv("step", step) << Kv("path", written->path)
+                 << Kv("bytes", written->bytes)
+                 << Kv("ms", static_cast<int64_t>(SecondsSince(start) * 1e3));
+  v1::CommitCheckpointRequest request;
+  request.set_job_id(options_.job_id);
+  request.set_generation(options_.generation);
+  request.set_rank(rendezvous_.rank());
+  request.set_step(step);
+  request.set_path(written->path);
+  request.set_bytes(written->bytes);
+  request.set_manifest_sha256(Sha256Hex(written->manifest));
+  request.add_writer_ranks(0);
+  reporter_->Commit(std::move(request));
   return std::nullopt;
 }
 
@@ -436,14 +791,17 @@ std::optional<Failure> Run::Execute() {
   const engine::LrScheduleConfig schedule = ScheduleOf(spec_);
   const double base_lr = spec_.optimizer().lr();
   const int64_t log_every = std::max<int64_t>(1, std::min<int64_t>(100, total_steps / 20));
+  if (std::optional<Failure> f = Resume(steps_per_epoch); f.has_value()) return f;
+  const int64_t every = spec_.checkpoint().every_steps();
 
   engine::Tensor images, logits, grad_logits;
   std::vector<int32_t> labels;
   std::vector<int64_t> indices;
   int32_t epoch = -1;
   // Tells the coordinator how long the job is before the first step ends.
-  reporter_->Progress(0, 0, comm_->sequence(), total_steps);
-  for (int64_t step = 0; step < total_steps; ++step) {
+  reporter_->Progress(start_step_, static_cast<int32_t>(start_step_ / steps_per_epoch),
+                      comm_->sequence(), total_steps);
+  for (int64_t step = start_step_; step < total_steps; ++step) {
     if (reporter_->superseded()) {
       return Failure{kExitSuperseded,
                      absl::FailedPreconditionError("the coordinator ended this generation")};
@@ -492,6 +850,7 @@ std::optional<Failure> Run::Execute() {
     record.set_samples(batch * accum);
     record.set_step_seconds(step_s);
     record.set_allreduce_seconds(allreduce_s);
+    record.set_compute_seconds(std::max(0.0, step_s - wait_s));
     record.set_lr(lr);
     *record.mutable_time() = Now();
     reporter_->Record(std::move(record));
@@ -507,8 +866,16 @@ std::optional<Failure> Run::Execute() {
     if (epoch_done || step + 1 == total_steps) {
       if (std::optional<Failure> f = Evaluate(epoch + 1, step + 1); f.has_value()) return f;
     }
+    if (!checkpoint_dir_.empty() &&
+        ((every > 0 && (step + 1) % every == 0) || step + 1 == total_steps)) {
+      if (std::optional<Failure> f = Checkpoint(step + 1, steps_per_epoch, total_steps);
+          f.has_value()) {
+        return f;
+      }
+    }
   }
-  reporter_->Close(milliseconds(10'000));
+  // The last commit must reach the coordinator before the exit does.
+  reporter_->Close(milliseconds(60'000));
   return std::nullopt;
 }
 
@@ -517,8 +884,7 @@ std::optional<Failure> Run::Execute() {
 int RunTrainer(const TrainerOptions& options) {
   rpc::ChannelOptions channel;
   channel.address = options.coordinator;
-  std::shared_ptr<Stub> stub = v1::ClusterService::NewStub(rpc::MakeChannel(channel));
-  Run run(options, std::move(stub));
+  Run run(options, rpc::MakeChannel(channel));
   std::optional<Failure> failure = run.Execute();
   if (!failure.has_value()) {
     AIDN_LOG(INFO) << "training finished" << Kv("job", options.job_id) << Kv("rank", options.rank);

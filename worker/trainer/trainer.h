@@ -36,8 +36,11 @@ struct TrainerOptions {
   // First CPU slot and number of threads.
   int slot = 0;
   int threads = 1;
-  // The worker's directory for this job (checkpoints, scratch).
+  // The worker's directory for this job (scratch).
   std::string work_dir;
+  // A relative checkpoint.dir is taken under this; checkpoints of the job
+  // go to <dir>/<job_id>/step-NNNNNNNN.
+  std::string checkpoint_root;
 };
 
 // Runs the rank to the end; returns the process exit code.

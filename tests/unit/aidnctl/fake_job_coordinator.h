@@ -1,8 +1,9 @@
 #ifndef AIDN_TESTS_UNIT_AIDNCTL_FAKE_JOB_COORDINATOR_H_
 #define AIDN_TESTS_UNIT_AIDNCTL_FAKE_JOB_COORDINATOR_H_
 
-// A coordinator over one job's fixed history (its events and step metrics),
-// served on loopback, for the tests of watch, metrics and plot. It honours
+// A coordinator over one job's fixed history (its events, step metrics and
+// checkpoints), served on loopback, for the tests of watch, metrics, plot
+// and export. It honours
 // WatchJob's from_step and after_event_seq and GetMetrics' range and limit as
 // the real one does, and can break watch streams on cue.
 
@@ -98,6 +99,8 @@ class FakeJobCoordinator final : public v1::CoordinatorService::Service {
   grpc::StatusCode break_code_ = grpc::StatusCode::UNAVAILABLE;
   // GetMetrics with a limit above this (if > 0) is RESOURCE_EXHAUSTED.
   int max_limit_ = 0;
+  // Served by ListCheckpoints, as given (the real one sends oldest first).
+  std::vector<v1::Checkpoint> checkpoints_;
 
   std::vector<v1::WatchJobRequest> watch_requests() {
     absl::MutexLock lock(&mu_);
@@ -106,6 +109,10 @@ class FakeJobCoordinator final : public v1::CoordinatorService::Service {
   std::vector<v1::GetMetricsRequest> metrics_requests() {
     absl::MutexLock lock(&mu_);
     return metrics_requests_;
+  }
+  int list_checkpoints_calls() {
+    absl::MutexLock lock(&mu_);
+    return list_checkpoints_calls_;
   }
 
   grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
@@ -168,6 +175,17 @@ class FakeJobCoordinator final : public v1::CoordinatorService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest* request,
+                               v1::ListCheckpointsResponse* response) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++list_checkpoints_calls_;
+    }
+    if (request->job_id() != final_.id()) return NotFound(request->job_id());
+    for (const v1::Checkpoint& c : checkpoints_) *response->add_checkpoints() = c;
+    return grpc::Status::OK;
+  }
+
  private:
   static grpc::Status NotFound(const std::string& id) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND, "job " + id + " not found");
@@ -176,6 +194,7 @@ class FakeJobCoordinator final : public v1::CoordinatorService::Service {
   absl::Mutex mu_;
   std::vector<v1::WatchJobRequest> watch_requests_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::GetMetricsRequest> metrics_requests_ ABSL_GUARDED_BY(mu_);
+  int list_checkpoints_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The fake on a loopback port, and a CommandEnv that calls it and prints

@@ -111,14 +111,25 @@ TEST(EventsTable, PrintsUtcTimesAndADashForClusterEvents) {
   EXPECT_THAT(EventsTable(events), HasSubstr("2027-01-15T08:00:00Z"));
 }
 
-TEST(CheckpointsTable, ShowsCommitStateAndSize) {
+TEST(CheckpointsTable, ShowsCommitStateTimeSizeAndWhyOneIsInvalid) {
   google::protobuf::RepeatedPtrField<v1::Checkpoint> checkpoints;
   v1::Checkpoint* done = checkpoints.Add();
   done->set_step(500);
   done->set_generation(1);
   done->set_committed(true);
   done->set_bytes(3 * 1024 * 1024 / 2);
-  done->set_path("ckpt/step-500");
+  done->set_path("/ckpt/step-500");
+  SetTime(done->mutable_created_at(), kNow);
+  v1::Checkpoint* invalid = checkpoints.Add();
+  invalid->set_step(750);
+  invalid->set_generation(1);
+  invalid->set_committed(true);
+  invalid->set_bytes(2048);
+  invalid->set_path("/ckpt/step-750");
+  SetTime(invalid->mutable_created_at(), kNow + absl::Minutes(1));
+  invalid->set_invalid_reason(
+      "model.safetensors: CRC-32C 1a2b3c4d, the manifest says 5e6f7a8b\n(found by rank 0 of "
+      "generation 2 while resuming)");
   v1::Checkpoint* partial = checkpoints.Add();
   partial->set_step(1000);
   partial->set_generation(2);
@@ -126,11 +137,13 @@ TEST(CheckpointsTable, ShowsCommitStateAndSize) {
   partial->add_ranks_expected(0);
   partial->add_ranks_expected(1);
   partial->set_bytes(100);
-  partial->set_path("ckpt/step-1000");
+  partial->set_path("/ckpt/step-1000");
   EXPECT_EQ(CheckpointsTable(checkpoints),
-            "STEP   GEN   COMMITTED   BYTES    PATH\n"
-            "500    1     yes         1.5MiB   ckpt/step-500\n"
-            "1000   2     no(1/2)     100B     ckpt/step-1000\n");
+            "STEP   GEN   COMMITTED   CREATED                BYTES    PATH              NOTE\n"
+            "500    1     yes         2027-01-15T08:00:00Z   1.5MiB   /ckpt/step-500\n"
+            "750    1     yes         2027-01-15T08:01:00Z   2.0KiB   /ckpt/step-750    invalid: "
+            "model.safetensors: CRC-32C 1a2b3c4d, the manifest says 5e6f7a8b (found by ran...\n"
+            "1000   2     no(1/2)     -                      100B     /ckpt/step-1000\n");
 }
 
 TEST(DescribeJob, ShowsFieldsSpecAndPlacement) {

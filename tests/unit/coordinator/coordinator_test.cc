@@ -264,6 +264,32 @@ class CoordinatorTest : public ::testing::Test {
     return c().ReportTrainerExit(request);
   }
 
+  // The wait before the job's latest restart (the spec's restart backoff,
+  // doubled for each restart before).
+  milliseconds BackoffOf(const std::string& job_id) {
+    const Job job = Get(job_id);
+    const google::protobuf::Duration& b = job.spec().timeouts().restart_backoff();
+    milliseconds delay(b.seconds() * 1000 + b.nanos() / 1'000'000);
+    for (int k = 1; k < job.restarts(); ++k) delay *= 2;
+    return delay;
+  }
+
+  // Lets the restart backoff of the job run out, and ticks: it is placed
+  // again if there is room.
+  // Waits out the restart backoff. The alive workers heartbeat meanwhile,
+  // as real ones do when their stop orders come: a restart is placed on a
+  // worker of the failed generation only once it was heard from after the
+  // failure.
+  void PassBackoff(const std::string& job_id) {
+    EXPECT_EQ(Get(job_id).state(), Job::RESTARTING);
+    clock_.Advance(BackoffOf(job_id));
+    const v1::ListWorkersResponse workers = c().ListWorkers();
+    for (const v1::Worker& w : workers.workers()) {
+      if (w.state() == v1::Worker::ALIVE) (void)Beat(w.info().id());
+    }
+    c().Tick();
+  }
+
   // Two 1-slot workers and a running 2-rank job on them.
   std::string RunningJobOnTwoWorkers(v1::JobSpec spec = Spec(2)) {
     EXPECT_TRUE(Register("w1", 1).ok());
@@ -293,6 +319,40 @@ class CoordinatorTest : public ::testing::Test {
       if (kind == v1::MetricRecord::EVAL) r->set_test_accuracy(0.8 + 0.1 * rank);
     }
     return c().AppendMetrics(request);
+  }
+
+  // Rank `rank` of `generation` sends TRAIN records of steps [first, last],
+  // each taking `seconds`.
+  absl::Status SendTimedSteps(const std::string& job_id, int64_t generation, int rank,
+                              int64_t first, int64_t last, double seconds) {
+    v1::StreamMetricsRequest request;
+    request.set_job_id(job_id);
+    request.set_generation(generation);
+    request.set_rank(rank);
+    for (int64_t step = first; step <= last; ++step) {
+      v1::MetricRecord* r = request.add_records();
+      r->set_kind(v1::MetricRecord::TRAIN);
+      r->set_step(step);
+      r->set_epoch(1);
+      r->set_loss(1.0);
+      r->set_samples(64);
+      r->set_step_seconds(seconds);
+    }
+    return c().AppendMetrics(request);
+  }
+
+  // A progress beat.
+  absl::StatusOr<v1::ReportProgressResponse> Progress(const std::string& job_id, int64_t generation,
+                                                      int rank, int64_t step,
+                                                      int64_t collective_seq) {
+    v1::ReportProgressRequest request;
+    request.set_job_id(job_id);
+    request.set_generation(generation);
+    request.set_rank(rank);
+    request.set_step(step);
+    request.set_epoch(1);
+    request.set_collective_seq(collective_seq);
+    return c().ReportProgress(request);
   }
 
   // Every step item of `batch`, as (step, kind).
@@ -580,10 +640,13 @@ TEST_F(CoordinatorTest, RendezvousTimeoutAnswersTheWaiterNamingTheMissingRank) {
   EXPECT_THAT(r0.get().status().message(), HasSubstr("missing ranks 1"));
   EXPECT_THAT(r0.get().status().message(), HasSubstr("timed out after 1s"));
 
-  // The generation failed; there is room, so the next one is placed.
+  // The generation failed; there is room, so the next one is placed after
+  // the restart backoff.
   Job job = Get(id);
   EXPECT_EQ(job.restarts(), 1);
   EXPECT_EQ(job.generation(), 2);
+  PassBackoff(id);
+  job = Get(id);
   EXPECT_EQ(job.state(), Job::SCHEDULED) << job.message();
   EXPECT_TRUE(InOrder(Events(id), {"rendezvous.timeout", "job.restarting", "job.scheduled"}));
   // The old generation's rendezvous is closed.
@@ -598,6 +661,7 @@ TEST_F(CoordinatorTest, TrainerCallsFromAnotherGenerationAreFencedOff) {
   const std::string id = RunningJobOnTwoWorkers();
   ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
   ASSERT_EQ(Get(id).generation(), 2);
+  PassBackoff(id);
   ASSERT_EQ(Get(id).state(), Job::SCHEDULED);
 
   for (int64_t gen : {int64_t{1}, int64_t{3}}) {
@@ -709,9 +773,8 @@ TEST_F(CoordinatorTest, SilentWorkerIsLostAndItsJobRestartsWhenCapacityReturns) 
   EXPECT_EQ(job.generation(), 2);
   EXPECT_EQ(job.restarts(), 1);
   EXPECT_EQ(job.placement_size(), 0);
-  // The job's message says what it waits for now; the event says why it
-  // restarted.
-  EXPECT_THAT(job.message(), HasSubstr("needs 2"));
+  // The event says why it restarted.
+  EXPECT_THAT(job.message(), HasSubstr("restart 1 of 3 in 1s: worker w1 lost"));
   std::string restart_reason;
   for (const v1::Event& e : EventList(id)) {
     if (e.type() == "job.restarting") restart_reason = e.message();
@@ -732,9 +795,12 @@ TEST_F(CoordinatorTest, SilentWorkerIsLostAndItsJobRestartsWhenCapacityReturns) 
   EXPECT_EQ(w2->stops(0).job_id(), id);
   EXPECT_EQ(w2->stops(0).generation(), 1);
 
-  // Only one slot is alive: the job cannot be placed.
+  // Only one slot is alive: once the backoff ran out, the job still cannot be
+  // placed, and its message says what it waits for.
+  clock_.Advance(BackoffOf(id));
   c().Tick();
   EXPECT_EQ(Get(id).state(), Job::RESTARTING);
+  EXPECT_THAT(Get(id).message(), HasSubstr("needs 2"));
 
   // w1 comes back: the job is placed again, as generation 2.
   absl::StatusOr<v1::HeartbeatResponse> w1 = Beat("w1");
@@ -765,7 +831,8 @@ TEST_F(CoordinatorTest, WorkerSilentPastTheJobsOwnTimeoutFailsTheGeneration) {
   // Generation 2 is not put back on the silent worker (that would fail it
   // again at the next tick and burn every restart within a second).
   EXPECT_EQ(job.state(), Job::RESTARTING);
-  for (int i = 0; i < 5; ++i) {
+  // Past the restart backoff (1s), w2 alone is not enough.
+  for (int i = 0; i < 15; ++i) {
     clock_.Advance(milliseconds(100));
     ASSERT_TRUE(Beat("w2").ok());
     c().Tick();
@@ -788,7 +855,25 @@ TEST_F(CoordinatorTest, NonZeroExitRestartsTheJobAsTheNextGeneration) {
   Job job = Get(id);
   EXPECT_EQ(job.restarts(), 1);
   EXPECT_EQ(job.generation(), 2);
-  // Room is there at once, so it is placed in the same call.
+  // It waits out the restart backoff even though there is room.
+  EXPECT_EQ(job.state(), Job::RESTARTING);
+  EXPECT_THAT(job.message(), StartsWith("restart 1 of 3 in 1s: rank 1 on worker"));
+  // Both workers get their stop orders with their next heartbeat (and are
+  // heard from after the failure, which a restart placed on them needs).
+  clock_.Advance(milliseconds(100));
+  for (const char* w : {"w1", "w2"}) {
+    absl::StatusOr<v1::HeartbeatResponse> r = Beat(w);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->assignments_size(), 0) << w;
+    ASSERT_EQ(r->stops_size(), 1) << w;
+    EXPECT_EQ(r->stops(0).generation(), 1);
+  }
+  clock_.Advance(milliseconds(899));
+  c().Tick();
+  EXPECT_EQ(Get(id).state(), Job::RESTARTING) << "placed before its backoff ran out";
+  clock_.Advance(milliseconds(1));
+  c().Tick();
+  job = Get(id);
   EXPECT_EQ(job.state(), Job::SCHEDULED) << job.message();
   EXPECT_TRUE(
       InOrder(Events(id), {"job.running", "trainer.exited", "job.restarting", "job.scheduled"}));
@@ -797,10 +882,28 @@ TEST_F(CoordinatorTest, NonZeroExitRestartsTheJobAsTheNextGeneration) {
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->assignments_size(), 1) << w;
     EXPECT_EQ(r->assignments(0).generation(), 2);
-    ASSERT_EQ(r->stops_size(), 1) << w;
-    EXPECT_EQ(r->stops(0).generation(), 1);
   }
   RunJob(id);
+}
+
+TEST_F(CoordinatorTest, ARestartAvoidsAWorkerOfTheFailedGenerationNotHeardFromSince) {
+  ASSERT_TRUE(Register("w3", 1).ok());  // the spare
+  const std::string id = RunningJobOnTwoWorkers();
+  // w2 died with its trainer; the survivor on w1 fails the generation first.
+  clock_.Advance(milliseconds(500));
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  clock_.Advance(milliseconds(100));
+  ASSERT_TRUE(Beat("w1").ok());
+  ASSERT_TRUE(Beat("w3").ok());
+  clock_.Advance(BackoffOf(id));
+  ASSERT_TRUE(Beat("w1").ok());
+  ASSERT_TRUE(Beat("w3").ok());
+  c().Tick();
+  const Job job = Get(id);
+  ASSERT_EQ(job.state(), Job::SCHEDULED) << job.message();
+  std::set<std::string> on;
+  for (const v1::RankPlacement& p : job.placement()) on.insert(p.worker_id());
+  EXPECT_EQ(on, (std::set<std::string>{"w1", "w3"}));
 }
 
 TEST_F(CoordinatorTest, DeathBySignalCountsAsAFailure) {
@@ -821,6 +924,7 @@ TEST_F(CoordinatorTest, ExitsOnAStopOrderOrFromAnOldGenerationChangeNothing) {
   ASSERT_TRUE(Exit(id, 1, 1, 1).ok());  // late news of generation 1
   EXPECT_EQ(Get(id).generation(), 2);
   EXPECT_EQ(Get(id).restarts(), 1);
+  PassBackoff(id);
   EXPECT_EQ(Get(id).state(), Job::SCHEDULED);
 }
 
@@ -830,6 +934,7 @@ TEST_F(CoordinatorTest, JobFailsForGoodOnceMaxRestartsAreUsedUp) {
   const std::string id = RunningJobOnTwoWorkers(spec);
   const std::string token = Beat("w1")->assignments(0).trainer_token();
   ASSERT_TRUE(Exit(id, 1, 0, 3).ok());
+  PassBackoff(id);
   ASSERT_EQ(Get(id).state(), Job::SCHEDULED);
   RunJob(id);
   ASSERT_TRUE(Exit(id, 2, 1, 4).ok());
@@ -1132,6 +1237,7 @@ TEST_F(CoordinatorTest, KvStoreEndsWithItsGeneration) {
   ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
   ASSERT_TRUE(waiting.done()) << "a waiter of the failed generation was left hanging";
   EXPECT_FALSE(waiting.get().ok());
+  PassBackoff(id);
 
   get.set_generation(2);
   get.set_key("k");
@@ -1464,6 +1570,7 @@ TEST_F(CoordinatorTest, RegistryShowsJobsRanksAndWorkersAndForgetsFinishedJobsAf
   EXPECT_THAT(text, HasSubstr("aidn_worker_up{worker_id=\"w1\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_metric_records_total 12\n"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_straggler{", job, ",rank=\"1\"} 0\n")));
 
   for (int rank : {0, 1}) ASSERT_TRUE(Exit(id, 1, rank, 0).ok());
   clock_.Advance(milliseconds(30'000));
@@ -1560,6 +1667,7 @@ TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom
 
   ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
   ASSERT_EQ(Get(id).generation(), 2);
+  PassBackoff(id);
   std::vector<JoinAnswer> answers = RunJob(id);
   for (const JoinAnswer& a : answers) {
     ASSERT_TRUE(a.get().ok());
@@ -1676,6 +1784,566 @@ TEST_F(CoordinatorTest, WorkersThatDoNotComeBackAfterARestartAreLost) {
   EXPECT_EQ(WorkerNamed("w1").state(), v1::Worker::ALIVE);
   EXPECT_EQ(WorkerNamed("w2").state(), v1::Worker::LOST);
   EXPECT_EQ(Get(id).generation(), 2);
+}
+
+// --- Checkpoint verification and retention ------------------------------
+
+TEST_F(CoordinatorTest, ACheckpointReportedInvalidIsMarkedNamedInAnEventAndNotResumedFrom) {
+  const std::string id = RunningJobOnTwoWorkers();
+  for (int64_t step : {10, 20}) {
+    absl::StatusOr<v1::CommitCheckpointResponse> r =
+        c().CommitCheckpoint(Commit(id, 1, 0, step, {0}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->committed());
+  }
+  ASSERT_EQ(Get(id).last_checkpoint_step(), 20);
+  ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
+  PassBackoff(id);
+  std::vector<JoinAnswer> answers = RunJob(id);
+  ASSERT_TRUE(answers[0].get().ok());
+  ASSERT_EQ(answers[0].get()->resume_from().step(), 20);
+
+  // Rank 0 of generation 2 finds step 20 truncated.
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(2);
+  bad.set_rank(0);
+  bad.set_step(20);
+  bad.set_reason("model.safetensors: size 1024, manifest says 1086784");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+  absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->checkpoints_size(), 2);
+  EXPECT_EQ(list->checkpoints(0).invalid_reason(), "");
+  EXPECT_EQ(list->checkpoints(1).invalid_reason(),
+            "model.safetensors: size 1024, manifest says 1086784");
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 10);
+  std::vector<std::string> messages;
+  for (const v1::Event& e : EventList(id)) {
+    if (e.type() == "checkpoint.invalid") messages.push_back(e.message());
+  }
+  EXPECT_THAT(messages, ElementsAre("step 20 (ckpt/step-20) failed verification on rank 0: "
+                                    "model.safetensors: size 1024, manifest says 1086784"));
+
+  // Rank 1 finds the same: nothing changes, no second event.
+  bad.set_rank(1);
+  bad.set_reason("manifest.json: missing");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+  EXPECT_EQ(c().ListCheckpoints(id)->checkpoints(1).invalid_reason(),
+            "model.safetensors: size 1024, manifest says 1086784");
+  int invalid_events = 0;
+  for (const std::string& type : Events(id)) invalid_events += type == "checkpoint.invalid";
+  EXPECT_EQ(invalid_events, 1);
+
+  // Refusals: an unknown step, another generation, a rank out of range.
+  bad.set_step(30);
+  EXPECT_EQ(c().ReportCheckpointInvalid(bad).code(), absl::StatusCode::kNotFound);
+  bad.set_step(10);
+  bad.set_generation(1);
+  EXPECT_EQ(c().ReportCheckpointInvalid(bad).code(), absl::StatusCode::kFailedPrecondition);
+  bad.set_generation(2);
+  bad.set_rank(2);
+  EXPECT_EQ(c().ReportCheckpointInvalid(bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c().ListCheckpoints(id)->checkpoints(0).invalid_reason(), "");
+
+  // The next generation resumes from step 10 only.
+  ASSERT_TRUE(Exit(id, 2, 0, 1).ok());
+  PassBackoff(id);
+  answers = RunJob(id);
+  for (const JoinAnswer& a : answers) {
+    ASSERT_TRUE(a.get().ok());
+    EXPECT_EQ(a.get()->resume_from().step(), 10);
+    ASSERT_EQ(a.get()->resume_candidates_size(), 1);
+    EXPECT_EQ(a.get()->resume_candidates(0).step(), 10);
+  }
+}
+
+TEST_F(CoordinatorTest, JoinOffersEveryValidCommittedCheckpointNewestFirst) {
+  ASSERT_TRUE(Register("w1", 1).ok());
+  ASSERT_TRUE(Register("w2", 1).ok());
+  const std::string id = Submit(Spec(2));
+  // A fresh start has nothing to resume from.
+  for (const JoinAnswer& a : RunJob(id)) {
+    ASSERT_TRUE(a.get().ok());
+    EXPECT_FALSE(a.get()->has_resume_from());
+    EXPECT_EQ(a.get()->resume_candidates_size(), 0);
+  }
+  for (int64_t step : {10, 20, 30}) {
+    ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, step, {0, 1})).ok());
+    ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 1, step, {0, 1})).ok());
+  }
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 40, {0, 1})).ok());  // half written
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(1);
+  bad.set_rank(1);
+  bad.set_step(30);
+  bad.set_reason("optimizer.bin: crc32c 0x1234abcd, manifest says 0x1234abce");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  PassBackoff(id);
+  for (const JoinAnswer& a : RunJob(id)) {
+    ASSERT_TRUE(a.get().ok());
+    ASSERT_TRUE(a.get()->has_resume_from());
+    EXPECT_EQ(a.get()->resume_from().step(), 20);
+    std::vector<int64_t> steps;
+    const absl::StatusOr<v1::JoinRendezvousResponse> answer = a.get();
+    for (const v1::Checkpoint& cp : answer->resume_candidates()) steps.push_back(cp.step());
+    EXPECT_THAT(steps, ElementsAre(20, 10));
+  }
+}
+
+TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps) {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_checkpoint()->set_dir("ckpt");
+  spec.mutable_checkpoint()->set_every_steps(10);
+  spec.mutable_checkpoint()->set_keep_last(2);
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  std::vector<std::vector<int64_t>> retired;
+  for (int64_t step : {10, 20, 30, 40}) {
+    // Rank 1's report completes each one: it is told what to delete.
+    absl::StatusOr<v1::CommitCheckpointResponse> r =
+        c().CommitCheckpoint(Commit(id, 1, 0, step, {0, 1}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired before the commit completed";
+    r = c().CommitCheckpoint(Commit(id, 1, 1, step, {0, 1}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->committed());
+    retired.emplace_back(r->retired_steps().begin(), r->retired_steps().end());
+  }
+  EXPECT_THAT(retired, ElementsAre(IsEmpty(), IsEmpty(), ElementsAre(10), ElementsAre(20)));
+  absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  std::vector<int64_t> kept;
+  for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
+  EXPECT_THAT(kept, ElementsAre(30, 40));
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 40);
+  // A commit reported again retires nothing more.
+  absl::StatusOr<v1::CommitCheckpointResponse> again =
+      c().CommitCheckpoint(Commit(id, 1, 1, 40, {0, 1}));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->committed());
+  EXPECT_THAT(again->retired_steps(), IsEmpty());
+}
+
+TEST_F(CoordinatorTest, RetentionNeverRetiresTheCheckpointBeingResumedFrom) {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_checkpoint()->set_keep_last(1);
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0})).ok());
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  PassBackoff(id);
+  RunJob(id);  // generation 2 resumes from step 10
+  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 2, 0, 20, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired the checkpoint being resumed from";
+  r = c().CommitCheckpoint(Commit(id, 2, 0, 30, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(20));
+  // Generation 3 resumes from 30; 10 goes with the next commit.
+  ASSERT_TRUE(Exit(id, 2, 1, 1).ok());
+  PassBackoff(id);
+  RunJob(id);
+  r = c().CommitCheckpoint(Commit(id, 3, 0, 40, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(10));
+  std::vector<int64_t> kept;
+  const absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
+  EXPECT_THAT(kept, ElementsAre(30, 40));
+}
+
+TEST_F(CoordinatorTest, RetentionDropsInvalidAndAbandonedCheckpointsBehindTheNewestValidOne) {
+  const std::string id = RunningJobOnTwoWorkers();  // keep_last 3
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0})).ok());
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 20, {0})).ok());
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 25, {0, 1})).ok());  // never completed
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  PassBackoff(id);
+  RunJob(id);
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(2);
+  bad.set_rank(0);
+  bad.set_step(20);
+  bad.set_reason("model.safetensors: missing");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+  // Generation 2 goes on from 10 and writes 15: the invalid 20 and the
+  // abandoned 25 are newer, so they stay for now.
+  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 2, 0, 15, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), IsEmpty());
+  r = c().CommitCheckpoint(Commit(id, 2, 0, 30, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(20, 25));
+  std::vector<int64_t> kept;
+  const absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
+  EXPECT_THAT(kept, ElementsAre(10, 15, 30));
+}
+
+// --- Restart backoff ----------------------------------------------------
+
+TEST_F(CoordinatorTest, RestartsWaitTwiceAsLongEachTimeAndSaySo) {
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_restart_backoff() = Dur(milliseconds(2000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  for (int restart = 1; restart <= 3; ++restart) {
+    SCOPED_TRACE(absl::StrCat("restart ", restart));
+    const milliseconds wait(2000 << (restart - 1));
+    ASSERT_TRUE(Exit(id, restart, 0, 1).ok());
+    Job job = Get(id);
+    ASSERT_EQ(job.state(), Job::RESTARTING);
+    const std::string expected =
+        absl::StrCat("restart ", restart, " of 3 in ", wait.count() / 1000, "s: rank 0 on worker ");
+    EXPECT_THAT(job.message(), StartsWith(expected));
+    std::string event;
+    for (const v1::Event& e : EventList(id)) {
+      if (e.type() == "job.restarting") event = e.message();
+    }
+    EXPECT_THAT(event, StartsWith(expected));
+    clock_.Advance(wait - milliseconds(1));
+    for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+    c().Tick();
+    EXPECT_EQ(Get(id).state(), Job::RESTARTING) << "placed before its backoff ran out";
+    clock_.Advance(milliseconds(1));
+    c().Tick();
+    ASSERT_EQ(Get(id).state(), Job::SCHEDULED);
+    RunJob(id);
+  }
+  // The fourth failure is one too many: it fails at once.
+  ASSERT_TRUE(Exit(id, 4, 0, 1).ok());
+  EXPECT_EQ(Get(id).state(), Job::FAILED);
+}
+
+TEST_F(CoordinatorTest, RestartBackoffStopsGrowingAtFiveMinutes) {
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_restart_backoff() = Dur(milliseconds(200'000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  EXPECT_THAT(Get(id).message(), StartsWith("restart 1 of 3 in 200s:"));
+  clock_.Advance(milliseconds(200'000));
+  for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+  c().Tick();
+  RunJob(id);
+  ASSERT_TRUE(Exit(id, 2, 0, 1).ok());
+  EXPECT_THAT(Get(id).message(), StartsWith("restart 2 of 3 in 300s:"));
+}
+
+TEST_F(CoordinatorTest, JobsBesideOneThatKeepsFailingRunUndisturbed) {
+  // Three 1-slot workers: a 1-rank job that crashes, a 1-rank job beside it,
+  // and a third waiting for room.
+  for (const char* w : {"w1", "w2", "w3"}) ASSERT_TRUE(Register(w, 1).ok());
+  v1::JobSpec crashing = Spec(1);
+  crashing.set_max_restarts(1);
+  crashing.set_priority(10);
+  const std::string bad = Submit(crashing);
+  const std::string good = Submit(Spec(1));
+  RunJob(bad);
+  RunJob(good);
+  ASSERT_TRUE(Exit(bad, 1, 0, 1).ok());
+  ASSERT_EQ(Get(bad).state(), Job::RESTARTING);
+  // While it backs off, a job submitted later is placed at once.
+  const std::string later = Submit(Spec(1));
+  EXPECT_EQ(Get(later).state(), Job::SCHEDULED);
+  PassBackoff(bad);
+  RunJob(bad);
+  // Its last failure ends it at once, with no wait.
+  ASSERT_TRUE(Exit(bad, 2, 0, 1).ok());
+  EXPECT_EQ(Get(bad).state(), Job::FAILED);
+  const Job job = Get(good);
+  EXPECT_EQ(job.state(), Job::RUNNING);
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_EQ(job.restarts(), 0);
+  absl::StatusOr<v1::HeartbeatResponse> r = Beat(WorkerOf(good, 0));
+  ASSERT_TRUE(r.ok());
+  for (const v1::StopOrder& stop : r->stops()) EXPECT_NE(stop.job_id(), good);
+}
+
+// --- Hangs --------------------------------------------------------------
+
+TEST_F(CoordinatorTest, AHangIsCaughtThoughBeatsGoOnAndTheSilentRankIsNamed) {
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(5000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  // Rank 1 stops (SIGSTOP) after step 49; rank 0 finishes step 50 and
+  // waits in the allreduce of step 51, beating all along.
+  ASSERT_TRUE(Progress(id, 1, 1, 49, 2012).ok());
+  ASSERT_TRUE(Progress(id, 1, 0, 50, 2013).ok());
+  for (int s = 1; s <= 5; ++s) {
+    clock_.Advance(milliseconds(1000));
+    ASSERT_TRUE(Progress(id, 1, 0, 50, 2013).ok());
+    for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+    c().Tick();
+    ASSERT_EQ(Get(id).state(), Job::RUNNING) << "hang declared after " << s << "s";
+  }
+  clock_.Advance(milliseconds(100));
+  c().Tick();
+  const Job job = Get(id);
+  EXPECT_EQ(job.generation(), 2);
+  EXPECT_EQ(job.restarts(), 1);
+  const std::string expected =
+      "no progress for 5s at step 50: rank 1 silent for 5.1s (last beat at step 49, collective "
+      "2012); rank 0 waiting at step 50, collective 2013";
+  std::string hang;
+  for (const v1::Event& e : EventList(id)) {
+    if (e.type() == "job.hang") hang = e.message();
+  }
+  EXPECT_EQ(hang, expected);
+  EXPECT_THAT(job.message(), HasSubstr(expected));
+  EXPECT_TRUE(InOrder(Events(id), {"job.hang", "job.restarting"}));
+}
+
+TEST_F(CoordinatorTest, AHangWhereEveryRankBeatsNamesTheRanksBehind) {
+  v1::JobSpec spec = Spec(3);
+  *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(5000));
+  for (const char* w : {"w1", "w2", "w3"}) ASSERT_TRUE(Register(w, 1).ok());
+  const std::string id = Submit(spec);
+  RunJob(id);
+  for (int s = 0; s <= 5; ++s) {
+    ASSERT_TRUE(Progress(id, 1, 0, 50, 2013).ok());
+    ASSERT_TRUE(Progress(id, 1, 1, 50, 2012).ok());
+    ASSERT_TRUE(Progress(id, 1, 2, 50, 2013).ok());
+    for (const char* w : {"w1", "w2", "w3"}) ASSERT_TRUE(Beat(w).ok());
+    clock_.Advance(milliseconds(1000));
+  }
+  c().Tick();
+  std::string hang;
+  for (const v1::Event& e : EventList(id)) {
+    if (e.type() == "job.hang") hang = e.message();
+  }
+  EXPECT_EQ(hang,
+            "no progress for 5s at step 50: rank 1 behind at step 50, collective 2012; ranks 0, "
+            "2 waiting at step 50, collective 2013");
+  EXPECT_EQ(Get(id).generation(), 2);
+}
+
+TEST_F(CoordinatorTest, ARankThatNeverBeatIsNamedAsSilent) {
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(5000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(Progress(id, 1, 0, 0, 0).ok());
+  clock_.Advance(milliseconds(5100));
+  ASSERT_TRUE(Progress(id, 1, 0, 0, 0).ok());
+  c().Tick();
+  std::string hang;
+  for (const v1::Event& e : EventList(id)) {
+    if (e.type() == "job.hang") hang = e.message();
+  }
+  EXPECT_EQ(hang,
+            "no progress for 5s at step 0: rank 1 silent for 5.1s (no beat yet); rank 0 waiting "
+            "at step 0, collective 0");
+}
+
+TEST_F(CoordinatorTest, EveryStepTakenPushesTheProgressDeadlineBack) {
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(5000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  for (int64_t step = 1; step <= 10; ++step) {
+    clock_.Advance(milliseconds(4000));
+    ASSERT_TRUE(Progress(id, 1, static_cast<int>(step % 2), step, step * 10).ok());
+    for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+    c().Tick();
+    ASSERT_EQ(Get(id).state(), Job::RUNNING) << "at step " << step;
+  }
+  EXPECT_EQ(Get(id).restarts(), 0);
+}
+
+TEST_F(CoordinatorTest, AutomaticProgressTimeoutIsTenMedianStepsButAtLeastAMinute) {
+  const std::string id = RunningJobOnTwoWorkers();
+  auto run_until = [&](milliseconds total) {
+    for (milliseconds t(0); t < total; t += milliseconds(5000)) {
+      clock_.Advance(milliseconds(5000));
+      for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+      c().Tick();
+    }
+  };
+  // No step times yet: a minute.
+  ASSERT_TRUE(Progress(id, 1, 0, 1, 1).ok());
+  ASSERT_TRUE(Progress(id, 1, 1, 1, 1).ok());
+  run_until(milliseconds(60'000));
+  ASSERT_EQ(Get(id).state(), Job::RUNNING);
+  clock_.Advance(milliseconds(100));
+  c().Tick();
+  ASSERT_EQ(Get(id).generation(), 2) << "no hang after 60.1s";
+  PassBackoff(id);
+  RunJob(id);
+
+  // Steps of 9s (the slower rank's): 90s.
+  for (int rank : {0, 1}) ASSERT_TRUE(SendTimedSteps(id, 2, rank, 1, 9, 4.5 * (rank + 1)).ok());
+  ASSERT_TRUE(Progress(id, 2, 0, 9, 9).ok());
+  run_until(milliseconds(90'000));
+  ASSERT_EQ(Get(id).state(), Job::RUNNING) << Get(id).message();
+  clock_.Advance(milliseconds(100));
+  c().Tick();
+  EXPECT_EQ(Get(id).generation(), 3);
+}
+
+// --- Stragglers ---------------------------------------------------------
+
+TEST_F(CoordinatorTest, ASlowRankIsReportedAsAStragglerOnceAndAsRecoveredLater) {
+  for (const char* w : {"w1", "w2", "w3"}) ASSERT_TRUE(Register(w, 1).ok());
+  const std::string id = Submit(Spec(3));
+  RunJob(id);
+  auto count = [&](const std::string& type) {
+    int n = 0;
+    for (const std::string& t : Events(id)) n += t == type;
+    return n;
+  };
+  const std::string gauge = absl::StrCat("aidn_rank_straggler{job_id=\"", id, "\",rank=\"2\"} ");
+  // 19 steps each: too few to judge.
+  for (int rank : {0, 1}) ASSERT_TRUE(SendTimedSteps(id, 1, rank, 1, 19, 0.10).ok());
+  ASSERT_TRUE(SendTimedSteps(id, 1, 2, 1, 19, 0.20).ok());
+  c().Tick();
+  EXPECT_EQ(count("rank.straggler"), 0);
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr(gauge + "0\n"));
+
+  for (int rank : {0, 1}) ASSERT_TRUE(SendTimedSteps(id, 1, rank, 20, 20, 0.10).ok());
+  ASSERT_TRUE(SendTimedSteps(id, 1, 2, 20, 20, 0.20).ok());
+  c().Tick();
+  ASSERT_EQ(count("rank.straggler"), 1);
+  for (const v1::Event& e : EventList(id)) {
+    if (e.type() != "rank.straggler") continue;
+    EXPECT_EQ(e.worker_id(), WorkerOf(id, 2));
+    EXPECT_THAT(e.message(), StartsWith("rank 2: median step time 0.2s over its last 20 steps"));
+    EXPECT_THAT(e.message(), HasSubstr("(2.00x)"));
+  }
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr(gauge + "1\n"));
+  EXPECT_THAT(c().registry()->Serialize(),
+              HasSubstr(absl::StrCat("aidn_rank_straggler{job_id=\"", id, "\",rank=\"0\"} 0\n")));
+
+  // Still slow: no second event. Then it catches up.
+  for (int rank : {0, 1}) ASSERT_TRUE(SendTimedSteps(id, 1, rank, 21, 30, 0.10).ok());
+  ASSERT_TRUE(SendTimedSteps(id, 1, 2, 21, 30, 0.20).ok());
+  c().Tick();
+  EXPECT_EQ(count("rank.straggler"), 1);
+  EXPECT_EQ(count("rank.recovered"), 0);
+  for (int rank : {0, 1}) ASSERT_TRUE(SendTimedSteps(id, 1, rank, 31, 60, 0.10).ok());
+  ASSERT_TRUE(SendTimedSteps(id, 1, 2, 31, 60, 0.11).ok());
+  c().Tick();
+  EXPECT_EQ(count("rank.recovered"), 1);
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr(gauge + "0\n"));
+  // Nothing restarted.
+  EXPECT_EQ(Get(id).state(), Job::RUNNING);
+  EXPECT_EQ(Get(id).generation(), 1);
+}
+
+// --- Coordinator restart ------------------------------------------------
+
+TEST_F(CoordinatorTest, IncarnationIsFixedForAProcessAndNewAfterARestart) {
+  TempDir dir;
+  const std::string path = dir.path() + "/coordinator.db";
+  Open(path);
+  const std::string id = RunningJobOnTwoWorkers();
+  absl::StatusOr<v1::ReportProgressResponse> a = Progress(id, 1, 0, 1, 1);
+  absl::StatusOr<v1::ReportProgressResponse> b = Progress(id, 1, 1, 1, 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(a->incarnation().empty());
+  EXPECT_EQ(a->incarnation(), b->incarnation());
+  EXPECT_EQ(a->incarnation(), c().incarnation());
+  absl::StatusOr<v1::StreamMetricsResponse> receipt = c().MetricsReceipt(id);
+  ASSERT_TRUE(receipt.ok()) << receipt.status();
+  EXPECT_EQ(receipt->incarnation(), a->incarnation());
+  Open(path);
+  absl::StatusOr<v1::ReportProgressResponse> after = Progress(id, 1, 0, 2, 2);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_NE(after->incarnation(), a->incarnation());
+  EXPECT_EQ(c().MetricsReceipt("job-404").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorTest, DurableStepIsTheLastStepBelowWhichEverythingIsStored) {
+  const std::string id = RunningJobOnTwoWorkers();
+  auto durable = [&]() -> int64_t {
+    c().FlushSteps();  // the ticker's batched flush
+    absl::StatusOr<v1::StreamMetricsResponse> r = c().MetricsReceipt(id);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->durable_step() : -1;
+  };
+  EXPECT_EQ(durable(), 0);
+  ASSERT_TRUE(SendSteps(id, 0, 1, 5).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 3).ok());
+  EXPECT_EQ(durable(), 3) << "steps 4 and 5 wait for rank 1";
+  ASSERT_TRUE(SendSteps(id, 1, 4, 5).ok());
+  EXPECT_EQ(durable(), 5);
+  // An evaluation at step 5 that only rank 0 sent holds step 5 back.
+  ASSERT_TRUE(SendSteps(id, 0, 5, 5, v1::MetricRecord::EVAL).ok());
+  EXPECT_EQ(durable(), 4);
+  ASSERT_TRUE(SendSteps(id, 1, 5, 5, v1::MetricRecord::EVAL).ok());
+  EXPECT_EQ(durable(), 5);
+}
+
+TEST_F(CoordinatorTest, ARunningJobGoesOnAcrossACoordinatorRestart) {
+  TempDir dir;
+  const std::string path = dir.path() + "/coordinator.db";
+  Open(path);
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(8000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 4, {0})).ok());
+  ASSERT_TRUE(SendSteps(id, 0, 1, 8).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 5).ok());
+  ASSERT_TRUE(Progress(id, 1, 0, 8, 80).ok());
+  ASSERT_TRUE(Progress(id, 1, 1, 5, 50).ok());
+  c().FlushSteps();
+  absl::StatusOr<v1::StreamMetricsResponse> receipt = c().MetricsReceipt(id);
+  ASSERT_TRUE(receipt.ok());
+  ASSERT_EQ(receipt->durable_step(), 5);
+  const std::string old_incarnation = receipt->incarnation();
+
+  // Down for 6s: with the 8s progress timeout counted from before, the job
+  // would hang 2s after the restart.
+  clock_.Advance(milliseconds(6000));
+  Open(path);
+  ASSERT_NE(coord_, nullptr);
+  c().Tick();
+  ASSERT_EQ(Get(id).state(), Job::RUNNING);
+
+  // The trainers carry on: each sends again what it was not told is durable
+  // (rank 0 from step 1, as if it missed the last receipt), then new steps.
+  ASSERT_TRUE(SendSteps(id, 0, 1, 10).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 6, 10).ok());
+  absl::StatusOr<v1::ReportProgressResponse> beat = Progress(id, 1, 0, 10, 100);
+  ASSERT_TRUE(beat.ok()) << beat.status();
+  EXPECT_NE(beat->incarnation(), old_incarnation);
+  ASSERT_TRUE(Progress(id, 1, 1, 10, 100).ok());
+  absl::StatusOr<v1::CommitCheckpointResponse> commit =
+      c().CommitCheckpoint(Commit(id, 1, 0, 8, {0}));
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_TRUE(commit->committed());
+  for (int s = 0; s < 6; ++s) {
+    clock_.Advance(milliseconds(1000));
+    for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+    c().Tick();
+  }
+
+  const Job job = Get(id);
+  EXPECT_EQ(job.state(), Job::RUNNING) << job.message();
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.last_checkpoint_step(), 8);
+  c().FlushSteps();
+  receipt = c().MetricsReceipt(id);
+  ASSERT_TRUE(receipt.ok());
+  EXPECT_EQ(receipt->durable_step(), 10);
+  // Every step once, combined from both ranks.
+  v1::GetMetricsRequest get;
+  get.set_job_id(id);
+  absl::StatusOr<v1::GetMetricsResponse> steps = c().GetMetrics(get);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  ASSERT_EQ(steps->steps_size(), 10);
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_EQ(steps->steps(i).step(), i + 1);
+    EXPECT_EQ(steps->steps(i).ranks_reported(), 2) << "step " << i + 1;
+    EXPECT_DOUBLE_EQ(steps->steps(i).loss(), 1.0 / (i + 1) + 0.5);
+  }
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr("aidn_metric_records_dropped_total 0\n"));
+  for (const std::string& type : Events(id)) {
+    EXPECT_NE(type, "job.restarting");
+    EXPECT_NE(type, "job.hang");
+  }
 }
 
 // --- Threads and re-entrance --------------------------------------------

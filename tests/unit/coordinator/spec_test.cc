@@ -468,6 +468,20 @@ const BadCase kBadCases[] = {
     {"ProgressTimeoutNegativeNanos",
      [](JobSpec* s) { *s->mutable_timeouts()->mutable_progress() = Seconds(0, -1); },
      "timeouts.progress"},
+    {"RestartBackoffZero",
+     [](JobSpec* s) { *s->mutable_timeouts()->mutable_restart_backoff() = Seconds(0); },
+     "timeouts.restart_backoff"},
+    {"RestartBackoffNegative",
+     [](JobSpec* s) { *s->mutable_timeouts()->mutable_restart_backoff() = Seconds(-1); },
+     "timeouts.restart_backoff"},
+    {"RestartBackoffOverFiveMinutes",
+     [](JobSpec* s) { *s->mutable_timeouts()->mutable_restart_backoff() = Seconds(300, 1); },
+     "timeouts.restart_backoff"},
+    {"RestartBackoffOfADay",
+     [](JobSpec* s) { *s->mutable_timeouts()->mutable_restart_backoff() = Seconds(86400); },
+     "timeouts.restart_backoff"},
+    {"RestartBackoffUnset", [](JobSpec* s) { s->mutable_timeouts()->clear_restart_backoff(); },
+     "timeouts.restart_backoff"},
     // labels
     {"TooManyLabels",
      [](JobSpec* s) {
@@ -588,6 +602,10 @@ const GoodCase kGoodCases[] = {
        *s->mutable_timeouts()->mutable_worker() = Seconds(0, 1);
        *s->mutable_timeouts()->mutable_progress() = Seconds(86399, 999'999'999);
      }},
+    {"RestartBackoffOfFiveMinutes",
+     [](JobSpec* s) { *s->mutable_timeouts()->mutable_restart_backoff() = Seconds(300); }},
+    {"RestartBackoffOfANanosecond",
+     [](JobSpec* s) { *s->mutable_timeouts()->mutable_restart_backoff() = Seconds(0, 1); }},
     {"SixtyFourLabels",
      [](JobSpec* s) {
        for (int i = 0; i < 64; ++i) {
@@ -648,6 +666,8 @@ TEST(ApplyJobSpecDefaults, FillsEveryDocumentedDefault) {
   EXPECT_EQ(spec.timeouts().worker().seconds(), 7);
   EXPECT_EQ(spec.timeouts().worker().nanos(), 0);
   EXPECT_FALSE(spec.timeouts().has_progress()) << "progress must stay unset (automatic)";
+  EXPECT_EQ(spec.timeouts().restart_backoff().seconds(), 1);
+  EXPECT_EQ(spec.timeouts().restart_backoff().nanos(), 0);
   EXPECT_EQ(spec.world_size(), 2);
   EXPECT_EQ(spec.model().name(), "mlp");
 }
@@ -738,6 +758,7 @@ TEST(ApplyJobSpecDefaults, DoesNotOverwriteValuesTheUserSet) {
   *user.mutable_timeouts()->mutable_rendezvous() = Seconds(42);
   *user.mutable_timeouts()->mutable_worker() = Seconds(0);  // refused later, but kept
   *user.mutable_timeouts()->mutable_progress() = Seconds(600);
+  *user.mutable_timeouts()->mutable_restart_backoff() = Seconds(0, 250'000'000);
 
   JobSpec spec = user;
   ApplyJobSpecDefaults(SpecLimits(), &spec);

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -197,6 +199,47 @@ TEST(StepLog, StepsInFlightAreBounded) {
   for (int64_t k = 1; k <= 10; ++k) ASSERT_TRUE(log.Add(Record(k, 0), kT0));
   EXPECT_EQ(log.pending(), 4u);
   EXPECT_EQ(Taken(&log).size(), 6u);
+}
+
+TEST(StepLog, FirstStepNotTakenIsTheLowestStepStillWaitingOrUntaken) {
+  StepLog log(StepLogOptions{});
+  log.StartGeneration(1, 2);
+  EXPECT_EQ(log.FirstStepNotTaken(), std::nullopt);
+  ASSERT_TRUE(log.Add(Record(1, 0), kT0));
+  ASSERT_TRUE(log.Add(Record(1, 1), kT0));
+  ASSERT_TRUE(log.Add(Record(2, 0), kT0));
+  // Step 1 is combined but not taken; step 2 waits for rank 1.
+  EXPECT_EQ(log.FirstStepNotTaken(), 1);
+  EXPECT_EQ(Taken(&log), (Steps{{1, kTrain}}));
+  EXPECT_EQ(log.FirstStepNotTaken(), 2);
+  ASSERT_TRUE(log.Add(Record(2, 1), kT0));
+  EXPECT_EQ(Taken(&log), (Steps{{2, kTrain}}));
+  EXPECT_EQ(log.FirstStepNotTaken(), std::nullopt);
+
+  // Untaken steps of the old generation count after a restart went back.
+  ASSERT_TRUE(log.Add(Record(3, 0), kT0));
+  log.StartGeneration(2, 2);
+  v1::MetricRecord redo = Record(2, 0);
+  redo.set_generation(2);
+  ASSERT_TRUE(log.Add(redo, kT0));
+  EXPECT_EQ(log.FirstStepNotTaken(), 2);
+  EXPECT_EQ(Taken(&log), (Steps{{3, kTrain}}));
+  EXPECT_EQ(log.FirstStepNotTaken(), 2);
+}
+
+TEST(StepLog, RecentTrainStepTimesAreTheSlowestRanksOfTheLastHundredSteps) {
+  StepLog log(StepLogOptions{});
+  log.StartGeneration(1, 2);
+  for (int64_t step = 1; step <= 150; ++step) {
+    ASSERT_TRUE(log.Add(Record(step, 0), kT0));
+    ASSERT_TRUE(log.Add(Record(step, 1), kT0));
+  }
+  ASSERT_TRUE(log.Add(Record(150, 0, v1::MetricRecord::EVAL), kT0));
+  ASSERT_TRUE(log.Add(Record(150, 1, v1::MetricRecord::EVAL), kT0));
+  const std::deque<double>& recent = log.recent_train_step_seconds();
+  ASSERT_EQ(recent.size(), StepLog::kRecentTrainSteps);
+  // Rank 1 is the slower one (0.2s); evaluations have no step time.
+  for (double s : recent) EXPECT_DOUBLE_EQ(s, 0.2);
 }
 
 }  // namespace

@@ -527,6 +527,67 @@ TEST_F(StoreTest, CheckpointsRoundTripReplaceAndDelete) {
   EXPECT_EQ(checkpoints->size(), 1u);
 }
 
+TEST_F(StoreTest, CheckpointKeepsWhyItIsInvalid) {
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  v1::Checkpoint c = MakeCheckpoint("job-1", 40);
+  c.set_committed(true);
+  ASSERT_TRUE(store->PutCheckpoint(c).ok());
+  c.set_invalid_reason("model.safetensors: size 1024, manifest says 1086784");
+  ASSERT_TRUE(store->PutCheckpoint(c).ok());
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store->ListCheckpoints("job-1");
+  ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
+  ASSERT_EQ(checkpoints->size(), 1u);
+  EXPECT_THAT((*checkpoints)[0], ProtoEquals(c));
+}
+
+TEST_F(StoreTest, LastStepOfGenerationSkipsRowsOfOlderGenerationsAbove) {
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  // Generation 1 got to step 10; generation 2 resumed from 5 and redid 6..8
+  // (with an evaluation at 8); another job's generation 2 went further.
+  std::vector<Store::JobStep> batch;
+  for (int64_t step = 1; step <= 10; ++step) {
+    batch.push_back({"job-1", MakeStep(step, v1::MetricRecord::TRAIN)});
+  }
+  ASSERT_TRUE(store->PutSteps(batch).ok());
+  batch.clear();
+  for (int64_t step = 6; step <= 8; ++step) {
+    v1::StepMetrics s = MakeStep(step, v1::MetricRecord::TRAIN);
+    s.set_generation(2);
+    batch.push_back({"job-1", s});
+  }
+  v1::StepMetrics eval = MakeStep(8, v1::MetricRecord::EVAL);
+  eval.set_generation(2);
+  batch.push_back({"job-1", eval});
+  v1::StepMetrics other = MakeStep(50, v1::MetricRecord::TRAIN);
+  other.set_generation(2);
+  batch.push_back({"job-2", other});
+  ASSERT_TRUE(store->PutSteps(batch).ok());
+
+  absl::StatusOr<std::optional<v1::StepMetrics>> last = store->LastStepOfGeneration("job-1", 2, 5);
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_TRUE(last->has_value());
+  EXPECT_EQ((*last)->step(), 8);
+  EXPECT_EQ((*last)->kind(), v1::MetricRecord::EVAL);
+
+  last = store->LastStepOfGeneration("job-1", 1, 0);
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_TRUE(last->has_value());
+  EXPECT_EQ((*last)->step(), 10);
+
+  // Nothing above the bound, nothing of a generation that stored nothing.
+  last = store->LastStepOfGeneration("job-1", 2, 8);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_FALSE(last->has_value());
+  last = store->LastStepOfGeneration("job-1", 3, 0);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_FALSE(last->has_value());
+  last = store->LastStepOfGeneration("job-3", 1, 0);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_FALSE(last->has_value());
+}
+
 TEST_F(StoreTest, GetStepsSelectsAnInclusiveRangeOrderedByStepTrainBeforeEval) {
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);

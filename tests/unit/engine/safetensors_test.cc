@@ -199,7 +199,7 @@ TEST(Safetensors, SaveRefusesNamesThatCannotRoundTrip) {
   Parameter a2 = MakeParam("a", {3}, 2);
   Parameter meta = MakeParam("__metadata__", {1}, 3);
   Parameter unnamed = MakeParam("", {1}, 4);
-  EXPECT_THAT(SaveSafetensors(path, {&a, &a2}).message(), HasSubstr("duplicate parameter name"));
+  EXPECT_THAT(SaveSafetensors(path, {&a, &a2}).message(), HasSubstr("duplicate tensor name"));
   EXPECT_THAT(SaveSafetensors(path, {&meta}).message(), HasSubstr("reserved"));
   EXPECT_THAT(SaveSafetensors(path, {&unnamed}).message(), HasSubstr("without a name"));
   EXPECT_EQ(SaveSafetensors(path, {&a, nullptr}).code(), absl::StatusCode::kInvalidArgument);

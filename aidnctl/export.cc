@@ -1,0 +1,311 @@
+#include "aidnctl/export.h"
+
+#include <fcntl.h>
+#include <openssl/sha.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "aidnctl/output.h"
+#include "common/checkpoint_manifest.h"
+#include "common/crc32c.h"
+#include "common/rpc/client.h"
+#include "common/status.h"
+#include "grpcpp/client_context.h"
+
+namespace aidn::ctl {
+namespace {
+
+// The weights file of a checkpoint directory (worker/engine/checkpoint.h's
+// kModelFile; aidnctl does not link the engine).
+constexpr char kModelFile[] = "model.safetensors";
+constexpr char kSuffix[] = ".safetensors";
+constexpr size_t kCopyChunk = 1 << 20;
+// Longest invalid_reason quoted in an error.
+constexpr size_t kReasonChars = 120;
+
+bool Exportable(const v1::Checkpoint& c) { return c.committed() && c.invalid_reason().empty(); }
+
+// "committed, valid steps: 10, 20" or "no checkpoint is committed and valid".
+std::string Exportables(const google::protobuf::RepeatedPtrField<v1::Checkpoint>& checkpoints) {
+  std::vector<int64_t> steps;
+  for (const v1::Checkpoint& c : checkpoints) {
+    if (Exportable(c)) steps.push_back(c.step());
+  }
+  if (steps.empty()) return "no checkpoint is committed and valid";
+  std::sort(steps.begin(), steps.end());
+  return absl::StrCat("committed, valid steps: ", absl::StrJoin(steps, ", "));
+}
+
+// Why `c` cannot be exported ("not committed (1/2 ranks reported)").
+std::string WhyNot(const v1::Checkpoint& c) {
+  if (!c.invalid_reason().empty()) {
+    return absl::StrCat("found invalid: ", OneLine(c.invalid_reason(), kReasonChars));
+  }
+  return absl::StrCat("not committed (", c.ranks_reported_size(), "/", c.ranks_expected_size(),
+                      " ranks reported)");
+}
+
+std::string Sha256Hex(const std::string& bytes) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
+  std::string hex;
+  for (unsigned char b : digest) absl::StrAppendFormat(&hex, "%02x", b);
+  return hex;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return PosixError(path, errno);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return PosixError(path, errno);
+  return text;
+}
+
+// Checked before asking the coordinator anything, so a typo costs no call.
+absl::Status CheckOutputPath(const ExportOptions& options) {
+  const std::string& path = options.output_path;
+  const std::filesystem::path target(path);
+  if (!absl::EndsWith(path, kSuffix) || target.filename() == kSuffix) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output path \"", path, "\" must name a file ending in ", kSuffix));
+  }
+  const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return absl::NotFoundError(
+          absl::StrCat("cannot write ", path, ": directory ", dir, " does not exist"));
+    }
+    return PosixError(absl::StrCat("cannot write ", path, ": ", dir), errno);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot write ", path, ": ", dir, " is not a directory"));
+  }
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot write ", path, ": it is a directory"));
+    }
+    if (!options.force) {
+      return absl::AlreadyExistsError(absl::StrCat(path, " exists; pass --force to replace it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The checkpoint directory, reachable and verified; returns the manifest
+// entry of the weights.
+absl::StatusOr<ManifestEntry> VerifyCheckpoint(const v1::Checkpoint& checkpoint) {
+  const std::string& dir = checkpoint.path();
+  const std::string what = absl::StrCat("checkpoint of step ", checkpoint.step());
+  if (dir.empty() || dir[0] != '/') {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator holds no absolute directory for the ", what, " (path \"", dir, "\")"));
+  }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return absl::NotFoundError(absl::StrCat(
+          "the ", what, " is at ", dir,
+          ", which is not reachable from this machine: checkpoints live on the workers' "
+          "checkpoint storage (the workers' --checkpoint-root, or the job's absolute "
+          "checkpoint.dir); run aidnctl where that storage is mounted at the same path"));
+    }
+    return PosixError(absl::StrCat("cannot read the ", what, " at ", dir), errno);
+  }
+  absl::StatusOr<Manifest> manifest = VerifyCheckpointDir(dir);
+  if (!manifest.ok()) {
+    return absl::Status(manifest.status().code(),
+                        absl::StrCat("the ", what, " at ", dir, " fails verification: ",
+                                     manifest.status().message(), "; nothing written"));
+  }
+  if (manifest->step != checkpoint.step()) {
+    return absl::DataLossError(absl::StrCat("the ", what, " at ", dir, " holds step ",
+                                            manifest->step, " by its ", kManifestName,
+                                            "; nothing written"));
+  }
+  // The manifest verified, but it may be another write of the same step
+  // than the one the coordinator committed (a later generation's, or
+  // another job's sharing the directory): the digest tells.
+  if (!checkpoint.manifest_sha256().empty()) {
+    AIDN_ASSIGN_OR_RETURN(const std::string text, ReadFile(absl::StrCat(dir, "/", kManifestName)));
+    const std::string digest = Sha256Hex(text);
+    if (digest != checkpoint.manifest_sha256()) {
+      return absl::DataLossError(absl::StrCat(
+          kManifestName, " in ", dir, " is not the one committed for step ", checkpoint.step(),
+          " (SHA-256 ", digest, ", the coordinator recorded ", checkpoint.manifest_sha256(),
+          "): the directory was rewritten; nothing written"));
+    }
+  }
+  for (const ManifestEntry& entry : manifest->files) {
+    if (entry.name == kModelFile) return entry;
+  }
+  return absl::DataLossError(
+      absl::StrCat(kManifestName, " in ", dir, " names no ", kModelFile, "; nothing written"));
+}
+
+// An open file descriptor, closed on scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  // Closes now, reporting the error a deferred write may surface here.
+  int Close() {
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    return rc;
+  }
+
+ private:
+  int fd_;
+};
+
+// Copies `from` to `to` through `to`.tmp, checking the bytes against
+// `expected` as they pass (the file may change after it was verified), then
+// fsync and rename. Without `replace`, a file that appeared at `to` since
+// CheckOutputPath is not replaced.
+absl::Status CopyVerified(const std::string& from, const ManifestEntry& expected,
+                          const std::string& to, bool replace) {
+  const Fd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+  if (in.get() < 0) return PosixError(from, errno);
+  const std::string temp = absl::StrCat(to, ".tmp");
+  Fd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
+  if (out.get() < 0) return PosixError(absl::StrCat("cannot write ", temp), errno);
+  bool renamed = false;
+  struct RemoveTemp {
+    const std::string& path;
+    const bool& renamed;
+    ~RemoveTemp() {
+      if (!renamed) ::unlink(path.c_str());
+    }
+  } remove_temp{temp, renamed};
+
+  std::vector<char> buffer(kCopyChunk);
+  int64_t bytes = 0;
+  uint32_t crc = 0;
+  while (true) {
+    const ssize_t n = ::read(in.get(), buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return PosixError(from, errno);
+    if (n == 0) break;
+    crc = Crc32c(buffer.data(), static_cast<size_t>(n), crc);
+    bytes += n;
+    for (ssize_t done = 0; done < n;) {
+      const ssize_t w = ::write(out.get(), buffer.data() + done, static_cast<size_t>(n - done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) return PosixError(absl::StrCat("cannot write ", temp), errno);
+      done += w;
+    }
+  }
+  if (bytes != expected.bytes || crc != expected.crc32c) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s changed while it was copied (%d bytes, CRC-32C %08x; the manifest says %d bytes, "
+        "%08x); nothing written",
+        from, bytes, crc, expected.bytes, expected.crc32c));
+  }
+  if (::fsync(out.get()) != 0) return PosixError(absl::StrCat("cannot sync ", temp), errno);
+  if (out.Close() != 0) return PosixError(absl::StrCat("cannot write ", temp), errno);
+
+  if (replace) {
+    if (::rename(temp.c_str(), to.c_str()) != 0) {
+      return PosixError(absl::StrCat("cannot rename ", temp, " to ", to), errno);
+    }
+  } else if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno == EEXIST) {
+      return absl::AlreadyExistsError(absl::StrCat(to, " exists; pass --force to replace it"));
+    }
+    // File systems without RENAME_NOREPLACE (NFS): CheckOutputPath found
+    // nothing there a moment ago, which has to do.
+    if ((errno != EINVAL && errno != ENOSYS) || ::rename(temp.c_str(), to.c_str()) != 0) {
+      return PosixError(absl::StrCat("cannot rename ", temp, " to ", to), errno);
+    }
+  }
+  renamed = true;
+  // The rename itself is durable once the directory is synced. The file is
+  // complete either way, so a directory that cannot be synced (some file
+  // systems refuse) is no reason to report failure.
+  const std::filesystem::path parent = std::filesystem::path(to).parent_path();
+  const Fd dir(::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir.get() >= 0) ::fsync(dir.get());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
+    const google::protobuf::RepeatedPtrField<v1::Checkpoint>& checkpoints,
+    const std::string& job_id, std::optional<int64_t> step) {
+  if (checkpoints.empty()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no checkpoints"));
+  }
+  if (step.has_value()) {
+    for (const v1::Checkpoint& c : checkpoints) {
+      if (c.step() != *step) continue;
+      if (Exportable(c)) return c;
+      return absl::FailedPreconditionError(absl::StrCat("the checkpoint of job ", job_id,
+                                                        " at step ", *step, " is ", WhyNot(c), "; ",
+                                                        Exportables(checkpoints)));
+    }
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no checkpoint at step ", *step,
+                                            "; ", Exportables(checkpoints)));
+  }
+  const v1::Checkpoint* newest = nullptr;
+  for (const v1::Checkpoint& c : checkpoints) {
+    if (Exportable(c) && (newest == nullptr || c.step() > newest->step())) newest = &c;
+  }
+  if (newest != nullptr) return *newest;
+  std::vector<std::string> why;
+  for (const v1::Checkpoint& c : checkpoints) {
+    why.push_back(absl::StrCat("step ", c.step(), " ", WhyNot(c)));
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "job ", job_id, " has no committed, valid checkpoint: ", absl::StrJoin(why, "; ")));
+}
+
+absl::Status RunExport(const CommandEnv& env, const ExportOptions& options) {
+  AIDN_RETURN_IF_ERROR(CheckOutputPath(options));
+
+  v1::ListCheckpointsRequest request;
+  request.set_job_id(options.job_id);
+  v1::ListCheckpointsResponse response;
+  grpc::ClientContext context;
+  rpc::PrepareContext(&context, env.options.connection.token, env.options.timeout);
+  const grpc::Status status = env.stub->ListCheckpoints(&context, request, &response);
+  if (!status.ok()) return RpcError(status, env.options.connection.address, env.options.timeout);
+
+  AIDN_ASSIGN_OR_RETURN(const v1::Checkpoint checkpoint,
+                        ChooseCheckpoint(response.checkpoints(), options.job_id, options.step));
+  AIDN_ASSIGN_OR_RETURN(const ManifestEntry model, VerifyCheckpoint(checkpoint));
+  const std::string source = absl::StrCat(checkpoint.path(), "/", kModelFile);
+  std::error_code error;
+  if (std::filesystem::equivalent(source, options.output_path, error)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.output_path, " is the checkpoint's own ", kModelFile));
+  }
+  AIDN_RETURN_IF_ERROR(CopyVerified(source, model, options.output_path, options.force));
+
+  *env.out << "exported step " << checkpoint.step() << " of " << options.job_id << " (generation "
+           << checkpoint.generation() << ", " << FormatBytes(model.bytes) << ") to "
+           << options.output_path << "\n";
+  env.out->flush();
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::ctl

@@ -1,0 +1,611 @@
+// Fault injection on real processes over loopback: a real coordinator, real
+// aidn-worker daemons sharing a checkpoint root (as nodes share storage),
+// the trainers they start, and failures made the way they happen: kill -9,
+// SIGSTOP, a corrupted file, a coordinator that dies and comes back.
+//
+// After every test no aidn process of the test is left and no temporary
+// checkpoint directory is either.
+
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/process.h"
+
+namespace aidn::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr milliseconds kLong{180'000};
+constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
+
+// PIDs of live (not zombie) processes whose command line contains `needle`.
+std::vector<pid_t> ProcessesWith(const std::string& needle) {
+  std::vector<pid_t> found;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return found;
+  while (dirent* entry = readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
+    if (pid <= 0 || pid == getpid()) continue;
+    std::string cmdline = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/cmdline"));
+    for (char& c : cmdline) {
+      if (c == '\0') c = ' ';
+    }
+    const std::string status = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/status"));
+    if (absl::StrContains(status, "State:\tZ")) continue;
+    if (absl::StrContains(cmdline, needle)) found.push_back(pid);
+  }
+  closedir(proc);
+  return found;
+}
+
+std::string TrainerNeedle(const std::string& job, int64_t generation, int rank) {
+  return absl::StrCat("--job=", job, " --generation=", generation, " --rank=", rank, " ");
+}
+
+// The tensor bytes of a safetensors file: everything after the header (the
+// header carries the job id in its metadata, which differs between runs).
+std::string TensorBytes(const std::string& path) {
+  const std::string all = ReadFileOrEmpty(path);
+  if (all.size() < 8) return "";
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(all[i]);
+  if (8 + n > all.size()) return "";
+  return all.substr(8 + n);
+}
+
+class FaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
+    }
+    dir_ = MakeTempDir("aidn-fault-test");
+    ckpt_root_ = dir_ + "/ckpt";
+    StartCoordinatorProcess();
+  }
+
+  void StartCoordinatorProcess() {
+    absl::StatusOr<CoordinatorHandle> c = StartCoordinator(
+        dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    coordinator_ = std::move(*c);
+    coord_ = CoordinatorStub(coordinator_.address);
+  }
+
+  // A worker daemon with one CPU slot; all share the checkpoint root.
+  void StartWorker(const std::string& id) {
+    const std::string work = absl::StrCat(dir_, "/", id);
+    fs::create_directories(work);
+    absl::StatusOr<std::unique_ptr<Process>> w =
+        Process::Start({AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
+                        "--token-file=" + coordinator_.state_dir + "/worker.token",
+                        "--worker-id=" + id, "--cpu-slots=1", "--work-dir=" + work,
+                        "--checkpoint-root=" + ckpt_root_, "--metrics-addr=", "--stop-grace=1s"},
+                       {}, work + "/worker.out", work + "/worker.err");
+    ASSERT_TRUE(w.ok()) << w.status();
+    workers_[id] = std::move(*w);
+  }
+
+  void StartWorkers(const std::vector<std::string>& ids) {
+    for (const std::string& id : ids) StartWorker(id);
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          v1::ListWorkersResponse r;
+          if (!coord_->ListWorkers(Context(admin()).get(), {}, &r).ok()) return false;
+          int alive = 0;
+          for (const v1::Worker& w : r.workers()) alive += w.state() == v1::Worker::ALIVE;
+          return alive >= static_cast<int>(workers_.size());
+        },
+        seconds(30)))
+        << "workers did not register";
+  }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      for (const auto& [id, w] : workers_) {
+        std::cerr << "---- worker " << id << " stderr (tail) ----\n"
+                  << Tail(ReadFileOrEmpty(absl::StrCat(dir_, "/", id, "/worker.err"))) << "\n";
+      }
+      if (coordinator_.process != nullptr) {
+        std::cerr << "---- coordinator stderr (tail) ----\n"
+                  << Tail(coordinator_.process->Stderr()) << "\n";
+      }
+    }
+    workers_.clear();
+    coordinator_.process.reset();
+    if (dir_.empty()) return;
+    // 8. Nothing of the test is left running, and no unfinished checkpoint
+    // directory is left behind.
+    EXPECT_TRUE(WaitFor([&] { return ProcessesWith(dir_).empty(); }, seconds(15)))
+        << "stray processes: " << ProcessesWith(dir_).size();
+    std::error_code error;
+    for (auto it = fs::recursive_directory_iterator(ckpt_root_, error);
+         !error && it != fs::recursive_directory_iterator(); ++it) {
+      EXPECT_FALSE(absl::StartsWith(it->path().filename().string(), ".tmp-"))
+          << "leaked temporary checkpoint directory " << it->path();
+    }
+    if (!HasFailure()) fs::remove_all(dir_, error);
+  }
+
+  static std::string Tail(const std::string& text) {
+    return text.size() > 6000 ? text.substr(text.size() - 6000) : text;
+  }
+
+  const std::string& admin() const { return coordinator_.admin_token; }
+
+  // Small and quick, but long enough to interrupt: AdamW (moments to
+  // restore) and dropout (a generator to restore).
+  v1::JobSpec Spec(int world_size, int64_t steps) {
+    v1::JobSpec spec;
+    spec.set_name("fault-test");
+    spec.set_world_size(world_size);
+    spec.mutable_model()->set_name("mlp");
+    spec.mutable_model()->add_hidden_sizes(128);
+    spec.mutable_model()->add_hidden_sizes(64);
+    spec.mutable_model()->set_dropout(0.1);
+    spec.mutable_optimizer()->set_name("adamw");
+    spec.mutable_optimizer()->set_lr(1e-3);
+    spec.mutable_optimizer()->set_weight_decay(0.01);
+    spec.set_batch_size(32);
+    spec.set_max_steps(steps);
+    spec.set_seed(7);
+    spec.set_max_restarts(3);
+    spec.mutable_checkpoint()->set_dir("runs");
+    spec.mutable_checkpoint()->set_every_steps(50);
+    spec.mutable_checkpoint()->set_keep_last(3);
+    spec.mutable_timeouts()->mutable_restart_backoff()->set_nanos(200'000'000);
+    return spec;
+  }
+
+  std::string Submit(const v1::JobSpec& spec) {
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = spec;
+    v1::SubmitJobResponse response;
+    grpc::Status s = coord_->SubmitJob(Context(admin()).get(), request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response.job().id();
+  }
+
+  v1::Job Get(const std::string& id) {
+    v1::GetJobRequest request;
+    request.set_job_id(id);
+    v1::Job job;
+    coord_->GetJob(Context(admin()).get(), request, &job);
+    return job;
+  }
+
+  static bool Ended(const v1::Job& job) {
+    return job.state() == v1::Job::SUCCEEDED || job.state() == v1::Job::FAILED ||
+           job.state() == v1::Job::CANCELLED;
+  }
+
+  v1::Job WaitForEnd(const std::string& id, milliseconds timeout = kLong) {
+    v1::Job job;
+    WaitFor(
+        [&] {
+          job = Get(id);
+          return Ended(job);
+        },
+        timeout);
+    return job;
+  }
+
+  std::vector<v1::Event> Events(const std::string& id) {
+    v1::ListEventsRequest request;
+    request.set_job_id(id);
+    v1::ListEventsResponse response;
+    coord_->ListEvents(Context(admin()).get(), request, &response);
+    return {response.events().begin(), response.events().end()};
+  }
+
+  std::string EventText(const std::string& id) {
+    std::string text;
+    for (const v1::Event& e : Events(id)) absl::StrAppend(&text, e.type(), ": ", e.message(), "\n");
+    return text;
+  }
+
+  std::vector<v1::Checkpoint> Checkpoints(const std::string& id) {
+    v1::ListCheckpointsRequest request;
+    request.set_job_id(id);
+    v1::ListCheckpointsResponse response;
+    coord_->ListCheckpoints(Context(admin()).get(), request, &response);
+    return {response.checkpoints().begin(), response.checkpoints().end()};
+  }
+
+  std::string JobDir(const std::string& id) const { return absl::StrCat(ckpt_root_, "/runs/", id); }
+
+  std::string FinalWeights(const std::string& id, int64_t steps) const {
+    return TensorBytes(absl::StrFormat("%s/step-%08d/model.safetensors", JobDir(id), steps));
+  }
+
+  // Waits until a checkpoint of `step` or later is committed.
+  bool WaitForCommitted(const std::string& id, int64_t step) {
+    bool ended = false;
+    WaitFor(
+        [&] {
+          const v1::Job job = Get(id);
+          ended = Ended(job);
+          return ended || job.last_checkpoint_step() >= step;
+        },
+        kLong);
+    return !ended && Get(id).last_checkpoint_step() >= step;
+  }
+
+  std::string TrainerLog(const std::string& worker, const std::string& job, int64_t generation,
+                         int rank) const {
+    return ReadFileOrEmpty(absl::StrCat(dir_, "/", worker, "/logs/", job, "/gen-", generation,
+                                        "/rank-", rank, ".log"));
+  }
+
+  // Every step 1..n present once in the job's metric records.
+  ::testing::AssertionResult NoMissingSteps(const std::string& id, int64_t n) {
+    v1::GetMetricsRequest request;
+    request.set_job_id(id);
+    request.set_limit(100000);
+    v1::GetMetricsResponse response;
+    grpc::Status s = coord_->GetMetrics(Context(admin()).get(), request, &response);
+    if (!s.ok()) return ::testing::AssertionFailure() << s.error_message();
+    std::map<int64_t, int> seen;
+    for (const v1::StepMetrics& m : response.steps()) {
+      if (m.kind() == v1::MetricRecord::TRAIN) ++seen[m.step()];
+    }
+    std::vector<int64_t> missing, twice;
+    for (int64_t step = 1; step <= n; ++step) {
+      auto it = seen.find(step);
+      if (it == seen.end()) missing.push_back(step);
+      if (it != seen.end() && it->second > 1) twice.push_back(step);
+    }
+    if (missing.empty() && twice.empty()) return ::testing::AssertionSuccess();
+    auto failure = ::testing::AssertionFailure();
+    failure << missing.size() << " steps missing (";
+    for (size_t i = 0; i < std::min<size_t>(missing.size(), 20); ++i) failure << missing[i] << " ";
+    failure << "), " << twice.size() << " recorded twice";
+    return failure;
+  }
+
+  void KillTrainer(const std::string& job, int64_t generation, int rank, int sig) {
+    std::vector<pid_t> pids;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          pids = ProcessesWith(TrainerNeedle(job, generation, rank));
+          return pids.size() == 1;
+        },
+        kLong))
+        << "no trainer of rank " << rank;
+    ASSERT_EQ(::kill(pids[0], sig), 0);
+  }
+
+  std::string dir_;
+  std::string ckpt_root_;
+  CoordinatorHandle coordinator_;
+  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
+  std::map<std::string, std::unique_ptr<Process>> workers_;
+};
+
+// 1. kill -9 a trainer mid-run: the job resumes from its last checkpoint and
+// ends with weights bitwise equal to an uninterrupted run's, with 1 and 2
+// ranks. Retention keeps the newest keep_last checkpoints.
+TEST_F(FaultTest, AKilledTrainerResumesFromItsCheckpointAndEndsBitwiseEqual) {
+  StartWorkers({"w1", "w2"});
+  constexpr int64_t kSteps = 2000;
+  for (int world : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(world, " ranks"));
+    const std::string reference = Submit(Spec(world, kSteps));
+    v1::Job ref = WaitForEnd(reference);
+    ASSERT_EQ(ref.state(), v1::Job::SUCCEEDED) << ref.message();
+    EXPECT_EQ(ref.restarts(), 0);
+
+    const std::string id = Submit(Spec(world, kSteps));
+    ASSERT_TRUE(WaitForCommitted(id, 100));
+    KillTrainer(id, 1, world - 1, SIGKILL);
+    v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+    EXPECT_EQ(job.restarts(), 1);
+    EXPECT_EQ(job.generation(), 2);
+    EXPECT_EQ(job.last_checkpoint_step(), kSteps);
+
+    const std::string a = FinalWeights(reference, kSteps);
+    const std::string b = FinalWeights(id, kSteps);
+    ASSERT_FALSE(a.empty());
+    EXPECT_TRUE(a == b) << "final weights differ from the uninterrupted run's";
+
+    // The second generation resumed from a checkpoint (not from scratch).
+    std::string log;
+    for (const std::string& w : {"w1", "w2"}) log += TrainerLog(w, id, 2, 0);
+    EXPECT_TRUE(absl::StrContains(log, "resuming from a checkpoint")) << log;
+    // keep_last 3: the three newest committed checkpoints, the last at the
+    // end, plus the one this generation resumed from; on disk exactly the
+    // directories the registry lists.
+    std::vector<v1::Checkpoint> checkpoints = Checkpoints(id);
+    ASSERT_GE(checkpoints.size(), 3u) << EventText(id);
+    ASSERT_LE(checkpoints.size(), 4u) << EventText(id);
+    EXPECT_EQ(checkpoints.back().step(), kSteps);
+    std::set<std::string> listed, on_disk;
+    for (const v1::Checkpoint& c : checkpoints) {
+      EXPECT_TRUE(c.committed()) << c.step();
+      listed.insert(absl::StrFormat("step-%08d", c.step()));
+    }
+    for (const auto& e : fs::directory_iterator(JobDir(id))) {
+      on_disk.insert(e.path().filename().string());
+    }
+    EXPECT_EQ(listed, on_disk);
+
+    // The final weights go out as a verified safetensors file.
+    const std::string exported = absl::StrCat(dir_, "/", id, ".safetensors");
+    CommandResult export_run = Aidnctl(coordinator_, admin(), {"export", id, "-o", exported});
+    EXPECT_EQ(export_run.exit_code, 0) << export_run.err;
+    EXPECT_EQ(
+        ReadFileOrEmpty(exported),
+        ReadFileOrEmpty(absl::StrFormat("%s/step-%08d/model.safetensors", JobDir(id), kSteps)));
+  }
+}
+
+// 5. The newest checkpoint is corrupt (a truncated file; a flipped byte)
+// when a trainer dies: the job resumes from the one before, says why, and
+// still ends bitwise equal to an uninterrupted run.
+TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
+  StartWorkers({"w1", "w2"});
+  constexpr int64_t kSteps = 300;
+  const std::string reference = Submit(Spec(2, kSteps));
+  ASSERT_EQ(WaitForEnd(reference).state(), v1::Job::SUCCEEDED);
+  for (const std::string corruption : {"truncate", "flip"}) {
+    SCOPED_TRACE(corruption);
+    const std::string id = Submit(Spec(2, kSteps));
+    ASSERT_TRUE(WaitForCommitted(id, 75));
+    // Freeze rank 0 (the writer) so the newest committed checkpoint stays
+    // the newest while it is damaged.
+    std::vector<pid_t> writer;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          writer = ProcessesWith(TrainerNeedle(id, 1, 0));
+          return writer.size() == 1;
+        },
+        kLong));
+    ASSERT_EQ(::kill(writer[0], SIGSTOP), 0);
+    std::this_thread::sleep_for(milliseconds(1500));  // let a pending commit land
+    std::vector<v1::Checkpoint> checkpoints = Checkpoints(id);
+    int64_t newest = 0, previous = 0;
+    for (const v1::Checkpoint& c : checkpoints) {
+      if (!c.committed()) continue;
+      previous = newest;
+      newest = c.step();
+    }
+    ASSERT_GT(previous, 0) << "need two committed checkpoints";
+    const std::string file = absl::StrFormat("%s/step-%08d/model.safetensors", JobDir(id), newest);
+    if (corruption == "truncate") {
+      fs::resize_file(file, fs::file_size(file) / 2);
+    } else {
+      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
+      char c = 0;
+      f.read(&c, 1);
+      f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
+      c = static_cast<char>(c ^ 0x04);
+      f.write(&c, 1);
+    }
+    ASSERT_EQ(::kill(writer[0], SIGKILL), 0);
+
+    v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+    const std::string events = EventText(id);
+    EXPECT_TRUE(absl::StrContains(events, "checkpoint.invalid")) << events;
+    EXPECT_TRUE(absl::StrContains(events, "model.safetensors")) << events;
+    std::string log;
+    for (const std::string& w : {"w1", "w2"}) log += TrainerLog(w, id, 2, 0);
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("step=", previous))) << log;
+    EXPECT_TRUE(FinalWeights(reference, kSteps) == FinalWeights(id, kSteps))
+        << "final weights differ from the uninterrupted run's";
+  }
+}
+
+// 2. kill -9 a worker daemon: its trainers die with it and the job moves to
+// the spare worker within the worker timeout plus a few seconds.
+TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
+  StartWorkers({"w1", "w2", "w3"});
+  constexpr int64_t kSteps = 600;
+  const std::string id = Submit(Spec(2, kSteps));
+  ASSERT_TRUE(WaitForCommitted(id, 50));
+  const v1::Job running = Get(id);
+  ASSERT_EQ(running.placement_size(), 2);
+  std::set<std::string> used;
+  for (const v1::RankPlacement& p : running.placement()) used.insert(p.worker_id());
+  std::string spare;
+  for (const std::string& w : {"w1", "w2", "w3"}) {
+    if (!used.contains(w)) spare = w;
+  }
+  const std::string victim = running.placement(1).worker_id();
+  const auto killed_at = std::chrono::steady_clock::now();
+  workers_[victim]->Signal(SIGKILL);
+  ASSERT_TRUE(workers_[victim]->Wait(seconds(10)).ok());
+  // Its trainer died with it (PR_SET_PDEATHSIG).
+  EXPECT_TRUE(WaitFor([&] { return ProcessesWith(TrainerNeedle(id, 1, 1)).empty(); }, seconds(5)));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        const v1::Job j = Get(id);
+        if (j.generation() < 2 || j.state() != v1::Job::RUNNING) return false;
+        for (const v1::RankPlacement& p : j.placement()) {
+          if (p.worker_id() == spare) return true;
+        }
+        return false;
+      },
+      seconds(30)))
+      << EventText(id);
+  const double moved_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  EXPECT_LT(moved_s, 3.0 + 10.0) << "worker_timeout 3s";
+  v1::Job job = WaitForEnd(id);
+  EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_TRUE(absl::StrContains(EventText(id), victim)) << EventText(id);
+}
+
+// 3. A SIGSTOPped trainer is a hang: detected within the progress timeout,
+// named, killed (not left behind), and the job recovers.
+TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
+  StartWorkers({"w1", "w2"});
+  v1::JobSpec spec = Spec(2, 600);
+  spec.mutable_timeouts()->mutable_progress()->set_seconds(3);
+  const std::string id = Submit(spec);
+  ASSERT_TRUE(WaitForCommitted(id, 50));
+  std::vector<pid_t> pids;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        pids = ProcessesWith(TrainerNeedle(id, 1, 1));
+        return pids.size() == 1;
+      },
+      kLong));
+  ASSERT_EQ(::kill(pids[0], SIGSTOP), 0);
+  const auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(WaitFor([&] { return Get(id).generation() >= 2; }, seconds(30))) << EventText(id);
+  const double detected_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
+  EXPECT_LT(detected_s, 3.0 + 3.0) << "progress timeout 3s";
+  const std::string events = EventText(id);
+  EXPECT_TRUE(absl::StrContains(events, "rank 1")) << events;
+  // The stopped process is killed, not left behind.
+  EXPECT_TRUE(WaitFor(
+      [&] { return ::kill(pids[0], 0) != 0 || ProcessesWith(TrainerNeedle(id, 1, 1)).empty(); },
+      seconds(15)));
+  v1::Job job = WaitForEnd(id);
+  EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+}
+
+// 4. kill -9 the coordinator mid-run and start it again at once, or after
+// 20 s: the job finishes without a restart and its records miss no step.
+TEST_F(FaultTest, ACoordinatorRestartDoesNotRestartTheJobNorLoseSteps) {
+  StartWorkers({"w1", "w2"});
+  for (int pause_s : {0, 20}) {
+    SCOPED_TRACE(absl::StrCat("coordinator away ", pause_s, " s"));
+    const int64_t steps = pause_s == 0 ? 1500 : 6000;
+    const std::string id = Submit(Spec(2, steps));
+    ASSERT_TRUE(WaitForCommitted(id, 50));
+    coordinator_.process->Signal(SIGKILL);
+    ASSERT_TRUE(coordinator_.process->Wait(seconds(10)).ok());
+    coordinator_.process.reset();
+    std::this_thread::sleep_for(seconds(pause_s));
+    // Same state directory; the port may differ, so the workers would not
+    // find it: restart on the same address.
+    absl::StatusOr<CoordinatorHandle> c =
+        StartCoordinator(dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms",
+                                           "--stop-grace=1s", "--listen=" + coordinator_.address});
+    ASSERT_TRUE(c.ok()) << c.status();
+    coordinator_ = std::move(*c);
+    coord_ = CoordinatorStub(coordinator_.address);
+    v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+    EXPECT_EQ(job.restarts(), 0) << EventText(id);
+    EXPECT_EQ(job.generation(), 1);
+    EXPECT_TRUE(NoMissingSteps(id, steps));
+    EXPECT_EQ(job.last_checkpoint_step(), steps);
+  }
+}
+
+// 6. A job whose trainers always crash fails after exactly max_restarts
+// restarts, with growing waits between them, and a job beside it is not
+// disturbed.
+TEST_F(FaultTest, AnAlwaysCrashingJobFailsAfterMaxRestartsWithBackoff) {
+  StartWorkers({"w1", "w2"});
+  v1::JobSpec good_spec = Spec(1, 3000);
+  const std::string good = Submit(good_spec);
+  ASSERT_TRUE(WaitFor([&] { return Get(good).state() == v1::Job::RUNNING; }, kLong));
+  v1::JobSpec bad_spec = Spec(1, 3000);
+  bad_spec.set_max_restarts(3);
+  const std::string bad = Submit(bad_spec);
+  // Every trainer of the bad job is killed as soon as it appears.
+  std::atomic<bool> done{false};
+  std::thread killer([&] {
+    while (!done.load()) {
+      for (pid_t pid : ProcessesWith("--job=" + bad + " ")) ::kill(pid, SIGKILL);
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  });
+  v1::Job job = WaitForEnd(bad);
+  done = true;
+  killer.join();
+  EXPECT_EQ(job.state(), v1::Job::FAILED);
+  EXPECT_EQ(job.restarts(), 3) << job.message();
+  EXPECT_TRUE(absl::StrContains(job.message(), "max_restarts 3")) << job.message();
+  // Backoff 0.2 s, 0.4 s, 0.8 s: the gaps between a failure and the next
+  // start grow.
+  std::vector<v1::Event> events = Events(bad);
+  std::vector<double> failed_at, scheduled_at;
+  for (const v1::Event& e : events) {
+    const double t = e.time().seconds() + e.time().nanos() * 1e-9;
+    if (e.type() == "job.restarting") failed_at.push_back(t);
+    if (e.type() == "job.scheduled" && !failed_at.empty()) scheduled_at.push_back(t);
+  }
+  ASSERT_EQ(failed_at.size(), 3u) << EventText(bad);
+  ASSERT_EQ(scheduled_at.size(), 3u) << EventText(bad);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_GE(scheduled_at[k] - failed_at[k], 0.2 * (1 << k) * 0.95) << "restart " << k + 1;
+  }
+  v1::Job other = WaitForEnd(good);
+  EXPECT_EQ(other.state(), v1::Job::SUCCEEDED) << other.message();
+  EXPECT_EQ(other.restarts(), 0);
+}
+
+// 7. A trainer of an old generation that comes back late is refused and
+// exits; it never sees the new generation's store keys.
+TEST_F(FaultTest, ALateTrainerOfAnOldGenerationIsRefused) {
+  StartWorkers({"w1", "w2"});
+  const std::string id = Submit(Spec(2, 3000));
+  ASSERT_TRUE(WaitForCommitted(id, 25));
+  KillTrainer(id, 1, 1, SIGKILL);
+  ASSERT_TRUE(WaitFor(
+      [&] { return Get(id).generation() == 2 && Get(id).state() == v1::Job::RUNNING; }, kLong))
+      << EventText(id);
+  // The store of generation 2 holds Gloo's keys; generation 1 cannot read
+  // them, not even with a worker's credential.
+  auto cluster = ClusterStub(coordinator_.address);
+  v1::KvGetRequest get;
+  get.set_job_id(id);
+  get.set_generation(1);
+  get.set_key("gloo/0");
+  v1::KvGetResponse value;
+  grpc::Status s = cluster->KvGet(Context(coordinator_.worker_token).get(), get, &value);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_FALSE(value.found());
+  // A real trainer process of generation 1 starting late exits with the
+  // superseded code (75) without joining.
+  const std::string work = dir_ + "/late";
+  fs::create_directories(work);
+  absl::StatusOr<std::unique_ptr<Process>> late = Process::Start(
+      {AIDN_WORKER_BIN, "train", "--coordinator=" + coordinator_.address, "--job=" + id,
+       "--generation=1", "--rank=1", "--world-size=2", "--worker-id=w2", "--work-dir=" + work,
+       "--checkpoint-root=" + ckpt_root_},
+      {"AIDN_TRAINER_TOKEN=" + coordinator_.worker_token}, work + "/out", work + "/err");
+  ASSERT_TRUE(late.ok()) << late.status();
+  absl::StatusOr<int> code = (*late)->Wait(seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 75) << ReadFileOrEmpty(work + "/err");
+  EXPECT_TRUE(absl::StrContains(ReadFileOrEmpty(work + "/err"), "generation"))
+      << ReadFileOrEmpty(work + "/err");
+  // The job carried on undisturbed.
+  v1::Job job = WaitForEnd(id);
+  EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  EXPECT_EQ(job.restarts(), 1);
+}
+
+}  // namespace
+}  // namespace aidn::testing
