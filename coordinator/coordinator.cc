@@ -726,7 +726,13 @@ void Coordinator::CheckTimeouts(Deferred* deferred) {
     // Progress deadline. Beats go on while training is stuck (they come from
     // a thread of their own), so it runs from the last step taken.
     if (job.state() == Job::RUNNING) {
-      const milliseconds timeout = ProgressTimeout(*entry);
+      milliseconds timeout = ProgressTimeout(*entry);
+      // Until every rank has beaten once the ranks are still setting up
+      // (loading data, a checkpoint, connecting to each other): that gets
+      // at least the automatic minimum, however short the spec's timeout.
+      if (static_cast<int>(entry->beats.size()) < job.spec().world_size()) {
+        timeout = std::max(timeout, kMinAutoProgressTimeout);
+      }
       if (now - entry->last_advance > timeout) {
         const std::string reason = HangReport(*entry, now, timeout);
         Emit("job.hang", job_id, "", job.generation(), reason, deferred);

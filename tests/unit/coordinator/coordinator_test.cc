@@ -2125,7 +2125,35 @@ TEST_F(CoordinatorTest, ARankThatNeverBeatIsNamedAsSilent) {
   v1::JobSpec spec = Spec(2);
   *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(5000));
   const std::string id = RunningJobOnTwoWorkers(spec);
+  auto hang = [&] {
+    std::string text;
+    for (const v1::Event& e : EventList(id)) {
+      if (e.type() == "job.hang") text = e.message();
+    }
+    return text;
+  };
+  // Until every rank has beaten once, the ranks are still setting up: the
+  // 5s timeout is stretched to the automatic minimum of 60s.
+  for (int s = 1; s <= 60; ++s) {
+    clock_.Advance(milliseconds(1000));
+    ASSERT_TRUE(Progress(id, 1, 0, 0, 0).ok());
+    for (const char* w : {"w1", "w2"}) ASSERT_TRUE(Beat(w).ok());
+    c().Tick();
+    ASSERT_EQ(hang(), "") << "at " << s << "s";
+  }
+  // (rank 0's first beat, at step 0, was its first advance, at 1s.)
+  clock_.Advance(milliseconds(1100));
+  c().Tick();
+  EXPECT_THAT(hang(), HasSubstr("rank 1 silent for"));
+  EXPECT_THAT(hang(), HasSubstr("(no beat yet); rank 0 waiting at step 0, collective 0"));
+}
+
+TEST_F(CoordinatorTest, ARankThatBeatOnceAndStoppedIsCaughtWithinTheSpecsTimeout) {
+  v1::JobSpec spec = Spec(2);
+  *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(5000));
+  const std::string id = RunningJobOnTwoWorkers(spec);
   ASSERT_TRUE(Progress(id, 1, 0, 0, 0).ok());
+  ASSERT_TRUE(Progress(id, 1, 1, 0, 0).ok());
   clock_.Advance(milliseconds(5100));
   ASSERT_TRUE(Progress(id, 1, 0, 0, 0).ok());
   c().Tick();
@@ -2134,8 +2162,8 @@ TEST_F(CoordinatorTest, ARankThatNeverBeatIsNamedAsSilent) {
     if (e.type() == "job.hang") hang = e.message();
   }
   EXPECT_EQ(hang,
-            "no progress for 5s at step 0: rank 1 silent for 5.1s (no beat yet); rank 0 waiting "
-            "at step 0, collective 0");
+            "no progress for 5s at step 0: rank 1 silent for 5.1s (last beat at step 0, "
+            "collective 0); rank 0 waiting at step 0, collective 0");
 }
 
 TEST_F(CoordinatorTest, EveryStepTakenPushesTheProgressDeadlineBack) {
