@@ -149,6 +149,7 @@ def main():
     model.train()
 
     stamps = [0.0] * (args.steps + 1)
+    first_step_unix = None
     last_loss = None
     stamps[0] = time.perf_counter()
     for step in range(args.steps):
@@ -160,6 +161,8 @@ def main():
         loss.backward()
         opt.step()
         stamps[step + 1] = time.perf_counter()
+        if step == 0:
+            first_step_unix = time.time()  # for bench/startup.sh
         last_loss = loss
     final_loss = float(last_loss.detach())
 
@@ -180,6 +183,7 @@ def main():
             "median_step_ms": statistics.median(intervals) * 1e3,
             "median_samples_per_s": global_batch / statistics.median(intervals),
             "final_loss": final_loss,
+            "first_step_unix": first_step_unix,
             "torch": torch.__version__,
             "blas": blas_in_use(),
             "conv_backend": conv_backend(),

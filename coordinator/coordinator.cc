@@ -212,10 +212,14 @@ absl::Status Coordinator::Load() {
         if (!last.ok()) {
           AIDN_LOG(ERROR) << "could not find the job's stored steps: " << last.status()
                           << Kv("job", job.id());
-        } else if (last->has_value()) {
-          NoteStored(entry.get(), **last);
+        } else {
           entry->resent_generation = job.generation();
-          entry->resent_floor = entry->stored_key;
+          entry->resent_first_step = std::max<int64_t>(entry->resumed_from_step, 0) + 1;
+          if (last->has_value()) {
+            NoteStored(entry.get(), **last);
+            entry->resent_floor = entry->stored_key;
+            entry->resent_first_step = (*last)->step() + 1;
+          }
         }
       }
     }
@@ -1362,6 +1366,9 @@ StepLog* Coordinator::StepsOf(JobEntry* entry) {
   if (entry->steps_generation != job.generation()) {
     entry->steps->StartGeneration(job.generation(), job.spec().world_size());
     entry->steps_generation = job.generation();
+    if (entry->resent_generation == job.generation()) {
+      entry->steps->ExpectFrom(entry->resent_first_step);
+    }
   }
   return entry->steps.get();
 }

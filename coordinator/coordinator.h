@@ -244,6 +244,9 @@ class Coordinator {
     // loaded it: records at or below it, sent again by trainers that saw the
     // coordinator restart, are ignored. Above it the StepLog knows.
     int64_t resent_generation = 0;
+    // The first TRAIN step of `resent_generation` not in the store when
+    // this process loaded it: its StepLog combines from there in order.
+    int64_t resent_first_step = 1;
     std::optional<std::pair<int64_t, int>> resent_floor;
   };
   struct HeldHeartbeat {

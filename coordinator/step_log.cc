@@ -13,6 +13,12 @@ void StepLog::StartGeneration(int64_t generation, int world_size) {
   generation_ = generation;
   world_size_ = std::max(world_size, 1);
   any_combined_ = false;
+  expecting_ = false;
+}
+
+void StepLog::ExpectFrom(int64_t first_train_step) {
+  expecting_ = true;
+  expect_train_ = first_train_step;
 }
 
 bool StepLog::Add(const v1::MetricRecord& record, Clock::TimePoint now) {
@@ -41,7 +47,8 @@ bool StepLog::Add(const v1::MetricRecord& record, Clock::TimePoint now) {
 
 void StepLog::Drain() {
   while (!pending_.empty() &&
-         static_cast<int>(pending_.begin()->second.records.size()) >= world_size_) {
+         static_cast<int>(pending_.begin()->second.records.size()) >= world_size_ &&
+         (!expecting_ || pending_.begin()->first.first <= expect_train_)) {
     Combine(pending_.begin());
   }
 }
@@ -67,6 +74,9 @@ void StepLog::Combine(std::map<Key, Pending>::iterator it) {
   v1::StepMetrics step = CombineRecords(records, world_size_);
   any_combined_ = true;
   last_combined_ = it->first;
+  if (expecting_ && it->first.second == static_cast<int>(v1::MetricRecord::TRAIN)) {
+    expect_train_ = std::max(expect_train_, it->first.first + 1);
+  }
   pending_.erase(it);
 
   if (step.kind() == v1::MetricRecord::EVAL) {

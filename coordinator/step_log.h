@@ -47,6 +47,13 @@ class StepLog {
   // rank out of range.
   bool Add(const v1::MetricRecord& record, Clock::TimePoint now);
 
+  // The generation's TRAIN steps from `first_train_step` on are still to
+  // come, all of them: a step is combined only once every TRAIN step before
+  // it was (or it waited max_wait). For a coordinator that restarted in the
+  // middle of a generation, whose trainers send the steps it lost again
+  // after (some of) their newer ones. Until StartGeneration.
+  void ExpectFrom(int64_t first_train_step);
+
   // Combines the steps that waited longer than max_wait (all of them when
   // `everything`), whatever ranks they miss.
   void Expire(Clock::TimePoint now, bool everything);
@@ -107,6 +114,9 @@ class StepLog {
   std::map<Key, Pending> pending_;
   // Steps at or below this were combined in the current generation.
   bool any_combined_ = false;
+  // ExpectFrom: the next TRAIN step to combine.
+  bool expecting_ = false;
+  int64_t expect_train_ = 0;
   Key last_combined_{0, 0};
   std::deque<v1::StepMetrics> recent_;
   int64_t next_seq_ = 1;

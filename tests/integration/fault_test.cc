@@ -39,26 +39,6 @@ using std::chrono::seconds;
 constexpr milliseconds kLong{180'000};
 constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
 
-// PIDs of live (not zombie) processes whose command line contains `needle`.
-std::vector<pid_t> ProcessesWith(const std::string& needle) {
-  std::vector<pid_t> found;
-  DIR* proc = opendir("/proc");
-  if (proc == nullptr) return found;
-  while (dirent* entry = readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
-    if (pid <= 0 || pid == getpid()) continue;
-    std::string cmdline = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/cmdline"));
-    for (char& c : cmdline) {
-      if (c == '\0') c = ' ';
-    }
-    const std::string status = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/status"));
-    if (absl::StrContains(status, "State:\tZ")) continue;
-    if (absl::StrContains(cmdline, needle)) found.push_back(pid);
-  }
-  closedir(proc);
-  return found;
-}
-
 std::string TrainerNeedle(const std::string& job, int64_t generation, int rank) {
   return absl::StrCat("--job=", job, " --generation=", generation, " --rank=", rank, " ");
 }
@@ -137,8 +117,8 @@ class FaultTest : public ::testing::Test {
     if (dir_.empty()) return;
     // 8. Nothing of the test is left running, and no unfinished checkpoint
     // directory is left behind.
-    EXPECT_TRUE(WaitFor([&] { return ProcessesWith(dir_).empty(); }, seconds(15)))
-        << "stray processes: " << ProcessesWith(dir_).size();
+    EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir_}).empty(); }, seconds(15)))
+        << "stray processes: " << ProcessesWith({dir_}).size();
     std::error_code error;
     for (auto it = fs::recursive_directory_iterator(ckpt_root_, error);
          !error && it != fs::recursive_directory_iterator(); ++it) {
@@ -288,7 +268,7 @@ class FaultTest : public ::testing::Test {
     std::vector<pid_t> pids;
     ASSERT_TRUE(WaitFor(
         [&] {
-          pids = ProcessesWith(TrainerNeedle(job, generation, rank));
+          pids = ProcessesWith({dir_, TrainerNeedle(job, generation, rank)});
           return pids.size() == 1;
         },
         kLong))
@@ -332,7 +312,7 @@ TEST_F(FaultTest, AKilledTrainerResumesFromItsCheckpointAndEndsBitwiseEqual) {
 
     // The second generation resumed from a checkpoint (not from scratch).
     std::string log;
-    for (const std::string& w : {"w1", "w2"}) log += TrainerLog(w, id, 2, 0);
+    for (const char* w : {"w1", "w2"}) log += TrainerLog(w, id, 2, 0);
     EXPECT_TRUE(absl::StrContains(log, "resuming from a checkpoint")) << log;
     // keep_last 3: the three newest committed checkpoints, the last at the
     // end, plus the one this generation resumed from; on disk exactly the
@@ -378,7 +358,7 @@ TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
     std::vector<pid_t> writer;
     ASSERT_TRUE(WaitFor(
         [&] {
-          writer = ProcessesWith(TrainerNeedle(id, 1, 0));
+          writer = ProcessesWith({dir_, TrainerNeedle(id, 1, 0)});
           return writer.size() == 1;
         },
         kLong));
@@ -412,7 +392,7 @@ TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
     EXPECT_TRUE(absl::StrContains(events, "checkpoint.invalid")) << events;
     EXPECT_TRUE(absl::StrContains(events, "model.safetensors")) << events;
     std::string log;
-    for (const std::string& w : {"w1", "w2"}) log += TrainerLog(w, id, 2, 0);
+    for (const char* w : {"w1", "w2"}) log += TrainerLog(w, id, 2, 0);
     EXPECT_TRUE(absl::StrContains(log, absl::StrCat("step=", previous))) << log;
     EXPECT_TRUE(FinalWeights(reference, kSteps) == FinalWeights(id, kSteps))
         << "final weights differ from the uninterrupted run's";
@@ -431,7 +411,7 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   std::set<std::string> used;
   for (const v1::RankPlacement& p : running.placement()) used.insert(p.worker_id());
   std::string spare;
-  for (const std::string& w : {"w1", "w2", "w3"}) {
+  for (const char* w : {"w1", "w2", "w3"}) {
     if (!used.contains(w)) spare = w;
   }
   const std::string victim = running.placement(1).worker_id();
@@ -439,7 +419,11 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   workers_[victim]->Signal(SIGKILL);
   ASSERT_TRUE(workers_[victim]->Wait(seconds(10)).ok());
   // Its trainer died with it (PR_SET_PDEATHSIG).
-  EXPECT_TRUE(WaitFor([&] { return ProcessesWith(TrainerNeedle(id, 1, 1)).empty(); }, seconds(5)));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ProcessesWith({dir_, TrainerNeedle(id, 1, 1)}).empty();
+      },
+      seconds(5)));
   ASSERT_TRUE(WaitFor(
       [&] {
         const v1::Job j = Get(id);
@@ -471,7 +455,7 @@ TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
   std::vector<pid_t> pids;
   ASSERT_TRUE(WaitFor(
       [&] {
-        pids = ProcessesWith(TrainerNeedle(id, 1, 1));
+        pids = ProcessesWith({dir_, TrainerNeedle(id, 1, 1)});
         return pids.size() == 1;
       },
       kLong));
@@ -485,7 +469,9 @@ TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
   EXPECT_TRUE(absl::StrContains(events, "rank 1")) << events;
   // The stopped process is killed, not left behind.
   EXPECT_TRUE(WaitFor(
-      [&] { return ::kill(pids[0], 0) != 0 || ProcessesWith(TrainerNeedle(id, 1, 1)).empty(); },
+      [&] {
+        return ::kill(pids[0], 0) != 0 || ProcessesWith({dir_, TrainerNeedle(id, 1, 1)}).empty();
+      },
       seconds(15)));
   v1::Job job = WaitForEnd(id);
   EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
@@ -536,7 +522,7 @@ TEST_F(FaultTest, AnAlwaysCrashingJobFailsAfterMaxRestartsWithBackoff) {
   std::atomic<bool> done{false};
   std::thread killer([&] {
     while (!done.load()) {
-      for (pid_t pid : ProcessesWith("--job=" + bad + " ")) ::kill(pid, SIGKILL);
+      for (pid_t pid : ProcessesWith({dir_, "--job=" + bad + " "})) ::kill(pid, SIGKILL);
       std::this_thread::sleep_for(milliseconds(20));
     }
   });

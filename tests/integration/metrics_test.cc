@@ -251,7 +251,7 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
       << ReadFileOrEmpty(dir_ + "/prometheus.log");
 
   const std::regex value(R"re("value":\[[0-9.]+,"([0-9.e+-]+)"\])re");
-  for (const std::string& metric : {"aidn_job_step", "aidn_job_loss"}) {
+  for (const std::string metric : {"aidn_job_step", "aidn_job_loss"}) {
     std::string body;
     std::smatch m;
     EXPECT_TRUE(WaitFor(

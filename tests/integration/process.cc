@@ -1,5 +1,6 @@
 #include "tests/integration/process.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -251,6 +253,27 @@ bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds t
     if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
+  std::vector<pid_t> found;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return found;
+  while (dirent* entry = readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
+    if (pid <= 0 || pid == getpid()) continue;
+    std::string cmdline = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/cmdline"));
+    for (char& c : cmdline) {
+      if (c == '\0') c = ' ';
+    }
+    const std::string status = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/status"));
+    if (absl::StrContains(status, "State:\tZ")) continue;
+    bool all = true;
+    for (const std::string& needle : needles) all = all && absl::StrContains(cmdline, needle);
+    if (all) found.push_back(pid);
+  }
+  closedir(proc);
+  return found;
 }
 
 std::string MakeTempDir(const std::string& prefix) {

@@ -69,6 +69,12 @@ bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds t
 // A new empty directory under $TMPDIR (or /tmp), named after `prefix`.
 std::string MakeTempDir(const std::string& prefix);
 std::string ReadFileOrEmpty(const std::string& path);
+
+// PIDs of live (not zombie) processes other than this one whose command line
+// (arguments joined by spaces) contains every one of `needles`. Tests that
+// run beside each other share job ids ("job-1"): pass the test's own
+// directory as one of the needles.
+std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles);
 void WriteFileOrDie(const std::string& path, const std::string& contents);
 // Removes `path` and everything under it; errors are ignored.
 void RemoveTree(const std::string& path);

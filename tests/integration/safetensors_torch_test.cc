@@ -53,26 +53,6 @@ bool TorchImports() {
   return ok;
 }
 
-// PIDs of live (not zombie) processes whose command line contains `needle`.
-std::vector<pid_t> ProcessesWith(const std::string& needle) {
-  std::vector<pid_t> found;
-  DIR* proc = opendir("/proc");
-  if (proc == nullptr) return found;
-  while (dirent* entry = readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
-    if (pid <= 0 || pid == getpid()) continue;
-    std::string cmdline = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/cmdline"));
-    for (char& c : cmdline) {
-      if (c == '\0') c = ' ';
-    }
-    const std::string status = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/status"));
-    if (absl::StrContains(status, "State:\tZ")) continue;
-    if (absl::StrContains(cmdline, needle)) found.push_back(pid);
-  }
-  closedir(proc);
-  return found;
-}
-
 // What the script printed: "tensor NAME DTYPE [shape]" lines, the count, and
 // the number of test images it classified correctly.
 struct TorchEval {
@@ -135,8 +115,8 @@ class SafetensorsTorchTest : public ::testing::Test {
     workers_.clear();
     coordinator_.process.reset();
     if (dir_.empty()) return;
-    EXPECT_TRUE(WaitFor([&] { return ProcessesWith(dir_).empty(); }, seconds(15)))
-        << "stray processes: " << ProcessesWith(dir_).size();
+    EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir_}).empty(); }, seconds(15)))
+        << "stray processes: " << ProcessesWith({dir_}).size();
     if (!HasFailure()) RemoveTree(dir_);
   }
 

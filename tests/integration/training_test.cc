@@ -24,26 +24,6 @@ namespace {
 constexpr std::chrono::milliseconds kLong{120'000};
 constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
 
-// PIDs of live processes whose command line contains `needle`.
-std::vector<pid_t> ProcessesWith(const std::string& needle) {
-  std::vector<pid_t> found;
-  DIR* proc = opendir("/proc");
-  if (proc == nullptr) return found;
-  while (dirent* entry = readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
-    if (pid <= 0 || pid == getpid()) continue;
-    std::string cmdline = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/cmdline"));
-    for (char& c : cmdline) {
-      if (c == '\0') c = ' ';
-    }
-    const std::string status = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/status"));
-    if (absl::StrContains(status, "State:\tZ")) continue;
-    if (absl::StrContains(cmdline, needle)) found.push_back(pid);
-  }
-  closedir(proc);
-  return found;
-}
-
 class TrainingTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -269,15 +249,22 @@ TEST_F(TrainingTest, CancelStopsEveryTrainerWithinSeconds) {
   spec.set_epochs(1000);
   const std::string id = Submit(spec);
   ASSERT_TRUE(WaitFor([&] { return Get(id).state() == v1::Job::RUNNING; }, kLong));
-  ASSERT_TRUE(WaitFor([&] { return ProcessesWith("--job=" + id).size() == 2; }, kLong))
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ProcessesWith({dir_, "--job=" + id + " "}).size() == 2;
+      },
+      kLong))
       << "two trainer processes run the job";
   v1::CancelJobRequest cancel;
   cancel.set_job_id(id);
   v1::Job job;
   ASSERT_TRUE(coord_->CancelJob(Context(admin()).get(), cancel, &job).ok());
-  EXPECT_TRUE(
-      WaitFor([&] { return ProcessesWith("--job=" + id).empty(); }, std::chrono::seconds(15)))
-      << "trainers left behind: " << ProcessesWith("--job=" + id).size();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ProcessesWith({dir_, "--job=" + id + " "}).empty();
+      },
+      std::chrono::seconds(15)))
+      << "trainers left behind: " << ProcessesWith({dir_, "--job=" + id + " "}).size();
 }
 
 }  // namespace

@@ -141,11 +141,19 @@ class Reporter {
   }
 
   void Progress(int64_t step, int32_t epoch, int64_t collective_seq, int64_t total_steps) {
-    std::lock_guard<std::mutex> lock(mu_);
-    total_steps_ = total_steps;
-    progress_step_ = step;
-    progress_epoch_ = epoch;
-    collective_seq_ = collective_seq;
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      first = progress_step_ < 0;
+      total_steps_ = total_steps;
+      progress_step_ = step;
+      progress_epoch_ = epoch;
+      collective_seq_ = collective_seq;
+      if (first) first_beat_ = true;
+    }
+    // The first beat goes at once: until every rank has sent one the
+    // coordinator counts the generation as still setting up.
+    if (first) cv_.notify_all();
   }
 
   // The coordinator said this generation is over.
@@ -181,7 +189,9 @@ class Reporter {
     SteadyClock::time_point next_beat = SteadyClock::now();
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-      cv_.wait_for(lock, milliseconds(200), [this] { return closing_ || !commits_.empty(); });
+      cv_.wait_for(lock, milliseconds(200),
+                   [this] { return closing_ || !commits_.empty() || first_beat_; });
+      first_beat_ = false;
       const bool closing = closing_;
       if (closing &&
           ((records_.empty() && commits_.empty()) || SteadyClock::now() > close_deadline_)) {
@@ -331,6 +341,7 @@ class Reporter {
   std::string incarnation_;
   int64_t dropped_ = 0;
   int64_t dropped_commits_ = 0;
+  bool first_beat_ = false;
   int64_t progress_step_ = -1;
   int32_t progress_epoch_ = 0;
   int64_t collective_seq_ = 0;

@@ -102,6 +102,30 @@ TEST(StepLog, CombinesAStepOnlyOnceEveryRankReportedAndInStepOrder) {
   EXPECT_EQ(log.last_train()->step(), 3);
 }
 
+TEST(StepLog, AfterARestartStepsAreCombinedFromTheExpectedOneInOrder) {
+  // A coordinator that restarted with steps 1..17 stored: the trainers send
+  // new steps (51, 52) before the lost ones (18..50) come again.
+  StepLog log({});
+  log.StartGeneration(1, 2);
+  log.ExpectFrom(18);
+  for (int64_t k : {51, 52}) {
+    for (int rank : {0, 1}) ASSERT_TRUE(log.Add(Record(k, rank), kT0));
+  }
+  EXPECT_THAT(Taken(&log), IsEmpty()) << "51 waits for 18..50";
+  for (int64_t k = 18; k <= 50; ++k) {
+    for (int rank : {0, 1}) ASSERT_TRUE(log.Add(Record(k, rank), kT0)) << k;
+  }
+  Steps expected;
+  for (int64_t k = 18; k <= 52; ++k) expected.push_back({k, kTrain});
+  EXPECT_EQ(Taken(&log), expected);
+  EXPECT_EQ(log.dropped(), 0);
+  // A gap that never fills is combined past after max_wait.
+  for (int rank : {0, 1}) ASSERT_TRUE(log.Add(Record(60, rank), kT0));
+  EXPECT_THAT(Taken(&log), IsEmpty());
+  log.Expire(kT0 + milliseconds(10'000), /*everything=*/false);
+  EXPECT_EQ(Taken(&log), (Steps{{60, kTrain}}));
+}
+
 TEST(StepLog, ARecordSentTwiceCountsOnceAndALateOneIsDropped) {
   StepLog log({});
   log.StartGeneration(1, 2);
