@@ -5,7 +5,7 @@
 # step. Interleaved, REPS times each; prints every sample, the medians and
 # the ratio.
 #
-#   bench/startup.sh        # REPS=5: about a minute
+#   bench/startup.sh        # REPS=5: about a minute; KEEP_RUN_DIR=1 keeps the logs
 #
 # aidn's first step ends when the last rank's record of step 1 was made (the
 # `time` of step 1 in `aidnctl metrics -o csv`); the clock starts just before
@@ -21,7 +21,7 @@ cleanup() {
   for pid in "${PIDS[@]:1}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]:1}"; do wait "$pid" 2>/dev/null || true; done
   [[ ${#PIDS[@]} -gt 0 ]] && { kill "${PIDS[0]}" 2>/dev/null || true; wait "${PIDS[0]}" 2>/dev/null || true; }
-  rm -rf "$RUN_DIR"
+  if [[ ${KEEP_RUN_DIR:-0} == 1 ]]; then echo "run directory kept: $RUN_DIR"; else rm -rf "$RUN_DIR"; fi
 }
 trap cleanup EXIT
 AIDNCTL=$BUILD/aidnctl/aidnctl

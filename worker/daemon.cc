@@ -487,19 +487,15 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
   }
 
   ChildSpec spec;
-  spec.argv = {options_.trainer_binary,
-               "train",
-               "--coordinator=" + options_.coordinator,
-               "--job=" + a.job_id(),
-               absl::StrCat("--generation=", a.generation()),
-               absl::StrCat("--rank=", a.rank()),
-               absl::StrCat("--world-size=", a.world_size()),
-               "--worker-id=" + options_.worker_id,
-               "--host=" + options_.address,
+  spec.argv = {options_.trainer_binary, "train", "--coordinator=" + options_.coordinator,
+               "--job=" + a.job_id(), absl::StrCat("--generation=", a.generation()),
+               absl::StrCat("--rank=", a.rank()), absl::StrCat("--world-size=", a.world_size()),
+               "--worker-id=" + options_.worker_id, "--host=" + options_.address,
                absl::StrCat("--slot=", a.slot()),
                absl::StrCat("--threads=", std::max(1, a.spec().threads_per_rank())),
-               "--work-dir=" + job_dir,
-               "--checkpoint-root=" + options_.checkpoint_root};
+               "--work-dir=" + job_dir, "--checkpoint-root=" + options_.checkpoint_root,
+               // Datasets are inflated once per worker, not once per trainer.
+               "--cache-dir=" + options_.work_dir + "/cache"};
   if (!options_.trainer_log_level.empty()) {
     spec.argv.push_back("--log-level=" + options_.trainer_log_level);
   }

@@ -44,6 +44,9 @@ ABSL_FLAG(std::string, work_dir, "./aidn-work",
 ABSL_FLAG(std::string, checkpoint_root, "",
           "relative checkpoint.dir of jobs are taken under this (default <work-dir>/checkpoints); "
           "workers that may take over each other's ranks should share it");
+ABSL_FLAG(std::string, cache_dir, "",
+          "train: the worker's cache of inflated dataset files (the daemon passes "
+          "<work-dir>/cache); empty: none");
 ABSL_FLAG(std::string, worker_id, "", "this worker's id (default: the host name)");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
@@ -115,6 +118,7 @@ int RunTrainMode() {
   options.threads = absl::GetFlag(FLAGS_threads);
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
   options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  options.cache_dir = absl::GetFlag(FLAGS_cache_dir);
   if (const char* token = getenv(kTrainerTokenVariable); token != nullptr) {
     options.token = token;
     // Nothing the trainer might start inherits the credential.

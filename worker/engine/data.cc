@@ -8,11 +8,14 @@
 #include <array>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
@@ -242,10 +245,63 @@ absl::StatusOr<Dataset> LoadIdx(const std::string& images_path, const std::strin
   return data;
 }
 
-absl::StatusOr<Dataset> LoadFashionMnist(const std::string& dir, bool train) {
+std::string DecompressedPath(const std::string& path, const std::string& cache_dir) {
+  if (cache_dir.empty() || !absl::EndsWith(path, ".gz")) return path;
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return path;
+  const std::string base = std::filesystem::path(path).filename().string();
+  const std::string cached = absl::StrCat(
+      cache_dir, "/", base.substr(0, base.size() - 3), "-", static_cast<int64_t>(st.st_size), "-",
+      static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec, "-",
+      static_cast<uint64_t>(st.st_ino), ".raw");
+  if (::access(cached.c_str(), R_OK) == 0) return cached;
+  std::error_code error;
+  std::filesystem::create_directories(cache_dir, error);
+  if (error) return path;
+  const std::string tmp = absl::StrCat(cached, ".tmp-", static_cast<int64_t>(::getpid()));
+  const int in = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) return path;
+  gzFile gz = gzdopen(in, "rb");
+  if (gz == nullptr) {
+    ::close(in);
+    return path;
+  }
+  gzbuffer(gz, 1 << 18);
+  FILE* out = std::fopen(tmp.c_str(), "wb");
+  bool ok = out != nullptr;
+  std::vector<char> buffer(1 << 20);
+  while (ok) {
+    const int n = gzread(gz, buffer.data(), static_cast<unsigned>(buffer.size()));
+    if (n < 0) ok = false;
+    if (n <= 0) break;
+    ok = std::fwrite(buffer.data(), 1, static_cast<size_t>(n), out) == static_cast<size_t>(n);
+  }
+  int err = Z_OK;
+  gzerror(gz, &err);
+  // A stream cut short reads as a short read with Z_BUF_ERROR.
+  ok = ok && (err == Z_OK || err == Z_STREAM_END);
+  gzclose(gz);
+  if (out != nullptr && std::fclose(out) != 0) ok = false;
+  if (!ok || std::rename(tmp.c_str(), cached.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return path;
+  }
+  return cached;
+}
+
+absl::StatusOr<Dataset> LoadFashionMnist(const std::string& dir, bool train,
+                                         const std::string& cache_dir) {
   const std::string prefix = absl::StrCat(dir, "/", train ? "train" : "t10k");
-  return LoadIdx(prefix + "-images-idx3-ubyte.gz", prefix + "-labels-idx1-ubyte.gz",
-                 kFashionMnistMean, kFashionMnistStd, /*classes=*/10);
+  const std::string images = prefix + "-images-idx3-ubyte.gz";
+  const std::string labels = prefix + "-labels-idx1-ubyte.gz";
+  if (!cache_dir.empty()) {
+    absl::StatusOr<Dataset> cached =
+        LoadIdx(DecompressedPath(images, cache_dir), DecompressedPath(labels, cache_dir),
+                kFashionMnistMean, kFashionMnistStd, /*classes=*/10);
+    if (cached.ok()) return cached;
+    // Errors name the files the user gave: read those.
+  }
+  return LoadIdx(images, labels, kFashionMnistMean, kFashionMnistStd, /*classes=*/10);
 }
 
 std::vector<int64_t> Permutation(int64_t n, uint64_t seed) {

@@ -428,18 +428,26 @@ engine::LrScheduleConfig ScheduleOf(const v1::JobSpec& spec) {
 
 // Loads the train and test sets named by the spec. Every error here is
 // permanent: no restart makes a missing or corrupt file appear.
-absl::Status LoadData(const v1::DatasetSpec& spec, engine::Dataset* train, engine::Dataset* test) {
+absl::Status LoadData(const v1::DatasetSpec& spec, const std::string& cache_dir,
+                      engine::Dataset* train, engine::Dataset* test) {
+  // Through the worker's cache of inflated files when there is one; an
+  // error is reported from the files the spec names.
+  auto load = [&cache_dir](const std::string& images, const std::string& labels) {
+    if (!cache_dir.empty()) {
+      absl::StatusOr<engine::Dataset> cached = engine::LoadIdx(
+          engine::DecompressedPath(images, cache_dir), engine::DecompressedPath(labels, cache_dir),
+          engine::kFashionMnistMean, engine::kFashionMnistStd);
+      if (cached.ok()) return cached;
+    }
+    return engine::LoadIdx(images, labels, engine::kFashionMnistMean, engine::kFashionMnistStd);
+  };
   absl::StatusOr<engine::Dataset> tr, te;
   if (spec.kind() == "idx") {
-    tr = engine::LoadIdx(spec.train_images(), spec.train_labels(), engine::kFashionMnistMean,
-                         engine::kFashionMnistStd);
-    if (tr.ok()) {
-      te = engine::LoadIdx(spec.test_images(), spec.test_labels(), engine::kFashionMnistMean,
-                           engine::kFashionMnistStd);
-    }
+    tr = load(spec.train_images(), spec.train_labels());
+    if (tr.ok()) te = load(spec.test_images(), spec.test_labels());
   } else {
-    tr = engine::LoadFashionMnist(spec.dir(), /*train=*/true);
-    if (tr.ok()) te = engine::LoadFashionMnist(spec.dir(), /*train=*/false);
+    tr = engine::LoadFashionMnist(spec.dir(), /*train=*/true, cache_dir);
+    if (tr.ok()) te = engine::LoadFashionMnist(spec.dir(), /*train=*/false, cache_dir);
   }
   if (!tr.ok()) return tr.status();
   if (!te.ok()) return te.status();
@@ -545,7 +553,7 @@ std::optional<Failure> Run::Setup() {
   });
 
   engine::ConfigureCpu(std::max(1, options_.threads));
-  if (absl::Status s = LoadData(spec_.dataset(), &train_, &test_); !s.ok()) {
+  if (absl::Status s = LoadData(spec_.dataset(), options_.cache_dir, &train_, &test_); !s.ok()) {
     return Failure{kExitPermanent, absl::Status(s.code(), absl::StrCat("dataset: ", s.message()))};
   }
   absl::StatusOr<std::unique_ptr<engine::Sequential>> model =

@@ -41,6 +41,9 @@ struct TrainerOptions {
   // A relative checkpoint.dir is taken under this; checkpoints of the job
   // go to <dir>/<job_id>/step-NNNNNNNN.
   std::string checkpoint_root;
+  // The worker's cache of inflated dataset files (engine::DecompressedPath);
+  // empty: none.
+  std::string cache_dir;
 };
 
 // Runs the rank to the end; returns the process exit code.

@@ -172,6 +172,44 @@ TEST_F(IdxFiles, ACutGzipStreamIsTruncation) {
               {"truncated", "expected 39200 bytes of pixels"});
 }
 
+TEST_F(IdxFiles, AGzipFileIsInflatedOnceIntoTheCacheAndReadFromThereAfter) {
+  const std::string cache = dir_ + "/cache";
+  const std::string images = Write("img.gz", Images(50, 28, 28));
+  const std::string labels = Write("lbl.gz", Labels(std::vector<uint8_t>(50, 3)));
+  const std::string cached = DecompressedPath(images, cache);
+  ASSERT_NE(cached, images);
+  EXPECT_EQ(cached.rfind(cache + "/img-", 0), 0u) << cached;
+  const auto written = std::filesystem::last_write_time(cached);
+  EXPECT_EQ(DecompressedPath(images, cache), cached) << "a second call reuses it";
+  EXPECT_EQ(std::filesystem::last_write_time(cached), written);
+  auto a = LoadIdx(images, labels, 0.5f, 0.25f);
+  auto b = LoadIdx(cached, DecompressedPath(labels, cache), 0.5f, 0.25f);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->images, b->images);
+  EXPECT_EQ(a->labels, b->labels);
+  // A rewritten file (new size / mtime / inode) gets a new cache entry.
+  std::filesystem::remove(images);
+  Write("img.gz", Images(40, 28, 28));
+  EXPECT_NE(DecompressedPath(images, cache), cached);
+  // Not gzip'd, or no cache: the path itself.
+  const std::string plain = Write("plain", Images(2, 2, 2), /*gzip=*/false);
+  EXPECT_EQ(DecompressedPath(plain, cache), plain);
+  EXPECT_EQ(DecompressedPath(images, ""), images);
+}
+
+TEST_F(IdxFiles, ADamagedGzipFileIsNotCachedAndKeepsItsOwnName) {
+  const std::string cache = dir_ + "/cache";
+  const std::string full = Write("full.gz", Images(50, 28, 28));
+  std::ifstream in(full, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string cut = Write("cut.gz", bytes.substr(0, bytes.size() / 2), /*gzip=*/false);
+  EXPECT_EQ(DecompressedPath(cut, cache), cut);
+  // Nothing half-written is left in the cache.
+  for (const auto& e : std::filesystem::directory_iterator(cache)) {
+    EXPECT_EQ(e.path().filename().string().find("cut"), std::string::npos) << e.path();
+  }
+}
+
 TEST_F(IdxFiles, TruncatedLabelsAndHeadersAreDataLoss) {
   const std::string images = Write("img", Images(4, 2, 2));
   std::string short_labels = Labels({1, 2, 3, 4});
