@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
         absl::StrCat("bucket_mb: must be > 0, got ", options.bucket_mb));
   }
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
+  reducer->single_ = communicator->world_size() == 1;
   const size_t cap = std::max<size_t>(1, static_cast<size_t>(options.bucket_mb * 1e6 / 4));
   // Reverse registration order: the last layer's gradients come first.
   for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
@@ -64,6 +65,11 @@ std::vector<std::vector<std::string>> DdpReducer::BucketLayout() const {
 void DdpReducer::BeginBackward(bool communicate, float extra) {
   communicating_ = communicate;
   if (!communicate) return;
+  if (single_) {
+    extra_ = extra;
+    single_pending_ = static_cast<int>(slots_.size());
+    return;
+  }
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.parameters.size());
   buckets_[extra_bucket_].buffer.back() = extra;
   std::lock_guard<std::mutex> lock(mu_);
@@ -80,6 +86,10 @@ void DdpReducer::BeginBackward(bool communicate, float extra) {
 
 void DdpReducer::OnGradReady(Parameter* parameter) {
   if (!communicating_) return;
+  if (single_) {
+    if (slots_.contains(parameter)) --single_pending_;
+    return;
+  }
   auto it = slots_.find(parameter);
   if (it == slots_.end()) return;
   Bucket& bucket = buckets_[it->second.bucket];
@@ -127,6 +137,14 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   if (allreduce_seconds != nullptr) *allreduce_seconds = 0.0;
   if (!communicating_) return absl::OkStatus();
   communicating_ = false;
+  if (single_) {
+    if (single_pending_ != 0) {
+      return absl::InternalError(absl::StrCat("ddp: ", single_pending_,
+                                              " gradients missing (a parameter got no gradient?)"));
+    }
+    averaged_extra_ = extra_;
+    return absl::OkStatus();
+  }
   for (size_t i = 0; i < buckets_.size(); ++i) {
     if (buckets_[i].pending != 0) {
       return absl::InternalError(absl::StrCat("ddp: bucket ", i, " still misses ",

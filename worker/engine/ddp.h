@@ -90,6 +90,12 @@ class DdpReducer {
   int extra_bucket_ = 0;
   bool communicating_ = false;
   float averaged_extra_ = 0.0f;
+  // One rank: the average of one gradient is itself, so the gradients stay
+  // where they are and nothing is copied or handed to the comm thread.
+  bool single_ = false;
+  float extra_ = 0.0f;
+  // One rank: gradients of this backward not yet reported ready.
+  int single_pending_ = 0;
 
   std::mutex mu_;
   std::condition_variable cv_;

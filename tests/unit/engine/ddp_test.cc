@@ -19,6 +19,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 
 // Parameters named p0..pN-1 with the given sizes.
 std::vector<std::unique_ptr<Parameter>> MakeParameters(const std::vector<int64_t>& sizes) {
@@ -43,9 +44,13 @@ std::vector<Parameter*> Raw(const std::vector<std::unique_ptr<Parameter>>& param
 // `fail_at` on (0: never).
 class FakeCommunicator final : public Communicator {
  public:
-  explicit FakeCommunicator(int fail_at = 0) : fail_at_(fail_at) {}
+  explicit FakeCommunicator(int fail_at = 0, int world_size = 2)
+      : fail_at_(fail_at), world_size_(world_size) {}
   int rank() const override { return 0; }
-  int world_size() const override { return 1; }
+  // Two ranks by default, so the reducer buckets and launches as it does
+  // for real; the recorder leaves the data as it is (the average of equal
+  // gradients).
+  int world_size() const override { return world_size_; }
   absl::Status AllReduce(float*, size_t count, ReduceOp) override {
     counts.push_back(count);
     return Next();
@@ -70,6 +75,7 @@ class FakeCommunicator final : public Communicator {
     return absl::OkStatus();
   }
   int fail_at_;
+  int world_size_;
   int64_t calls_ = 0;
 };
 
@@ -127,6 +133,27 @@ TEST(DdpReducer, AMissingGradientIsAnErrorNotAHang) {
   absl::Status s = (*reducer)->Finish(nullptr, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
   EXPECT_THAT(s.message(), HasSubstr("misses 1"));
+}
+
+TEST(DdpReducer, OneRankLeavesGradientsInPlaceCommunicatesNothingAndStillCatchesAMissingOne) {
+  auto params = MakeParameters({100, 200});
+  for (auto& p : params) {
+    for (int64_t i = 0; i < p->grad.numel(); ++i) p->grad[i] = 0.25f * static_cast<float>(i);
+  }
+  FakeCommunicator comm(/*fail_at=*/0, /*world_size=*/1);
+  auto reducer = DdpReducer::Create({}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok());
+  (*reducer)->BeginBackward(true, 1.5f);
+  for (auto& p : params) (*reducer)->OnGradReady(p.get());
+  ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+  EXPECT_THAT(comm.counts, IsEmpty());
+  EXPECT_EQ((*reducer)->averaged_extra(), 1.5f);
+  EXPECT_EQ(params[1]->grad[7], 1.75f);
+  (*reducer)->BeginBackward(true, 0.0f);
+  (*reducer)->OnGradReady(params[0].get());
+  absl::Status s = (*reducer)->Finish(nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(s.message(), HasSubstr("1 gradients missing"));
 }
 
 TEST(DdpReducer, ACommunicatorFailureComesBackFromFinishNamingTheBucket) {
