@@ -20,6 +20,7 @@
 #include "aidnctl/output.h"
 #include "common/checkpoint_manifest.h"
 #include "common/crc32c.h"
+#include "common/file.h"
 #include "common/rpc/client.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
@@ -156,37 +157,16 @@ absl::StatusOr<ManifestEntry> VerifyCheckpoint(const v1::Checkpoint& checkpoint)
       absl::StrCat(kManifestName, " in ", dir, " names no ", kModelFile, "; nothing written"));
 }
 
-// An open file descriptor, closed on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // Closes now, reporting the error a deferred write may surface here.
-  int Close() {
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
-
 // Copies `from` to `to` through `to`.tmp, checking the bytes against
 // `expected` as they pass (the file may change after it was verified), then
 // fsync and rename. Without `replace`, a file that appeared at `to` since
 // CheckOutputPath is not replaced.
 absl::Status CopyVerified(const std::string& from, const ManifestEntry& expected,
                           const std::string& to, bool replace) {
-  const Fd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+  const ScopedFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
   if (in.get() < 0) return PosixError(from, errno);
   const std::string temp = absl::StrCat(to, ".tmp");
-  Fd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
+  ScopedFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
   if (out.get() < 0) return PosixError(absl::StrCat("cannot write ", temp), errno);
   bool renamed = false;
   struct RemoveTemp {
@@ -242,7 +222,8 @@ absl::Status CopyVerified(const std::string& from, const ManifestEntry& expected
   // complete either way, so a directory that cannot be synced (some file
   // systems refuse) is no reason to report failure.
   const std::filesystem::path parent = std::filesystem::path(to).parent_path();
-  const Fd dir(::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  const ScopedFd dir(
+      ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir.get() >= 0) ::fsync(dir.get());
   return absl::OkStatus();
 }

@@ -133,8 +133,8 @@ int RunRank(int rank, const std::string& store_dir, const Options& options) {
       }
     }
     if (rank == 0) {
-      for (const auto& [name, times] : {std::pair<const char*, std::vector<double>*>{"aidn", &aidn_t},
-                                        {"gloo", &gloo_t}}) {
+      for (const auto& [name, times] :
+           {std::pair<const char*, std::vector<double>*>{"aidn", &aidn_t}, {"gloo", &gloo_t}}) {
         const double t = Median(*times);
         const double algbw = static_cast<double>(bytes) / t / 1e9;
         const double busbw = algbw * 2.0 * (kWorld - 1) / kWorld;

@@ -1,5 +1,7 @@
 #include "common/file.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +25,16 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
     return PosixError(absl::StrCat("rename ", tmp, " to ", path), error);
   }
   return absl::OkStatus();
+}
+
+ScopedFd::~ScopedFd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int ScopedFd::Close() {
+  const int rc = ::close(fd_);
+  fd_ = -1;
+  return rc;
 }
 
 }  // namespace aidn

@@ -11,6 +11,22 @@ namespace aidn {
 // sees the old file or the whole new one, never a part.
 absl::Status WriteFileAtomically(const std::string& path, const std::string& contents);
 
+// A file descriptor closed when it goes out of scope (-1: none).
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd();
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+  // Closes now and returns close(2)'s result: a deferred write error can
+  // surface only here.
+  int Close();
+
+ private:
+  int fd_;
+};
+
 }  // namespace aidn
 
 #endif  // AIDN_COMMON_FILE_H_

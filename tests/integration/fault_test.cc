@@ -74,30 +74,18 @@ class FaultTest : public ::testing::Test {
   }
 
   // A worker daemon with one CPU slot; all share the checkpoint root.
-  void StartWorker(const std::string& id) {
-    const std::string work = absl::StrCat(dir_, "/", id);
-    fs::create_directories(work);
+  void StartOneWorker(const std::string& id) {
     absl::StatusOr<std::unique_ptr<Process>> w =
-        Process::Start({AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
-                        "--token-file=" + coordinator_.state_dir + "/worker.token",
-                        "--worker-id=" + id, "--cpu-slots=1", "--work-dir=" + work,
-                        "--checkpoint-root=" + ckpt_root_, "--metrics-addr=", "--stop-grace=1s"},
-                       {}, work + "/worker.out", work + "/worker.err");
+        StartWorker(coordinator_, id, absl::StrCat(dir_, "/", id),
+                    {"--checkpoint-root=" + ckpt_root_, "--stop-grace=1s"});
     ASSERT_TRUE(w.ok()) << w.status();
     workers_[id] = std::move(*w);
   }
 
   void StartWorkers(const std::vector<std::string>& ids) {
-    for (const std::string& id : ids) StartWorker(id);
-    ASSERT_TRUE(WaitFor(
-        [&] {
-          v1::ListWorkersResponse r;
-          if (!coord_->ListWorkers(Context(admin()).get(), {}, &r).ok()) return false;
-          int alive = 0;
-          for (const v1::Worker& w : r.workers()) alive += w.state() == v1::Worker::ALIVE;
-          return alive >= static_cast<int>(workers_.size());
-        },
-        seconds(30)))
+    for (const std::string& id : ids) StartOneWorker(id);
+    ASSERT_TRUE(
+        WaitForAliveWorkers(coord_.get(), admin(), static_cast<int>(workers_.size()), seconds(30)))
         << "workers did not register";
   }
 
@@ -159,36 +147,13 @@ class FaultTest : public ::testing::Test {
   }
 
   std::string Submit(const v1::JobSpec& spec) {
-    v1::SubmitJobRequest request;
-    *request.mutable_spec() = spec;
-    v1::SubmitJobResponse response;
-    grpc::Status s = coord_->SubmitJob(Context(admin()).get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response.job().id();
+    absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
   }
-
-  v1::Job Get(const std::string& id) {
-    v1::GetJobRequest request;
-    request.set_job_id(id);
-    v1::Job job;
-    coord_->GetJob(Context(admin()).get(), request, &job);
-    return job;
-  }
-
-  static bool Ended(const v1::Job& job) {
-    return job.state() == v1::Job::SUCCEEDED || job.state() == v1::Job::FAILED ||
-           job.state() == v1::Job::CANCELLED;
-  }
-
-  v1::Job WaitForEnd(const std::string& id, milliseconds timeout = kLong) {
-    v1::Job job;
-    WaitFor(
-        [&] {
-          job = Get(id);
-          return Ended(job);
-        },
-        timeout);
-    return job;
+  v1::Job Get(const std::string& id) { return GetJob(coord_.get(), admin(), id); }
+  v1::Job WaitForEnd(const std::string& id) {
+    return WaitForJobEnd(coord_.get(), admin(), id, kLong);
   }
 
   std::vector<v1::Event> Events(const std::string& id) {
@@ -225,7 +190,7 @@ class FaultTest : public ::testing::Test {
     WaitFor(
         [&] {
           const v1::Job job = Get(id);
-          ended = Ended(job);
+          ended = JobEnded(job);
           return ended || job.last_checkpoint_step() >= step;
         },
         kLong);

@@ -186,4 +186,71 @@ std::unique_ptr<grpc::ClientContext> Context(const std::string& token,
   return context;
 }
 
+absl::StatusOr<std::unique_ptr<Process>> StartWorker(const CoordinatorHandle& coordinator,
+                                                     const std::string& id,
+                                                     const std::string& work_dir,
+                                                     const std::vector<std::string>& extra_args) {
+  std::error_code error;
+  std::filesystem::create_directories(work_dir, error);
+  if (error) return absl::InternalError(absl::StrCat("mkdir ", work_dir, ": ", error.message()));
+  std::vector<std::string> argv = {AIDN_WORKER_BIN,
+                                   "--coordinator=" + coordinator.address,
+                                   "--token-file=" + coordinator.state_dir + "/worker.token",
+                                   "--worker-id=" + id,
+                                   "--cpu-slots=1",
+                                   "--work-dir=" + work_dir,
+                                   "--metrics-addr="};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  return Process::Start(argv, {}, work_dir + "/worker.out", work_dir + "/worker.err");
+}
+
+bool WaitForAliveWorkers(v1::CoordinatorService::Stub* stub, const std::string& token, int count,
+                         std::chrono::milliseconds timeout) {
+  return WaitFor(
+      [&] {
+        v1::ListWorkersResponse r;
+        if (!stub->ListWorkers(Context(token).get(), {}, &r).ok()) return false;
+        int alive = 0;
+        for (const v1::Worker& w : r.workers()) alive += w.state() == v1::Worker::ALIVE;
+        return alive >= count;
+      },
+      timeout);
+}
+
+absl::StatusOr<std::string> SubmitJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+                                      const v1::JobSpec& spec) {
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::SubmitJobResponse response;
+  grpc::Status s = stub->SubmitJob(Context(token).get(), request, &response);
+  if (!s.ok()) return absl::UnknownError(absl::StrCat("SubmitJob: ", s.error_message()));
+  return response.job().id();
+}
+
+v1::Job GetJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+               const std::string& job_id) {
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  if (!stub->GetJob(Context(token).get(), request, &job).ok()) return v1::Job();
+  return job;
+}
+
+bool JobEnded(const v1::Job& job) {
+  return job.state() == v1::Job::SUCCEEDED || job.state() == v1::Job::FAILED ||
+         job.state() == v1::Job::CANCELLED;
+}
+
+v1::Job WaitForJobEnd(v1::CoordinatorService::Stub* stub, const std::string& token,
+                      const std::string& job_id, std::chrono::milliseconds timeout) {
+  v1::Job job;
+  WaitFor(
+      [&] {
+        job = GetJob(stub, token, job_id);
+        return JobEnded(job);
+      },
+      timeout);
+  return job;
+}
+
 }  // namespace aidn::testing

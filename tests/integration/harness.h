@@ -46,6 +46,30 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address);
 std::unique_ptr<v1::ClusterService::Stub> ClusterStub(const std::string& address);
 
+// Starts AIDN_WORKER_BIN against `coordinator` with its worker token,
+// --worker-id=<id>, --cpu-slots=1, --work-dir=<work_dir> (created) and
+// --metrics-addr= (off), then `extra_args`; stdout and stderr go to
+// <work_dir>/worker.out and worker.err.
+absl::StatusOr<std::unique_ptr<Process>> StartWorker(
+    const CoordinatorHandle& coordinator, const std::string& id, const std::string& work_dir,
+    const std::vector<std::string>& extra_args = {});
+
+// Waits until at least `count` workers are ALIVE; false after `timeout`.
+bool WaitForAliveWorkers(v1::CoordinatorService::Stub* stub, const std::string& token, int count,
+                         std::chrono::milliseconds timeout);
+
+// Jobs through the CoordinatorService as `token`.
+absl::StatusOr<std::string> SubmitJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+                                      const v1::JobSpec& spec);
+// The job, or an empty Job when the call fails.
+v1::Job GetJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+               const std::string& job_id);
+// SUCCEEDED, FAILED or CANCELLED.
+bool JobEnded(const v1::Job& job);
+// Polls until the job ended or `timeout` passed; returns it as last seen.
+v1::Job WaitForJobEnd(v1::CoordinatorService::Stub* stub, const std::string& token,
+                      const std::string& job_id, std::chrono::milliseconds timeout);
+
 // A ClientContext with "authorization: Bearer <token>" and a deadline.
 std::unique_ptr<grpc::ClientContext> Context(
     const std::string& token, std::chrono::milliseconds timeout = std::chrono::seconds(10));

@@ -129,26 +129,14 @@ class SafetensorsTorchTest : public ::testing::Test {
   // Worker daemons with one CPU slot each, sharing the checkpoint root.
   void StartWorkers(const std::vector<std::string>& ids) {
     for (const std::string& id : ids) {
-      const std::string work = absl::StrCat(dir_, "/", id);
-      fs::create_directories(work);
       absl::StatusOr<std::unique_ptr<Process>> w =
-          Process::Start({AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
-                          "--token-file=" + coordinator_.state_dir + "/worker.token",
-                          "--worker-id=" + id, "--cpu-slots=1", "--work-dir=" + work,
-                          "--checkpoint-root=" + ckpt_root_, "--metrics-addr=", "--stop-grace=1s"},
-                         {}, work + "/worker.out", work + "/worker.err");
+          StartWorker(coordinator_, id, absl::StrCat(dir_, "/", id),
+                      {"--checkpoint-root=" + ckpt_root_, "--stop-grace=1s"});
       ASSERT_TRUE(w.ok()) << w.status();
       workers_[id] = std::move(*w);
     }
-    ASSERT_TRUE(WaitFor(
-        [&] {
-          v1::ListWorkersResponse r;
-          if (!coord_->ListWorkers(Context(admin()).get(), {}, &r).ok()) return false;
-          int alive = 0;
-          for (const v1::Worker& w : r.workers()) alive += w.state() == v1::Worker::ALIVE;
-          return alive >= static_cast<int>(workers_.size());
-        },
-        seconds(30)))
+    ASSERT_TRUE(
+        WaitForAliveWorkers(coord_.get(), admin(), static_cast<int>(workers_.size()), seconds(30)))
         << "workers did not register";
   }
 
@@ -173,23 +161,10 @@ class SafetensorsTorchTest : public ::testing::Test {
 
   // Submits `spec`, waits until the job has ended, and returns it.
   v1::Job RunJob(const v1::JobSpec& spec) {
-    v1::SubmitJobRequest submit;
-    *submit.mutable_spec() = spec;
-    v1::SubmitJobResponse submitted;
-    grpc::Status s = coord_->SubmitJob(Context(admin()).get(), submit, &submitted);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    v1::Job job;
-    WaitFor(
-        [&] {
-          v1::GetJobRequest request;
-          request.set_job_id(submitted.job().id());
-          job = v1::Job();
-          coord_->GetJob(Context(admin()).get(), request, &job);
-          return job.state() == v1::Job::SUCCEEDED || job.state() == v1::Job::FAILED ||
-                 job.state() == v1::Job::CANCELLED;
-        },
-        kJobTimeout);
-    return job;
+    absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (!id.ok()) return v1::Job();
+    return WaitForJobEnd(coord_.get(), admin(), *id, kJobTimeout);
   }
 
   // The EVAL metrics aidn recorded for `step`; kind TRAIN if there are none.

@@ -93,33 +93,13 @@ class TrainingTest : public ::testing::Test {
   }
 
   std::string Submit(const v1::JobSpec& spec) {
-    v1::SubmitJobRequest request;
-    *request.mutable_spec() = spec;
-    v1::SubmitJobResponse response;
-    grpc::Status s = coord_->SubmitJob(Context(admin()).get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response.job().id();
+    absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
   }
-
-  v1::Job Get(const std::string& id) {
-    v1::GetJobRequest request;
-    request.set_job_id(id);
-    v1::Job job;
-    EXPECT_TRUE(coord_->GetJob(Context(admin()).get(), request, &job).ok());
-    return job;
-  }
-
-  // Waits until the job ends; returns it.
+  v1::Job Get(const std::string& id) { return GetJob(coord_.get(), admin(), id); }
   v1::Job WaitForEnd(const std::string& id) {
-    v1::Job job;
-    WaitFor(
-        [&] {
-          job = Get(id);
-          return job.state() == v1::Job::SUCCEEDED || job.state() == v1::Job::FAILED ||
-                 job.state() == v1::Job::CANCELLED;
-        },
-        kLong);
-    return job;
+    return WaitForJobEnd(coord_.get(), admin(), id, kLong);
   }
 
   std::vector<v1::StepMetrics> Metrics(const std::string& id) {

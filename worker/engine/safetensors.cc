@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/file.h"
 #include "common/status.h"
 
 namespace aidn::engine {
@@ -506,26 +507,6 @@ absl::StatusOr<Header> ParseHeader(absl::string_view text, uint64_t data_bytes) 
 // ---------------------------------------------------------------------------
 // File access.
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // Closes now and reports close's error (a write error can surface here).
-  int Close() {
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
-
 // Reads exactly `size` bytes at `offset`; DATA_LOSS if the file ends first.
 absl::Status PreadAll(int fd, void* buf, size_t size, uint64_t offset) {
   auto* p = static_cast<char*>(buf);
@@ -559,13 +540,13 @@ absl::Status WriteAll(int fd, const void* buf, size_t size) {
 
 // An open file and its validated header.
 struct OpenFile {
-  std::unique_ptr<Fd> fd;
+  std::unique_ptr<ScopedFd> fd;
   Header header;
 };
 
 absl::StatusOr<OpenFile> OpenAndParse(const std::string& path) {
   OpenFile file;
-  file.fd = std::make_unique<Fd>(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  file.fd = std::make_unique<ScopedFd>(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (file.fd->get() < 0) return PosixError("open", errno);
   struct stat st;
   if (::fstat(file.fd->get(), &st) != 0) return PosixError("stat", errno);
@@ -658,7 +639,7 @@ absl::Status Save(const std::string& path, const std::vector<NamedTensor>& tenso
     length_bytes[i] = static_cast<unsigned char>(header.size() >> (8 * i));
 
   const std::string tmp = path + ".tmp";
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ScopedFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return PosixError(absl::StrCat("create ", tmp), errno);
   absl::Status status = WriteAll(fd.get(), length_bytes, sizeof(length_bytes));
   if (status.ok()) status = WriteAll(fd.get(), header.data(), header.size());
@@ -679,7 +660,7 @@ absl::Status Save(const std::string& path, const std::vector<NamedTensor>& tenso
   // The rename is durable only once the directory entry is.
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   const std::string dir = parent.empty() ? std::string(".") : parent.string();
-  Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ScopedFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() < 0) return PosixError(absl::StrCat("open directory ", dir), errno);
   if (::fsync(dir_fd.get()) != 0) return PosixError(absl::StrCat("fsync directory ", dir), errno);
   return absl::OkStatus();

@@ -1,5 +1,7 @@
 #include "common/checkpoint_manifest.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -77,7 +79,7 @@ TEST(Manifest, RefusesAnythingMalformed) {
 class VerifyTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/verify-",
+    dir_ = absl::StrCat(::testing::TempDir(), "/verify-", getpid(), "-",
                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);

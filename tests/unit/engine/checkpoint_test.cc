@@ -1,6 +1,8 @@
 #include "worker/engine/checkpoint.h"
 
+#include <unistd.h>
 #include <cstring>
+
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -72,7 +74,7 @@ struct Trainer {
 class CheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/ckpt-",
+    dir_ = absl::StrCat(::testing::TempDir(), "/ckpt-", getpid(), "-",
                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
   }
