@@ -87,6 +87,10 @@ constexpr int kSilentBeats = 3;
 constexpr size_t kStragglerWindow = 50;
 constexpr size_t kStragglerMinSamples = 20;
 constexpr double kStragglerRatio = 1.5;
+// Hysteresis, so that noise around 1.5x does not flap: a straggler recovers
+// below 1.2x, and a rank's state changes at most once per window of its own
+// new steps.
+constexpr double kRecoveredRatio = 1.2;
 // A checkpoint's invalid_reason is at most this long.
 constexpr size_t kMaxInvalidReason = 1024;
 
@@ -526,6 +530,8 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
   entry->step_window.clear();
   entry->step_window_changed = false;
   entry->stragglers.clear();
+  entry->step_samples.clear();
+  entry->straggler_changed_at.clear();
   // Steps still missing a rank will not get it from this generation.
   if (entry->steps != nullptr) {
     entry->steps->Expire(Clock::TimePoint::max(), /*everything=*/true);
@@ -1346,6 +1352,7 @@ absl::Status Coordinator::AppendMetrics(const v1::StreamMetricsRequest& request)
       // in the allreduce, so their step_seconds are as long as its.
       window.push_back(r.compute_seconds() > 0 ? r.compute_seconds() : r.step_seconds());
       if (window.size() > kStragglerWindow) window.pop_front();
+      ++entry->step_samples[rank];
       entry->step_window_changed = true;
       if (r.step() >= job.last_step()) {
         job.set_last_step(r.step());
@@ -1832,12 +1839,20 @@ void Coordinator::CheckStragglers(JobEntry* entry, Deferred* deferred) {
   for (const auto& [rank, m] : medians) {
     const size_t index = std::lower_bound(sorted.begin(), sorted.end(), m) - sorted.begin();
     const double others = MedianWithout(sorted, index);
-    const bool slow = m > kStragglerRatio * others;
-    if (slow == entry->stragglers.contains(rank)) continue;
+    const bool was_slow = entry->stragglers.contains(rank);
+    const bool slow = was_slow ? m >= kRecoveredRatio * others : m > kStragglerRatio * others;
+    if (slow == was_slow) continue;
+    const int64_t samples_now = entry->step_samples[rank];
+    auto changed = entry->straggler_changed_at.find(rank);
+    if (changed != entry->straggler_changed_at.end() &&
+        samples_now - changed->second < static_cast<int64_t>(kStragglerWindow)) {
+      continue;
+    }
+    entry->straggler_changed_at[rank] = samples_now;
     const size_t samples = entry->step_window.at(rank).size();
     std::string message = absl::StrFormat(
-        "rank %d: median step time %.3gs over its last %d steps, the other ranks' %.3gs", rank, m,
-        samples, others);
+        "rank %d: median compute time %.3gs over its last %d steps, the other ranks' %.3gs", rank,
+        m, samples, others);
     if (others > 0) absl::StrAppend(&message, absl::StrFormat(" (%.2fx)", m / others));
     if (slow) {
       entry->stragglers.insert(rank);

@@ -224,6 +224,10 @@ class Coordinator {
     std::map<int, std::deque<double>> step_window;
     bool step_window_changed = false;
     std::set<int> stragglers;
+    // Per rank: TRAIN samples taken into step_window so far, and that count
+    // when its straggler state last changed.
+    std::map<int, int64_t> step_samples;
+    std::map<int, int64_t> straggler_changed_at;
     // The reason it last waited for, so "job.waiting" is not repeated.
     std::string waiting_reason;
     // Metrics: combined steps (null until the first record, and again once

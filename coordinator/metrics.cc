@@ -148,10 +148,10 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
       rank_last_progress_age_seconds(
           r->AddGauge("aidn_rank_last_progress_age_seconds",
                       "Seconds since the rank last reported progress (running generations only).")),
-      rank_straggler(
-          r->AddGauge("aidn_rank_straggler",
-                      "1 while the rank's median step time is over 1.5x the other ranks' (running "
-                      "generations only).")),
+      rank_straggler(r->AddGauge("aidn_rank_straggler",
+                                 "1 while the rank's median compute time (step less allreduce "
+                                 "wait) is over 1.5x the other ranks' (running "
+                                 "generations only).")),
       worker_up(r->AddGauge("aidn_worker_up", "1 while the worker heartbeats, 0 once lost.")),
       worker_heartbeat_age_seconds(r->AddGauge("aidn_worker_heartbeat_age_seconds",
                                                "Seconds since the worker's last heartbeat.")),

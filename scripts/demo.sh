@@ -36,7 +36,7 @@ for w in w1 w2; do
   # One checkpoint root for both, as nodes share checkpoint storage.
   "$BIN/worker/aidn-worker" --coordinator="$AIDN_ADDR" --token-file="$DEMO/state/worker.token" \
     --worker-id="$w" --cpu-slots=1 --work-dir="$DEMO/$w" --metrics-addr=127.0.0.1:0 \
-    --checkpoint-root="$DEMO/checkpoints" >"$DEMO/$w/worker.log" 2>&1 &
+    --checkpoint-root="$DEMO" >"$DEMO/$w/worker.log" 2>&1 &
   PIDS+=($!)
 done
 
