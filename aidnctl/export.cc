@@ -1,7 +1,6 @@
 #include "aidnctl/export.h"
 
 #include <fcntl.h>
-#include <openssl/sha.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,6 +19,7 @@
 #include "aidnctl/output.h"
 #include "common/checkpoint_manifest.h"
 #include "common/crc32c.h"
+#include "common/digest.h"
 #include "common/file.h"
 #include "common/rpc/client.h"
 #include "common/status.h"
@@ -56,14 +56,6 @@ std::string WhyNot(const v1::Checkpoint& c) {
   }
   return absl::StrCat("not committed (", c.ranks_reported_size(), "/", c.ranks_expected_size(),
                       " ranks reported)");
-}
-
-std::string Sha256Hex(const std::string& bytes) {
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
-  std::string hex;
-  for (unsigned char b : digest) absl::StrAppendFormat(&hex, "%02x", b);
-  return hex;
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {

@@ -91,14 +91,9 @@ class FaultTest : public ::testing::Test {
 
   void TearDown() override {
     if (HasFailure()) {
-      for (const auto& [id, w] : workers_) {
-        std::cerr << "---- worker " << id << " stderr (tail) ----\n"
-                  << Tail(ReadFileOrEmpty(absl::StrCat(dir_, "/", id, "/worker.err"))) << "\n";
-      }
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator stderr (tail) ----\n"
-                  << Tail(coordinator_.process->Stderr()) << "\n";
-      }
+      std::vector<std::string> ids;
+      for (const auto& [id, w] : workers_) ids.push_back(id);
+      PrintStderrTails(dir_, ids, coordinator_);
     }
     workers_.clear();
     coordinator_.process.reset();
@@ -114,10 +109,6 @@ class FaultTest : public ::testing::Test {
           << "leaked temporary checkpoint directory " << it->path();
     }
     if (!HasFailure()) fs::remove_all(dir_, error);
-  }
-
-  static std::string Tail(const std::string& text) {
-    return text.size() > 6000 ? text.substr(text.size() - 6000) : text;
   }
 
   const std::string& admin() const { return coordinator_.admin_token; }

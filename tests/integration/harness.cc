@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <future>
+#include <iostream>
 #include <thread>
 #include <utility>
 
@@ -202,6 +203,21 @@ absl::StatusOr<std::unique_ptr<Process>> StartWorker(const CoordinatorHandle& co
                                    "--metrics-addr="};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   return Process::Start(argv, {}, work_dir + "/worker.out", work_dir + "/worker.err");
+}
+
+void PrintStderrTails(const std::string& dir, const std::vector<std::string>& worker_ids,
+                      const CoordinatorHandle& coordinator) {
+  auto tail = [](const std::string& text) {
+    return text.size() > 6000 ? text.substr(text.size() - 6000) : text;
+  };
+  for (const std::string& id : worker_ids) {
+    std::cerr << "---- worker " << id << " stderr (tail) ----\n"
+              << tail(ReadFileOrEmpty(absl::StrCat(dir, "/", id, "/worker.err"))) << "\n";
+  }
+  if (coordinator.process != nullptr) {
+    std::cerr << "---- coordinator stderr (tail) ----\n"
+              << tail(coordinator.process->Stderr()) << "\n";
+  }
 }
 
 bool WaitForAliveWorkers(v1::CoordinatorService::Stub* stub, const std::string& token, int count,

@@ -54,6 +54,12 @@ absl::StatusOr<std::unique_ptr<Process>> StartWorker(
     const CoordinatorHandle& coordinator, const std::string& id, const std::string& work_dir,
     const std::vector<std::string>& extra_args = {});
 
+// For a failed test's output: the last 6000 bytes of each worker's stderr
+// (<dir>/<id>/worker.err, as StartWorker writes it) and of the
+// coordinator's, to std::cerr.
+void PrintStderrTails(const std::string& dir, const std::vector<std::string>& worker_ids,
+                      const CoordinatorHandle& coordinator);
+
 // Waits until at least `count` workers are ALIVE; false after `timeout`.
 bool WaitForAliveWorkers(v1::CoordinatorService::Stub* stub, const std::string& token, int count,
                          std::chrono::milliseconds timeout);

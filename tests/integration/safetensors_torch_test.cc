@@ -103,14 +103,9 @@ class SafetensorsTorchTest : public ::testing::Test {
 
   void TearDown() override {
     if (HasFailure()) {
-      for (const auto& [id, w] : workers_) {
-        std::cerr << "---- worker " << id << " stderr (tail) ----\n"
-                  << Tail(ReadFileOrEmpty(absl::StrCat(dir_, "/", id, "/worker.err"))) << "\n";
-      }
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator stderr (tail) ----\n"
-                  << Tail(coordinator_.process->Stderr()) << "\n";
-      }
+      std::vector<std::string> ids;
+      for (const auto& [id, w] : workers_) ids.push_back(id);
+      PrintStderrTails(dir_, ids, coordinator_);
     }
     workers_.clear();
     coordinator_.process.reset();
@@ -118,10 +113,6 @@ class SafetensorsTorchTest : public ::testing::Test {
     EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir_}).empty(); }, seconds(15)))
         << "stray processes: " << ProcessesWith({dir_}).size();
     if (!HasFailure()) RemoveTree(dir_);
-  }
-
-  static std::string Tail(const std::string& text) {
-    return text.size() > 6000 ? text.substr(text.size() - 6000) : text;
   }
 
   const std::string& admin() const { return coordinator_.admin_token; }

@@ -1,7 +1,5 @@
 #include "worker/trainer/trainer.h"
 
-#include <openssl/sha.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -22,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "aidn/v1/cluster.grpc.pb.h"
+#include "common/digest.h"
 #include "common/log.h"
 #include "common/rpc/client.h"
 #include "common/rpc/status_convert.h"
@@ -72,14 +71,6 @@ Failure FailureFor(const absl::Status& status, const char* what) {
     return {kExitSuperseded, annotated};
   }
   return {kExitFailure, annotated};
-}
-
-std::string Sha256Hex(const std::string& text) {
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
-  std::string hex;
-  for (unsigned char b : digest) absl::StrAppendFormat(&hex, "%02x", b);
-  return hex;
 }
 
 bool Retryable(const grpc::Status& status) {

@@ -4,7 +4,6 @@
 
 #include "aidnctl/export.h"
 
-#include <openssl/sha.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "common/checkpoint_manifest.h"
 #include "common/crc32c.h"
+#include "common/digest.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/aidnctl/fake_job_coordinator.h"
@@ -35,14 +35,6 @@ std::string ReadAll(const std::string& path) {
 
 void WriteAll(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
-
-std::string Sha256Hex(const std::string& bytes) {
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
-  std::string hex;
-  for (unsigned char b : digest) absl::StrAppendFormat(&hex, "%02x", b);
-  return hex;
 }
 
 // Weights of `step` in the safetensors layout (an 8-byte header length, the
@@ -284,6 +276,11 @@ TEST_F(ExportTest, AnUnknownJobIsTheCoordinatorsNotFound) {
   EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
   EXPECT_THAT(status.message(), HasSubstr("job job-9 not found"));
   ExpectNothingWritten();
+}
+
+TEST(Sha256Hex, MatchesTheFips180Vectors) {
+  EXPECT_EQ(Sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(Sha256Hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
 }
 
 TEST(ChooseCheckpoint, SaysWhyNoCheckpointCanBeExported) {
