@@ -1,12 +1,15 @@
-// Allreduce bandwidth, nccl-tests style: aidn's Communicator (GlooCommunicator)
-// against raw Gloo (gloo::allreduce, ring, on a context of its own), 2 ranks
-// on loopback, 4 KB to 256 MB. Both run in the same two processes, size by
-// size and interleaved round by round, so they see the same machine.
+// Allreduce bandwidth, nccl-tests style: aidn's Communicators (the
+// shared-memory one, which a job whose ranks share a host gets, and the
+// Gloo one over TCP, which ranks on different hosts get) against raw Gloo
+// (gloo::allreduce, ring, on a context of its own), 2 ranks on loopback,
+// 4 KB to 256 MB. All run in the same two processes, size by size and
+// interleaved round by round, so they see the same machine.
 //
 //   build/bench/allreduce [--max-mb 256] [--rounds 3] [--min-seconds 0.2]
 //
 // Prints, from rank 0, one row per size and implementation:
 //   size(B) count(floats) impl time(us) algbw(GB/s) busbw(GB/s)
+// with impl aidn-shm, aidn (the Gloo communicator) and gloo.
 // time is the median over rounds of each round's mean time per call; busbw
 // = algbw * 2(n-1)/n, as nccl-tests define it. bench/allreduce.sh adds
 // torch.distributed's gloo backend beside these.
@@ -32,6 +35,7 @@
 #include "gloo/rendezvous/prefix_store.h"
 #include "gloo/transport/tcp/device.h"
 #include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/comm/shm_communicator.h"
 
 namespace {
 
@@ -70,6 +74,18 @@ int RunRank(int rank, const std::string& store_dir, const Options& options) {
     std::fprintf(stderr, "rank %d: %s\n", rank, comm.status().ToString().c_str());
     return 1;
   }
+  aidn::engine::ShmOptions shm_options;
+  shm_options.rank = rank;
+  shm_options.world_size = kWorld;
+  shm_options.prefix = "aidn-shm";
+  shm_options.timeout = gloo_options.timeout;
+  absl::StatusOr<aidn::engine::ShmAttempt> shm =
+      aidn::engine::CreateShmCommunicator(shm_options, store);
+  if (!shm.ok() || shm->communicator == nullptr) {
+    std::fprintf(stderr, "rank %d: shared memory: %s\n", rank,
+                 shm.ok() ? shm->description.c_str() : shm.status().ToString().c_str());
+    return 1;
+  }
   // Raw Gloo: a context of its own over the same store, as a Gloo user
   // would set it up.
   gloo::transport::tcp::attr attr;
@@ -95,18 +111,20 @@ int RunRank(int rank, const std::string& store_dir, const Options& options) {
   };
 
   if (rank == 0) {
-    std::printf("%12s %12s %-6s %12s %12s %12s\n", "size(B)", "count", "impl", "time(us)",
+    std::printf("%12s %12s %-8s %12s %12s %12s\n", "size(B)", "count", "impl", "time(us)",
                 "algbw(GB/s)", "busbw(GB/s)");
   }
   for (size_t bytes = 4096; bytes <= options.max_bytes; bytes *= 4) {
     const size_t count = bytes / sizeof(float);
-    auto aidn_op = [&] {
-      absl::Status s = (*comm)->AllReduce(a.data(), count, aidn::engine::ReduceOp::kSum);
+    auto run = [&](aidn::engine::Communicator& c) {
+      absl::Status s = c.AllReduce(a.data(), count, aidn::engine::ReduceOp::kSum);
       if (!s.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", rank, s.ToString().c_str());
         std::exit(1);
       }
     };
+    auto shm_op = [&] { run(*shm->communicator); };
+    auto aidn_op = [&] { run(**comm); };
     gloo::AllreduceOptions raw(context);
     raw.setOutput<float>(b.data(), count);
     raw.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
@@ -115,31 +133,33 @@ int RunRank(int rank, const std::string& store_dir, const Options& options) {
       raw.setTag(tag++);
       gloo::allreduce(raw);
     };
-    // Warm up both, then pick an iteration count that fills min_seconds.
-    const double probe = std::max(timed(aidn_op, 2), timed(gloo_op, 2));
-    float iters_f = static_cast<float>(
-        std::clamp(static_cast<int>(options.min_seconds / std::max(probe, 1e-7)), 3, 100000));
-    (*comm)->Broadcast(&iters_f, 1, 0).IgnoreError();
-    const int iters = static_cast<int>(iters_f);
-    std::vector<double> aidn_t, gloo_t;
+    const std::vector<std::pair<const char*, std::function<void()>>> impls = {
+        {"aidn-shm", shm_op}, {"aidn", aidn_op}, {"gloo", gloo_op}};
+    // Warm up each, then pick an iteration count per implementation that
+    // fills min_seconds (rank 0 decides; both ranks must agree).
+    std::vector<int> iters;
+    for (const auto& impl : impls) {
+      const double probe = timed(impl.second, 2);
+      float n = static_cast<float>(
+          std::clamp(static_cast<int>(options.min_seconds / std::max(probe, 1e-7)), 3, 100000));
+      (*comm)->Broadcast(&n, 1, 0).IgnoreError();
+      iters.push_back(static_cast<int>(n));
+    }
+    std::vector<std::vector<double>> times(impls.size());
     for (int r = 0; r < options.rounds; ++r) {
-      // Alternate which goes first.
-      if (r % 2 == 0) {
-        aidn_t.push_back(timed(aidn_op, iters));
-        gloo_t.push_back(timed(gloo_op, iters));
-      } else {
-        gloo_t.push_back(timed(gloo_op, iters));
-        aidn_t.push_back(timed(aidn_op, iters));
+      // Rotate which goes first.
+      for (size_t k = 0; k < impls.size(); ++k) {
+        const size_t i = (k + r) % impls.size();
+        times[i].push_back(timed(impls[i].second, iters[i]));
       }
     }
     if (rank == 0) {
-      for (const auto& [name, times] :
-           {std::pair<const char*, std::vector<double>*>{"aidn", &aidn_t}, {"gloo", &gloo_t}}) {
-        const double t = Median(*times);
+      for (size_t i = 0; i < impls.size(); ++i) {
+        const double t = Median(times[i]);
         const double algbw = static_cast<double>(bytes) / t / 1e9;
         const double busbw = algbw * 2.0 * (kWorld - 1) / kWorld;
-        std::printf("%12zu %12zu %-6s %12.1f %12.3f %12.3f\n", bytes, count, name, t * 1e6, algbw,
-                    busbw);
+        std::printf("%12zu %12zu %-8s %12.1f %12.3f %12.3f\n", bytes, count, impls[i].first,
+                    t * 1e6, algbw, busbw);
       }
       std::fflush(stdout);
     }

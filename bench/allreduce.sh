@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Allreduce of 2 ranks on loopback, 4 KB to 256 MB, nccl-tests style rows for
-# aidn's Communicator, raw Gloo (both from build/bench/allreduce, interleaved
-# in the same processes) and torch.distributed's gloo backend
-# (bench/allreduce_torch.py), alternated PASSES times in one run; each row is
-# the median over passes. Ends with the ratios aidn/gloo and aidn/torch of
-# bus bandwidth.
+# aidn's Communicators (aidn-shm: shared memory, what ranks on one host get;
+# aidn: Gloo over TCP, what ranks on different hosts get), raw Gloo (all from
+# build/bench/allreduce, interleaved in the same processes) and
+# torch.distributed's gloo backend (bench/allreduce_torch.py), alternated
+# PASSES times in one run; each row is the median over passes. Ends with the
+# bus bandwidth ratios aidn/gloo, aidn/torch and aidn-shm/gloo.
 #
 #   cmake -S . -B build -DAIDN_BUILD_BENCHMARKS=ON && ninja -C build allreduce
 #   bench/allreduce.sh              # PASSES=2 MAX_MB=256: about 2 minutes
@@ -36,21 +37,22 @@ for line in open(sys.argv[1]):
     if len(f) == 6:
         rows[(int(f[0]), f[2])].append((float(f[3]), float(f[4]), float(f[5])))
 sizes = sorted({s for s, _ in rows})
-print(f"{'size(B)':>12} {'impl':<6} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
+print(f"{'size(B)':>12} {'impl':<8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
 bus = {}
 for s in sizes:
-    for impl in ("aidn", "gloo", "torch"):
+    for impl in ("aidn-shm", "aidn", "gloo", "torch"):
         if (s, impl) not in rows:
             continue
         t = statistics.median(r[0] for r in rows[(s, impl)])
         a = statistics.median(r[1] for r in rows[(s, impl)])
         b = statistics.median(r[2] for r in rows[(s, impl)])
         bus[(s, impl)] = b
-        print(f"{s:12d} {impl:<6} {t:12.1f} {a:12.3f} {b:12.3f}")
+        print(f"{s:12d} {impl:<8} {t:12.1f} {a:12.3f} {b:12.3f}")
 print()
-print(f"{'size(B)':>12} {'aidn/gloo':>10} {'aidn/torch':>11}")
+def ratio(s, a, b):
+    return bus.get((s, a), 0) / bus[(s, b)] if bus.get((s, b)) else float("nan")
+print(f"{'size(B)':>12} {'aidn/gloo':>10} {'aidn/torch':>11} {'aidn-shm/gloo':>14}")
 for s in sizes:
-    g = bus.get((s, "aidn"), 0) / bus[(s, "gloo")] if bus.get((s, "gloo")) else float("nan")
-    t = bus.get((s, "aidn"), 0) / bus[(s, "torch")] if bus.get((s, "torch")) else float("nan")
-    print(f"{s:12d} {g:10.3f} {t:11.3f}")
+    print(f"{s:12d} {ratio(s, 'aidn', 'gloo'):10.3f} {ratio(s, 'aidn', 'torch'):11.3f} "
+          f"{ratio(s, 'aidn-shm', 'gloo'):14.3f}")
 PY

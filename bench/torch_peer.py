@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch peer for bench/train_quick.sh: the same training step as aidn's.
+"""PyTorch peer for bench/train.sh: the same training step as aidn's.
 
 Trains the MLP (784-256-256-10) or the small CNN on Fashion-MNIST with SGD
 (lr 0.05, momentum 0.9), batch 64 per rank, and times the steady-state steps.

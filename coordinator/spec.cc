@@ -414,6 +414,9 @@ void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
   if (!spec->has_bucket_mb()) spec->set_bucket_mb(25.0);
   if (spec->grad_accum_steps() == 0) spec->set_grad_accum_steps(1);
   if (spec->precision() == JobSpec::PRECISION_UNSPECIFIED) spec->set_precision(JobSpec::FP32);
+  if (spec->comm_backend() == JobSpec::COMM_BACKEND_UNSPECIFIED) {
+    spec->set_comm_backend(JobSpec::AUTO);
+  }
 
   if (spec->checkpoint().keep_last() == 0) spec->mutable_checkpoint()->set_keep_last(3);
   if (!spec->has_max_restarts()) spec->set_max_restarts(limits.default_max_restarts);
@@ -494,6 +497,25 @@ absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) 
     default:
       return Invalid("precision", absl::StrCat("unknown value ", static_cast<int>(spec.precision()),
                                                " (known: fp32)"));
+  }
+
+  switch (spec.comm_backend()) {
+    case JobSpec::AUTO:
+      break;
+    case JobSpec::GLOO:
+    case JobSpec::SHM:
+      if (spec.device() == JobSpec::GPU) {
+        return Invalid("comm_backend", absl::StrCat(JobSpec::CommBackend_Name(spec.comm_backend()),
+                                                    " is for CPU jobs (GPU jobs use NCCL): "
+                                                    "leave it unset or auto"));
+      }
+      break;
+    case JobSpec::COMM_BACKEND_UNSPECIFIED:
+      return Invalid("comm_backend", "not set (defaults were not applied)");
+    default:
+      return Invalid("comm_backend",
+                     absl::StrCat("unknown value ", static_cast<int>(spec.comm_backend()),
+                                  " (known: auto, gloo, shm)"));
   }
 
   AIDN_RETURN_IF_ERROR(ValidateCheckpoint(spec.checkpoint()));

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -148,6 +149,40 @@ TEST_F(TrainingTest, TwoWorkersTrainTheMlpToARealTestAccuracy) {
   EXPECT_GT(accuracy, 0.72);
   // The trainers wrote their logs where the workers keep them.
   EXPECT_TRUE(std::filesystem::exists(absl::StrCat(dir_, "/w1/logs/", id, "/gen-1")));
+}
+
+// Both workers run on this host, so by default the ranks meet in shared
+// memory; `comm_backend: gloo` makes them use TCP. For two ranks both sum
+// a + b and halve it, so the runs must agree bit for bit, step by step.
+TEST_F(TrainingTest, SharedMemoryAndGlooTrainTheSameLossesBitForBit) {
+  std::map<std::string, std::vector<double>> losses;
+  for (v1::JobSpec::CommBackend backend : {v1::JobSpec::AUTO, v1::JobSpec::GLOO}) {
+    v1::JobSpec spec = MlpSpec();
+    spec.set_max_steps(120);
+    spec.set_comm_backend(backend);
+    const std::string id = Submit(spec);
+    v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+    std::string logs;
+    for (const char* w : {"w1", "w2"}) {
+      for (int rank : {0, 1}) {
+        logs +=
+            ReadFileOrEmpty(absl::StrCat(dir_, "/", w, "/logs/", id, "/gen-1/rank-", rank, ".log"));
+      }
+    }
+    const std::string want = backend == v1::JobSpec::AUTO ? "transport=shm" : "transport=gloo";
+    int found = 0;
+    for (size_t at = logs.find(want); at != std::string::npos; at = logs.find(want, at + 1)) {
+      ++found;
+    }
+    EXPECT_EQ(found, 2) << "both ranks log their transport:\n" << logs;
+    std::vector<double>& mine = losses[v1::JobSpec::CommBackend_Name(backend)];
+    for (const v1::StepMetrics& s : Metrics(id)) {
+      if (s.kind() == v1::MetricRecord::TRAIN) mine.push_back(s.loss());
+    }
+    EXPECT_EQ(mine.size(), 120u);
+  }
+  EXPECT_EQ(losses["AUTO"], losses["GLOO"]);
 }
 
 TEST_F(TrainingTest, TheCnnTrainsToo) {

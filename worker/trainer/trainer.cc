@@ -26,7 +26,7 @@
 #include "common/rpc/status_convert.h"
 #include "common/status.h"
 #include "worker/engine/checkpoint.h"
-#include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/comm/cpu_communicator.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
 #include "worker/engine/lr_schedule.h"
@@ -558,16 +558,28 @@ std::optional<Failure> Run::Setup() {
       std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
   auto store = std::make_shared<CoordinatorStore>(stub_, options_.token, options_.job_id,
                                                   options_.generation, timeout);
-  engine::GlooOptions gloo;
+  engine::CpuCommunicatorOptions comm_options;
+  engine::GlooOptions& gloo = comm_options.gloo;
   gloo.rank = rendezvous_.rank();
   gloo.world_size = rendezvous_.world_size();
   gloo.host = options_.host;
   gloo.timeout = timeout;
   gloo.prefix = "gloo";
-  absl::StatusOr<std::unique_ptr<engine::Communicator>> comm =
-      engine::CreateGlooCommunicator(gloo, store);
+  switch (spec_.comm_backend()) {
+    case v1::JobSpec::GLOO:
+      comm_options.transport = engine::CpuTransport::kGloo;
+      break;
+    case v1::JobSpec::SHM:
+      comm_options.transport = engine::CpuTransport::kShm;
+      break;
+    default:
+      comm_options.transport = engine::CpuTransport::kAuto;
+  }
+  absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(comm_options, store);
   if (!comm.ok()) return FailureFor(comm.status(), "communicator");
-  comm_ = *std::move(comm);
+  AIDN_LOG(INFO) << "communicator ready" << Kv("transport", comm->transport)
+                 << Kv("why", comm->description);
+  comm_ = std::move(comm->communicator);
 
   if (rendezvous_.rank() == 0 && !checkpoint_dir_.empty()) {
     for (const v1::Checkpoint& candidate : rendezvous_.resume_candidates()) {

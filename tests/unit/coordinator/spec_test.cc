@@ -97,6 +97,11 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
        "strategy: ZERO1 is reserved and not supported yet (use ddp)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::BF16); },
        "precision: BF16 is reserved and not supported yet (use fp32)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_comm_backend(JobSpec::SHM);
+       },
+       "comm_backend: SHM is for CPU jobs (GPU jobs use NCCL): leave it unset or auto"},
       {[](JobSpec* s) { *s->mutable_timeouts()->mutable_worker() = Seconds(86400, 1); },
        "timeouts.worker: must be at most 24h (86400s), got 86400.000000001s"},
       {[](JobSpec* s) { (*s->mutable_labels())["bad key"] = "v"; },
@@ -420,6 +425,15 @@ const BadCase kBadCases[] = {
     {"PrecisionFp16", [](JobSpec* s) { s->set_precision(JobSpec::FP16); }, "precision"},
     {"PrecisionUnknown", [](JobSpec* s) { s->set_precision(static_cast<JobSpec::Precision>(99)); },
      "precision"},
+    {"CommBackendUnknown",
+     [](JobSpec* s) { s->set_comm_backend(static_cast<JobSpec::CommBackend>(99)); },
+     "comm_backend"},
+    {"CommBackendGlooOnGpu",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_comm_backend(JobSpec::GLOO);
+     },
+     "comm_backend"},
     // checkpoint
     {"CheckpointDirDotDot", [](JobSpec* s) { s->mutable_checkpoint()->set_dir("../ckpt"); },
      "checkpoint.dir"},
@@ -753,6 +767,7 @@ TEST(ApplyJobSpecDefaults, DoesNotOverwriteValuesTheUserSet) {
   user.set_bucket_mb(4);
   user.set_grad_accum_steps(2);
   user.set_precision(JobSpec::FP32);
+  user.set_comm_backend(JobSpec::AUTO);
   user.mutable_checkpoint()->set_keep_last(9);
   user.set_max_restarts(0);  // explicit 0 survives
   *user.mutable_timeouts()->mutable_rendezvous() = Seconds(42);

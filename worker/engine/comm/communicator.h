@@ -2,7 +2,9 @@
 #define AIDN_WORKER_ENGINE_COMM_COMMUNICATOR_H_
 
 // Collectives among the ranks of one generation of a job. Implementations:
-// Gloo over TCP (CPU), NCCL (GPU, a later issue).
+// shared memory among ranks on one host (shm_communicator.h),
+// Gloo over TCP (CPU, any hosts), NCCL (GPU, a later issue);
+// cpu_communicator.h picks between the CPU ones.
 //
 // Call-order contract: every rank calls the same collectives, with the same
 // counts, in the same order. One collective at a time per communicator (use

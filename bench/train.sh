@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Quick, repeatable training-throughput comparison: aidn vs PyTorch, measured
-# in the same run, interleaved.
+# Training throughput, aidn against PyTorch, measured in the same run,
+# interleaved (issue 6's bench/train).
 #
-#   bench/train_quick.sh            # ~3-6 minutes on an idle 2-core machine
+#   bench/train.sh                  # ~10 minutes on an idle 2-core machine
+#   CASES="mlp:2:1:shm mlp:2:1:gloo" REPS=5 bench/train.sh
 #
-# Cases: Fashion-MNIST, batch 64 per rank, SGD lr 0.05 momentum 0.9, seed 1:
-#   MLP 784-256-256-10 and the small CNN, each on 1 rank x 1 thread and on
-#   2 ranks x 1 thread (DDP over gloo on both sides).
+# Cases (model:ranks:threads[:aidn transport]): Fashion-MNIST, batch 64 per
+# rank, SGD lr 0.05 momentum 0.9, seed 1, flush-to-zero on both sides:
+#   MLP 784-256-256-10 and the small CNN, each on 1 rank x 1 thread,
+#   1 rank x 2 threads and 2 ranks x 1 thread (DDP on both sides). For two
+#   ranks aidn runs its default transport (auto: shared memory, as both
+#   ranks are on this host) and, as a case of its own, Gloo over TCP
+#   (`comm_backend: gloo`), the same transport as the PyTorch peer.
 #
-# aidn: one real coordinator and two real workers (1 CPU slot each) on
+# aidn: one real coordinator and one real worker with 2 CPU slots on
 #   loopback, started once; each measurement is a job submitted with aidnctl.
 #   Throughput comes from the job's per-step metrics (`aidnctl metrics -o
 #   csv`, the coordinator's combination of the ranks' records): each step
@@ -25,12 +30,12 @@
 #
 # Before every measurement the script waits until /proc/loadavg's 1-minute
 # value is below LOAD_MAX (polling up to LOAD_WAIT_S, and at most
-# WAIT_BUDGET_S over the whole run, so the run stays near 10 minutes); a
-# measurement that started on a busier machine is flagged in the output.
+# WAIT_BUDGET_S over the whole run); a measurement that started on a busier
+# machine is flagged in the output.
 #
-# Knobs (environment): REPS (3), MLP_STEPS (600), CNN_STEPS (60),
-# LOAD_MAX (1.0), LOAD_WAIT_S (120), WAIT_BUDGET_S (300), WARMUP_FRAC (0.1),
-# AIDN_BUILD (<repo>/build), TORCH_BLAS_DIR
+# Knobs (environment): CASES (see above), REPS (3), MLP_STEPS (600),
+# CNN_STEPS (60), LOAD_MAX (1.0), LOAD_WAIT_S (120), WAIT_BUDGET_S (300),
+# WARMUP_FRAC (0.1), AIDN_BUILD (<repo>/build), TORCH_BLAS_DIR
 # (/usr/lib/x86_64-linux-gnu/openblas-openmp), RUN_DIR (a new /tmp dir),
 # KEEP_RUN_DIR (0: delete RUN_DIR at the end unless something failed).
 set -euo pipefail
@@ -59,7 +64,7 @@ for bin in "$COORDINATOR" "$WORKER" "$AIDNCTL"; do
 done
 [[ -d $TORCH_BLAS_DIR ]] || { echo "missing $TORCH_BLAS_DIR (libopenblas0-openmp)" >&2; exit 1; }
 
-RUN_DIR=${RUN_DIR:-$(mktemp -d /tmp/aidn-train-quick.XXXXXX)}
+RUN_DIR=${RUN_DIR:-$(mktemp -d /tmp/aidn-train.XXXXXX)}
 mkdir -p "$RUN_DIR/specs" "$RUN_DIR/torch"
 RESULTS=$RUN_DIR/results.jsonl
 : >"$RESULTS"
@@ -100,18 +105,18 @@ for _ in $(seq 100); do [[ -s $RUN_DIR/addr ]] && break; sleep 0.1; done
 AIDN_ADDR=$(cat "$RUN_DIR/addr")
 AIDN_TOKEN=$(cat "$STATE/admin.token")
 export AIDN_ADDR AIDN_TOKEN
-for w in 1 2; do
-  env -u LD_LIBRARY_PATH "$WORKER" --coordinator="$AIDN_ADDR" --token-file="$STATE/worker.token" \
-    --worker-id="w$w" --cpu-slots=1 --work-dir="$RUN_DIR/w$w" --metrics-addr=127.0.0.1:0 >"$RUN_DIR/worker-w$w.log" 2>&1 &
-  PIDS+=($!)
-done
+# One worker with both CPU slots: it runs a 1-rank x 2-thread job as well
+# as both ranks of a 2-rank job.
+env -u LD_LIBRARY_PATH "$WORKER" --coordinator="$AIDN_ADDR" --token-file="$STATE/worker.token" \
+  --worker-id=w1 --cpu-slots=2 --work-dir="$RUN_DIR/w1" --metrics-addr=127.0.0.1:0 >"$RUN_DIR/worker-w1.log" 2>&1 &
+PIDS+=($!)
 for _ in $(seq 100); do
   alive=$("$AIDNCTL" -o json workers 2>/dev/null | grep -c '"state": "ALIVE"' || true)
-  [[ $alive -ge 2 ]] && break
+  [[ $alive -ge 1 ]] && break
   sleep 0.1
 done
-[[ $alive -ge 2 ]] || { FAILURES=1; echo "workers did not register; see $RUN_DIR/worker-*.log" >&2; exit 1; }
-log "coordinator $AIDN_ADDR, workers w1 w2 (1 CPU slot each); run dir $RUN_DIR"
+[[ $alive -ge 1 ]] || { FAILURES=1; echo "the worker did not register; see $RUN_DIR/worker-w1.log" >&2; exit 1; }
+log "coordinator $AIDN_ADDR, worker w1 (2 CPU slots); run dir $RUN_DIR"
 
 # ------------------------------------------------------------- load waiting
 WAIT_SPENT=0
@@ -157,7 +162,7 @@ gen = max(r["gen"] for r in recs)
 by_step = {r["step"]: r for r in recs if r["gen"] == gen}
 missing = [k for k in range(1, steps + 1) if k not in by_step]
 if missing:
-    raise SystemExit("job %s: %d of %d step records missing" % (job, len(missing), steps))
+    raise SystemExit("%d of %d step records missing" % (len(missing), steps))
 warm = min(steps - 1, max(1, round(warm_frac * steps)))
 wall, n, dts, step_s, ar_s = 0.0, 0, [], [], []
 for k in range(warm + 1, steps + 1):
@@ -187,13 +192,14 @@ print(json.dumps(res))
 PY
 )
 
-run_aidn() {  # model world steps rep case
-  local model=$1 world=$2 steps=$3 rep=$4 case=$5
-  local spec=$RUN_DIR/specs/$model-w$world-r$rep.yaml
+run_aidn() {  # model world threads transport steps rep case
+  local model=$1 world=$2 threads=$3 transport=$4 steps=$5 rep=$6 case=$7
+  local spec=$RUN_DIR/specs/$model-w$world-t$threads-$transport-r$rep.yaml
   cat >"$spec" <<EOF
-name: quick-$model-w$world-r$rep
+name: bench-$model-w$world-t$threads-$transport-r$rep
 world_size: $world
-threads_per_rank: 1
+threads_per_rank: $threads
+comm_backend: $transport
 device: cpu
 strategy: ddp
 model:
@@ -249,28 +255,28 @@ EOF
 
 # -------------------------------------------------------------------- torch
 TORCH_PIDS=()
-run_torch() {  # model world steps rep case
-  local model=$1 world=$2 steps=$3 rep=$4 case=$5
+run_torch() {  # model world threads steps rep case
+  local model=$1 world=$2 threads=$3 steps=$4 rep=$5 case=$6
   local port r ok=1
   wait_quiet
   port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   TORCH_PIDS=()
   for ((r = 0; r < world; r++)); do
-    LD_LIBRARY_PATH=$TORCH_BLAS_DIR OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    LD_LIBRARY_PATH=$TORCH_BLAS_DIR OMP_NUM_THREADS=$threads MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
       WORLD_SIZE=$world RANK=$r timeout "$JOB_TIMEOUT_S" $PY "$ROOT/bench/torch_peer.py" \
-      --model "$model" --world "$world" --steps "$steps" --threads 1 --batch "$BATCH" \
+      --model "$model" --world "$world" --steps "$steps" --threads "$threads" --batch "$BATCH" \
       --lr 0.05 --momentum 0.9 --seed 1 --warmup-frac "$WARMUP_FRAC" --data "$DATA_DIR" \
-      >"$RUN_DIR/torch/$model-w$world-r$rep-rank$r.log" 2>&1 &
+      >"$RUN_DIR/torch/$model-w$world-t$threads-r$rep-rank$r.log" 2>&1 &
     TORCH_PIDS+=($!)
   done
   for r in "${TORCH_PIDS[@]}"; do wait "$r" || ok=0; done
   TORCH_PIDS=()
   local stats
-  stats=$(grep -m1 '^RESULT ' "$RUN_DIR/torch/$model-w$world-r$rep-rank0.log" | cut -d' ' -f2- || true)
+  stats=$(grep -m1 '^RESULT ' "$RUN_DIR/torch/$model-w$world-t$threads-r$rep-rank0.log" | cut -d' ' -f2- || true)
   if [[ $ok == 0 || -z $stats ]]; then
     FAILURES=$((FAILURES + 1))
-    log "torch $case rep $rep failed; see $RUN_DIR/torch/$model-w$world-r$rep-rank*.log"
-    tail -5 "$RUN_DIR/torch/$model-w$world-r$rep-rank0.log" >&2 || true
+    log "torch $case rep $rep failed; see $RUN_DIR/torch/$model-w$world-t$threads-r$rep-rank*.log"
+    tail -5 "$RUN_DIR/torch/$model-w$world-t$threads-r$rep-rank0.log" >&2 || true
     stats='{}'
   fi
   printf '{"system": "torch", "case": "%s", "rep": %d, "load1": %s, "load_ok": %d, "waited_s": %d, "stats": %s}\n' \
@@ -281,21 +287,31 @@ run_torch() {  # model world steps rep case
 extract_rate() { grep -o '"samples_per_s": [0-9.]*' <<<"$1" | head -1 | awk '{printf "%.0f", $2}'; }
 
 # --------------------------------------------------------------------- runs
-CASES=("mlp 1 $MLP_STEPS" "mlp 2 $MLP_STEPS" "cnn 1 $CNN_STEPS" "cnn 2 $CNN_STEPS")
+read -r -a CASE_LIST <<<"${CASES:-mlp:1:1 mlp:1:2 mlp:2:1 mlp:2:1:gloo cnn:1:1 cnn:1:2 cnn:2:1 cnn:2:1:gloo}"
 for ((rep = 1; rep <= REPS; rep++)); do
-  for c in "${CASES[@]}"; do
-    read -r model world steps <<<"$c"
-    name="$model ${world}r x 1t"
+  declare -A TORCH_DONE=()
+  for c in "${CASE_LIST[@]}"; do
+    IFS=: read -r model world threads transport <<<"$c"
+    transport=${transport:-auto}
+    steps=$MLP_STEPS
+    [[ $model == cnn ]] && steps=$CNN_STEPS
+    peer="$model ${world}r x ${threads}t"
+    name=$peer
+    [[ $transport != auto ]] && name="$peer $transport"
     # Alternate which side goes first, so a drift in background load does
-    # not always favour the same side.
-    if ((rep % 2 == 1)); then
-      run_aidn "$model" "$world" "$steps" "$rep" "$name"
-      run_torch "$model" "$world" "$steps" "$rep" "$name"
-    else
-      run_torch "$model" "$world" "$steps" "$rep" "$name"
-      run_aidn "$model" "$world" "$steps" "$rep" "$name"
+    # not always favour the same side. The peer runs once per rep and
+    # configuration, however many aidn transports are measured against it.
+    if ((rep % 2 == 0)) && [[ -z ${TORCH_DONE[$peer]:-} ]]; then
+      run_torch "$model" "$world" "$threads" "$steps" "$rep" "$peer"
+      TORCH_DONE[$peer]=1
+    fi
+    run_aidn "$model" "$world" "$threads" "$transport" "$steps" "$rep" "$name"
+    if [[ -z ${TORCH_DONE[$peer]:-} ]]; then
+      run_torch "$model" "$world" "$threads" "$steps" "$rep" "$peer"
+      TORCH_DONE[$peer]=1
     fi
   done
+  unset TORCH_DONE
 done
 
 # ------------------------------------------------------------------ summary
@@ -308,8 +324,11 @@ path, aidn_blas, reps, mlp_steps, cnn_steps, warm, load_max, elapsed = sys.argv[
 runs = [json.loads(l) for l in open(path)]
 cases = []
 for r in runs:
-    if r["case"] not in cases:
+    if r["system"] == "aidn" and r["case"] not in cases:
         cases.append(r["case"])
+
+def peer(case):  # "mlp 2r x 1t gloo" -> "mlp 2r x 1t"
+    return " ".join(case.split()[:4])
 
 def rates(system, case, key="samples_per_s"):
     return [r["stats"][key] for r in runs
@@ -322,27 +341,47 @@ print()
 print("Training throughput, global samples/s (median of %s runs; batch 64/rank; MLP %s steps, "
       "CNN %s steps; first %.0f %% of steps left out)" % (reps, mlp_steps, cnn_steps, 100 * float(warm)))
 print()
-hdr = "%-14s | %14s | %15s | %10s" % ("case", "aidn samples/s", "torch samples/s", "aidn/torch")
+hdr = "%-19s | %14s | %15s | %10s" % ("case", "aidn samples/s", "torch samples/s", "aidn/torch")
 print(hdr)
 print("-" * len(hdr))
 for c in cases:
-    a, t = med(rates("aidn", c)), med(rates("torch", c))
-    print("%-14s | %14.0f | %15.0f | %10.2f" % (c, a, t, a / t if t else float("nan")))
+    a, t = med(rates("aidn", c)), med(rates("torch", peer(c)))
+    print("%-19s | %14.0f | %15.0f | %10.2f" % (c, a, t, a / t if t else float("nan")))
 print()
+# Issue 6's targets, where this run measured the cases they need.
+targets = [("mlp 1r x 1t", None, 1.5), ("cnn 1r x 1t", None, 1.5),
+           ("mlp 2r x 1t", None, 2.0), ("cnn 2r x 1t", None, 1.3),
+           ("mlp 2r x 1t", "mlp 1r x 2t", 0.9), ("cnn 2r x 1t", "cnn 1r x 2t", 0.9)]
+lines = []
+for case, own, want in targets:
+    a = med(rates("aidn", case))
+    if own is None:
+        b, what = med(rates("torch", case)), "torch " + case
+    else:
+        b, what = med(rates("aidn", own)), "aidn " + own
+    if a != a or b != b:
+        continue
+    ratio = a / b
+    lines.append("  aidn %-12s / %-18s = %5.2f (target >= %.1f) %s"
+                 % (case, what, ratio, want, "PASS" if ratio >= want else "MISS"))
+if lines:
+    print("Targets:")
+    print("\n".join(lines))
+    print()
 print("Runs (samples/s, in order):")
 for c in cases:
-    print("  %-14s aidn %s | torch %s" % (
+    print("  %-19s aidn %s | torch %s" % (
         c, " ".join("%.0f" % x for x in rates("aidn", c)),
-        " ".join("%.0f" % x for x in rates("torch", c))))
+        " ".join("%.0f" % x for x in rates("torch", peer(c)))))
 print("Cross-checks (medians):")
 for c in cases:
     a_med = med(rates("aidn", c, "median_samples_per_s"))
     a_log = med(rates("aidn", c, "log_median_samples_per_s"))
-    t_med = med(rates("torch", c, "median_samples_per_s"))
+    t_med = med(rates("torch", peer(c), "median_samples_per_s"))
     share = med(rates("aidn", c, "allreduce_share"))
     ar = med(rates("aidn", c, "allreduce_ms"))
     st = med(rates("aidn", c, "compute_step_ms"))
-    line = ("  %-14s from the median step: aidn %.0f (log lines: %.0f), torch %.0f"
+    line = ("  %-19s from the median step: aidn %.0f (log lines: %.0f), torch %.0f"
             % (c, a_med, a_log, t_med))
     if "2r" in c:
         line += "; aidn allreduce %.2f ms of a %.2f ms step (%.0f %%)" % (ar, st, 100 * share)
@@ -354,8 +393,8 @@ conv = next((r["stats"].get("conv_backend") for r in runs
 tver = next((r["stats"].get("torch") for r in runs
              if r["system"] == "torch" and r["stats"].get("torch")), "?")
 print()
-print("BLAS: aidn   %s (linear and im2col conv via cblas_sgemm; 1 thread)" % (aidn_blas or "?"))
-print("      torch  %s %s (linear); conv backend %s (oneDNN); 1 thread; flush-denormal on"
+print("BLAS: aidn   %s (linear and im2col conv via cblas_sgemm)" % (aidn_blas or "?"))
+print("      torch  %s %s (linear); conv backend %s (oneDNN); flush-denormal on"
       % (tver, " ".join(torch_blas) or "?", conv))
 busy = [r for r in runs if not r["load_ok"]]
 loads = [r["load1"] for r in runs]

@@ -1,0 +1,366 @@
+// The shared-memory communicator, with ranks as threads of this process
+// meeting through a gloo::rendezvous::HashStore, and, for a peer that dies,
+// as a forked process meeting through a FileStore. Slots are the minimum
+// (64 KiB = 16,384 floats), so the larger counts go in several chunks with a
+// ragged last one. Values are exact floats, so every result is exact.
+
+#include "worker/engine/comm/shm_communicator.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstddef>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "gloo/rendezvous/file_store.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "worker/engine/comm/cpu_communicator.h"
+
+namespace aidn::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::chrono::milliseconds kTimeout{30'000};
+constexpr size_t kSlotBytes = size_t{64} << 10;
+
+ShmOptions Options(int rank, int world_size, std::chrono::milliseconds timeout = kTimeout) {
+  ShmOptions options;
+  options.rank = rank;
+  options.world_size = world_size;
+  options.timeout = timeout;
+  options.slot_bytes = kSlotBytes;
+  options.spin = 100;
+  return options;
+}
+
+// Runs `body` on `world_size` threads, each with its own communicator over
+// one store; returns each rank's status. `options` may adjust a rank's
+// options. A rank whose set-up found shared memory unusable fails with
+// FAILED_PRECONDITION and the description.
+std::vector<absl::Status> RunRanks(
+    int world_size, const std::function<absl::Status(int, Communicator&)>& body,
+    const std::function<void(ShmOptions&)>& options = [](ShmOptions&) {}) {
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  std::vector<absl::Status> results(world_size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      ShmOptions o = Options(rank, world_size);
+      options(o);
+      absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(o, store);
+      if (!attempt.ok()) {
+        results[rank] = attempt.status();
+      } else if (attempt->communicator == nullptr) {
+        results[rank] = absl::FailedPreconditionError(attempt->description);
+      } else {
+        results[rank] = body(rank, *attempt->communicator);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+void ExpectAllOk(const std::vector<absl::Status>& results) {
+  for (size_t rank = 0; rank < results.size(); ++rank) {
+    EXPECT_TRUE(results[rank].ok()) << "rank " << rank << ": " << results[rank];
+  }
+}
+
+::testing::AssertionResult Matches(const std::vector<float>& got,
+                                   const std::function<float(size_t)>& want, int rank) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want(i)) {
+      return ::testing::AssertionFailure()
+             << "rank " << rank << ": element " << i << " of " << got.size() << " is " << got[i]
+             << ", want " << want(i);
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+float Value(int rank, size_t i) { return static_cast<float>(rank * 1000 + (i % 997)); }
+
+// (world size, count): 1 float, part of a slot, several slots and a ragged end.
+class ShmCollectiveTest : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ShmCollectiveTest,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(size_t{1}, size_t{1000},
+                                                              size_t{3 * 16384 + 77})));
+
+TEST_P(ShmCollectiveTest, AllReduceSumGivesEveryRankTheExactSum) {
+  const auto [world, count] = GetParam();
+  ExpectAllOk(RunRanks(world, [&, world = world, count = count](int rank, Communicator& comm) {
+    std::vector<float> data(count);
+    for (size_t i = 0; i < count; ++i) data[i] = Value(rank, i);
+    AIDN_RETURN_IF_ERROR(comm.AllReduce(data.data(), count, ReduceOp::kSum));
+    EXPECT_TRUE(Matches(
+        data,
+        [world](size_t i) {
+          float sum = 0;
+          for (int r = 0; r < world; ++r) sum += Value(r, i);
+          return sum;
+        },
+        rank));
+    return absl::OkStatus();
+  }));
+}
+
+TEST_P(ShmCollectiveTest, AllReduceAvgGivesEveryRankTheSameBits) {
+  const auto [world, count] = GetParam();
+  std::vector<std::vector<float>> out(world);
+  ExpectAllOk(RunRanks(world, [&, count = count](int rank, Communicator& comm) {
+    std::vector<float> data(count);
+    // Not exactly divisible by 3: the ranks must still agree bit for bit.
+    for (size_t i = 0; i < count; ++i) data[i] = Value(rank, i) + 0.1f;
+    AIDN_RETURN_IF_ERROR(comm.AllReduce(data.data(), count, ReduceOp::kAvg));
+    out[rank] = data;
+    return absl::OkStatus();
+  }));
+  for (int r = 1; r < world; ++r) EXPECT_EQ(out[r], out[0]) << "rank " << r;
+  float sum = 0;
+  for (int r = 0; r < world; ++r) sum += Value(r, 0) + 0.1f;
+  EXPECT_EQ(out[0][0], sum / static_cast<float>(world));
+}
+
+TEST_P(ShmCollectiveTest, BroadcastFromTheLastRankReachesEveryRank) {
+  const auto [world, count] = GetParam();
+  ExpectAllOk(RunRanks(world, [&, world = world, count = count](int rank, Communicator& comm) {
+    std::vector<float> data(count);
+    for (size_t i = 0; i < count; ++i) data[i] = Value(rank, i);
+    AIDN_RETURN_IF_ERROR(comm.Broadcast(data.data(), count, world - 1));
+    EXPECT_TRUE(Matches(
+        data, [world](size_t i) { return Value(world - 1, i); }, rank));
+    return absl::OkStatus();
+  }));
+}
+
+TEST_P(ShmCollectiveTest, AllGatherPutsEachRanksBlockInRankOrder) {
+  const auto [world, count] = GetParam();
+  ExpectAllOk(RunRanks(world, [&, world = world, count = count](int rank, Communicator& comm) {
+    std::vector<float> in(count);
+    for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
+    std::vector<float> out(count * world, -1.0f);
+    AIDN_RETURN_IF_ERROR(comm.AllGather(in.data(), count, out.data()));
+    EXPECT_TRUE(Matches(
+        out, [count](size_t i) { return Value(i / count, i % count); }, rank));
+    return absl::OkStatus();
+  }));
+}
+
+TEST_P(ShmCollectiveTest, ReduceScatterGivesEachRankItsReducedBlock) {
+  const auto [world, count] = GetParam();
+  ExpectAllOk(RunRanks(world, [&, world = world, count = count](int rank, Communicator& comm) {
+    std::vector<float> in(count * world);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = Value(rank, i);
+    std::vector<float> out(count, -1.0f);
+    AIDN_RETURN_IF_ERROR(comm.ReduceScatter(in.data(), count, out.data(), ReduceOp::kSum));
+    EXPECT_TRUE(Matches(
+        out,
+        [world, rank, count](size_t i) {
+          float sum = 0;
+          for (int r = 0; r < world; ++r) sum += Value(r, rank * count + i);
+          return sum;
+        },
+        rank));
+    return absl::OkStatus();
+  }));
+}
+
+// Back-to-back collectives of different kinds share the slots: an
+// allreduce's result slot is still being read when a broadcast starts.
+TEST(ShmCommunicator, MixedCollectivesBackToBackStayExact) {
+  constexpr int kWorld = 3;
+  ExpectAllOk(RunRanks(kWorld, [](int rank, Communicator& comm) {
+    for (int round = 0; round < 200; ++round) {
+      const size_t count = 1 + (round * 7919) % 40000;
+      std::vector<float> data(count);
+      for (size_t i = 0; i < count; ++i) data[i] = Value(rank, i + round);
+      AIDN_RETURN_IF_ERROR(comm.AllReduce(data.data(), count, ReduceOp::kSum));
+      EXPECT_TRUE(Matches(
+          data,
+          [round](size_t i) {
+            return Value(0, i + round) + Value(1, i + round) + Value(2, i + round);
+          },
+          rank))
+          << "round " << round;
+      std::vector<float> b(count, static_cast<float>(rank == round % kWorld ? round : -1));
+      AIDN_RETURN_IF_ERROR(comm.Broadcast(b.data(), count, round % kWorld));
+      EXPECT_EQ(b[count - 1], static_cast<float>(round)) << "round " << round;
+      if (round % 50 == 0) AIDN_RETURN_IF_ERROR(comm.Barrier());
+    }
+    EXPECT_EQ(comm.sequence(), 200 * 2 + 4);
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ShmCommunicator, RanksOnDifferentHostsGetNoCommunicatorAndAgreeWhy) {
+  std::vector<absl::Status> results = RunRanks(
+      3, [](int, Communicator&) { return absl::OkStatus(); },
+      [](ShmOptions& o) { o.host_identity = o.rank == 2 ? "other" : "here"; });
+  for (const absl::Status& s : results) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("only 2 of 3 ranks share rank 0's host"));
+  }
+}
+
+TEST(ShmCommunicator, NoSegmentIsLeftInDevShm) {
+  const std::string mine = absl::StrCat("aidn-", getpid(), "-");
+  ExpectAllOk(RunRanks(2, [&](int, Communicator& comm) {
+    AIDN_RETURN_IF_ERROR(comm.Barrier());
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+      EXPECT_THAT(entry.path().filename().string(), ::testing::Not(HasSubstr(mine)));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ShmCommunicator, BadOptionsAndArgumentsAreInvalidArguments) {
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  EXPECT_EQ(CreateShmCommunicator(Options(2, 2), store).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateShmCommunicator(Options(0, 2), nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<absl::Status> results = RunRanks(2, [](int, Communicator& comm) {
+    absl::Status s = comm.Broadcast(nullptr, 0, 5);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    s = comm.AllReduce(nullptr, 4, ReduceOp::kSum);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    // Refused calls leave the communicator usable.
+    return comm.Barrier();
+  });
+  ExpectAllOk(results);
+}
+
+TEST(ShmCommunicator, APeerThatStopsCallingTimesOutAndItsPeerIsToldAtOnce) {
+  // Rank 0 (300 ms timeout) calls twice; rank 1 (30 s) calls once, then
+  // comes back after rank 0 gave up: it must fail at once, not in 30 s.
+  std::vector<absl::Status> results(2);
+  Clock::duration rank1_wait{};
+  results = RunRanks(
+      2,
+      [&](int rank, Communicator& comm) -> absl::Status {
+        float x = 1.0f;
+        AIDN_RETURN_IF_ERROR(comm.AllReduce(&x, 1, ReduceOp::kSum));
+        if (rank == 0) {
+          absl::Status s = comm.AllReduce(&x, 1, ReduceOp::kSum);
+          EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+          EXPECT_THAT(s.message(), HasSubstr("rank 1 did not arrive"));
+          absl::Status again = comm.Barrier();
+          EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+          return absl::OkStatus();
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        const Clock::time_point start = Clock::now();
+        // Its first phase meets the one rank 0 arrived at before giving
+        // up; the second must see the failure.
+        absl::Status s = comm.AllReduce(&x, 1, ReduceOp::kSum);
+        rank1_wait = Clock::now() - start;
+        EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+        EXPECT_THAT(s.message(), HasSubstr("rank 0 failed"));
+        return absl::OkStatus();
+      },
+      [](ShmOptions& o) {
+        if (o.rank == 0) o.timeout = std::chrono::milliseconds(300);
+      });
+  ExpectAllOk(results);
+  EXPECT_LT(rank1_wait, std::chrono::seconds(10));
+}
+
+TEST(ShmCommunicator, APeerProcessThatExitsIsNoticedWithoutWaitingForTheTimeout) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/shm-exit-", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto store = std::make_shared<gloo::rendezvous::FileStore>(dir);
+    absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(Options(1, 2), store);
+    // Joins, then leaves without the collective rank 0 waits in.
+    _exit(attempt.ok() && attempt->communicator != nullptr ? 0 : 3);
+  }
+  auto store = std::make_shared<gloo::rendezvous::FileStore>(dir);
+  absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(Options(0, 2), store);
+  ASSERT_TRUE(attempt.ok()) << attempt.status();
+  ASSERT_NE(attempt->communicator, nullptr) << attempt->description;
+  const Clock::time_point start = Clock::now();
+  float x = 1.0f;
+  // The child is not reaped yet: a zombie must count as gone.
+  absl::Status s = attempt->communicator->AllReduce(&x, 1, ReduceOp::kSum);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("rank 1 (pid ", child, ") exited")));
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::filesystem::remove_all(dir);
+}
+
+// The factory: automatic choice, and shared memory insisted on.
+TEST(CpuCommunicator, AutoPicksSharedMemoryOnOneHostAndGlooAcrossHosts) {
+  for (bool one_host : {true, false}) {
+    auto store = std::make_shared<gloo::rendezvous::HashStore>();
+    std::vector<std::string> transports(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank) {
+      threads.emplace_back([&, rank] {
+        CpuCommunicatorOptions options;
+        options.gloo.rank = rank;
+        options.gloo.world_size = 2;
+        options.gloo.timeout = kTimeout;
+        options.gloo.prefix = "t";
+        options.shm_host_identity = one_host ? "" : absl::StrCat("host-", rank);
+        absl::StatusOr<CpuCommunicator> comm = CreateCpuCommunicator(options, store);
+        ASSERT_TRUE(comm.ok()) << comm.status();
+        float x = static_cast<float>(rank + 1);
+        ASSERT_TRUE(comm->communicator->AllReduce(&x, 1, ReduceOp::kSum).ok());
+        EXPECT_EQ(x, 3.0f);
+        transports[rank] = comm->transport;
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    const std::string want = one_host ? "shm" : "gloo";
+    EXPECT_EQ(transports[0], want);
+    EXPECT_EQ(transports[1], want);
+  }
+}
+
+TEST(CpuCommunicator, SharedMemoryAskedForAcrossHostsIsUnavailable) {
+  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      CpuCommunicatorOptions options;
+      options.gloo.rank = rank;
+      options.gloo.world_size = 2;
+      options.gloo.timeout = kTimeout;
+      options.transport = CpuTransport::kShm;
+      options.shm_host_identity = absl::StrCat("host-", rank);
+      results[rank] = CreateCpuCommunicator(options, store).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_THAT(s.message(), HasSubstr("only 1 of 2 ranks share"));
+  }
+}
+
+}  // namespace
+}  // namespace aidn::engine

@@ -1,0 +1,48 @@
+#include "worker/engine/comm/cpu_communicator.h"
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "worker/engine/comm/shm_communicator.h"
+
+namespace aidn::engine {
+
+absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(
+    const CpuCommunicatorOptions& options, std::shared_ptr<gloo::rendezvous::Store> store) {
+  const GlooOptions& gloo = options.gloo;
+  std::string why_not_shm;
+  if (options.transport != CpuTransport::kGloo && gloo.world_size > 1) {
+    ShmOptions shm;
+    shm.rank = gloo.rank;
+    shm.world_size = gloo.world_size;
+    shm.timeout = gloo.timeout;
+    shm.prefix = gloo.prefix.empty() ? "shm" : absl::StrCat(gloo.prefix, "/shm");
+    shm.slot_bytes = options.shm_slot_bytes;
+    shm.host_identity = options.shm_host_identity;
+    absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(shm, store);
+    if (!attempt.ok()) return attempt.status();
+    if (attempt->communicator != nullptr) {
+      return CpuCommunicator{std::move(attempt->communicator), "shm",
+                             std::move(attempt->description)};
+    }
+    if (options.transport == CpuTransport::kShm) {
+      return absl::UnavailableError(absl::StrCat(
+          "shared memory was asked for but cannot serve this generation: ", attempt->description));
+    }
+    why_not_shm = std::move(attempt->description);
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(gloo, store);
+  if (!comm.ok()) return comm.status();
+  std::string description;
+  if (gloo.world_size == 1) {
+    description = "one rank";
+  } else if (options.transport == CpuTransport::kGloo) {
+    description = "asked for";
+  } else {
+    description = absl::StrCat("no shared memory: ", why_not_shm);
+  }
+  return CpuCommunicator{*std::move(comm), "gloo", std::move(description)};
+}
+
+}  // namespace aidn::engine
