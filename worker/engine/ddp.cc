@@ -25,21 +25,39 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
   reducer->single_ = communicator->world_size() == 1;
   const size_t cap = std::max<size_t>(1, static_cast<size_t>(options.bucket_mb * 1e6 / 4));
+  // Each gradient starts on a cache line of its own (16 floats) so that the
+  // views stay as aligned as tensors' own storage.
+  auto padded = [](size_t n) { return (n + 15) / 16 * 16; };
   // Reverse registration order: the last layer's gradients come first.
+  std::vector<size_t> sizes;
   for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
     Parameter* p = *it;
-    if (reducer->buckets_.empty() || reducer->buckets_.back().buffer.size() >= cap) {
+    if (reducer->buckets_.empty() || sizes.back() >= cap) {
       reducer->buckets_.emplace_back();
+      sizes.push_back(0);
     }
     Bucket& bucket = reducer->buckets_.back();
-    reducer->slots_[p] = Slot{static_cast<int>(reducer->buckets_.size()) - 1, bucket.buffer.size()};
+    reducer->slots_[p] = Slot{static_cast<int>(reducer->buckets_.size()) - 1, sizes.back()};
     bucket.parameters.push_back(p);
-    bucket.buffer.resize(bucket.buffer.size() + static_cast<size_t>(p->value.numel()));
+    sizes.back() += padded(static_cast<size_t>(p->value.numel()));
   }
-  if (reducer->buckets_.empty()) reducer->buckets_.emplace_back();
+  if (reducer->buckets_.empty()) {
+    reducer->buckets_.emplace_back();
+    sizes.push_back(0);
+  }
   // The extra value rides at the end of the last bucket to be launched.
   reducer->extra_bucket_ = static_cast<int>(reducer->buckets_.size()) - 1;
-  reducer->buckets_.back().buffer.push_back(0.0f);
+  sizes.back() += 1;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    Bucket& bucket = reducer->buckets_[i];
+    bucket.buffer = Tensor({static_cast<int64_t>(sizes[i])});
+    if (reducer->single_) continue;
+    for (Parameter* p : bucket.parameters) {
+      float* at = bucket.buffer.data() + reducer->slots_[p].offset;
+      std::memcpy(at, p->grad.data(), sizeof(float) * static_cast<size_t>(p->grad.numel()));
+      p->grad = Tensor::View(at, p->grad.shape());
+    }
+  }
   reducer->thread_ = std::thread([r = reducer.get()]() { r->CommLoop(); });
   return reducer;
 }
@@ -51,6 +69,12 @@ DdpReducer::~DdpReducer() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // The buckets go; the gradients keep their values in storage of their own.
+  for (Bucket& b : buckets_) {
+    for (Parameter* p : b.parameters) {
+      if (p->grad.is_view()) p->grad = p->grad.Clone();
+    }
+  }
 }
 
 std::vector<std::vector<std::string>> DdpReducer::BucketLayout() const {
@@ -71,7 +95,8 @@ void DdpReducer::BeginBackward(bool communicate, float extra) {
     return;
   }
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.parameters.size());
-  buckets_[extra_bucket_].buffer.back() = extra;
+  Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
+  extra_bucket[extra_bucket.numel() - 1] = extra;
   std::lock_guard<std::mutex> lock(mu_);
   allreduce_seconds_ = 0.0;
   // A bucket with no parameters (a model without any) goes at once.
@@ -92,9 +117,8 @@ void DdpReducer::OnGradReady(Parameter* parameter) {
   }
   auto it = slots_.find(parameter);
   if (it == slots_.end()) return;
+  // The gradient is already in the bucket (a view).
   Bucket& bucket = buckets_[it->second.bucket];
-  std::memcpy(bucket.buffer.data() + it->second.offset, parameter->grad.data(),
-              sizeof(float) * static_cast<size_t>(parameter->grad.numel()));
   if (--bucket.pending == 0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -117,8 +141,9 @@ void DdpReducer::CommLoop() {
     absl::Status status;
     const Clock::time_point start = Clock::now();
     if (!skip) {
-      std::vector<float>& buffer = buckets_[index].buffer;
-      status = communicator_->AllReduce(buffer.data(), buffer.size(), ReduceOp::kAvg);
+      Tensor& buffer = buckets_[index].buffer;
+      status = communicator_->AllReduce(buffer.data(), static_cast<size_t>(buffer.numel()),
+                                        ReduceOp::kAvg);
     }
     const double took = Seconds(Clock::now() - start);
     lock.lock();
@@ -158,16 +183,8 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   if (wait_seconds != nullptr) *wait_seconds = Seconds(Clock::now() - start);
   if (allreduce_seconds != nullptr) *allreduce_seconds = allreduce_seconds_;
   if (!error_.ok()) return error_;
-  lock.unlock();
-  for (Bucket& b : buckets_) {
-    size_t offset = 0;
-    for (Parameter* p : b.parameters) {
-      const size_t n = static_cast<size_t>(p->grad.numel());
-      std::memcpy(p->grad.data(), b.buffer.data() + offset, sizeof(float) * n);
-      offset += n;
-    }
-  }
-  averaged_extra_ = buckets_[extra_bucket_].buffer.back();
+  const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
+  averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
   return absl::OkStatus();
 }
 

@@ -15,6 +15,13 @@
 // `extra` rides in a spare slot of the last bucket, so the step's loss is
 // averaged across ranks without a collective of its own.
 //
+// With more than one rank, each parameter's gradient becomes a view into its
+// bucket (torch's gradient_as_bucket_view): backward writes the gradients
+// where the allreduce reads them and the averages land where the optimizer
+// reads them, with no copies either way. The reducer gives the gradients
+// storage of their own again when it is destroyed, so the parameters must
+// outlive it.
+//
 // Not thread-safe apart from the internal hand-off to the communication
 // thread. The communicator must not be used by anyone else between
 // BeginBackward and Finish.
@@ -77,8 +84,8 @@ class DdpReducer {
   };
   struct Bucket {
     std::vector<Parameter*> parameters;
-    std::vector<float> buffer;  // packed gradients (+ the extra slot in the last)
-    int pending = 0;            // gradients still to arrive this pass
+    Tensor buffer;    // the gradients' storage (+ the extra slot in the last)
+    int pending = 0;  // gradients still to arrive this pass
   };
 
   DdpReducer(Communicator* communicator) : communicator_(communicator) {}

@@ -70,6 +70,15 @@ Tensor Tensor::Clone() const {
   return copy;
 }
 
+Tensor Tensor::View(float* data, std::vector<int64_t> shape) {
+  Tensor view;
+  view.numel_ = NumElements(shape);
+  view.shape_ = std::move(shape);
+  view.capacity_ = view.numel_;
+  view.data_ = view.numel_ > 0 ? data : nullptr;
+  return view;
+}
+
 void Tensor::Resize(std::vector<int64_t> shape) {
   const int64_t n = NumElements(shape);
   if (n <= capacity_) {

@@ -30,7 +30,14 @@ class Tensor {
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
 
+  // An owning copy (of a view, too).
   Tensor Clone() const;
+  // A tensor over `data` (numel floats), which it does not own: the memory
+  // must outlive it. DDP keeps gradients as views into its buckets so that
+  // the allreduce needs no copies. A Resize beyond numel gives the tensor
+  // storage of its own (and detaches it).
+  static Tensor View(float* data, std::vector<int64_t> shape);
+  bool is_view() const { return data_ != nullptr && storage_ == nullptr; }
 
   const std::vector<int64_t>& shape() const { return shape_; }
   int rank() const { return static_cast<int>(shape_.size()); }

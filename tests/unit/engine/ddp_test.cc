@@ -105,11 +105,29 @@ TEST(DdpReducer, LaunchesEachBucketOnceItsLastGradientArrives) {
   for (int i = 3; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
   double wait = -1, allreduce = -1;
   ASSERT_TRUE((*reducer)->Finish(&wait, &allreduce).ok());
-  // p3, p2, then p1+p0 with the extra slot.
-  EXPECT_THAT(comm.counts, ElementsAre(400u, 300u, 301u));
+  // p3, p2, then p1+p0 with the extra slot; each gradient padded to whole
+  // cache lines (16 floats): 300 -> 304, 200 -> 208, 100 -> 112.
+  EXPECT_THAT(comm.counts, ElementsAre(400u, 304u, 321u));
   EXPECT_GE(wait, 0.0);
   EXPECT_GE(allreduce, 0.0);
   EXPECT_FLOAT_EQ((*reducer)->averaged_extra(), 1.5f);
+}
+
+TEST(DdpReducer, GradientsLiveInTheBucketsAndGetStorageOfTheirOwnBackWhenTheReducerGoes) {
+  auto params = MakeParameters({100, 200});
+  params[1]->grad[3] = 2.5f;
+  FakeCommunicator comm;
+  auto reducer = DdpReducer::Create({}, Raw(params), &comm);
+  ASSERT_TRUE(reducer.ok());
+  for (auto& p : params) EXPECT_TRUE(p->grad.is_view());
+  // One bucket, in reverse order: p1 first, p0 at the next cache line.
+  EXPECT_EQ(params[0]->grad.data(), params[1]->grad.data() + 208);
+  EXPECT_EQ(params[1]->grad[3], 2.5f) << "the values moved into the bucket";
+  params[0]->grad[0] = 7.0f;
+  reducer->reset();
+  for (auto& p : params) EXPECT_FALSE(p->grad.is_view());
+  EXPECT_EQ(params[1]->grad[3], 2.5f);
+  EXPECT_EQ(params[0]->grad[0], 7.0f);
 }
 
 TEST(DdpReducer, AccumulationMicroStepsDoNotCommunicate) {
