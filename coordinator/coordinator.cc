@@ -272,9 +272,16 @@ void Coordinator::StartTicker(milliseconds interval) {
   ticker_stop_ = std::make_unique<absl::Notification>();
   absl::Notification* stop = ticker_stop_.get();
   ticker_ = std::thread([this, stop, interval]() {
-    while (!stop->WaitForNotificationWithTimeout(absl::FromChrono(interval))) {
+    // At a fixed rate, not `interval` after the last tick's work: under load
+    // a tick (answering hundreds of held heartbeats, writing steps) takes
+    // tens of milliseconds, and every deadline it checks would slip by that
+    // much more. A tick that overran starts the next at once, without
+    // catching up on the ones missed.
+    absl::Time next = absl::Now() + absl::FromChrono(interval);
+    while (!stop->WaitForNotificationWithDeadline(next)) {
       Tick();
       FlushSteps();
+      next = std::max(next + absl::FromChrono(interval), absl::Now());
     }
     FlushSteps();
   });
@@ -438,6 +445,7 @@ absl::Status Coordinator::SetState(JobEntry* entry, Job::State state, const std:
   }
   job.set_state(state);
   job.set_message(message);
+  PlacementsChanged();
   if (state == Job::RUNNING && !job.has_started_at()) {
     *job.mutable_started_at() = ToProto(clock_->WallNow());
   }
@@ -465,10 +473,12 @@ milliseconds Coordinator::JobWorkerTimeout(const JobEntry& entry) const {
   return ms.count() > 0 ? ms : options_.worker_timeout;
 }
 
-void Coordinator::AssignmentsChanged(Deferred* deferred) {
+void Coordinator::AssignmentsChanged(const std::set<std::string>& workers, Deferred* deferred) {
   assignments_version_++;
-  for (auto& [id, worker] : workers_) {
-    if (worker.held.empty()) continue;
+  for (const std::string& id : workers) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || it->second.held.empty()) continue;
+    WorkerEntry& worker = it->second;
     std::vector<HeldHeartbeat> held;
     held.swap(worker.held);
     for (HeldHeartbeat& h : held) {
@@ -479,12 +489,32 @@ void Coordinator::AssignmentsChanged(Deferred* deferred) {
   }
 }
 
+const std::vector<std::pair<const std::string, std::unique_ptr<Coordinator::JobEntry>>*>&
+Coordinator::JobsOnWorker(const std::string& worker_id) {
+  if (jobs_by_worker_stale_) {
+    jobs_by_worker_.clear();
+    for (auto& job : jobs_) {
+      if (!HoldsSlots(job.second->stored.job.state())) continue;
+      std::set<std::string> on;
+      for (const v1::RankPlacement& p : job.second->stored.job.placement()) {
+        if (on.insert(p.worker_id()).second) jobs_by_worker_[p.worker_id()].push_back(&job);
+      }
+    }
+    jobs_by_worker_stale_ = false;
+  }
+  static const auto* const kNone =
+      new std::vector<std::pair<const std::string, std::unique_ptr<JobEntry>>*>();
+  auto it = jobs_by_worker_.find(worker_id);
+  return it == jobs_by_worker_.end() ? *kNone : it->second;
+}
+
 v1::HeartbeatResponse Coordinator::BuildHeartbeat(WorkerEntry* worker) {
   v1::HeartbeatResponse response;
   const std::string& worker_id = worker->worker.info().id();
-  for (const auto& [job_id, entry] : jobs_) {
+  for (const auto* job_and_id : JobsOnWorker(worker_id)) {
+    const std::string& job_id = job_and_id->first;
+    const JobEntry* entry = job_and_id->second.get();
     const Job& job = entry->stored.job;
-    if (!HoldsSlots(job.state())) continue;
     for (const v1::RankPlacement& p : job.placement()) {
       if (p.worker_id() != worker_id) continue;
       v1::TrainerAssignment* a = response.add_assignments();
@@ -537,7 +567,7 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
     entry->steps->Expire(Clock::TimePoint::max(), /*everything=*/true);
     NotifyWatchers(job.id(), deferred);
   }
-  AssignmentsChanged(deferred);
+  AssignmentsChanged(workers, deferred);
 }
 
 void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, bool permanent,
@@ -569,6 +599,7 @@ void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, boo
     entry->unconfirmed_workers.insert(p.worker_id());
   entry->failed_at = clock_->Now();
   job.clear_placement();
+  PlacementsChanged();
   // A failure that repeats (a crash at start-up, a bad node) should not spin:
   // each restart waits twice as long as the one before.
   const milliseconds delay = RestartDelay(job);
@@ -580,6 +611,14 @@ void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, boo
 }
 
 void Coordinator::Schedule(Deferred* deferred) {
+  // Nothing waits for slots (the usual case on a tick): the workers need not
+  // be looked at. Building their free-slot table costs O(workers) under mu_,
+  // every tick and on every registration (10,000 registrations: O(n^2)).
+  const bool any_waiting = std::any_of(jobs_.begin(), jobs_.end(), [](const auto& job) {
+    const Job::State state = job.second->stored.job.state();
+    return state == Job::PENDING || state == Job::RESTARTING;
+  });
+  if (!any_waiting) return;
   // Free slots of alive workers, from the placements of jobs holding slots.
   std::map<std::string, WorkerSlots> slots;
   for (const auto& [id, w] : workers_) {
@@ -655,6 +694,7 @@ void Coordinator::Schedule(Deferred* deferred) {
       on.insert(p.worker_id());
       *job.add_placement() = std::move(p);
     }
+    PlacementsChanged();
     mark_used(job);
     if (job.generation() == 0) job.set_generation(1);
     entry->waiting_reason.clear();
@@ -670,7 +710,7 @@ void Coordinator::Schedule(Deferred* deferred) {
         entry, Job::SCHEDULED,
         absl::StrCat("placed ", job.spec().world_size(), " ranks on ", absl::StrJoin(on, ", ")),
         deferred);
-    AssignmentsChanged(deferred);
+    AssignmentsChanged(on, deferred);
   }
 }
 
@@ -874,9 +914,9 @@ v1::ListWorkersResponse Coordinator::ListWorkers() {
 v1::Worker Coordinator::WorkerView(const std::string& id, const WorkerEntry& w) {
   v1::Worker worker = w.worker;
   std::set<std::string> job_ids;
-  for (const auto& [job_id, entry] : jobs_) {
-    const Job& job = entry->stored.job;
-    if (!HoldsSlots(job.state())) continue;
+  for (const auto* job_and_id : JobsOnWorker(id)) {
+    const std::string& job_id = job_and_id->first;
+    const Job& job = job_and_id->second->stored.job;
     for (const v1::RankPlacement& p : job.placement()) {
       if (p.worker_id() != id) continue;
       job_ids.insert(job_id);

@@ -294,9 +294,21 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistJob(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PersistWorker(const WorkerEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Assignments changed: bump the version and answer held heartbeats.
-  void AssignmentsChanged(Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The assignments of `workers` changed (or they have stop orders): bump
+  // the version and answer their held heartbeats. Other workers' held
+  // heartbeats stay held and learn the new version at their deadline: waking
+  // every worker for every job placed would answer 10,000 held calls at once
+  // (each rebuilt under mu_) and bring them all straight back.
+  void AssignmentsChanged(const std::set<std::string>& workers, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::HeartbeatResponse BuildHeartbeat(WorkerEntry* worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The jobs holding slots with ranks on the worker, in job id order (from
+  // jobs_by_worker_, rebuilt first if a placement or job state changed).
+  const std::vector<std::pair<const std::string, std::unique_ptr<JobEntry>>*>& JobsOnWorker(
+      const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Placements or job states changed: jobs_by_worker_ is rebuilt on its
+  // next use.
+  void PlacementsChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { jobs_by_worker_stale_ = true; }
   void NotifyWatchers(const std::string& job_id, Deferred* deferred);
   // The worker as ListWorkers shows it: with the slots and jobs it has now.
   v1::Worker WorkerView(const std::string& id, const WorkerEntry& w)
@@ -364,6 +376,12 @@ class Coordinator {
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobEntry>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
+  // Jobs holding slots by the workers their ranks are placed on, so that a
+  // heartbeat (thousands a second with 10,000 workers) or a worker's view
+  // looks at its own jobs rather than at every placement of every job.
+  std::map<std::string, std::vector<std::pair<const std::string, std::unique_ptr<JobEntry>>*>>
+      jobs_by_worker_ ABSL_GUARDED_BY(mu_);
+  bool jobs_by_worker_stale_ ABSL_GUARDED_BY(mu_) = true;
   int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t assignments_version_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

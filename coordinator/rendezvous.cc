@@ -1,5 +1,6 @@
 #include "coordinator/rendezvous.h"
 
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -53,10 +54,16 @@ std::vector<v1::Peer> Rendezvous::Peers() const {
 
 void Rendezvous::Complete(const v1::JoinRendezvousResponse& base, Deferred* deferred) {
   completed_ = base;
+  // Each rank's answer lists every peer: world_size^2 peers in all (a
+  // million at 1,024 ranks). They are copied once the caller's lock is
+  // released, not under it, where they held up every other call.
+  auto shared = std::make_shared<const v1::JoinRendezvousResponse>(base);
   for (auto& [rank, done] : waiters_) {
-    v1::JoinRendezvousResponse response = base;
-    response.set_rank(rank);
-    deferred->Add([done = std::move(done), response = std::move(response)]() { done(response); });
+    deferred->Add([done = std::move(done), shared, rank = rank]() {
+      v1::JoinRendezvousResponse response = *shared;
+      response.set_rank(rank);
+      done(std::move(response));
+    });
   }
   waiters_.clear();
 }
