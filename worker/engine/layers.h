@@ -6,9 +6,15 @@
 // Linear weight [out, in], Conv2d weight [out, in, kh, kw], images NCHW.
 //
 // Lifetime contract: a layer may keep a pointer to the `input` of its last
-// Forward (Linear and ReLU do), so that tensor must stay alive and unchanged
-// until the matching Backward. Sequential's own activations satisfy this; a
-// caller that drives layers by hand must keep its input tensors around.
+// Forward (Linear, ReLU and Conv2d do) and, once it has fused a ReLU, to its
+// `output`, so those tensors must stay alive and unchanged until the
+// matching Backward. Sequential's own activations satisfy this; a caller
+// that drives layers by hand must keep its input tensors around.
+//
+// Fusion (Layer::Fuse): Linear takes over a ReLU after it; Conv2d a ReLU
+// and then a MaxPool2d(2) (stride 2), or the pool alone. A fused layer
+// computes exactly what the layers one by one would, bit for bit, without
+// the full passes over the activations between them.
 //
 // Buffers (outputs, gradients, im2col columns, masks) are resized only when
 // a shape changes, so repeated steps at a fixed batch size allocate nothing.
@@ -37,6 +43,8 @@ class Linear final : public Layer {
   void Forward(const Tensor& input, Tensor* output, bool training) override;
   void Backward(const Tensor& grad_output, Tensor* grad_input) override;
   std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
+  // Takes over a ReLU: Forward writes max(x W^T + b, 0).
+  bool Fuse(const Layer& next) override;
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -48,7 +56,12 @@ class Linear final : public Layer {
   int64_t out_;
   Parameter weight_;
   Parameter bias_;
+  bool fused_relu_ = false;
   const Tensor* input_ = nullptr;
+  // Fused ReLU: the output of the last Forward (its mask) and the masked
+  // output gradient.
+  const Tensor* output_ = nullptr;
+  Tensor masked_grad_;
 };
 
 // max(x, 0), any shape.
@@ -64,8 +77,19 @@ class ReLU final : public Layer {
 
 // 2-D convolution (cross-correlation, as torch), square kernel, stride and
 // zero padding. Input [N, C, H, W], output [N, O, OH, OW] with
-// OH = (H + 2 padding - kernel) / stride + 1. Implemented as im2col + one
-// GEMM over the whole batch; the columns are kept for Backward.
+// OH = (H + 2 padding - kernel) / stride + 1. Implemented as im2col + GEMM,
+// a chunk of samples at a time so that each chunk's columns, GEMM output
+// and their gradients stay in cache (L2) between the passes over them:
+//   P = OH * OW >= kPerSampleMinPlane  one sample per chunk: the GEMM's rows
+//       are long enough, and its [O, P] output is the sample's NCHW output
+//       (and the gradient's input) as it is (the CNN's first layer: CK = 9,
+//       P = 676).
+//   smaller planes  several samples, up to kChunkFloats of columns and rows,
+//       to keep the GEMM's N large, at the price of a scatter to NCHW in
+//       Forward and a gather in Backward (the second layer: P = 121).
+// Backward rebuilds the columns from the input (the layer keeps a pointer
+// to it) instead of keeping the whole batch's from Forward: a rebuild into
+// cache costs less than their round trip through memory.
 class Conv2d final : public Layer {
  public:
   Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride = 1,
@@ -74,6 +98,10 @@ class Conv2d final : public Layer {
   void Forward(const Tensor& input, Tensor* output, bool training) override;
   void Backward(const Tensor& grad_output, Tensor* grad_input) override;
   std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
+  // Takes over a ReLU, then a MaxPool2d with kernel 2 and stride 2 (or the
+  // pool alone): the output is then max_pool(max(conv, 0)), [N, O, OH/2,
+  // OW/2], computed per output plane while the GEMM's result is in cache.
+  bool Fuse(const Layer& next) override;
 
   // in_channels * kernel * kernel.
   int64_t fan_in() const { return in_ * kernel_ * kernel_; }
@@ -86,6 +114,20 @@ class Conv2d final : public Layer {
   int64_t kernel_;
   int64_t stride_;
   int64_t padding_;
+  static constexpr int64_t kPerSampleMinPlane = 256;
+  static constexpr int64_t kChunkFloats = int64_t{1} << 17;  // 512 KiB
+  // Samples per chunk.
+  int64_t ChunkSamples() const;
+
+  // The output plane (n, o) from the convolution's plane `conv` (bias not
+  // yet added): bias, then the fused ReLU and pool.
+  void Epilogue(const float* conv, int64_t n, int64_t o, float* y);
+  // The gradient of the convolution's plane (n, o) into `dconv`, from the
+  // gradient of the output `g`: through the fused pool and ReLU.
+  void Prologue(const float* g, int64_t n, int64_t o, float* dconv) const;
+
+  bool fused_relu_ = false;
+  bool fused_pool_ = false;
   // Geometry of the last Forward.
   int64_t batch_ = 0;
   int64_t height_ = 0;
@@ -94,13 +136,19 @@ class Conv2d final : public Layer {
   int64_t out_width_ = 0;
   Parameter weight_;
   Parameter bias_;
-  // [C*k*k, N*OH*OW]: sample n's columns are the block at n*OH*OW.
+  // Per chunk: the columns [C*k*k, chunk*P] (sample n's at n*P in each
+  // row), the convolution or its gradient [O, chunk*P], and the gradient of
+  // the columns [C*k*k, chunk*P].
   Tensor columns_;
-  // [O, N*OH*OW]: the GEMM output in Forward, the gathered grad_output in
-  // Backward.
   Tensor rows_;
-  // [C*k*k, N*OH*OW]: gradient of the columns.
   Tensor grad_columns_;
+  // Fused pool: one plane [P] after bias and ReLU, before pooling.
+  Tensor plane_;
+  const Tensor* input_ = nullptr;
+  // Fused: the output of the last Forward (the ReLU's mask) and, with the
+  // pool, each output's winner: its offset in the convolution's plane.
+  const Tensor* output_ = nullptr;
+  std::vector<int32_t> argmax_;
 };
 
 // Max pooling without padding; stride defaults to the kernel size. Backward
@@ -112,6 +160,9 @@ class MaxPool2d final : public Layer {
   std::string Describe() const override;
   void Forward(const Tensor& input, Tensor* output, bool training) override;
   void Backward(const Tensor& grad_output, Tensor* grad_input) override;
+
+  int64_t kernel() const { return kernel_; }
+  int64_t stride() const { return stride_; }
 
  private:
   int64_t kernel_;

@@ -1,6 +1,7 @@
 #include "worker/engine/model.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <utility>
 
@@ -23,6 +24,12 @@ void Sequential::Add(std::unique_ptr<Layer> layer) {
     parameters_.push_back(p);
   }
   if (!params.empty() && first_trainable_ < 0) first_trainable_ = static_cast<int>(index);
+  // Only parameter-free layers are fused: a fused layer's gradients would
+  // never be reported ready.
+  const bool fused =
+      params.empty() && last_run_ >= 0 && layers_[static_cast<size_t>(last_run_)]->Fuse(*layer);
+  fused_.push_back(fused);
+  if (!fused) last_run_ = static_cast<int>(index);
   layer_parameters_.push_back(std::move(params));
   layers_.push_back(std::move(layer));
   activations_.resize(layers_.size());
@@ -34,18 +41,26 @@ void Sequential::Forward(const Tensor& input, Tensor* logits, bool training) {
   const Tensor* x = &input;
   const size_t last = layers_.size() - 1;
   for (size_t i = 0; i < layers_.size(); ++i) {
+    if (fused_[i]) continue;
     // The last layer writes straight into the caller's tensor; the others
     // into activations_ that stay alive until Backward (layers keep pointers
-    // to their inputs).
+    // to their inputs, fused ones to their outputs).
     Tensor* y = i == last ? logits : &activations_[i];
     layers_[i]->Forward(*x, y, training);
     x = y;
+  }
+  // The last layers were fused into an earlier one, which wrote into its
+  // own activation (it needs that until Backward).
+  if (x != logits) {
+    EnsureShape(logits, x->shape());
+    if (x->numel() > 0) std::memcpy(logits->data(), x->data(), sizeof(float) * x->numel());
   }
 }
 
 void Sequential::Backward(const Tensor& grad_logits) {
   const Tensor* g = &grad_logits;
   for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
+    if (fused_[static_cast<size_t>(i)]) continue;
     // The input of the model needs no gradient, and neither does anything
     // before the first layer with parameters (as torch's autograd skips the
     // first Linear's dx GEMM).

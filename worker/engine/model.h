@@ -30,6 +30,13 @@ class Layer {
   // and, if `grad_input` is not null, writes the gradient of its input.
   virtual void Backward(const Tensor& grad_output, Tensor* grad_input) = 0;
   virtual std::vector<Parameter*> Parameters() { return {}; }
+  // Sequential offers each layer it is given to the last layer it runs
+  // before it. Returning true means this layer takes `next`'s computation
+  // over: its Forward then produces what `next` would have output, its
+  // Backward takes the gradient of that output, and Sequential no longer
+  // runs `next`. Fused layers must compute exactly what the layers one by
+  // one compute (see layers.h); a layer fuses nothing unless it says so.
+  virtual bool Fuse(const Layer& /*next*/) { return false; }
   // Seeds the layer's randomness (dropout masks) for the next Forward.
   virtual void SetSeed(uint64_t /*seed*/) {}
 };
@@ -50,7 +57,9 @@ struct ModelConfig {
 // A stack of layers, like torch.nn.Sequential. Parameter names follow the
 // torch module index: the MLP 784-256-256-10 is 1.weight (after the flatten
 // at index 0), 1.bias, 3.weight, ... exactly as nn.Sequential(Flatten(),
-// Linear, ReLU, Linear, ReLU, Linear) names them.
+// Linear, ReLU, Linear, ReLU, Linear) names them. Add offers each layer to
+// the previous one to fuse (Layer::Fuse); fused layers keep their index,
+// name and Describe() line, only their computation moves.
 class Sequential {
  public:
   // Called during Backward for each parameter as soon as its gradient is
@@ -74,6 +83,10 @@ class Sequential {
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
+  // layers_[i] was fused into an earlier layer and is not run.
+  std::vector<bool> fused_;
+  // The last layer that runs (-1: none yet).
+  int last_run_ = -1;
   std::vector<Parameter*> parameters_;
   // layers_[i]'s parameters, for the grad-ready callbacks.
   std::vector<std::vector<Parameter*>> layer_parameters_;

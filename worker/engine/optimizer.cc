@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/engine/simd.h"
 
 namespace aidn::engine {
 namespace {
@@ -82,8 +83,9 @@ inline void SgdElement(float* __restrict p, const float* __restrict grad, float*
 // ("very cheap") vectoriser replace the inner loop entirely; the tail runs
 // scalar with the same arithmetic.
 template <bool kDecay, bool kMomentum, bool kNesterov, bool kFirst, bool kScale>
-void SgdKernel(float* __restrict p, const float* __restrict grad, float* __restrict buf, int64_t n,
-               float lr, float wd, float momentum, float scale) {
+AIDN_VECTOR_CLONES void SgdKernel(float* __restrict p, const float* __restrict grad,
+                                  float* __restrict buf, int64_t n, float lr, float wd,
+                                  float momentum, float scale) {
   constexpr int64_t kBlock = 16;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {

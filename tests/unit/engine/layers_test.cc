@@ -1,9 +1,11 @@
 #include "worker/engine/layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -146,6 +148,67 @@ TEST(Linear, NamesItsParametersLikeTorch) {
   EXPECT_EQ(params[1]->name, "bias");
   EXPECT_EQ(params[1]->value.ShapeString(), "[256]");
   EXPECT_EQ(linear.Describe(), "Linear(in_features=784, out_features=256, bias=True)");
+}
+
+// Fused layers must give exactly what the layers one by one give: the same
+// float operations in the same order, only without the passes in between.
+void ExpectSameTensor(const Tensor& got, const Tensor& want, const char* what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  for (int64_t i = 0; i < got.numel(); ++i) ASSERT_EQ(got[i], want[i]) << what << " at " << i;
+}
+
+void CopyParameters(Layer* from, Layer* to) {
+  std::vector<Parameter*> a = from->Parameters();
+  std::vector<Parameter*> b = to->Parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    std::copy(a[i]->value.data(), a[i]->value.data() + a[i]->value.numel(), b[i]->value.data());
+  }
+}
+
+TEST(Linear, FusedReluMatchesLinearThenReluExactly) {
+  std::mt19937_64 rng(21);
+  Linear fused(9, 6);
+  Linear plain(9, 6);
+  FillRandom(&fused.weight().value, &rng);
+  FillRandom(&fused.bias().value, &rng);
+  CopyParameters(&fused, &plain);
+  ReLU relu;
+  ASSERT_TRUE(fused.Fuse(relu));
+  EXPECT_FALSE(fused.Fuse(relu)) << "a second ReLU is not fused";
+  EXPECT_FALSE(plain.Fuse(MaxPool2d(2)));
+
+  Tensor x({5, 9});
+  FillRandom(&x, &rng);
+  Tensor y_fused, y_plain, y_relu;
+  fused.Forward(x, &y_fused, true);
+  plain.Forward(x, &y_plain, true);
+  relu.Forward(y_plain, &y_relu, true);
+  ExpectSameTensor(y_fused, y_relu, "output");
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < y_fused.numel(); ++i) zeros += y_fused[i] == 0.0f;
+  EXPECT_GT(zeros, 0) << "no unit was cut off: a weak check";
+
+  Tensor g(y_fused.shape());
+  FillRandom(&g, &rng);
+  Tensor gx_fused, g_relu, gx_plain;
+  fused.Backward(g, &gx_fused);
+  relu.Backward(g, &g_relu);
+  plain.Backward(g_relu, &gx_plain);
+  ExpectSameTensor(gx_fused, gx_plain, "input gradient");
+  ExpectSameTensor(fused.weight().grad, plain.weight().grad, "weight gradient");
+  ExpectSameTensor(fused.bias().grad, plain.bias().grad, "bias gradient");
+}
+
+TEST(Linear, FusedReluMatchesFiniteDifferences) {
+  std::mt19937_64 rng(22);
+  Linear linear(7, 5);
+  FillRandom(&linear.weight().value, &rng);
+  FillRandom(&linear.bias().value, &rng);
+  ASSERT_TRUE(linear.Fuse(ReLU()));
+  Tensor x({4, 7});
+  FillRandom(&x, &rng);
+  ExpectGradientsMatchFiniteDifferences(&linear, &x, true);
 }
 
 // ------------------------------------------------------------------ ReLU
@@ -325,6 +388,177 @@ TEST(Conv2d, BackwardAccumulatesIntoParameterGradients) {
   }
 }
 
+// Output planes of at least 256 take the per-sample form (one GEMM per
+// sample, straight into NCHW); the tests above use small planes, the
+// batched form.
+TEST(Conv2d, PerSampleFormMatchesTheDefinitionAndFiniteDifferences) {
+  struct Geometry {
+    int64_t size, kernel, stride, padding;
+  };
+  // Output planes 16x16, 17x17 (stride 1, padding 1) and 16x16 (stride 2).
+  for (Geometry g : {Geometry{18, 3, 1, 0}, Geometry{17, 3, 1, 1}, Geometry{33, 3, 2, 1}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "size " << g.size << " stride " << g.stride << " padding " << g.padding);
+    std::mt19937_64 rng(static_cast<uint64_t>(g.size));
+    Conv2d conv(2, 3, g.kernel, g.stride, g.padding);
+    FillRandom(&conv.weight().value, &rng);
+    FillRandom(&conv.bias().value, &rng);
+    Tensor x({2, 2, g.size, g.size});
+    FillRandom(&x, &rng);
+    Tensor y;
+    conv.Forward(x, &y, true);
+    ASSERT_GE(y.dim(2) * y.dim(3), 256);
+    const std::vector<double> want = NaiveConv(x, conv, g.kernel, g.stride, g.padding);
+    ASSERT_EQ(y.numel(), static_cast<int64_t>(want.size()));
+    EXPECT_LT(RelativeError(std::vector<double>(y.data(), y.data() + y.numel()), want), 1e-6);
+    ExpectGradientsMatchFiniteDifferences(&conv, &x, true);
+  }
+}
+
+// Conv2d with a fused ReLU and/or MaxPool2d(2) against the same layers one
+// by one, in both forms (small and large planes), with odd sizes (the pool
+// drops a row and a column) and with ties in the pool windows (ReLU zeros).
+TEST(Conv2d, FusedReluAndPoolMatchTheLayersOneByOneExactly) {
+  struct Case {
+    int64_t size;  // input height and width
+    bool relu;
+    bool pool;
+  };
+  for (Case c :
+       {Case{9, true, true}, Case{20, true, true}, Case{21, true, true}, Case{10, true, false},
+        Case{19, true, false}, Case{9, false, true}, Case{20, false, true}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "size " << c.size << " relu " << c.relu << " pool " << c.pool);
+    std::mt19937_64 rng(static_cast<uint64_t>(c.size * 4 + c.relu * 2 + c.pool));
+    Conv2d fused(2, 3, 3);
+    Conv2d plain(2, 3, 3);
+    FillRandom(&fused.weight().value, &rng);
+    FillRandom(&fused.bias().value, &rng);
+    CopyParameters(&fused, &plain);
+    ReLU relu;
+    MaxPool2d pool(2);
+    if (c.relu) {
+      ASSERT_TRUE(fused.Fuse(relu));
+    }
+    if (c.pool) {
+      ASSERT_TRUE(fused.Fuse(pool));
+    }
+    EXPECT_FALSE(fused.Fuse(MaxPool2d(3, 2)));
+
+    Tensor x({3, 2, c.size, c.size});
+    FillRandom(&x, &rng);
+    Tensor y_fused, y_conv, y_relu, y_pool;
+    fused.Forward(x, &y_fused, true);
+    plain.Forward(x, &y_conv, true);
+    const Tensor* y_plain = &y_conv;
+    if (c.relu) {
+      relu.Forward(*y_plain, &y_relu, true);
+      y_plain = &y_relu;
+    }
+    if (c.pool) {
+      pool.Forward(*y_plain, &y_pool, true);
+      y_plain = &y_pool;
+    }
+    ExpectSameTensor(y_fused, *y_plain, "output");
+
+    Tensor g(y_fused.shape());
+    FillRandom(&g, &rng);
+    Tensor gx_fused, g_pool, g_relu, gx_plain;
+    fused.Backward(g, &gx_fused);
+    const Tensor* g_plain = &g;
+    if (c.pool) {
+      pool.Backward(*g_plain, &g_pool);
+      g_plain = &g_pool;
+    }
+    if (c.relu) {
+      relu.Backward(*g_plain, &g_relu);
+      g_plain = &g_relu;
+    }
+    plain.Backward(*g_plain, &gx_plain);
+    ExpectSameTensor(gx_fused, gx_plain, "input gradient");
+    ExpectSameTensor(fused.weight().grad, plain.weight().grad, "weight gradient");
+    ExpectSameTensor(fused.bias().grad, plain.bias().grad, "bias gradient");
+  }
+}
+
+// The batched form works through the batch in chunks of samples (as many
+// as fit kChunkFloats), the last chunk possibly a single sample. The whole
+// batch at once must match the samples one at a time.
+TEST(Conv2d, ChunksOfSamplesMatchOneSampleAtATime) {
+  for (bool fuse : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "fused " << fuse);
+    std::mt19937_64 rng(25 + fuse);
+    // 8 channels 9x9 -> 7x7: 30 samples per chunk, so 31 samples make a
+    // chunk of 30 and one of 1.
+    const int64_t n = 31;
+    Conv2d batched(8, 16, 3);
+    Conv2d single(8, 16, 3);
+    FillRandom(&batched.weight().value, &rng);
+    FillRandom(&batched.bias().value, &rng);
+    CopyParameters(&batched, &single);
+    if (fuse) {
+      ASSERT_TRUE(batched.Fuse(ReLU()));
+      ASSERT_TRUE(batched.Fuse(MaxPool2d(2)));
+      ASSERT_TRUE(single.Fuse(ReLU()));
+      ASSERT_TRUE(single.Fuse(MaxPool2d(2)));
+    }
+    Tensor x({n, 8, 9, 9});
+    FillRandom(&x, &rng);
+    Tensor y, gx;
+    batched.Forward(x, &y, true);
+    Tensor g(y.shape());
+    FillRandom(&g, &rng);
+    batched.Backward(g, &gx);
+
+    const int64_t in_sample = 8 * 9 * 9;
+    const int64_t out_sample = y.numel() / n;
+    std::vector<double> want_gw(static_cast<size_t>(single.weight().grad.numel()), 0.0);
+    std::vector<double> want_gb(16, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      Tensor xi({1, 8, 9, 9});
+      std::copy(x.data() + i * in_sample, x.data() + (i + 1) * in_sample, xi.data());
+      Tensor yi, gxi;
+      single.Forward(xi, &yi, true);
+      ASSERT_EQ(yi.numel(), out_sample);
+      for (int64_t j = 0; j < out_sample; ++j) {
+        ASSERT_NEAR(y[i * out_sample + j], yi[j], 1e-5f * (1.0f + std::fabs(yi[j])))
+            << "sample " << i << " output " << j;
+      }
+      Tensor gi(yi.shape());
+      std::copy(g.data() + i * out_sample, g.data() + (i + 1) * out_sample, gi.data());
+      single.weight().grad.Zero();
+      single.bias().grad.Zero();
+      single.Backward(gi, &gxi);
+      for (int64_t j = 0; j < in_sample; ++j) {
+        ASSERT_NEAR(gx[i * in_sample + j], gxi[j], 1e-5f * (1.0f + std::fabs(gxi[j])))
+            << "sample " << i << " input gradient " << j;
+      }
+      for (size_t j = 0; j < want_gw.size(); ++j) want_gw[j] += single.weight().grad[j];
+      for (size_t j = 0; j < want_gb.size(); ++j) want_gb[j] += single.bias().grad[j];
+    }
+    EXPECT_LT(RelativeError(
+                  Gather(batched.weight().grad.data(), AllIndices(batched.weight().grad.numel())),
+                  want_gw),
+              1e-5);
+    EXPECT_LT(RelativeError(Gather(batched.bias().grad.data(), AllIndices(16)), want_gb), 1e-5);
+  }
+}
+
+TEST(Conv2d, FusedReluAndPoolMatchFiniteDifferences) {
+  std::mt19937_64 rng(23);
+  Conv2d conv(2, 3, 3);
+  FillRandom(&conv.weight().value, &rng);
+  FillRandom(&conv.bias().value, &rng);
+  ASSERT_TRUE(conv.Fuse(ReLU()));
+  ASSERT_TRUE(conv.Fuse(MaxPool2d(2)));
+  Tensor x({2, 2, 9, 8});
+  FillRandom(&x, &rng);
+  Tensor y;
+  conv.Forward(x, &y, true);
+  EXPECT_EQ(y.ShapeString(), "[2, 3, 3, 3]");
+  ExpectGradientsMatchFiniteDifferences(&conv, &x, true);
+}
+
 TEST(Conv2d, DescribesItselfLikeTorch) {
   EXPECT_EQ(Conv2d(1, 32, 3).Describe(), "Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1))");
   EXPECT_EQ(Conv2d(2, 4, 3, 2, 1).Describe(),
@@ -414,6 +648,48 @@ TEST(MaxPool2d, OverlappingWindowsAccumulateAndMatchFiniteDifferences) {
   pool.Forward(x, &y, true);
   EXPECT_EQ(y.ShapeString(), "[2, 2, 3, 3]");
   ExpectGradientsMatchFiniteDifferences(&pool, &x, true);
+}
+
+// MaxPool2d(2) has its own vectorised path; check it against the definition
+// on odd sizes, wide rows (several vector blocks and a tail) and many ties.
+TEST(MaxPool2d, TwoByTwoMatchesTheDefinitionWithTiesAndOddSizes) {
+  std::mt19937_64 rng(24);
+  std::uniform_int_distribution<int> level(-2, 2);
+  for (int64_t w : {2, 3, 9, 11, 14, 17, 26}) {
+    SCOPED_TRACE(testing::Message() << "width " << w);
+    const int64_t h = 7;
+    MaxPool2d pool(2);
+    Tensor x({2, 3, h, w});
+    for (int64_t i = 0; i < x.numel(); ++i) x[i] = static_cast<float>(level(rng));
+    Tensor y;
+    pool.Forward(x, &y, true);
+    const int64_t oh = h / 2, ow = w / 2;
+    ASSERT_EQ(y.ShapeString(), "[2, 3, " + std::to_string(oh) + ", " + std::to_string(ow) + "]");
+    Tensor g(y.shape());
+    FillRandom(&g, &rng);
+    Tensor gx;
+    pool.Backward(g, &gx);
+    std::vector<float> want_gx(static_cast<size_t>(x.numel()), 0.0f);
+    for (int64_t p = 0; p < 6; ++p) {
+      for (int64_t i = 0; i < oh; ++i) {
+        for (int64_t j = 0; j < ow; ++j) {
+          int64_t best = p * h * w + 2 * i * w + 2 * j;
+          for (int64_t di = 0; di < 2; ++di) {
+            for (int64_t dj = 0; dj < 2; ++dj) {
+              const int64_t at = p * h * w + (2 * i + di) * w + 2 * j + dj;
+              if (x[at] > x[best]) best = at;
+            }
+          }
+          const int64_t out = (p * oh + i) * ow + j;
+          ASSERT_EQ(y[out], x[best]) << "output " << out;
+          want_gx[static_cast<size_t>(best)] += g[out];
+        }
+      }
+    }
+    for (int64_t i = 0; i < gx.numel(); ++i) {
+      ASSERT_EQ(gx[i], want_gx[static_cast<size_t>(i)]) << "input gradient " << i;
+    }
+  }
 }
 
 // ------------------------------------------------------------------ Flatten

@@ -162,6 +162,24 @@ TEST(BuildModel, DescribesTheMlpLikeTorchsRepr) {
             ")");
 }
 
+TEST(BuildModel, DescribesTheCnnLikeTorchsReprThoughItsLayersAreFused) {
+  std::unique_ptr<Sequential> model = Build(Cnn(), 1);
+  ASSERT_NE(model, nullptr);
+  EXPECT_EQ(model->Describe(),
+            "Sequential(\n"
+            "  (0): Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1))\n"
+            "  (1): ReLU()\n"
+            "  (2): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)\n"
+            "  (3): Conv2d(32, 64, kernel_size=(3, 3), stride=(1, 1))\n"
+            "  (4): ReLU()\n"
+            "  (5): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)\n"
+            "  (6): Flatten(start_dim=1, end_dim=-1)\n"
+            "  (7): Linear(in_features=1600, out_features=128, bias=True)\n"
+            "  (8): ReLU()\n"
+            "  (9): Linear(in_features=128, out_features=10, bias=True)\n"
+            ")");
+}
+
 TEST(BuildModel, RefusesUnknownNamesAndBadSizes) {
   ModelConfig config = Mlp({256});
   config.name = "resnet";
@@ -546,6 +564,124 @@ TEST(Sequential, CnnInputGradientMatchesFiniteDifferences) {
   std::mt19937_64 rng(8);
   Tensor x = RandomImages(2, &rng);
   ExpectInputGradientMatchesFiniteDifferences(&model, &x, {6, 2});
+}
+
+// Sequential fuses ReLU and MaxPool2d into the Conv2d or Linear before them
+// (Layer::Fuse). The same layers driven one by one, unfused, must give the
+// same logits and gradients bit for bit.
+TEST(Sequential, FusedLayersMatchTheSameLayersRunOneByOne) {
+  std::mt19937_64 rng(31);
+  auto conv1 = std::make_unique<Conv2d>(1, 4, 3);
+  auto conv2 = std::make_unique<Conv2d>(4, 6, 3);
+  auto fc1 = std::make_unique<Linear>(6 * 5 * 5, 16);
+  auto fc2 = std::make_unique<Linear>(16, 10);
+  Conv2d plain_conv1(1, 4, 3);
+  Conv2d plain_conv2(4, 6, 3);
+  Linear plain_fc1(6 * 5 * 5, 16);
+  Linear plain_fc2(16, 10);
+  std::vector<Parameter*> fused_params, plain_params;
+  for (Layer* l : std::vector<Layer*>{conv1.get(), conv2.get(), fc1.get(), fc2.get()}) {
+    for (Parameter* p : l->Parameters()) fused_params.push_back(p);
+  }
+  for (Layer* l : std::vector<Layer*>{&plain_conv1, &plain_conv2, &plain_fc1, &plain_fc2}) {
+    for (Parameter* p : l->Parameters()) plain_params.push_back(p);
+  }
+  for (size_t i = 0; i < fused_params.size(); ++i) {
+    FillRandom(&fused_params[i]->value, &rng, 0.01f, 0.3f);
+    std::memcpy(plain_params[i]->value.data(), fused_params[i]->value.data(),
+                sizeof(float) * fused_params[i]->value.numel());
+  }
+  Sequential model;
+  model.Add(std::move(conv1));
+  model.Add(std::make_unique<ReLU>());
+  model.Add(std::make_unique<MaxPool2d>(2));
+  model.Add(std::move(conv2));
+  model.Add(std::make_unique<ReLU>());
+  model.Add(std::make_unique<MaxPool2d>(2));
+  model.Add(std::make_unique<Flatten>());
+  model.Add(std::move(fc1));
+  model.Add(std::make_unique<ReLU>());
+  model.Add(std::move(fc2));
+
+  // The plain stack, driven by hand.
+  ReLU relu1, relu2, relu3;
+  MaxPool2d pool1(2), pool2(2);
+  Flatten flatten;
+  std::vector<Layer*> plain = {&plain_conv1, &relu1,   &pool1,     &plain_conv2, &relu2,
+                               &pool2,       &flatten, &plain_fc1, &relu3,       &plain_fc2};
+
+  // Input 26x26: conv1's plane 24x24 takes the per-sample form, conv2's
+  // 10x10 the batched one.
+  Tensor x({3, 1, 26, 26});
+  FillRandom(&x, &rng, 0.0f, 1.0f);
+  const std::vector<int32_t> labels = {1, 5, 9};
+  Tensor logits, grad;
+  model.Forward(x, &logits, true);
+  SoftmaxCrossEntropy(logits, labels, &grad);
+  model.Backward(grad);
+
+  std::vector<Tensor> acts(plain.size()), grads(plain.size());
+  const Tensor* a = &x;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    plain[i]->Forward(*a, &acts[i], true);
+    a = &acts[i];
+  }
+  ASSERT_EQ(a->shape(), logits.shape());
+  for (int64_t i = 0; i < logits.numel(); ++i) ASSERT_EQ(logits[i], (*a)[i]) << "logit " << i;
+  Tensor plain_grad;
+  SoftmaxCrossEntropy(*a, labels, &plain_grad);
+  const Tensor* g = &plain_grad;
+  for (int i = static_cast<int>(plain.size()) - 1; i >= 0; --i) {
+    plain[static_cast<size_t>(i)]->Backward(*g, i > 0 ? &grads[static_cast<size_t>(i)] : nullptr);
+    g = &grads[static_cast<size_t>(i)];
+  }
+  for (size_t i = 0; i < fused_params.size(); ++i) {
+    const Tensor& want = plain_params[i]->grad;
+    const Tensor& got = fused_params[i]->grad;
+    double norm = 0.0;
+    for (int64_t j = 0; j < got.numel(); ++j) {
+      ASSERT_EQ(got[j], want[j]) << fused_params[i]->name << " at " << j;
+      norm += std::fabs(got[j]);
+    }
+    EXPECT_GT(norm, 0.0) << fused_params[i]->name;
+  }
+}
+
+TEST(Sequential, ALastLayerFusedIntoAnotherStillWritesTheLogits) {
+  std::mt19937_64 rng(32);
+  auto linear = std::make_unique<Linear>(5, 4);
+  Linear plain(5, 4);
+  FillRandom(&linear->weight().value, &rng);
+  FillRandom(&linear->bias().value, &rng);
+  std::memcpy(plain.weight().value.data(), linear->weight().value.data(), sizeof(float) * 20);
+  std::memcpy(plain.bias().value.data(), linear->bias().value.data(), sizeof(float) * 4);
+  Sequential model;
+  model.Add(std::move(linear));
+  model.Add(std::make_unique<ReLU>());
+  Tensor x({3, 5});
+  FillRandom(&x, &rng);
+  Tensor logits;
+  model.Forward(x, &logits, true);
+  Tensor y, want;
+  ReLU relu;
+  plain.Forward(x, &y, true);
+  relu.Forward(y, &want, true);
+  ASSERT_EQ(logits.shape(), want.shape());
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    ASSERT_EQ(logits[i], want[i]) << i;
+    zeros += want[i] == 0.0f;
+  }
+  EXPECT_GT(zeros, 0);
+  Tensor g(logits.shape());
+  FillRandom(&g, &rng);
+  model.Backward(g);
+  Tensor g_relu;
+  relu.Backward(g, &g_relu);
+  plain.Backward(g_relu, nullptr);
+  for (int64_t i = 0; i < 20; ++i) {
+    ASSERT_EQ(model.Parameters()[0]->grad[i], plain.weight().grad[i]) << i;
+  }
 }
 
 TEST(Sequential, SetSeedMakesDropoutReproducible) {
