@@ -532,8 +532,18 @@ TEST_F(WorkerTest, AWorkerRegistersAgainWithACoordinatorThatForgotIt) {
                                          "--tick-interval=50ms", "--token-file=" + token_file};
   StartCoordinatorWith(args, "state-a");
   WriteFileOrDie(dir_ + "/worker.token", "worker-test-token-0123456789\n");
-  StartWorker("w1", WriteScript("exit0", kExitZero), {"--token-file=" + dir_ + "/worker.token"});
+  WorkerHandle* w =
+      StartWorker("w1", WriteScript("exit0", kExitZero), {"--token-file=" + dir_ + "/worker.token"});
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  // ALIVE in the coordinator is not enough: the worker must also have read the
+  // answer, or a kill right after the coordinator stored it leaves a worker
+  // whose first registration simply goes to the second coordinator.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ReadFileOrEmpty(w->log).find("registered with the coordinator") !=
+               std::string::npos;
+      },
+      kLong));
 
   const std::string address = coordinator_.address;
   coordinator_.process->Signal(SIGKILL);
@@ -542,7 +552,7 @@ TEST_F(WorkerTest, AWorkerRegistersAgainWithACoordinatorThatForgotIt) {
   fresh_args.push_back("--listen=" + address);
   StartCoordinatorWith(fresh_args, "state-b");
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
-  EXPECT_THAT(ReadFileOrEmpty(workers_["w1"].log), HasSubstr("registering again"));
+  EXPECT_THAT(ReadFileOrEmpty(w->log), HasSubstr("registering again"));
 
   // And it takes work from the new coordinator: its trainer ran and its exit
   // was reported.
