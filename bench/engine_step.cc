@@ -20,6 +20,7 @@
 // the window, which on a shared host moves less with others' load.
 
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -162,16 +163,18 @@ int Run(const Options& options) {
         "RESULT {\"model\": \"%s\", \"threads\": %d, \"batch\": %lld, \"steps\": %lld, "
         "\"window_steps\": %lld, \"window_s\": %.6f, \"samples_per_s\": %.1f, "
         "\"median_step_ms\": %.4f, \"median_samples_per_s\": %.1f, \"cpu_ms_per_step\": %.4f, "
-        "\"final_loss\": %.6f}\n",
+        "\"final_loss\": %.6f, \"blas_core\": \"%s\"}\n",
         options.model.c_str(), options.threads, static_cast<long long>(options.batch),
         static_cast<long long>(options.steps), static_cast<long long>(window), wall, samples_per_s,
-        median * 1e3, static_cast<double>(options.batch) / median, cpu_per_step * 1e3, last_loss);
+        median * 1e3, static_cast<double>(options.batch) / median, cpu_per_step * 1e3, last_loss,
+        aidn::engine::BlasCoreName().c_str());
   } else {
     std::printf(
         "engine_step %s threads %d batch %lld | %lld steps | %.3f ms median | %.0f samples/s | "
-        "cpu %.3f ms/step | loss %.4f\n",
+        "cpu %.3f ms/step | loss %.4f | OpenBLAS %s\n",
         options.model.c_str(), options.threads, static_cast<long long>(options.batch),
-        static_cast<long long>(window), median * 1e3, samples_per_s, cpu_per_step * 1e3, last_loss);
+        static_cast<long long>(window), median * 1e3, samples_per_s, cpu_per_step * 1e3, last_loss,
+        aidn::engine::BlasCoreName().c_str());
   }
   return 0;
 }
@@ -179,6 +182,20 @@ int Run(const Options& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The environment a worker gives its trainers: where OpenBLAS would take
+  // its AVX2 kernels on an AVX-512 CPU, run again with OPENBLAS_CORETYPE set
+  // (the library reads it once, at load). AIDN_BENCH_BLAS=default keeps
+  // OpenBLAS's own choice, for comparison.
+  const char* blas = std::getenv("AIDN_BENCH_BLAS");
+  if (blas == nullptr || std::string(blas) != "default") {
+    const std::string override_env = aidn::engine::BlasCoreOverride();
+    if (!override_env.empty()) {
+      putenv(const_cast<char*>(override_env.c_str()));
+      execv("/proc/self/exe", argv);
+      std::perror("execv /proc/self/exe");
+      return 1;
+    }
+  }
   Options options;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];

@@ -500,7 +500,8 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
     spec.argv.push_back("--log-level=" + options_.trainer_log_level);
   }
   // The credential travels in the environment: argv is world-readable.
-  spec.env = {"AIDN_TRAINER_TOKEN=" + a.trainer_token()};
+  spec.env = options_.trainer_env;
+  spec.env.push_back("AIDN_TRAINER_TOKEN=" + a.trainer_token());
   spec.log_path = LogPath(key);
   absl::StatusOr<Supervisor::ChildId> child = supervisor_.Start(spec);
   if (!child.ok()) return not_started(child.status());

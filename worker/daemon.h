@@ -68,6 +68,9 @@ struct DaemonOptions {
   std::string trainer_binary = "/proc/self/exe";
   // Passed to trainers as --log-level when not empty.
   std::string trainer_log_level;
+  // "K=V" entries added to every trainer's environment (after the daemon's
+  // own, replacing the same keys), e.g. engine::BlasCoreOverride().
+  std::vector<std::string> trainer_env;
   // SIGTERM → SIGKILL delay for trainers, unless a StopOrder names one.
   std::chrono::milliseconds stop_grace{10'000};
   // Used until the coordinator tells its own (RegisterWorkerResponse).

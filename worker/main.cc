@@ -35,6 +35,7 @@
 #include "common/status.h"
 #include "worker/daemon.h"
 #include "worker/engine/device.h"
+#include "worker/engine/model.h"
 #include "worker/trainer/trainer.h"
 
 // Both modes.
@@ -188,6 +189,10 @@ int RunDaemonMode(const std::string& log_level) {
         absl::StrCat(gpu.index, ": ", gpu.name, " (", gpu.memory_bytes / (1024 * 1024), " MiB)"));
   }
 
+  // AVX-512 GEMM kernels for the trainers where OpenBLAS would not pick them.
+  const std::string blas_override = aidn::engine::BlasCoreOverride();
+  if (!blas_override.empty()) options.trainer_env.push_back(blas_override);
+
   // Signals are taken by sigwait below, so block them in every thread first
   // (the supervisor gives trainers an empty mask again).
   sigset_t signals;
@@ -219,6 +224,9 @@ int RunDaemonMode(const std::string& log_level) {
        {"work_dir", resolved.work_dir},
        {"checkpoint_root", resolved.checkpoint_root},
        {"trainer_binary", trainer},
+       {"trainer_blas", blas_override.empty()
+                            ? aidn::engine::BlasCoreName()
+                            : absl::StrCat(aidn::engine::BlasCoreName(), " -> ", blas_override)},
        {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
        {"metrics_addr", metrics_addr.empty() ? "(off)" : metrics_addr},
        {"log_level", log_level}});

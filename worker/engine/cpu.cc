@@ -1,6 +1,9 @@
 #include <cblas.h>
 
+#include <stdlib.h>
+
 #include <algorithm>
+#include <string>
 
 #include "worker/engine/model.h"
 
@@ -21,6 +24,29 @@ void ConfigureCpu(int threads) {
 #if defined(__x86_64__) || defined(__i386__)
   // 0x8000 flush-to-zero, 0x0040 denormals-are-zero.
   _mm_setcsr(_mm_getcsr() | 0x8040);
+#endif
+}
+
+std::string BlasCoreName() {
+  const char* name = openblas_get_corename();
+  return name == nullptr ? "" : name;
+}
+
+std::string BlasCoreOverride() {
+#if defined(__x86_64__)
+  if (getenv("OPENBLAS_CORETYPE") != nullptr) return "";  // the user's choice stands
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl")) {
+    return "";
+  }
+  // OpenBLAS's cores with AVX-512 kernels.
+  const std::string core = BlasCoreName();
+  for (const char* avx512 : {"SkylakeX", "Cooperlake", "SapphireRapids"}) {
+    if (core == avx512) return "";
+  }
+  return "OPENBLAS_CORETYPE=SkylakeX";
+#else
+  return "";
 #endif
 }
 

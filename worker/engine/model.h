@@ -76,6 +76,10 @@ class Sequential {
   void ZeroGrad();
   void SetSeed(uint64_t seed);
 
+  // The layers in order, fused ones included (the GPU engine mirrors them).
+  size_t size() const { return layers_.size(); }
+  const Layer& layer(size_t i) const { return *layers_[i]; }
+
   // In registration (forward) order.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
   int64_t ParameterCount() const;
@@ -115,6 +119,17 @@ int64_t CountCorrect(const Tensor& logits, const std::vector<int32_t>& labels);
 // Process-wide CPU setup for a rank: BLAS thread count and flush-to-zero /
 // denormals-are-zero (denormals slow training several-fold as weights decay).
 void ConfigureCpu(int threads);
+
+// OpenBLAS 0.3.21 (Debian 12's) picks its kernels by CPU model and gives
+// CPUs it does not know, AMD's AVX-512 ones among them, its AVX2 (Haswell)
+// kernels. OPENBLAS_CORETYPE, read once when the library loads, overrides
+// that. Returns "OPENBLAS_CORETYPE=SkylakeX" when this CPU has AVX-512
+// (F, BW, DQ, VL) but the loaded OpenBLAS chose a core without it and the
+// environment does not already name one; else "". The worker puts it in
+// every trainer's environment; it cannot take effect in this process.
+std::string BlasCoreOverride();
+// The OpenBLAS core in use ("Haswell", "SkylakeX", ...).
+std::string BlasCoreName();
 
 }  // namespace aidn::engine
 

@@ -896,5 +896,47 @@ TEST(TorchCrossCheck, CnnLossAndGradientsMatchPyTorch) {
   ExpectMatchesTorch(Cnn(), 8, "-", 1e-3);
 }
 
+// ---------------------------------------------------------------- BLAS core
+
+// Run by BlasCoreOverride.TheOverrideIsTakenByANewProcess in a child process.
+TEST(BlasCore, PrintsTheCoreInUse) { std::printf("blas-core=%s\n", BlasCoreName().c_str()); }
+
+TEST(BlasCoreOverride, LeavesAnExplicitChoiceAlone) {
+  const char* before = std::getenv("OPENBLAS_CORETYPE");
+  const std::string saved = before == nullptr ? "" : before;
+  setenv("OPENBLAS_CORETYPE", "Haswell", 1);
+  EXPECT_EQ(BlasCoreOverride(), "");
+  if (before == nullptr) {
+    unsetenv("OPENBLAS_CORETYPE");
+  } else {
+    setenv("OPENBLAS_CORETYPE", saved.c_str(), 1);
+  }
+}
+
+TEST(BlasCoreOverride, TheOverrideIsTakenByANewProcess) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) GTEST_SKIP() << "OPENBLAS_CORETYPE is set";
+  const std::string core = BlasCoreName();
+  ASSERT_FALSE(core.empty());
+  const std::string override_env = BlasCoreOverride();
+  if (override_env.empty()) {
+    GTEST_SKIP() << "no override here: OpenBLAS uses " << core
+                 << (__builtin_cpu_supports("avx512f") ? " (an AVX-512 core)" : " (no AVX-512)");
+  }
+  EXPECT_EQ(override_env, "OPENBLAS_CORETYPE=SkylakeX");
+  EXPECT_TRUE(__builtin_cpu_supports("avx512f"));
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string command =
+      override_env + " '" + self + "' --gtest_filter=BlasCore.PrintsTheCoreInUse 2>&1";
+  FILE* child = popen(command.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), child) != nullptr) output += buffer;
+  ASSERT_EQ(pclose(child), 0) << output;
+  EXPECT_NE(output.find("blas-core=SkylakeX"), std::string::npos)
+      << "this process uses " << core << "; the child printed:\n"
+      << output;
+}
+
 }  // namespace
 }  // namespace aidn::engine
