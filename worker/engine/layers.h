@@ -105,6 +105,11 @@ class Conv2d final : public Layer {
 
   // in_channels * kernel * kernel.
   int64_t fan_in() const { return in_ * kernel_ * kernel_; }
+  int64_t in_channels() const { return in_; }
+  int64_t out_channels() const { return out_; }
+  int64_t kernel() const { return kernel_; }
+  int64_t stride() const { return stride_; }
+  int64_t padding() const { return padding_; }
   Parameter& weight() { return weight_; }
   Parameter& bias() { return bias_; }
 

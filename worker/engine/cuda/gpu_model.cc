@@ -1,0 +1,227 @@
+#include "worker/engine/cuda/gpu_model.h"
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/kernels.h"
+#include "worker/engine/cuda/status.h"
+
+namespace aidn::engine::cuda {
+
+// ---------------------------------------------------------------- GpuModel
+
+absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(GpuContext* ctx, const Sequential& cpu) {
+  std::unique_ptr<GpuModel> model(new GpuModel(ctx));
+  int last_run = -1;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    AIDN_ASSIGN_OR_RETURN(std::unique_ptr<GpuLayer> layer, MirrorLayer(ctx, cpu.layer(i)));
+    std::vector<GpuParameter*> params = layer->Parameters();
+    for (GpuParameter* p : params) model->parameters_.push_back(p);
+    if (!params.empty() && model->first_trainable_ < 0) {
+      model->first_trainable_ = static_cast<int>(i);
+    }
+    // Sequential::Add's rule: only parameter-free layers are fused.
+    const bool fused = params.empty() && last_run >= 0 &&
+                       model->layers_[static_cast<size_t>(last_run)]->Fuse(*layer);
+    model->fused_.push_back(fused);
+    if (!fused) last_run = static_cast<int>(i);
+    model->layers_.push_back(std::move(layer));
+  }
+  if (model->layers_.empty()) return absl::InvalidArgumentError("the CPU model has no layers");
+  // Sized once: layers keep pointers to these tensors between Forward and
+  // Backward.
+  model->activations_.resize(model->layers_.size());
+  model->grads_.resize(model->layers_.size());
+  // The names were copied from the CPU layers; check the whole list too.
+  AIDN_RETURN_IF_ERROR(model->Matches(cpu.Parameters()));
+  return model;
+}
+
+absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Build(GpuContext* ctx,
+                                                          const ModelConfig& config,
+                                                          uint64_t seed) {
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Sequential> cpu, BuildModel(config, seed));
+  return Create(ctx, *cpu);
+}
+
+absl::Status GpuModel::Forward(const GpuTensor& input, GpuTensor* logits, bool training) {
+  const GpuTensor* x = &input;
+  const size_t last = layers_.size() - 1;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (fused_[i]) continue;
+    GpuTensor* y = i == last ? logits : &activations_[i];
+    AIDN_RETURN_IF_ERROR(
+        Annotate(layers_[i]->Forward(*x, y, training), absl::StrCat("layer ", i, " forward")));
+    x = y;
+  }
+  if (x != logits) AIDN_RETURN_IF_ERROR(logits->CopyFrom(ctx_, *x));
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Backward(const GpuTensor& grad_logits) {
+  const GpuTensor* g = &grad_logits;
+  for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
+    if (fused_[static_cast<size_t>(i)]) continue;
+    // No gradient for the model's input or anything before the first layer
+    // with parameters (as Sequential::Backward).
+    GpuTensor* grad_input =
+        i > first_trainable_ && first_trainable_ >= 0 ? &grads_[static_cast<size_t>(i)] : nullptr;
+    AIDN_RETURN_IF_ERROR(Annotate(layers_[static_cast<size_t>(i)]->Backward(*g, grad_input),
+                                  absl::StrCat("layer ", i, " backward")));
+    if (grad_input == nullptr) break;
+    g = grad_input;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::ZeroGrad() {
+  for (GpuParameter* p : parameters_) AIDN_RETURN_IF_ERROR(p->grad.Zero(ctx_));
+  return absl::OkStatus();
+}
+
+void GpuModel::SetSeed(uint64_t seed) {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    // Sequential::SetSeed's splitmix64 of (seed, index).
+    uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    layers_[i]->SetSeed(z ^ (z >> 31));
+  }
+}
+
+int64_t GpuModel::ParameterCount() const {
+  int64_t n = 0;
+  for (const GpuParameter* p : parameters_) n += p->value.numel();
+  return n;
+}
+
+std::string GpuModel::Describe() const {
+  std::string s = "Sequential(\n";
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    absl::StrAppend(&s, "  (", i, "): ", layers_[i]->Describe(), "\n");
+  }
+  return s + ")";
+}
+
+absl::Status GpuModel::Matches(const std::vector<Parameter*>& cpu) const {
+  if (cpu.size() != parameters_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cpu.size(), " CPU parameters for ", parameters_.size(), " GPU parameters"));
+  }
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const GpuParameter* g = parameters_[k];
+    if (cpu[k] == nullptr || cpu[k]->name != g->name || cpu[k]->value.shape() != g->value.shape()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", k, ": CPU ", cpu[k] == nullptr ? "null" : cpu[k]->name, " ",
+                       cpu[k] == nullptr ? "" : cpu[k]->value.ShapeString(), ", GPU ", g->name, " ",
+                       g->value.ShapeString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::CopyParametersFrom(const std::vector<Parameter*>& cpu) {
+  AIDN_RETURN_IF_ERROR(Matches(cpu));
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    AIDN_RETURN_IF_ERROR(parameters_[k]->value.CopyFromHost(ctx_, cpu[k]->value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::CopyParametersTo(const std::vector<Parameter*>& cpu) const {
+  AIDN_RETURN_IF_ERROR(Matches(cpu));
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    AIDN_RETURN_IF_ERROR(parameters_[k]->value.CopyToHost(ctx_, &cpu[k]->value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::CopyGradientsTo(const std::vector<Parameter*>& cpu) const {
+  AIDN_RETURN_IF_ERROR(Matches(cpu));
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    AIDN_RETURN_IF_ERROR(parameters_[k]->grad.CopyToHost(ctx_, &cpu[k]->grad));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- loss
+
+absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
+                                      GpuTensor* grad_logits, double grad_scale) {
+  if (logits.rank() != 2) {
+    return absl::InvalidArgumentError("logits must be [N, classes], got " + logits.ShapeString());
+  }
+  const int64_t n = logits.dim(0);
+  const int64_t classes = logits.dim(1);
+  if (static_cast<int64_t>(labels.size()) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(labels.size(), " labels for logits ", logits.ShapeString()));
+  }
+  for (int32_t label : labels) {
+    if (label < 0 || label >= classes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("label ", label, " not in [0, ", classes, ")"));
+    }
+  }
+  if (grad_logits != nullptr) AIDN_RETURN_IF_ERROR(grad_logits->Resize(ctx_, {n, classes}));
+  CachingAllocator& alloc = ctx_->allocator();
+  if (loss_.data() == nullptr) {
+    AIDN_ASSIGN_OR_RETURN(loss_, alloc.Allocate(sizeof(double)));
+  }
+  const size_t label_bytes = sizeof(int32_t) * labels.size();
+  if (label_bytes > labels_.bytes()) {
+    labels_.Release();
+    AIDN_ASSIGN_OR_RETURN(labels_, alloc.Allocate(label_bytes));
+  }
+  if (sizeof(double) * labels.size() > row_loss_.bytes()) {
+    row_loss_.Release();
+    AIDN_ASSIGN_OR_RETURN(row_loss_, alloc.Allocate(sizeof(double) * labels.size()));
+  }
+  if (n > 0) {
+    // From pageable memory: the call returns once `labels` is staged, so the
+    // caller may reuse it.
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(labels_.data(), labels.data(), label_bytes,
+                                              cudaMemcpyHostToDevice, ctx_->stream()));
+  }
+  return LaunchSoftmaxCrossEntropy(
+      ctx_->stream(), logits.data(), static_cast<const int32_t*>(labels_.data()), n, classes,
+      grad_logits != nullptr ? grad_logits->data() : nullptr, grad_scale,
+      static_cast<double*>(row_loss_.data()), static_cast<double*>(loss_.data()));
+}
+
+absl::StatusOr<double> GpuCrossEntropy::Loss() const {
+  if (loss_.data() == nullptr) return absl::FailedPreconditionError("Loss() before Compute()");
+  double loss = 0;
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(&loss, loss_.data(), sizeof(double), cudaMemcpyDeviceToHost, ctx_->stream()));
+  // `loss` is a host local read right after: wait for the copy.
+  AIDN_RETURN_IF_ERROR(ctx_->Synchronize());
+  return loss;
+}
+
+// ---------------------------------------------------------------- trainer
+
+absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(GpuContext* ctx, GpuModel* model,
+                                                               const OptimizerConfig& optimizer) {
+  std::unique_ptr<GpuTrainer> trainer(new GpuTrainer(ctx, model));
+  AIDN_ASSIGN_OR_RETURN(trainer->optimizer_,
+                        GpuOptimizer::Create(ctx, optimizer, model->Parameters()));
+  return trainer;
+}
+
+absl::StatusOr<double> GpuTrainer::Step(const Tensor& images, const std::vector<int32_t>& labels,
+                                        double lr) {
+  AIDN_RETURN_IF_ERROR(input_.CopyFromHost(ctx_, images));
+  AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
+  AIDN_RETURN_IF_ERROR(model_->Forward(input_, &logits_, /*training=*/true));
+  AIDN_RETURN_IF_ERROR(loss_.Compute(logits_, labels, &grad_logits_));
+  AIDN_RETURN_IF_ERROR(model_->Backward(grad_logits_));
+  AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
+  // The only wait of the step.
+  return loss_.Loss();
+}
+
+}  // namespace aidn::engine::cuda

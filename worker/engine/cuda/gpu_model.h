@@ -1,0 +1,130 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_GPU_MODEL_H_
+#define AIDN_WORKER_ENGINE_CUDA_GPU_MODEL_H_
+
+// The GPU training engine's top level (fp32):
+//
+//   GpuModel       a Sequential on the GPU, mirrored layer by layer from a
+//                  CPU Sequential (BuildModel's mlp or cnn, or any stack of
+//                  the layers in layers.h), with a copy of its weights, so
+//                  both start from the same parameters; parameters and
+//                  gradients copy back into CPU tensors (checkpoints,
+//                  comparisons).
+//   GpuCrossEntropy  softmax cross-entropy, mean over the batch, as
+//                  engine::SoftmaxCrossEntropy.
+//   GpuTrainer     one training step: upload the batch, zero the gradients,
+//                  forward, loss, backward, optimizer step, all queued on
+//                  the context's stream; the host waits once, for the loss.
+//
+// Structure: GpuContext (stream, cuBLAS, cuDNN, caching allocator) <-
+// GpuTensor <- kernels / GpuLayer <- GpuModel, GpuOptimizer <- GpuTrainer.
+// The CPU engine does not depend on any of this.
+//
+// Not thread-safe: one model per trainer thread, on its context's stream.
+// As on the CPU, Forward keeps pointers into its input until Backward.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/cuda/allocator.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/cuda/gpu_optimizer.h"
+#include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
+
+namespace aidn::engine::cuda {
+
+class GpuModel {
+ public:
+  // Mirrors `cpu` (layers, fusion, parameter names) and copies its
+  // parameter values; gradients start at zero. UNIMPLEMENTED for a layer
+  // type the GPU engine lacks.
+  static absl::StatusOr<std::unique_ptr<GpuModel>> Create(GpuContext* ctx, const Sequential& cpu);
+  // BuildModel(config, seed) mirrored onto the GPU: the same weights as the
+  // CPU model that BuildModel gives for this seed.
+  static absl::StatusOr<std::unique_ptr<GpuModel>> Build(GpuContext* ctx, const ModelConfig& config,
+                                                         uint64_t seed);
+
+  // As Sequential::Forward / Backward. `input` (and `logits`) must stay
+  // alive and unchanged until Backward.
+  absl::Status Forward(const GpuTensor& input, GpuTensor* logits, bool training);
+  absl::Status Backward(const GpuTensor& grad_logits);
+  absl::Status ZeroGrad();
+  // As Sequential::SetSeed (the same per-layer seeds; GPU dropout masks are
+  // still not the CPU's, see dropout_mask.h).
+  void SetSeed(uint64_t seed);
+
+  const std::vector<GpuParameter*>& Parameters() const { return parameters_; }
+  int64_t ParameterCount() const;
+  // Sequential::Describe()'s text.
+  std::string Describe() const;
+
+  // Parameter values or gradients from / to CPU parameters in the same
+  // order with the same names and shapes (Sequential::Parameters()).
+  // INVALID_ARGUMENT on any mismatch, before anything is copied.
+  absl::Status CopyParametersFrom(const std::vector<Parameter*>& cpu);
+  absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) const;
+  absl::Status CopyGradientsTo(const std::vector<Parameter*>& cpu) const;
+
+ private:
+  explicit GpuModel(GpuContext* ctx) : ctx_(ctx) {}
+  absl::Status Matches(const std::vector<Parameter*>& cpu) const;
+
+  GpuContext* ctx_;
+  std::vector<std::unique_ptr<GpuLayer>> layers_;
+  std::vector<bool> fused_;
+  std::vector<GpuParameter*> parameters_;
+  int first_trainable_ = -1;
+  std::vector<GpuTensor> activations_;
+  std::vector<GpuTensor> grads_;
+};
+
+class GpuCrossEntropy {
+ public:
+  explicit GpuCrossEntropy(GpuContext* ctx) : ctx_(ctx) {}
+  // Queues the mean loss and, if grad_logits is not null, dL/dlogits scaled
+  // by grad_scale. Labels are checked on the host (INVALID_ARGUMENT outside
+  // [0, classes) or a count that is not the batch size) and uploaded.
+  absl::Status Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
+                       GpuTensor* grad_logits, double grad_scale = 1.0);
+  // The loss of the last Compute; waits for the stream.
+  absl::StatusOr<double> Loss() const;
+
+ private:
+  GpuContext* ctx_;
+  DeviceBuffer labels_;
+  DeviceBuffer row_loss_;
+  DeviceBuffer loss_;
+};
+
+class GpuTrainer {
+ public:
+  // `model` must outlive the trainer.
+  static absl::StatusOr<std::unique_ptr<GpuTrainer>> Create(GpuContext* ctx, GpuModel* model,
+                                                            const OptimizerConfig& optimizer);
+  // One step on a batch (images [N, C, H, W] on the host, labels [N]) with
+  // learning rate `lr`; returns the batch's mean loss before the update.
+  absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels, double lr);
+  GpuOptimizer& optimizer() { return *optimizer_; }
+  // The last step's logits (valid until the next step).
+  const GpuTensor& logits() const { return logits_; }
+
+ private:
+  GpuTrainer(GpuContext* ctx, GpuModel* model) : ctx_(ctx), model_(model), loss_(ctx) {}
+  GpuContext* ctx_;
+  GpuModel* model_;
+  std::unique_ptr<GpuOptimizer> optimizer_;
+  GpuCrossEntropy loss_;
+  GpuTensor input_;
+  GpuTensor logits_;
+  GpuTensor grad_logits_;
+};
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_GPU_MODEL_H_

@@ -1,0 +1,155 @@
+#include "worker/engine/cuda/gpu_optimizer.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/kernels.h"
+#include "worker/engine/cuda/status.h"
+
+namespace aidn::engine::cuda {
+
+absl::StatusOr<std::unique_ptr<GpuOptimizer>> GpuOptimizer::Create(
+    GpuContext* ctx, const OptimizerConfig& config, const std::vector<GpuParameter*>& params) {
+  AIDN_RETURN_IF_ERROR(ValidateOptimizerConfig(config));
+  if (params.empty()) return absl::InvalidArgumentError("optimizer got an empty parameter list");
+  std::set<std::string> names;
+  for (const GpuParameter* p : params) {
+    if (p == nullptr) return absl::InvalidArgumentError("optimizer got a null parameter");
+    if (!names.insert(p->name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer got two parameters named \"", p->name, "\""));
+    }
+    if (p->grad.shape() != p->value.shape()) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", p->name, ": gradient shape ",
+                                                     p->grad.ShapeString(), " != value shape ",
+                                                     p->value.ShapeString()));
+    }
+  }
+  std::unique_ptr<GpuOptimizer> opt(new GpuOptimizer(ctx, config, params));
+  for (const GpuParameter* p : params) {
+    opt->shapes_.push_back(p->value.shape());
+    if (config.name == "sgd" && config.momentum != 0.0) {
+      AIDN_ASSIGN_OR_RETURN(GpuTensor buf, GpuTensor::Empty(ctx, p->value.shape()));
+      AIDN_RETURN_IF_ERROR(buf.Zero(ctx));
+      opt->momentum_.push_back(std::move(buf));
+    } else if (config.name == "adamw") {
+      AIDN_ASSIGN_OR_RETURN(GpuTensor m, GpuTensor::Empty(ctx, p->value.shape()));
+      AIDN_ASSIGN_OR_RETURN(GpuTensor v, GpuTensor::Empty(ctx, p->value.shape()));
+      AIDN_RETURN_IF_ERROR(m.Zero(ctx));
+      AIDN_RETURN_IF_ERROR(v.Zero(ctx));
+      opt->exp_avg_.push_back(std::move(m));
+      opt->exp_avg_sq_.push_back(std::move(v));
+    }
+  }
+  if (config.grad_clip_norm > 0) {
+    CachingAllocator& alloc = ctx->allocator();
+    AIDN_ASSIGN_OR_RETURN(opt->sum_sq_, alloc.Allocate(sizeof(double) * params.size()));
+    AIDN_ASSIGN_OR_RETURN(opt->norm_, alloc.Allocate(sizeof(double)));
+    AIDN_ASSIGN_OR_RETURN(opt->coef_, alloc.Allocate(sizeof(float)));
+  }
+  return opt;
+}
+
+absl::Status GpuOptimizer::Step(double lr) {
+  if (!std::isfinite(lr) || lr < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("learning rate ", lr, " is not finite and >= 0"));
+  }
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const GpuParameter* p = params_[k];
+    if (p->value.shape() != shapes_[k] || p->grad.shape() != shapes_[k]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("parameter ", p->name, ": value ", p->value.ShapeString(), " or gradient ",
+                       p->grad.ShapeString(), " changed shape since the optimizer was created"));
+    }
+  }
+  cudaStream_t stream = ctx_->stream();
+  const float* scale = nullptr;
+  if (config_.grad_clip_norm > 0) {
+    double* sum_sq = static_cast<double*>(sum_sq_.data());
+    for (size_t k = 0; k < params_.size(); ++k) {
+      AIDN_RETURN_IF_ERROR(LaunchSumOfSquares(stream, params_[k]->grad.data(),
+                                              params_[k]->grad.numel(), sum_sq + k));
+    }
+    AIDN_RETURN_IF_ERROR(LaunchClipCoefficient(
+        stream, sum_sq, static_cast<int>(params_.size()), config_.grad_clip_norm,
+        static_cast<double*>(norm_.data()), static_cast<float*>(coef_.data())));
+    scale = static_cast<const float*>(coef_.data());
+    measured_norm_ = true;
+  }
+  if (config_.name == "sgd") {
+    SgdArgs a;
+    a.lr = static_cast<float>(lr);
+    a.apply_decay = config_.weight_decay != 0.0;
+    a.weight_decay = static_cast<float>(config_.weight_decay);
+    a.use_momentum = config_.momentum != 0.0;
+    a.momentum = static_cast<float>(config_.momentum);
+    a.nesterov = config_.nesterov;
+    // torch creates the momentum buffer as a copy of the first gradient.
+    a.first_step = steps_ == 0;
+    for (size_t k = 0; k < params_.size(); ++k) {
+      GpuParameter* p = params_[k];
+      AIDN_RETURN_IF_ERROR(LaunchSgd(stream, p->value.data(), p->grad.data(),
+                                     a.use_momentum ? momentum_[k].data() : nullptr,
+                                     p->value.numel(), a, scale));
+    }
+  } else {
+    // As AdamW::Step in optimizer.cc: coefficients in double, then float.
+    const double t = static_cast<double>(steps_ + 1);
+    const double b1 = config_.beta1;
+    const double b2 = config_.beta2;
+    const double bc1 = 1.0 - std::pow(b1, t);
+    const double bc2 = 1.0 - std::pow(b2, t);
+    AdamWArgs a;
+    a.decay = static_cast<float>(1.0 - lr * config_.weight_decay);
+    a.apply_decay = config_.weight_decay != 0.0;
+    a.beta1 = static_cast<float>(b1);
+    a.one_m_b1 = static_cast<float>(1.0 - b1);
+    a.beta2 = static_cast<float>(b2);
+    a.one_m_b2 = static_cast<float>(1.0 - b2);
+    a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    a.eps = static_cast<float>(config_.eps);
+    a.neg_step = static_cast<float>(-(lr / bc1));
+    for (size_t k = 0; k < params_.size(); ++k) {
+      GpuParameter* p = params_[k];
+      AIDN_RETURN_IF_ERROR(LaunchAdamW(stream, p->value.data(), p->grad.data(), exp_avg_[k].data(),
+                                       exp_avg_sq_[k].data(), p->value.numel(), a, scale));
+    }
+  }
+  ++steps_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> GpuOptimizer::LastGradNorm() const {
+  if (!measured_norm_) return 0.0;
+  double norm = 0;
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(&norm, norm_.data(), sizeof(double), cudaMemcpyDeviceToHost, ctx_->stream()));
+  // `norm` is read as soon as the copy has landed.
+  AIDN_RETURN_IF_ERROR(ctx_->Synchronize());
+  return norm;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> GpuOptimizer::StateToHost() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const std::string& name = params_[k]->name;
+    if (!momentum_.empty()) {
+      AIDN_ASSIGN_OR_RETURN(Tensor t, momentum_[k].ToHost(ctx_));
+      out.emplace_back(name + ".momentum_buffer", std::move(t));
+    }
+    if (!exp_avg_.empty()) {
+      AIDN_ASSIGN_OR_RETURN(Tensor m, exp_avg_[k].ToHost(ctx_));
+      out.emplace_back(name + ".exp_avg", std::move(m));
+      AIDN_ASSIGN_OR_RETURN(Tensor v, exp_avg_sq_[k].ToHost(ctx_));
+      out.emplace_back(name + ".exp_avg_sq", std::move(v));
+    }
+  }
+  return out;
+}
+
+}  // namespace aidn::engine::cuda

@@ -1,0 +1,79 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_GPU_OPTIMIZER_H_
+#define AIDN_WORKER_ENGINE_CUDA_GPU_OPTIMIZER_H_
+
+// SGD (momentum, Nesterov, weight decay) and AdamW on device parameters,
+// with optimizer.h's formulas and operation order: one fused kernel per
+// parameter, float arithmetic rounded exactly as the CPU's (kernels.cu), the
+// scalar coefficients computed in double on the host as the CPU does. Given
+// the same gradients, a step gives the CPU's parameters bit for bit.
+//
+// Gradient clipping (grad_clip_norm > 0) runs on the device: per-parameter
+// sums of squares in double, then the torch coefficient, which the update
+// kernels read from device memory, so Step never waits for the GPU.
+//
+// Not thread-safe. The parameters must outlive the optimizer and keep their
+// shapes; everything is queued on the context's stream.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/cuda/allocator.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/optimizer.h"
+
+namespace aidn::engine::cuda {
+
+class GpuOptimizer {
+ public:
+  // INVALID_ARGUMENT as Optimizer::Create: a bad config (ValidateOptimizerConfig),
+  // an empty or null parameter list, duplicate names, a gradient whose shape
+  // differs from its value's.
+  static absl::StatusOr<std::unique_ptr<GpuOptimizer>> Create(
+      GpuContext* ctx, const OptimizerConfig& config, const std::vector<GpuParameter*>& params);
+
+  // Queues one update of every parameter with learning rate `lr`.
+  // INVALID_ARGUMENT for a negative or non-finite lr, FAILED_PRECONDITION if
+  // a parameter changed shape.
+  absl::Status Step(double lr);
+
+  int64_t steps() const { return steps_; }
+  const OptimizerConfig& config() const { return config_; }
+  // The gradient norm the last Step measured for clipping (0 when clipping
+  // is off or before the first step). Waits for the stream.
+  absl::StatusOr<double> LastGradNorm() const;
+  // The state as CPU tensors, named as Optimizer::State() names them
+  // ("<param>.momentum_buffer", "<param>.exp_avg", "<param>.exp_avg_sq").
+  // Waits for the stream.
+  absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> StateToHost() const;
+
+ private:
+  GpuOptimizer(GpuContext* ctx, const OptimizerConfig& config, std::vector<GpuParameter*> params)
+      : ctx_(ctx), config_(config), params_(std::move(params)) {}
+
+  GpuContext* ctx_;
+  OptimizerConfig config_;
+  std::vector<GpuParameter*> params_;
+  std::vector<std::vector<int64_t>> shapes_;
+  // sgd with momentum: one buffer per parameter; adamw: m and v.
+  std::vector<GpuTensor> momentum_;
+  std::vector<GpuTensor> exp_avg_;
+  std::vector<GpuTensor> exp_avg_sq_;
+  // Clipping: per-parameter sums of squares (double), the norm (double) and
+  // the coefficient (float).
+  DeviceBuffer sum_sq_;
+  DeviceBuffer norm_;
+  DeviceBuffer coef_;
+  bool measured_norm_ = false;
+  int64_t steps_ = 0;
+};
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_GPU_OPTIMIZER_H_

@@ -1,0 +1,370 @@
+// The GPU engine's own kernels: elementwise epilogues (bias, ReLU, dropout),
+// the bias-gradient and loss reductions, and the fused optimizer updates.
+//
+// Design notes:
+// - Elementwise kernels use 256-thread blocks over a grid-stride loop with
+//   64-bit indices, the grid capped so huge tensors loop instead of
+//   overflowing gridDim; every launcher returns before launching on n == 0
+//   (a zero-sized grid is a launch error).
+// - Reductions are deterministic: fixed partitions, fixed shuffle trees, no
+//   atomics, so two runs of a step give the same bits.
+// - Float arithmetic is spelled with __fadd_rn/__fmul_rn/__fdiv_rn/
+//   __fsqrt_rn, which nvcc never contracts into FMAs, in the CPU engine's
+//   operation order (optimizer.cc, loss.cc), so optimizer updates are
+//   bit-identical to the CPU's given the same inputs. The target is also
+//   built with --fmad=false as a second guard.
+// - All kernels run on the caller's stream (the trainer's one compute
+//   stream), so they need no synchronisation with each other.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "worker/engine/cuda/dropout_mask.h"
+#include "worker/engine/cuda/kernels.h"
+#include "worker/engine/cuda/status.h"
+
+namespace aidn::engine::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65536;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+unsigned BlocksFor(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+__device__ __forceinline__ int64_t GlobalIndex() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t GridStride() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(kFullMask, v, offset);
+  return v;
+}
+
+// The sum over the block (blockDim.x a multiple of 32, at most 1024), valid
+// in thread 0. Call at most once per kernel (it reuses its shared memory).
+template <typename T>
+__device__ T BlockSum(T v) {
+  __shared__ T partial[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  v = WarpSum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  v = threadIdx.x < warps ? partial[threadIdx.x] : T(0);
+  if (warp == 0) v = WarpSum(v);
+  return v;
+}
+
+// ------------------------------------------------------------ elementwise
+
+__global__ void BiasActivationKernel(const float* x, const float* bias, float* y, int64_t n,
+                                     int64_t channels, int64_t inner, bool relu) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    float v = __fadd_rn(x[i], bias[(i / inner) % channels]);
+    if (relu) v = v > 0.0f ? v : 0.0f;
+    y[i] = v;
+  }
+}
+
+__global__ void ReluKernel(const float* x, float* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    const float v = x[i];
+    y[i] = v > 0.0f ? v : 0.0f;
+  }
+}
+
+__global__ void ReluBackwardKernel(const float* mask, const float* g, float* dx, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    dx[i] = mask[i] > 0.0f ? g[i] : 0.0f;
+  }
+}
+
+__global__ void DropoutKernel(const float* x, float* y, int64_t n, uint64_t key, uint64_t threshold,
+                              float scale) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    y[i] = DropoutKeep(key, static_cast<uint64_t>(i), threshold) ? __fmul_rn(x[i], scale) : 0.0f;
+  }
+}
+
+// ------------------------------------------------------------ reductions
+
+// One block per channel.
+__global__ void BiasGradKernel(const float* g, float* dbias, int64_t batch, int64_t channels,
+                               int64_t inner) {
+  const int64_t c = blockIdx.x;
+  const int64_t total = batch * inner;
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
+    const int64_t b = j / inner;
+    const int64_t p = j - b * inner;
+    s = __fadd_rn(s, g[(b * channels + c) * inner + p]);
+  }
+  s = BlockSum(s);
+  if (threadIdx.x == 0) dbias[c] = __fadd_rn(dbias[c], s);
+}
+
+// One warp per row; blockDim.x / 32 rows per block. A warp's lanes all take
+// the same row, so a row past the end retires the whole warp before any
+// shuffle.
+__global__ void SoftmaxCrossEntropyKernel(const float* logits, const int32_t* labels, int64_t n,
+                                          int64_t classes, float* grad, double scale,
+                                          double* row_loss) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= n) return;
+  const float* x = logits + row * classes;
+  float max = -INFINITY;
+  for (int64_t j = lane; j < classes; j += 32) max = fmaxf(max, x[j]);
+  // Butterfly reductions leave every lane with the same value (addition is
+  // commutative, so lanes i and i^o compute the same sums).
+  for (int o = 16; o > 0; o >>= 1) max = fmaxf(max, __shfl_xor_sync(kFullMask, max, o));
+  double sum = 0.0;
+  for (int64_t j = lane; j < classes; j += 32)
+    sum += exp(static_cast<double>(__fsub_rn(x[j], max)));
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+  const int32_t label = labels[row];
+  if (lane == 0) {
+    row_loss[row] = log(sum) - static_cast<double>(__fsub_rn(x[label], max));
+  }
+  if (grad != nullptr) {
+    const double inv = 1.0 / sum;
+    float* g = grad + row * classes;
+    for (int64_t j = lane; j < classes; j += 32) {
+      const double softmax = exp(static_cast<double>(__fsub_rn(x[j], max))) * inv;
+      g[j] = static_cast<float>((softmax - (j == label ? 1.0 : 0.0)) * scale);
+    }
+  }
+}
+
+// One block.
+__global__ void MeanKernel(const double* values, int64_t n, double* mean) {
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += values[i];
+  s = BlockSum(s);
+  if (threadIdx.x == 0) *mean = s / static_cast<double>(n);
+}
+
+// One block.
+__global__ void SumOfSquaresKernel(const float* g, int64_t n, double* out) {
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const double v = g[i];
+    s += v * v;
+  }
+  s = BlockSum(s);
+  if (threadIdx.x == 0) *out = s;
+}
+
+// One thread.
+__global__ void ClipCoefficientKernel(const double* sum_sq, int count, double max_norm,
+                                      double* norm, float* coef) {
+  double total = 0.0;
+  for (int k = 0; k < count; ++k) total += sum_sq[k];
+  const double n = sqrt(total);
+  *norm = n;
+  float c = 1.0f;
+  if (isfinite(n)) {
+    const double q = max_norm / (n + 1e-6);
+    if (q < 1.0) c = static_cast<float>(q);
+  }
+  *coef = c;
+}
+
+// ------------------------------------------------------------ optimizers
+
+template <bool kDecay, bool kMomentum, bool kNesterov, bool kFirst>
+__global__ void SgdKernel(float* p, const float* grad, float* buf, int64_t n, SgdArgs a,
+                          const float* scale) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    float g = grad[i];
+    if (scale != nullptr) g = __fmul_rn(g, *scale);
+    if constexpr (kDecay) g = __fadd_rn(g, __fmul_rn(a.weight_decay, p[i]));
+    if constexpr (kMomentum) {
+      float b;
+      if constexpr (kFirst) {
+        b = g;
+      } else {
+        b = __fadd_rn(__fmul_rn(buf[i], a.momentum), g);
+      }
+      buf[i] = b;
+      if constexpr (kNesterov) {
+        g = __fadd_rn(g, __fmul_rn(a.momentum, b));
+      } else {
+        g = b;
+      }
+    }
+    p[i] = __fadd_rn(p[i], __fmul_rn(-a.lr, g));
+  }
+}
+
+template <bool kDecay>
+__global__ void AdamWKernel(float* p, const float* grad, float* m, float* v, int64_t n, AdamWArgs a,
+                            const float* scale) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    float g = grad[i];
+    if (scale != nullptr) g = __fmul_rn(g, *scale);
+    float w = p[i];
+    if constexpr (kDecay) w = __fmul_rn(w, a.decay);
+    const float mi = __fadd_rn(__fmul_rn(m[i], a.beta1), __fmul_rn(a.one_m_b1, g));
+    const float vi = __fadd_rn(__fmul_rn(v[i], a.beta2), __fmul_rn(__fmul_rn(a.one_m_b2, g), g));
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), a.bc2_sqrt), a.eps);
+    p[i] = __fadd_rn(w, __fdiv_rn(__fmul_rn(a.neg_step, mi), denom));
+  }
+}
+
+template <bool kDecay, bool kMomentum, bool kNesterov, bool kFirst>
+void QueueSgd(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
+              const SgdArgs& a, const float* scale) {
+  SgdKernel<kDecay, kMomentum, kNesterov, kFirst>
+      <<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, buf, n, a, scale);
+}
+
+template <bool kDecay>
+void QueueSgdMomentum(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
+                      const SgdArgs& a, const float* scale) {
+  if (a.nesterov) {
+    if (a.first_step) {
+      QueueSgd<kDecay, true, true, true>(stream, p, grad, buf, n, a, scale);
+    } else {
+      QueueSgd<kDecay, true, true, false>(stream, p, grad, buf, n, a, scale);
+    }
+  } else {
+    if (a.first_step) {
+      QueueSgd<kDecay, true, false, true>(stream, p, grad, buf, n, a, scale);
+    } else {
+      QueueSgd<kDecay, true, false, false>(stream, p, grad, buf, n, a, scale);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchBiasActivation(cudaStream_t stream, const float* x, const float* bias, float* y,
+                                  int64_t n, int64_t channels, int64_t inner, bool relu) {
+  if (n == 0) return absl::OkStatus();
+  if (channels <= 0 || inner <= 0) {
+    return absl::InvalidArgumentError("bias activation needs positive channels and inner size");
+  }
+  BiasActivationKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, bias, y, n, channels, inner, relu);
+  AIDN_RETURN_IF_LAUNCH_FAILED("BiasActivationKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchRelu(cudaStream_t stream, const float* x, float* y, int64_t n) {
+  if (n == 0) return absl::OkStatus();
+  ReluKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, y, n);
+  AIDN_RETURN_IF_LAUNCH_FAILED("ReluKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchReluBackward(cudaStream_t stream, const float* mask, const float* g, float* dx,
+                                int64_t n) {
+  if (n == 0) return absl::OkStatus();
+  ReluBackwardKernel<<<BlocksFor(n), kThreads, 0, stream>>>(mask, g, dx, n);
+  AIDN_RETURN_IF_LAUNCH_FAILED("ReluBackwardKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchBiasGrad(cudaStream_t stream, const float* g, float* dbias, int64_t batch,
+                            int64_t channels, int64_t inner) {
+  if (channels == 0) return absl::OkStatus();
+  if (channels < 0 || channels > INT32_MAX || inner <= 0 || batch < 0) {
+    return absl::InvalidArgumentError("bias gradient: bad sizes");
+  }
+  // batch == 0 still launches: each block adds 0, leaving dbias unchanged.
+  BiasGradKernel<<<static_cast<unsigned>(channels), kThreads, 0, stream>>>(g, dbias, batch,
+                                                                           channels, inner);
+  AIDN_RETURN_IF_LAUNCH_FAILED("BiasGradKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchDropout(cudaStream_t stream, const float* x, float* y, int64_t n, uint64_t key,
+                           uint64_t threshold, float scale) {
+  if (n == 0) return absl::OkStatus();
+  DropoutKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, y, n, key, threshold, scale);
+  AIDN_RETURN_IF_LAUNCH_FAILED("DropoutKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchSoftmaxCrossEntropy(cudaStream_t stream, const float* logits,
+                                       const int32_t* labels, int64_t n, int64_t classes,
+                                       float* grad_logits, double grad_scale, double* row_loss,
+                                       double* loss) {
+  if (n == 0) {
+    // As the CPU: the loss of an empty batch is 0.
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(loss, 0, sizeof(double), stream));
+    return absl::OkStatus();
+  }
+  if (classes <= 0) return absl::InvalidArgumentError("softmax cross-entropy needs classes > 0");
+  constexpr int64_t kRowsPerBlock = kThreads / 32;
+  const int64_t blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (blocks > INT32_MAX)
+    return absl::InvalidArgumentError("softmax cross-entropy: batch too large");
+  SoftmaxCrossEntropyKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      logits, labels, n, classes, grad_logits, grad_scale / static_cast<double>(n), row_loss);
+  AIDN_RETURN_IF_LAUNCH_FAILED("SoftmaxCrossEntropyKernel");
+  MeanKernel<<<1, kThreads, 0, stream>>>(row_loss, n, loss);
+  AIDN_RETURN_IF_LAUNCH_FAILED("MeanKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq) {
+  // n == 0 still launches, to write 0.
+  SumOfSquaresKernel<<<1, 1024, 0, stream>>>(g, n, sum_sq);
+  AIDN_RETURN_IF_LAUNCH_FAILED("SumOfSquaresKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchClipCoefficient(cudaStream_t stream, const double* sum_sq, int count,
+                                   double max_norm, double* norm, float* coef) {
+  ClipCoefficientKernel<<<1, 1, 0, stream>>>(sum_sq, count, max_norm, norm, coef);
+  AIDN_RETURN_IF_LAUNCH_FAILED("ClipCoefficientKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchSgd(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
+                       const SgdArgs& a, const float* scale) {
+  if (n == 0) return absl::OkStatus();
+  if (a.use_momentum && buf == nullptr) {
+    return absl::InvalidArgumentError("sgd momentum without buffer");
+  }
+  if (!a.use_momentum) {
+    if (a.apply_decay) {
+      QueueSgd<true, false, false, false>(stream, p, grad, buf, n, a, scale);
+    } else {
+      QueueSgd<false, false, false, false>(stream, p, grad, buf, n, a, scale);
+    }
+  } else if (a.apply_decay) {
+    QueueSgdMomentum<true>(stream, p, grad, buf, n, a, scale);
+  } else {
+    QueueSgdMomentum<false>(stream, p, grad, buf, n, a, scale);
+  }
+  AIDN_RETURN_IF_LAUNCH_FAILED("SgdKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchAdamW(cudaStream_t stream, float* p, const float* grad, float* m, float* v,
+                         int64_t n, const AdamWArgs& a, const float* scale) {
+  if (n == 0) return absl::OkStatus();
+  if (a.apply_decay) {
+    AdamWKernel<true><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale);
+  } else {
+    AdamWKernel<false><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale);
+  }
+  AIDN_RETURN_IF_LAUNCH_FAILED("AdamWKernel");
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::engine::cuda
