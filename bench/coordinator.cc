@@ -24,7 +24,7 @@
 //    slots (they would learn of new work up to an interval late).
 //  - the trainers those workers are assigned, instead of processes: each
 //    joins the rendezvous, then reports like worker/trainer/trainer.cc's
-//    Reporter: every 200 ms one StreamMetrics call carrying the TRAIN
+//    Reporter: every second one StreamMetrics call carrying the TRAIN
 //    records made since the last one (--records-per-second per rank, one
 //    call in flight per rank), and a ReportProgress beat every second (the
 //    first at once).
@@ -107,7 +107,7 @@ using std::chrono::seconds;
 // What the real daemon and trainer use (worker/daemon.h, trainer.cc).
 constexpr milliseconds kDaemonRpcTimeout{5'000};
 constexpr milliseconds kTrainerRpcTimeout{10'000};
-constexpr milliseconds kReporterPeriod{200};
+constexpr milliseconds kReporterPeriod{1'000};  // Reporter::kReportPeriod
 constexpr milliseconds kBeatPeriod{1'000};
 constexpr size_t kReporterBatch = 512;
 constexpr int kExitSuperseded = 75;  // worker/trainer/trainer.h
@@ -1437,9 +1437,8 @@ int Run(const Options& o) {
   row("StreamMetrics (one batch per call)", met, load.metrics.window_failures());
   row("ReportProgress", prog, load.progress.window_failures());
   std::printf(
-      "  (a held heartbeat is answered at the first coordinator tick after its deadline, and the\n"
-      "   worker's next one arrives just after that tick: about one tick, 100 ms, late by "
-      "design)\n");
+      "  (the coordinator looks for held heartbeats past their deadline every 5 ms, so a few\n"
+      "   ms late is the design; the rest is waiting for CPU)\n");
   std::printf(
       "  heartbeats answered %lld (whole run); held ones answered early, their assignments "
       "changed: %lld\n",

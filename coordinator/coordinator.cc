@@ -285,6 +285,12 @@ void Coordinator::StartTicker(milliseconds interval) {
     }
     FlushSteps();
   });
+  const milliseconds held_period = std::min(interval, milliseconds(5));
+  held_timer_ = std::thread([this, stop, held_period]() {
+    while (!stop->WaitForNotificationWithTimeout(absl::FromChrono(held_period))) {
+      AnswerDueHeartbeats();
+    }
+  });
 }
 
 void Coordinator::StopTicker() {
@@ -292,11 +298,13 @@ void Coordinator::StopTicker() {
   if (!ticker_.joinable()) return;
   ticker_stop_->Notify();
   ticker_.join();
+  held_timer_.join();
 }
 
 void Coordinator::Tick() {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
+  const auto started = std::chrono::steady_clock::now();
   CheckTimeouts(&deferred);
   Schedule(&deferred);
   const Clock::TimePoint now = clock_->Now();
@@ -313,6 +321,8 @@ void Coordinator::Tick() {
       entry->steps.reset();
     }
   }
+  metrics_.tick_seconds.Observe(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   // `deferred` runs after the lock is released (declared first, destroyed last).
 }
 
@@ -352,10 +362,17 @@ void Coordinator::FlushStepsLocked() {
                     << Kv("error", s);
     failed_steps_ = std::move(batch);
     failed_taken_ = std::move(taken);
+    absl::MutexLock lock(&mu_);
+    failed_first_step_.clear();
+    for (const Store::JobStep& f : failed_steps_) {
+      auto [it, inserted] = failed_first_step_.emplace(f.job_id, f.step.step());
+      if (!inserted) it->second = std::min(it->second, f.step.step());
+    }
     return;
   }
   metrics_.steps_stored.Increment(static_cast<double>(batch.size()));
   absl::MutexLock lock(&mu_);
+  failed_first_step_.clear();
   for (auto& [id, seq] : taken) {
     auto it = jobs_.find(id);
     if (it != jobs_.end()) it->second->stored_seq = std::max(it->second->stored_seq, seq);
@@ -792,14 +809,29 @@ void Coordinator::CheckTimeouts(Deferred* deferred) {
     }
     if (entry->kv != nullptr) entry->kv->Expire(now, deferred);
   }
-  // Held heartbeats whose time is up.
-  for (auto& [id, w] : workers_) {
-    for (auto it = w.held.begin(); it != w.held.end();) {
+  AnswerDueHeartbeatsLocked(now, deferred);
+}
+
+void Coordinator::AnswerDueHeartbeats() {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  if (held_deadlines_.empty() || held_deadlines_.begin()->first > clock_->Now()) return;
+  AnswerDueHeartbeatsLocked(clock_->Now(), &deferred);
+}
+
+void Coordinator::AnswerDueHeartbeatsLocked(Clock::TimePoint now, Deferred* deferred) {
+  while (!held_deadlines_.empty() && held_deadlines_.begin()->first <= now) {
+    const std::string worker_id = std::move(held_deadlines_.begin()->second);
+    held_deadlines_.erase(held_deadlines_.begin());
+    auto w = workers_.find(worker_id);
+    if (w == workers_.end()) continue;
+    std::vector<HeldHeartbeat>& held = w->second.held;
+    for (auto it = held.begin(); it != held.end();) {
       if (it->deadline <= now) {
-        v1::HeartbeatResponse response = BuildHeartbeat(&w);
+        v1::HeartbeatResponse response = BuildHeartbeat(&w->second);
         deferred->Add(
             [done = std::move(it->done), response = std::move(response)]() { done(response); });
-        it = w.held.erase(it);
+        it = held.erase(it);
       } else {
         ++it;
       }
@@ -1165,7 +1197,9 @@ void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallba
   const milliseconds max_wait = std::min(ToMillis(request.max_wait()), options_.heartbeat_interval);
   if (max_wait.count() > 0 && request.assignments_version() == assignments_version_ &&
       w.pending_stops.empty()) {
-    w.held.push_back(HeldHeartbeat{clock_->Now() + max_wait, std::move(done)});
+    const Clock::TimePoint deadline = clock_->Now() + max_wait;
+    w.held.push_back(HeldHeartbeat{deadline, std::move(done)});
+    held_deadlines_.emplace(deadline, request.worker_id());
     return;
   }
   v1::HeartbeatResponse response = BuildHeartbeat(&w);
@@ -1722,16 +1756,15 @@ absl::StatusOr<v1::StreamMetricsResponse> Coordinator::MetricsReceipt(const std:
   // No flush here: a receipt per stream would put a SQLite transaction on
   // every StreamMetrics call. The answer covers what the ticker's batched
   // flushes stored so far; the sender keeps the rest and learns of it from
-  // a later receipt.
-  absl::MutexLock flush(&flush_mu_);
-  // Steps whose write failed are waiting for the next flush.
+  // a later receipt. Only mu_: a flush in flight has taken its steps out of
+  // the log but not yet stored them, so they count as not durable (they lie
+  // past stored_key and before FirstStepNotTaken), and steps whose write
+  // failed stay in failed_first_step_ until a flush stores them.
   std::optional<int64_t> failed;
-  for (const Store::JobStep& s : failed_steps_) {
-    if (s.job_id == job_id && (!failed.has_value() || s.step.step() < *failed)) {
-      failed = s.step.step();
-    }
-  }
   absl::MutexLock lock(&mu_);
+  if (auto it = failed_first_step_.find(job_id); it != failed_first_step_.end()) {
+    failed = it->second;
+  }
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
   const Job& job = entry->stored.job;
   int64_t durable = 0;

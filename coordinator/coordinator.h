@@ -120,9 +120,17 @@ class Coordinator {
   // down without waiting for them.
   void Shutdown();
 
+  // Starts the ticker thread (Tick and FlushSteps every `interval`) and a
+  // second thread that answers held heartbeats when their time is up, every
+  // few milliseconds: answered by the tick, 5,000 held calls a second from
+  // 10,000 workers would come as bursts of 500 every 100 ms (each worker's
+  // next call right behind its answer), and any call landing in a burst
+  // waits behind it.
   void StartTicker(std::chrono::milliseconds interval);
   void StopTicker();
   void Tick();
+  // Answers the held heartbeats whose max_wait has passed (Tick does too).
+  void AnswerDueHeartbeats();
   // Writes combined steps not yet in the store, all jobs' in one
   // transaction, without holding the coordinator's mutex while writing.
   // The ticker calls it after every Tick.
@@ -302,6 +310,8 @@ class Coordinator {
   void AssignmentsChanged(const std::set<std::string>& workers, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::HeartbeatResponse BuildHeartbeat(WorkerEntry* worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnswerDueHeartbeatsLocked(Clock::TimePoint now, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The jobs holding slots with ranks on the worker, in job id order (from
   // jobs_by_worker_, rebuilt first if a placement or job state changed).
   const std::vector<std::pair<const std::string, std::unique_ptr<JobEntry>>*>& JobsOnWorker(
@@ -376,6 +386,16 @@ class Coordinator {
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobEntry>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
+  // The lowest step of each job among failed_steps_, kept under mu_ so that
+  // a metrics receipt (one per StreamMetrics call) never waits for
+  // flush_mu_, which is held through a whole SQLite transaction: receipts
+  // run on gRPC's callback threads, and blocking them there stalls every
+  // other call, heartbeats included.
+  std::map<std::string, int64_t> failed_first_step_ ABSL_GUARDED_BY(mu_);
+  // (deadline, worker id) of every heartbeat held, earliest first. An entry
+  // may outlive its call (answered early, worker lost): the worker's own
+  // `held` list is the truth, this only says when to look.
+  std::multimap<Clock::TimePoint, std::string> held_deadlines_ ABSL_GUARDED_BY(mu_);
   // Jobs holding slots by the workers their ranks are placed on, so that a
   // heartbeat (thousands a second with 10,000 workers) or a worker's view
   // looks at its own jobs rather than at every placement of every job.
@@ -393,6 +413,7 @@ class Coordinator {
 
   absl::Mutex ticker_mu_;
   std::thread ticker_;
+  std::thread held_timer_;
   std::unique_ptr<absl::Notification> ticker_stop_;
 };
 

@@ -172,6 +172,11 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
                                           "Time to write one batch of steps to SQLite.",
                                           ExponentialBuckets(0.0001, 2, 16))
                               .Add({})),
+      tick_seconds(r->AddHistogram("aidn_coordinator_tick_seconds",
+                                   "Time one tick (timeouts, scheduling, held heartbeats due, "
+                                   "step expiry) held the coordinator's lock.",
+                                   ExponentialBuckets(0.0001, 2, 16))
+                       .Add({})),
       rpcs(r->AddCounter("aidn_rpcs_total", "RPCs handled, by method and status code.")),
       rpc_duration_seconds(r->AddHistogram(
           "aidn_rpc_duration_seconds",

@@ -53,6 +53,9 @@ struct CoordinatorMetrics {
   metrics::Counter& records_dropped;
   metrics::Counter& steps_stored;
   metrics::Histogram& store_batch_seconds;
+  // How long each tick held the coordinator's lock (every call waits
+  // behind it).
+  metrics::Histogram& tick_seconds;
   // RPCs (labels service, method, code; the histogram service, method).
   metrics::Family<metrics::Counter>& rpcs;
   metrics::Family<metrics::Histogram>& rpc_duration_seconds;
