@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "aidn/config.h"
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "aidn/v1/coordinator.grpc.pb.h"
 #include "aidn/v1/job.pb.h"
@@ -23,6 +24,9 @@
 #include "tests/integration/harness.h"
 #include "tests/integration/process.h"
 #include "worker/engine/comm/gloo_communicator.h"
+#if AIDN_HAVE_CUDA
+#include "worker/engine/comm/nccl_communicator.h"
+#endif
 
 namespace aidn::testing {
 namespace {
@@ -268,6 +272,52 @@ TEST_F(GlooStoreTest, AnUnknownTokenIsRefusedAtOnce) {
   // Not retried until the timeout.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
+
+// The engine's KeyValueStore view of the same KV: what NCCL's id hand-out
+// uses. Bytes round-trip (NUL included), a wait times out naming the key,
+// and a stale generation is refused with FAILED_PRECONDITION.
+TEST_F(GlooStoreTest, TheKeyValueStoreAdapterKeepsBytesWaitsAndIsFenced) {
+  trainer::CoordinatorKeyValueStore store(StoreFor(0, generation_));
+  const std::string bytes("id\0with\xff" "bytes", 14);
+  ASSERT_TRUE(store.Set("nccl/x", bytes).ok());
+  absl::StatusOr<std::string> got = store.Get("nccl/x", std::chrono::seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, bytes);
+
+  absl::StatusOr<std::string> missing = store.Get("nccl/never", std::chrono::milliseconds(300));
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kDeadlineExceeded) << missing.status();
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("nccl/never"));
+
+  trainer::CoordinatorKeyValueStore stale(StoreFor(1, generation_ - 1));
+  absl::Status set = stale.Set("nccl/x", "late");
+  EXPECT_EQ(set.code(), absl::StatusCode::kFailedPrecondition) << set;
+}
+
+#if AIDN_HAVE_CUDA
+// NCCL's unique id travels from rank 0 to rank 1 through the coordinator's
+// KV of their generation (ncclGetUniqueId needs no GPU).
+TEST_F(GlooStoreTest, TheNcclIdGoesFromRankZeroToRankOneThroughTheCoordinator) {
+  setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+  std::vector<absl::StatusOr<ncclUniqueId>> ids(2, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int rank = 1; rank >= 0; --rank) {  // rank 1 waits first
+    threads.emplace_back([&, rank] {
+      trainer::CoordinatorKeyValueStore store(StoreFor(rank, generation_));
+      engine::NcclOptions options;
+      options.rank = rank;
+      options.world_size = 2;
+      options.timeout = kLong;
+      ids[rank] = engine::ExchangeNcclUniqueId(options, &store);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ASSERT_TRUE(ids[0].ok()) << ids[0].status();
+  ASSERT_TRUE(ids[1].ok()) << ids[1].status();
+  EXPECT_EQ(std::string(ids[0]->internal, sizeof(ids[0]->internal)),
+            std::string(ids[1]->internal, sizeof(ids[1]->internal)));
+}
+#endif
 
 }  // namespace
 }  // namespace aidn::testing

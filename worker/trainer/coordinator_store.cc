@@ -147,4 +147,28 @@ std::string CoordinatorStore::WaitForKey(const std::string& key, Deadline deadli
   }
 }
 
+absl::Status CoordinatorKeyValueStore::Set(const std::string& key, const std::string& value) {
+  try {
+    store_->set(key, std::vector<char>(value.begin(), value.end()));
+  } catch (const engine::StoreStatusError& e) {
+    return e.status();
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CoordinatorKeyValueStore::Get(const std::string& key,
+                                                          std::chrono::milliseconds timeout) {
+  try {
+    store_->wait({key}, timeout);
+    const std::vector<char> value = store_->get(key);
+    return std::string(value.begin(), value.end());
+  } catch (const engine::StoreStatusError& e) {
+    return e.status();
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
+  }
+}
+
 }  // namespace aidn::trainer

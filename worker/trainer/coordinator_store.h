@@ -27,7 +27,10 @@
 #include <vector>
 
 #include "aidn/v1/cluster.grpc.pb.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gloo/rendezvous/store.h"
+#include "worker/engine/comm/kv_store.h"
 
 namespace aidn::trainer {
 
@@ -61,6 +64,21 @@ class CoordinatorStore final : public gloo::rendezvous::Store {
   const std::string job_id_;
   const int64_t generation_;
   const std::chrono::milliseconds timeout_;
+};
+
+// The engine's KeyValueStore (the NCCL id hand-out) over a CoordinatorStore:
+// the same keys, timeouts and status codes, as absl::Status instead of
+// exceptions.
+class CoordinatorKeyValueStore final : public engine::KeyValueStore {
+ public:
+  explicit CoordinatorKeyValueStore(std::shared_ptr<CoordinatorStore> store)
+      : store_(std::move(store)) {}
+  absl::Status Set(const std::string& key, const std::string& value) override;
+  absl::StatusOr<std::string> Get(const std::string& key,
+                                  std::chrono::milliseconds timeout) override;
+
+ private:
+  const std::shared_ptr<CoordinatorStore> store_;
 };
 
 }  // namespace aidn::trainer

@@ -1,0 +1,279 @@
+#include "worker/engine/comm/nccl_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/status.h"
+
+namespace aidn::engine {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+absl::StatusCode CodeForNccl(ncclResult_t result) {
+  switch (result) {
+    case ncclSystemError:
+    case ncclRemoteError:
+      return absl::StatusCode::kUnavailable;
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      return absl::StatusCode::kInvalidArgument;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) { return op == ReduceOp::kAvg ? ncclAvg : ncclSum; }
+
+// Polls without burning a core for long: yields first (a small collective
+// completes in microseconds), then sleeps 50 us between looks.
+void Pause(int* spins) {
+  if (++*spins < 200) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+}  // namespace
+
+absl::Status NcclError(absl::string_view context, ncclResult_t result) {
+  if (result == ncclSuccess) return absl::OkStatus();
+  std::string message = absl::StrCat(context, ": ", ncclGetErrorString(result));
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && last[0] != '\0') absl::StrAppend(&message, " (", last, ")");
+  return absl::Status(CodeForNccl(result), message);
+}
+
+absl::StatusOr<ncclUniqueId> ExchangeNcclUniqueId(const NcclOptions& options,
+                                                  KeyValueStore* store) {
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", options.rank,
+                                                   " is not in a world of size ",
+                                                   options.world_size));
+  }
+  const std::string key = options.prefix + "/id";
+  ncclUniqueId id;
+  if (options.rank == 0) {
+    AIDN_RETURN_IF_ERROR(NcclError("ncclGetUniqueId", ncclGetUniqueId(&id)));
+    AIDN_RETURN_IF_ERROR(
+        store->Set(key, std::string(id.internal, sizeof(id.internal))));
+    return id;
+  }
+  absl::StatusOr<std::string> value = store->Get(key, options.timeout);
+  if (!value.ok()) {
+    return absl::Status(value.status().code(),
+                        absl::StrCat("nccl: rank ", options.rank,
+                                     " waiting for rank 0's unique id: ", value.status().message()));
+  }
+  if (value->size() != sizeof(id.internal)) {
+    return absl::DataLossError(absl::StrCat("nccl: unique id under \"", key, "\" has ",
+                                            value->size(), " bytes, not ",
+                                            sizeof(id.internal)));
+  }
+  std::memcpy(id.internal, value->data(), sizeof(id.internal));
+  return id;
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    const NcclOptions& options, KeyValueStore* store) {
+  AIDN_ASSIGN_OR_RETURN(ncclUniqueId id, ExchangeNcclUniqueId(options, store));
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(options));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMalloc(&c->barrier_, sizeof(float)));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(c->barrier_, 0, sizeof(float), c->stream_));
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // so that a missing peer cannot hang us: we poll
+  const ncclResult_t started = ncclCommInitRankConfig(&c->comm_, options.world_size, id,
+                                                      options.rank, &config);
+  const std::string what = absl::StrCat("nccl init of rank ", options.rank, " of ",
+                                        options.world_size);
+  if (started != ncclSuccess && started != ncclInProgress) {
+    return c->Fail(NcclError(what, started));
+  }
+  // Init completes in the background; a peer that never comes leaves it in
+  // progress until we give up.
+  const SteadyClock::time_point deadline = SteadyClock::now() + options.timeout;
+  int spins = 0;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(c->comm_, &state);
+    if (r != ncclSuccess) return c->Fail(NcclError("ncclCommGetAsyncError", r));
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress) return c->Fail(NcclError(what, state));
+    if (SteadyClock::now() > deadline) {
+      return c->Fail(absl::DeadlineExceededError(
+          absl::StrCat(what, " did not complete within ", options.timeout.count(),
+                       " ms (is every rank up?)")));
+    }
+    Pause(&spins);
+  }
+  return c;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr) {
+    if (failed_.ok()) {
+      // Flush what is queued, then free; bounded like everything else.
+      ncclResult_t r = ncclCommFinalize(comm_);
+      const SteadyClock::time_point deadline =
+          SteadyClock::now() + std::min(options_.timeout, milliseconds(5'000));
+      int spins = 0;
+      while (r == ncclSuccess || r == ncclInProgress) {
+        ncclResult_t state = ncclSuccess;
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state != ncclInProgress) {
+          r = state;
+          break;
+        }
+        if (SteadyClock::now() > deadline) {
+          r = ncclInternalError;
+          break;
+        }
+        Pause(&spins);
+      }
+      if (r == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    } else {
+      ncclCommAbort(comm_);
+    }
+  }
+  if (barrier_ != nullptr) cudaFree(barrier_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::Status NcclCommunicator::Usable() const {
+  if (!failed_.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("nccl communicator is unusable after an earlier failure: ",
+                     failed_.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Fail(absl::Status status) {
+  failed_ = absl::Status(status.code(), absl::StrCat(status.message(), "; communicator aborted"));
+  if (comm_ != nullptr) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+  return failed_;
+}
+
+void NcclCommunicator::Abort(absl::string_view why) {
+  if (!failed_.ok()) return;
+  Fail(absl::AbortedError(absl::StrCat("nccl communicator aborted: ", why))).IgnoreError();
+}
+
+absl::Status NcclCommunicator::Queued(absl::string_view what, ncclResult_t result) {
+  if (result == ncclSuccess || result == ncclInProgress) return absl::OkStatus();
+  return Fail(NcclError(what, result));
+}
+
+absl::Status NcclCommunicator::Wait(absl::string_view what) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  const SteadyClock::time_point deadline = SteadyClock::now() + options_.timeout;
+  int spins = 0;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) return Fail(NcclError("ncclCommGetAsyncError", r));
+    if (state != ncclSuccess && state != ncclInProgress) return Fail(NcclError(what, state));
+    if (state == ncclSuccess) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) {
+        return Fail(cuda::CudaError(absl::StrCat(what, ": cudaStreamQuery"), q));
+      }
+    }
+    if (SteadyClock::now() > deadline) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          what, " did not complete within ", options_.timeout.count(), " ms")));
+    }
+    Pause(&spins);
+  }
+}
+
+absl::Status NcclCommunicator::Complete(absl::string_view what) {
+  AIDN_RETURN_IF_ERROR(Wait(what));
+  sequence_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::EnqueueAllReduce(float* data, size_t count, ReduceOp op) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce: null buffer");
+  return Queued(absl::StrCat("nccl allreduce of ", count, " floats"),
+                ncclAllReduce(data, data, count, ncclFloat, ToNccl(op), comm_, stream_));
+}
+
+absl::Status NcclCommunicator::AllReduce(float* data, size_t count, ReduceOp op) {
+  const std::string what = absl::StrCat("nccl allreduce of ", count, " floats");
+  AIDN_RETURN_IF_ERROR(EnqueueAllReduce(data, count, op));
+  if (count == 0) {
+    sequence_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  return Complete(what);
+}
+
+absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (root < 0 || root >= options_.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl broadcast: root ", root, " is not in a world of size ",
+                     options_.world_size));
+  }
+  if (count == 0) {
+    sequence_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  const std::string what = absl::StrCat("nccl broadcast of ", count, " floats from ", root);
+  AIDN_RETURN_IF_ERROR(
+      Queued(what, ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_)));
+  return Complete(what);
+}
+
+absl::Status NcclCommunicator::AllGather(const float* in, size_t count, float* out) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) {
+    sequence_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  const std::string what = absl::StrCat("nccl allgather of ", count, " floats");
+  AIDN_RETURN_IF_ERROR(Queued(what, ncclAllGather(in, out, count, ncclFloat, comm_, stream_)));
+  return Complete(what);
+}
+
+absl::Status NcclCommunicator::ReduceScatter(const float* in, size_t count, float* out,
+                                             ReduceOp op) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) {
+    sequence_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  const std::string what = absl::StrCat("nccl reduce-scatter of ", count, " floats");
+  AIDN_RETURN_IF_ERROR(
+      Queued(what, ncclReduceScatter(in, out, count, ncclFloat, ToNccl(op), comm_, stream_)));
+  return Complete(what);
+}
+
+absl::Status NcclCommunicator::Barrier() {
+  AIDN_RETURN_IF_ERROR(Usable());
+  const std::string what = "nccl barrier";
+  AIDN_RETURN_IF_ERROR(
+      Queued(what, ncclAllReduce(barrier_, barrier_, 1, ncclFloat, ncclSum, comm_, stream_)));
+  return Complete(what);
+}
+
+}  // namespace aidn::engine

@@ -1,0 +1,124 @@
+#ifndef AIDN_WORKER_ENGINE_COMM_NCCL_COMMUNICATOR_H_
+#define AIDN_WORKER_ENGINE_COMM_NCCL_COMMUNICATOR_H_
+
+// The GPU Communicator: NCCL (2.28, /usr/local/cuda), built only with CUDA.
+//
+// Rendezvous: rank 0 calls ncclGetUniqueId and sets "<prefix>/id" in the
+// generation's KeyValueStore (the coordinator's job KV, fenced by
+// generation); the other ranks wait on the key. The store lives in the
+// coordinator, never in rank 0's process.
+//
+// Nothing hangs forever. The communicator is created non-blocking
+// (ncclConfig_t.blocking = 0) and every wait, for the initialisation and for
+// each collective, polls ncclCommGetAsyncError and the stream against a
+// deadline (`timeout`). On an error or at the deadline the communicator is
+// aborted (ncclCommAbort), the call returns DEADLINE_EXCEEDED ("nccl
+// allreduce of 1024 floats did not complete within 300000 ms; communicator
+// aborted") or the error, and every later call FAILED_PRECONDITION: the
+// trainer exits non-zero and the coordinator fails the generation.
+//
+// Buffers are device memory. The Communicator calls enqueue on stream() and
+// wait for completion; Enqueue* and Wait let DDP overlap the allreduce of a
+// bucket with the rest of backward (the caller orders the communication
+// stream after the compute stream with an event).
+//
+// Thread safety: as the Communicator contract (one collective at a time);
+// rank(), world_size() and sequence() may be called from any thread.
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/comm/kv_store.h"
+
+namespace aidn::engine {
+
+struct NcclOptions {
+  // This process' rank, 0 <= rank < world_size.
+  int rank = 0;
+  int world_size = 1;
+  // CUDA device of this rank (the worker sets CUDA_VISIBLE_DEVICES, so 0).
+  int device = 0;
+  // Key prefix in the store.
+  std::string prefix = "nccl";
+  // Bounds the id exchange, the initialisation and each collective.
+  std::chrono::milliseconds timeout{300'000};
+};
+
+// OK for ncclSuccess, else "<context>: <ncclGetErrorString> (<last error>)";
+// UNAVAILABLE for a remote or system error (a peer gone), INVALID_ARGUMENT
+// for invalid arguments or usage, INTERNAL otherwise.
+absl::Status NcclError(absl::string_view context, ncclResult_t result);
+
+// The unique id of the generation's communicator: rank 0 creates and
+// publishes it, every other rank waits for it (DEADLINE_EXCEEDED naming the
+// key after options.timeout). Needs no GPU.
+absl::StatusOr<ncclUniqueId> ExchangeNcclUniqueId(const NcclOptions& options,
+                                                  KeyValueStore* store);
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Exchanges the id, then initialises (non-blocking) on options.device
+  // with a stream of its own.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(const NcclOptions& options,
+                                                                  KeyValueStore* store);
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return options_.rank; }
+  int world_size() const override { return options_.world_size; }
+  int64_t sequence() const override { return sequence_.load(); }
+
+  absl::Status AllReduce(float* data, size_t count, ReduceOp op) override;
+  absl::Status Broadcast(float* data, size_t count, int root) override;
+  absl::Status AllGather(const float* in, size_t count, float* out) override;
+  absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp op) override;
+  absl::Status Barrier() override;
+
+  // Queues an in-place allreduce on stream() without waiting; Wait() (or
+  // any later synchronous call) reports its outcome.
+  absl::Status EnqueueAllReduce(float* data, size_t count, ReduceOp op);
+  // Waits until everything queued on stream() has completed, polling for
+  // asynchronous errors; aborts at an error or at the deadline.
+  absl::Status Wait(absl::string_view what);
+
+  // Aborts the communicator now (a failure elsewhere in the generation);
+  // later calls answer FAILED_PRECONDITION.
+  void Abort(absl::string_view why);
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  explicit NcclCommunicator(const NcclOptions& options) : options_(options) {}
+  // Common prologue: refuses after a failure.
+  absl::Status Usable() const;
+  // After queuing `what`: ncclInProgress is fine (non-blocking), anything
+  // else fails the communicator.
+  absl::Status Queued(absl::string_view what, ncclResult_t result);
+  // Wait(), then counts a completed collective.
+  absl::Status Complete(absl::string_view what);
+  absl::Status Fail(absl::Status status);
+
+  const NcclOptions options_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  // A one-float device buffer for Barrier.
+  float* barrier_ = nullptr;
+  absl::Status failed_;
+  std::atomic<int64_t> sequence_{0};
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_COMM_NCCL_COMMUNICATOR_H_
