@@ -15,7 +15,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "aidn/config.h"
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "aidn/v1/coordinator.grpc.pb.h"
 #include "aidn/v1/job.pb.h"
@@ -24,7 +23,7 @@
 #include "tests/integration/harness.h"
 #include "tests/integration/process.h"
 #include "worker/engine/comm/gloo_communicator.h"
-#if AIDN_HAVE_CUDA
+#if defined(AIDN_HAVE_NCCL) && AIDN_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
 #endif
 
@@ -294,7 +293,7 @@ TEST_F(GlooStoreTest, TheKeyValueStoreAdapterKeepsBytesWaitsAndIsFenced) {
   EXPECT_EQ(set.code(), absl::StatusCode::kFailedPrecondition) << set;
 }
 
-#if AIDN_HAVE_CUDA
+#if defined(AIDN_HAVE_NCCL) && AIDN_HAVE_NCCL
 // NCCL's unique id travels from rank 0 to rank 1 through the coordinator's
 // KV of their generation (ncclGetUniqueId needs no GPU).
 TEST_F(GlooStoreTest, TheNcclIdGoesFromRankZeroToRankOneThroughTheCoordinator) {
