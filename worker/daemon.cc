@@ -8,7 +8,9 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/metrics/process_stats.h"
@@ -80,6 +82,25 @@ bool Retryable(grpc::StatusCode code) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> TrainerVisibleDevice(int slot,
+                                                 const std::vector<engine::GpuDescription>& gpus,
+                                                 const std::string& worker_visible_devices) {
+  if (slot < 0 || slot >= static_cast<int>(gpus.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU slot ", slot, " does not exist: this worker has ", gpus.size(), " GPUs"));
+  }
+  if (!worker_visible_devices.empty()) {
+    std::vector<std::string> entries = absl::StrSplit(worker_visible_devices, ',');
+    if (slot < static_cast<int>(entries.size())) {
+      return std::string(absl::StripAsciiWhitespace(entries[static_cast<size_t>(slot)]));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU slot ", slot, " is not in the worker's CUDA_VISIBLE_DEVICES \"",
+                     worker_visible_devices, "\""));
+  }
+  return absl::StrCat(gpus[static_cast<size_t>(slot)].index);
+}
 
 absl::Status ValidateDaemonOptions(const DaemonOptions& o) {
   if (o.coordinator.empty()) return absl::InvalidArgumentError("coordinator: empty");
@@ -501,6 +522,13 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
   }
   // The credential travels in the environment: argv is world-readable.
   spec.env = options_.trainer_env;
+  if (a.spec().device() == v1::JobSpec::GPU) {
+    // One GPU per trainer, which it sees as its device 0.
+    absl::StatusOr<std::string> visible =
+        TrainerVisibleDevice(a.slot(), options_.gpus, options_.cuda_visible_devices);
+    if (!visible.ok()) return not_started(visible.status());
+    spec.env.push_back("CUDA_VISIBLE_DEVICES=" + *visible);
+  }
   spec.env.push_back("AIDN_TRAINER_TOKEN=" + a.trainer_token());
   spec.log_path = LogPath(key);
   absl::StatusOr<Supervisor::ChildId> child = supervisor_.Start(spec);

@@ -55,6 +55,9 @@ struct DaemonOptions {
   std::string address = "127.0.0.1";
   int cpu_slots = 1;
   std::vector<engine::GpuDescription> gpus;
+  // The worker's own CUDA_VISIBLE_DEVICES ("" when unset): its GPU g is the
+  // g-th entry of that list (TrainerVisibleDevice).
+  std::string cuda_visible_devices;
   // Reported as WorkerInfo.version.
   std::string version;
   // Trainer logs go to <work_dir>/logs/<job>/gen-<g>/rank-<r>.log; a
@@ -99,6 +102,15 @@ struct DaemonOptions {
 // Checks `options` (worker id syntax, token present, cpu_slots >= 0,
 // positive durations, ...). INVALID_ARGUMENT naming the field.
 absl::Status ValidateDaemonOptions(const DaemonOptions& options);
+
+// The CUDA_VISIBLE_DEVICES of a trainer given the worker's GPU `slot`, so
+// that it sees exactly that GPU, as its device 0: the slot-th entry of the
+// worker's own CUDA_VISIBLE_DEVICES when that is set (the worker sees only
+// those, in that order), else the GPU's index. INVALID_ARGUMENT for a slot
+// the worker does not have.
+absl::StatusOr<std::string> TrainerVisibleDevice(int slot,
+                                                 const std::vector<engine::GpuDescription>& gpus,
+                                                 const std::string& worker_visible_devices);
 
 // One daemon per node. It runs three threads:
 //  - heartbeat: RegisterWorker (listing the trainers it runs), then

@@ -189,6 +189,9 @@ int RunDaemonMode(const std::string& log_level) {
         absl::StrCat(gpu.index, ": ", gpu.name, " (", gpu.memory_bytes / (1024 * 1024), " MiB)"));
   }
 
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
+    options.cuda_visible_devices = visible;
+  }
   // AVX-512 GEMM kernels for the trainers where OpenBLAS would not pick them.
   const std::string blas_override = aidn::engine::BlasCoreOverride();
   if (!blas_override.empty()) options.trainer_env.push_back(blas_override);

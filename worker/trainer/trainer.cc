@@ -562,6 +562,16 @@ std::optional<Failure> Run::Setup() {
     }
   });
 
+  if (spec_.device() == v1::JobSpec::GPU) {
+    // The GPU engine (worker/engine/cuda) and the NCCL communicator exist,
+    // but the trainer does not drive them yet: fail for good rather than
+    // train a GPU job on the CPU behind the user's back.
+    return Failure{kExitPermanent,
+                   absl::UnimplementedError(
+                       "device: gpu: this trainer has no GPU training loop yet (the GPU engine "
+                       "and NCCL communicator are built but not wired into the trainer); use "
+                       "device: cpu")};
+  }
   engine::ConfigureCpu(std::max(1, options_.threads));
   if (absl::Status s = LoadData(spec_.dataset(), options_.cache_dir, &train_, &test_); !s.ok()) {
     return Failure{kExitPermanent, absl::Status(s.code(), absl::StrCat("dataset: ", s.message()))};
