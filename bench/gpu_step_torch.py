@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""PyTorch's side of bench/gpu_step: the same model, optimizer, batch and
+step as aidn's gpu_step (upload a batch from pageable host memory, zero the
+gradients, forward, cross-entropy, backward, SGD lr 0.05 momentum 0.9, read
+the loss back with .item()), eager mode, on the same device. Random inputs,
+8 batches cycling; the first --warmup steps are left out. TF32 is off
+unless --tf32 (aidn's default is fp32 math too). Prints one RESULT line.
+
+  gpu_step_torch.py --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--device cuda]
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def build_model(name):
+    if name == "mlp":
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(784, 256), nn.ReLU(),
+            nn.Linear(256, 256), nn.ReLU(),
+            nn.Linear(256, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(1600, 128), nn.ReLU(),
+        nn.Linear(128, 10))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--tf32", action="store_true")
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32
+    torch.backends.cudnn.allow_tf32 = a.tf32
+    torch.backends.cudnn.benchmark = True  # aidn picks its conv algorithms once per shape too
+    device = torch.device(a.device)
+    torch.manual_seed(1)
+    model = build_model(a.model).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    g = torch.Generator().manual_seed(7)
+    images = [torch.rand(a.batch, 1, 28, 28, generator=g) * 2 - 1 for _ in range(8)]
+    labels = [torch.randint(0, 10, (a.batch,), generator=g) for _ in range(8)]
+
+    times = []
+    loss_value = 0.0
+    window_start = time.perf_counter()
+    for step in range(a.warmup + a.steps):
+        if step == a.warmup:
+            window_start = time.perf_counter()
+        start = time.perf_counter()
+        b = step % 8
+        x = images[b].to(device)
+        y = labels[b].to(device)
+        opt.zero_grad(set_to_none=False)  # aidn zeroes its gradients too
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss_value = loss.item()
+        if step >= a.warmup:
+            times.append(time.perf_counter() - start)
+    window = time.perf_counter() - window_start
+    times.sort()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print("RESULT " + json.dumps({
+        "impl": "torch", "model": a.model, "batch": a.batch, "steps": a.steps,
+        "samples_per_s": round(a.batch * a.steps / window, 1),
+        "median_step_ms": round(times[len(times) // 2] * 1e3, 4),
+        "final_loss": loss_value, "tf32": a.tf32, "device": name,
+        "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()
