@@ -365,6 +365,40 @@ void CompareOptimizer(GpuContext* ctx, const OptimizerConfig& config, double tol
     EXPECT_EQ((*state)[i].first, cpu_state[i].first);
     ExpectClose(cpu_state[i].first, (*state)[i].second, *cpu_state[i].second, tolerance);
   }
+
+  // A resume: a new GPU optimizer on the CPU's parameters takes the CPU's
+  // state (as a checkpoint holds it) and steps on as the CPU does.
+  std::vector<GpuParameter> resumed(shapes.size());
+  std::vector<GpuParameter*> resumed_ptrs;
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    resumed[k].name = cpu[k].name;
+    resumed[k].value = ToDevice(ctx, cpu[k].value);
+    resumed[k].grad = ToDevice(ctx, cpu[k].grad);
+    resumed_ptrs.push_back(&resumed[k]);
+  }
+  auto resumed_opt = GpuOptimizer::Create(ctx, config, resumed_ptrs);
+  ASSERT_TRUE(resumed_opt.ok()) << resumed_opt.status();
+  ASSERT_TRUE((*resumed_opt)->LoadStateFromHost(cpu_state, (*cpu_opt)->steps()).ok());
+  EXPECT_EQ((*resumed_opt)->steps(), (*cpu_opt)->steps());
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    cpu[k].grad = RandomTensor(shapes[k], 5000 + k, 2.0f);
+    ASSERT_TRUE(resumed[k].grad.CopyFromHost(ctx, cpu[k].grad).ok());
+  }
+  ASSERT_TRUE((*cpu_opt)->Step(config.lr).ok());
+  ASSERT_TRUE((*resumed_opt)->Step(config.lr).ok());
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    ExpectClose(cpu[k].name + " resumed, 1 step", ToHost(ctx, resumed[k].value), cpu[k].value,
+                tolerance);
+  }
+  if (!cpu_state.empty()) {
+    // A state list with one entry left out is refused, naming it.
+    auto partial = cpu_state;
+    const std::string dropped = partial.back().first;
+    partial.pop_back();
+    absl::Status s = (*resumed_opt)->LoadStateFromHost(partial, 1);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find(dropped), std::string::npos) << s;
+  }
 }
 
 // Same formula, same operation order, IEEE rounding on both: bit-identical.

@@ -232,5 +232,51 @@ TEST(GpuTraining, CnnSgdNesterovLossCurveMatchesCpu) {
   CompareTraining(Cnn(), opt, 1e-4);
 }
 
+// The DDP seam: the hook runs after backward and before the update. A hook
+// that zeroes every gradient leaves plain SGD's weights where they were; a
+// failing hook fails the step before any update.
+TEST(GpuTraining, TheAfterBackwardHookRunsBetweenBackwardAndTheUpdate) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
+  auto cpu = Cpu(Mlp(), 3);
+  ASSERT_NE(cpu, nullptr);
+  auto gpu = GpuModel::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.1;
+  auto trainer = GpuTrainer::Create(ctx.get(), gpu->get(), opt);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  int calls = 0;
+  GpuModel* model = gpu->get();
+  (*trainer)->SetAfterBackward([&]() -> absl::Status {
+    ++calls;
+    for (GpuParameter* p : model->Parameters()) {
+      // Backward's gradients are non-zero here (random inputs).
+      Tensor g = ToHost(ctx.get(), p->grad);
+      double sum = 0;
+      for (int64_t i = 0; i < g.numel(); ++i) sum += std::fabs(g[i]);
+      if (sum == 0) return absl::InternalError(p->name + ": gradient still zero after backward");
+      if (absl::Status s = p->grad.Zero(ctx.get()); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  });
+  const Batch b = std::move(RandomBatches(1, 64, 4)[0]);
+  absl::StatusOr<double> loss = (*trainer)->Step(b.images, b.labels, opt.lr);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_EQ(calls, 1);
+  auto after = Cpu(Mlp(), 9);
+  ASSERT_TRUE(model->CopyParametersTo(after->Parameters()).ok());
+  for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
+    ExpectClose(cpu->Parameters()[k]->name + " unchanged", after->Parameters()[k]->value,
+                cpu->Parameters()[k]->value, 0.0);
+  }
+
+  (*trainer)->SetAfterBackward([]() { return absl::UnavailableError("peer gone (injected)"); });
+  absl::StatusOr<double> failed = (*trainer)->Step(b.images, b.labels, opt.lr);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*trainer)->optimizer().steps(), 1) << "no update after a failed hook";
+}
+
 }  // namespace
 }  // namespace aidn::engine::cuda

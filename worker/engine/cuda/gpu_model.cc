@@ -219,6 +219,7 @@ absl::StatusOr<double> GpuTrainer::Step(const Tensor& images, const std::vector<
   AIDN_RETURN_IF_ERROR(model_->Forward(input_, &logits_, /*training=*/true));
   AIDN_RETURN_IF_ERROR(loss_.Compute(logits_, labels, &grad_logits_));
   AIDN_RETURN_IF_ERROR(model_->Backward(grad_logits_));
+  if (after_backward_) AIDN_RETURN_IF_ERROR(after_backward_());
   AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
   // The only wait of the step.
   return loss_.Loss();

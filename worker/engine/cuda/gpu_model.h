@@ -23,6 +23,7 @@
 // As on the CPU, Forward keeps pointers into its input until Backward.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -110,6 +111,11 @@ class GpuTrainer {
   // One step on a batch (images [N, C, H, W] on the host, labels [N]) with
   // learning rate `lr`; returns the batch's mean loss before the update.
   absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels, double lr);
+  // Runs between backward and the optimizer step of every Step (DDP: the
+  // gradient allreduce, which must leave the averaged gradients ordered
+  // before the context's stream continues). An error fails the Step before
+  // the update.
+  void SetAfterBackward(std::function<absl::Status()> hook) { after_backward_ = std::move(hook); }
   GpuOptimizer& optimizer() { return *optimizer_; }
   // The last step's logits (valid until the next step).
   const GpuTensor& logits() const { return logits_; }
@@ -123,6 +129,7 @@ class GpuTrainer {
   GpuTensor input_;
   GpuTensor logits_;
   GpuTensor grad_logits_;
+  std::function<absl::Status()> after_backward_;
 };
 
 }  // namespace aidn::engine::cuda

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <map>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -150,6 +151,66 @@ absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> GpuOptimizer::StateT
     }
   }
   return out;
+}
+
+absl::Status GpuOptimizer::LoadStateFromHost(
+    const std::vector<std::pair<std::string, const Tensor*>>& state, int64_t steps) {
+  if (steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer state: steps ", steps, " < 0"));
+  }
+  std::map<std::string, const Tensor*> given;
+  for (const auto& [name, tensor] : state) {
+    if (tensor == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state: ", name, " is null"));
+    }
+    if (!given.emplace(name, tensor).second) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state: ", name, " given twice"));
+    }
+  }
+  // What this optimizer holds, with the shape each must have.
+  std::vector<std::pair<std::string, GpuTensor*>> wanted;
+  std::vector<const std::vector<int64_t>*> shapes;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const std::string& name = params_[k]->name;
+    if (!momentum_.empty()) {
+      wanted.emplace_back(name + ".momentum_buffer", &momentum_[k]);
+      shapes.push_back(&shapes_[k]);
+    }
+    if (!exp_avg_.empty()) {
+      wanted.emplace_back(name + ".exp_avg", &exp_avg_[k]);
+      shapes.push_back(&shapes_[k]);
+      wanted.emplace_back(name + ".exp_avg_sq", &exp_avg_sq_[k]);
+      shapes.push_back(&shapes_[k]);
+    }
+  }
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    auto it = given.find(wanted[i].first);
+    if (it == given.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer state: ", wanted[i].first, " is missing"));
+    }
+    if (it->second->shape() != *shapes[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state: ", wanted[i].first,
+                                                     " has shape ", it->second->ShapeString(),
+                                                     ", the parameter's is different"));
+    }
+  }
+  if (given.size() != wanted.size()) {
+    for (const auto& [name, tensor] : given) {
+      bool known = false;
+      for (const auto& w : wanted) known = known || w.first == name;
+      if (!known) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer state: ", name, " is not state of this optimizer (",
+                         config_.name, ")"));
+      }
+    }
+  }
+  for (auto& [name, device] : wanted) {
+    AIDN_RETURN_IF_ERROR(device->CopyFromHost(ctx_, *given.at(name)));
+  }
+  steps_ = steps;
+  return absl::OkStatus();
 }
 
 }  // namespace aidn::engine::cuda

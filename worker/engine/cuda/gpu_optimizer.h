@@ -52,6 +52,14 @@ class GpuOptimizer {
   // ("<param>.momentum_buffer", "<param>.exp_avg", "<param>.exp_avg_sq").
   // Waits for the stream.
   absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> StateToHost() const;
+  // Restores state as StateToHost or the CPU Optimizer::State() list it (a
+  // checkpoint's optimizer.safetensors), in any order, and the number of
+  // steps taken (torch's state['step']; SGD's first step copies the
+  // gradient into the momentum buffer, AdamW's bias corrections use it).
+  // INVALID_ARGUMENT naming the entry for a missing, unexpected, duplicate
+  // or wrongly shaped one, before anything is copied.
+  absl::Status LoadStateFromHost(const std::vector<std::pair<std::string, const Tensor*>>& state,
+                                 int64_t steps);
 
  private:
   GpuOptimizer(GpuContext* ctx, const OptimizerConfig& config, std::vector<GpuParameter*> params)
