@@ -345,6 +345,12 @@ void Coordinator::FlushStepsLocked() {
       for (v1::StepMetrics& step : steps) batch.push_back({id, std::move(step)});
       taken.emplace_back(id, seq);
     }
+    // Out of the logs, not yet in the store: not durable (MetricsReceipt).
+    unstored_first_step_.clear();
+    for (const Store::JobStep& j : batch) {
+      auto [it, inserted] = unstored_first_step_.emplace(j.job_id, j.step.step());
+      if (!inserted) it->second = std::min(it->second, j.step.step());
+    }
   }
   if (batch.empty()) return;
   const auto start = std::chrono::steady_clock::now();
@@ -362,17 +368,12 @@ void Coordinator::FlushStepsLocked() {
                     << Kv("error", s);
     failed_steps_ = std::move(batch);
     failed_taken_ = std::move(taken);
-    absl::MutexLock lock(&mu_);
-    failed_first_step_.clear();
-    for (const Store::JobStep& f : failed_steps_) {
-      auto [it, inserted] = failed_first_step_.emplace(f.job_id, f.step.step());
-      if (!inserted) it->second = std::min(it->second, f.step.step());
-    }
+    // unstored_first_step_ stays: those steps are retried first.
     return;
   }
   metrics_.steps_stored.Increment(static_cast<double>(batch.size()));
   absl::MutexLock lock(&mu_);
-  failed_first_step_.clear();
+  unstored_first_step_.clear();
   for (auto& [id, seq] : taken) {
     auto it = jobs_.find(id);
     if (it != jobs_.end()) it->second->stored_seq = std::max(it->second->stored_seq, seq);
@@ -1756,13 +1757,12 @@ absl::StatusOr<v1::StreamMetricsResponse> Coordinator::MetricsReceipt(const std:
   // No flush here: a receipt per stream would put a SQLite transaction on
   // every StreamMetrics call. The answer covers what the ticker's batched
   // flushes stored so far; the sender keeps the rest and learns of it from
-  // a later receipt. Only mu_: a flush in flight has taken its steps out of
-  // the log but not yet stored them, so they count as not durable (they lie
-  // past stored_key and before FirstStepNotTaken), and steps whose write
-  // failed stay in failed_first_step_ until a flush stores them.
+  // a later receipt. Only mu_: steps a flush took out of the log but has not
+  // stored (in flight, or failed and waiting for the next flush) are in
+  // unstored_first_step_ until a flush stores them.
   std::optional<int64_t> failed;
   absl::MutexLock lock(&mu_);
-  if (auto it = failed_first_step_.find(job_id); it != failed_first_step_.end()) {
+  if (auto it = unstored_first_step_.find(job_id); it != unstored_first_step_.end()) {
     failed = it->second;
   }
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));

@@ -386,12 +386,14 @@ class Coordinator {
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobEntry>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
-  // The lowest step of each job among failed_steps_, kept under mu_ so that
-  // a metrics receipt (one per StreamMetrics call) never waits for
-  // flush_mu_, which is held through a whole SQLite transaction: receipts
-  // run on gRPC's callback threads, and blocking them there stalls every
-  // other call, heartbeats included.
-  std::map<std::string, int64_t> failed_first_step_ ABSL_GUARDED_BY(mu_);
+  // The lowest step of each job among the steps taken from the logs and not
+  // yet stored (the flush in flight, or failed_steps_ after a failed one),
+  // kept under mu_ so that a metrics receipt (one per StreamMetrics call)
+  // never waits for flush_mu_, which is held through a whole SQLite
+  // transaction: receipts run on gRPC's callback threads, and blocking them
+  // there stalls every other call, heartbeats included. By step, not (step,
+  // kind): a step's EVAL row may be in flight after its TRAIN row was stored.
+  std::map<std::string, int64_t> unstored_first_step_ ABSL_GUARDED_BY(mu_);
   // (deadline, worker id) of every heartbeat held, earliest first. An entry
   // may outlive its call (answered early, worker lost): the worker's own
   // `held` list is the truth, this only says when to look.

@@ -29,6 +29,8 @@
 #include "worker/engine/comm/cpu_communicator.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
+#include "worker/engine/device.h"
+#include "worker/engine/gpu_session.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
@@ -511,6 +513,15 @@ class Run {
   void ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
                      const absl::Status& why);
   std::optional<Failure> Evaluate(int32_t epoch, int64_t step);
+  // device: gpu: mirrors the CPU model (weights after the broadcast or the
+  // resume) and the resumed optimizer state onto the GPU.
+  std::optional<Failure> SetupGpu();
+  // device: gpu: the GPU's weights (and optimizer state) into the CPU copies.
+  std::optional<Failure> SyncFromGpu(bool optimizer_state);
+  // Collectives completed, CPU and GPU ones together.
+  int64_t CollectiveSequence() const {
+    return comm_->sequence() + (gpu_ != nullptr ? gpu_->collective_sequence() : 0);
+  }
 
   const TrainerOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -523,6 +534,11 @@ class Run {
   std::unique_ptr<engine::Optimizer> optimizer_;
   std::unique_ptr<engine::DdpReducer> reducer_;
   std::unique_ptr<Reporter> reporter_;
+  // device: gpu: the step runs here; model_ and optimizer_ stay the CPU
+  // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
+  std::shared_ptr<CoordinatorStore> kv_;
+  std::unique_ptr<CoordinatorKeyValueStore> gpu_store_;
+  std::unique_ptr<engine::GpuSession> gpu_;
   std::string checkpoint_dir_;
   // The step training starts after: 0, or the resumed checkpoint's.
   int64_t start_step_ = 0;
@@ -563,14 +579,18 @@ std::optional<Failure> Run::Setup() {
   });
 
   if (spec_.device() == v1::JobSpec::GPU) {
-    // The GPU engine (worker/engine/cuda) and the NCCL communicator exist,
-    // but the trainer does not drive them yet: fail for good rather than
-    // train a GPU job on the CPU behind the user's back.
-    return Failure{kExitPermanent,
-                   absl::UnimplementedError(
-                       "device: gpu: this trainer has no GPU training loop yet (the GPU engine "
-                       "and NCCL communicator are built but not wired into the trainer); use "
-                       "device: cpu")};
+    if (spec_.grad_accum_steps() > 1) {
+      return Failure{kExitPermanent,
+                     absl::UnimplementedError(absl::StrCat(
+                         "grad_accum_steps: ", spec_.grad_accum_steps(),
+                         " is not supported with device: gpu yet (use 1 and a larger batch)"))};
+    }
+    engine::DeviceInventory devices = engine::DiscoverDevices();
+    if (devices.gpus.empty()) {
+      return Failure{kExitPermanent, absl::FailedPreconditionError(absl::StrCat(
+                                         "device: gpu: this trainer sees no GPU (",
+                                         devices.gpu_note, ")"))};
+    }
   }
   engine::ConfigureCpu(std::max(1, options_.threads));
   if (absl::Status s = LoadData(spec_.dataset(), options_.cache_dir, &train_, &test_); !s.ok()) {
@@ -587,6 +607,7 @@ std::optional<Failure> Run::Setup() {
       std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
   auto store = std::make_shared<CoordinatorStore>(stub_, options_.token, options_.job_id,
                                                   options_.generation, timeout);
+  kv_ = store;
   engine::CpuCommunicatorOptions comm_options;
   engine::GlooOptions& gloo = comm_options.gloo;
   gloo.rank = rendezvous_.rank();
@@ -734,6 +755,7 @@ std::optional<Failure> Run::Resume(int64_t steps_per_epoch) {
 std::optional<Failure> Run::Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps) {
   if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
   const SteadyClock::time_point start = SteadyClock::now();
+  if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
   engine::CheckpointContents contents;
   for (const engine::Parameter* p : model_->Parameters()) contents.model.push_back(p);
   contents.model_metadata = {{"aidn.job", options_.job_id},
@@ -782,7 +804,57 @@ std::optional<Failure> Run::Checkpoint(int64_t step, int64_t steps_per_epoch, in
   return std::nullopt;
 }
 
+std::optional<Failure> Run::SetupGpu() {
+  engine::GpuSessionOptions o;
+  o.rank = rendezvous_.rank();
+  o.world_size = rendezvous_.world_size();
+  o.timeout = std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
+  if (o.world_size > 1) {
+    // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
+    gpu_store_ = std::make_unique<CoordinatorKeyValueStore>(kv_);
+    o.store = gpu_store_.get();
+  }
+  absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
+      engine::GpuSession::Create(o, *model_, OptimizerConfigOf(spec_));
+  if (!session.ok()) {
+    if (session.status().code() == absl::StatusCode::kUnimplemented ||
+        session.status().code() == absl::StatusCode::kInvalidArgument) {
+      return Failure{kExitPermanent, session.status()};
+    }
+    return FailureFor(session.status(), "gpu");
+  }
+  gpu_ = *std::move(session);
+  if (optimizer_->steps() > 0) {
+    // Resumed: the CPU optimizer holds the checkpoint's state (Resume).
+    std::vector<std::pair<std::string, const engine::Tensor*>> state;
+    for (const engine::Optimizer::StateEntry& e : optimizer_->State()) state.push_back(e);
+    if (absl::Status s = gpu_->LoadOptimizerState(state, optimizer_->steps()); !s.ok()) {
+      return Failure{kExitFailure, s};
+    }
+  }
+  AIDN_LOG(INFO) << "training on the GPU" << Kv("device", gpu_->Describe());
+  return std::nullopt;
+}
+
+std::optional<Failure> Run::SyncFromGpu(bool optimizer_state) {
+  if (gpu_ == nullptr) return std::nullopt;
+  if (absl::Status s = gpu_->CopyParametersTo(model_->Parameters()); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  if (!optimizer_state) return std::nullopt;
+  absl::StatusOr<std::vector<std::pair<std::string, engine::Tensor>>> state =
+      gpu_->OptimizerState();
+  if (!state.ok()) return Failure{kExitFailure, state.status()};
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (const auto& [name, tensor] : *state) entries.emplace_back(name, &tensor);
+  if (absl::Status s = optimizer_->LoadState(entries, gpu_->optimizer_steps()); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  return std::nullopt;
+}
+
 std::optional<Failure> Run::Evaluate(int32_t epoch, int64_t step) {
+  if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
   // Each rank takes every world_size-th test sample; the sums are combined.
   const int world = rendezvous_.world_size();
   std::vector<int64_t> mine;
@@ -843,6 +915,9 @@ std::optional<Failure> Run::Execute() {
   const double base_lr = spec_.optimizer().lr();
   const int64_t log_every = std::max<int64_t>(1, std::min<int64_t>(100, total_steps / 20));
   if (std::optional<Failure> f = Resume(steps_per_epoch); f.has_value()) return f;
+  if (spec_.device() == v1::JobSpec::GPU) {
+    if (std::optional<Failure> f = SetupGpu(); f.has_value()) return f;
+  }
   const int64_t every = spec_.checkpoint().every_steps();
 
   engine::Tensor images, logits, grad_logits;
@@ -851,7 +926,7 @@ std::optional<Failure> Run::Execute() {
   int32_t epoch = -1;
   // Tells the coordinator how long the job is before the first step ends.
   reporter_->Progress(start_step_, static_cast<int32_t>(start_step_ / steps_per_epoch),
-                      comm_->sequence(), total_steps);
+                      CollectiveSequence(), total_steps);
   for (int64_t step = start_step_; step < total_steps; ++step) {
     if (reporter_->superseded()) {
       return Failure{kExitSuperseded,
@@ -863,32 +938,47 @@ std::optional<Failure> Run::Execute() {
       indices = sampler.EpochIndices(epoch);
     }
     const SteadyClock::time_point start = SteadyClock::now();
-    model_->ZeroGrad();
     double loss = 0;
     double wait_s = 0, allreduce_s = 0;
-    const int64_t first = (step % steps_per_epoch) * batch * accum;
-    for (int64_t micro = 0; micro < accum; ++micro) {
-      engine::GatherBatch(train_, indices, static_cast<size_t>(first + micro * batch),
-                          static_cast<size_t>(batch), &images, &labels);
-      model_->SetSeed(spec_.seed() * 1'000'003 +
-                      static_cast<uint64_t>(step * accum + micro) * static_cast<uint64_t>(world) +
-                      static_cast<uint64_t>(rank));
-      model_->Forward(images, &logits, /*training=*/true);
-      const double micro_loss = engine::SoftmaxCrossEntropy(logits, labels, &grad_logits,
-                                                            1.0 / static_cast<double>(accum));
-      loss += micro_loss / static_cast<double>(accum);
-      const bool last = micro == accum - 1;
-      reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f);
-      model_->Backward(grad_logits);
-    }
-    if (absl::Status s = reducer_->Finish(&wait_s, &allreduce_s); !s.ok()) {
-      return FailureFor(s, "gradient allreduce");
-    }
-    const double mean_loss = reducer_->averaged_extra();
-    // Clipping (optimizer.grad_clip_norm) happens inside Step, fused with
-    // the update.
+    double mean_loss = 0;
     const double lr = engine::LearningRate(schedule, base_lr, step, total_steps);
-    if (absl::Status s = optimizer_->Step(lr); !s.ok()) return FailureFor(s, "optimizer");
+    const int64_t first = (step % steps_per_epoch) * batch * accum;
+    if (gpu_ != nullptr) {
+      // One micro-batch (Setup refused grad_accum_steps > 1 on the GPU).
+      engine::GatherBatch(train_, indices, static_cast<size_t>(first), static_cast<size_t>(batch),
+                          &images, &labels);
+      gpu_->SetSeed(spec_.seed() * 1'000'003 +
+                    static_cast<uint64_t>(step) * static_cast<uint64_t>(world) +
+                    static_cast<uint64_t>(rank));
+      absl::StatusOr<double> gpu_loss = gpu_->Step(images, labels, lr);
+      if (!gpu_loss.ok()) return FailureFor(gpu_loss.status(), "gpu step");
+      // This rank's loss; the coordinator averages the ranks' records.
+      mean_loss = *gpu_loss;
+      allreduce_s = wait_s = gpu_->last_allreduce_seconds();
+    } else {
+      model_->ZeroGrad();
+      for (int64_t micro = 0; micro < accum; ++micro) {
+        engine::GatherBatch(train_, indices, static_cast<size_t>(first + micro * batch),
+                            static_cast<size_t>(batch), &images, &labels);
+        model_->SetSeed(spec_.seed() * 1'000'003 +
+                        static_cast<uint64_t>(step * accum + micro) * static_cast<uint64_t>(world) +
+                        static_cast<uint64_t>(rank));
+        model_->Forward(images, &logits, /*training=*/true);
+        const double micro_loss = engine::SoftmaxCrossEntropy(logits, labels, &grad_logits,
+                                                              1.0 / static_cast<double>(accum));
+        loss += micro_loss / static_cast<double>(accum);
+        const bool last = micro == accum - 1;
+        reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f);
+        model_->Backward(grad_logits);
+      }
+      if (absl::Status s = reducer_->Finish(&wait_s, &allreduce_s); !s.ok()) {
+        return FailureFor(s, "gradient allreduce");
+      }
+      mean_loss = reducer_->averaged_extra();
+      // Clipping (optimizer.grad_clip_norm) happens inside Step, fused with
+      // the update.
+      if (absl::Status s = optimizer_->Step(lr); !s.ok()) return FailureFor(s, "optimizer");
+    }
     const double step_s = SecondsSince(start);
 
     v1::MetricRecord record;
@@ -905,7 +995,7 @@ std::optional<Failure> Run::Execute() {
     record.set_lr(lr);
     *record.mutable_time() = Now();
     reporter_->Record(std::move(record));
-    reporter_->Progress(step + 1, epoch + 1, comm_->sequence(), total_steps);
+    reporter_->Progress(step + 1, epoch + 1, CollectiveSequence(), total_steps);
     if (rank == 0 && ((step + 1) % log_every == 0 || step + 1 == total_steps)) {
       std::printf("step %lld/%lld | loss %.4f | %.1f ms | %.0f samples/s | allreduce %.1f ms\n",
                   static_cast<long long>(step + 1), static_cast<long long>(total_steps), mean_loss,

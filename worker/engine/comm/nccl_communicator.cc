@@ -128,7 +128,11 @@ NcclCommunicator::~NcclCommunicator() {
       int spins = 0;
       while (r == ncclSuccess || r == ncclInProgress) {
         ncclResult_t state = ncclSuccess;
-        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state != ncclInProgress) {
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) {
+          r = ncclInternalError;  // abort rather than destroy a comm in an unknown state
+          break;
+        }
+        if (state != ncclInProgress) {
           r = state;
           break;
         }
@@ -175,8 +179,25 @@ void NcclCommunicator::Abort(absl::string_view why) {
 }
 
 absl::Status NcclCommunicator::Queued(absl::string_view what, ncclResult_t result) {
-  if (result == ncclSuccess || result == ncclInProgress) return absl::OkStatus();
-  return Fail(NcclError(what, result));
+  if (result == ncclSuccess) return absl::OkStatus();
+  if (result != ncclInProgress) return Fail(NcclError(what, result));
+  // A non-blocking communicator may still be enqueuing: until it says
+  // ncclSuccess, no other NCCL call and no CUDA work on stream() may follow
+  // (an event recorded now could land before the collective's kernel).
+  const SteadyClock::time_point deadline = SteadyClock::now() + options_.timeout;
+  int spins = 0;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) return Fail(NcclError("ncclCommGetAsyncError", r));
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return Fail(NcclError(what, state));
+    if (SteadyClock::now() > deadline) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          what, " was not enqueued within ", options_.timeout.count(), " ms")));
+    }
+    Pause(&spins);
+  }
 }
 
 absl::Status NcclCommunicator::Wait(absl::string_view what) {

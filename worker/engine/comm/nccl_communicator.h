@@ -94,7 +94,9 @@ class NcclCommunicator final : public Communicator {
   absl::Status Wait(absl::string_view what);
 
   // Aborts the communicator now (a failure elsewhere in the generation);
-  // later calls answer FAILED_PRECONDITION.
+  // later calls answer FAILED_PRECONDITION. Call it from the thread that
+  // makes the collectives, never while one of them waits: it frees the NCCL
+  // communicator that a waiting call polls.
   void Abort(absl::string_view why);
 
   cudaStream_t stream() const { return stream_; }

@@ -1,0 +1,86 @@
+#ifndef AIDN_WORKER_ENGINE_GPU_SESSION_H_
+#define AIDN_WORKER_ENGINE_GPU_SESSION_H_
+
+// One rank's training on a GPU, behind a plain C++ interface so that the
+// trainer (service code) never includes a CUDA header: the model mirrored
+// onto the device (cuda/gpu_model.h), its optimizer, and with more than one
+// rank an NCCL communicator (comm/nccl_communicator.h) whose id goes through
+// the generation's KeyValueStore. Each Step averages the gradients over the
+// ranks between backward and the update (DDP semantics; the allreduce is not
+// yet overlapped with backward: the host waits for it, polling for NCCL
+// errors against the timeout).
+//
+// Built in every configuration: without CUDA, Create answers UNIMPLEMENTED;
+// with CUDA but without NCCL, world_size > 1 does.
+//
+// Not thread-safe: one session per trainer thread.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/kv_store.h"
+#include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+struct GpuSessionOptions {
+  // CUDA device (a worker's trainer sees only its own GPU, as device 0).
+  int device = 0;
+  // TF32 tensor-core math for GEMMs and convolutions (spec allow_tf32).
+  bool allow_tf32 = false;
+  int rank = 0;
+  int world_size = 1;
+  // world_size > 1: where rank 0 publishes the NCCL unique id ("nccl/id").
+  KeyValueStore* store = nullptr;
+  // NCCL initialisation and each gradient allreduce.
+  std::chrono::milliseconds timeout{300'000};
+};
+
+class GpuSession {
+ public:
+  // Mirrors `model` (its current weights: every rank passes the same, rank
+  // 0's after the broadcast) with an optimizer of `optimizer`.
+  // FAILED_PRECONDITION without a usable device, UNIMPLEMENTED without CUDA
+  // (or NCCL for world_size > 1), INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<GpuSession>> Create(const GpuSessionOptions& options,
+                                                            const Sequential& model,
+                                                            const OptimizerConfig& optimizer);
+  virtual ~GpuSession() = default;
+
+  // As Sequential::SetSeed (dropout).
+  virtual void SetSeed(uint64_t seed) = 0;
+  // One optimizer step on a batch (images [N, C, H, W], labels [N]) with
+  // learning rate `lr`: forward, loss, backward, gradients averaged over
+  // the ranks, update. Returns this rank's mean loss before the update.
+  virtual absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels,
+                                      double lr) = 0;
+  // Seconds the last Step spent in the gradient allreduce (0 with one rank).
+  virtual double last_allreduce_seconds() const = 0;
+  // Collectives completed (the progress beat's collective_seq).
+  virtual int64_t collective_sequence() const = 0;
+
+  // The device's weights into CPU parameters of the same model (checkpoints,
+  // evaluation).
+  virtual absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) = 0;
+  // Optimizer state, named as Optimizer::State() names it, and its steps.
+  virtual absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> OptimizerState() = 0;
+  virtual int64_t optimizer_steps() const = 0;
+  // A resume: state as Optimizer::State() lists it, and the steps taken.
+  virtual absl::Status LoadOptimizerState(
+      const std::vector<std::pair<std::string, const Tensor*>>& state, int64_t steps) = 0;
+
+  // "NVIDIA H100 80GB HBM3 (device 0), NCCL 2 ranks" for the trainer's log.
+  virtual std::string Describe() const = 0;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_GPU_SESSION_H_
