@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "worker/engine/data.h"
+#include "worker/engine/gemm.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"
@@ -163,18 +164,18 @@ int Run(const Options& options) {
         "RESULT {\"model\": \"%s\", \"threads\": %d, \"batch\": %lld, \"steps\": %lld, "
         "\"window_steps\": %lld, \"window_s\": %.6f, \"samples_per_s\": %.1f, "
         "\"median_step_ms\": %.4f, \"median_samples_per_s\": %.1f, \"cpu_ms_per_step\": %.4f, "
-        "\"final_loss\": %.6f, \"blas_core\": \"%s\"}\n",
+        "\"final_loss\": %.6f, \"gemm\": \"%s\"}\n",
         options.model.c_str(), options.threads, static_cast<long long>(options.batch),
         static_cast<long long>(options.steps), static_cast<long long>(window), wall, samples_per_s,
         median * 1e3, static_cast<double>(options.batch) / median, cpu_per_step * 1e3, last_loss,
-        aidn::engine::BlasCoreName().c_str());
+        aidn::engine::GemmDescription().c_str());
   } else {
     std::printf(
         "engine_step %s threads %d batch %lld | %lld steps | %.3f ms median | %.0f samples/s | "
-        "cpu %.3f ms/step | loss %.4f | OpenBLAS %s\n",
+        "cpu %.3f ms/step | loss %.4f | %s\n",
         options.model.c_str(), options.threads, static_cast<long long>(options.batch),
         static_cast<long long>(window), median * 1e3, samples_per_s, cpu_per_step * 1e3, last_loss,
-        aidn::engine::BlasCoreName().c_str());
+        aidn::engine::GemmDescription().c_str());
   }
   return 0;
 }

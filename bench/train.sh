@@ -315,7 +315,7 @@ for ((rep = 1; rep <= REPS; rep++)); do
 done
 
 # ------------------------------------------------------------------ summary
-AIDN_BLAS=$(env -u LD_LIBRARY_PATH ldd "$WORKER" | awk '/blas|lapack/ { print $3 }' |
+AIDN_BLAS=$(env -u LD_LIBRARY_PATH ldd "$WORKER" | awk '/blas|lapack|dnnl/ { print $3 }' |
   xargs -r readlink -f | sort -u | paste -sd' ')
 $PY - "$RESULTS" "$AIDN_BLAS" "$REPS" "$MLP_STEPS" "$CNN_STEPS" "$WARMUP_FRAC" \
   "$LOAD_MAX" "$((SECONDS - SCRIPT_START))" <<'PY'
@@ -393,7 +393,7 @@ conv = next((r["stats"].get("conv_backend") for r in runs
 tver = next((r["stats"].get("torch") for r in runs
              if r["system"] == "torch" and r["stats"].get("torch")), "?")
 print()
-print("BLAS: aidn   %s (linear and im2col conv via cblas_sgemm)" % (aidn_blas or "?"))
+print("BLAS: aidn   %s (linear: oneDNN's sgemm where every dimension is >= 32 on one thread, else OpenBLAS; im2col conv: OpenBLAS)" % (aidn_blas or "?"))
 print("      torch  %s %s (linear); conv backend %s (oneDNN); flush-denormal on"
       % (tver, " ".join(torch_blas) or "?", conv))
 busy = [r for r in runs if not r["load_ok"]]

@@ -15,7 +15,7 @@ PACKAGES=(
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # training: BLAS, Gloo, the dataset
-  libopenblas-dev libgloo-dev dataset-fashion-mnist
+  libopenblas-dev libdnnl-dev libgloo-dev dataset-fashion-mnist
   # the metrics tests scrape with a real Prometheus server and promtool
   prometheus
   # the numerical oracle and speed peer (tests skip their torch checks only without it)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "worker/engine/gemm.h"
 #include "worker/engine/model.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -21,6 +22,7 @@ namespace aidn::engine {
 // the MXCSR they had then, unless OpenBLAS was built with CONSISTENT_FPCSR.
 void ConfigureCpu(int threads) {
   openblas_set_num_threads(std::max(1, threads));
+  SetGemmThreads(std::max(1, threads));
 #if defined(__x86_64__) || defined(__i386__)
   // 0x8000 flush-to-zero, 0x0040 denormals-are-zero.
   _mm_setcsr(_mm_getcsr() | 0x8040);

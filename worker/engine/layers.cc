@@ -11,6 +11,7 @@
 #endif
 
 #include "common/log.h"
+#include "worker/engine/gemm.h"
 #include "worker/engine/simd.h"
 
 namespace aidn::engine {
@@ -439,8 +440,8 @@ void Linear::Forward(const Tensor& input, Tensor* output, bool /*training*/) {
   float* y = output->data();
   const float* b = bias_.value.data();
   for (int64_t i = 0; i < n; ++i) Copy(b, y + i * out_, out_);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Int(n), Int(out_), Int(in_), 1.0f,
-              input.data(), Int(in_), weight_.value.data(), Int(in_), 1.0f, y, Int(out_));
+  Sgemm(false, true, n, out_, in_, 1.0f, input.data(), in_, weight_.value.data(), in_, 1.0f, y,
+        out_);
   if (fused_relu_) {
     output_ = output;
     ReluInPlace(y, n * out_);
@@ -470,8 +471,7 @@ void Linear::Backward(const Tensor& grad_output, Tensor* grad_input) {
   }
   if (n > 0) {
     // dW += g^T x
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Int(out_), Int(in_), Int(n), 1.0f, g,
-                Int(out_), x.data(), Int(in_), 1.0f, weight_.grad.data(), Int(in_));
+    Sgemm(true, false, out_, in_, n, 1.0f, g, out_, x.data(), in_, 1.0f, weight_.grad.data(), in_);
     float* gb = bias_.grad.data();
     for (int64_t i = 0; i < n; ++i) AccumulateKernel(g + i * out_, gb, out_);
   }
@@ -479,8 +479,8 @@ void Linear::Backward(const Tensor& grad_output, Tensor* grad_input) {
     EnsureShape(grad_input, {n, in_});
     if (n > 0) {
       // dx = g W
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Int(n), Int(in_), Int(out_), 1.0f, g,
-                  Int(out_), weight_.value.data(), Int(in_), 0.0f, grad_input->data(), Int(in_));
+      Sgemm(false, false, n, in_, out_, 1.0f, g, out_, weight_.value.data(), in_, 0.0f,
+            grad_input->data(), in_);
     }
   }
 }
