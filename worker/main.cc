@@ -35,6 +35,7 @@
 #include "common/status.h"
 #include "worker/daemon.h"
 #include "worker/engine/device.h"
+#include "worker/engine/gpu_session.h"
 #include "worker/engine/model.h"
 #include "worker/trainer/trainer.h"
 
@@ -184,9 +185,19 @@ int RunDaemonMode(const std::string& log_level) {
   const aidn::engine::DeviceInventory devices = aidn::engine::DiscoverDevices();
   std::vector<std::string> gpu_names;
   for (const aidn::engine::GpuDescription& gpu : devices.gpus) {
-    options.gpus.push_back(gpu);
     gpu_names.push_back(
         absl::StrCat(gpu.index, ": ", gpu.name, " (", gpu.memory_bytes / (1024 * 1024), " MiB)"));
+  }
+  std::string gpus_line = gpu_names.empty() ? absl::StrCat("none (", devices.gpu_note, ")")
+                                            : absl::StrJoin(gpu_names, ", ");
+  // GPUs are offered only by a binary whose trainers can use them.
+  if (aidn::engine::GpuSessionAvailable()) {
+    options.gpus = devices.gpus;
+  } else if (!devices.gpus.empty()) {
+    gpus_line = absl::StrCat(gpus_line, "; not offered: this binary has no GPU trainer (run ",
+                             "aidn-worker-gpu)");
+    AIDN_LOG(WARNING) << "this node has GPUs but aidn-worker cannot train on them; run "
+                         "aidn-worker-gpu to offer them";
   }
 
   if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
@@ -222,8 +233,7 @@ int RunDaemonMode(const std::string& log_level) {
        {"hostname", resolved.hostname},
        {"address", resolved.address},
        {"cpu_slots", absl::StrCat(resolved.cpu_slots)},
-       {"gpus", gpu_names.empty() ? absl::StrCat("none (", devices.gpu_note, ")")
-                                  : absl::StrJoin(gpu_names, ", ")},
+       {"gpus", gpus_line},
        {"work_dir", resolved.work_dir},
        {"checkpoint_root", resolved.checkpoint_root},
        {"trainer_binary", trainer},

@@ -10,8 +10,10 @@
 // yet overlapped with backward: the host waits for it, polling for NCCL
 // errors against the timeout).
 //
-// Built in every configuration: without CUDA, Create answers UNIMPLEMENTED;
-// with CUDA but without NCCL, world_size > 1 does.
+// Two libraries implement it: aidn_gpu_session (CUDA builds) and
+// aidn_gpu_session_none (every build), whose Create answers UNIMPLEMENTED;
+// each binary links one (aidn-worker: none; aidn-worker-gpu: CUDA). With
+// CUDA but without NCCL, world_size > 1 answers UNIMPLEMENTED.
 //
 // Not thread-safe: one session per trainer thread.
 
@@ -43,6 +45,12 @@ struct GpuSessionOptions {
   // NCCL initialisation and each gradient allreduce.
   std::chrono::milliseconds timeout{300'000};
 };
+
+// Whether this binary can train on a GPU: false in the library without CUDA
+// (aidn_gpu_session_none), which the CPU-only worker binary links so that
+// its trainers do not load cuBLAS, cuDNN and NCCL (half a gigabyte, about
+// 0.2 s of every trainer's start).
+bool GpuSessionAvailable();
 
 class GpuSession {
  public:

@@ -152,6 +152,8 @@ class CudaGpuSession final : public GpuSession {
 
 }  // namespace
 
+bool GpuSessionAvailable() { return true; }
+
 absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::Create(const GpuSessionOptions& options,
                                                                 const Sequential& model,
                                                                 const OptimizerConfig& optimizer) {
