@@ -109,7 +109,8 @@ int Run(const Options& o) {
     }
     last_loss = *loss;
     if (step >= o.warmup) {
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      times.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
   const double window =
@@ -125,10 +126,11 @@ int Run(const Options& o) {
         o.model.c_str(), o.batch, o.steps, samples_per_s, median * 1e3, last_loss,
         o.tf32 ? "true" : "false", inventory.gpus[0].name.c_str());
   } else {
-    std::printf("gpu_step aidn %s batch %lld | %lld steps | %.3f ms median | %.0f samples/s | "
-                "loss %.4f | %s%s\n",
-                o.model.c_str(), o.batch, o.steps, median * 1e3, samples_per_s, last_loss,
-                inventory.gpus[0].name.c_str(), o.tf32 ? " | tf32" : "");
+    std::printf(
+        "gpu_step aidn %s batch %lld | %lld steps | %.3f ms median | %.0f samples/s | "
+        "loss %.4f | %s%s\n",
+        o.model.c_str(), o.batch, o.steps, median * 1e3, samples_per_s, last_loss,
+        inventory.gpus[0].name.c_str(), o.tf32 ? " | tf32" : "");
   }
   return 0;
 }

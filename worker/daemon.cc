@@ -87,8 +87,8 @@ absl::StatusOr<std::string> TrainerVisibleDevice(int slot,
                                                  const std::vector<engine::GpuDescription>& gpus,
                                                  const std::string& worker_visible_devices) {
   if (slot < 0 || slot >= static_cast<int>(gpus.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "GPU slot ", slot, " does not exist: this worker has ", gpus.size(), " GPUs"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU slot ", slot, " does not exist: this worker has ", gpus.size(), " GPUs"));
   }
   if (!worker_visible_devices.empty()) {
     std::vector<std::string> entries = absl::StrSplit(worker_visible_devices, ',');

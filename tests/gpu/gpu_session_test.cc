@@ -64,9 +64,8 @@ TEST(GpuSession, WithoutADeviceCreateSaysWhy) {
   ASSERT_FALSE(session.ok());
   // Without CUDA in the build: UNIMPLEMENTED; with it but no device:
   // FAILED_PRECONDITION naming what the driver said.
-  EXPECT_THAT(session.status().code(),
-              ::testing::AnyOf(absl::StatusCode::kFailedPrecondition,
-                               absl::StatusCode::kUnimplemented));
+  EXPECT_THAT(session.status().code(), ::testing::AnyOf(absl::StatusCode::kFailedPrecondition,
+                                                        absl::StatusCode::kUnimplemented));
   EXPECT_THAT(session.status().message(), HasSubstr("device: gpu"));
 }
 
@@ -79,9 +78,8 @@ TEST(GpuSession, RefusesARankOutsideTheWorld) {
   absl::StatusOr<std::unique_ptr<GpuSession>> session =
       GpuSession::Create(o, *model, SgdMomentum());
   ASSERT_FALSE(session.ok());
-  EXPECT_THAT(session.status().code(),
-              ::testing::AnyOf(absl::StatusCode::kInvalidArgument,
-                               absl::StatusCode::kUnimplemented));
+  EXPECT_THAT(session.status().code(), ::testing::AnyOf(absl::StatusCode::kInvalidArgument,
+                                                        absl::StatusCode::kUnimplemented));
 }
 
 TEST(GpuSession, OneRankTrainsAsTheCpuDoesAndResumesFromItsState) {

@@ -20,10 +20,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define SKIP_WITHOUT_GPU()                                                        \
-  do {                                                                            \
-    setenv("NCCL_SOCKET_IFNAME", "lo", 0);                                        \
-    DeviceInventory inventory = DiscoverDevices();                                \
+#define SKIP_WITHOUT_GPU()                                                                \
+  do {                                                                                    \
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);                                                \
+    DeviceInventory inventory = DiscoverDevices();                                        \
     if (inventory.gpus.empty()) GTEST_SKIP() << "no CUDA device: " << inventory.gpu_note; \
   } while (false)
 

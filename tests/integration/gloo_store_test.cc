@@ -277,7 +277,10 @@ TEST_F(GlooStoreTest, AnUnknownTokenIsRefusedAtOnce) {
 // and a stale generation is refused with FAILED_PRECONDITION.
 TEST_F(GlooStoreTest, TheKeyValueStoreAdapterKeepsBytesWaitsAndIsFenced) {
   trainer::CoordinatorKeyValueStore store(StoreFor(0, generation_));
-  const std::string bytes("id\0with\xff" "bytes", 14);
+  const std::string bytes(
+      "id\0with\xff"
+      "bytes",
+      14);
   ASSERT_TRUE(store.Set("nccl/x", bytes).ok());
   absl::StatusOr<std::string> got = store.Get("nccl/x", std::chrono::seconds(5));
   ASSERT_TRUE(got.ok()) << got.status();

@@ -532,16 +532,15 @@ TEST_F(WorkerTest, AWorkerRegistersAgainWithACoordinatorThatForgotIt) {
                                          "--tick-interval=50ms", "--token-file=" + token_file};
   StartCoordinatorWith(args, "state-a");
   WriteFileOrDie(dir_ + "/worker.token", "worker-test-token-0123456789\n");
-  WorkerHandle* w =
-      StartWorker("w1", WriteScript("exit0", kExitZero), {"--token-file=" + dir_ + "/worker.token"});
+  WorkerHandle* w = StartWorker("w1", WriteScript("exit0", kExitZero),
+                                {"--token-file=" + dir_ + "/worker.token"});
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   // ALIVE in the coordinator is not enough: the worker must also have read the
   // answer, or a kill right after the coordinator stored it leaves a worker
   // whose first registration simply goes to the second coordinator.
   ASSERT_TRUE(WaitFor(
       [&] {
-        return ReadFileOrEmpty(w->log).find("registered with the coordinator") !=
-               std::string::npos;
+        return ReadFileOrEmpty(w->log).find("registered with the coordinator") != std::string::npos;
       },
       kLong));
 

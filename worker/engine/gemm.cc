@@ -20,9 +20,8 @@ std::atomic<int> g_threads{1};
 
 void SetGemmThreads(int threads) { g_threads.store(threads < 1 ? 1 : threads); }
 
-void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc) {
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
 #if AIDN_HAVE_DNNL
   if (m >= kDnnlMinDim && n >= kDnnlMinDim && k >= kDnnlMinDim &&
@@ -34,8 +33,8 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
       return true;
     }();
     (void)one_thread;
-    const dnnl_status_t s = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha,
-                                       a, lda, b, ldb, beta, c, ldc);
+    const dnnl_status_t s = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a,
+                                       lda, b, ldb, beta, c, ldc);
     // Only bad arguments fail, and the layers pass checked shapes.
     AIDN_CHECK(s == dnnl_success) << "dnnl_sgemm " << m << "x" << n << "x" << k << ": status "
                                   << static_cast<int>(s);
@@ -44,8 +43,8 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 #endif
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-              static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb),
-              beta, c, static_cast<int>(ldc));
+              static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
+              c, static_cast<int>(ldc));
 }
 
 std::string GemmDescription() {
@@ -53,8 +52,8 @@ std::string GemmDescription() {
   const std::string openblas = absl::StrCat("OpenBLAS ", core == nullptr ? "?" : core);
 #if AIDN_HAVE_DNNL
   const dnnl_version_t* v = dnnl_version();
-  return absl::StrCat("oneDNN ", v->major, ".", v->minor, ".", v->patch, " (dimensions >= ",
-                      kDnnlMinDim, ", one thread) + ", openblas);
+  return absl::StrCat("oneDNN ", v->major, ".", v->minor, ".", v->patch,
+                      " (dimensions >= ", kDnnlMinDim, ", one thread) + ", openblas);
 #else
   return openblas;
 #endif

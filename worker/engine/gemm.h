@@ -24,9 +24,8 @@ namespace aidn::engine {
 
 inline constexpr int64_t kDnnlMinDim = 32;
 
-void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc);
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // Set by ConfigureCpu: oneDNN is used only with one compute thread.
 void SetGemmThreads(int threads);

@@ -26,9 +26,9 @@
 #include <string>
 #include <vector>
 
-#include "aidn/v1/cluster.grpc.pb.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "aidn/v1/cluster.grpc.pb.h"
 #include "gloo/rendezvous/store.h"
 #include "worker/engine/comm/kv_store.h"
 

@@ -587,9 +587,9 @@ std::optional<Failure> Run::Setup() {
     }
     engine::DeviceInventory devices = engine::DiscoverDevices();
     if (devices.gpus.empty()) {
-      return Failure{kExitPermanent, absl::FailedPreconditionError(absl::StrCat(
-                                         "device: gpu: this trainer sees no GPU (",
-                                         devices.gpu_note, ")"))};
+      return Failure{kExitPermanent,
+                     absl::FailedPreconditionError(absl::StrCat(
+                         "device: gpu: this trainer sees no GPU (", devices.gpu_note, ")"))};
     }
   }
   engine::ConfigureCpu(std::max(1, options_.threads));

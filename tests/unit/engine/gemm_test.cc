@@ -26,9 +26,9 @@ double At(const std::vector<float>& x, bool trans, int64_t ld, int64_t r, int64_
 }
 
 void Check(const Case& t, int threads) {
-  SCOPED_TRACE(::testing::Message() << (t.ta ? 'T' : 'N') << (t.tb ? 'T' : 'N') << " m" << t.m
-                                    << " n" << t.n << " k" << t.k << " beta " << t.beta
-                                    << " threads " << threads);
+  SCOPED_TRACE(::testing::Message()
+               << (t.ta ? 'T' : 'N') << (t.tb ? 'T' : 'N') << " m" << t.m << " n" << t.n << " k"
+               << t.k << " beta " << t.beta << " threads " << threads);
   SetGemmThreads(threads);
   const int64_t pad = 3;  // leading dimensions wider than the rows
   const int64_t lda = (t.ta ? t.m : t.k) + pad, ldb = (t.tb ? t.k : t.n) + pad, ldc = t.n + pad;
@@ -46,7 +46,8 @@ void Check(const Case& t, int threads) {
   for (int64_t r = 0; r < t.m; ++r) {
     for (int64_t col = 0; col < t.n; ++col) {
       double want = t.beta * c0[static_cast<size_t>(r * ldc + col)];
-      for (int64_t i = 0; i < t.k; ++i) want += 0.5 * At(a, t.ta, lda, r, i) * At(b, t.tb, ldb, i, col);
+      for (int64_t i = 0; i < t.k; ++i)
+        want += 0.5 * At(a, t.ta, lda, r, i) * At(b, t.tb, ldb, i, col);
       worst = std::max(worst, std::fabs(c[static_cast<size_t>(r * ldc + col)] - want));
     }
     // The padding past each row is left alone.
@@ -65,11 +66,11 @@ void Check(const Case& t, int threads) {
 TEST(Sgemm, MatchesAReferenceOnEveryPathAndRepeatsBitForBit) {
   // The MLP's shapes at batch 64 (NT forward, TN weight gradient, NN input
   // gradient), thin ones, odd ones.
-  const std::vector<Case> cases = {
-      {false, true, 64, 256, 784, 1}, {true, false, 256, 784, 64, 1}, {false, false, 64, 256, 256, 0},
-      {false, true, 64, 10, 256, 1},  {true, false, 10, 256, 64, 1},  {false, false, 64, 256, 10, 0},
-      {true, true, 33, 47, 65, 0},    {true, true, 33, 47, 65, 1},    {false, false, 1, 1, 1, 0},
-      {false, true, 37, 31, 40, 1}};
+  const std::vector<Case> cases = {{false, true, 64, 256, 784, 1},  {true, false, 256, 784, 64, 1},
+                                   {false, false, 64, 256, 256, 0}, {false, true, 64, 10, 256, 1},
+                                   {true, false, 10, 256, 64, 1},   {false, false, 64, 256, 10, 0},
+                                   {true, true, 33, 47, 65, 0},     {true, true, 33, 47, 65, 1},
+                                   {false, false, 1, 1, 1, 0},      {false, true, 37, 31, 40, 1}};
   for (const Case& t : cases) {
     Check(t, 1);
     Check(t, 2);

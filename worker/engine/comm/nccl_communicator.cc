@@ -53,28 +53,25 @@ absl::Status NcclError(absl::string_view context, ncclResult_t result) {
 absl::StatusOr<ncclUniqueId> ExchangeNcclUniqueId(const NcclOptions& options,
                                                   KeyValueStore* store) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", options.rank,
-                                                   " is not in a world of size ",
-                                                   options.world_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nccl: rank ", options.rank, " is not in a world of size ", options.world_size));
   }
   const std::string key = options.prefix + "/id";
   ncclUniqueId id;
   if (options.rank == 0) {
     AIDN_RETURN_IF_ERROR(NcclError("ncclGetUniqueId", ncclGetUniqueId(&id)));
-    AIDN_RETURN_IF_ERROR(
-        store->Set(key, std::string(id.internal, sizeof(id.internal))));
+    AIDN_RETURN_IF_ERROR(store->Set(key, std::string(id.internal, sizeof(id.internal))));
     return id;
   }
   absl::StatusOr<std::string> value = store->Get(key, options.timeout);
   if (!value.ok()) {
-    return absl::Status(value.status().code(),
-                        absl::StrCat("nccl: rank ", options.rank,
-                                     " waiting for rank 0's unique id: ", value.status().message()));
+    return absl::Status(value.status().code(), absl::StrCat("nccl: rank ", options.rank,
+                                                            " waiting for rank 0's unique id: ",
+                                                            value.status().message()));
   }
   if (value->size() != sizeof(id.internal)) {
     return absl::DataLossError(absl::StrCat("nccl: unique id under \"", key, "\" has ",
-                                            value->size(), " bytes, not ",
-                                            sizeof(id.internal)));
+                                            value->size(), " bytes, not ", sizeof(id.internal)));
   }
   std::memcpy(id.internal, value->data(), sizeof(id.internal));
   return id;
@@ -91,10 +88,10 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
 
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // so that a missing peer cannot hang us: we poll
-  const ncclResult_t started = ncclCommInitRankConfig(&c->comm_, options.world_size, id,
-                                                      options.rank, &config);
-  const std::string what = absl::StrCat("nccl init of rank ", options.rank, " of ",
-                                        options.world_size);
+  const ncclResult_t started =
+      ncclCommInitRankConfig(&c->comm_, options.world_size, id, options.rank, &config);
+  const std::string what =
+      absl::StrCat("nccl init of rank ", options.rank, " of ", options.world_size);
   if (started != ncclSuccess && started != ncclInProgress) {
     return c->Fail(NcclError(what, started));
   }
@@ -109,9 +106,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     if (state == ncclSuccess) break;
     if (state != ncclInProgress) return c->Fail(NcclError(what, state));
     if (SteadyClock::now() > deadline) {
-      return c->Fail(absl::DeadlineExceededError(
-          absl::StrCat(what, " did not complete within ", options.timeout.count(),
-                       " ms (is every rank up?)")));
+      return c->Fail(absl::DeadlineExceededError(absl::StrCat(
+          what, " did not complete within ", options.timeout.count(), " ms (is every rank up?)")));
     }
     Pause(&spins);
   }
@@ -157,9 +153,8 @@ NcclCommunicator::~NcclCommunicator() {
 
 absl::Status NcclCommunicator::Usable() const {
   if (!failed_.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("nccl communicator is unusable after an earlier failure: ",
-                     failed_.message()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "nccl communicator is unusable after an earlier failure: ", failed_.message()));
   }
   return absl::OkStatus();
 }
@@ -193,8 +188,8 @@ absl::Status NcclCommunicator::Queued(absl::string_view what, ncclResult_t resul
     if (state == ncclSuccess) return absl::OkStatus();
     if (state != ncclInProgress) return Fail(NcclError(what, state));
     if (SteadyClock::now() > deadline) {
-      return Fail(absl::DeadlineExceededError(absl::StrCat(
-          what, " was not enqueued within ", options_.timeout.count(), " ms")));
+      return Fail(absl::DeadlineExceededError(
+          absl::StrCat(what, " was not enqueued within ", options_.timeout.count(), " ms")));
     }
     Pause(&spins);
   }
@@ -217,8 +212,8 @@ absl::Status NcclCommunicator::Wait(absl::string_view what) {
       }
     }
     if (SteadyClock::now() > deadline) {
-      return Fail(absl::DeadlineExceededError(absl::StrCat(
-          what, " did not complete within ", options_.timeout.count(), " ms")));
+      return Fail(absl::DeadlineExceededError(
+          absl::StrCat(what, " did not complete within ", options_.timeout.count(), " ms")));
     }
     Pause(&spins);
   }
@@ -251,9 +246,8 @@ absl::Status NcclCommunicator::AllReduce(float* data, size_t count, ReduceOp op)
 absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
   AIDN_RETURN_IF_ERROR(Usable());
   if (root < 0 || root >= options_.world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("nccl broadcast: root ", root, " is not in a world of size ",
-                     options_.world_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nccl broadcast: root ", root, " is not in a world of size ", options_.world_size));
   }
   if (count == 0) {
     sequence_.fetch_add(1);

@@ -63,8 +63,7 @@ absl::Status NcclError(absl::string_view context, ncclResult_t result);
 // The unique id of the generation's communicator: rank 0 creates and
 // publishes it, every other rank waits for it (DEADLINE_EXCEEDED naming the
 // key after options.timeout). Needs no GPU.
-absl::StatusOr<ncclUniqueId> ExchangeNcclUniqueId(const NcclOptions& options,
-                                                  KeyValueStore* store);
+absl::StatusOr<ncclUniqueId> ExchangeNcclUniqueId(const NcclOptions& options, KeyValueStore* store);
 
 class NcclCommunicator final : public Communicator {
  public:

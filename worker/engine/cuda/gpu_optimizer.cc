@@ -200,9 +200,8 @@ absl::Status GpuOptimizer::LoadStateFromHost(
       bool known = false;
       for (const auto& w : wanted) known = known || w.first == name;
       if (!known) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("optimizer state: ", name, " is not state of this optimizer (",
-                         config_.name, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer state: ", name, " is not state of this optimizer (", config_.name, ")"));
       }
     }
   }

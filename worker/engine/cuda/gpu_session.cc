@@ -39,9 +39,8 @@ class CudaGpuSession final : public GpuSession {
                                                           const Sequential& model,
                                                           const OptimizerConfig& optimizer) {
     if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu session: rank ", options.rank,
-                                                     " is not in a world of size ",
-                                                     options.world_size));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gpu session: rank ", options.rank, " is not in a world of size ", options.world_size));
     }
     if (options.world_size > 1 && options.store == nullptr) {
       return absl::InvalidArgumentError("gpu session: more than one rank needs a store for NCCL");
@@ -155,8 +154,8 @@ class CudaGpuSession final : public GpuSession {
 bool GpuSessionAvailable() { return true; }
 
 absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::Create(const GpuSessionOptions& options,
-                                                                const Sequential& model,
-                                                                const OptimizerConfig& optimizer) {
+                                                               const Sequential& model,
+                                                               const OptimizerConfig& optimizer) {
   return CudaGpuSession::Make(options, model, optimizer);
 }
 
