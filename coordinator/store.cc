@@ -315,6 +315,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& options) 
     return status;
   }
   std::unique_ptr<Store> store(new Store(db, options.path));
+  store->before_put_steps_ = options.before_put_steps;
   absl::MutexLock lock(&store->mu_);
   sqlite3_extended_result_codes(db, 1);
   sqlite3_busy_timeout(db, options.busy_timeout_ms);
@@ -641,6 +642,7 @@ absl::Status Store::CombineOldMetrics(const std::string& context) {
 absl::Status Store::PutSteps(const std::vector<JobStep>& steps) {
   if (steps.empty()) return absl::OkStatus();
   const std::string context = absl::StrCat("put ", steps.size(), " metric steps");
+  if (before_put_steps_) AIDN_RETURN_IF_ERROR(before_put_steps_());
   absl::MutexLock lock(&mu_);
   Transaction txn(db_);
   AIDN_RETURN_IF_ERROR(txn.Begin(context));

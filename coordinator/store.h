@@ -11,6 +11,7 @@
 // Writes survive kill -9 of the process once the call returned.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,6 +32,10 @@ struct StoreOptions {
   std::string path;
   // How long a statement waits for a lock held by another connection.
   int busy_timeout_ms = 5000;
+  // Tests only: called at the start of every PutSteps, before anything is
+  // written; an error fails that PutSteps. Lets a test hold a batched write
+  // in flight or make it fail.
+  std::function<absl::Status()> before_put_steps;
 };
 
 // A job row: the public record plus what the API does not show.
@@ -113,6 +118,7 @@ class Store {
 
   // For error messages of Open and Migrate.
   const std::string path_;
+  std::function<absl::Status()> before_put_steps_;
   absl::Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_);
 };

@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -18,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 
 namespace aidn::coordinator {
 namespace {
@@ -123,7 +125,8 @@ class CoordinatorTest : public ::testing::Test {
   void Open(const std::string& path) {
     coord_.reset();
     auth_ = Authenticator::CreateEmpty();
-    absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = path});
+    absl::StatusOr<std::unique_ptr<Store>> store =
+        Store::Open({.path = path, .before_put_steps = put_steps_hook_});
     ASSERT_TRUE(store.ok()) << store.status();
     CoordinatorOptions options = options_;
     options.clock = &clock_;
@@ -136,6 +139,8 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   Coordinator& c() { return *coord_; }
+  // StoreOptions::before_put_steps of the next Open.
+  std::function<absl::Status()> put_steps_hook_;
 
   absl::Status Register(const std::string& id, int cpu_slots, int gpus = 0) {
     v1::RegisterWorkerRequest request;
@@ -2354,6 +2359,57 @@ TEST_F(CoordinatorTest, DurableStepIsTheLastStepBelowWhichEverythingIsStored) {
   EXPECT_EQ(durable(), 4);
   ASSERT_TRUE(SendSteps(id, 1, 5, 5, v1::MetricRecord::EVAL).ok());
   EXPECT_EQ(durable(), 5);
+}
+
+// Receipts do not wait for a flush (they run on gRPC's callback threads),
+// so what a flush has taken but not yet stored, or failed to store, must
+// not count as durable: the sender would drop records the store never got.
+TEST_F(CoordinatorTest, AStepIsNotDurableWhileAnyOfItsRowsIsInFlightOrFailedToStore) {
+  enum Mode { kPass, kBlock, kFail };
+  std::atomic<int> mode{kPass};
+  absl::Notification entered, release;
+  put_steps_hook_ = [&]() -> absl::Status {
+    if (mode == kBlock) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+    if (mode == kFail) return absl::UnavailableError("injected write failure");
+    return absl::OkStatus();
+  };
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  auto durable = [&]() -> int64_t {
+    absl::StatusOr<v1::StreamMetricsResponse> r = c().MetricsReceipt(id);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->durable_step() : -1;
+  };
+  ASSERT_TRUE(SendSteps(id, 0, 1, 5).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 5).ok());
+  c().FlushSteps();
+  EXPECT_EQ(durable(), 5);
+
+  // Step 5's evaluation, combined, taken by a flush that is still writing
+  // it: step 5's TRAIN row is stored, its EVAL row is not.
+  ASSERT_TRUE(SendSteps(id, 0, 5, 5, v1::MetricRecord::EVAL).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 5, 5, v1::MetricRecord::EVAL).ok());
+  mode = kBlock;
+  std::thread flush([&] { c().FlushSteps(); });
+  entered.WaitForNotification();
+  EXPECT_EQ(durable(), 4) << "step 5's EVAL row is being written";
+  mode = kPass;
+  release.Notify();
+  flush.join();
+  EXPECT_EQ(durable(), 5);
+
+  // A failed write keeps its steps not durable until a flush stores them.
+  ASSERT_TRUE(SendSteps(id, 0, 6, 7).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 6, 7).ok());
+  mode = kFail;
+  c().FlushSteps();
+  EXPECT_EQ(durable(), 5);
+  mode = kPass;
+  c().FlushSteps();
+  EXPECT_EQ(durable(), 7);
 }
 
 TEST_F(CoordinatorTest, ARunningJobGoesOnAcrossACoordinatorRestart) {
