@@ -518,6 +518,10 @@ absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) 
                                   " (known: auto, gloo, shm)"));
   }
 
+  if (spec.allow_tf32() && spec.device() != JobSpec::GPU) {
+    return Invalid("allow_tf32", "is for device: gpu (CPU jobs compute in fp32)");
+  }
+
   AIDN_RETURN_IF_ERROR(ValidateCheckpoint(spec.checkpoint()));
   if (!spec.has_max_restarts()) {
     return Invalid("max_restarts", "not set (defaults were not applied)");
