@@ -10,26 +10,23 @@ unless --tf32 (aidn's default is fp32 math too). Prints one RESULT line.
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 
 def build_model(name):
-    if name == "mlp":
-        return nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(784, 256), nn.ReLU(),
-            nn.Linear(256, 256), nn.ReLU(),
-            nn.Linear(256, 10))
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(1600, 128), nn.ReLU(),
-        nn.Linear(128, 10))
+    # The models of bench/torch_peer.py (torch's module indices, as aidn
+    # names its parameters); the MLP takes images here, so it flattens first.
+    import torch_peer
+    model = torch_peer.build_model(name)
+    return nn.Sequential(nn.Flatten(), *model) if name == "mlp" else model
 
 
 def main():

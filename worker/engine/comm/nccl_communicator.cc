@@ -97,20 +97,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   }
   // Init completes in the background; a peer that never comes leaves it in
   // progress until we give up.
-  const SteadyClock::time_point deadline = SteadyClock::now() + options.timeout;
-  int spins = 0;
-  while (true) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(c->comm_, &state);
-    if (r != ncclSuccess) return c->Fail(NcclError("ncclCommGetAsyncError", r));
-    if (state == ncclSuccess) break;
-    if (state != ncclInProgress) return c->Fail(NcclError(what, state));
-    if (SteadyClock::now() > deadline) {
-      return c->Fail(absl::DeadlineExceededError(absl::StrCat(
-          what, " did not complete within ", options.timeout.count(), " ms (is every rank up?)")));
-    }
-    Pause(&spins);
-  }
+  AIDN_RETURN_IF_ERROR(
+      c->Poll(what, /*until_stream_idle=*/false, "did not complete", " (is every rank up?)"));
   return c;
 }
 
@@ -179,24 +167,16 @@ absl::Status NcclCommunicator::Queued(absl::string_view what, ncclResult_t resul
   // A non-blocking communicator may still be enqueuing: until it says
   // ncclSuccess, no other NCCL call and no CUDA work on stream() may follow
   // (an event recorded now could land before the collective's kernel).
-  const SteadyClock::time_point deadline = SteadyClock::now() + options_.timeout;
-  int spins = 0;
-  while (true) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-    if (r != ncclSuccess) return Fail(NcclError("ncclCommGetAsyncError", r));
-    if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return Fail(NcclError(what, state));
-    if (SteadyClock::now() > deadline) {
-      return Fail(absl::DeadlineExceededError(
-          absl::StrCat(what, " was not enqueued within ", options_.timeout.count(), " ms")));
-    }
-    Pause(&spins);
-  }
+  return Poll(what, /*until_stream_idle=*/false, "was not enqueued", "");
 }
 
 absl::Status NcclCommunicator::Wait(absl::string_view what) {
   AIDN_RETURN_IF_ERROR(Usable());
+  return Poll(what, /*until_stream_idle=*/true, "did not complete", "");
+}
+
+absl::Status NcclCommunicator::Poll(absl::string_view what, bool until_stream_idle,
+                                    absl::string_view not_done, absl::string_view hint) {
   const SteadyClock::time_point deadline = SteadyClock::now() + options_.timeout;
   int spins = 0;
   while (true) {
@@ -205,6 +185,7 @@ absl::Status NcclCommunicator::Wait(absl::string_view what) {
     if (r != ncclSuccess) return Fail(NcclError("ncclCommGetAsyncError", r));
     if (state != ncclSuccess && state != ncclInProgress) return Fail(NcclError(what, state));
     if (state == ncclSuccess) {
+      if (!until_stream_idle) return absl::OkStatus();
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return absl::OkStatus();
       if (q != cudaErrorNotReady) {
@@ -213,7 +194,7 @@ absl::Status NcclCommunicator::Wait(absl::string_view what) {
     }
     if (SteadyClock::now() > deadline) {
       return Fail(absl::DeadlineExceededError(
-          absl::StrCat(what, " did not complete within ", options_.timeout.count(), " ms")));
+          absl::StrCat(what, " ", not_done, " within ", options_.timeout.count(), " ms", hint)));
     }
     Pause(&spins);
   }

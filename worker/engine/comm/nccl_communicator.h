@@ -107,6 +107,12 @@ class NcclCommunicator final : public Communicator {
   // After queuing `what`: ncclInProgress is fine (non-blocking), anything
   // else fails the communicator.
   absl::Status Queued(absl::string_view what, ncclResult_t result);
+  // Polls ncclCommGetAsyncError until the communicator leaves
+  // ncclInProgress (and, with until_stream_idle, stream() has drained);
+  // aborts on an error or past the timeout ("<what> <not_done> within N
+  // ms<hint>").
+  absl::Status Poll(absl::string_view what, bool until_stream_idle, absl::string_view not_done,
+                    absl::string_view hint);
   // Wait(), then counts a completed collective.
   absl::Status Complete(absl::string_view what);
   absl::Status Fail(absl::Status status);
