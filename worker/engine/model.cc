@@ -79,14 +79,15 @@ void Sequential::ZeroGrad() {
   for (Parameter* p : parameters_) p->grad.Zero();
 }
 
+uint64_t LayerSeed(uint64_t seed, size_t index) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (index + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 void Sequential::SetSeed(uint64_t seed) {
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    // splitmix64 of (seed, index): unrelated streams per layer.
-    uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    layers_[i]->SetSeed(z ^ (z >> 31));
-  }
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->SetSeed(LayerSeed(seed, i));
 }
 
 int64_t Sequential::ParameterCount() const {

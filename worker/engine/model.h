@@ -74,6 +74,7 @@ class Sequential {
   void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
   // Zeroes every gradient (before the first micro-step of a step).
   void ZeroGrad();
+  // Reseeds every layer with LayerSeed(seed, index).
   void SetSeed(uint64_t seed);
 
   // The layers in order, fused ones included (the GPU engine mirrors them).
@@ -119,6 +120,10 @@ int64_t CountCorrect(const Tensor& logits, const std::vector<int32_t>& labels);
 // Process-wide CPU setup for a rank: BLAS thread count and flush-to-zero /
 // denormals-are-zero (denormals slow training several-fold as weights decay).
 void ConfigureCpu(int threads);
+
+// The seed of layer `index` for a model seed (splitmix64 of both): unrelated
+// streams per layer. The GPU model seeds its layers the same way.
+uint64_t LayerSeed(uint64_t seed, size_t index);
 
 // OpenBLAS 0.3.21 (Debian 12's) picks its kernels by CPU model and gives
 // CPUs it does not know, AMD's AVX-512 ones among them, its AVX2 (Haswell)

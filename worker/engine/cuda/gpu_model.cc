@@ -83,13 +83,7 @@ absl::Status GpuModel::ZeroGrad() {
 }
 
 void GpuModel::SetSeed(uint64_t seed) {
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    // Sequential::SetSeed's splitmix64 of (seed, index).
-    uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    layers_[i]->SetSeed(z ^ (z >> 31));
-  }
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->SetSeed(LayerSeed(seed, i));
 }
 
 int64_t GpuModel::ParameterCount() const {
