@@ -1,7 +1,12 @@
 // One rank's training step on the GPU: aidn's GpuTrainer against PyTorch on
 // the same device (bench/gpu_step_torch.py, run by bench/gpu_step.sh).
 //
-//   gpu_step --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--json]
+//   gpu_step --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--fast-conv] [--json]
+//
+// Convolution algorithms: deterministic ones by default (aidn's default,
+// PyTorch's cudnn.deterministic); --fast-conv lets any be chosen, FFT and
+// Winograd too (PyTorch's cudnn.benchmark default). --profile brackets the
+// timed steps with cudaProfilerStart/Stop (ncu --profile-from-start off).
 //
 // The step is what GpuTrainer::Step does: upload the batch from pageable
 // host memory, zero the gradients, forward, softmax cross-entropy, backward,
@@ -20,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda_profiler_api.h>
+
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_model.h"
 #include "worker/engine/device.h"
@@ -35,13 +42,15 @@ struct Options {
   long long steps = 500;
   long long warmup = 50;
   bool tf32 = false;
+  bool fast_conv = false;
+  bool profile = false;
   bool json = false;
 };
 
 void Usage() {
   std::fprintf(stderr,
                "usage: gpu_step --model mlp|cnn [--batch 64] [--steps 500] [--warmup 50] "
-               "[--tf32] [--json]\n");
+               "[--tf32] [--fast-conv] [--profile] [--json]\n");
 }
 
 int Run(const Options& o) {
@@ -55,6 +64,11 @@ int Run(const Options& o) {
   }
   aidn::engine::cuda::GpuContextOptions context_options;
   context_options.allow_tf32 = o.tf32;
+  if (o.fast_conv) {
+    // PyTorch's latitude with cudnn.benchmark: any algorithm, fastest first.
+    context_options.allow_transform_convolutions = true;
+    context_options.deterministic_convolutions = false;
+  }
   auto ctx = aidn::engine::cuda::GpuContext::Create(context_options);
   if (!ctx.ok()) {
     std::fprintf(stderr, "gpu_step: %s\n", ctx.status().ToString().c_str());
@@ -99,7 +113,12 @@ int Run(const Options& o) {
   const auto all_start = std::chrono::steady_clock::now();
   auto window_start = all_start;
   for (long long step = 0; step < o.warmup + o.steps; ++step) {
-    if (step == o.warmup) window_start = std::chrono::steady_clock::now();
+    if (step == o.warmup) {
+      // --profile: a profiler started with --profile-from-start off (ncu,
+      // nsys) sees the timed steps only.
+      if (o.profile) cudaProfilerStart();
+      window_start = std::chrono::steady_clock::now();
+    }
     const auto start = std::chrono::steady_clock::now();
     const int b = static_cast<int>(step % kBatches);
     absl::StatusOr<double> loss = (*trainer)->Step(images[b], labels[b], 0.05);
@@ -115,6 +134,7 @@ int Run(const Options& o) {
   }
   const double window =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - window_start).count();
+  if (o.profile) cudaProfilerStop();
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
   const double samples_per_s = static_cast<double>(o.batch * o.steps) / window;
@@ -122,9 +142,10 @@ int Run(const Options& o) {
     std::printf(
         "RESULT {\"impl\": \"aidn\", \"model\": \"%s\", \"batch\": %lld, \"steps\": %lld, "
         "\"samples_per_s\": %.1f, \"median_step_ms\": %.4f, \"final_loss\": %.6f, "
-        "\"tf32\": %s, \"device\": \"%s\"}\n",
+        "\"tf32\": %s, \"conv\": \"%s\", \"device\": \"%s\"}\n",
         o.model.c_str(), o.batch, o.steps, samples_per_s, median * 1e3, last_loss,
-        o.tf32 ? "true" : "false", inventory.gpus[0].name.c_str());
+        o.tf32 ? "true" : "false", o.fast_conv ? "fast" : "deterministic",
+        inventory.gpus[0].name.c_str());
   } else {
     std::printf(
         "gpu_step aidn %s batch %lld | %lld steps | %.3f ms median | %.0f samples/s | "
@@ -158,6 +179,10 @@ int main(int argc, char** argv) {
       o.warmup = std::atoll(value("--warmup"));
     } else if (flag == "--tf32") {
       o.tf32 = true;
+    } else if (flag == "--fast-conv") {
+      o.fast_conv = true;
+    } else if (flag == "--profile") {
+      o.profile = true;
     } else if (flag == "--json") {
       o.json = true;
     } else {

@@ -4,9 +4,13 @@ step as aidn's gpu_step (upload a batch from pageable host memory, zero the
 gradients, forward, cross-entropy, backward, SGD lr 0.05 momentum 0.9, read
 the loss back with .item()), eager mode, on the same device. Random inputs,
 8 batches cycling; the first --warmup steps are left out. TF32 is off
-unless --tf32 (aidn's default is fp32 math too). Prints one RESULT line.
+unless --tf32 (aidn's default is fp32 math too). cudnn.benchmark is on
+(aidn picks its convolution algorithms once per shape too); --deterministic
+also sets cudnn.deterministic (aidn's default; gpu_step --fast-conv is the
+other). Prints one RESULT line.
 
-  gpu_step_torch.py --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--device cuda]
+  gpu_step_torch.py --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32]
+                    [--deterministic] [--device cuda]
 """
 import argparse
 import json
@@ -36,12 +40,16 @@ def main():
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--tf32", action="store_true")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="cudaProfilerStart/Stop around the timed steps (ncu --profile-from-start off)")
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = a.tf32
     torch.backends.cudnn.allow_tf32 = a.tf32
     torch.backends.cudnn.benchmark = True  # aidn picks its conv algorithms once per shape too
+    torch.backends.cudnn.deterministic = a.deterministic
     device = torch.device(a.device)
     torch.manual_seed(1)
     model = build_model(a.model).to(device)
@@ -56,6 +64,8 @@ def main():
     window_start = time.perf_counter()
     for step in range(a.warmup + a.steps):
         if step == a.warmup:
+            if a.profile:
+                torch.cuda.profiler.start()
             window_start = time.perf_counter()
         start = time.perf_counter()
         b = step % 8
@@ -69,14 +79,17 @@ def main():
         if step >= a.warmup:
             times.append(time.perf_counter() - start)
     window = time.perf_counter() - window_start
+    if a.profile:
+        torch.cuda.profiler.stop()
     times.sort()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print("RESULT " + json.dumps({
         "impl": "torch", "model": a.model, "batch": a.batch, "steps": a.steps,
         "samples_per_s": round(a.batch * a.steps / window, 1),
         "median_step_ms": round(times[len(times) // 2] * 1e3, 4),
-        "final_loss": loss_value, "tf32": a.tf32, "device": name,
-        "torch": torch.__version__}))
+        "final_loss": loss_value, "tf32": a.tf32,
+        "conv": "deterministic" if a.deterministic else "fast", "device": name,
+        "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -28,8 +29,18 @@ using testing::ToHost;
 
 constexpr double kFp32 = 1e-5;
 constexpr double kTf32 = 1e-3;
+// FFT and Winograd convolutions (GpuContextOptions::allow_transform_convolutions)
+// lose a few bits in their transforms.
+constexpr double kTransform = 1e-4;
 
 GpuContextOptions Fp32() { return GpuContextOptions(); }
+// PyTorch's latitude with cudnn.benchmark: any algorithm, fastest first.
+GpuContextOptions FastConvolutions() {
+  GpuContextOptions o;
+  o.allow_transform_convolutions = true;
+  o.deterministic_convolutions = false;
+  return o;
+}
 GpuContextOptions Tf32() {
   GpuContextOptions o;
   o.allow_tf32 = true;
@@ -100,6 +111,17 @@ TEST(GpuLinear, MatchesCpuForwardAndBackward) {
                kFp32);
 }
 
+// Enough rows for the bias gradient to be summed in many slices, and a
+// last column tile that is partly outside the matrix.
+TEST(GpuLinear, MatchesCpuAtALargeBatch) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
+  Linear cpu(300, 130);
+  auto gpu = Mirror(ctx.get(), &cpu, 7);
+  ASSERT_NE(gpu, nullptr);
+  CompareLayer("Linear(300, 130), batch 1000", ctx.get(), &cpu, gpu.get(),
+               RandomTensor({1000, 300}, 8), kFp32);
+}
+
 TEST(GpuLinear, FusedReluMatchesCpu) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
   Linear cpu(784, 256);
@@ -164,6 +186,45 @@ TEST(GpuConv2d, FusedReluMatchesCpu) {
   ASSERT_TRUE(gpu->Fuse(GpuReLU(ctx.get())));
   CompareLayer("Conv2d(32, 64, 3)+ReLU, [64, 32, 13, 13]", ctx.get(), &cpu, gpu.get(),
                RandomTensor({64, 32, 13, 13}, 16), kFp32);
+}
+
+// The CNN's two convolutions at batch 256: the algorithms the benchmark
+// runs, and a bias gradient summed over many slices.
+TEST(GpuConv2d, MatchesCpuAtTheCnnShapes) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
+  Conv2d first(1, 32, 3, 1, 1);
+  auto gpu_first = Mirror(ctx.get(), &first, 21);
+  ASSERT_NE(gpu_first, nullptr);
+  CompareLayer("Conv2d(1, 32, 3, pad 1), [256, 1, 28, 28]", ctx.get(), &first, gpu_first.get(),
+               RandomTensor({256, 1, 28, 28}, 22), kFp32);
+  Conv2d second(32, 64, 3, 1, 1);
+  auto gpu_second = Mirror(ctx.get(), &second, 23);
+  ASSERT_NE(gpu_second, nullptr);
+  CompareLayer("Conv2d(32, 64, 3, pad 1), [256, 32, 14, 14]", ctx.get(), &second, gpu_second.get(),
+               RandomTensor({256, 32, 14, 14}, 24), kFp32);
+}
+
+// With any algorithm allowed (FFT and Winograd too, non-deterministic
+// ones), the same shapes stay within kTransform; prints what cuDNN chose.
+TEST(GpuConv2d, FastAlgorithmsStayWithinTheirTolerance) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, FastConvolutions());
+  for (const auto& [in, out, side, seed] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t, uint64_t>>{{1, 32, 28, 25},
+                                                                    {32, 64, 14, 27}}) {
+    Conv2d cpu(in, out, 3, 1, 1);
+    auto gpu = Mirror(ctx.get(), &cpu, seed);
+    ASSERT_NE(gpu, nullptr);
+    const std::string name = "Conv2d(" + std::to_string(in) + ", " + std::to_string(out) +
+                             ", 3, pad 1) fast, [256, " + std::to_string(in) + ", " +
+                             std::to_string(side) + ", " + std::to_string(side) + "]";
+    CompareLayer(name, ctx.get(), &cpu, gpu.get(), RandomTensor({256, in, side, side}, seed + 1),
+                 kTransform);
+    const GpuConv2d::Algorithms* algos = static_cast<GpuConv2d*>(gpu.get())->current_algorithms();
+    ASSERT_NE(algos, nullptr);
+    std::printf("  algorithms: forward %d, backward data %d, backward filter %d\n",
+                static_cast<int>(algos->forward), static_cast<int>(algos->backward_data),
+                static_cast<int>(algos->backward_filter));
+  }
 }
 
 TEST(GpuConv2d, Tf32StaysWithinItsTolerance) {

@@ -149,13 +149,86 @@ TEST(GpuModel, DropoutModelTrainsAndEvaluatesDeterministically) {
   EXPECT_GT(testing::MaxRelError(ToHost(ctx.get(), glogits), first), 1e-3);
 }
 
-// 50 steps on CPU and GPU from the same weights over the same 5 batches
-// (cycled, so the loss falls as the model memorises them).
+// Batches a model can learn in 50 steps: each class has a fixed random
+// prototype image, and an image is its class's prototype plus uniform noise
+// of twice its amplitude (never zero). Random labels on random images keep
+// training in a regime where the loss hardly moves and fp32 rounding
+// differences grow fastest.
+std::vector<Batch> LearnableBatches(int count, int64_t batch, uint64_t seed) {
+  std::vector<Tensor> prototypes;
+  for (int c = 0; c < 10; ++c) prototypes.push_back(RandomTensor({1, 1, 28, 28}, 777 + c));
+  std::vector<Batch> out = RandomBatches(count, batch, seed);
+  for (Batch& b : out) {
+    for (int64_t j = 0; j < batch; ++j) {
+      const Tensor& proto = prototypes[static_cast<size_t>(b.labels[static_cast<size_t>(j)])];
+      float* image = b.images.data() + j * 784;
+      for (int64_t k = 0; k < 784; ++k) {
+        float v = proto[k] + 2.0f * image[k];
+        image[k] = v == 0.0f ? 1e-3f : v;
+      }
+    }
+  }
+  return out;
+}
+
+// One run of 50 steps over 5 learnable batches (cycled); the loss of every
+// step. `perturb` > 0 first scales every weight by (1 + perturb * u), u
+// uniform in [-1, 1]: how far rounding-sized differences carry by step 50.
+std::vector<double> CpuLossCurve(const ModelConfig& model_config, const OptimizerConfig& opt_config,
+                                 const std::vector<Batch>& batches, double perturb) {
+  auto cpu = Cpu(model_config, 5);
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (Parameter* p : cpu->Parameters()) {
+    for (int64_t i = 0; i < p->value.numel(); ++i) {
+      p->value[i] = static_cast<float>(p->value[i] * (1.0 + perturb * u(rng)));
+    }
+  }
+  auto opt = Optimizer::Create(opt_config, cpu->Parameters());
+  EXPECT_TRUE(opt.ok()) << opt.status();
+  std::vector<double> losses;
+  Tensor logits, grad;
+  for (int step = 0; step < 50; ++step) {
+    const Batch& b = batches[static_cast<size_t>(step) % batches.size()];
+    cpu->ZeroGrad();
+    cpu->Forward(b.images, &logits, true);
+    losses.push_back(SoftmaxCrossEntropy(logits, b.labels, &grad));
+    cpu->Backward(grad);
+    EXPECT_TRUE((*opt)->Step(opt_config.lr).ok());
+  }
+  return losses;
+}
+
+double MaxRelDifference(const std::vector<double>& a, const std::vector<double>& b) {
+  double max_rel = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    max_rel = std::max(max_rel, std::fabs(a[i] - b[i]) / std::fabs(b[i]));
+  }
+  return max_rel;
+}
+
+// Training on the GPU against the CPU, two ways, from the same weights over
+// the same 5 learnable batches (cycled, 50 steps):
+//
+// 1. Step by step: each GPU step starts from the CPU run's weights and
+//    optimizer state at that step, and its loss and gradients (read in the
+//    after-backward hook) must match the CPU's to fp32 rounding (1e-5).
+//    This pins every step's arithmetic along a whole training run; the
+//    update itself is checked bit for bit in gpu_layers_test.
+// 2. Free-running: the GPU trains on its own and its loss curve must stay
+//    within `curve_tolerance` of the CPU's. Summation order differs (cuBLAS,
+//    cuDNN, reductions: ~1e-7 a step), and training amplifies that, the CNN
+//    far more than the MLP (ReLU and max-pool choices that flip); the test
+//    prints how far a 1e-7 relative nudge of the initial weights moves the
+//    CPU's own curve, for scale. It trained: both losses fell by 40 %.
 void CompareTraining(const ModelConfig& model_config, const OptimizerConfig& opt_config,
-                     double tolerance) {
+                     double curve_tolerance) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
   std::printf("%s, %s lr %g, 50 steps at batch 64\n", model_config.name.c_str(),
               opt_config.name.c_str(), opt_config.lr);
+  const std::vector<Batch> batches = LearnableBatches(5, 64, 8);
+
+  // 1. Step by step.
   auto cpu = Cpu(model_config, 5);
   ASSERT_NE(cpu, nullptr);
   auto gpu = GpuModel::Create(ctx.get(), *cpu);
@@ -164,48 +237,102 @@ void CompareTraining(const ModelConfig& model_config, const OptimizerConfig& opt
   ASSERT_TRUE(cpu_opt.ok()) << cpu_opt.status();
   auto trainer = GpuTrainer::Create(ctx.get(), gpu->get(), opt_config);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
-  const std::vector<Batch> batches = RandomBatches(5, 64, 8);
-
-  double max_rel = 0;
-  double first = 0, last_cpu = 0, last_gpu = 0;
+  auto gpu_grads = Cpu(model_config, 1);
+  GpuModel* model = gpu->get();
+  (*trainer)->SetAfterBackward([&]() { return model->CopyGradientsTo(gpu_grads->Parameters()); });
+  double max_loss_rel = 0, max_grad_l2 = 0;
+  std::vector<double> step_grad_rel;  // each step's largest max-relative gradient error
+  std::string worst_grad;
+  std::vector<double> cpu_curve;
   Tensor logits, grad;
   for (int step = 0; step < 50; ++step) {
+    ASSERT_TRUE(model->CopyParametersFrom(cpu->Parameters()).ok());
+    ASSERT_TRUE(
+        (*trainer)->optimizer().LoadStateFromHost((*cpu_opt)->State(), (*cpu_opt)->steps()).ok());
     const Batch& b = batches[static_cast<size_t>(step) % batches.size()];
+    absl::StatusOr<double> gpu_loss = (*trainer)->Step(b.images, b.labels, opt_config.lr);
+    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
     cpu->ZeroGrad();
     cpu->Forward(b.images, &logits, true);
     const double cpu_loss = SoftmaxCrossEntropy(logits, b.labels, &grad);
     cpu->Backward(grad);
-    ASSERT_TRUE((*cpu_opt)->Step(opt_config.lr).ok());
-    absl::StatusOr<double> gpu_loss = (*trainer)->Step(b.images, b.labels, opt_config.lr);
-    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
-    const double rel = std::fabs(*gpu_loss - cpu_loss) / cpu_loss;
-    max_rel = std::max(max_rel, rel);
-    if (step % 10 == 0 || step == 49) {
-      std::printf("  step %2d  cpu %.7f  gpu %.7f  rel %.2g\n", step, cpu_loss, *gpu_loss, rel);
+    cpu_curve.push_back(cpu_loss);
+    max_loss_rel = std::max(max_loss_rel, std::fabs(*gpu_loss - cpu_loss) / cpu_loss);
+    double step_max = 0;
+    for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
+      const Tensor& want = cpu->Parameters()[k]->grad;
+      const Tensor& got = gpu_grads->Parameters()[k]->grad;
+      step_max = std::max(step_max, testing::MaxRelError(got, want));
+      double diff2 = 0, norm2 = 0;
+      for (int64_t i = 0; i < want.numel(); ++i) {
+        diff2 += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+        norm2 += static_cast<double>(want[i]) * want[i];
+      }
+      const double l2 = norm2 > 0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2);
+      if (l2 > max_grad_l2) {
+        max_grad_l2 = l2;
+        worst_grad = cpu->Parameters()[k]->name + " at step " + std::to_string(step);
+      }
     }
-    if (step == 0) first = cpu_loss;
-    last_cpu = cpu_loss;
-    last_gpu = *gpu_loss;
+    step_grad_rel.push_back(step_max);
+    ASSERT_TRUE((*cpu_opt)->Step(opt_config.lr).ok());
   }
-  std::printf("  max rel loss difference over 50 steps: %.3g (tolerance %.0e)\n", max_rel,
-              tolerance);
-  EXPECT_LE(max_rel, tolerance);
-  // It trained: the loss on the cycled batches fell on both.
-  EXPECT_LT(last_cpu, 0.8 * first);
-  EXPECT_LT(last_gpu, 0.8 * first);
-  // And the weights agree at the end.
-  auto after = Cpu(model_config, 1);
-  ASSERT_TRUE((*gpu)->CopyParametersTo(after->Parameters()).ok());
-  for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
-    ExpectClose(cpu->Parameters()[k]->name + " after 50 steps", after->Parameters()[k]->value,
-                cpu->Parameters()[k]->value, 10 * tolerance);
+  const int64_t steps_over =
+      std::count_if(step_grad_rel.begin(), step_grad_rel.end(), [](double e) { return e > kFp32; });
+  std::vector<double> sorted = step_grad_rel;
+  std::sort(sorted.begin(), sorted.end());
+  std::printf(
+      "  step by step: max rel loss error %.3g; gradients: median step's max rel error "
+      "%.3g, %lld of 50 steps over %.0e, largest L2 error %.3g (%s)\n",
+      max_loss_rel, sorted[sorted.size() / 2], static_cast<long long>(steps_over), kFp32,
+      max_grad_l2, worst_grad.c_str());
+  // The loss of every step to fp32 rounding.
+  EXPECT_LE(max_loss_rel, kFp32);
+  // Gradients to fp32 rounding too, except at the odd step where a max-pool
+  // window holds two values within rounding of each other: the GPU and the
+  // CPU may then pick different maxima and send that window's gradient to a
+  // different input (the CPU does the same against itself with its weights
+  // nudged by 1e-7: max relative error 7e-3, L2 2e-3, in 1 step of 50; the
+  // H100 against the CPU: 2 and 3 steps of 50, L2 at most 2.3e-3). A
+  // wrong formula is off at every step.
+  EXPECT_LE(steps_over, 10);
+  EXPECT_LE(max_grad_l2, 1e-2) << worst_grad;
+
+  // 2. Free-running, from the same initial weights.
+  auto cpu2 = Cpu(model_config, 5);
+  auto gpu2 = GpuModel::Create(ctx.get(), *cpu2);
+  ASSERT_TRUE(gpu2.ok()) << gpu2.status();
+  auto trainer2 = GpuTrainer::Create(ctx.get(), gpu2->get(), opt_config);
+  ASSERT_TRUE(trainer2.ok()) << trainer2.status();
+  std::vector<double> gpu_curve;
+  for (int step = 0; step < 50; ++step) {
+    const Batch& b = batches[static_cast<size_t>(step) % batches.size()];
+    absl::StatusOr<double> loss = (*trainer2)->Step(b.images, b.labels, opt_config.lr);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    gpu_curve.push_back(*loss);
   }
+  for (int step : {0, 10, 20, 30, 40, 49}) {
+    std::printf("  step %2d  cpu %.7f  gpu %.7f\n", step, cpu_curve[static_cast<size_t>(step)],
+                gpu_curve[static_cast<size_t>(step)]);
+  }
+  const double curve_rel = MaxRelDifference(gpu_curve, cpu_curve);
+  const double nudge_rel =
+      MaxRelDifference(CpuLossCurve(model_config, opt_config, batches, 1e-7), cpu_curve);
+  std::printf(
+      "  free-running: max rel loss difference %.3g (tolerance %.0e); the CPU against "
+      "itself with its weights nudged by 1e-7: %.3g\n",
+      curve_rel, curve_tolerance, nudge_rel);
+  EXPECT_LE(curve_rel, curve_tolerance);
+  EXPECT_LT(cpu_curve.back(), 0.6 * cpu_curve.front());
+  EXPECT_LT(gpu_curve.back(), 0.6 * gpu_curve.front());
 }
 
-// fp32 throughout: the only differences are summation orders in GEMMs,
-// convolutions and reductions (~1e-7 per step), which 50 steps of training
-// amplify; 1e-4 on the loss leaves room for that and still catches any
-// real difference (a wrong transpose or formula is off by far more).
+// The MLP's curve stays within ~1e-7 of the CPU's (smooth enough that
+// rounding differences do not grow). The CNN's grow: with its weights
+// nudged by 1e-7 the CPU's own curve moved by up to 3.5e-4 (SGD) and 1.2e-4
+// (AdamW) over six nudges at these settings, and by 2e-2 at twice the
+// learning rate, so its curve gets 1e-2; the step-by-step check above holds
+// every step to fp32 rounding.
 TEST(GpuTraining, MlpSgdMomentumLossCurveMatchesCpu) {
   OptimizerConfig opt;
   opt.name = "sgd";
@@ -217,19 +344,19 @@ TEST(GpuTraining, MlpSgdMomentumLossCurveMatchesCpu) {
 TEST(GpuTraining, CnnAdamWLossCurveMatchesCpu) {
   OptimizerConfig opt;
   opt.name = "adamw";
-  opt.lr = 1e-3;
+  opt.lr = 5e-4;
   opt.weight_decay = 0.01;
-  CompareTraining(Cnn(), opt, 1e-4);
+  CompareTraining(Cnn(), opt, 1e-2);
 }
 
 TEST(GpuTraining, CnnSgdNesterovLossCurveMatchesCpu) {
   OptimizerConfig opt;
   opt.name = "sgd";
-  opt.lr = 0.02;
+  opt.lr = 0.01;
   opt.momentum = 0.9;
   opt.nesterov = true;
   opt.weight_decay = 1e-4;
-  CompareTraining(Cnn(), opt, 1e-4);
+  CompareTraining(Cnn(), opt, 1e-2);
 }
 
 // The DDP seam: the hook runs after backward and before the update. A hook

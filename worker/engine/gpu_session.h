@@ -38,6 +38,9 @@ struct GpuSessionOptions {
   int device = 0;
   // TF32 tensor-core math for GEMMs and convolutions (spec allow_tf32).
   bool allow_tf32 = false;
+  // Any cuDNN convolution algorithm, not only deterministic non-transform
+  // ones (spec fast_convolutions).
+  bool fast_convolutions = false;
   int rank = 0;
   int world_size = 1;
   // world_size > 1: where rank 0 publishes the NCCL unique id ("nccl/id").

@@ -809,6 +809,7 @@ std::optional<Failure> Run::SetupGpu() {
   o.rank = rendezvous_.rank();
   o.world_size = rendezvous_.world_size();
   o.allow_tf32 = spec_.allow_tf32();
+  o.fast_convolutions = spec_.fast_convolutions();
   o.timeout = std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
   if (o.world_size > 1) {
     // NCCL's unique id goes through the same fenced KV as Gloo's addresses.

@@ -104,6 +104,8 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
        "comm_backend: SHM is for CPU jobs (GPU jobs use NCCL): leave it unset or auto"},
       {[](JobSpec* s) { s->set_allow_tf32(true); },
        "allow_tf32: is for device: gpu (CPU jobs compute in fp32)"},
+      {[](JobSpec* s) { s->set_fast_convolutions(true); },
+       "fast_convolutions: is for device: gpu (cuDNN's convolution algorithms)"},
       {[](JobSpec* s) { *s->mutable_timeouts()->mutable_worker() = Seconds(86400, 1); },
        "timeouts.worker: must be at most 24h (86400s), got 86400.000000001s"},
       {[](JobSpec* s) { (*s->mutable_labels())["bad key"] = "v"; },

@@ -41,6 +41,11 @@ struct GpuContextOptions {
   // fp32 convolutions use the GEMM-based and direct algorithms only, which
   // agree with the CPU path to ~1e-6.
   bool allow_transform_convolutions = false;
+  // Prefer deterministic convolution algorithms (two runs of a step give
+  // the same bits), falling back to the others only for a shape that has
+  // none. Off: the fastest usable algorithm, as PyTorch with
+  // cudnn.benchmark and without cudnn.deterministic.
+  bool deterministic_convolutions = true;
   // Choose convolution algorithms by timing them (cudnnFind*) rather than
   // by cuDNN's heuristics alone (cudnnGet*_v7). Once per shape either way.
   bool benchmark_convolutions = true;

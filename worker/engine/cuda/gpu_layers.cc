@@ -68,8 +68,9 @@ bool IsTransform(cudnnConvolutionBwdFilterAlgo_t a) {
 // The first usable result in cuDNN's order (fastest first for Find, best
 // guess first for Get_v7): it succeeded, fits the workspace limit, does not
 // use tensor cores unless TF32 is allowed nor FFT/Winograd unless those are
-// allowed, and, on the first pass, is deterministic (so that two runs of a
-// step give the same bits).
+// allowed, and, on the first pass when deterministic convolutions are
+// asked for, is deterministic (so that two runs of a step give the same
+// bits).
 template <typename Perf>
 const Perf* PickAlgorithm(const std::vector<Perf>& perf, int returned,
                           const GpuContextOptions& options) {
@@ -79,11 +80,22 @@ const Perf* PickAlgorithm(const std::vector<Perf>& perf, int returned,
       if (p.status != CUDNN_STATUS_SUCCESS || p.memory > options.max_workspace_bytes) continue;
       if (!options.allow_tf32 && IsTensorOpMath(p.mathType)) continue;
       if (!options.allow_transform_convolutions && IsTransform(p.algo)) continue;
-      if (pass == 0 && p.determinism != CUDNN_DETERMINISTIC) continue;
+      if (pass == 0 && options.deterministic_convolutions && p.determinism != CUDNN_DETERMINISTIC) {
+        continue;
+      }
       return &p;
     }
   }
   return nullptr;
+}
+
+// LaunchBiasGrad with its scratch in `partials` (grown as needed).
+absl::Status BiasGrad(GpuContext* ctx, const float* g, int64_t batch, int64_t channels,
+                      int64_t inner, GpuTensor* partials, GpuTensor* dbias) {
+  const int64_t floats = std::max<int64_t>(BiasGradScratchFloats(batch, channels, inner), 1);
+  AIDN_RETURN_IF_ERROR(partials->Resize(ctx, {floats}));
+  return LaunchBiasGrad(ctx->stream(), g, dbias->data(), batch, channels, inner, partials->data(),
+                        floats);
 }
 
 }  // namespace
@@ -162,7 +174,7 @@ absl::Status GpuLinear::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
     AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_N, CUBLAS_OP_T, in, out,
                                             batch, &kOne, x.data(), in, g, out, &kOne,
                                             weight_.grad.data(), in));
-    AIDN_RETURN_IF_ERROR(LaunchBiasGrad(ctx_->stream(), g, bias_.grad.data(), n, out_, 1));
+    AIDN_RETURN_IF_ERROR(BiasGrad(ctx_, g, n, out_, 1, &bias_partials_, &bias_.grad));
   }
   if (grad_input != nullptr) {
     AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, {n, in_}));
@@ -426,8 +438,7 @@ absl::Status GpuConv2d::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
                                             grad_output.numel()));
     g = masked_grad_.data();
   }
-  AIDN_RETURN_IF_ERROR(
-      LaunchBiasGrad(ctx_->stream(), g, bias_.grad.data(), n, out_, out_h_ * out_w_));
+  AIDN_RETURN_IF_ERROR(BiasGrad(ctx_, g, n, out_, out_h_ * out_w_, &bias_partials_, &bias_.grad));
   AIDN_ASSIGN_OR_RETURN(void* ws, ctx_->Workspace(current_->workspace_bytes));
   // beta = 1: accumulate into the weight gradient, as the CPU layer does.
   AIDN_RETURN_IF_CUDNN_ERROR(

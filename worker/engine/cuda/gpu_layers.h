@@ -86,6 +86,7 @@ class GpuLinear final : public GpuLayer {
   const GpuTensor* input_ = nullptr;
   const GpuTensor* output_ = nullptr;
   GpuTensor masked_grad_;
+  GpuTensor bias_partials_;  // LaunchBiasGrad's scratch
 };
 
 class GpuReLU final : public GpuLayer {
@@ -127,6 +128,8 @@ class GpuConv2d final : public GpuLayer {
   };
   // How many shapes have had algorithms chosen (for tests of the cache).
   size_t cached_shapes() const { return algorithms_.size(); }
+  // The algorithms of the last Forward's shape (null before one).
+  const Algorithms* current_algorithms() const { return current_; }
 
  private:
   GpuConv2d(GpuContext* ctx, int64_t in, int64_t out, int64_t kernel, int64_t stride,
@@ -160,6 +163,7 @@ class GpuConv2d final : public GpuLayer {
   const GpuTensor* input_ = nullptr;
   const GpuTensor* output_ = nullptr;
   GpuTensor masked_grad_;
+  GpuTensor bias_partials_;  // LaunchBiasGrad's scratch
 };
 
 class GpuMaxPool2d final : public GpuLayer {

@@ -61,6 +61,10 @@ class CudaGpuSession final : public GpuSession {
     cuda::GpuContextOptions context;
     context.device = options.device;
     context.allow_tf32 = options.allow_tf32;
+    if (options.fast_convolutions) {
+      context.allow_transform_convolutions = true;
+      context.deterministic_convolutions = false;
+    }
     AIDN_ASSIGN_OR_RETURN(s->ctx_, cuda::GpuContext::Create(context));
     AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuModel::Create(s->ctx_.get(), model));
     AIDN_ASSIGN_OR_RETURN(s->trainer_,

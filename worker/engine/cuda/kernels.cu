@@ -98,19 +98,62 @@ __global__ void DropoutKernel(const float* x, float* y, int64_t n, uint64_t key,
 
 // ------------------------------------------------------------ reductions
 
-// One block per channel.
-__global__ void BiasGradKernel(const float* g, float* dbias, int64_t batch, int64_t channels,
-                               int64_t inner) {
+// The bias gradient in two passes, each with a fixed summation order (the
+// same bits every run), spread over enough blocks to fill the GPU:
+//   1. partial sums over slices of the batch into partial[c][q][slice]
+//      (q < inner for narrow rows, else 1),
+//   2. one thread per channel adds its partials in order into dbias[c].
+// Wide rows (inner >= 32: convolutions): block (c, slice) walks its
+// channel's rows of the slice with consecutive threads on consecutive
+// elements.
+__global__ void BiasGradRowsKernel(const float* g, float* partial, int64_t batch, int64_t channels,
+                                   int64_t inner, int64_t rows_per_slice) {
   const int64_t c = blockIdx.x;
-  const int64_t total = batch * inner;
+  const int64_t slice = blockIdx.y;
+  const int64_t b_end = min(batch, (slice + 1) * rows_per_slice);
   float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
-    const int64_t b = j / inner;
-    const int64_t p = j - b * inner;
-    s = __fadd_rn(s, g[(b * channels + c) * inner + p]);
+  for (int64_t b = slice * rows_per_slice; b < b_end; ++b) {
+    const float* row = g + (b * channels + c) * inner;
+    for (int64_t p = threadIdx.x; p < inner; p += blockDim.x) s = __fadd_rn(s, row[p]);
   }
   s = BlockSum(s);
-  if (threadIdx.x == 0) dbias[c] = __fadd_rn(dbias[c], s);
+  if (threadIdx.x == 0) partial[c * gridDim.y + slice] = s;
+}
+
+// Narrow rows (inner < 32: Linear's [batch, channels]): the gradient as a
+// [batch, channels * inner] matrix; block (column tile, slice) of 32 x 8
+// threads sums 32 columns over the slice's rows, a warp reading a row's 32
+// consecutive columns at a time.
+constexpr int kColumnTile = 32;
+constexpr int kRowThreads = 8;
+__global__ void BiasGradColumnsKernel(const float* g, float* partial, int64_t batch,
+                                      int64_t columns, int64_t rows_per_slice) {
+  __shared__ float sums[kRowThreads][kColumnTile + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
+  const int64_t slice = blockIdx.y;
+  const int64_t b_end = min(batch, (slice + 1) * rows_per_slice);
+  float s = 0.0f;
+  if (col < columns) {
+    for (int64_t b = slice * rows_per_slice + threadIdx.y; b < b_end; b += kRowThreads) {
+      s = __fadd_rn(s, g[b * columns + col]);
+    }
+  }
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < columns) {
+    for (int r = 1; r < kRowThreads; ++r) s = __fadd_rn(s, sums[r][threadIdx.x]);
+    partial[col * gridDim.y + slice] = s;
+  }
+}
+
+// dbias[c] += the `per_channel` partials of channel c, in order.
+__global__ void BiasGradFinishKernel(const float* partial, float* dbias, int64_t channels,
+                                     int64_t per_channel) {
+  for (int64_t c = GlobalIndex(); c < channels; c += GridStride()) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < per_channel; ++k) s = __fadd_rn(s, partial[c * per_channel + k]);
+    dbias[c] = __fadd_rn(dbias[c], s);
+  }
 }
 
 // One warp per row; blockDim.x / 32 rows per block. A warp's lanes all take
@@ -277,16 +320,68 @@ absl::Status LaunchReluBackward(cudaStream_t stream, const float* mask, const fl
   return absl::OkStatus();
 }
 
+namespace {
+
+// About four blocks per SM of a large GPU: enough to fill it, few enough
+// that the partials stay small.
+constexpr int64_t kBiasGradBlocks = 528;
+
+struct BiasGradPlan {
+  bool columns;      // BiasGradColumnsKernel (else BiasGradRowsKernel)
+  int64_t blocks_x;  // channels, or column tiles
+  int64_t slices;    // of the batch
+  int64_t rows_per_slice;
+  int64_t per_channel;  // partials per channel
+};
+
+BiasGradPlan PlanBiasGrad(int64_t batch, int64_t channels, int64_t inner) {
+  BiasGradPlan plan;
+  plan.columns = inner < kColumnTile;
+  plan.blocks_x = plan.columns ? (channels * inner + kColumnTile - 1) / kColumnTile : channels;
+  const int64_t max_slices =
+      plan.columns ? (batch + kRowThreads - 1) / kRowThreads : std::max<int64_t>(batch, 1);
+  plan.slices = std::clamp<int64_t>((kBiasGradBlocks + plan.blocks_x - 1) / plan.blocks_x, 1,
+                                    std::max<int64_t>(max_slices, 1));
+  plan.rows_per_slice = std::max<int64_t>((batch + plan.slices - 1) / plan.slices, 1);
+  plan.per_channel = plan.slices * (plan.columns ? inner : 1);
+  return plan;
+}
+
+}  // namespace
+
+int64_t BiasGradScratchFloats(int64_t batch, int64_t channels, int64_t inner) {
+  if (channels <= 0 || inner <= 0 || batch < 0) return 0;
+  return channels * PlanBiasGrad(batch, channels, inner).per_channel;
+}
+
 absl::Status LaunchBiasGrad(cudaStream_t stream, const float* g, float* dbias, int64_t batch,
-                            int64_t channels, int64_t inner) {
+                            int64_t channels, int64_t inner, float* scratch,
+                            int64_t scratch_floats) {
   if (channels == 0) return absl::OkStatus();
   if (channels < 0 || channels > INT32_MAX || inner <= 0 || batch < 0) {
     return absl::InvalidArgumentError("bias gradient: bad sizes");
   }
-  // batch == 0 still launches: each block adds 0, leaving dbias unchanged.
-  BiasGradKernel<<<static_cast<unsigned>(channels), kThreads, 0, stream>>>(g, dbias, batch,
-                                                                           channels, inner);
-  AIDN_RETURN_IF_LAUNCH_FAILED("BiasGradKernel");
+  const BiasGradPlan plan = PlanBiasGrad(batch, channels, inner);
+  if (scratch_floats < channels * plan.per_channel) {
+    return absl::InvalidArgumentError("bias gradient: scratch smaller than BiasGradScratchFloats");
+  }
+  if (plan.blocks_x > INT32_MAX)
+    return absl::InvalidArgumentError("bias gradient: too many columns");
+  // batch == 0 still launches: every partial is 0, leaving dbias unchanged.
+  const dim3 grid(static_cast<unsigned>(plan.blocks_x), static_cast<unsigned>(plan.slices));
+  if (plan.columns) {
+    BiasGradColumnsKernel<<<grid, dim3(kColumnTile, kRowThreads), 0, stream>>>(
+        g, scratch, batch, channels * inner, plan.rows_per_slice);
+    AIDN_RETURN_IF_LAUNCH_FAILED("BiasGradColumnsKernel");
+  } else {
+    BiasGradRowsKernel<<<grid, kThreads, 0, stream>>>(g, scratch, batch, channels, inner,
+                                                      plan.rows_per_slice);
+    AIDN_RETURN_IF_LAUNCH_FAILED("BiasGradRowsKernel");
+  }
+  // Columns' partials are [channel][q][slice]: channel c's are contiguous.
+  BiasGradFinishKernel<<<BlocksFor(channels), kThreads, 0, stream>>>(scratch, dbias, channels,
+                                                                     plan.per_channel);
+  AIDN_RETURN_IF_LAUNCH_FAILED("BiasGradFinishKernel");
   return absl::OkStatus();
 }
 

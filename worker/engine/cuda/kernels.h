@@ -31,9 +31,14 @@ absl::Status LaunchRelu(cudaStream_t stream, const float* x, float* y, int64_t n
 absl::Status LaunchReluBackward(cudaStream_t stream, const float* mask, const float* g, float* dx,
                                 int64_t n);
 
-// dbias[c] += sum over b < batch, p < inner of g[(b * channels + c) * inner + p].
+// dbias[c] += sum over b < batch, p < inner of g[(b * channels + c) * inner + p],
+// summed in an order fixed by the sizes (the same bits every run), through
+// `scratch`, device memory of at least BiasGradScratchFloats(batch,
+// channels, inner) floats (INVALID_ARGUMENT if smaller).
+int64_t BiasGradScratchFloats(int64_t batch, int64_t channels, int64_t inner);
 absl::Status LaunchBiasGrad(cudaStream_t stream, const float* g, float* dbias, int64_t batch,
-                            int64_t channels, int64_t inner);
+                            int64_t channels, int64_t inner, float* scratch,
+                            int64_t scratch_floats);
 
 // Inverted dropout with the mask of dropout_mask.h: y = keep ? x * scale : 0.
 // Backward is the same operation on the gradient, with the same key.

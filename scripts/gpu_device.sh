@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The GPU tests and the GPU step benchmark on a GPU machine that has CUDA,
+# PyTorch and a driver but none of our build's libraries (no Abseil, GoogleTest,
+# OpenBLAS or oneDNN, and no apt to install them): build here, run there.
+#
+#   scripts/gpu_device.sh pack     # here: engine-only build for sm_90 into
+#                                  # build-gpu/, then .devcarry/ = the GPU test
+#                                  # binaries, gpu_step and a tarball of the
+#                                  # non-CUDA shared libraries they load
+#   scripts/gpu_device.sh run      # there, from the repo root with .devcarry/
+#                                  # carried: every GPU test, then bench/gpu_step.sh
+#
+# `run` finds cuDNN and NCCL in the toolkit or in PyTorch's nvidia-* wheels,
+# writes logs under $OUT (or /tmp/aidn-gpu-out) and prints a short summary
+# last. Knobs for run: TESTS=0 or BENCH=0 to skip a part, REPS / MODELS /
+# BATCHES / STEPS / CONV_MODES as bench/gpu_step.sh, GTEST_FILTER, PROFILE=1
+# (per-kernel times of the CNN step from ncu, aidn and PyTorch; PROFILE_BATCH,
+# PROFILE_CONV=deterministic|fast).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CARRY=$ROOT/.devcarry
+
+pack() {
+  set -e
+  local build=$ROOT/build-gpu
+  cmake -S "$ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DAIDN_ENGINE_ONLY=ON \
+    -DAIDN_BUILD_BENCHMARKS=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+  ninja -C "$build" >/dev/null
+  rm -rf "$CARRY"
+  mkdir -p "$CARRY/bin" "$CARRY/lib"
+  cp "$build"/tests/gpu/gpu_*_test "$build/bench/gpu_step" "$CARRY/bin/"
+  # Every library the binaries load except glibc's, the C++ runtime's and
+  # CUDA's (the GPU machine has its own, matching its driver).
+  ldd "$CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so|/usr/local/cuda' |
+    while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
+  tar -C "$CARRY" -cJf "$CARRY/lib.tar.xz" lib
+  rm -rf "$CARRY/lib"
+  du -sh "$CARRY"
+}
+
+run() {
+  local out=${OUT:-/tmp/aidn-gpu-out}
+  mkdir -p "$out" /tmp/aidn-lib
+  tar -C /tmp/aidn-lib -xJf "$CARRY/lib.tar.xz" --strip-components=1
+  # Our libraries first, then cuDNN and NCCL from PyTorch's wheels (the
+  # cuDNN our headers came from, 9.19; a system one may be older), then the
+  # toolkit's. Only our binaries get this path: PyTorch refuses a cuDNN
+  # other than its own.
+  local dirs=/tmp/aidn-lib
+  local site
+  site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
+  for so in libcudnn.so.9 libnccl.so.2 libcublas.so.13 libcudart.so.13; do
+    local found=""
+    if [[ -n $site && -d $site/nvidia ]]; then
+      found=$(find "$site/nvidia" -name "$so" | head -1)
+      [[ -n $found ]] && found=$(dirname "$found")
+    fi
+    if [[ -z $found ]]; then
+      for d in /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+        [[ -e $d/$so ]] && found=$d && break
+      done
+    fi
+    echo "$so: ${found:-NOT FOUND}"
+    [[ -n $found ]] && dirs=$dirs:$found
+  done
+  export AIDN_LIBRARY_PATH=$dirs
+  mkdir -p /tmp/aidn-bin
+  for b in "$CARRY"/bin/*; do
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$dirs" "$b" >"/tmp/aidn-bin/$(basename "$b")"
+    chmod +x "/tmp/aidn-bin/$(basename "$b")"
+  done
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version())' 2>&1
+  if LD_LIBRARY_PATH=$dirs ldd "$CARRY"/bin/* | grep -q 'not found'; then
+    LD_LIBRARY_PATH=$dirs ldd "$CARRY"/bin/* | grep 'not found' | sort -u
+  fi
+
+  local summary=$out/summary.txt
+  : >"$summary"
+  if [[ ${TESTS:-1} == 1 ]]; then
+    for t in "$CARRY"/bin/gpu_*_test; do
+      local name start rc log
+      name=$(basename "$t")
+      log=/tmp/aidn-$name.log
+      start=$(date +%s%N)
+      timeout 600 "/tmp/aidn-bin/$(basename "$t")" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$log" 2>&1
+      rc=$?
+      printf '%-22s rc=%-3s %6sms  %s\n' "$name" "$rc" "$(( ($(date +%s%N) - start) / 1000000 ))" \
+        "$(grep -E '^\[  (PASSED|FAILED)  \] [0-9]+ test|^\[  SKIPPED \] [0-9]+ test' "$log" |
+           tr '\n' ' ')" >>"$summary"
+      grep -E -A3 ': Failure$' "$log" | head -40 >>"$summary"
+      { echo "==== $name (rc $rc)"; cat "$log"; } >>"$out/tests.log"
+    done
+  fi
+  if [[ ${BENCH:-1} == 1 ]]; then
+    GPU_STEP_BIN=/tmp/aidn-bin/gpu_step PYTHON=python3 "$ROOT/bench/gpu_step.sh" 2>&1 |
+      tee "$out/gpu_step.log" | tail -12 >>"$summary"
+  fi
+  if [[ ${PROFILE:-0} == 1 ]]; then profile "$out" >>"$summary" 2>&1; fi
+  echo "==== summary"
+  cat "$summary"
+}
+
+# Per-kernel GPU time of 10 steady-state steps of the CNN at batch
+# PROFILE_BATCH (1024), aidn and PyTorch, from Nsight Compute (one metric,
+# no cache flush, clocks as found; only the steps between the benchmarks'
+# cudaProfilerStart and Stop): where the step's time goes.
+profile() {
+  local out=$1 batch=${PROFILE_BATCH:-1024}
+  local ncu_flags=(--metrics gpu__time_duration.sum --csv --cache-control none
+                   --clock-control none --profile-from-start off)
+  echo "==== kernel profile, cnn batch $batch (${PROFILE_CONV:-deterministic})"
+  local fast="" det="--deterministic"
+  [[ ${PROFILE_CONV:-deterministic} == fast ]] && fast="--fast-conv" && det=""
+  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH ncu "${ncu_flags[@]}" "$CARRY/bin/gpu_step" --model cnn \
+    --batch "$batch" --steps 10 --warmup 50 --profile $fast >"$out/ncu_aidn.csv" 2>/dev/null
+  ncu "${ncu_flags[@]}" python3 "$ROOT/bench/gpu_step_torch.py" --model cnn --batch "$batch" \
+    --steps 10 --warmup 50 --profile $det >"$out/ncu_torch.csv" 2>/dev/null
+  python3 - "$out/ncu_aidn.csv" "$out/ncu_torch.csv" <<'PY'
+import collections, csv, io, sys
+for path in sys.argv[1:]:
+    text = open(path).read()
+    start = text.find('"ID"')
+    rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
+    total = collections.defaultdict(float)
+    count = collections.Counter()
+    for r in rows:
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = r.get("Metric Unit", "nsecond")
+        v = float(r["Metric Value"].replace(",", ""))
+        v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+        name = r["Kernel Name"][:90]
+        total[name] += v
+        count[name] += 1
+    print(f"-- {path.split('/')[-1]}: {sum(count.values())} kernels in 10 steps, "
+          f"{sum(total.values()) / 10:.0f} us of kernels a step")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {us / 10:9.1f} us/step  x{count[name] // 10:<3} {name}")
+PY
+}
+
+case ${1:-} in
+  pack) pack ;;
+  run) run ;;
+  *) echo "usage: $0 pack|run" >&2; exit 2 ;;
+esac

@@ -1,0 +1,161 @@
+// End to end on a GPU: a real coordinator, a real aidn-worker-gpu and the
+// trainer it starts, training a `device: gpu` job on Debian's Fashion-MNIST
+// through the GPU engine. Skips where the worker finds no GPU (it registers
+// none), as on the development and CI machines.
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/integration/harness.h"
+#include "tests/integration/process.h"
+
+namespace aidn::testing {
+namespace {
+
+constexpr std::chrono::milliseconds kLong{180'000};
+constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
+
+class GpuJobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+      GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
+    }
+    dir_ = MakeTempDir("aidn-gpu-job-test");
+    absl::StatusOr<CoordinatorHandle> c =
+        StartCoordinator(dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    coordinator_ = std::move(*c);
+    coord_ = CoordinatorStub(coordinator_.address);
+    const std::string work = dir_ + "/g1";
+    std::filesystem::create_directories(work);
+    absl::StatusOr<std::unique_ptr<Process>> w =
+        Process::Start({AIDN_WORKER_GPU_BIN, "--coordinator=" + coordinator_.address,
+                        "--token-file=" + coordinator_.state_dir + "/worker.token",
+                        "--worker-id=g1", "--cpu-slots=1", "--work-dir=" + work, "--metrics-addr="},
+                       {}, work + "/worker.out", work + "/worker.err");
+    ASSERT_TRUE(w.ok()) << w.status();
+    worker_ = std::move(*w);
+    v1::ListWorkersResponse workers;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          workers.Clear();
+          return coord_->ListWorkers(Context(admin()).get(), {}, &workers).ok() &&
+                 workers.workers_size() == 1;
+        },
+        std::chrono::seconds(30)))
+        << "the GPU worker did not register";
+    if (workers.workers(0).info().gpus_size() == 0) {
+      GTEST_SKIP() << "aidn-worker-gpu found no GPU on this machine";
+    }
+    gpu_name_ = workers.workers(0).info().gpus(0).name();
+    gpus_ = workers.workers(0).info().gpus_size();
+  }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      std::cerr << "---- worker stderr ----\n" << ReadFileOrEmpty(dir_ + "/g1/worker.err") << "\n";
+      if (coordinator_.process != nullptr) {
+        std::cerr << "---- coordinator stderr ----\n" << coordinator_.process->Stderr() << "\n";
+      }
+    }
+    worker_.reset();
+    coordinator_.process.reset();
+    if (!HasFailure() && !dir_.empty()) {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir_, ignored);
+    }
+  }
+
+  const std::string& admin() const { return coordinator_.admin_token; }
+
+  std::string dir_;
+  std::string gpu_name_;
+  int gpus_ = 0;
+  CoordinatorHandle coordinator_;
+  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
+  std::unique_ptr<Process> worker_;
+};
+
+// One rank on the GPU: the job succeeds, every step is reported, the loss
+// falls and the test accuracy is a trained model's; the rank's log says it
+// trained on the GPU the worker registered.
+TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
+  v1::JobSpec spec;
+  spec.set_name("gpu-job-test");
+  spec.set_device(v1::JobSpec::GPU);
+  spec.set_world_size(1);
+  spec.mutable_model()->set_name("mlp");
+  spec.mutable_optimizer()->set_name("sgd");
+  spec.mutable_optimizer()->set_lr(0.05);
+  spec.mutable_optimizer()->set_momentum(0.9);
+  spec.set_batch_size(64);
+  spec.set_max_steps(300);
+  spec.set_seed(1);
+  spec.set_max_restarts(0);
+  absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  v1::Job job = WaitForJobEnd(coord_.get(), admin(), *id, kLong);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+
+  v1::GetMetricsRequest request;
+  request.set_job_id(*id);
+  v1::GetMetricsResponse response;
+  ASSERT_TRUE(coord_->GetMetrics(Context(admin()).get(), request, &response).ok());
+  int train = 0;
+  double first_loss = 0, last_loss = 0, accuracy = -1;
+  for (const v1::StepMetrics& s : response.steps()) {
+    if (s.kind() == v1::MetricRecord::EVAL) {
+      accuracy = s.test_accuracy();
+      continue;
+    }
+    ++train;
+    EXPECT_EQ(s.step(), train);
+    if (s.step() == 1) first_loss = s.loss();
+    if (s.step() == 300) last_loss = s.loss();
+  }
+  EXPECT_EQ(train, 300);
+  EXPECT_GT(first_loss, 1.5);
+  EXPECT_LT(last_loss, 0.9);
+  // As the CPU job of training_test: ~0.8 after 300 steps of 64.
+  EXPECT_GT(accuracy, 0.72);
+  const std::string log =
+      ReadFileOrEmpty(absl::StrCat(dir_, "/g1/logs/", *id, "/gen-1/rank-0.log"));
+  EXPECT_TRUE(absl::StrContains(log, "training on the GPU")) << log;
+  EXPECT_TRUE(absl::StrContains(log, gpu_name_)) << log;
+}
+
+// While a job holds every GPU, a second GPU job waits: it is not placed on
+// the worker's free CPU slot.
+TEST_F(GpuJobTest, ASecondGpuJobWaitsForAGpu) {
+  v1::JobSpec spec;
+  spec.set_name("gpu-hog");
+  spec.set_device(v1::JobSpec::GPU);
+  spec.set_world_size(gpus_);
+  spec.mutable_model()->set_name("mlp");
+  spec.mutable_optimizer()->set_name("sgd");
+  spec.mutable_optimizer()->set_lr(0.05);
+  spec.set_batch_size(64);
+  spec.set_max_steps(100000);
+  spec.set_max_restarts(0);
+  absl::StatusOr<std::string> first = SubmitJob(coord_.get(), admin(), spec);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(
+      WaitFor([&] { return GetJob(coord_.get(), admin(), *first).state() == v1::Job::RUNNING; },
+              std::chrono::seconds(60)));
+  spec.set_name("gpu-waiter");
+  spec.set_world_size(1);
+  absl::StatusOr<std::string> second = SubmitJob(coord_.get(), admin(), spec);
+  ASSERT_TRUE(second.ok()) << second.status();
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  EXPECT_EQ(GetJob(coord_.get(), admin(), *second).state(), v1::Job::PENDING);
+}
+
+}  // namespace
+}  // namespace aidn::testing
