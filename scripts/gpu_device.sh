@@ -9,6 +9,13 @@
 #                                  # non-CUDA shared libraries they load
 #   scripts/gpu_device.sh run      # there, from the repo root with .devcarry/
 #                                  # carried: every GPU test, then bench/gpu_step.sh
+#   scripts/gpu_device.sh pack-service   # here: the service binaries from build/
+#                                  # (coordinator, aidn-worker-gpu, aidnctl), the
+#                                  # GPU job test, their libraries and Debian's
+#                                  # Fashion-MNIST into .devcarry-service/
+#   scripts/gpu_device.sh run-service    # there, with .devcarry-service/ carried:
+#                                  # integration_gpu_job_test (a device: gpu job
+#                                  # through a real coordinator and worker)
 #
 # `run` finds cuDNN and NCCL in the toolkit or in PyTorch's nvidia-* wheels,
 # writes logs under $OUT (or /tmp/aidn-gpu-out) and prints a short summary
@@ -19,6 +26,10 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CARRY=$ROOT/.devcarry
+SERVICE_CARRY=$ROOT/.devcarry-service
+# Libraries a binary loads that the GPU machine must be given: all but
+# glibc's, the C++ runtime's and CUDA's (it has its own, matching its driver).
+NOT_CARRIED='/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so|/usr/local/cuda'
 
 pack() {
   set -e
@@ -29,25 +40,40 @@ pack() {
   rm -rf "$CARRY"
   mkdir -p "$CARRY/bin" "$CARRY/lib"
   cp "$build"/tests/gpu/gpu_*_test "$build/bench/gpu_step" "$CARRY/bin/"
-  # Every library the binaries load except glibc's, the C++ runtime's and
-  # CUDA's (the GPU machine has its own, matching its driver).
   ldd "$CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so|/usr/local/cuda' |
-    while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
+    grep -Ev "$NOT_CARRIED" | while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
   tar -C "$CARRY" -cJf "$CARRY/lib.tar.xz" lib
   rm -rf "$CARRY/lib"
   du -sh "$CARRY"
 }
 
-run() {
-  local out=${OUT:-/tmp/aidn-gpu-out}
-  mkdir -p "$out" /tmp/aidn-lib
-  tar -C /tmp/aidn-lib -xJf "$CARRY/lib.tar.xz" --strip-components=1
-  # Our libraries first, then cuDNN and NCCL from PyTorch's wheels (the
-  # cuDNN our headers came from, 9.19; a system one may be older), then the
-  # toolkit's. Only our binaries get this path: PyTorch refuses a cuDNN
-  # other than its own.
-  local dirs=/tmp/aidn-lib
+pack_service() {
+  set -e
+  local build=$ROOT/build
+  ninja -C "$build" aidn-coordinator aidn-worker-gpu aidnctl integration_gpu_job_test >/dev/null
+  rm -rf "$SERVICE_CARRY"
+  mkdir -p "$SERVICE_CARRY/bin" "$SERVICE_CARRY/lib" "$SERVICE_CARRY/data"
+  : >"$SERVICE_CARRY/paths"
+  for t in coordinator/aidn-coordinator worker/aidn-worker-gpu aidnctl/aidnctl \
+           tests/integration/integration_gpu_job_test; do
+    strip --strip-debug -o "$SERVICE_CARRY/bin/$(basename "$t")" "$build/$t"
+    # The test runs the binaries by the paths it was built with.
+    echo "$build/$t" >>"$SERVICE_CARRY/paths"
+  done
+  ldd "$SERVICE_CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+    grep -Ev "$NOT_CARRIED" | while read -r lib; do cp -L "$lib" "$SERVICE_CARRY/lib/"; done
+  tar -C "$SERVICE_CARRY" -cJf "$SERVICE_CARRY/bin-lib.tar.xz" bin lib
+  rm -rf "$SERVICE_CARRY/bin" "$SERVICE_CARRY/lib"
+  cp /usr/share/datasets/fashion-mnist/*.gz "$SERVICE_CARRY/data/"
+  du -sh "$SERVICE_CARRY"
+}
+
+# Sets AIDN_LIBRARY_PATH: `first` (our libraries), then cuDNN and NCCL from
+# PyTorch's wheels (the cuDNN our headers came from, 9.19; a system one may
+# be older), then the toolkit's. Only our binaries get this path: PyTorch
+# refuses a cuDNN other than its own.
+library_path() {
+  local dirs=$1
   local site
   site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
   for so in libcudnn.so.9 libnccl.so.2 libcublas.so.13 libcudart.so.13; do
@@ -65,6 +91,14 @@ run() {
     [[ -n $found ]] && dirs=$dirs:$found
   done
   export AIDN_LIBRARY_PATH=$dirs
+}
+
+run() {
+  local out=${OUT:-/tmp/aidn-gpu-out}
+  mkdir -p "$out" /tmp/aidn-lib
+  tar -C /tmp/aidn-lib -xJf "$CARRY/lib.tar.xz" --strip-components=1
+  library_path /tmp/aidn-lib
+  local dirs=$AIDN_LIBRARY_PATH
   mkdir -p /tmp/aidn-bin
   for b in "$CARRY"/bin/*; do
     printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$dirs" "$b" >"/tmp/aidn-bin/$(basename "$b")"
@@ -141,8 +175,30 @@ for path in sys.argv[1:]:
 PY
 }
 
+run_service() {
+  local out=${OUT:-/tmp/aidn-gpu-out}
+  mkdir -p "$out" /tmp/aidn-service
+  tar -C /tmp/aidn-service -xJf "$SERVICE_CARRY/bin-lib.tar.xz"
+  library_path /tmp/aidn-service/lib
+  # The binaries where the test was built to find them, and the dataset
+  # where Debian puts it.
+  while read -r path; do
+    [[ -e $path ]] && continue  # a machine with the build itself
+    mkdir -p "$(dirname "$path")"
+    ln -s "/tmp/aidn-service/bin/$(basename "$path")" "$path"
+  done <"$SERVICE_CARRY/paths"
+  mkdir -p /usr/share/datasets/fashion-mnist
+  cp -n "$SERVICE_CARRY"/data/*.gz /usr/share/datasets/fashion-mnist/
+  local test_bin
+  test_bin=$(grep integration_gpu_job_test "$SERVICE_CARRY/paths")
+  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH timeout 900 "$test_bin" 2>&1 | tee "$out/gpu_job_test.log" |
+    grep -E '^\[ +(RUN|OK|FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|Skipped'
+}
+
 case ${1:-} in
   pack) pack ;;
   run) run ;;
-  *) echo "usage: $0 pack|run" >&2; exit 2 ;;
+  pack-service) pack_service ;;
+  run-service) run_service ;;
+  *) echo "usage: $0 pack|run|pack-service|run-service" >&2; exit 2 ;;
 esac
