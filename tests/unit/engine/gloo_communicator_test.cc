@@ -5,6 +5,8 @@
 
 #include "worker/engine/comm/gloo_communicator.h"
 
+#include <signal.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -303,6 +305,18 @@ TEST(GlooCommunicator, WorldSizeOneNeedsNoStoreAndCopiesLocally) {
   EXPECT_EQ(scattered, data);
   ASSERT_TRUE(comm.Barrier().ok());
   EXPECT_EQ(comm.sequence(), 5);
+}
+
+// A peer that closes its socket while this rank writes must give this rank
+// an error (EPIPE), not kill its process with SIGPIPE: creating a
+// communicator leaves SIGPIPE ignored where the process had not chosen.
+TEST(GlooCommunicator, CreatingOneLeavesSigpipeIgnored) {
+  absl::StatusOr<std::unique_ptr<Communicator>> created =
+      CreateGlooCommunicator(Options(0, 1), nullptr);
+  ASSERT_TRUE(created.ok()) << created.status();
+  struct sigaction current = {};
+  ASSERT_EQ(sigaction(SIGPIPE, nullptr, &current), 0);
+  EXPECT_EQ(current.sa_handler, SIG_IGN);
 }
 
 TEST(GlooCommunicator, BadOptionsAndArgumentsAreInvalidArguments) {

@@ -1,5 +1,7 @@
 #include "worker/engine/comm/gloo_communicator.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cctype>
@@ -7,6 +9,7 @@
 #include <cstring>
 #include <exception>
 #include <map>
+#include <mutex>
 #include <new>
 #include <utility>
 #include <vector>
@@ -29,6 +32,21 @@ namespace aidn::engine {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Gloo's TCP pairs write to their sockets without MSG_NOSIGNAL, so a peer
+// that closes its end while this rank sends raises SIGPIPE, whose default
+// action kills the process before Gloo can report EPIPE. Ignore it (as
+// gRPC, and Python under PyTorch, do), unless the process has its own
+// handler. Once per process.
+void IgnoreSigpipeUnlessHandled() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current = {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
 
 // AllReduce exchanges whole buffers directly while each rank sends at most
 // this much ((world_size - 1) * buffer bytes); above, gloo::allreduce.
@@ -382,6 +400,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(
   if (options.timeout <= std::chrono::milliseconds::zero()) {
     return absl::InvalidArgumentError("timeout: must be positive");
   }
+  IgnoreSigpipeUnlessHandled();
   if (options.world_size == 1) {
     return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(options, nullptr));
   }
