@@ -70,7 +70,6 @@ for rep in $(seq 1 "$REPS"); do
                      --steps "$STEPS" --warmup "$WARMUP" $TF32_FLAG $flag | grep '^RESULT ')
           fi
           line=${line#RESULT }
-          [[ $model == mlp ]] && line=${line/\"conv\": \"fast\"/\"conv\": \"deterministic\"}
           echo "$line" >>"$RESULTS"
           echo "rep $rep $impl $model $mode batch $batch: $(summarize "$line")"
         done

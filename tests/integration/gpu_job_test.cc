@@ -33,13 +33,8 @@ class GpuJobTest : public ::testing::Test {
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = std::move(*c);
     coord_ = CoordinatorStub(coordinator_.address);
-    const std::string work = dir_ + "/g1";
-    std::filesystem::create_directories(work);
     absl::StatusOr<std::unique_ptr<Process>> w =
-        Process::Start({AIDN_WORKER_GPU_BIN, "--coordinator=" + coordinator_.address,
-                        "--token-file=" + coordinator_.state_dir + "/worker.token",
-                        "--worker-id=g1", "--cpu-slots=1", "--work-dir=" + work, "--metrics-addr="},
-                       {}, work + "/worker.out", work + "/worker.err");
+        StartWorker(coordinator_, "g1", dir_ + "/g1", {}, AIDN_WORKER_GPU_BIN);
     ASSERT_TRUE(w.ok()) << w.status();
     worker_ = std::move(*w);
     v1::ListWorkersResponse workers;

@@ -190,11 +190,12 @@ std::unique_ptr<grpc::ClientContext> Context(const std::string& token,
 absl::StatusOr<std::unique_ptr<Process>> StartWorker(const CoordinatorHandle& coordinator,
                                                      const std::string& id,
                                                      const std::string& work_dir,
-                                                     const std::vector<std::string>& extra_args) {
+                                                     const std::vector<std::string>& extra_args,
+                                                     const std::string& binary) {
   std::error_code error;
   std::filesystem::create_directories(work_dir, error);
   if (error) return absl::InternalError(absl::StrCat("mkdir ", work_dir, ": ", error.message()));
-  std::vector<std::string> argv = {AIDN_WORKER_BIN,
+  std::vector<std::string> argv = {binary,
                                    "--coordinator=" + coordinator.address,
                                    "--token-file=" + coordinator.state_dir + "/worker.token",
                                    "--worker-id=" + id,

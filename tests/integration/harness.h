@@ -46,13 +46,13 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address);
 std::unique_ptr<v1::ClusterService::Stub> ClusterStub(const std::string& address);
 
-// Starts AIDN_WORKER_BIN against `coordinator` with its worker token,
+// Starts `binary` (default AIDN_WORKER_BIN) against `coordinator` with its worker token,
 // --worker-id=<id>, --cpu-slots=1, --work-dir=<work_dir> (created) and
 // --metrics-addr= (off), then `extra_args`; stdout and stderr go to
 // <work_dir>/worker.out and worker.err.
 absl::StatusOr<std::unique_ptr<Process>> StartWorker(
     const CoordinatorHandle& coordinator, const std::string& id, const std::string& work_dir,
-    const std::vector<std::string>& extra_args = {});
+    const std::vector<std::string>& extra_args = {}, const std::string& binary = AIDN_WORKER_BIN);
 
 // For a failed test's output: the last 6000 bytes of each worker's stderr
 // (<dir>/<id>/worker.err, as StartWorker writes it) and of the

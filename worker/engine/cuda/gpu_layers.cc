@@ -89,13 +89,27 @@ const Perf* PickAlgorithm(const std::vector<Perf>& perf, int returned,
   return nullptr;
 }
 
-// LaunchBiasGrad with its scratch in `partials` (grown as needed).
-absl::Status BiasGrad(GpuContext* ctx, const float* g, int64_t batch, int64_t channels,
-                      int64_t inner, GpuTensor* partials, GpuTensor* dbias) {
+// The start of Linear's and Conv2d's backward: the backward of a fused ReLU
+// when `output` (the layer's output, positive exactly where the ReLU's input
+// was) is not null, into `masked`; then the bias gradient, its scratch in
+// `partials` (grown as needed). Returns the gradient of the pre-activation
+// output: `grad_output`'s data, or `masked`'s.
+absl::StatusOr<const float*> ReluAndBiasBackward(GpuContext* ctx, const GpuTensor& grad_output,
+                                                 const GpuTensor* output, int64_t batch,
+                                                 int64_t channels, int64_t inner, GpuTensor* masked,
+                                                 GpuTensor* partials, GpuTensor* dbias) {
+  const float* g = grad_output.data();
+  if (output != nullptr) {
+    AIDN_RETURN_IF_ERROR(masked->Resize(ctx, grad_output.shape()));
+    AIDN_RETURN_IF_ERROR(
+        LaunchReluBackward(ctx->stream(), output->data(), g, masked->data(), grad_output.numel()));
+    g = masked->data();
+  }
   const int64_t floats = std::max<int64_t>(BiasGradScratchFloats(batch, channels, inner), 1);
   AIDN_RETURN_IF_ERROR(partials->Resize(ctx, {floats}));
-  return LaunchBiasGrad(ctx->stream(), g, dbias->data(), batch, channels, inner, partials->data(),
-                        floats);
+  AIDN_RETURN_IF_ERROR(LaunchBiasGrad(ctx->stream(), g, dbias->data(), batch, channels, inner,
+                                      partials->data(), floats));
+  return g;
 }
 
 }  // namespace
@@ -160,21 +174,16 @@ absl::Status GpuLinear::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
     return BadShape(Describe(), "grad_output", grad_output);
   }
   const float* g = grad_output.data();
-  if (fused_relu_ && n > 0) {
-    // The ReLU's backward: x W^T + b > 0 exactly where the output is.
-    AIDN_RETURN_IF_ERROR(masked_grad_.Resize(ctx_, {n, out_}));
-    AIDN_RETURN_IF_ERROR(
-        LaunchReluBackward(ctx_->stream(), output_->data(), g, masked_grad_.data(), n * out_));
-    g = masked_grad_.data();
-  }
   const int in = static_cast<int>(in_);
   const int out = static_cast<int>(out_);
   const int batch = static_cast<int>(n);
   if (n > 0) {
+    AIDN_ASSIGN_OR_RETURN(
+        g, ReluAndBiasBackward(ctx_, grad_output, fused_relu_ ? output_ : nullptr, n, out_, 1,
+                               &masked_grad_, &bias_partials_, &bias_.grad));
     AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_N, CUBLAS_OP_T, in, out,
                                             batch, &kOne, x.data(), in, g, out, &kOne,
                                             weight_.grad.data(), in));
-    AIDN_RETURN_IF_ERROR(BiasGrad(ctx_, g, n, out_, 1, &bias_partials_, &bias_.grad));
   }
   if (grad_input != nullptr) {
     AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, {n, in_}));
@@ -431,14 +440,10 @@ absl::Status GpuConv2d::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
   if (grad_input != nullptr) AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, x.shape()));
   if (n == 0) return absl::OkStatus();
   AIDN_RETURN_IF_ERROR(Prepare(n, x.dim(2), x.dim(3)));
-  const float* g = grad_output.data();
-  if (fused_relu_) {
-    AIDN_RETURN_IF_ERROR(masked_grad_.Resize(ctx_, grad_output.shape()));
-    AIDN_RETURN_IF_ERROR(LaunchReluBackward(ctx_->stream(), output_->data(), g, masked_grad_.data(),
-                                            grad_output.numel()));
-    g = masked_grad_.data();
-  }
-  AIDN_RETURN_IF_ERROR(BiasGrad(ctx_, g, n, out_, out_h_ * out_w_, &bias_partials_, &bias_.grad));
+  AIDN_ASSIGN_OR_RETURN(
+      const float* g,
+      ReluAndBiasBackward(ctx_, grad_output, fused_relu_ ? output_ : nullptr, n, out_,
+                          out_h_ * out_w_, &masked_grad_, &bias_partials_, &bias_.grad));
   AIDN_ASSIGN_OR_RETURN(void* ws, ctx_->Workspace(current_->workspace_bytes));
   // beta = 1: accumulate into the weight gradient, as the CPU layer does.
   AIDN_RETURN_IF_CUDNN_ERROR(
