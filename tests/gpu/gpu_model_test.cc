@@ -405,5 +405,75 @@ TEST(GpuTraining, TheAfterBackwardHookRunsBetweenBackwardAndTheUpdate) {
   EXPECT_EQ((*trainer)->optimizer().steps(), 1) << "no update after a failed hook";
 }
 
+// Gradient accumulation: three micro-batches of 32, each loss gradient
+// scaled by 1/3, summed into one update, as the CPU trainer does it; the
+// step's loss is the CPU trainer's sum of loss_i / 3. The MLP, so that no
+// max-pool near-tie can flip a gradient: everything to fp32 rounding.
+TEST(GpuTraining, GradientAccumulationMatchesTheCpu) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
+  auto cpu = Cpu(Mlp(), 6);
+  ASSERT_NE(cpu, nullptr);
+  auto gpu = GpuModel::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  // SGD: the update is linear in the gradient, so fp32-close gradients
+  // give fp32-close weights (AdamW divides by sqrt(v) and can turn a
+  // near-zero gradient's rounding into a full step).
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.05;
+  opt.momentum = 0.9;
+  auto cpu_opt = Optimizer::Create(opt, cpu->Parameters());
+  ASSERT_TRUE(cpu_opt.ok()) << cpu_opt.status();
+  auto trainer = GpuTrainer::Create(ctx.get(), gpu->get(), opt);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  auto gpu_grads = Cpu(Mlp(), 1);
+  GpuModel* model = gpu->get();
+  (*trainer)->SetAfterBackward([&]() { return model->CopyGradientsTo(gpu_grads->Parameters()); });
+  int ready_calls = 0;
+  (*trainer)->SetGradReady([&](const std::vector<GpuParameter*>& p) {
+    ready_calls += static_cast<int>(p.size());
+    return absl::OkStatus();
+  });
+
+  const std::vector<Batch> batches = LearnableBatches(6, 32, 12);
+  Tensor logits, grad;
+  for (int step = 0; step < 2; ++step) {
+    std::vector<MicroBatch> micro;
+    for (int m = 0; m < 3; ++m) {
+      const Batch& b = batches[static_cast<size_t>(step * 3 + m)];
+      micro.push_back(MicroBatch{&b.images, &b.labels, std::nullopt});
+    }
+    ready_calls = 0;
+    absl::StatusOr<double> gpu_loss = (*trainer)->Step(micro, opt.lr);
+    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+    EXPECT_EQ(ready_calls, static_cast<int>(cpu->Parameters().size()))
+        << "gradients are reported ready in the last micro-batch's backward only";
+
+    cpu->ZeroGrad();
+    double cpu_loss = 0;
+    for (const MicroBatch& m : micro) {
+      cpu->Forward(*m.images, &logits, true);
+      cpu_loss += SoftmaxCrossEntropy(logits, *m.labels, &grad, 1.0 / 3.0) / 3.0;
+      cpu->Backward(grad);
+    }
+    std::printf("  step %d: loss %.8f vs CPU %.8f\n", step, *gpu_loss, cpu_loss);
+    EXPECT_NEAR(*gpu_loss, cpu_loss, kFp32 * cpu_loss);
+    for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
+      ExpectClose(cpu->Parameters()[k]->name + " accumulated gradient",
+                  gpu_grads->Parameters()[k]->grad, cpu->Parameters()[k]->grad, kFp32);
+    }
+    ASSERT_TRUE((*cpu_opt)->Step(opt.lr).ok());
+    auto after = Cpu(Mlp(), 9);
+    ASSERT_TRUE(model->CopyParametersTo(after->Parameters()).ok());
+    for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
+      ExpectClose(cpu->Parameters()[k]->name + " after the update", after->Parameters()[k]->value,
+                  cpu->Parameters()[k]->value, kFp32);
+    }
+  }
+  EXPECT_EQ((*trainer)->optimizer().steps(), 2) << "one update per step, not per micro-batch";
+  EXPECT_EQ((*trainer)->Step(std::vector<MicroBatch>{}, opt.lr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace aidn::engine::cuda

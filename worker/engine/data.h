@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,16 @@ std::vector<int64_t> Permutation(int64_t n, uint64_t seed);
 // positions or dataset indices are programmer errors (abort).
 void GatherBatch(const Dataset& dataset, const std::vector<int64_t>& indices, size_t begin,
                  size_t count, Tensor* images, std::vector<int32_t>* labels);
+
+// One micro-batch of an optimizer step, as the GPU engine takes a step's
+// batches (gradient accumulation): borrowed images [N, C, H, W] and labels
+// [N], and the dropout seed of its forward (Sequential::SetSeed), where it
+// gets one of its own.
+struct MicroBatch {
+  const Tensor* images = nullptr;
+  const std::vector<int32_t>* labels = nullptr;
+  std::optional<uint64_t> seed;
+};
 
 }  // namespace aidn::engine
 

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace aidn::engine {
 namespace {
@@ -14,43 +15,59 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
+absl::StatusOr<BucketPlan> PlanBuckets(const std::vector<int64_t>& numels, double bucket_mb,
+                                       size_t extra_floats) {
+  if (!(bucket_mb > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("bucket_mb: must be > 0, got ", bucket_mb));
+  }
+  const size_t cap = std::max<size_t>(1, static_cast<size_t>(bucket_mb * 1e6 / 4));
+  auto padded = [](size_t n) { return (n + 15) / 16 * 16; };
+  BucketPlan plan;
+  plan.slots.resize(numels.size());
+  for (int k = static_cast<int>(numels.size()) - 1; k >= 0; --k) {
+    if (numels[static_cast<size_t>(k)] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", k, " has ", numels[static_cast<size_t>(k)], " elements"));
+    }
+    if (plan.buckets.empty() || plan.floats.back() >= cap) {
+      plan.buckets.emplace_back();
+      plan.floats.push_back(0);
+    }
+    plan.slots[static_cast<size_t>(k)] = {static_cast<int>(plan.buckets.size()) - 1,
+                                          plan.floats.back()};
+    plan.buckets.back().push_back(k);
+    plan.floats.back() += padded(static_cast<size_t>(numels[static_cast<size_t>(k)]));
+  }
+  if (plan.buckets.empty()) {
+    plan.buckets.emplace_back();
+    plan.floats.push_back(0);
+  }
+  plan.floats.back() += extra_floats;
+  return plan;
+}
+
 absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     const DdpOptions& options, const std::vector<Parameter*>& parameters,
     Communicator* communicator) {
   if (communicator == nullptr) return absl::InvalidArgumentError("ddp: no communicator");
-  if (!(options.bucket_mb > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bucket_mb: must be > 0, got ", options.bucket_mb));
-  }
+  std::vector<int64_t> numels;
+  for (const Parameter* p : parameters) numels.push_back(p->value.numel());
+  // The extra value rides at the end of the last bucket to be launched.
+  AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 1));
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
   reducer->single_ = communicator->world_size() == 1;
-  const size_t cap = std::max<size_t>(1, static_cast<size_t>(options.bucket_mb * 1e6 / 4));
-  // Each gradient starts on a cache line of its own (16 floats) so that the
-  // views stay as aligned as tensors' own storage.
-  auto padded = [](size_t n) { return (n + 15) / 16 * 16; };
-  // Reverse registration order: the last layer's gradients come first.
-  std::vector<size_t> sizes;
-  for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
-    Parameter* p = *it;
-    if (reducer->buckets_.empty() || sizes.back() >= cap) {
-      reducer->buckets_.emplace_back();
-      sizes.push_back(0);
+  reducer->buckets_.resize(plan.buckets.size());
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    for (int k : plan.buckets[b]) {
+      Parameter* p = parameters[static_cast<size_t>(k)];
+      reducer->slots_[p] = plan.slots[static_cast<size_t>(k)];
+      reducer->buckets_[b].parameters.push_back(p);
     }
-    Bucket& bucket = reducer->buckets_.back();
-    reducer->slots_[p] = Slot{static_cast<int>(reducer->buckets_.size()) - 1, sizes.back()};
-    bucket.parameters.push_back(p);
-    sizes.back() += padded(static_cast<size_t>(p->value.numel()));
   }
-  if (reducer->buckets_.empty()) {
-    reducer->buckets_.emplace_back();
-    sizes.push_back(0);
-  }
-  // The extra value rides at the end of the last bucket to be launched.
   reducer->extra_bucket_ = static_cast<int>(reducer->buckets_.size()) - 1;
-  sizes.back() += 1;
-  for (size_t i = 0; i < sizes.size(); ++i) {
+  for (size_t i = 0; i < plan.floats.size(); ++i) {
     Bucket& bucket = reducer->buckets_[i];
-    bucket.buffer = Tensor({static_cast<int64_t>(sizes[i])});
+    bucket.buffer = Tensor({static_cast<int64_t>(plan.floats[i])});
     if (reducer->single_) continue;
     for (Parameter* p : bucket.parameters) {
       float* at = bucket.buffer.data() + reducer->slots_[p].offset;

@@ -48,6 +48,30 @@ struct DdpOptions {
   double bucket_mb = 25.0;
 };
 
+// Where each gradient lives in the flat bucket buffers, for the CPU reducer
+// below and the GPU one (cuda/gpu_ddp.h) alike: parameters in reverse
+// registration order (the order backward produces their gradients), a new
+// bucket once the current one holds at least the cap, each gradient at a
+// multiple of 16 floats (64 bytes, a cache line and more than any GPU
+// alignment a vectorised kernel needs). `extra_floats` spare floats end
+// the last bucket (the CPU reducer's loss slot).
+struct BucketPlan {
+  struct Slot {
+    int bucket = 0;
+    size_t offset = 0;  // in floats, into the bucket's buffer
+  };
+  // Parameter indices (registration order) per bucket, in launch order.
+  std::vector<std::vector<int>> buckets;
+  // Per parameter, by registration index.
+  std::vector<Slot> slots;
+  // Floats per bucket buffer (padding and extras included).
+  std::vector<size_t> floats;
+};
+// INVALID_ARGUMENT for bucket_mb <= 0 (or NaN) or a negative size. With no
+// parameters, one bucket holding only the extras.
+absl::StatusOr<BucketPlan> PlanBuckets(const std::vector<int64_t>& numels, double bucket_mb,
+                                       size_t extra_floats);
+
 class DdpReducer {
  public:
   // `parameters` in registration order; the communicator is not owned.
@@ -78,10 +102,7 @@ class DdpReducer {
                                           Communicator* communicator, int root = 0);
 
  private:
-  struct Slot {
-    int bucket = 0;
-    size_t offset = 0;
-  };
+  using Slot = BucketPlan::Slot;
   struct Bucket {
     std::vector<Parameter*> parameters;
     Tensor buffer;    // the gradients' storage (+ the extra slot in the last)

@@ -5,10 +5,12 @@
 // trainer (service code) never includes a CUDA header: the model mirrored
 // onto the device (cuda/gpu_model.h), its optimizer, and with more than one
 // rank an NCCL communicator (comm/nccl_communicator.h) whose id goes through
-// the generation's KeyValueStore. Each Step averages the gradients over the
-// ranks between backward and the update (DDP semantics; the allreduce is not
-// yet overlapped with backward: the host waits for it, polling for NCCL
-// errors against the timeout).
+// the generation's KeyValueStore and a DDP reducer (cuda/gpu_ddp.h). Each
+// Step averages the gradients over the ranks between backward and the
+// update, in buckets whose allreduce overlaps the rest of backward; the
+// host waits once per step, polling NCCL for errors against the timeout.
+// Gradient accumulation: a Step takes several micro-batches and
+// communicates only after the last one's backward.
 //
 // Two libraries implement it: aidn_gpu_session (CUDA builds) and
 // aidn_gpu_session_none (every build), whose Create answers UNIMPLEMENTED;
@@ -20,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/kv_store.h"
+#include "worker/engine/data.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"
@@ -47,6 +51,8 @@ struct GpuSessionOptions {
   KeyValueStore* store = nullptr;
   // NCCL initialisation and each gradient allreduce.
   std::chrono::milliseconds timeout{300'000};
+  // DDP gradient bucket size (spec bucket_mb), world_size > 1.
+  double bucket_mb = 25.0;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA
@@ -68,13 +74,21 @@ class GpuSession {
 
   // As Sequential::SetSeed (dropout).
   virtual void SetSeed(uint64_t seed) = 0;
-  // One optimizer step on a batch (images [N, C, H, W], labels [N]) with
-  // learning rate `lr`: forward, loss, backward, gradients averaged over
-  // the ranks, update. Returns this rank's mean loss before the update.
-  virtual absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels,
-                                      double lr) = 0;
-  // Seconds the last Step spent in the gradient allreduce (0 with one rank).
+  // One optimizer step over micro-batches (gradient accumulation; each
+  // with its dropout seed if it has one) with learning rate `lr`: per
+  // micro-batch forward, loss, backward (gradients scaled by 1/k and
+  // summed), then gradients averaged over the ranks, update. Returns this
+  // rank's loss, the mean over its micro-batches, before the update.
+  virtual absl::StatusOr<double> Step(const std::vector<MicroBatch>& micro, double lr) = 0;
+  // One batch (images [N, C, H, W], labels [N]), with the current seed.
+  absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels, double lr) {
+    return Step({MicroBatch{&images, &labels, std::nullopt}}, lr);
+  }
+  // Seconds the NCCL stream spent from the first bucket's allreduce to the
+  // last's end in the last Step, overlapped with backward (0 with one rank).
   virtual double last_allreduce_seconds() const = 0;
+  // The part of it that backward did not hide (the step waited for it).
+  virtual double last_allreduce_wait_seconds() const = 0;
   // Collectives completed (the progress beat's collective_seq).
   virtual int64_t collective_sequence() const = 0;
 

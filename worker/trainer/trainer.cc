@@ -579,12 +579,6 @@ std::optional<Failure> Run::Setup() {
   });
 
   if (spec_.device() == v1::JobSpec::GPU) {
-    if (spec_.grad_accum_steps() > 1) {
-      return Failure{kExitPermanent,
-                     absl::UnimplementedError(absl::StrCat(
-                         "grad_accum_steps: ", spec_.grad_accum_steps(),
-                         " is not supported with device: gpu yet (use 1 and a larger batch)"))};
-    }
     engine::DeviceInventory devices = engine::DiscoverDevices();
     if (devices.gpus.empty()) {
       return Failure{kExitPermanent,
@@ -811,6 +805,7 @@ std::optional<Failure> Run::SetupGpu() {
   o.allow_tf32 = spec_.allow_tf32();
   o.fast_convolutions = spec_.fast_convolutions();
   o.timeout = std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
+  o.bucket_mb = spec_.has_bucket_mb() ? spec_.bucket_mb() : 25.0;
   if (o.world_size > 1) {
     // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
     gpu_store_ = std::make_unique<CoordinatorKeyValueStore>(kv_);
@@ -924,6 +919,9 @@ std::optional<Failure> Run::Execute() {
 
   engine::Tensor images, logits, grad_logits;
   std::vector<int32_t> labels;
+  // device: gpu: a step's micro-batches, all gathered before it runs.
+  std::vector<engine::Tensor> gpu_images;
+  std::vector<std::vector<int32_t>> gpu_labels;
   std::vector<int64_t> indices;
   int32_t epoch = -1;
   // Tells the coordinator how long the job is before the first step ends.
@@ -946,17 +944,26 @@ std::optional<Failure> Run::Execute() {
     const double lr = engine::LearningRate(schedule, base_lr, step, total_steps);
     const int64_t first = (step % steps_per_epoch) * batch * accum;
     if (gpu_ != nullptr) {
-      // One micro-batch (Setup refused grad_accum_steps > 1 on the GPU).
-      engine::GatherBatch(train_, indices, static_cast<size_t>(first), static_cast<size_t>(batch),
-                          &images, &labels);
-      gpu_->SetSeed(spec_.seed() * 1'000'003 +
-                    static_cast<uint64_t>(step) * static_cast<uint64_t>(world) +
-                    static_cast<uint64_t>(rank));
-      absl::StatusOr<double> gpu_loss = gpu_->Step(images, labels, lr);
+      // The same micro-batches and dropout seeds as the CPU path below.
+      gpu_images.resize(static_cast<size_t>(accum));
+      gpu_labels.resize(static_cast<size_t>(accum));
+      std::vector<engine::MicroBatch> micro;
+      for (int64_t m = 0; m < accum; ++m) {
+        const size_t at = static_cast<size_t>(m);
+        engine::GatherBatch(train_, indices, static_cast<size_t>(first + m * batch),
+                            static_cast<size_t>(batch), &gpu_images[at], &gpu_labels[at]);
+        micro.push_back(engine::MicroBatch{
+            &gpu_images[at], &gpu_labels[at],
+            spec_.seed() * 1'000'003 +
+                static_cast<uint64_t>(step * accum + m) * static_cast<uint64_t>(world) +
+                static_cast<uint64_t>(rank)});
+      }
+      absl::StatusOr<double> gpu_loss = gpu_->Step(micro, lr);
       if (!gpu_loss.ok()) return FailureFor(gpu_loss.status(), "gpu step");
       // This rank's loss; the coordinator averages the ranks' records.
       mean_loss = *gpu_loss;
-      allreduce_s = wait_s = gpu_->last_allreduce_seconds();
+      allreduce_s = gpu_->last_allreduce_seconds();
+      wait_s = gpu_->last_allreduce_wait_seconds();
     } else {
       model_->ZeroGrad();
       for (int64_t micro = 0; micro < accum; ++micro) {

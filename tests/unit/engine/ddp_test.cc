@@ -4,6 +4,7 @@
 
 #include "worker/engine/ddp.h"
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -78,6 +79,36 @@ class FakeCommunicator final : public Communicator {
   int world_size_;
   int64_t calls_ = 0;
 };
+
+TEST(PlanBuckets, ReverseOrderPaddedSlotsAndExtrasAtTheEndOfTheLastBucket) {
+  // 250 floats per bucket.
+  absl::StatusOr<BucketPlan> plan = PlanBuckets({100, 240, 3, 400}, 0.001, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // p3 alone fills a bucket; p2 (3 floats) leaves room for p1; p0 starts a
+  // third because p2 + p1 already reached 250.
+  EXPECT_THAT(plan->buckets, ElementsAre(ElementsAre(3), ElementsAre(2, 1), ElementsAre(0)));
+  ASSERT_EQ(plan->slots.size(), 4u);
+  EXPECT_EQ(plan->slots[3].bucket, 0);
+  EXPECT_EQ(plan->slots[3].offset, 0u);
+  EXPECT_EQ(plan->slots[2].bucket, 1);
+  EXPECT_EQ(plan->slots[2].offset, 0u);
+  EXPECT_EQ(plan->slots[1].bucket, 1);
+  EXPECT_EQ(plan->slots[1].offset, 16u) << "each gradient on a 64-byte boundary";
+  EXPECT_EQ(plan->slots[0].bucket, 2);
+  EXPECT_THAT(plan->floats, ElementsAre(400u, 16u + 240u, 112u + 1u));
+}
+
+TEST(PlanBuckets, NoParametersGiveOneBucketOfExtrasAndBadSizesAreRefused) {
+  absl::StatusOr<BucketPlan> plan = PlanBuckets({}, 25, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->buckets.size(), 1u);
+  EXPECT_THAT(plan->floats, ElementsAre(2u));
+  EXPECT_EQ(PlanBuckets({4}, 0, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanBuckets({4}, std::nan(""), 0).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::Status negative = PlanBuckets({4, -1}, 1, 0).status();
+  EXPECT_EQ(negative.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(negative.message(), HasSubstr("parameter 1"));
+}
 
 TEST(DdpReducer, BucketsFollowReverseRegistrationOrderUpToTheCap) {
   auto params = MakeParameters({100, 200, 300, 400});

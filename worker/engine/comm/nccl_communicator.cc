@@ -97,8 +97,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   }
   // Init completes in the background; a peer that never comes leaves it in
   // progress until we give up.
-  AIDN_RETURN_IF_ERROR(
-      c->Poll(what, /*until_stream_idle=*/false, "did not complete", " (is every rank up?)"));
+  AIDN_RETURN_IF_ERROR(c->Poll(what, nullptr, "did not complete", " (is every rank up?)"));
   return c;
 }
 
@@ -162,20 +161,35 @@ void NcclCommunicator::Abort(absl::string_view why) {
 }
 
 absl::Status NcclCommunicator::Queued(absl::string_view what, ncclResult_t result) {
+  ++queued_;
   if (result == ncclSuccess) return absl::OkStatus();
   if (result != ncclInProgress) return Fail(NcclError(what, result));
   // A non-blocking communicator may still be enqueuing: until it says
   // ncclSuccess, no other NCCL call and no CUDA work on stream() may follow
   // (an event recorded now could land before the collective's kernel).
-  return Poll(what, /*until_stream_idle=*/false, "was not enqueued", "");
+  return Poll(what, nullptr, "was not enqueued", "");
 }
 
 absl::Status NcclCommunicator::Wait(absl::string_view what) {
   AIDN_RETURN_IF_ERROR(Usable());
-  return Poll(what, /*until_stream_idle=*/true, "did not complete", "");
+  const int64_t queued = queued_;
+  AIDN_RETURN_IF_ERROR(Poll(
+      what, [this] { return cudaStreamQuery(stream_); }, "did not complete", ""));
+  sequence_.store(queued);
+  return absl::OkStatus();
 }
 
-absl::Status NcclCommunicator::Poll(absl::string_view what, bool until_stream_idle,
+absl::Status NcclCommunicator::WaitForEvent(cudaEvent_t event, absl::string_view what) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  const int64_t queued = queued_;
+  AIDN_RETURN_IF_ERROR(Poll(
+      what, [event] { return cudaEventQuery(event); }, "did not complete", ""));
+  sequence_.store(queued);
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Poll(absl::string_view what,
+                                    const std::function<cudaError_t()>& done,
                                     absl::string_view not_done, absl::string_view hint) {
   const SteadyClock::time_point deadline = SteadyClock::now() + options_.timeout;
   int spins = 0;
@@ -185,11 +199,11 @@ absl::Status NcclCommunicator::Poll(absl::string_view what, bool until_stream_id
     if (r != ncclSuccess) return Fail(NcclError("ncclCommGetAsyncError", r));
     if (state != ncclSuccess && state != ncclInProgress) return Fail(NcclError(what, state));
     if (state == ncclSuccess) {
-      if (!until_stream_idle) return absl::OkStatus();
-      const cudaError_t q = cudaStreamQuery(stream_);
+      if (!done) return absl::OkStatus();
+      const cudaError_t q = done();
       if (q == cudaSuccess) return absl::OkStatus();
       if (q != cudaErrorNotReady) {
-        return Fail(cuda::CudaError(absl::StrCat(what, ": cudaStreamQuery"), q));
+        return Fail(cuda::CudaError(absl::StrCat(what, ": waiting for the GPU"), q));
       }
     }
     if (SteadyClock::now() > deadline) {
@@ -200,11 +214,7 @@ absl::Status NcclCommunicator::Poll(absl::string_view what, bool until_stream_id
   }
 }
 
-absl::Status NcclCommunicator::Complete(absl::string_view what) {
-  AIDN_RETURN_IF_ERROR(Wait(what));
-  sequence_.fetch_add(1);
-  return absl::OkStatus();
-}
+absl::Status NcclCommunicator::Complete(absl::string_view what) { return Wait(what); }
 
 absl::Status NcclCommunicator::EnqueueAllReduce(float* data, size_t count, ReduceOp op) {
   AIDN_RETURN_IF_ERROR(Usable());
@@ -218,6 +228,7 @@ absl::Status NcclCommunicator::AllReduce(float* data, size_t count, ReduceOp op)
   const std::string what = absl::StrCat("nccl allreduce of ", count, " floats");
   AIDN_RETURN_IF_ERROR(EnqueueAllReduce(data, count, op));
   if (count == 0) {
+    ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
@@ -231,6 +242,7 @@ absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
         "nccl broadcast: root ", root, " is not in a world of size ", options_.world_size));
   }
   if (count == 0) {
+    ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
@@ -243,6 +255,7 @@ absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
 absl::Status NcclCommunicator::AllGather(const float* in, size_t count, float* out) {
   AIDN_RETURN_IF_ERROR(Usable());
   if (count == 0) {
+    ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
@@ -255,6 +268,7 @@ absl::Status NcclCommunicator::ReduceScatter(const float* in, size_t count, floa
                                              ReduceOp op) {
   AIDN_RETURN_IF_ERROR(Usable());
   if (count == 0) {
+    ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }

@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -85,12 +86,20 @@ class NcclCommunicator final : public Communicator {
   absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp op) override;
   absl::Status Barrier() override;
 
-  // Queues an in-place allreduce on stream() without waiting; Wait() (or
-  // any later synchronous call) reports its outcome.
+  // Queues an in-place allreduce on stream() without waiting; Wait() or
+  // WaitForEvent() (or any later synchronous call) reports its outcome and
+  // counts it in sequence().
   absl::Status EnqueueAllReduce(float* data, size_t count, ReduceOp op);
   // Waits until everything queued on stream() has completed, polling for
   // asynchronous errors; aborts at an error or at the deadline.
   absl::Status Wait(absl::string_view what);
+  // As Wait, but for `event` (on any stream), which the caller recorded
+  // after work that waits for everything queued on stream() so far (DDP:
+  // the step's last kernel on the compute stream, which waited for the
+  // buckets' allreduces). A dead peer leaves the collective, and so the
+  // event, pending forever: this is how the compute stream's host wait is
+  // bounded.
+  absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what);
 
   // Aborts the communicator now (a failure elsewhere in the generation);
   // later calls answer FAILED_PRECONDITION. Call it from the thread that
@@ -104,16 +113,16 @@ class NcclCommunicator final : public Communicator {
   explicit NcclCommunicator(const NcclOptions& options) : options_(options) {}
   // Common prologue: refuses after a failure.
   absl::Status Usable() const;
-  // After queuing `what`: ncclInProgress is fine (non-blocking), anything
-  // else fails the communicator.
+  // After queuing `what` (counted in queued_): ncclInProgress is fine
+  // (non-blocking), anything else fails the communicator.
   absl::Status Queued(absl::string_view what, ncclResult_t result);
   // Polls ncclCommGetAsyncError until the communicator leaves
-  // ncclInProgress (and, with until_stream_idle, stream() has drained);
-  // aborts on an error or past the timeout ("<what> <not_done> within N
-  // ms<hint>").
-  absl::Status Poll(absl::string_view what, bool until_stream_idle, absl::string_view not_done,
-                    absl::string_view hint);
-  // Wait(), then counts a completed collective.
+  // ncclInProgress (and, with a `done` query, until it answers cudaSuccess:
+  // stream() drained, an event reached); aborts on an error or past the
+  // timeout ("<what> <not_done> within N ms<hint>").
+  absl::Status Poll(absl::string_view what, const std::function<cudaError_t()>& done,
+                    absl::string_view not_done, absl::string_view hint);
+  // Wait(), then counts the collectives queued so far as completed.
   absl::Status Complete(absl::string_view what);
   absl::Status Fail(absl::Status status);
 
@@ -124,6 +133,8 @@ class NcclCommunicator final : public Communicator {
   float* barrier_ = nullptr;
   absl::Status failed_;
   std::atomic<int64_t> sequence_{0};
+  // Collectives queued (sequence_ catches up with it at each completed wait).
+  int64_t queued_ = 0;
 };
 
 }  // namespace aidn::engine

@@ -20,6 +20,7 @@ absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(GpuContext* ctx, cons
     AIDN_ASSIGN_OR_RETURN(std::unique_ptr<GpuLayer> layer, MirrorLayer(ctx, cpu.layer(i)));
     std::vector<GpuParameter*> params = layer->Parameters();
     for (GpuParameter* p : params) model->parameters_.push_back(p);
+    model->layer_parameters_.push_back(params);
     if (!params.empty() && model->first_trainable_ < 0) {
       model->first_trainable_ = static_cast<int>(i);
     }
@@ -61,16 +62,19 @@ absl::Status GpuModel::Forward(const GpuTensor& input, GpuTensor* logits, bool t
   return absl::OkStatus();
 }
 
-absl::Status GpuModel::Backward(const GpuTensor& grad_logits) {
+absl::Status GpuModel::Backward(const GpuTensor& grad_logits, const GradReadyFn& on_ready) {
   const GpuTensor* g = &grad_logits;
   for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
-    if (fused_[static_cast<size_t>(i)]) continue;
+    const size_t at = static_cast<size_t>(i);
+    if (fused_[at]) continue;
     // No gradient for the model's input or anything before the first layer
     // with parameters (as Sequential::Backward).
-    GpuTensor* grad_input =
-        i > first_trainable_ && first_trainable_ >= 0 ? &grads_[static_cast<size_t>(i)] : nullptr;
-    AIDN_RETURN_IF_ERROR(Annotate(layers_[static_cast<size_t>(i)]->Backward(*g, grad_input),
-                                  absl::StrCat("layer ", i, " backward")));
+    GpuTensor* grad_input = i > first_trainable_ && first_trainable_ >= 0 ? &grads_[at] : nullptr;
+    AIDN_RETURN_IF_ERROR(
+        Annotate(layers_[at]->Backward(*g, grad_input), absl::StrCat("layer ", i, " backward")));
+    if (on_ready && !layer_parameters_[at].empty()) {
+      AIDN_RETURN_IF_ERROR(on_ready(layer_parameters_[at]));
+    }
     if (grad_input == nullptr) break;
     g = grad_input;
   }
@@ -143,8 +147,27 @@ absl::Status GpuModel::CopyGradientsTo(const std::vector<Parameter*>& cpu) const
 
 // ---------------------------------------------------------------- loss
 
+absl::Status GpuCrossEntropy::ReserveSlots(int slots) {
+  if (slots < 1) return absl::InvalidArgumentError(absl::StrCat(slots, " loss slots"));
+  if (slots <= slots_) return absl::OkStatus();
+  loss_.Release();
+  AIDN_ASSIGN_OR_RETURN(loss_, ctx_->allocator().Allocate(sizeof(double) * slots));
+  slots_ = slots;
+  return absl::OkStatus();
+}
+
 absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
                                       GpuTensor* grad_logits, double grad_scale) {
+  AIDN_RETURN_IF_ERROR(ReserveSlots(1));
+  return Compute(logits, labels, grad_logits, grad_scale, 0);
+}
+
+absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
+                                      GpuTensor* grad_logits, double grad_scale, int slot) {
+  if (slot < 0 || slot >= slots_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss slot ", slot, " of ", slots_, " reserved"));
+  }
   if (logits.rank() != 2) {
     return absl::InvalidArgumentError("logits must be [N, classes], got " + logits.ShapeString());
   }
@@ -162,9 +185,6 @@ absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector
   }
   if (grad_logits != nullptr) AIDN_RETURN_IF_ERROR(grad_logits->Resize(ctx_, {n, classes}));
   CachingAllocator& alloc = ctx_->allocator();
-  if (loss_.data() == nullptr) {
-    AIDN_ASSIGN_OR_RETURN(loss_, alloc.Allocate(sizeof(double)));
-  }
   const size_t label_bytes = sizeof(int32_t) * labels.size();
   if (label_bytes > labels_.bytes()) {
     labels_.Release();
@@ -176,14 +196,15 @@ absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector
   }
   if (n > 0) {
     // From pageable memory: the call returns once `labels` is staged, so the
-    // caller may reuse it.
+    // caller may reuse it. The next micro-batch's labels overwrite these
+    // only after this one's kernel has read them (stream order).
     AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(labels_.data(), labels.data(), label_bytes,
                                               cudaMemcpyHostToDevice, ctx_->stream()));
   }
   return LaunchSoftmaxCrossEntropy(
       ctx_->stream(), logits.data(), static_cast<const int32_t*>(labels_.data()), n, classes,
       grad_logits != nullptr ? grad_logits->data() : nullptr, grad_scale,
-      static_cast<double*>(row_loss_.data()), static_cast<double*>(loss_.data()));
+      static_cast<double*>(row_loss_.data()), static_cast<double*>(loss_.data()) + slot);
 }
 
 absl::StatusOr<double> GpuCrossEntropy::Loss() const {
@@ -203,20 +224,70 @@ absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(GpuContext* ctx, 
   std::unique_ptr<GpuTrainer> trainer(new GpuTrainer(ctx, model));
   AIDN_ASSIGN_OR_RETURN(trainer->optimizer_,
                         GpuOptimizer::Create(ctx, optimizer, model->Parameters()));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&trainer->done_, cudaEventDisableTiming));
   return trainer;
+}
+
+GpuTrainer::~GpuTrainer() {
+  // Nothing of ours may still be in flight when the pinned buffer goes.
+  if (done_ != nullptr) {
+    cudaEventSynchronize(done_);
+    cudaEventDestroy(done_);
+  }
+  if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
 }
 
 absl::StatusOr<double> GpuTrainer::Step(const Tensor& images, const std::vector<int32_t>& labels,
                                         double lr) {
-  AIDN_RETURN_IF_ERROR(input_.CopyFromHost(ctx_, images));
+  return Step({MicroBatch{&images, &labels, std::nullopt}}, lr);
+}
+
+absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, double lr) {
+  if (micro.empty()) return absl::InvalidArgumentError("a step needs at least one micro-batch");
+  for (size_t i = 0; i < micro.size(); ++i) {
+    if (micro[i].images == nullptr || micro[i].labels == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("micro-batch ", i, " has no data"));
+    }
+  }
+  const int k = static_cast<int>(micro.size());
+  AIDN_RETURN_IF_ERROR(loss_.ReserveSlots(k));
+  if (k > host_slots_) {
+    // The last step's copy into the old buffer has completed: its wait
+    // returned before this step began.
+    if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
+    host_losses_ = nullptr;
+    host_slots_ = 0;
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&host_losses_), sizeof(double) * k));
+    host_slots_ = k;
+  }
   AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
-  AIDN_RETURN_IF_ERROR(model_->Forward(input_, &logits_, /*training=*/true));
-  AIDN_RETURN_IF_ERROR(loss_.Compute(logits_, labels, &grad_logits_));
-  AIDN_RETURN_IF_ERROR(model_->Backward(grad_logits_));
+  // The CPU trainer's scale, computed as it computes it.
+  const double grad_scale = 1.0 / static_cast<double>(k);
+  for (int i = 0; i < k; ++i) {
+    const MicroBatch& b = micro[static_cast<size_t>(i)];
+    if (b.seed.has_value()) model_->SetSeed(*b.seed);
+    AIDN_RETURN_IF_ERROR(input_.CopyFromHost(ctx_, *b.images));
+    AIDN_RETURN_IF_ERROR(model_->Forward(input_, &logits_, /*training=*/true));
+    AIDN_RETURN_IF_ERROR(loss_.Compute(logits_, *b.labels, &grad_logits_, grad_scale, i));
+    const bool last = i == k - 1;
+    AIDN_RETURN_IF_ERROR(
+        model_->Backward(grad_logits_, last ? grad_ready_ : GpuModel::GradReadyFn()));
+  }
   if (after_backward_) AIDN_RETURN_IF_ERROR(after_backward_());
   AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host_losses_, loss_.device_losses(), sizeof(double) * k,
+                                            cudaMemcpyDeviceToHost, ctx_->stream()));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
   // The only wait of the step.
-  return loss_.Loss();
+  if (wait_) {
+    AIDN_RETURN_IF_ERROR(wait_(done_));
+  } else {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+  }
+  double loss = 0;
+  for (int i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
+  return loss;
 }
 
 }  // namespace aidn::engine::cuda

@@ -11,9 +11,10 @@
 //                  comparisons).
 //   GpuCrossEntropy  softmax cross-entropy, mean over the batch, as
 //                  engine::SoftmaxCrossEntropy.
-//   GpuTrainer     one training step: upload the batch, zero the gradients,
-//                  forward, loss, backward, optimizer step, all queued on
-//                  the context's stream; the host waits once, for the loss.
+//   GpuTrainer     one training step: zero the gradients; per micro-batch
+//                  upload, forward, loss, backward (accumulating); the
+//                  optimizer step; all queued on the context's stream; the
+//                  host waits once, for the losses.
 //
 // Structure: GpuContext (stream, cuBLAS, cuDNN, caching allocator) <-
 // GpuTensor <- kernels / GpuLayer <- GpuModel, GpuOptimizer <- GpuTrainer.
@@ -21,6 +22,8 @@
 //
 // Not thread-safe: one model per trainer thread, on its context's stream.
 // As on the CPU, Forward keeps pointers into its input until Backward.
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <functional>
@@ -35,6 +38,7 @@
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_optimizer.h"
 #include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/data.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 
@@ -51,10 +55,16 @@ class GpuModel {
   static absl::StatusOr<std::unique_ptr<GpuModel>> Build(GpuContext* ctx, const ModelConfig& config,
                                                          uint64_t seed);
 
+  // Called by Backward once a layer's backward is queued, with that layer's
+  // parameters, whose gradients are then complete in the stream's order;
+  // last layer first (DDP launches a bucket when its last gradient is in).
+  // An error stops Backward.
+  using GradReadyFn = std::function<absl::Status(const std::vector<GpuParameter*>&)>;
+
   // As Sequential::Forward / Backward. `input` (and `logits`) must stay
   // alive and unchanged until Backward.
   absl::Status Forward(const GpuTensor& input, GpuTensor* logits, bool training);
-  absl::Status Backward(const GpuTensor& grad_logits);
+  absl::Status Backward(const GpuTensor& grad_logits, const GradReadyFn& on_ready = nullptr);
   absl::Status ZeroGrad();
   // As Sequential::SetSeed (the same per-layer seeds; GPU dropout masks are
   // still not the CPU's, see dropout_mask.h).
@@ -80,6 +90,8 @@ class GpuModel {
   std::vector<std::unique_ptr<GpuLayer>> layers_;
   std::vector<bool> fused_;
   std::vector<GpuParameter*> parameters_;
+  // Per layer, its parameters (empty for most).
+  std::vector<std::vector<GpuParameter*>> layer_parameters_;
   int first_trainable_ = -1;
   std::vector<GpuTensor> activations_;
   std::vector<GpuTensor> grads_;
@@ -93,14 +105,23 @@ class GpuCrossEntropy {
   // [0, classes) or a count that is not the batch size) and uploaded.
   absl::Status Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
                        GpuTensor* grad_logits, double grad_scale = 1.0);
-  // The loss of the last Compute; waits for the stream.
+  // The loss of the last Compute into slot 0; waits for the stream.
   absl::StatusOr<double> Loss() const;
+
+  // Room for `slots` losses on the device (one per micro-batch of a step),
+  // kept until a larger reservation; Compute(..., slot) writes slot `slot`.
+  absl::Status ReserveSlots(int slots);
+  absl::Status Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
+                       GpuTensor* grad_logits, double grad_scale, int slot);
+  // The slots (device doubles), valid until the next ReserveSlots.
+  const double* device_losses() const { return static_cast<const double*>(loss_.data()); }
 
  private:
   GpuContext* ctx_;
   DeviceBuffer labels_;
   DeviceBuffer row_loss_;
   DeviceBuffer loss_;
+  int slots_ = 0;
 };
 
 class GpuTrainer {
@@ -108,16 +129,39 @@ class GpuTrainer {
   // `model` must outlive the trainer.
   static absl::StatusOr<std::unique_ptr<GpuTrainer>> Create(GpuContext* ctx, GpuModel* model,
                                                             const OptimizerConfig& optimizer);
+  ~GpuTrainer();
+  GpuTrainer(const GpuTrainer&) = delete;
+  GpuTrainer& operator=(const GpuTrainer&) = delete;
+
   // One step on a batch (images [N, C, H, W] on the host, labels [N]) with
   // learning rate `lr`; returns the batch's mean loss before the update.
   absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels, double lr);
+  // One optimizer step over k micro-batches (gradient accumulation, as the
+  // CPU trainer does it): the gradients are zeroed once, each micro-batch's
+  // loss gradient is scaled by 1/k and backward adds it in, then one update.
+  // Returns the sum over the micro-batches of loss_i / k, in order (the
+  // CPU trainer's sum). A micro-batch with a seed sets the model's dropout
+  // seed before its forward. INVALID_ARGUMENT for no micro-batches or a
+  // null pointer in one.
+  absl::StatusOr<double> Step(const std::vector<MicroBatch>& micro, double lr);
+
+  // During the last micro-batch's backward, after each layer with
+  // parameters (GpuModel::GradReadyFn): DDP starts a bucket's allreduce.
+  void SetGradReady(GpuModel::GradReadyFn hook) { grad_ready_ = std::move(hook); }
   // Runs between backward and the optimizer step of every Step (DDP: the
   // gradient allreduce, which must leave the averaged gradients ordered
   // before the context's stream continues). An error fails the Step before
   // the update.
   void SetAfterBackward(std::function<absl::Status()> hook) { after_backward_ = std::move(hook); }
+  // How the host waits for the end of a step: `done` is recorded on the
+  // context's stream after the update and the loss's copy to the host. By
+  // default cudaEventSynchronize; DDP polls NCCL for errors meanwhile, since
+  // a dead peer would leave `done` pending forever.
+  void SetWait(std::function<absl::Status(cudaEvent_t done)> wait) { wait_ = std::move(wait); }
+
   GpuOptimizer& optimizer() { return *optimizer_; }
-  // The last step's logits (valid until the next step).
+  // The last step's logits (of its last micro-batch; valid until the next
+  // step).
   const GpuTensor& logits() const { return logits_; }
 
  private:
@@ -129,7 +173,13 @@ class GpuTrainer {
   GpuTensor input_;
   GpuTensor logits_;
   GpuTensor grad_logits_;
+  GpuModel::GradReadyFn grad_ready_;
   std::function<absl::Status()> after_backward_;
+  std::function<absl::Status(cudaEvent_t)> wait_;
+  // The step's losses, copied here (pinned) before `done_`.
+  double* host_losses_ = nullptr;
+  int host_slots_ = 0;
+  cudaEvent_t done_ = nullptr;
 };
 
 }  // namespace aidn::engine::cuda

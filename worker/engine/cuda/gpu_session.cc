@@ -1,14 +1,13 @@
 // GpuSession on CUDA: GpuContext + GpuModel + GpuTrainer, and for more than
-// one rank an NcclCommunicator whose allreduce runs from the trainer's
-// after-backward hook.
+// one rank an NcclCommunicator and a GpuDdpReducer wired into the trainer's
+// hooks.
 //
 // Stream order of a step with several ranks: backward is queued on the
-// compute stream; an event recorded there makes the NCCL stream wait for
-// it, so NCCL reads finished gradients; the host then waits for the NCCL
-// stream (Wait polls ncclCommGetAsyncError against the timeout, so a peer
-// that died cannot hang us) before the optimizer is queued, so the update
-// reads averaged gradients. The host wait is the price of not overlapping
-// the allreduce with backward yet.
+// compute stream; as each bucket's last gradient is queued, the NCCL stream
+// waits for an event there and reduces the bucket while the compute stream
+// goes on with the earlier layers' backward; the compute stream then waits
+// for the NCCL stream's last event before the optimizer. The host waits
+// once, for the step's end, polling NCCL (a dead peer fails the step).
 #include "worker/engine/gpu_session.h"
 
 #include <cuda_runtime.h>
@@ -24,6 +23,7 @@
 #include "worker/engine/device.h"
 #if AIDN_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
+#include "worker/engine/cuda/gpu_ddp.h"
 #endif
 
 namespace aidn::engine {
@@ -31,9 +31,7 @@ namespace {
 
 class CudaGpuSession final : public GpuSession {
  public:
-  ~CudaGpuSession() override {
-    if (ready_ != nullptr) cudaEventDestroy(ready_);
-  }
+  using GpuSession::Step;
 
   static absl::StatusOr<std::unique_ptr<GpuSession>> Make(const GpuSessionOptions& options,
                                                           const Sequential& model,
@@ -77,10 +75,16 @@ class CudaGpuSession final : public GpuSession {
       nccl.device = options.device;
       nccl.timeout = options.timeout;
       AIDN_ASSIGN_OR_RETURN(s->nccl_, NcclCommunicator::Create(nccl, options.store));
-      AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&s->ready_, cudaEventDisableTiming));
-      absl::StrAppend(&s->description_, ", NCCL ", options.world_size, " ranks");
-      CudaGpuSession* raw = s.get();
-      s->trainer_->SetAfterBackward([raw] { return raw->AllReduceGradients(); });
+      AIDN_ASSIGN_OR_RETURN(s->reducer_, cuda::GpuDdpReducer::Create(
+                                             s->ctx_.get(), s->model_->Parameters(), s->nccl_.get(),
+                                             DdpOptions{.bucket_mb = options.bucket_mb}));
+      absl::StrAppend(&s->description_, ", NCCL ", options.world_size, " ranks, ",
+                      s->reducer_->num_buckets(), " gradient buckets");
+      cuda::GpuDdpReducer* reducer = s->reducer_.get();
+      s->trainer_->SetGradReady(
+          [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
+      s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
+      s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
 #else
       return absl::UnimplementedError(
           "device: gpu with more than one rank needs NCCL, which this build lacks");
@@ -91,13 +95,23 @@ class CudaGpuSession final : public GpuSession {
 
   void SetSeed(uint64_t seed) override { model_->SetSeed(seed); }
 
-  absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels,
-                              double lr) override {
-    allreduce_seconds_ = 0;
-    return trainer_->Step(images, labels, lr);
+  absl::StatusOr<double> Step(const std::vector<MicroBatch>& micro, double lr) override {
+    return trainer_->Step(micro, lr);
   }
 
-  double last_allreduce_seconds() const override { return allreduce_seconds_; }
+  double last_allreduce_seconds() const override {
+#if AIDN_HAVE_NCCL
+    if (reducer_ != nullptr) return reducer_->last_allreduce_seconds();
+#endif
+    return 0;
+  }
+
+  double last_allreduce_wait_seconds() const override {
+#if AIDN_HAVE_NCCL
+    if (reducer_ != nullptr) return reducer_->last_exposed_seconds();
+#endif
+    return 0;
+  }
 
   int64_t collective_sequence() const override {
 #if AIDN_HAVE_NCCL
@@ -126,30 +140,16 @@ class CudaGpuSession final : public GpuSession {
  private:
   CudaGpuSession() = default;
 
-#if AIDN_HAVE_NCCL
-  absl::Status AllReduceGradients() {
-    const auto start = std::chrono::steady_clock::now();
-    // NCCL reads the gradients only once backward has written them.
-    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(ready_, ctx_->stream()));
-    AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(nccl_->stream(), ready_, 0));
-    for (cuda::GpuParameter* p : model_->Parameters()) {
-      AIDN_RETURN_IF_ERROR(nccl_->EnqueueAllReduce(
-          p->grad.data(), static_cast<size_t>(p->grad.numel()), ReduceOp::kAvg));
-    }
-    // The optimizer is queued after this returns, so it reads the averages.
-    absl::Status s = nccl_->Wait("gradient allreduce");
-    allreduce_seconds_ =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return s;
-  }
-  std::unique_ptr<NcclCommunicator> nccl_;
-#endif
-
+  // Destroyed in reverse: the reducer first (it gives the model's
+  // gradients their own storage back and synchronises both streams), then
+  // the communicator, the trainer, the model, and the context last.
   std::unique_ptr<cuda::GpuContext> ctx_;
   std::unique_ptr<cuda::GpuModel> model_;
   std::unique_ptr<cuda::GpuTrainer> trainer_;
-  cudaEvent_t ready_ = nullptr;
-  double allreduce_seconds_ = 0;
+#if AIDN_HAVE_NCCL
+  std::unique_ptr<NcclCommunicator> nccl_;
+  std::unique_ptr<cuda::GpuDdpReducer> reducer_;
+#endif
   std::string description_;
 };
 

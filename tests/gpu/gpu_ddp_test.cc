@@ -1,0 +1,192 @@
+// GpuDdpReducer on one GPU, with a real NcclCommunicator of world size 1
+// through the KV rendezvous. Averaging over one rank is exact, so a model
+// trained through several buckets must match one trained without DDP bit
+// for bit; the buckets' mechanics (gradients as views, a gradient that never
+// comes, one reported twice) are pinned down too. Two ranks need two GPUs.
+// Skips without a device.
+#include "worker/engine/cuda/gpu_ddp.h"
+
+#include <stdlib.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/gpu/gpu_test_util.h"
+#include "worker/engine/comm/kv_store.h"
+#include "worker/engine/cuda/gpu_model.h"
+#include "worker/engine/model.h"
+
+namespace aidn::engine::cuda {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomTensor;
+using testing::ToHost;
+
+std::unique_ptr<NcclCommunicator> WorldOfOne(InMemoryKeyValueStore* store) {
+  setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+  NcclOptions options;
+  options.timeout = std::chrono::seconds(60);
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(options, store);
+  EXPECT_TRUE(comm.ok()) << comm.status();
+  return comm.ok() ? std::move(comm).value() : nullptr;
+}
+
+ModelConfig Cnn() {
+  ModelConfig c;
+  c.name = "cnn";
+  return c;
+}
+
+// Heuristic algorithm choice: two models on one context then pick the same
+// convolution algorithms (timing them could pick differently, and differ
+// in the last bits).
+GpuContextOptions Reproducible() {
+  GpuContextOptions o;
+  o.benchmark_convolutions = false;
+  return o;
+}
+
+void Hook(GpuTrainer* trainer, GpuDdpReducer* reducer) {
+  trainer->SetGradReady(
+      [reducer](const std::vector<GpuParameter*>& p) { return reducer->OnGradReady(p); });
+  trainer->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
+  trainer->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
+}
+
+TEST(GpuDdp, AWorldOfOneThroughSeveralBucketsTrainsBitForBitAsWithoutDdp) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  auto cpu = BuildModel(Cnn(), 3);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto plain = GpuModel::Create(ctx.get(), **cpu);
+  auto ddp = GpuModel::Create(ctx.get(), **cpu);
+  ASSERT_TRUE(plain.ok() && ddp.ok());
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.05;
+  opt.momentum = 0.9;
+  auto plain_trainer = GpuTrainer::Create(ctx.get(), plain->get(), opt);
+  auto ddp_trainer = GpuTrainer::Create(ctx.get(), ddp->get(), opt);
+  ASSERT_TRUE(plain_trainer.ok() && ddp_trainer.ok());
+
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  // 20 kB buckets: the CNN's gradients fill several.
+  auto reducer = GpuDdpReducer::Create(ctx.get(), (*ddp)->Parameters(), nccl.get(),
+                                       DdpOptions{.bucket_mb = 0.02});
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  const int buckets = (*reducer)->num_buckets();
+  std::printf("  %d buckets\n", buckets);
+  EXPECT_GE(buckets, 3);
+  Hook(ddp_trainer->get(), reducer->get());
+
+  std::vector<Tensor> images;
+  std::vector<std::vector<int32_t>> labels;
+  for (int i = 0; i < 12; ++i) {
+    images.push_back(RandomTensor({32, 1, 28, 28}, 100 + i));
+    labels.emplace_back(32);
+    for (int j = 0; j < 32; ++j) labels.back()[static_cast<size_t>(j)] = (i * 7 + j * 3) % 10;
+  }
+  int64_t collectives = 0;
+  for (int step = 0; step < 10; ++step) {
+    absl::StatusOr<double> a = (*plain_trainer)->Step(images[step], labels[step], opt.lr);
+    absl::StatusOr<double> b = (*ddp_trainer)->Step(images[step], labels[step], opt.lr);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(*a, *b) << "step " << step;
+    collectives += buckets;
+    EXPECT_EQ(nccl->sequence(), collectives) << "every bucket's allreduce is counted";
+    EXPECT_GT((*reducer)->last_allreduce_seconds(), 0.0);
+  }
+  // A step of two micro-batches communicates once, after the second.
+  std::vector<MicroBatch> micro = {{&images[10], &labels[10], std::nullopt},
+                                   {&images[11], &labels[11], std::nullopt}};
+  absl::StatusOr<double> a = (*plain_trainer)->Step(micro, opt.lr);
+  absl::StatusOr<double> b = (*ddp_trainer)->Step(micro, opt.lr);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, *b);
+  EXPECT_EQ(nccl->sequence(), collectives + buckets);
+
+  auto want = BuildModel(Cnn(), 8);
+  auto got = BuildModel(Cnn(), 9);
+  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
+  ASSERT_TRUE((*ddp)->CopyParametersTo((*got)->Parameters()).ok());
+  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
+              0.0)
+        << (*want)->Parameters()[k]->name;
+  }
+}
+
+TEST(GpuDdp, GradientsMoveIntoTheBucketsAndBackWithTheirValues) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  auto model = GpuModel::Build(ctx.get(), Cnn(), 4);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<GpuParameter*>& params = (*model)->Parameters();
+  std::vector<Tensor> values;
+  for (size_t k = 0; k < params.size(); ++k) {
+    values.push_back(RandomTensor(params[k]->grad.shape(), 40 + k));
+    ASSERT_TRUE(params[k]->grad.CopyFromHost(ctx.get(), values.back()).ok());
+  }
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto reducer =
+      GpuDdpReducer::Create(ctx.get(), params, nccl.get(), DdpOptions{.bucket_mb = 0.001});
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  // Reverse registration order: the last parameter's bucket goes first.
+  EXPECT_EQ((*reducer)->BucketLayout().front().front(), params.back()->name);
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_TRUE(params[k]->grad.is_view()) << params[k]->name;
+    EXPECT_EQ(params[k]->grad.shape(), values[k].shape());
+    EXPECT_EQ(testing::MaxRelError(ToHost(ctx.get(), params[k]->grad), values[k]), 0.0);
+  }
+  reducer->reset();
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_FALSE(params[k]->grad.is_view()) << params[k]->name;
+    EXPECT_EQ(testing::MaxRelError(ToHost(ctx.get(), params[k]->grad), values[k]), 0.0);
+  }
+}
+
+TEST(GpuDdp, AGradientThatNeverComesOrComesTwiceFailsTheStep) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  auto model = GpuModel::Build(ctx.get(), Cnn(), 4);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<GpuParameter*>& params = (*model)->Parameters();
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto reducer =
+      GpuDdpReducer::Create(ctx.get(), params, nccl.get(), DdpOptions{.bucket_mb = 0.001});
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+
+  // Only the last layer's gradients: the earlier buckets never fill.
+  ASSERT_TRUE((*reducer)->OnGradReady({params[params.size() - 2], params.back()}).ok());
+  absl::Status missing = (*reducer)->AfterBackward();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(missing.message(), HasSubstr("bucket"));
+  EXPECT_THAT(missing.message(), HasSubstr("got no gradient"));
+
+  ASSERT_TRUE((*reducer)->OnGradReady({params.back()}).ok());
+  absl::Status twice = (*reducer)->OnGradReady({params.back()});
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(twice.message(), HasSubstr(params.back()->name));
+
+  GpuParameter stranger;
+  stranger.name = "stranger";
+  EXPECT_EQ((*reducer)->OnGradReady({&stranger}).code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(GpuDdpReducer::Create(ctx.get(), params, nccl.get(), DdpOptions{.bucket_mb = 0})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace aidn::engine::cuda

@@ -1,0 +1,172 @@
+#include "worker/engine/cuda/gpu_ddp.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/status.h"
+
+namespace aidn::engine::cuda {
+
+absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
+    GpuContext* ctx, const std::vector<GpuParameter*>& parameters, NcclCommunicator* nccl,
+    const DdpOptions& options) {
+  if (ctx == nullptr || nccl == nullptr) {
+    return absl::InvalidArgumentError("gpu ddp: no context or no communicator");
+  }
+  std::vector<int64_t> numels;
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    if (parameters[k] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("gpu ddp: parameter ", k, " is null"));
+    }
+    numels.push_back(parameters[k]->grad.numel());
+  }
+  AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 0));
+  std::unique_ptr<GpuDdpReducer> r(new GpuDdpReducer(ctx, nccl));
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    Bucket& bucket = r->buckets_.emplace_back();
+    bucket.floats = plan.floats[b];
+    for (int k : plan.buckets[b]) {
+      GpuParameter* p = parameters[static_cast<size_t>(k)];
+      if (!r->bucket_of_.emplace(p, static_cast<int>(b)).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("gpu ddp: parameter ", p->name, " is listed twice"));
+      }
+      bucket.parameters.push_back(p);
+    }
+  }
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&r->ready_, cudaEventDisableTiming));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->start_));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->end_));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->backward_end_));
+  // The gradients move into the buckets (stream order keeps their values:
+  // the copies are queued before anything that writes them again).
+  cudaStream_t stream = ctx->stream();
+  for (size_t b = 0; b < r->buckets_.size(); ++b) {
+    Bucket& bucket = r->buckets_[b];
+    if (bucket.floats == 0) continue;
+    AIDN_ASSIGN_OR_RETURN(bucket.buffer, ctx->allocator().Allocate(sizeof(float) * bucket.floats));
+    float* base = static_cast<float*>(bucket.buffer.data());
+    // The padding between gradients is reduced too: zeros, not garbage.
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(base, 0, sizeof(float) * bucket.floats, stream));
+  }
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    GpuParameter* p = parameters[k];
+    const BucketPlan::Slot slot = plan.slots[k];
+    float* at = static_cast<float*>(r->buckets_[static_cast<size_t>(slot.bucket)].buffer.data()) +
+                slot.offset;
+    if (p->grad.numel() > 0) {
+      AIDN_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(at, p->grad.data(), sizeof(float) * static_cast<size_t>(p->grad.numel()),
+                          cudaMemcpyDeviceToDevice, stream));
+    }
+    std::vector<int64_t> shape = p->grad.shape();
+    p->grad = GpuTensor::View(at, std::move(shape));
+  }
+  for (Bucket& bucket : r->buckets_) bucket.pending = static_cast<int>(bucket.parameters.size());
+  return r;
+}
+
+GpuDdpReducer::~GpuDdpReducer() {
+  // Nothing may still read or write the buckets when they go.
+  cudaStreamSynchronize(nccl_->stream());
+  cudaStreamSynchronize(ctx_->stream());
+  for (Bucket& bucket : buckets_) {
+    for (GpuParameter* p : bucket.parameters) {
+      if (!p->grad.is_view()) continue;
+      absl::StatusOr<GpuTensor> own = GpuTensor::Empty(ctx_, p->grad.shape());
+      if (!own.ok() || !own->CopyFrom(ctx_, p->grad).ok()) continue;
+      p->grad = *std::move(own);
+    }
+  }
+  cudaStreamSynchronize(ctx_->stream());
+  if (ready_ != nullptr) cudaEventDestroy(ready_);
+  if (start_ != nullptr) cudaEventDestroy(start_);
+  if (end_ != nullptr) cudaEventDestroy(end_);
+  if (backward_end_ != nullptr) cudaEventDestroy(backward_end_);
+}
+
+std::vector<std::vector<std::string>> GpuDdpReducer::BucketLayout() const {
+  std::vector<std::vector<std::string>> layout;
+  for (const Bucket& b : buckets_) {
+    std::vector<std::string>& names = layout.emplace_back();
+    for (const GpuParameter* p : b.parameters) names.push_back(p->name);
+  }
+  return layout;
+}
+
+absl::Status GpuDdpReducer::Launch(int index) {
+  Bucket& bucket = buckets_[static_cast<size_t>(index)];
+  cudaStream_t comm = nccl_->stream();
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(ready_, ctx_->stream()));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, ready_, 0));
+  if (launched_ == 0) AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(start_, comm));
+  ++launched_;
+  absl::Status s = nccl_->EnqueueAllReduce(static_cast<float*>(bucket.buffer.data()), bucket.floats,
+                                           ReduceOp::kAvg);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("ddp bucket ", index, ": ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parameters) {
+  for (GpuParameter* p : parameters) {
+    auto it = bucket_of_.find(p);
+    if (it == bucket_of_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gpu ddp: gradient of ", p == nullptr ? "null" : p->name, " is not in any bucket"));
+    }
+    if (!reported_.emplace(p, true).second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("gpu ddp: gradient of ", p->name, " reported twice in one backward"));
+    }
+    Bucket& bucket = buckets_[static_cast<size_t>(it->second)];
+    if (--bucket.pending == 0) AIDN_RETURN_IF_ERROR(Launch(it->second));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuDdpReducer::AfterBackward() {
+  absl::Status missing;
+  // Buckets launch in plan order on every rank only if every gradient
+  // came; a bucket still pending is launched now (so the ranks' NCCL calls
+  // still match) and the step fails.
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].pending == 0) continue;
+    if (missing.ok()) {
+      missing = absl::InternalError(absl::StrCat("gpu ddp: bucket ", b, " still misses ",
+                                                 buckets_[b].pending,
+                                                 " gradients (a parameter got no gradient?)"));
+    }
+    AIDN_RETURN_IF_ERROR(Launch(static_cast<int>(b)));
+  }
+  for (Bucket& bucket : buckets_) bucket.pending = static_cast<int>(bucket.parameters.size());
+  reported_.clear();
+  timed_ = launched_ > 0;
+  launched_ = 0;
+  if (timed_) {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(backward_end_, ctx_->stream()));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(end_, nccl_->stream()));
+    // The optimizer (queued next on the compute stream) reads the averages.
+    AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(ctx_->stream(), end_, 0));
+  }
+  return missing;
+}
+
+absl::Status GpuDdpReducer::Wait(cudaEvent_t done) {
+  AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(done, "gradient allreduce"));
+  allreduce_seconds_ = 0;
+  exposed_seconds_ = 0;
+  if (timed_) {
+    float ms = 0;
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, start_, end_));
+    allreduce_seconds_ = static_cast<double>(ms) / 1e3;
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, backward_end_, end_));
+    exposed_seconds_ = std::max(0.0, static_cast<double>(ms) / 1e3);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::engine::cuda

@@ -1,0 +1,121 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_GPU_DDP_H_
+#define AIDN_WORKER_ENGINE_CUDA_GPU_DDP_H_
+
+// Data-parallel gradient averaging on GPUs with NCCL, overlapped with
+// backward (torch DDP's reducer, on streams instead of a thread):
+//
+//   * The gradients are grouped into buckets of about bucket_mb, in reverse
+//     registration order (ddp.h's PlanBuckets, the CPU reducer's plan), and
+//     each gradient becomes a view into its bucket's flat device buffer
+//     (torch's gradient_as_bucket_view): backward writes where NCCL reads,
+//     and the averages land where the optimizer reads, with no copies.
+//   * OnGradReady (the trainer's grad-ready hook, called as each layer's
+//     backward is queued) launches a bucket once its last gradient is in:
+//     an event recorded on the compute stream, the NCCL stream waits for
+//     it, ncclAllReduce(ncclAvg) on the bucket. Later layers' backward
+//     kernels go on queuing on the compute stream meanwhile, so the
+//     allreduce of the last layers overlaps the backward of the first.
+//   * AfterBackward (before the optimizer): an event on the NCCL stream
+//     after the last bucket, and the compute stream waits for it. The host
+//     does not wait: the update is simply ordered after the averages.
+//   * Wait (the trainer's end-of-step wait): the host waits for the step's
+//     last event while polling NCCL for asynchronous errors against the
+//     communicator's timeout; a dead peer fails the step (the communicator
+//     is aborted) instead of hanging the trainer.
+//
+// Only the last micro-batch of a step (gradient accumulation) reports its
+// gradients ready; the earlier ones accumulate locally.
+//
+// A step that failed part-way (an error from a hook, a backward error)
+// leaves the reducer's per-step state behind: the trainer fails the
+// generation then, and a new generation builds a new reducer.
+//
+// Not thread-safe: the trainer's thread. The parameters, the context and the
+// communicator must outlive the reducer. When the reducer goes, the
+// gradients get storage of their own again (with their values).
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/nccl_communicator.h"
+#include "worker/engine/cuda/allocator.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/ddp.h"
+
+namespace aidn::engine::cuda {
+
+class GpuDdpReducer {
+ public:
+  // `parameters` in registration order (GpuModel::Parameters()).
+  // INVALID_ARGUMENT for a bad bucket size, a null or duplicate parameter.
+  static absl::StatusOr<std::unique_ptr<GpuDdpReducer>> Create(
+      GpuContext* ctx, const std::vector<GpuParameter*>& parameters, NcclCommunicator* nccl,
+      const DdpOptions& options);
+  ~GpuDdpReducer();
+  GpuDdpReducer(const GpuDdpReducer&) = delete;
+  GpuDdpReducer& operator=(const GpuDdpReducer&) = delete;
+
+  // These gradients are complete in the compute stream's order; launches
+  // every bucket this completes. INVALID_ARGUMENT for a parameter the
+  // reducer does not know; FAILED_PRECONDITION for one reported twice in a
+  // backward.
+  absl::Status OnGradReady(const std::vector<GpuParameter*>& parameters);
+  // Orders the compute stream after every bucket's allreduce. INTERNAL
+  // naming the bucket if one never launched (a parameter got no gradient),
+  // after launching it anyway so the ranks stay in step.
+  absl::Status AfterBackward();
+  // Waits for `done` (recorded on the compute stream after the update),
+  // polling NCCL; then measures the allreduce time.
+  absl::Status Wait(cudaEvent_t done);
+
+  // From the first bucket's launch to the last bucket's end, on the NCCL
+  // stream, in the last step (0 before one).
+  double last_allreduce_seconds() const { return allreduce_seconds_; }
+  // The part of it backward did not hide: from the end of backward on the
+  // compute stream to the end of the last allreduce (0 if that came first).
+  double last_exposed_seconds() const { return exposed_seconds_; }
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // Parameter names per bucket, in launch order.
+  std::vector<std::vector<std::string>> BucketLayout() const;
+
+ private:
+  struct Bucket {
+    std::vector<GpuParameter*> parameters;
+    DeviceBuffer buffer;
+    size_t floats = 0;
+    int pending = 0;  // gradients still to come in this backward
+  };
+
+  GpuDdpReducer(GpuContext* ctx, NcclCommunicator* nccl) : ctx_(ctx), nccl_(nccl) {}
+  absl::Status Launch(int bucket);
+
+  GpuContext* ctx_;
+  NcclCommunicator* nccl_;
+  std::vector<Bucket> buckets_;
+  std::unordered_map<GpuParameter*, int> bucket_of_;
+  std::unordered_map<GpuParameter*, bool> reported_;
+  int launched_ = 0;
+  // ready_: compute stream -> NCCL stream (reused: a wait binds to the
+  // record before it). start_, end_: the NCCL stream's span, timed; the
+  // compute stream waits for end_.
+  cudaEvent_t ready_ = nullptr;
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t end_ = nullptr;
+  // Backward's end on the compute stream, timed.
+  cudaEvent_t backward_end_ = nullptr;
+  bool timed_ = false;
+  double allreduce_seconds_ = 0;
+  double exposed_seconds_ = 0;
+};
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_GPU_DDP_H_
