@@ -1,11 +1,15 @@
 // One rank's training step on the GPU: aidn's GpuTrainer against PyTorch on
 // the same device (bench/gpu_step_torch.py, run by bench/gpu_step.sh).
 //
-//   gpu_step --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--fast-conv] [--json]
+//   gpu_step --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--fast-conv]
+//            [--precision fp32|bf16|fp16] [--json]
 //
 // Convolution algorithms: deterministic ones by default (aidn's default,
 // PyTorch's cudnn.deterministic); --fast-conv lets any be chosen, FFT and
-// Winograd too (PyTorch's cudnn.benchmark default). --profile brackets the
+// Winograd too (PyTorch's cudnn.benchmark default). --precision bf16 / fp16
+// rounds GEMM and convolution operands to 16 bits (fp16 with dynamic loss
+// scaling); the torch peer uses autocast (and GradScaler for fp16).
+// --profile brackets the
 // timed steps with cudaProfilerStart/Stop (ncu --profile-from-start off).
 //
 // The step is what GpuTrainer::Step does: upload the batch from pageable
@@ -43,6 +47,7 @@ struct Options {
   long long warmup = 50;
   bool tf32 = false;
   bool fast_conv = false;
+  std::string precision = "fp32";
   bool profile = false;
   bool json = false;
 };
@@ -50,7 +55,7 @@ struct Options {
 void Usage() {
   std::fprintf(stderr,
                "usage: gpu_step --model mlp|cnn [--batch 64] [--steps 500] [--warmup 50] "
-               "[--tf32] [--fast-conv] [--profile] [--json]\n");
+               "[--tf32] [--fast-conv] [--precision fp32|bf16|fp16] [--profile] [--json]\n");
 }
 
 int Run(const Options& o) {
@@ -64,6 +69,8 @@ int Run(const Options& o) {
   }
   aidn::engine::cuda::GpuContextOptions context_options;
   context_options.allow_tf32 = o.tf32;
+  if (o.precision == "bf16") context_options.precision = aidn::engine::cuda::Precision::kBf16;
+  if (o.precision == "fp16") context_options.precision = aidn::engine::cuda::Precision::kFp16;
   if (o.fast_conv) {
     // PyTorch's latitude with cudnn.benchmark: any algorithm, fastest first.
     context_options.allow_transform_convolutions = true;
@@ -142,16 +149,16 @@ int Run(const Options& o) {
     std::printf(
         "RESULT {\"impl\": \"aidn\", \"model\": \"%s\", \"batch\": %lld, \"steps\": %lld, "
         "\"samples_per_s\": %.1f, \"median_step_ms\": %.4f, \"final_loss\": %.6f, "
-        "\"tf32\": %s, \"conv\": \"%s\", \"device\": \"%s\"}\n",
+        "\"tf32\": %s, \"conv\": \"%s\", \"precision\": \"%s\", \"device\": \"%s\"}\n",
         o.model.c_str(), o.batch, o.steps, samples_per_s, median * 1e3, last_loss,
-        o.tf32 ? "true" : "false", o.fast_conv ? "fast" : "deterministic",
+        o.tf32 ? "true" : "false", o.fast_conv ? "fast" : "deterministic", o.precision.c_str(),
         inventory.gpus[0].name.c_str());
   } else {
     std::printf(
         "gpu_step aidn %s batch %lld | %lld steps | %.3f ms median | %.0f samples/s | "
-        "loss %.4f | %s%s\n",
+        "loss %.4f | %s | %s%s\n",
         o.model.c_str(), o.batch, o.steps, median * 1e3, samples_per_s, last_loss,
-        inventory.gpus[0].name.c_str(), o.tf32 ? " | tf32" : "");
+        inventory.gpus[0].name.c_str(), o.precision.c_str(), o.tf32 ? " | tf32" : "");
   }
   return 0;
 }
@@ -181,6 +188,8 @@ int main(int argc, char** argv) {
       o.tf32 = true;
     } else if (flag == "--fast-conv") {
       o.fast_conv = true;
+    } else if (flag == "--precision") {
+      o.precision = value("--precision");
     } else if (flag == "--profile") {
       o.profile = true;
     } else if (flag == "--json") {
@@ -190,7 +199,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (o.batch <= 0 || o.steps <= 0 || o.warmup < 0 || (o.model != "mlp" && o.model != "cnn")) {
+  if (o.batch <= 0 || o.steps <= 0 || o.warmup < 0 || (o.model != "mlp" && o.model != "cnn") ||
+      (o.precision != "fp32" && o.precision != "bf16" && o.precision != "fp16")) {
     Usage();
     return 2;
   }

@@ -10,7 +10,7 @@ also sets cudnn.deterministic (aidn's default; gpu_step --fast-conv is the
 other). Prints one RESULT line.
 
   gpu_step_torch.py --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32]
-                    [--deterministic] [--device cuda]
+                    [--deterministic] [--precision fp32|bf16|fp16] [--device cuda]
 """
 import argparse
 import json
@@ -41,6 +41,8 @@ def main():
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--tf32", action="store_true")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16/fp16: autocast for forward and loss (fp16 with a GradScaler)")
     p.add_argument("--profile", action="store_true",
                    help="cudaProfilerStart/Stop around the timed steps (ncu --profile-from-start off)")
     p.add_argument("--device", default="cuda")
@@ -54,6 +56,8 @@ def main():
     torch.manual_seed(1)
     model = build_model(a.model).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    half = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.precision]
+    scaler = torch.amp.GradScaler(device.type) if a.precision == "fp16" else None
 
     g = torch.Generator().manual_seed(7)
     images = [torch.rand(a.batch, 1, 28, 28, generator=g) * 2 - 1 for _ in range(8)]
@@ -72,9 +76,15 @@ def main():
         x = images[b].to(device)
         y = labels[b].to(device)
         opt.zero_grad(set_to_none=False)  # aidn zeroes its gradients too
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        with torch.autocast(device.type, dtype=half, enabled=half is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         loss_value = loss.item()
         if step >= a.warmup:
             times.append(time.perf_counter() - start)
@@ -88,7 +98,8 @@ def main():
         "samples_per_s": round(a.batch * a.steps / window, 1),
         "median_step_ms": round(times[len(times) // 2] * 1e3, 4),
         "final_loss": loss_value, "tf32": a.tf32,
-        "conv": "deterministic" if a.deterministic else "fast", "device": name,
+        "conv": "deterministic" if a.deterministic else "fast", "precision": a.precision,
+        "device": name,
         "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}))
 
 

@@ -490,13 +490,16 @@ absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) 
       break;
     case JobSpec::BF16:
     case JobSpec::FP16:
-      return Invalid("precision", absl::StrCat(JobSpec::Precision_Name(spec.precision()),
-                                               " is reserved and not supported yet (use fp32)"));
+      if (spec.device() != JobSpec::GPU) {
+        return Invalid("precision", absl::StrCat(JobSpec::Precision_Name(spec.precision()),
+                                                 " is for device: gpu (CPU jobs compute in fp32)"));
+      }
+      break;
     case JobSpec::PRECISION_UNSPECIFIED:
       return Invalid("precision", "not set (defaults were not applied)");
     default:
       return Invalid("precision", absl::StrCat("unknown value ", static_cast<int>(spec.precision()),
-                                               " (known: fp32)"));
+                                               " (known: fp32, bf16, fp16)"));
   }
 
   switch (spec.comm_backend()) {

@@ -46,6 +46,14 @@ GpuContextOptions Tf32() {
   o.allow_tf32 = true;
   return o;
 }
+// Mixed precision: operands rounded to 16 bits, fp32 accumulation.
+constexpr double kHalf = 1e-2;
+GpuContextOptions Half(Precision precision) {
+  GpuContextOptions o;
+  o.precision = precision;
+  return o;
+}
+const char* Name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp16"; }
 
 void Randomize(Parameter* p, uint64_t seed) {
   Tensor v = RandomTensor(p->value.shape(), seed, 0.5f);
@@ -142,6 +150,24 @@ TEST(GpuLinear, Tf32StaysWithinItsTolerance) {
                RandomTensor({128, 512}, 6), kTf32);
 }
 
+TEST(GpuLinear, Bf16AndFp16StayWithinTheirTolerance) {
+  for (Precision p : {Precision::kBf16, Precision::kFp16}) {
+    AIDN_GPU_CONTEXT_OR_SKIP(ctx, Half(p));
+    Linear cpu(512, 256);
+    auto gpu = Mirror(ctx.get(), &cpu, 5);
+    ASSERT_NE(gpu, nullptr);
+    CompareLayer(std::string("Linear(512, 256) ") + Name(p) + ", batch 128", ctx.get(), &cpu,
+                 gpu.get(), RandomTensor({128, 512}, 6), kHalf);
+    Linear fused(300, 130);
+    ASSERT_TRUE(fused.Fuse(ReLU()));
+    auto gpu_fused = Mirror(ctx.get(), &fused, 7);
+    ASSERT_NE(gpu_fused, nullptr);
+    ASSERT_TRUE(gpu_fused->Fuse(GpuReLU(ctx.get())));
+    CompareLayer(std::string("Linear(300, 130) + ReLU ") + Name(p) + ", batch 37", ctx.get(),
+                 &fused, gpu_fused.get(), RandomTensor({37, 300}, 8), kHalf);
+  }
+}
+
 TEST(GpuLinear, RejectsAWrongInputShape) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
   auto gpu = GpuLinear::Create(ctx.get(), 10, 4);
@@ -224,6 +250,24 @@ TEST(GpuConv2d, FastAlgorithmsStayWithinTheirTolerance) {
     std::printf("  algorithms: forward %d, backward data %d, backward filter %d\n",
                 static_cast<int>(algos->forward), static_cast<int>(algos->backward_data),
                 static_cast<int>(algos->backward_filter));
+  }
+}
+
+TEST(GpuConv2d, Bf16AndFp16StayWithinTheirTolerance) {
+  for (Precision p : {Precision::kBf16, Precision::kFp16}) {
+    AIDN_GPU_CONTEXT_OR_SKIP(ctx, Half(p));
+    for (const auto& [in, out, side, seed] :
+         std::vector<std::tuple<int64_t, int64_t, int64_t, uint64_t>>{{1, 32, 28, 31},
+                                                                      {32, 64, 14, 33}}) {
+      Conv2d cpu(in, out, 3, 1, 1);
+      auto gpu = Mirror(ctx.get(), &cpu, seed);
+      ASSERT_NE(gpu, nullptr);
+      const std::string name = "Conv2d(" + std::to_string(in) + ", " + std::to_string(out) +
+                               ", 3, pad 1) " + Name(p) + ", [64, " + std::to_string(in) + ", " +
+                               std::to_string(side) + ", " + std::to_string(side) + "]";
+      CompareLayer(name, ctx.get(), &cpu, gpu.get(), RandomTensor({64, in, side, side}, seed + 1),
+                   kHalf);
+    }
   }
 }
 

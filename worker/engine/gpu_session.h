@@ -45,6 +45,10 @@ struct GpuSessionOptions {
   // Any cuDNN convolution algorithm, not only deterministic non-transform
   // ones (spec fast_convolutions).
   bool fast_convolutions = false;
+  // What GEMMs and convolutions multiply in (spec precision): "fp32",
+  // "bf16" or "fp16" (with dynamic loss scaling). INVALID_ARGUMENT for
+  // anything else.
+  std::string precision = "fp32";
   int rank = 0;
   int world_size = 1;
   // world_size > 1: where rank 0 publishes the NCCL unique id ("nccl/id").
@@ -89,6 +93,10 @@ class GpuSession {
   virtual double last_allreduce_seconds() const = 0;
   // The part of it that backward did not hide (the step waited for it).
   virtual double last_allreduce_wait_seconds() const = 0;
+  // fp16: whether the last Step skipped its update (its gradients
+  // overflowed), and the loss scale the next Step uses (0 in fp32 / bf16).
+  virtual bool last_step_skipped() const = 0;
+  virtual double loss_scale() const = 0;
   // Collectives completed (the progress beat's collective_seq).
   virtual int64_t collective_sequence() const = 0;
 

@@ -806,6 +806,17 @@ std::optional<Failure> Run::SetupGpu() {
   o.fast_convolutions = spec_.fast_convolutions();
   o.timeout = std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
   o.bucket_mb = spec_.has_bucket_mb() ? spec_.bucket_mb() : 25.0;
+  switch (spec_.precision()) {
+    case v1::JobSpec::BF16:
+      o.precision = "bf16";
+      break;
+    case v1::JobSpec::FP16:
+      o.precision = "fp16";
+      break;
+    default:
+      o.precision = "fp32";
+      break;
+  }
   if (o.world_size > 1) {
     // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
     gpu_store_ = std::make_unique<CoordinatorKeyValueStore>(kv_);
@@ -962,6 +973,10 @@ std::optional<Failure> Run::Execute() {
       if (!gpu_loss.ok()) return FailureFor(gpu_loss.status(), "gpu step");
       // This rank's loss; the coordinator averages the ranks' records.
       mean_loss = *gpu_loss;
+      if (gpu_->last_step_skipped()) {
+        AIDN_LOG(INFO) << "fp16: gradients overflowed, update skipped" << Kv("step", step + 1)
+                       << Kv("next_loss_scale", gpu_->loss_scale());
+      }
       allreduce_s = gpu_->last_allreduce_seconds();
       wait_s = gpu_->last_allreduce_wait_seconds();
     } else {

@@ -96,7 +96,9 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
       {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); },
        "strategy: ZERO1 is reserved and not supported yet (use ddp)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::BF16); },
-       "precision: BF16 is reserved and not supported yet (use fp32)"},
+       "precision: BF16 is for device: gpu (CPU jobs compute in fp32)"},
+      {[](JobSpec* s) { s->set_precision(JobSpec::FP16); },
+       "precision: FP16 is for device: gpu (CPU jobs compute in fp32)"},
       {[](JobSpec* s) {
          s->set_device(JobSpec::GPU);
          s->set_comm_backend(JobSpec::SHM);
@@ -548,6 +550,16 @@ const GoodCase kGoodCases[] = {
     {"WorldSizeAtLimit", [](JobSpec* s) { s->set_world_size(1024); }},
     {"ThreadsPerRank256", [](JobSpec* s) { s->set_threads_per_rank(256); }},
     {"Gpu", [](JobSpec* s) { s->set_device(JobSpec::GPU); }},
+    {"GpuBf16",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_precision(JobSpec::BF16);
+     }},
+    {"GpuFp16",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_precision(JobSpec::FP16);
+     }},
     {"MlpSixteenWideLayers",
      [](JobSpec* s) {
        s->mutable_model()->clear_hidden_sizes();

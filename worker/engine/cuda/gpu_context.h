@@ -26,9 +26,16 @@
 
 namespace aidn::engine::cuda {
 
+// What GEMMs and convolutions multiply in (spec precision). Weights,
+// gradients, optimizer state and activations stay fp32 either way; in bf16
+// and fp16 the layers round their operands to 16 bits just before cuBLAS /
+// cuDNN and accumulate in fp32 on the tensor cores.
+enum class Precision { kFp32, kBf16, kFp16 };
+
 struct GpuContextOptions {
   // CUDA device ordinal (after CUDA_VISIBLE_DEVICES).
   int device = 0;
+  Precision precision = Precision::kFp32;
   // Let cuBLAS and cuDNN use TF32 tensor cores for fp32 GEMMs and
   // convolutions (10-bit mantissa products: ~1e-3 relative error). Off by
   // default so results compare with the CPU path at fp32 precision.

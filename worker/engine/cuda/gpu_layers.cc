@@ -43,6 +43,58 @@ absl::Status CopyDeviceToDevice(GpuContext* ctx, const float* src, float* dst, i
   return absl::OkStatus();
 }
 
+bool IsHalf(const GpuContext* ctx) { return ctx->options().precision != Precision::kFp32; }
+
+HalfType HalfOf(const GpuContext* ctx) {
+  return ctx->options().precision == Precision::kBf16 ? HalfType::kBf16 : HalfType::kFp16;
+}
+
+cudaDataType_t CublasHalf(const GpuContext* ctx) {
+  return ctx->options().precision == Precision::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+cudnnDataType_t CudnnDataType(const GpuContext* ctx) {
+  switch (ctx->options().precision) {
+    case Precision::kBf16:
+      return CUDNN_DATA_BFLOAT16;
+    case Precision::kFp16:
+      return CUDNN_DATA_HALF;
+    case Precision::kFp32:
+      break;
+  }
+  return CUDNN_DATA_FLOAT;
+}
+
+// Room for `n` 16-bit values in `buf` (grown as needed; contents then
+// unspecified).
+absl::StatusOr<void*> HalfScratch(GpuContext* ctx, DeviceBuffer* buf, int64_t n) {
+  const size_t bytes = 2 * static_cast<size_t>(std::max<int64_t>(n, 1));
+  if (buf->bytes() < bytes) {
+    buf->Release();
+    AIDN_ASSIGN_OR_RETURN(*buf, ctx->allocator().Allocate(bytes));
+  }
+  return buf->data();
+}
+
+// `n` floats of `src` rounded into `buf`, in the context's 16-bit type.
+absl::StatusOr<void*> ToHalf(GpuContext* ctx, const float* src, int64_t n, DeviceBuffer* buf) {
+  AIDN_ASSIGN_OR_RETURN(void* half, HalfScratch(ctx, buf, n));
+  AIDN_RETURN_IF_ERROR(LaunchToHalf(ctx->stream(), src, half, n, HalfOf(ctx)));
+  return half;
+}
+
+// C (fp32, column-major m x n, ld ldc) = alpha op(A) op(B) + beta C with A
+// and B 16-bit, accumulated in fp32 on the tensor cores.
+absl::Status HalfGemm(GpuContext* ctx, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                      int k, const void* a, int lda, const void* b, int ldb, float beta, float* c,
+                      int ldc) {
+  const cudaDataType_t t = CublasHalf(ctx);
+  AIDN_RETURN_IF_CUBLAS_ERROR(cublasGemmEx(ctx->cublas(), ta, tb, m, n, k, &kOne, a, t, lda, b, t,
+                                           ldb, &beta, c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
 bool IsTensorOpMath(cudnnMathType_t math) {
   return math == CUDNN_TENSOR_OP_MATH || math == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
 }
@@ -65,6 +117,11 @@ bool IsTransform(cudnnConvolutionBwdFilterAlgo_t a) {
          a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED;
 }
 
+// Tensor-core math: for TF32 when allowed, always for 16-bit operands.
+bool TensorOpsAllowed(const GpuContextOptions& options) {
+  return options.allow_tf32 || options.precision != Precision::kFp32;
+}
+
 // The first usable result in cuDNN's order (fastest first for Find, best
 // guess first for Get_v7): it succeeded, fits the workspace limit, does not
 // use tensor cores unless TF32 is allowed nor FFT/Winograd unless those are
@@ -78,7 +135,7 @@ const Perf* PickAlgorithm(const std::vector<Perf>& perf, int returned,
     for (int i = 0; i < returned; ++i) {
       const Perf& p = perf[static_cast<size_t>(i)];
       if (p.status != CUDNN_STATUS_SUCCESS || p.memory > options.max_workspace_bytes) continue;
-      if (!options.allow_tf32 && IsTensorOpMath(p.mathType)) continue;
+      if (!TensorOpsAllowed(options) && IsTensorOpMath(p.mathType)) continue;
       if (!options.allow_transform_convolutions && IsTransform(p.algo)) continue;
       if (pass == 0 && options.deterministic_convolutions && p.determinism != CUDNN_DETERMINISTIC) {
         continue;
@@ -159,9 +216,17 @@ absl::Status GpuLinear::Forward(const GpuTensor& input, GpuTensor* output, bool 
   if (n == 0) return absl::OkStatus();
   const int m = static_cast<int>(out_);
   const int k = static_cast<int>(in_);
-  AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_T, CUBLAS_OP_N, m,
-                                          static_cast<int>(n), k, &kOne, weight_.value.data(), k,
-                                          input.data(), k, &kZero, output->data(), m));
+  if (IsHalf(ctx_)) {
+    // Backward reuses both rounded operands.
+    AIDN_ASSIGN_OR_RETURN(void* xh, ToHalf(ctx_, input.data(), n * in_, &x_half_));
+    AIDN_ASSIGN_OR_RETURN(void* wh, ToHalf(ctx_, weight_.value.data(), out_ * in_, &w_half_));
+    AIDN_RETURN_IF_ERROR(HalfGemm(ctx_, CUBLAS_OP_T, CUBLAS_OP_N, m, static_cast<int>(n), k, wh, k,
+                                  xh, k, kZero, output->data(), m));
+  } else {
+    AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_T, CUBLAS_OP_N, m,
+                                            static_cast<int>(n), k, &kOne, weight_.value.data(), k,
+                                            input.data(), k, &kZero, output->data(), m));
+  }
   return LaunchBiasActivation(ctx_->stream(), output->data(), bias_.value.data(), output->data(),
                               n * out_, out_, 1, fused_relu_);
 }
@@ -181,13 +246,28 @@ absl::Status GpuLinear::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
     AIDN_ASSIGN_OR_RETURN(
         g, ReluAndBiasBackward(ctx_, grad_output, fused_relu_ ? output_ : nullptr, n, out_, 1,
                                &masked_grad_, &bias_partials_, &bias_.grad));
-    AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_N, CUBLAS_OP_T, in, out,
-                                            batch, &kOne, x.data(), in, g, out, &kOne,
-                                            weight_.grad.data(), in));
+  }
+  const bool half = IsHalf(ctx_);
+  void* gh = nullptr;
+  if (half && n > 0) {
+    AIDN_ASSIGN_OR_RETURN(gh, ToHalf(ctx_, g, n * out_, &g_half_));
+  }
+  if (n > 0) {
+    if (half) {
+      AIDN_RETURN_IF_ERROR(HalfGemm(ctx_, CUBLAS_OP_N, CUBLAS_OP_T, in, out, batch, x_half_.data(),
+                                    in, gh, out, kOne, weight_.grad.data(), in));
+    } else {
+      AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_N, CUBLAS_OP_T, in, out,
+                                              batch, &kOne, x.data(), in, g, out, &kOne,
+                                              weight_.grad.data(), in));
+    }
   }
   if (grad_input != nullptr) {
     AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, {n, in_}));
-    if (n > 0) {
+    if (n > 0 && half) {
+      AIDN_RETURN_IF_ERROR(HalfGemm(ctx_, CUBLAS_OP_N, CUBLAS_OP_N, in, batch, out, w_half_.data(),
+                                    in, gh, out, kZero, grad_input->data(), in));
+    } else if (n > 0) {
       AIDN_RETURN_IF_CUBLAS_ERROR(cublasSgemm(ctx_->cublas(), CUBLAS_OP_N, CUBLAS_OP_N, in, batch,
                                               out, &kOne, weight_.value.data(), in, g, out, &kZero,
                                               grad_input->data(), in));
@@ -239,12 +319,13 @@ absl::Status GpuConv2d::Init() {
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnCreateFilterDescriptor(&w_desc_));
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnCreateConvolutionDescriptor(&conv_desc_));
   const int k = static_cast<int>(kernel_);
-  AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetFilter4dDescriptor(w_desc_, CUDNN_DATA_FLOAT,
-                                                        CUDNN_TENSOR_NCHW, static_cast<int>(out_),
-                                                        static_cast<int>(in_), k, k));
+  data_type_ = CudnnDataType(ctx_);
+  AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetFilter4dDescriptor(
+      w_desc_, data_type_, CUDNN_TENSOR_NCHW, static_cast<int>(out_), static_cast<int>(in_), k, k));
   const int pad = static_cast<int>(padding_);
   const int stride = static_cast<int>(stride_);
-  // Cross-correlation, as torch's Conv2d (no kernel flip).
+  // Cross-correlation, as torch's Conv2d (no kernel flip); fp32 compute
+  // for 16-bit data too (cuDNN's "pseudo" half and bfloat16 configurations).
   AIDN_RETURN_IF_CUDNN_ERROR(
       cudnnSetConvolution2dDescriptor(conv_desc_, pad, pad, stride, stride, /*dilation_h=*/1,
                                       /*dilation_w=*/1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
@@ -272,16 +353,19 @@ bool GpuConv2d::Fuse(const GpuLayer& next) {
 }
 
 absl::Status GpuConv2d::ChooseAlgorithms(Algorithms* algos) {
-  const bool tf32 = ctx_->options().allow_tf32;
+  const bool tf32 = TensorOpsAllowed(ctx_->options());
   const bool benchmark = ctx_->options().benchmark_convolutions;
   cudnnHandle_t h = ctx_->cudnn();
   // FMA math keeps fp32 convolutions off the tensor cores (cuDNN's default
-  // math would use TF32 for them on Ampere and newer).
-  const cudnnMathType_t base_math = tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
+  // math would use TF32 for them on Ampere and newer); 16-bit operands go
+  // to the tensor cores.
+  const cudnnMathType_t base_math = !tf32          ? CUDNN_FMA_MATH
+                                    : IsHalf(ctx_) ? CUDNN_TENSOR_OP_MATH
+                                                   : CUDNN_DEFAULT_MATH;
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetConvolutionMathType(conv_desc_, base_math));
   // The math type an algorithm runs with: the one cuDNN measured it with
-  // when TF32 is allowed, else FMA (PickAlgorithm only returns non-tensor-op
-  // results then).
+  // when tensor cores are allowed (TF32, 16-bit), else FMA (PickAlgorithm
+  // only returns non-tensor-op results then).
   auto math_for = [&](cudnnMathType_t measured) { return tf32 ? measured : CUDNN_FMA_MATH; };
 
   {
@@ -378,9 +462,9 @@ absl::Status GpuConv2d::Prepare(int64_t n, int64_t h, int64_t w) {
   // Any failure below leaves the descriptors half-set: forget the shape.
   shape_ = {-1, -1, -1};
   current_ = nullptr;
-  AIDN_RETURN_IF_CUDNN_ERROR(
-      cudnnSetTensor4dDescriptor(x_desc_, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, static_cast<int>(n),
-                                 static_cast<int>(in_), static_cast<int>(h), static_cast<int>(w)));
+  AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetTensor4dDescriptor(x_desc_, CUDNN_TENSOR_NCHW, data_type_,
+                                                        static_cast<int>(n), static_cast<int>(in_),
+                                                        static_cast<int>(h), static_cast<int>(w)));
   int dn = 0, dc = 0, dh = 0, dw = 0;
   AIDN_RETURN_IF_CUDNN_ERROR(
       cudnnGetConvolution2dForwardOutputDim(conv_desc_, x_desc_, w_desc_, &dn, &dc, &dh, &dw));
@@ -390,7 +474,7 @@ absl::Status GpuConv2d::Prepare(int64_t n, int64_t h, int64_t w) {
                                             ", ", out_h_, ", ", out_w_, "]"));
   }
   AIDN_RETURN_IF_CUDNN_ERROR(
-      cudnnSetTensor4dDescriptor(y_desc_, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, dn, dc, dh, dw));
+      cudnnSetTensor4dDescriptor(y_desc_, CUDNN_TENSOR_NCHW, data_type_, dn, dc, dh, dw));
   auto it = algorithms_.find(key);
   if (it == algorithms_.end()) {
     Algorithms algos;
@@ -422,9 +506,22 @@ absl::Status GpuConv2d::Forward(const GpuTensor& input, GpuTensor* output, bool 
   AIDN_RETURN_IF_ERROR(Prepare(n, h, w));
   AIDN_ASSIGN_OR_RETURN(void* ws, ctx_->Workspace(current_->workspace_bytes));
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetConvolutionMathType(conv_desc_, current_->forward_math));
-  AIDN_RETURN_IF_CUDNN_ERROR(cudnnConvolutionForward(
-      ctx_->cudnn(), &kOne, x_desc_, input.data(), w_desc_, weight_.value.data(), conv_desc_,
-      current_->forward, ws, current_->workspace_bytes, &kZero, y_desc_, output->data()));
+  if (IsHalf(ctx_)) {
+    // Backward reuses both rounded operands; the output comes back to fp32.
+    AIDN_ASSIGN_OR_RETURN(void* xh, ToHalf(ctx_, input.data(), input.numel(), &x_half_));
+    AIDN_ASSIGN_OR_RETURN(void* wh,
+                          ToHalf(ctx_, weight_.value.data(), weight_.value.numel(), &w_half_));
+    AIDN_ASSIGN_OR_RETURN(void* yh, HalfScratch(ctx_, &y_half_, output->numel()));
+    AIDN_RETURN_IF_CUDNN_ERROR(cudnnConvolutionForward(
+        ctx_->cudnn(), &kOne, x_desc_, xh, w_desc_, wh, conv_desc_, current_->forward, ws,
+        current_->workspace_bytes, &kZero, y_desc_, yh));
+    AIDN_RETURN_IF_ERROR(LaunchFromHalf(ctx_->stream(), yh, output->data(), output->numel(),
+                                        HalfOf(ctx_), /*accumulate=*/false));
+  } else {
+    AIDN_RETURN_IF_CUDNN_ERROR(cudnnConvolutionForward(
+        ctx_->cudnn(), &kOne, x_desc_, input.data(), w_desc_, weight_.value.data(), conv_desc_,
+        current_->forward, ws, current_->workspace_bytes, &kZero, y_desc_, output->data()));
+  }
   return LaunchBiasActivation(ctx_->stream(), output->data(), bias_.value.data(), output->data(),
                               output->numel(), out_, oh * ow, fused_relu_);
 }
@@ -445,6 +542,7 @@ absl::Status GpuConv2d::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
       ReluAndBiasBackward(ctx_, grad_output, fused_relu_ ? output_ : nullptr, n, out_,
                           out_h_ * out_w_, &masked_grad_, &bias_partials_, &bias_.grad));
   AIDN_ASSIGN_OR_RETURN(void* ws, ctx_->Workspace(current_->workspace_bytes));
+  if (IsHalf(ctx_)) return BackwardHalf(g, ws, grad_input);
   // beta = 1: accumulate into the weight gradient, as the CPU layer does.
   AIDN_RETURN_IF_CUDNN_ERROR(
       cudnnSetConvolutionMathType(conv_desc_, current_->backward_filter_math));
@@ -460,6 +558,29 @@ absl::Status GpuConv2d::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
         grad_input->data()));
   }
   return absl::OkStatus();
+}
+
+absl::Status GpuConv2d::BackwardHalf(const float* g, void* ws, GpuTensor* grad_input) {
+  const GpuTensor& x = *input_;
+  const int64_t g_numel = x.dim(0) * out_ * out_h_ * out_w_;
+  AIDN_ASSIGN_OR_RETURN(void* gh, ToHalf(ctx_, g, g_numel, &g_half_));
+  // The 16-bit weight gradient, then added into the fp32 one.
+  AIDN_ASSIGN_OR_RETURN(void* dwh, HalfScratch(ctx_, &dw_half_, weight_.grad.numel()));
+  AIDN_RETURN_IF_CUDNN_ERROR(
+      cudnnSetConvolutionMathType(conv_desc_, current_->backward_filter_math));
+  AIDN_RETURN_IF_CUDNN_ERROR(cudnnConvolutionBackwardFilter(
+      ctx_->cudnn(), &kOne, x_desc_, x_half_.data(), y_desc_, gh, conv_desc_,
+      current_->backward_filter, ws, current_->workspace_bytes, &kZero, w_desc_, dwh));
+  AIDN_RETURN_IF_ERROR(LaunchFromHalf(ctx_->stream(), dwh, weight_.grad.data(),
+                                      weight_.grad.numel(), HalfOf(ctx_), /*accumulate=*/true));
+  if (grad_input == nullptr) return absl::OkStatus();
+  AIDN_ASSIGN_OR_RETURN(void* dxh, HalfScratch(ctx_, &dx_half_, x.numel()));
+  AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetConvolutionMathType(conv_desc_, current_->backward_data_math));
+  AIDN_RETURN_IF_CUDNN_ERROR(cudnnConvolutionBackwardData(
+      ctx_->cudnn(), &kOne, w_desc_, w_half_.data(), y_desc_, gh, conv_desc_,
+      current_->backward_data, ws, current_->workspace_bytes, &kZero, x_desc_, dxh));
+  return LaunchFromHalf(ctx_->stream(), dxh, grad_input->data(), x.numel(), HalfOf(ctx_),
+                        /*accumulate=*/false);
 }
 
 // ---------------------------------------------------------------- MaxPool2d

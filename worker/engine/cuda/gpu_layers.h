@@ -1,7 +1,8 @@
 #ifndef AIDN_WORKER_ENGINE_CUDA_GPU_LAYERS_H_
 #define AIDN_WORKER_ENGINE_CUDA_GPU_LAYERS_H_
 
-// The CPU engine's layers (layers.h) on the GPU, fp32, same layouts (Linear
+// The CPU engine's layers (layers.h) on the GPU, fp32 (GEMMs and
+// convolutions optionally in bf16 / fp16, see Precision), same layouts (Linear
 // weight [out, in], Conv2d weight [out, in, kh, kw], NCHW) and the same
 // contracts: Backward accumulates (+=) parameter gradients and writes the
 // input gradient when asked; a layer keeps pointers to its Forward input
@@ -87,6 +88,10 @@ class GpuLinear final : public GpuLayer {
   const GpuTensor* output_ = nullptr;
   GpuTensor masked_grad_;
   GpuTensor bias_partials_;  // LaunchBiasGrad's scratch
+  // bf16 / fp16: the forward's input and weight, and the gradient, rounded.
+  DeviceBuffer x_half_;
+  DeviceBuffer w_half_;
+  DeviceBuffer g_half_;
 };
 
 class GpuReLU final : public GpuLayer {
@@ -140,6 +145,9 @@ class GpuConv2d final : public GpuLayer {
   // up) the algorithms.
   absl::Status Prepare(int64_t n, int64_t h, int64_t w);
   absl::Status ChooseAlgorithms(Algorithms* algos);
+  // Backward's weight and input gradients with 16-bit operands, from the
+  // pre-activation gradient `g` (fp32).
+  absl::Status BackwardHalf(const float* g, void* ws, GpuTensor* grad_input);
 
   GpuContext* ctx_;
   int64_t in_;
@@ -164,6 +172,15 @@ class GpuConv2d final : public GpuLayer {
   const GpuTensor* output_ = nullptr;
   GpuTensor masked_grad_;
   GpuTensor bias_partials_;  // LaunchBiasGrad's scratch
+  // cuDNN's data type for x, y and w: float, or the 16-bit type of bf16 /
+  // fp16, whose operands and results pass through these buffers.
+  cudnnDataType_t data_type_ = CUDNN_DATA_FLOAT;
+  DeviceBuffer x_half_;
+  DeviceBuffer w_half_;
+  DeviceBuffer y_half_;
+  DeviceBuffer g_half_;
+  DeviceBuffer dw_half_;
+  DeviceBuffer dx_half_;
 };
 
 class GpuMaxPool2d final : public GpuLayer {

@@ -225,7 +225,47 @@ absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(GpuContext* ctx, 
   AIDN_ASSIGN_OR_RETURN(trainer->optimizer_,
                         GpuOptimizer::Create(ctx, optimizer, model->Parameters()));
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&trainer->done_, cudaEventDisableTiming));
+  if (ctx->options().precision == Precision::kFp16) {
+    AIDN_RETURN_IF_ERROR(trainer->SetLossScale(LossScaleOptions()));
+  }
   return trainer;
+}
+
+absl::Status GpuTrainer::SetLossScale(const LossScaleOptions& options) {
+  if (ctx_->options().precision != Precision::kFp16) {
+    return absl::FailedPreconditionError("loss scaling is for fp16 (bf16 and fp32 need none)");
+  }
+  AIDN_ASSIGN_OR_RETURN(DynamicLossScaler scaler, DynamicLossScaler::Create(options));
+  if (found_.data() == nullptr) {
+    AIDN_ASSIGN_OR_RETURN(found_, ctx_->allocator().Allocate(sizeof(int32_t)));
+  }
+  if (host_found_ == nullptr) {
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&host_found_), sizeof(int32_t)));
+  }
+  scaler_ = scaler;
+  return absl::OkStatus();
+}
+
+absl::Status GpuTrainer::WaitFor() {
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
+  if (wait_) return wait_(done_);
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> GpuTrainer::UnscaleAndCheck(double scale) {
+  int32_t* found = static_cast<int32_t*>(found_.data());
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(found, 0, sizeof(int32_t), ctx_->stream()));
+  const float inv_scale = static_cast<float>(1.0 / scale);
+  for (GpuParameter* p : model_->Parameters()) {
+    AIDN_RETURN_IF_ERROR(
+        LaunchUnscaleAndCheck(ctx_->stream(), p->grad.data(), p->grad.numel(), inv_scale, found));
+  }
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(host_found_, found, sizeof(int32_t), cudaMemcpyDeviceToHost, ctx_->stream()));
+  AIDN_RETURN_IF_ERROR(WaitFor());
+  return *host_found_ != 0;
 }
 
 GpuTrainer::~GpuTrainer() {
@@ -235,6 +275,7 @@ GpuTrainer::~GpuTrainer() {
     cudaEventDestroy(done_);
   }
   if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
+  if (host_found_ != nullptr) cudaFreeHost(host_found_);
 }
 
 absl::StatusOr<double> GpuTrainer::Step(const Tensor& images, const std::vector<int32_t>& labels,
@@ -262,8 +303,11 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
     host_slots_ = k;
   }
   AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
-  // The CPU trainer's scale, computed as it computes it.
-  const double grad_scale = 1.0 / static_cast<double>(k);
+  // The CPU trainer's scale, computed as it computes it (times the loss
+  // scale in fp16).
+  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  const double grad_scale =
+      scaler_ ? loss_scale / static_cast<double>(k) : 1.0 / static_cast<double>(k);
   for (int i = 0; i < k; ++i) {
     const MicroBatch& b = micro[static_cast<size_t>(i)];
     if (b.seed.has_value()) model_->SetSeed(*b.seed);
@@ -275,16 +319,16 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
         model_->Backward(grad_logits_, last ? grad_ready_ : GpuModel::GradReadyFn()));
   }
   if (after_backward_) AIDN_RETURN_IF_ERROR(after_backward_());
-  AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
+  last_skipped_ = false;
+  if (scaler_) {
+    AIDN_ASSIGN_OR_RETURN(const bool overflow, UnscaleAndCheck(loss_scale));
+    last_skipped_ = !scaler_->Update(overflow);
+  }
+  if (!last_skipped_) AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
   AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host_losses_, loss_.device_losses(), sizeof(double) * k,
                                             cudaMemcpyDeviceToHost, ctx_->stream()));
-  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
-  // The only wait of the step.
-  if (wait_) {
-    AIDN_RETURN_IF_ERROR(wait_(done_));
-  } else {
-    AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
-  }
+  // The only wait of the step (the second in fp16).
+  AIDN_RETURN_IF_ERROR(WaitFor());
   double loss = 0;
   for (int i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
   return loss;

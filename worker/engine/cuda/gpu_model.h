@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,7 @@
 #include "worker/engine/cuda/gpu_optimizer.h"
 #include "worker/engine/cuda/gpu_tensor.h"
 #include "worker/engine/data.h"
+#include "worker/engine/loss_scale.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 
@@ -159,6 +161,19 @@ class GpuTrainer {
   // a dead peer would leave `done` pending forever.
   void SetWait(std::function<absl::Status(cudaEvent_t done)> wait) { wait_ = std::move(wait); }
 
+  // Precision::kFp16 contexts: dynamic loss scaling (loss_scale.h), with
+  // torch GradScaler's defaults from Create or these options. Each step's
+  // loss gradient is multiplied by the scale; after backward (and the
+  // after-backward hook: DDP's averages) the gradients are divided by it
+  // and checked, and a step with an inf or a NaN is skipped (no update)
+  // and the scale backed off. The check costs the step a second host
+  // wait, as GradScaler's does. FAILED_PRECONDITION in other precisions.
+  absl::Status SetLossScale(const LossScaleOptions& options);
+  // Null unless the context computes in fp16.
+  const DynamicLossScaler* loss_scaler() const { return scaler_ ? &*scaler_ : nullptr; }
+  // Whether the last Step skipped its update (fp16 overflow).
+  bool last_step_skipped() const { return last_skipped_; }
+
   GpuOptimizer& optimizer() { return *optimizer_; }
   // The last step's logits (of its last micro-batch; valid until the next
   // step).
@@ -166,6 +181,10 @@ class GpuTrainer {
 
  private:
   GpuTrainer(GpuContext* ctx, GpuModel* model) : ctx_(ctx), model_(model), loss_(ctx) {}
+  // Records `done_` on the stream and waits for it (wait_, or the event).
+  absl::Status WaitFor();
+  // fp16: divides every gradient by `scale`; whether any is inf or NaN.
+  absl::StatusOr<bool> UnscaleAndCheck(double scale);
   GpuContext* ctx_;
   GpuModel* model_;
   std::unique_ptr<GpuOptimizer> optimizer_;
@@ -180,6 +199,11 @@ class GpuTrainer {
   double* host_losses_ = nullptr;
   int host_slots_ = 0;
   cudaEvent_t done_ = nullptr;
+  // fp16: the scaler, and the overflow flag on the device and (pinned) here.
+  std::optional<DynamicLossScaler> scaler_;
+  DeviceBuffer found_;
+  int32_t* host_found_ = nullptr;
+  bool last_skipped_ = false;
 };
 
 }  // namespace aidn::engine::cuda

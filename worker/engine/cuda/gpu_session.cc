@@ -40,6 +40,15 @@ class CudaGpuSession final : public GpuSession {
       return absl::InvalidArgumentError(absl::StrCat(
           "gpu session: rank ", options.rank, " is not in a world of size ", options.world_size));
     }
+    cuda::Precision precision = cuda::Precision::kFp32;
+    if (options.precision == "bf16") {
+      precision = cuda::Precision::kBf16;
+    } else if (options.precision == "fp16") {
+      precision = cuda::Precision::kFp16;
+    } else if (options.precision != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat("gpu session: precision \"", options.precision,
+                                                     "\" (known: fp32, bf16, fp16)"));
+    }
     if (options.world_size > 1 && options.store == nullptr) {
       return absl::InvalidArgumentError("gpu session: more than one rank needs a store for NCCL");
     }
@@ -55,10 +64,11 @@ class CudaGpuSession final : public GpuSession {
     }
     std::unique_ptr<CudaGpuSession> s(new CudaGpuSession());
     s->description_ = absl::StrCat(inventory.gpus[static_cast<size_t>(options.device)].name,
-                                   " (device ", options.device, ")");
+                                   " (device ", options.device, "), ", options.precision);
     cuda::GpuContextOptions context;
     context.device = options.device;
     context.allow_tf32 = options.allow_tf32;
+    context.precision = precision;
     if (options.fast_convolutions) {
       context.allow_transform_convolutions = true;
       context.deterministic_convolutions = false;
@@ -111,6 +121,13 @@ class CudaGpuSession final : public GpuSession {
     if (reducer_ != nullptr) return reducer_->last_exposed_seconds();
 #endif
     return 0;
+  }
+
+  bool last_step_skipped() const override { return trainer_->last_step_skipped(); }
+
+  double loss_scale() const override {
+    const DynamicLossScaler* scaler = trainer_->loss_scaler();
+    return scaler != nullptr ? scaler->scale() : 0.0;
   }
 
   int64_t collective_sequence() const override {

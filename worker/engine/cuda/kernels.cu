@@ -15,6 +15,8 @@
 //   built with --fmad=false as a second guard.
 // - All kernels run on the caller's stream (the trainer's one compute
 //   stream), so they need no synchronisation with each other.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -74,6 +76,41 @@ __global__ void BiasActivationKernel(const float* x, const float* bias, float* y
     if (relu) v = v > 0.0f ? v : 0.0f;
     y[i] = v;
   }
+}
+
+__global__ void ToBf16Kernel(const float* x, __nv_bfloat16* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) y[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void ToFp16Kernel(const float* x, __half* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) y[i] = __float2half_rn(x[i]);
+}
+
+template <bool kAccumulate>
+__global__ void FromBf16Kernel(const __nv_bfloat16* x, float* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    const float v = __bfloat162float(x[i]);
+    y[i] = kAccumulate ? __fadd_rn(y[i], v) : v;
+  }
+}
+
+template <bool kAccumulate>
+__global__ void FromFp16Kernel(const __half* x, float* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    const float v = __half2float(x[i]);
+    y[i] = kAccumulate ? __fadd_rn(y[i], v) : v;
+  }
+}
+
+__global__ void UnscaleAndCheckKernel(float* g, int64_t n, float inv_scale, int32_t* found) {
+  bool bad = false;
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    const float v = __fmul_rn(g[i], inv_scale);
+    bad |= !isfinite(v);
+    g[i] = v;
+  }
+  // One write per warp that saw one; every writer writes the same 1.
+  if (__any_sync(kFullMask, bad) && (threadIdx.x & 31) == 0) *found = 1;
 }
 
 __global__ void ReluKernel(const float* x, float* y, int64_t n) {
@@ -302,6 +339,48 @@ absl::Status LaunchBiasActivation(cudaStream_t stream, const float* x, const flo
   }
   BiasActivationKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, bias, y, n, channels, inner, relu);
   AIDN_RETURN_IF_LAUNCH_FAILED("BiasActivationKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchToHalf(cudaStream_t stream, const float* x, void* y, int64_t n, HalfType type) {
+  if (n == 0) return absl::OkStatus();
+  if (type == HalfType::kBf16) {
+    ToBf16Kernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, static_cast<__nv_bfloat16*>(y), n);
+  } else {
+    ToFp16Kernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, static_cast<__half*>(y), n);
+  }
+  AIDN_RETURN_IF_LAUNCH_FAILED("ToHalfKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchFromHalf(cudaStream_t stream, const void* x, float* y, int64_t n, HalfType type,
+                            bool accumulate) {
+  if (n == 0) return absl::OkStatus();
+  const unsigned blocks = BlocksFor(n);
+  if (type == HalfType::kBf16) {
+    const auto* in = static_cast<const __nv_bfloat16*>(x);
+    if (accumulate) {
+      FromBf16Kernel<true><<<blocks, kThreads, 0, stream>>>(in, y, n);
+    } else {
+      FromBf16Kernel<false><<<blocks, kThreads, 0, stream>>>(in, y, n);
+    }
+  } else {
+    const auto* in = static_cast<const __half*>(x);
+    if (accumulate) {
+      FromFp16Kernel<true><<<blocks, kThreads, 0, stream>>>(in, y, n);
+    } else {
+      FromFp16Kernel<false><<<blocks, kThreads, 0, stream>>>(in, y, n);
+    }
+  }
+  AIDN_RETURN_IF_LAUNCH_FAILED("FromHalfKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchUnscaleAndCheck(cudaStream_t stream, float* g, int64_t n, float inv_scale,
+                                   int32_t* found) {
+  if (n == 0) return absl::OkStatus();
+  UnscaleAndCheckKernel<<<BlocksFor(n), kThreads, 0, stream>>>(g, n, inv_scale, found);
+  AIDN_RETURN_IF_LAUNCH_FAILED("UnscaleAndCheckKernel");
   return absl::OkStatus();
 }
 

@@ -55,6 +55,22 @@ absl::Status LaunchSoftmaxCrossEntropy(cudaStream_t stream, const float* logits,
                                        float* grad_logits, double grad_scale, double* row_loss,
                                        double* loss);
 
+// The 16-bit formats of mixed precision (spec precision bf16 / fp16).
+enum class HalfType { kBf16, kFp16 };
+
+// y[i] = x[i] rounded to nearest-even in `type` (y: n 16-bit values). fp16
+// overflows to +-inf past 65504 (loss scaling detects that).
+absl::Status LaunchToHalf(cudaStream_t stream, const float* x, void* y, int64_t n, HalfType type);
+// y[i] = float(x[i]), or y[i] += float(x[i]) with `accumulate`.
+absl::Status LaunchFromHalf(cudaStream_t stream, const void* x, float* y, int64_t n, HalfType type,
+                            bool accumulate);
+
+// Loss scaling's unscale and check: g[i] *= inv_scale, and *found = 1 if any
+// g[i] is an inf or a NaN (before or after; *found is only ever set, never
+// cleared: zero it once per step).
+absl::Status LaunchUnscaleAndCheck(cudaStream_t stream, float* g, int64_t n, float inv_scale,
+                                   int32_t* found);
+
 // sum_sq[slot] = sum of g[i]^2 over n elements, in double.
 absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq);
 
