@@ -27,9 +27,14 @@
 namespace aidn::engine::cuda {
 
 // What GEMMs and convolutions multiply in (spec precision). Weights,
-// gradients, optimizer state and activations stay fp32 either way; in bf16
-// and fp16 the layers round their operands to 16 bits just before cuBLAS /
-// cuDNN and accumulate in fp32 on the tensor cores.
+// gradients, optimizer state and the activations between layers stay fp32
+// either way; in bf16 and fp16 the layers round their operands to 16 bits
+// just before cuBLAS / cuDNN, which sum in fp32 on the tensor cores. Linear
+// writes its results in fp32; cuDNN writes a convolution's output, input
+// gradient and weight gradient in the 16-bit type (as torch's autocast
+// does), and the layer converts them back (the weight gradient is added
+// into the fp32 one), so in fp16 a loss-scaled convolution weight gradient
+// can overflow 65504 and skip a step.
 enum class Precision { kFp32, kBf16, kFp16 };
 
 struct GpuContextOptions {

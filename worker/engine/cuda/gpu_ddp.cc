@@ -46,6 +46,9 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
   for (size_t b = 0; b < r->buckets_.size(); ++b) {
     Bucket& bucket = r->buckets_[b];
     if (bucket.floats == 0) continue;
+    // From the compute stream's allocator although NCCL's stream uses them
+    // too (allocator.h's one-stream rule): they are freed only in the
+    // destructor, after both streams are synchronised.
     AIDN_ASSIGN_OR_RETURN(bucket.buffer, ctx->allocator().Allocate(sizeof(float) * bucket.floats));
     float* base = static_cast<float*>(bucket.buffer.data());
     // The padding between gradients is reduced too: zeros, not garbage.
@@ -69,7 +72,15 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
 }
 
 GpuDdpReducer::~GpuDdpReducer() {
-  // Nothing may still read or write the buckets when they go.
+  // Nothing may still read or write the buckets when they go. A step that
+  // failed part-way may have left allreduces that peers will never join:
+  // abort them rather than wait forever; otherwise wait, bounded as every
+  // NCCL wait (a failure there aborts too).
+  if (launched_ > 0 || !reported_.empty()) {
+    nccl_->Abort("a step failed with gradient buckets in flight");
+  } else {
+    nccl_->Wait("gradient buckets at teardown").IgnoreError();
+  }
   cudaStreamSynchronize(nccl_->stream());
   cudaStreamSynchronize(ctx_->stream());
   for (Bucket& bucket : buckets_) {
@@ -112,7 +123,10 @@ absl::Status GpuDdpReducer::Launch(int index) {
 }
 
 absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parameters) {
-  for (GpuParameter* p : parameters) {
+  // Last parameter first, as the plan orders them (a layer's bias before
+  // its weight), so that buckets complete, and launch, in plan order.
+  for (auto p_it = parameters.rbegin(); p_it != parameters.rend(); ++p_it) {
+    GpuParameter* p = *p_it;
     auto it = bucket_of_.find(p);
     if (it == bucket_of_.end()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -156,6 +170,10 @@ absl::Status GpuDdpReducer::AfterBackward() {
 }
 
 absl::Status GpuDdpReducer::Wait(cudaEvent_t done) {
+  // The deadline is for the collectives, not for this rank's own compute
+  // (many micro-batches can take long): first backward's end, which does not
+  // depend on any peer, without one.
+  if (timed_) AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(backward_end_));
   AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(done, "gradient allreduce"));
   allreduce_seconds_ = 0;
   exposed_seconds_ = 0;

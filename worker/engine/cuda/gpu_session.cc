@@ -74,6 +74,16 @@ class CudaGpuSession final : public GpuSession {
       context.deterministic_convolutions = false;
     }
     AIDN_ASSIGN_OR_RETURN(s->ctx_, cuda::GpuContext::Create(context));
+    if (precision == cuda::Precision::kBf16) {
+      int major = 0;
+      AIDN_RETURN_IF_CUDA_ERROR(
+          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, options.device));
+      if (major < 8) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "precision: bf16 needs a GPU of compute capability 8.0 or newer (Ampere); ",
+            s->description_, " is ", major, ".x (use fp16 or fp32)"));
+      }
+    }
     AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuModel::Create(s->ctx_.get(), model));
     AIDN_ASSIGN_OR_RETURN(s->trainer_,
                           cuda::GpuTrainer::Create(s->ctx_.get(), s->model_.get(), optimizer));
