@@ -2,13 +2,15 @@
 // the same device (bench/gpu_step_torch.py, run by bench/gpu_step.sh).
 //
 //   gpu_step --model mlp|cnn --batch 64 --steps 500 [--warmup 50] [--tf32] [--fast-conv]
-//            [--precision fp32|bf16|fp16] [--json]
+//            [--precision fp32|bf16|fp16] [--cuda-graphs] [--json]
 //
 // Convolution algorithms: deterministic ones by default (aidn's default,
 // PyTorch's cudnn.deterministic); --fast-conv lets any be chosen, FFT and
 // Winograd too (PyTorch's cudnn.benchmark default). --precision bf16 / fp16
 // rounds GEMM and convolution operands to 16 bits (fp16 with dynamic loss
 // scaling); the torch peer uses autocast (and GradScaler for fp16).
+// --cuda-graphs replays captured steps (GpuTrainer::SetCudaGraphs; the
+// torch peer stays eager).
 // --profile brackets the
 // timed steps with cudaProfilerStart/Stop (ncu --profile-from-start off).
 //
@@ -48,6 +50,7 @@ struct Options {
   bool tf32 = false;
   bool fast_conv = false;
   std::string precision = "fp32";
+  bool cuda_graphs = false;
   bool profile = false;
   bool json = false;
 };
@@ -55,7 +58,8 @@ struct Options {
 void Usage() {
   std::fprintf(stderr,
                "usage: gpu_step --model mlp|cnn [--batch 64] [--steps 500] [--warmup 50] "
-               "[--tf32] [--fast-conv] [--precision fp32|bf16|fp16] [--profile] [--json]\n");
+               "[--tf32] [--fast-conv] [--precision fp32|bf16|fp16] [--cuda-graphs] [--profile] "
+               "[--json]\n");
 }
 
 int Run(const Options& o) {
@@ -97,6 +101,7 @@ int Run(const Options& o) {
     std::fprintf(stderr, "gpu_step: %s\n", trainer.status().ToString().c_str());
     return 1;
   }
+  (*trainer)->SetCudaGraphs(o.cuda_graphs);
 
   constexpr int kBatches = 8;
   std::vector<aidn::engine::Tensor> images;
@@ -149,9 +154,11 @@ int Run(const Options& o) {
     std::printf(
         "RESULT {\"impl\": \"aidn\", \"model\": \"%s\", \"batch\": %lld, \"steps\": %lld, "
         "\"samples_per_s\": %.1f, \"median_step_ms\": %.4f, \"final_loss\": %.6f, "
-        "\"tf32\": %s, \"conv\": \"%s\", \"precision\": \"%s\", \"device\": \"%s\"}\n",
+        "\"tf32\": %s, \"conv\": \"%s\", \"precision\": \"%s\", \"cuda_graphs\": %s, "
+        "\"graph_steps\": %lld, \"device\": \"%s\"}\n",
         o.model.c_str(), o.batch, o.steps, samples_per_s, median * 1e3, last_loss,
         o.tf32 ? "true" : "false", o.fast_conv ? "fast" : "deterministic", o.precision.c_str(),
+        o.cuda_graphs ? "true" : "false", static_cast<long long>((*trainer)->graph_steps()),
         inventory.gpus[0].name.c_str());
   } else {
     std::printf(
@@ -190,6 +197,8 @@ int main(int argc, char** argv) {
       o.fast_conv = true;
     } else if (flag == "--precision") {
       o.precision = value("--precision");
+    } else if (flag == "--cuda-graphs") {
+      o.cuda_graphs = true;
     } else if (flag == "--profile") {
       o.profile = true;
     } else if (flag == "--json") {

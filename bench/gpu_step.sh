@@ -13,7 +13,7 @@
 #
 # Knobs: MODELS ("mlp cnn"), BATCHES ("64 256 1024"), REPS (3), STEPS (500),
 # CONV_MODES ("deterministic fast"),
-# WARMUP (50), TF32 (0), PRECISION (fp32; bf16, fp16), PYTHON (python3: needs torch with CUDA),
+# WARMUP (50), TF32 (0), PRECISION (fp32; bf16, fp16), GRAPHS (0), PYTHON (python3: needs torch with CUDA),
 # AIDN_BUILD (<repo>/build-gpu; configured here if missing), GPU_STEP_BIN (a
 # gpu_step built elsewhere: nothing is built; scripts/gpu_device.sh uses it).
 set -euo pipefail
@@ -27,8 +27,11 @@ WARMUP=${WARMUP:-50}
 PYTHON=${PYTHON:-python3}
 TF32_FLAG=""
 [[ ${TF32:-0} == 1 ]] && TF32_FLAG="--tf32"
-# PRECISION=bf16 or fp16: both sides in that mixed precision.
+# PRECISION=bf16 or fp16: both sides in that mixed precision. GRAPHS=1:
+# aidn replays CUDA graphs (torch stays eager).
 PRECISION_FLAG="--precision ${PRECISION:-fp32}"
+GRAPHS_FLAG=""
+[[ ${GRAPHS:-0} == 1 ]] && GRAPHS_FLAG="--cuda-graphs"
 
 GPU_STEP=${GPU_STEP_BIN:-$BUILD/bench/gpu_step}
 if [[ -z ${GPU_STEP_BIN:-} ]]; then
@@ -64,7 +67,8 @@ for rep in $(seq 1 "$REPS"); do
             flag=""
             [[ $mode == fast ]] && flag="--fast-conv"
             line=$("$GPU_STEP" --model "$model" --batch "$batch" --steps "$STEPS" \
-                     --warmup "$WARMUP" $TF32_FLAG $PRECISION_FLAG $flag --json | grep '^RESULT ')
+                     --warmup "$WARMUP" $TF32_FLAG $PRECISION_FLAG $GRAPHS_FLAG $flag --json |
+                     grep '^RESULT ')
           else
             flag=""
             [[ $mode == deterministic ]] && flag="--deterministic"

@@ -524,6 +524,9 @@ absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) 
   if (spec.allow_tf32() && spec.device() != JobSpec::GPU) {
     return Invalid("allow_tf32", "is for device: gpu (CPU jobs compute in fp32)");
   }
+  if (spec.cuda_graphs() && spec.device() != JobSpec::GPU) {
+    return Invalid("cuda_graphs", "is for device: gpu (CPU steps launch no kernels)");
+  }
   if (spec.fast_convolutions() && spec.device() != JobSpec::GPU) {
     return Invalid("fast_convolutions", "is for device: gpu (cuDNN's convolution algorithms)");
   }

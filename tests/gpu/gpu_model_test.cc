@@ -480,6 +480,92 @@ TEST(GpuTraining, Fp16OverflowSkipsTheUpdateAndBacksTheScaleOff) {
   EXPECT_EQ((*plain_trainer)->SetLossScale({}).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// CUDA graphs: a trainer replaying captured steps gives the eager trainer's
+// bits (the same kernels with the same arguments: the learning rate and
+// AdamW's bias corrections change every step and reach the replayed
+// kernels through memory). A step of a new shape runs eagerly once, is
+// captured at the next, and replays from then on.
+void CompareGraphSteps(const OptimizerConfig& opt, int64_t want_graph_steps) {
+  GpuContextOptions o;
+  o.benchmark_convolutions = false;  // both trainers get the same algorithms
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, o);
+  auto cpu = Cpu(Cnn(), 5);
+  ASSERT_NE(cpu, nullptr);
+  auto eager_model = GpuModel::Create(ctx.get(), *cpu);
+  auto graph_model = GpuModel::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(eager_model.ok() && graph_model.ok());
+  auto eager = GpuTrainer::Create(ctx.get(), eager_model->get(), opt);
+  auto graphed = GpuTrainer::Create(ctx.get(), graph_model->get(), opt);
+  ASSERT_TRUE(eager.ok() && graphed.ok());
+  (*graphed)->SetCudaGraphs(true);
+  const std::vector<Batch> big = LearnableBatches(4, 64, 8);
+  const std::vector<Batch> small = LearnableBatches(2, 32, 9);
+  for (int step = 0; step < 12; ++step) {
+    // Batch 64, then two steps of 32 (steps 6 and 7), then 64 again.
+    const Batch& b = step == 6 || step == 7 ? small[static_cast<size_t>(step - 6)]
+                                            : big[static_cast<size_t>(step) % big.size()];
+    const double lr = opt.lr * (1.0 - step / 20.0);
+    absl::StatusOr<double> a = (*eager)->Step(b.images, b.labels, lr);
+    absl::StatusOr<double> g = (*graphed)->Step(b.images, b.labels, lr);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(*a, *g) << "step " << step;
+    std::printf(
+        "  step %2d: loss %.7f, %s\n", step, *g,
+        (*graphed)->graph_note().empty() ? "from a graph" : (*graphed)->graph_note().c_str());
+  }
+  EXPECT_EQ((*graphed)->graph_steps(), want_graph_steps);
+  auto want = Cpu(Cnn(), 8);
+  auto got = Cpu(Cnn(), 9);
+  ASSERT_TRUE((*eager_model)->CopyParametersTo(want->Parameters()).ok());
+  ASSERT_TRUE((*graph_model)->CopyParametersTo(got->Parameters()).ok());
+  for (size_t k = 0; k < want->Parameters().size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError(got->Parameters()[k]->value, want->Parameters()[k]->value), 0.0)
+        << want->Parameters()[k]->name;
+  }
+}
+
+// Steps 0, 6 and 8 run eagerly (new shapes), 1, 7 and 9 are captured and
+// launched, the rest replay: 9 of 12 from graphs.
+TEST(GpuTraining, CudaGraphStepsMatchEagerStepsBitForBitAdamW) {
+  OptimizerConfig opt;
+  opt.name = "adamw";
+  opt.lr = 5e-4;
+  opt.weight_decay = 0.01;
+  opt.grad_clip_norm = 1.0;
+  CompareGraphSteps(opt, 9);
+}
+
+// SGD's first step is another kernel (the momentum buffer starts as the
+// gradient), so step 1 runs eagerly too: 8 of 12.
+TEST(GpuTraining, CudaGraphStepsMatchEagerStepsBitForBitSgd) {
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.01;
+  opt.momentum = 0.9;
+  opt.nesterov = true;
+  CompareGraphSteps(opt, 8);
+}
+
+TEST(GpuTraining, CudaGraphsStayOffWhereAStepNeedsTheHost) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
+  ModelConfig with_dropout = Mlp();
+  with_dropout.dropout = 0.2;
+  auto gpu = GpuModel::Build(ctx.get(), with_dropout, 1);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.01;
+  auto trainer = GpuTrainer::Create(ctx.get(), gpu->get(), opt);
+  ASSERT_TRUE(trainer.ok());
+  (*trainer)->SetCudaGraphs(true);
+  const Batch b = std::move(LearnableBatches(1, 64, 4)[0]);
+  for (int step = 0; step < 3; ++step) ASSERT_TRUE((*trainer)->Step(b.images, b.labels, 0.01).ok());
+  EXPECT_EQ((*trainer)->graph_steps(), 0);
+  EXPECT_NE((*trainer)->graph_note().find("dropout"), std::string::npos)
+      << (*trainer)->graph_note();
+}
+
 // The DDP seam: the hook runs after backward and before the update. A hook
 // that zeroes every gradient leaves plain SGD's weights where they were; a
 // failing hook fails the step before any update.

@@ -49,6 +49,10 @@ struct GpuSessionOptions {
   // "bf16" or "fp16" (with dynamic loss scaling). INVALID_ARGUMENT for
   // anything else.
   std::string precision = "fp32";
+  // Steps from captured CUDA graphs (spec cuda_graphs; GpuTrainer::
+  // SetCudaGraphs): one rank only for now (the NCCL allreduce is not
+  // captured), and only for steps without dropout or fp16 loss scaling.
+  bool cuda_graphs = false;
   int rank = 0;
   int world_size = 1;
   // world_size > 1: where rank 0 publishes the NCCL unique id ("nccl/id").

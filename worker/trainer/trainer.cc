@@ -806,6 +806,7 @@ std::optional<Failure> Run::SetupGpu() {
   o.fast_convolutions = spec_.fast_convolutions();
   o.timeout = std::max(milliseconds(30'000), ToMillis(spec_.timeouts().rendezvous()));
   o.bucket_mb = spec_.has_bucket_mb() ? spec_.bucket_mb() : 25.0;
+  o.cuda_graphs = spec_.cuda_graphs();
   switch (spec_.precision()) {
     case v1::JobSpec::BF16:
       o.precision = "bf16";

@@ -108,6 +108,8 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
        "allow_tf32: is for device: gpu (CPU jobs compute in fp32)"},
       {[](JobSpec* s) { s->set_fast_convolutions(true); },
        "fast_convolutions: is for device: gpu (cuDNN's convolution algorithms)"},
+      {[](JobSpec* s) { s->set_cuda_graphs(true); },
+       "cuda_graphs: is for device: gpu (CPU steps launch no kernels)"},
       {[](JobSpec* s) { *s->mutable_timeouts()->mutable_worker() = Seconds(86400, 1); },
        "timeouts.worker: must be at most 24h (86400s), got 86400.000000001s"},
       {[](JobSpec* s) { (*s->mutable_labels())["bad key"] = "v"; },
@@ -559,6 +561,11 @@ const GoodCase kGoodCases[] = {
      [](JobSpec* s) {
        s->set_device(JobSpec::GPU);
        s->set_precision(JobSpec::FP16);
+     }},
+    {"GpuCudaGraphs",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_cuda_graphs(true);
      }},
     {"MlpSixteenWideLayers",
      [](JobSpec* s) {

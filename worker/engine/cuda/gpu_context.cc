@@ -34,6 +34,11 @@ absl::StatusOr<std::unique_ptr<GpuContext>> GpuContext::Create(const GpuContextO
   // tensor cores.
   AIDN_RETURN_IF_CUBLAS_ERROR(cublasSetMathMode(
       ctx->cublas_, options.allow_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  // A workspace of our own (after cublasSetStream, which resets it): cuBLAS
+  // then allocates nothing while a CUDA graph is captured.
+  AIDN_ASSIGN_OR_RETURN(ctx->cublas_workspace_, ctx->allocator_->Allocate(kCublasWorkspaceBytes));
+  AIDN_RETURN_IF_CUBLAS_ERROR(cublasSetWorkspace(ctx->cublas_, ctx->cublas_workspace_.data(),
+                                                 ctx->cublas_workspace_.bytes()));
 
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnCreate(&ctx->cudnn_));
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetStream(ctx->cudnn_, ctx->stream_));
@@ -46,6 +51,7 @@ GpuContext::~GpuContext() {
   if (cudnn_ != nullptr) cudnnDestroy(cudnn_);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
   workspace_.Release();
+  cublas_workspace_.Release();
   allocator_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }

@@ -234,6 +234,7 @@ class GpuDropout final : public GpuLayer {
   }
   // The key of the last training Forward's mask (dropout_mask.h).
   uint64_t last_key() const { return key_; }
+  double p() const { return p_; }
 
  private:
   GpuContext* ctx_;

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -90,6 +91,14 @@ void GpuModel::SetSeed(uint64_t seed) {
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->SetSeed(LayerSeed(seed, i));
 }
 
+bool GpuModel::HasDropout() const {
+  for (const auto& layer : layers_) {
+    const auto* dropout = dynamic_cast<const GpuDropout*>(layer.get());
+    if (dropout != nullptr && dropout->p() > 0) return true;
+  }
+  return false;
+}
+
 int64_t GpuModel::ParameterCount() const {
   int64_t n = 0;
   for (const GpuParameter* p : parameters_) n += p->value.numel();
@@ -164,10 +173,6 @@ absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector
 
 absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
                                       GpuTensor* grad_logits, double grad_scale, int slot) {
-  if (slot < 0 || slot >= slots_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("loss slot ", slot, " of ", slots_, " reserved"));
-  }
   if (logits.rank() != 2) {
     return absl::InvalidArgumentError("logits must be [N, classes], got " + logits.ShapeString());
   }
@@ -183,16 +188,10 @@ absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector
           absl::StrCat("label ", label, " not in [0, ", classes, ")"));
     }
   }
-  if (grad_logits != nullptr) AIDN_RETURN_IF_ERROR(grad_logits->Resize(ctx_, {n, classes}));
-  CachingAllocator& alloc = ctx_->allocator();
   const size_t label_bytes = sizeof(int32_t) * labels.size();
   if (label_bytes > labels_.bytes()) {
     labels_.Release();
-    AIDN_ASSIGN_OR_RETURN(labels_, alloc.Allocate(label_bytes));
-  }
-  if (sizeof(double) * labels.size() > row_loss_.bytes()) {
-    row_loss_.Release();
-    AIDN_ASSIGN_OR_RETURN(row_loss_, alloc.Allocate(sizeof(double) * labels.size()));
+    AIDN_ASSIGN_OR_RETURN(labels_, ctx_->allocator().Allocate(label_bytes));
   }
   if (n > 0) {
     // From pageable memory: the call returns once `labels` is staged, so the
@@ -201,10 +200,31 @@ absl::Status GpuCrossEntropy::Compute(const GpuTensor& logits, const std::vector
     AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(labels_.data(), labels.data(), label_bytes,
                                               cudaMemcpyHostToDevice, ctx_->stream()));
   }
-  return LaunchSoftmaxCrossEntropy(
-      ctx_->stream(), logits.data(), static_cast<const int32_t*>(labels_.data()), n, classes,
-      grad_logits != nullptr ? grad_logits->data() : nullptr, grad_scale,
-      static_cast<double*>(row_loss_.data()), static_cast<double*>(loss_.data()) + slot);
+  return ComputeOnDevice(logits, static_cast<const int32_t*>(labels_.data()), n, grad_logits,
+                         grad_scale, slot);
+}
+
+absl::Status GpuCrossEntropy::ComputeOnDevice(const GpuTensor& logits, const int32_t* labels,
+                                              int64_t n, GpuTensor* grad_logits, double grad_scale,
+                                              int slot) {
+  if (slot < 0 || slot >= slots_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss slot ", slot, " of ", slots_, " reserved"));
+  }
+  if (logits.rank() != 2 || logits.dim(0) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(n, " labels for logits ", logits.ShapeString()));
+  }
+  const int64_t classes = logits.dim(1);
+  if (grad_logits != nullptr) AIDN_RETURN_IF_ERROR(grad_logits->Resize(ctx_, {n, classes}));
+  if (sizeof(double) * static_cast<size_t>(n) > row_loss_.bytes()) {
+    row_loss_.Release();
+    AIDN_ASSIGN_OR_RETURN(row_loss_,
+                          ctx_->allocator().Allocate(sizeof(double) * static_cast<size_t>(n)));
+  }
+  return LaunchSoftmaxCrossEntropy(ctx_->stream(), logits.data(), labels, n, classes,
+                                   grad_logits != nullptr ? grad_logits->data() : nullptr,
+                                   grad_scale, static_cast<double*>(row_loss_.data()),
+                                   static_cast<double*>(loss_.data()) + slot);
 }
 
 absl::StatusOr<double> GpuCrossEntropy::Loss() const {
@@ -269,13 +289,193 @@ absl::StatusOr<bool> GpuTrainer::UnscaleAndCheck(double scale) {
 }
 
 GpuTrainer::~GpuTrainer() {
-  // Nothing of ours may still be in flight when the pinned buffer goes.
+  // Nothing of ours may still be in flight when the pinned buffers go.
   if (done_ != nullptr) {
     cudaEventSynchronize(done_);
     cudaEventDestroy(done_);
   }
+  if (graph_exec_ != nullptr) cudaGraphExecDestroy(graph_exec_);
   if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
   if (host_found_ != nullptr) cudaFreeHost(host_found_);
+  if (staged_images_ != nullptr) cudaFreeHost(staged_images_);
+  if (staged_labels_ != nullptr) cudaFreeHost(staged_labels_);
+}
+
+void GpuTrainer::SetCudaGraphs(bool on) {
+  graphs_ = on;
+  graphs_failed_ = false;
+  InvalidateGraph();
+}
+
+void GpuTrainer::InvalidateGraph() {
+  if (graph_exec_ != nullptr) cudaGraphExecDestroy(graph_exec_);
+  graph_exec_ = nullptr;
+  graph_key_.clear();
+  warm_key_.clear();
+}
+
+std::string GpuTrainer::GraphBlocker() const {
+  if (!graphs_) return "CUDA graphs off";
+  if (graphs_failed_) return graph_note_;
+  if (grad_ready_ || after_backward_ || wait_) {
+    return "CUDA graphs not used: the step has hooks (DDP, or a test's)";
+  }
+  if (scaler_) return "CUDA graphs not used: fp16 loss scaling waits on the host mid-step";
+  if (model_->HasDropout()) return "CUDA graphs not used: dropout masks are keyed on the host";
+  return "";
+}
+
+absl::Status GpuTrainer::Stage(const std::vector<MicroBatch>& micro) {
+  size_t floats = 0, labels = 0;
+  for (const MicroBatch& b : micro) {
+    floats += static_cast<size_t>(b.images->numel());
+    labels += b.labels->size();
+  }
+  // Growing moves the buffers a captured graph reads: the graph goes. The
+  // last step's copies out of them have completed (its wait returned).
+  if (floats > staged_image_floats_) {
+    InvalidateGraph();
+    if (staged_images_ != nullptr) cudaFreeHost(staged_images_);
+    staged_images_ = nullptr;
+    staged_image_floats_ = 0;
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&staged_images_), sizeof(float) * floats));
+    staged_image_floats_ = floats;
+  }
+  if (labels > staged_label_count_) {
+    InvalidateGraph();
+    if (staged_labels_ != nullptr) cudaFreeHost(staged_labels_);
+    staged_labels_ = nullptr;
+    staged_label_count_ = 0;
+    device_labels_.Release();
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&staged_labels_), sizeof(int32_t) * labels));
+    AIDN_ASSIGN_OR_RETURN(device_labels_, ctx_->allocator().Allocate(sizeof(int32_t) * labels));
+    staged_label_count_ = labels;
+  }
+  size_t image_at = 0, label_at = 0;
+  for (size_t i = 0; i < micro.size(); ++i) {
+    const Tensor& images = *micro[i].images;
+    const std::vector<int32_t>& l = *micro[i].labels;
+    if (images.rank() < 1 || images.dim(0) != static_cast<int64_t>(l.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("micro-batch ", i, ": ", l.size(),
+                                                     " labels for images ", images.ShapeString()));
+    }
+    for (int32_t label : l) {
+      // The upper bound is known once a step has run (its logits' width);
+      // the first step's eager run checks it then.
+      if (label < 0 || (classes_ > 0 && label >= classes_)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("label ", label, " not in [0, ", classes_ > 0 ? classes_ : 0, ")"));
+      }
+    }
+    std::memcpy(staged_images_ + image_at, images.data(),
+                sizeof(float) * static_cast<size_t>(images.numel()));
+    std::memcpy(staged_labels_ + label_at, l.data(), sizeof(int32_t) * l.size());
+    image_at += static_cast<size_t>(images.numel());
+    label_at += l.size();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuTrainer::QueueStaged(const std::vector<MicroBatch>& micro, double grad_scale) {
+  cudaStream_t stream = ctx_->stream();
+  AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
+  size_t image_at = 0, label_at = 0;
+  for (size_t i = 0; i < micro.size(); ++i) {
+    const Tensor& images = *micro[i].images;
+    const int64_t n = images.dim(0);
+    AIDN_RETURN_IF_ERROR(input_.Resize(ctx_, images.shape()));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(input_.data(), staged_images_ + image_at,
+                                              sizeof(float) * static_cast<size_t>(images.numel()),
+                                              cudaMemcpyHostToDevice, stream));
+    AIDN_RETURN_IF_ERROR(model_->Forward(input_, &logits_, /*training=*/true));
+    if (logits_.rank() == 2) {
+      classes_ = logits_.dim(1);
+      for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
+        if (staged_labels_[label_at + j] >= classes_) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("label ", staged_labels_[label_at + j], " not in [0, ", classes_, ")"));
+        }
+      }
+    }
+    int32_t* labels = static_cast<int32_t*>(device_labels_.data()) + label_at;
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(labels, staged_labels_ + label_at,
+                                              sizeof(int32_t) * static_cast<size_t>(n),
+                                              cudaMemcpyHostToDevice, stream));
+    AIDN_RETURN_IF_ERROR(
+        loss_.ComputeOnDevice(logits_, labels, n, &grad_logits_, grad_scale, static_cast<int>(i)));
+    AIDN_RETURN_IF_ERROR(model_->Backward(grad_logits_));
+    image_at += static_cast<size_t>(images.numel());
+    label_at += static_cast<size_t>(n);
+  }
+  AIDN_RETURN_IF_ERROR(optimizer_->Queue(/*args_in_memory=*/true));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host_losses_, loss_.device_losses(),
+                                            sizeof(double) * micro.size(), cudaMemcpyDeviceToHost,
+                                            stream));
+  return absl::OkStatus();
+}
+
+absl::Status GpuTrainer::GraphStep(const std::vector<MicroBatch>& micro, double lr,
+                                   double grad_scale) {
+  AIDN_RETURN_IF_ERROR(Stage(micro));
+  AIDN_RETURN_IF_ERROR(optimizer_->EnableArgsInMemory());
+  AIDN_RETURN_IF_ERROR(optimizer_->Prepare(lr));
+  // What a graph bakes in: the micro-batches' shapes, and which update
+  // kernel runs (SGD's first step is another).
+  std::vector<int64_t> key = {static_cast<int64_t>(micro.size()),
+                              optimizer_->prepared_first_step() ? 1 : 0};
+  for (const MicroBatch& b : micro) {
+    key.insert(key.end(), b.images->shape().begin(), b.images->shape().end());
+    key.push_back(-1);
+  }
+  cudaStream_t stream = ctx_->stream();
+  if (graph_exec_ != nullptr && key == graph_key_) {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(graph_exec_, stream));
+    ++graph_steps_;
+    graph_note_.clear();
+    return absl::OkStatus();
+  }
+  if (key != warm_key_) {
+    // A new shape: run it eagerly once (algorithm search, allocations,
+    // which may move buffers an old graph reads).
+    InvalidateGraph();
+    AIDN_RETURN_IF_ERROR(QueueStaged(micro, grad_scale));
+    warm_key_ = key;
+    graph_note_ = "CUDA graphs: a step of a new shape ran eagerly before capture";
+    return absl::OkStatus();
+  }
+  // The second step of this shape: capture it, then launch the graph.
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const absl::Status queued = QueueStaged(micro, grad_scale);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t instantiated = cudaErrorUnknown;
+  if (queued.ok() && ended == cudaSuccess && graph != nullptr) {
+    instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!queued.ok() || ended != cudaSuccess || instantiated != cudaSuccess) {
+    // Nothing captured ran: graphs off for good, this step eagerly.
+    cudaGetLastError();
+    graphs_failed_ = true;
+    graph_note_ = absl::StrCat(
+        "CUDA graphs off: capture failed: ",
+        !queued.ok() ? std::string(queued.message())
+        : ended != cudaSuccess
+            ? absl::StrCat("cudaStreamEndCapture: ", cudaGetErrorString(ended))
+            : absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(instantiated)));
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    optimizer_->Unqueue();
+    return QueueStaged(micro, grad_scale);
+  }
+  graph_exec_ = exec;
+  graph_key_ = key;
+  AIDN_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(graph_exec_, stream));
+  ++graph_steps_;
+  graph_note_.clear();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> GpuTrainer::Step(const Tensor& images, const std::vector<int32_t>& labels,
@@ -291,8 +491,11 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
     }
   }
   const int k = static_cast<int>(micro.size());
+  const double* slots_before = loss_.device_losses();
   AIDN_RETURN_IF_ERROR(loss_.ReserveSlots(k));
+  if (loss_.device_losses() != slots_before) InvalidateGraph();
   if (k > host_slots_) {
+    InvalidateGraph();
     // The last step's copy into the old buffer has completed: its wait
     // returned before this step began.
     if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
@@ -302,12 +505,23 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
         cudaMallocHost(reinterpret_cast<void**>(&host_losses_), sizeof(double) * k));
     host_slots_ = k;
   }
-  AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
   // The CPU trainer's scale, computed as it computes it (times the loss
   // scale in fp16).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   const double grad_scale =
       scaler_ ? loss_scale / static_cast<double>(k) : 1.0 / static_cast<double>(k);
+  last_skipped_ = false;
+  if (graphs_) {
+    graph_note_ = GraphBlocker();
+    if (graph_note_.empty()) {
+      AIDN_RETURN_IF_ERROR(GraphStep(micro, lr, grad_scale));
+      AIDN_RETURN_IF_ERROR(WaitFor());
+      double loss = 0;
+      for (int i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
+      return loss;
+    }
+  }
+  AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
   for (int i = 0; i < k; ++i) {
     const MicroBatch& b = micro[static_cast<size_t>(i)];
     if (b.seed.has_value()) model_->SetSeed(*b.seed);
@@ -319,7 +533,6 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
         model_->Backward(grad_logits_, last ? grad_ready_ : GpuModel::GradReadyFn()));
   }
   if (after_backward_) AIDN_RETURN_IF_ERROR(after_backward_());
-  last_skipped_ = false;
   if (scaler_) {
     AIDN_ASSIGN_OR_RETURN(const bool overflow, UnscaleAndCheck(loss_scale));
     last_skipped_ = !scaler_->Update(overflow);

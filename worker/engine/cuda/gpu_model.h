@@ -73,6 +73,9 @@ class GpuModel {
   void SetSeed(uint64_t seed);
 
   const std::vector<GpuParameter*>& Parameters() const { return parameters_; }
+  // Whether a dropout layer with p > 0 is there (its masks are keyed on the
+  // host at each forward, so a CUDA graph would replay one mask).
+  bool HasDropout() const;
   int64_t ParameterCount() const;
   // Sequential::Describe()'s text.
   std::string Describe() const;
@@ -115,6 +118,10 @@ class GpuCrossEntropy {
   absl::Status ReserveSlots(int slots);
   absl::Status Compute(const GpuTensor& logits, const std::vector<int32_t>& labels,
                        GpuTensor* grad_logits, double grad_scale, int slot);
+  // As Compute, with `n` labels already in device memory (queued before;
+  // not checked: the caller checked them on the host).
+  absl::Status ComputeOnDevice(const GpuTensor& logits, const int32_t* labels, int64_t n,
+                               GpuTensor* grad_logits, double grad_scale, int slot);
   // The slots (device doubles), valid until the next ReserveSlots.
   const double* device_losses() const { return static_cast<const double*>(loss_.data()); }
 
@@ -174,6 +181,23 @@ class GpuTrainer {
   // Whether the last Step skipped its update (fp16 overflow).
   bool last_step_skipped() const { return last_skipped_; }
 
+  // CUDA graphs (off by default). When on, a step that needs no host work
+  // between its kernels (no hooks, no fp16 loss scaling, no dropout) runs
+  // from pinned staging buffers; the first step of a given shape runs
+  // eagerly (cuDNN's algorithm search, allocations), the next is captured
+  // into a graph and launched, and later ones replay it. A step of another
+  // shape (micro-batch count, batch size) discards the graph and starts
+  // over. A capture that fails leaves graphs off, with the reason in
+  // graph_note(), and the step runs eagerly.
+  void SetCudaGraphs(bool on);
+  // Steps run by launching a graph (captured or replayed).
+  int64_t graph_steps() const { return graph_steps_; }
+  // Why the last step did not run from a graph ("" when it did).
+  const std::string& graph_note() const { return graph_note_; }
+  // Forgets the graph: call after anything but Step ran the model (its
+  // buffers may have moved).
+  void InvalidateGraph();
+
   GpuOptimizer& optimizer() { return *optimizer_; }
   // The last step's logits (of its last micro-batch; valid until the next
   // step).
@@ -185,6 +209,13 @@ class GpuTrainer {
   absl::Status WaitFor();
   // fp16: divides every gradient by `scale`; whether any is inf or NaN.
   absl::StatusOr<bool> UnscaleAndCheck(double scale);
+  // Why a step cannot run from a graph ("" if it can).
+  std::string GraphBlocker() const;
+  // Graph steps: copies the micro-batches into the pinned staging buffers
+  // (checking labels), and queues the step from them.
+  absl::Status Stage(const std::vector<MicroBatch>& micro);
+  absl::Status QueueStaged(const std::vector<MicroBatch>& micro, double grad_scale);
+  absl::Status GraphStep(const std::vector<MicroBatch>& micro, double lr, double grad_scale);
   GpuContext* ctx_;
   GpuModel* model_;
   std::unique_ptr<GpuOptimizer> optimizer_;
@@ -204,6 +235,21 @@ class GpuTrainer {
   DeviceBuffer found_;
   int32_t* host_found_ = nullptr;
   bool last_skipped_ = false;
+  // CUDA graphs: staging (pinned), the labels on the device, the graph and
+  // the step shape it was captured for, the shape of the last eager step.
+  bool graphs_ = false;
+  bool graphs_failed_ = false;
+  std::string graph_note_ = "CUDA graphs off";
+  float* staged_images_ = nullptr;
+  size_t staged_image_floats_ = 0;
+  int32_t* staged_labels_ = nullptr;
+  size_t staged_label_count_ = 0;
+  DeviceBuffer device_labels_;
+  int64_t classes_ = 0;  // the logits' width, once a step has run
+  cudaGraphExec_t graph_exec_ = nullptr;
+  std::vector<int64_t> graph_key_;
+  std::vector<int64_t> warm_key_;
+  int64_t graph_steps_ = 0;
 };
 
 }  // namespace aidn::engine::cuda

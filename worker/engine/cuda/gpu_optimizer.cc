@@ -55,7 +55,16 @@ absl::StatusOr<std::unique_ptr<GpuOptimizer>> GpuOptimizer::Create(
   return opt;
 }
 
+GpuOptimizer::~GpuOptimizer() {
+  if (host_args_ != nullptr) cudaFreeHost(host_args_);
+}
+
 absl::Status GpuOptimizer::Step(double lr) {
+  AIDN_RETURN_IF_ERROR(Prepare(lr));
+  return Queue(/*args_in_memory=*/false);
+}
+
+absl::Status GpuOptimizer::Prepare(double lr) {
   if (!std::isfinite(lr) || lr < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("learning rate ", lr, " is not finite and >= 0"));
@@ -68,7 +77,66 @@ absl::Status GpuOptimizer::Step(double lr) {
                        p->grad.ShapeString(), " changed shape since the optimizer was created"));
     }
   }
+  if (config_.name == "sgd") {
+    SgdArgs& a = args_.sgd;
+    a.lr = static_cast<float>(lr);
+    a.apply_decay = config_.weight_decay != 0.0;
+    a.weight_decay = static_cast<float>(config_.weight_decay);
+    a.use_momentum = config_.momentum != 0.0;
+    a.momentum = static_cast<float>(config_.momentum);
+    a.nesterov = config_.nesterov;
+    // torch creates the momentum buffer as a copy of the first gradient.
+    a.first_step = steps_ == 0;
+  } else {
+    // As AdamW::Step in optimizer.cc: coefficients in double, then float.
+    const double t = static_cast<double>(steps_ + 1);
+    const double b1 = config_.beta1;
+    const double b2 = config_.beta2;
+    const double bc1 = 1.0 - std::pow(b1, t);
+    const double bc2 = 1.0 - std::pow(b2, t);
+    AdamWArgs& a = args_.adamw;
+    a.decay = static_cast<float>(1.0 - lr * config_.weight_decay);
+    a.apply_decay = config_.weight_decay != 0.0;
+    a.beta1 = static_cast<float>(b1);
+    a.one_m_b1 = static_cast<float>(1.0 - b1);
+    a.beta2 = static_cast<float>(b2);
+    a.one_m_b2 = static_cast<float>(1.0 - b2);
+    a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    a.eps = static_cast<float>(config_.eps);
+    a.neg_step = static_cast<float>(-(lr / bc1));
+  }
+  if (host_args_ != nullptr) *host_args_ = args_;
+  prepared_ = true;
+  ++steps_;
+  return absl::OkStatus();
+}
+
+absl::Status GpuOptimizer::EnableArgsInMemory() {
+  if (host_args_ == nullptr) {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMallocHost(reinterpret_cast<void**>(&host_args_), sizeof(Args)));
+    *host_args_ = args_;
+  }
+  if (device_args_.data() == nullptr) {
+    AIDN_ASSIGN_OR_RETURN(device_args_, ctx_->allocator().Allocate(sizeof(Args)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuOptimizer::Queue(bool args_in_memory) {
+  if (!prepared_) return absl::FailedPreconditionError("optimizer Queue without Prepare");
+  prepared_ = false;
   cudaStream_t stream = ctx_->stream();
+  const Args* in_memory = nullptr;
+  if (args_in_memory) {
+    if (host_args_ == nullptr || device_args_.data() == nullptr) {
+      return absl::FailedPreconditionError("optimizer arguments in memory were not enabled");
+    }
+    // Read from pinned memory when the copy runs: in a CUDA graph, at each
+    // replay, after the host's Prepare of that step.
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(device_args_.data(), host_args_, sizeof(Args),
+                                              cudaMemcpyHostToDevice, stream));
+    in_memory = static_cast<const Args*>(device_args_.data());
+  }
   const float* scale = nullptr;
   if (config_.grad_clip_norm > 0) {
     double* sum_sq = static_cast<double*>(sum_sq_.data());
@@ -83,45 +151,21 @@ absl::Status GpuOptimizer::Step(double lr) {
     measured_norm_ = true;
   }
   if (config_.name == "sgd") {
-    SgdArgs a;
-    a.lr = static_cast<float>(lr);
-    a.apply_decay = config_.weight_decay != 0.0;
-    a.weight_decay = static_cast<float>(config_.weight_decay);
-    a.use_momentum = config_.momentum != 0.0;
-    a.momentum = static_cast<float>(config_.momentum);
-    a.nesterov = config_.nesterov;
-    // torch creates the momentum buffer as a copy of the first gradient.
-    a.first_step = steps_ == 0;
+    const SgdArgs& a = args_.sgd;
     for (size_t k = 0; k < params_.size(); ++k) {
       GpuParameter* p = params_[k];
-      AIDN_RETURN_IF_ERROR(LaunchSgd(stream, p->value.data(), p->grad.data(),
-                                     a.use_momentum ? momentum_[k].data() : nullptr,
-                                     p->value.numel(), a, scale));
+      AIDN_RETURN_IF_ERROR(LaunchSgd(
+          stream, p->value.data(), p->grad.data(), a.use_momentum ? momentum_[k].data() : nullptr,
+          p->value.numel(), a, scale, in_memory != nullptr ? &in_memory->sgd : nullptr));
     }
   } else {
-    // As AdamW::Step in optimizer.cc: coefficients in double, then float.
-    const double t = static_cast<double>(steps_ + 1);
-    const double b1 = config_.beta1;
-    const double b2 = config_.beta2;
-    const double bc1 = 1.0 - std::pow(b1, t);
-    const double bc2 = 1.0 - std::pow(b2, t);
-    AdamWArgs a;
-    a.decay = static_cast<float>(1.0 - lr * config_.weight_decay);
-    a.apply_decay = config_.weight_decay != 0.0;
-    a.beta1 = static_cast<float>(b1);
-    a.one_m_b1 = static_cast<float>(1.0 - b1);
-    a.beta2 = static_cast<float>(b2);
-    a.one_m_b2 = static_cast<float>(1.0 - b2);
-    a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    a.eps = static_cast<float>(config_.eps);
-    a.neg_step = static_cast<float>(-(lr / bc1));
     for (size_t k = 0; k < params_.size(); ++k) {
       GpuParameter* p = params_[k];
       AIDN_RETURN_IF_ERROR(LaunchAdamW(stream, p->value.data(), p->grad.data(), exp_avg_[k].data(),
-                                       exp_avg_sq_[k].data(), p->value.numel(), a, scale));
+                                       exp_avg_sq_[k].data(), p->value.numel(), args_.adamw, scale,
+                                       in_memory != nullptr ? &in_memory->adamw : nullptr));
     }
   }
-  ++steps_;
   return absl::OkStatus();
 }
 

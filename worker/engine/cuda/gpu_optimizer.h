@@ -26,6 +26,7 @@
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/cuda/kernels.h"
 #include "worker/engine/optimizer.h"
 
 namespace aidn::engine::cuda {
@@ -38,10 +39,35 @@ class GpuOptimizer {
   static absl::StatusOr<std::unique_ptr<GpuOptimizer>> Create(
       GpuContext* ctx, const OptimizerConfig& config, const std::vector<GpuParameter*>& params);
 
-  // Queues one update of every parameter with learning rate `lr`.
-  // INVALID_ARGUMENT for a negative or non-finite lr, FAILED_PRECONDITION if
-  // a parameter changed shape.
+  ~GpuOptimizer();
+  GpuOptimizer(const GpuOptimizer&) = delete;
+  GpuOptimizer& operator=(const GpuOptimizer&) = delete;
+
+  // Queues one update of every parameter with learning rate `lr`: Prepare,
+  // then Queue(false). INVALID_ARGUMENT for a negative or non-finite lr,
+  // FAILED_PRECONDITION if a parameter changed shape.
   absl::Status Step(double lr);
+
+  // Step in two halves, for CUDA graphs. Prepare (host only): checks, the
+  // step's coefficients (learning rate, AdamW's bias corrections, SGD's
+  // first step), the step counted; with arguments in memory it also writes
+  // them to pinned host memory. Queue: the update's kernels, each step's
+  // coefficients passed by value, or (args_in_memory) copied from that
+  // pinned memory to the device by a copy queued first, so that a graph
+  // that captured one Queue replays it with each step's Prepare. One
+  // Prepare before each Queue (FAILED_PRECONDITION otherwise); the pinned
+  // arguments must not be rewritten before the step's copy has run.
+  absl::Status Prepare(double lr);
+  absl::Status Queue(bool args_in_memory);
+  // Allocates the pinned and device copies of the arguments (once).
+  absl::Status EnableArgsInMemory();
+  // The last Queue's work was discarded unrun (a failed graph capture):
+  // the prepared step may be queued again.
+  void Unqueue() { prepared_ = true; }
+  // Whether the next Queue's kernels treat this as the first step (SGD's
+  // momentum buffer starts as the gradient): a different kernel, so a
+  // graph captured with one cannot replay the other.
+  bool prepared_first_step() const { return config_.name == "sgd" && args_.sgd.first_step; }
 
   int64_t steps() const { return steps_; }
   const OptimizerConfig& config() const { return config_; }
@@ -80,6 +106,16 @@ class GpuOptimizer {
   DeviceBuffer coef_;
   bool measured_norm_ = false;
   int64_t steps_ = 0;
+  // The prepared step's coefficients; pinned and device copies for Queue
+  // with arguments in memory.
+  struct Args {
+    SgdArgs sgd;
+    AdamWArgs adamw;
+  };
+  Args args_;
+  bool prepared_ = false;
+  Args* host_args_ = nullptr;
+  DeviceBuffer device_args_;
 };
 
 }  // namespace aidn::engine::cuda

@@ -87,6 +87,12 @@ class CudaGpuSession final : public GpuSession {
     AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuModel::Create(s->ctx_.get(), model));
     AIDN_ASSIGN_OR_RETURN(s->trainer_,
                           cuda::GpuTrainer::Create(s->ctx_.get(), s->model_.get(), optimizer));
+    if (options.cuda_graphs && options.world_size == 1) {
+      s->trainer_->SetCudaGraphs(true);
+      absl::StrAppend(&s->description_, ", CUDA graphs");
+    } else if (options.cuda_graphs) {
+      absl::StrAppend(&s->description_, ", CUDA graphs not used (not with NCCL yet)");
+    }
     if (options.world_size > 1) {
 #if AIDN_HAVE_NCCL
       NcclOptions nccl;

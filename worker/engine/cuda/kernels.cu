@@ -263,8 +263,9 @@ __global__ void ClipCoefficientKernel(const double* sum_sq, int count, double ma
 // ------------------------------------------------------------ optimizers
 
 template <bool kDecay, bool kMomentum, bool kNesterov, bool kFirst>
-__global__ void SgdKernel(float* p, const float* grad, float* buf, int64_t n, SgdArgs a,
-                          const float* scale) {
+__global__ void SgdKernel(float* p, const float* grad, float* buf, int64_t n, SgdArgs by_value,
+                          const float* scale, const SgdArgs* in_memory) {
+  const SgdArgs a = in_memory != nullptr ? *in_memory : by_value;
   for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
     float g = grad[i];
     if (scale != nullptr) g = __fmul_rn(g, *scale);
@@ -288,8 +289,9 @@ __global__ void SgdKernel(float* p, const float* grad, float* buf, int64_t n, Sg
 }
 
 template <bool kDecay>
-__global__ void AdamWKernel(float* p, const float* grad, float* m, float* v, int64_t n, AdamWArgs a,
-                            const float* scale) {
+__global__ void AdamWKernel(float* p, const float* grad, float* m, float* v, int64_t n,
+                            AdamWArgs by_value, const float* scale, const AdamWArgs* in_memory) {
+  const AdamWArgs a = in_memory != nullptr ? *in_memory : by_value;
   for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
     float g = grad[i];
     if (scale != nullptr) g = __fmul_rn(g, *scale);
@@ -306,25 +308,25 @@ __global__ void AdamWKernel(float* p, const float* grad, float* m, float* v, int
 
 template <bool kDecay, bool kMomentum, bool kNesterov, bool kFirst>
 void QueueSgd(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
-              const SgdArgs& a, const float* scale) {
+              const SgdArgs& a, const float* scale, const SgdArgs* in_memory) {
   SgdKernel<kDecay, kMomentum, kNesterov, kFirst>
-      <<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, buf, n, a, scale);
+      <<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, buf, n, a, scale, in_memory);
 }
 
 template <bool kDecay>
 void QueueSgdMomentum(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
-                      const SgdArgs& a, const float* scale) {
+                      const SgdArgs& a, const float* scale, const SgdArgs* in_memory) {
   if (a.nesterov) {
     if (a.first_step) {
-      QueueSgd<kDecay, true, true, true>(stream, p, grad, buf, n, a, scale);
+      QueueSgd<kDecay, true, true, true>(stream, p, grad, buf, n, a, scale, in_memory);
     } else {
-      QueueSgd<kDecay, true, true, false>(stream, p, grad, buf, n, a, scale);
+      QueueSgd<kDecay, true, true, false>(stream, p, grad, buf, n, a, scale, in_memory);
     }
   } else {
     if (a.first_step) {
-      QueueSgd<kDecay, true, false, true>(stream, p, grad, buf, n, a, scale);
+      QueueSgd<kDecay, true, false, true>(stream, p, grad, buf, n, a, scale, in_memory);
     } else {
-      QueueSgd<kDecay, true, false, false>(stream, p, grad, buf, n, a, scale);
+      QueueSgd<kDecay, true, false, false>(stream, p, grad, buf, n, a, scale, in_memory);
     }
   }
 }
@@ -509,33 +511,35 @@ absl::Status LaunchClipCoefficient(cudaStream_t stream, const double* sum_sq, in
 }
 
 absl::Status LaunchSgd(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
-                       const SgdArgs& a, const float* scale) {
+                       const SgdArgs& a, const float* scale, const SgdArgs* in_memory) {
   if (n == 0) return absl::OkStatus();
   if (a.use_momentum && buf == nullptr) {
     return absl::InvalidArgumentError("sgd momentum without buffer");
   }
   if (!a.use_momentum) {
     if (a.apply_decay) {
-      QueueSgd<true, false, false, false>(stream, p, grad, buf, n, a, scale);
+      QueueSgd<true, false, false, false>(stream, p, grad, buf, n, a, scale, in_memory);
     } else {
-      QueueSgd<false, false, false, false>(stream, p, grad, buf, n, a, scale);
+      QueueSgd<false, false, false, false>(stream, p, grad, buf, n, a, scale, in_memory);
     }
   } else if (a.apply_decay) {
-    QueueSgdMomentum<true>(stream, p, grad, buf, n, a, scale);
+    QueueSgdMomentum<true>(stream, p, grad, buf, n, a, scale, in_memory);
   } else {
-    QueueSgdMomentum<false>(stream, p, grad, buf, n, a, scale);
+    QueueSgdMomentum<false>(stream, p, grad, buf, n, a, scale, in_memory);
   }
   AIDN_RETURN_IF_LAUNCH_FAILED("SgdKernel");
   return absl::OkStatus();
 }
 
 absl::Status LaunchAdamW(cudaStream_t stream, float* p, const float* grad, float* m, float* v,
-                         int64_t n, const AdamWArgs& a, const float* scale) {
+                         int64_t n, const AdamWArgs& a, const float* scale,
+                         const AdamWArgs* in_memory) {
   if (n == 0) return absl::OkStatus();
   if (a.apply_decay) {
-    AdamWKernel<true><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale);
+    AdamWKernel<true><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale, in_memory);
   } else {
-    AdamWKernel<false><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale);
+    AdamWKernel<false><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale,
+                                                              in_memory);
   }
   AIDN_RETURN_IF_LAUNCH_FAILED("AdamWKernel");
   return absl::OkStatus();

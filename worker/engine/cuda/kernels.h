@@ -91,8 +91,11 @@ struct SgdArgs {
 };
 // One fused SGD step (optimizer.h's formula). `buf` may be null without
 // momentum; `scale` (one device float, the clip coefficient) may be null.
+// With `in_memory` (device memory) the kernel reads its arguments there
+// when it runs, not from `args` (whose flags still choose the kernel): a
+// CUDA graph replays the launch with each step's learning rate.
 absl::Status LaunchSgd(cudaStream_t stream, float* p, const float* grad, float* buf, int64_t n,
-                       const SgdArgs& args, const float* scale);
+                       const SgdArgs& args, const float* scale, const SgdArgs* in_memory = nullptr);
 
 struct AdamWArgs {
   float decay = 1;  // 1 - lr * wd
@@ -105,9 +108,11 @@ struct AdamWArgs {
   float eps = 0;
   float neg_step = 0;  // -lr / (1 - b1^t)
 };
-// One fused AdamW step (optimizer.h's formula), `scale` as for LaunchSgd.
+// One fused AdamW step (optimizer.h's formula), `scale` and `in_memory` as
+// for LaunchSgd (AdamW's bias corrections change every step).
 absl::Status LaunchAdamW(cudaStream_t stream, float* p, const float* grad, float* m, float* v,
-                         int64_t n, const AdamWArgs& args, const float* scale);
+                         int64_t n, const AdamWArgs& args, const float* scale,
+                         const AdamWArgs* in_memory = nullptr);
 
 }  // namespace aidn::engine::cuda
 
