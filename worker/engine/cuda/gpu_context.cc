@@ -61,6 +61,7 @@ absl::StatusOr<void*> GpuContext::Workspace(size_t bytes) {
     // Queued work may still use the old block; the allocator's one-stream
     // contract makes handing it back now safe.
     workspace_.Release();
+    ++workspace_generation_;
     AIDN_ASSIGN_OR_RETURN(workspace_, allocator_->Allocate(bytes));
   }
   return workspace_.data();

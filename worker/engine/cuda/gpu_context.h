@@ -84,6 +84,9 @@ class GpuContext {
   // so one user's kernels finish before the next user's start. Valid until
   // the next call.
   absl::StatusOr<void*> Workspace(size_t bytes);
+  // Bumped each time Workspace moves the area (a CUDA graph that baked its
+  // address in is stale then).
+  uint64_t workspace_generation() const { return workspace_generation_; }
 
   // cudaSetDevice(device()).
   absl::Status Activate() const;
@@ -100,6 +103,7 @@ class GpuContext {
   // Destroyed (cudaFree) after the handles, before the stream.
   std::unique_ptr<CachingAllocator> allocator_;
   DeviceBuffer workspace_;
+  uint64_t workspace_generation_ = 0;
   // cuBLAS's (NVIDIA's advice for Hopper: 32 MiB).
   static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
   DeviceBuffer cublas_workspace_;

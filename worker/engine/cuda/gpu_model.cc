@@ -421,6 +421,15 @@ absl::Status GpuTrainer::GraphStep(const std::vector<MicroBatch>& micro, double 
   AIDN_RETURN_IF_ERROR(Stage(micro));
   AIDN_RETURN_IF_ERROR(optimizer_->EnableArgsInMemory());
   AIDN_RETURN_IF_ERROR(optimizer_->Prepare(lr));
+  absl::Status s = GraphStepPrepared(micro, grad_scale);
+  // A step that failed before its update ran is not counted (as eagerly,
+  // where the update is prepared last).
+  if (!s.ok()) optimizer_->Unprepare();
+  return s;
+}
+
+absl::Status GpuTrainer::GraphStepPrepared(const std::vector<MicroBatch>& micro,
+                                           double grad_scale) {
   // What a graph bakes in: the micro-batches' shapes, and which update
   // kernel runs (SGD's first step is another).
   std::vector<int64_t> key = {static_cast<int64_t>(micro.size()),
@@ -430,6 +439,10 @@ absl::Status GpuTrainer::GraphStep(const std::vector<MicroBatch>& micro, double 
     key.push_back(-1);
   }
   cudaStream_t stream = ctx_->stream();
+  // Another user of the context moved the shared workspace the graph uses.
+  if (graph_exec_ != nullptr && ctx_->workspace_generation() != graph_workspace_) {
+    InvalidateGraph();
+  }
   if (graph_exec_ != nullptr && key == graph_key_) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(graph_exec_, stream));
     ++graph_steps_;
@@ -472,6 +485,7 @@ absl::Status GpuTrainer::GraphStep(const std::vector<MicroBatch>& micro, double 
   }
   graph_exec_ = exec;
   graph_key_ = key;
+  graph_workspace_ = ctx_->workspace_generation();
   AIDN_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(graph_exec_, stream));
   ++graph_steps_;
   graph_note_.clear();
@@ -520,6 +534,8 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
       for (int i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
       return loss;
     }
+    // An eager step may move buffers a graph reads.
+    InvalidateGraph();
   }
   AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
   for (int i = 0; i < k; ++i) {

@@ -216,6 +216,7 @@ class GpuTrainer {
   absl::Status Stage(const std::vector<MicroBatch>& micro);
   absl::Status QueueStaged(const std::vector<MicroBatch>& micro, double grad_scale);
   absl::Status GraphStep(const std::vector<MicroBatch>& micro, double lr, double grad_scale);
+  absl::Status GraphStepPrepared(const std::vector<MicroBatch>& micro, double grad_scale);
   GpuContext* ctx_;
   GpuModel* model_;
   std::unique_ptr<GpuOptimizer> optimizer_;
@@ -249,6 +250,7 @@ class GpuTrainer {
   cudaGraphExec_t graph_exec_ = nullptr;
   std::vector<int64_t> graph_key_;
   std::vector<int64_t> warm_key_;
+  uint64_t graph_workspace_ = 0;  // the context's workspace generation it baked in
   int64_t graph_steps_ = 0;
 };
 

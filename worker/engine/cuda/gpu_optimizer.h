@@ -64,6 +64,12 @@ class GpuOptimizer {
   // The last Queue's work was discarded unrun (a failed graph capture):
   // the prepared step may be queued again.
   void Unqueue() { prepared_ = true; }
+  // The prepared step will not run at all (its step failed before its
+  // update was queued): it is not counted.
+  void Unprepare() {
+    if (prepared_) --steps_;
+    prepared_ = false;
+  }
   // Whether the next Queue's kernels treat this as the first step (SGD's
   // momentum buffer starts as the gradient): a different kernel, so a
   // graph captured with one cannot replay the other.
