@@ -239,6 +239,26 @@ absl::StatusOr<double> GpuCrossEntropy::Loss() const {
 
 // ---------------------------------------------------------------- trainer
 
+namespace {
+
+// Makes *buffer, pinned host memory, hold at least `count` values of T:
+// a smaller one is freed and replaced (contents lost; *moved set). Callers
+// grow only between steps, after the last step's copies have completed.
+template <typename T>
+absl::Status GrowPinned(T** buffer, size_t* capacity, size_t count, bool* moved) {
+  *moved = false;
+  if (count <= *capacity) return absl::OkStatus();
+  if (*buffer != nullptr) cudaFreeHost(*buffer);
+  *buffer = nullptr;
+  *capacity = 0;
+  *moved = true;
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMallocHost(reinterpret_cast<void**>(buffer), sizeof(T) * count));
+  *capacity = count;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(GpuContext* ctx, GpuModel* model,
                                                                const OptimizerConfig& optimizer) {
   std::unique_ptr<GpuTrainer> trainer(new GpuTrainer(ctx, model));
@@ -331,28 +351,15 @@ absl::Status GpuTrainer::Stage(const std::vector<MicroBatch>& micro) {
     floats += static_cast<size_t>(b.images->numel());
     labels += b.labels->size();
   }
-  // Growing moves the buffers a captured graph reads: the graph goes. The
-  // last step's copies out of them have completed (its wait returned).
-  if (floats > staged_image_floats_) {
-    InvalidateGraph();
-    if (staged_images_ != nullptr) cudaFreeHost(staged_images_);
-    staged_images_ = nullptr;
-    staged_image_floats_ = 0;
-    AIDN_RETURN_IF_CUDA_ERROR(
-        cudaMallocHost(reinterpret_cast<void**>(&staged_images_), sizeof(float) * floats));
-    staged_image_floats_ = floats;
-  }
-  if (labels > staged_label_count_) {
-    InvalidateGraph();
-    if (staged_labels_ != nullptr) cudaFreeHost(staged_labels_);
-    staged_labels_ = nullptr;
-    staged_label_count_ = 0;
+  // Growing moves the buffers a captured graph reads: the graph goes.
+  bool images_moved = false, labels_moved = false;
+  AIDN_RETURN_IF_ERROR(GrowPinned(&staged_images_, &staged_image_floats_, floats, &images_moved));
+  AIDN_RETURN_IF_ERROR(GrowPinned(&staged_labels_, &staged_label_count_, labels, &labels_moved));
+  if (labels_moved) {
     device_labels_.Release();
-    AIDN_RETURN_IF_CUDA_ERROR(
-        cudaMallocHost(reinterpret_cast<void**>(&staged_labels_), sizeof(int32_t) * labels));
     AIDN_ASSIGN_OR_RETURN(device_labels_, ctx_->allocator().Allocate(sizeof(int32_t) * labels));
-    staged_label_count_ = labels;
   }
+  if (images_moved || labels_moved) InvalidateGraph();
   size_t image_at = 0, label_at = 0;
   for (size_t i = 0; i < micro.size(); ++i) {
     const Tensor& images = *micro[i].images;
@@ -508,17 +515,10 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
   const double* slots_before = loss_.device_losses();
   AIDN_RETURN_IF_ERROR(loss_.ReserveSlots(k));
   if (loss_.device_losses() != slots_before) InvalidateGraph();
-  if (k > host_slots_) {
-    InvalidateGraph();
-    // The last step's copy into the old buffer has completed: its wait
-    // returned before this step began.
-    if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
-    host_losses_ = nullptr;
-    host_slots_ = 0;
-    AIDN_RETURN_IF_CUDA_ERROR(
-        cudaMallocHost(reinterpret_cast<void**>(&host_losses_), sizeof(double) * k));
-    host_slots_ = k;
-  }
+  bool losses_moved = false;
+  AIDN_RETURN_IF_ERROR(
+      GrowPinned(&host_losses_, &host_slots_, static_cast<size_t>(k), &losses_moved));
+  if (losses_moved) InvalidateGraph();
   // The CPU trainer's scale, computed as it computes it (times the loss
   // scale in fp16).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;

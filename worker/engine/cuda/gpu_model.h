@@ -229,7 +229,7 @@ class GpuTrainer {
   std::function<absl::Status(cudaEvent_t)> wait_;
   // The step's losses, copied here (pinned) before `done_`.
   double* host_losses_ = nullptr;
-  int host_slots_ = 0;
+  size_t host_slots_ = 0;
   cudaEvent_t done_ = nullptr;
   // fp16: the scaler, and the overflow flag on the device and (pinned) here.
   std::optional<DynamicLossScaler> scaler_;

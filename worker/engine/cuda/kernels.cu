@@ -538,8 +538,8 @@ absl::Status LaunchAdamW(cudaStream_t stream, float* p, const float* grad, float
   if (a.apply_decay) {
     AdamWKernel<true><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale, in_memory);
   } else {
-    AdamWKernel<false><<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale,
-                                                              in_memory);
+    AdamWKernel<false>
+        <<<BlocksFor(n), kThreads, 0, stream>>>(p, grad, m, v, n, a, scale, in_memory);
   }
   AIDN_RETURN_IF_LAUNCH_FAILED("AdamWKernel");
   return absl::OkStatus();
