@@ -3,14 +3,20 @@
 // through the GPU engine. Skips where the worker finds no GPU (it registers
 // none), as on the development and CI machines.
 
+#include <signal.h>
+
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "tests/integration/harness.h"
 #include "tests/integration/process.h"
@@ -33,8 +39,9 @@ class GpuJobTest : public ::testing::Test {
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = std::move(*c);
     coord_ = CoordinatorStub(coordinator_.address);
-    absl::StatusOr<std::unique_ptr<Process>> w =
-        StartWorker(coordinator_, "g1", dir_ + "/g1", {}, AIDN_WORKER_GPU_BIN);
+    absl::StatusOr<std::unique_ptr<Process>> w = StartWorker(
+        coordinator_, "g1", dir_ + "/g1",
+        {"--checkpoint-root=" + dir_ + "/ckpt", "--stop-grace=1s"}, AIDN_WORKER_GPU_BIN);
     ASSERT_TRUE(w.ok()) << w.status();
     worker_ = std::move(*w);
     v1::ListWorkersResponse workers;
@@ -124,6 +131,72 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
       ReadFileOrEmpty(absl::StrCat(dir_, "/g1/logs/", *id, "/gen-1/rank-0.log"));
   EXPECT_TRUE(absl::StrContains(log, "training on the GPU")) << log;
   EXPECT_TRUE(absl::StrContains(log, gpu_name_)) << log;
+}
+
+// A state.txt line's value ("key value"), or "" if it has none.
+std::string StateValue(const std::string& state, const std::string& key) {
+  for (absl::string_view line : absl::StrSplit(state, '\n')) {
+    if (absl::StartsWith(line, key + " ")) return std::string(line.substr(key.size() + 1));
+  }
+  return "";
+}
+
+// fp16 with dynamic loss scaling, killed mid-run: every checkpoint keeps the
+// loss scale, and the next generation continues from the one it resumes
+// from instead of starting again at 2^16.
+TEST_F(GpuJobTest, AnFp16JobResumesWithItsCheckpointedLossScale) {
+  v1::JobSpec spec;
+  spec.set_name("gpu-fp16-resume");
+  spec.set_device(v1::JobSpec::GPU);
+  spec.set_precision(v1::JobSpec::FP16);
+  spec.set_world_size(1);
+  spec.mutable_model()->set_name("mlp");
+  spec.mutable_optimizer()->set_name("adamw");
+  spec.mutable_optimizer()->set_lr(1e-3);
+  spec.set_batch_size(64);
+  spec.set_max_steps(20000);  // long enough on a GPU to be interrupted
+  spec.set_seed(3);
+  spec.set_max_restarts(2);
+  spec.mutable_checkpoint()->set_dir("runs");
+  spec.mutable_checkpoint()->set_every_steps(500);
+  spec.mutable_checkpoint()->set_keep_last(1000);
+  absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(WaitFor(
+      [&] { return GetJob(coord_.get(), admin(), *id).last_checkpoint_step() >= 500; }, kLong))
+      << "no checkpoint committed";
+  std::vector<pid_t> trainer = ProcessesWith({dir_, "--job=" + *id + " --generation=1 "});
+  ASSERT_EQ(trainer.size(), 1u);
+  ASSERT_EQ(::kill(trainer[0], SIGKILL), 0);
+  v1::Job job = WaitForJobEnd(coord_.get(), admin(), *id, kLong);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  EXPECT_EQ(job.restarts(), 1);
+
+  const std::string log =
+      ReadFileOrEmpty(absl::StrCat(dir_, "/g1/logs/", *id, "/gen-2/rank-0.log"));
+  const size_t at = log.find("resuming from a checkpoint step=");
+  ASSERT_NE(at, std::string::npos) << log;
+  int64_t resumed = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(log.substr(at + 32, log.find(' ', at + 32) - (at + 32)), &resumed))
+      << log;
+  const std::string state =
+      ReadFileOrEmpty(absl::StrFormat("%s/ckpt/runs/%s/step-%08d/state.txt", dir_, *id, resumed));
+  const std::string scale = StateValue(state, "loss_scale");
+  const std::string tracker = StateValue(state, "loss_scale_growth_tracker");
+  double value = 0;
+  ASSERT_TRUE(absl::SimpleAtod(scale, &value)) << state;
+  EXPECT_GT(value, 0);
+  ASSERT_FALSE(tracker.empty()) << state;
+  std::ostringstream logged;  // as the trainer's Kv streams a double
+  logged << value;
+  EXPECT_TRUE(absl::StrContains(log, absl::StrCat("fp16 loss scale restored loss_scale=",
+                                                  logged.str(), " growth_tracker=", tracker)))
+      << log;
+  // The last checkpoint keeps one too.
+  EXPECT_FALSE(StateValue(ReadFileOrEmpty(absl::StrFormat("%s/ckpt/runs/%s/step-%08d/state.txt",
+                                                          dir_, *id, 20000)),
+                          "loss_scale")
+                   .empty());
 }
 
 // While a job holds every GPU, a second GPU job waits: it is not placed on

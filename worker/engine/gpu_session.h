@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/data.h"
+#include "worker/engine/loss_scale.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"
@@ -101,6 +102,11 @@ class GpuSession {
   // overflowed), and the loss scale the next Step uses (0 in fp32 / bf16).
   virtual bool last_step_skipped() const = 0;
   virtual double loss_scale() const = 0;
+  // fp16: the loss scaler's state, which a checkpoint keeps (nullopt in
+  // fp32 / bf16), and a resume's restoring of it: FAILED_PRECONDITION in
+  // fp32 / bf16, INVALID_ARGUMENT for a bad state (nothing changes then).
+  virtual std::optional<LossScaleState> loss_scale_state() const = 0;
+  virtual absl::Status RestoreLossScale(const LossScaleState& state) = 0;
   // Collectives completed (the progress beat's collective_seq).
   virtual int64_t collective_sequence() const = 0;
 

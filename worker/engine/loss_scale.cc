@@ -26,6 +26,21 @@ absl::StatusOr<DynamicLossScaler> DynamicLossScaler::Create(const LossScaleOptio
   return DynamicLossScaler(options);
 }
 
+absl::Status DynamicLossScaler::Restore(const LossScaleState& state) {
+  if (!std::isfinite(state.scale) || state.scale <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss scale: must be a finite number > 0, got ", state.scale));
+  }
+  if (state.growth_tracker < 0 || state.growth_tracker >= options_.growth_interval) {
+    return absl::InvalidArgumentError(absl::StrCat("loss scale growth_tracker: must be in [0, ",
+                                                   options_.growth_interval, "), got ",
+                                                   state.growth_tracker));
+  }
+  scale_ = state.scale;
+  tracker_ = state.growth_tracker;
+  return absl::OkStatus();
+}
+
 bool DynamicLossScaler::Update(bool found_non_finite) {
   if (found_non_finite) {
     scale_ *= options_.backoff_factor;

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace aidn::engine {
@@ -22,6 +23,12 @@ struct LossScaleOptions {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int growth_interval = 2000;
+};
+
+// What a checkpoint keeps of a scaler (the options come from the spec).
+struct LossScaleState {
+  double scale = 0;
+  int growth_tracker = 0;
 };
 
 class DynamicLossScaler {
@@ -38,6 +45,13 @@ class DynamicLossScaler {
   // Successful steps since the last change of scale (torch's growth
   // tracker).
   int growth_tracker() const { return tracker_; }
+
+  LossScaleState state() const { return {scale_, tracker_}; }
+  // A resume: continues from a checkpoint's scale and growth tracker, so
+  // that a job does not restart at init_scale and overflow its way down
+  // again. INVALID_ARGUMENT naming the field: scale not a finite number
+  // > 0, growth_tracker outside [0, growth_interval). Nothing changes then.
+  absl::Status Restore(const LossScaleState& state);
 
  private:
   explicit DynamicLossScaler(const LossScaleOptions& options)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -544,6 +545,8 @@ class Run {
   int64_t start_step_ = 0;
   // Loaded by rank 0 in Setup, handed to the optimizer in Resume.
   std::optional<engine::LoadedCheckpoint> loaded_;
+  // fp16: the resumed checkpoint's loss scaler, for SetupGpu.
+  std::optional<engine::LossScaleState> resumed_loss_scale_;
 };
 
 std::optional<Failure> Run::Setup() {
@@ -691,8 +694,9 @@ void Run::ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& pat
 }
 
 std::optional<Failure> Run::Resume(int64_t steps_per_epoch) {
-  // [resume step, optimizer steps, steps per epoch, world size] from rank 0.
-  int64_t header[4] = {0, 0, steps_per_epoch, rendezvous_.world_size()};
+  // [resume step, optimizer steps, steps per epoch, world size, fp16 loss
+  // scale's bits (0: none), its growth tracker] from rank 0.
+  int64_t header[6] = {0, 0, steps_per_epoch, rendezvous_.world_size(), 0, 0};
   if (loaded_.has_value()) {
     header[0] = loaded_->step;
     auto get = [this](const char* key, int64_t* out) {
@@ -703,11 +707,28 @@ std::optional<Failure> Run::Resume(int64_t steps_per_epoch) {
         !get("world_size", &header[3])) {
       return Failure{kExitFailure, absl::DataLossError("checkpoint state.txt lacks a key")};
     }
+    // Only fp16 checkpoints have a loss scale (older ones none: it then
+    // starts again at its initial value).
+    if (auto it = loaded_->state.find("loss_scale"); it != loaded_->state.end()) {
+      double scale = 0;
+      if (!absl::SimpleAtod(it->second, &scale) || !(scale > 0) ||
+          !get("loss_scale_growth_tracker", &header[5])) {
+        return Failure{kExitFailure,
+                       absl::DataLossError(absl::StrCat(
+                           "checkpoint state.txt: loss_scale \"", it->second,
+                           "\" is not a number > 0, or loss_scale_growth_tracker is missing"))};
+      }
+      header[4] = std::bit_cast<int64_t>(scale);
+    }
   }
-  if (absl::Status s = BroadcastInts(comm_.get(), header, 4); !s.ok()) {
+  if (absl::Status s = BroadcastInts(comm_.get(), header, 6); !s.ok()) {
     return FailureFor(s, "resume");
   }
   if (header[0] == 0) return std::nullopt;
+  if (header[4] != 0) {
+    resumed_loss_scale_ =
+        engine::LossScaleState{std::bit_cast<double>(header[4]), static_cast<int>(header[5])};
+  }
   if (header[2] != steps_per_epoch || header[3] != rendezvous_.world_size()) {
     return Failure{kExitPermanent,
                    absl::FailedPreconditionError(absl::StrCat(
@@ -779,6 +800,14 @@ std::optional<Failure> Run::Checkpoint(int64_t step, int64_t steps_per_epoch, in
       {"job", options_.job_id},
       {"generation", absl::StrCat(options_.generation)},
   };
+  if (gpu_ != nullptr) {
+    // fp16: the scale the next step would use, so that a resume does not
+    // start again at 2^16 and overflow its way back down.
+    if (std::optional<engine::LossScaleState> ls = gpu_->loss_scale_state(); ls.has_value()) {
+      contents.state["loss_scale"] = absl::StrFormat("%.17g", ls->scale);
+      contents.state["loss_scale_growth_tracker"] = absl::StrCat(ls->growth_tracker);
+    }
+  }
   absl::StatusOr<engine::WrittenCheckpoint> written =
       engine::WriteCheckpoint(checkpoint_dir_, step, contents);
   if (!written.ok()) return FailureFor(written.status(), "checkpoint");
@@ -840,6 +869,14 @@ std::optional<Failure> Run::SetupGpu() {
     if (absl::Status s = gpu_->LoadOptimizerState(state, optimizer_->steps()); !s.ok()) {
       return Failure{kExitFailure, s};
     }
+  }
+  if (resumed_loss_scale_.has_value() && gpu_->loss_scale_state().has_value()) {
+    if (absl::Status s = gpu_->RestoreLossScale(*resumed_loss_scale_); !s.ok()) {
+      return Failure{kExitFailure,
+                     absl::DataLossError(absl::StrCat("resumed checkpoint: ", s.message()))};
+    }
+    AIDN_LOG(INFO) << "fp16 loss scale restored" << Kv("loss_scale", resumed_loss_scale_->scale)
+                   << Kv("growth_tracker", resumed_loss_scale_->growth_tracker);
   }
   AIDN_LOG(INFO) << "training on the GPU" << Kv("device", gpu_->Describe());
   return std::nullopt;

@@ -55,6 +55,54 @@ TEST(DynamicLossScaler, NeverGrowsToInfinity) {
   EXPECT_EQ(s->scale(), std::numeric_limits<double>::max());
 }
 
+TEST(DynamicLossScaler, ARestoredScalerContinuesWhereTheCheckpointedOneStopped) {
+  const LossScaleOptions options{.init_scale = 8, .growth_interval = 3};
+  absl::StatusOr<DynamicLossScaler> first = DynamicLossScaler::Create(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->Update(true));
+  EXPECT_TRUE(first->Update(false));
+  EXPECT_TRUE(first->Update(false));
+  const LossScaleState saved = first->state();
+  EXPECT_EQ(saved.scale, 4.0);
+  EXPECT_EQ(saved.growth_tracker, 2);
+
+  absl::StatusOr<DynamicLossScaler> resumed = DynamicLossScaler::Create(options);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  ASSERT_TRUE(resumed->Restore(saved).ok());
+  // Both take the same next steps: the third clean step grows both.
+  for (bool overflow : {false, false, true, false}) {
+    EXPECT_EQ(first->Update(overflow), resumed->Update(overflow));
+    EXPECT_EQ(first->scale(), resumed->scale());
+    EXPECT_EQ(first->growth_tracker(), resumed->growth_tracker());
+  }
+  EXPECT_EQ(resumed->scale(), 4.0) << "grown to 8 then halved";
+}
+
+TEST(DynamicLossScaler, RefusesABadRestoredStateNamingTheFieldAndKeepsItsOwn) {
+  absl::StatusOr<DynamicLossScaler> s =
+      DynamicLossScaler::Create({.init_scale = 8, .growth_interval = 3});
+  ASSERT_TRUE(s.ok()) << s.status();
+  struct Case {
+    LossScaleState state;
+    const char* field;
+  };
+  const Case cases[] = {
+      {{.scale = 0, .growth_tracker = 0}, "loss scale: must be"},
+      {{.scale = -4, .growth_tracker = 0}, "loss scale: must be"},
+      {{.scale = std::nan(""), .growth_tracker = 0}, "loss scale: must be"},
+      {{.scale = INFINITY, .growth_tracker = 0}, "loss scale: must be"},
+      {{.scale = 4, .growth_tracker = -1}, "growth_tracker"},
+      {{.scale = 4, .growth_tracker = 3}, "growth_tracker"},
+  };
+  for (const Case& c : cases) {
+    absl::Status status = s->Restore(c.state);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(status.message(), HasSubstr(c.field));
+    EXPECT_EQ(s->scale(), 8.0);
+    EXPECT_EQ(s->growth_tracker(), 0);
+  }
+}
+
 TEST(DynamicLossScaler, RefusesBadOptionsNamingTheField) {
   struct Case {
     LossScaleOptions options;

@@ -287,6 +287,13 @@ absl::Status GpuTrainer::SetLossScale(const LossScaleOptions& options) {
   return absl::OkStatus();
 }
 
+absl::Status GpuTrainer::RestoreLossScale(const LossScaleState& state) {
+  if (!scaler_) {
+    return absl::FailedPreconditionError("no loss scale to restore: only fp16 training has one");
+  }
+  return scaler_->Restore(state);
+}
+
 absl::Status GpuTrainer::WaitFor() {
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
   if (wait_) return wait_(done_);

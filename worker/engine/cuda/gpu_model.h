@@ -178,6 +178,9 @@ class GpuTrainer {
   absl::Status SetLossScale(const LossScaleOptions& options);
   // Null unless the context computes in fp16.
   const DynamicLossScaler* loss_scaler() const { return scaler_ ? &*scaler_ : nullptr; }
+  // A resume: the scaler continues from a checkpoint's state.
+  // FAILED_PRECONDITION without a scaler (fp32 / bf16).
+  absl::Status RestoreLossScale(const LossScaleState& state);
   // Whether the last Step skipped its update (fp16 overflow).
   bool last_step_skipped() const { return last_skipped_; }
 

@@ -146,6 +146,16 @@ class CudaGpuSession final : public GpuSession {
     return scaler != nullptr ? scaler->scale() : 0.0;
   }
 
+  std::optional<LossScaleState> loss_scale_state() const override {
+    const DynamicLossScaler* scaler = trainer_->loss_scaler();
+    if (scaler == nullptr) return std::nullopt;
+    return scaler->state();
+  }
+
+  absl::Status RestoreLossScale(const LossScaleState& state) override {
+    return trainer_->RestoreLossScale(state);
+  }
+
   int64_t collective_sequence() const override {
 #if AIDN_HAVE_NCCL
     if (nccl_ != nullptr) return nccl_->sequence();
