@@ -35,7 +35,7 @@ struct StoreOptions {
   // Tests only: called at the start of every PutSteps, before anything is
   // written; an error fails that PutSteps. Lets a test hold a batched write
   // in flight or make it fail.
-  std::function<absl::Status()> before_put_steps;
+  std::function<absl::Status()> before_put_steps = nullptr;
 };
 
 // A job row: the public record plus what the API does not show.
