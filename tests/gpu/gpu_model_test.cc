@@ -483,9 +483,13 @@ TEST(GpuTraining, Fp16OverflowSkipsTheUpdateAndBacksTheScaleOff) {
 // CUDA graphs: a trainer replaying captured steps gives the eager trainer's
 // bits (the same kernels with the same arguments: the learning rate and
 // AdamW's bias corrections change every step and reach the replayed
-// kernels through memory). A step of a new shape runs eagerly once, is
-// captured at the next, and replays from then on.
-void CompareGraphSteps(const OptimizerConfig& opt, int64_t want_graph_steps) {
+// kernels through memory), weights and optimizer state alike. A step of a
+// new shape runs eagerly once, is captured at the next, and replays from
+// then on. `schedule`: each step's micro-batch sizes.
+using Schedule = std::vector<std::vector<int64_t>>;
+
+void CompareGraphSteps(const OptimizerConfig& opt, const Schedule& schedule,
+                       int64_t want_graph_steps) {
   GpuContextOptions o;
   o.benchmark_convolutions = false;  // both trainers get the same algorithms
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, o);
@@ -498,20 +502,22 @@ void CompareGraphSteps(const OptimizerConfig& opt, int64_t want_graph_steps) {
   auto graphed = GpuTrainer::Create(ctx.get(), graph_model->get(), opt);
   ASSERT_TRUE(eager.ok() && graphed.ok());
   (*graphed)->SetCudaGraphs(true);
-  const std::vector<Batch> big = LearnableBatches(4, 64, 8);
-  const std::vector<Batch> small = LearnableBatches(2, 32, 9);
-  for (int step = 0; step < 12; ++step) {
-    // Batch 64, then two steps of 32 (steps 6 and 7), then 64 again.
-    const Batch& b = step == 6 || step == 7 ? small[static_cast<size_t>(step - 6)]
-                                            : big[static_cast<size_t>(step) % big.size()];
-    const double lr = opt.lr * (1.0 - step / 20.0);
-    absl::StatusOr<double> a = (*eager)->Step(b.images, b.labels, lr);
-    absl::StatusOr<double> g = (*graphed)->Step(b.images, b.labels, lr);
+  for (size_t step = 0; step < schedule.size(); ++step) {
+    std::vector<Batch> batches;
+    for (size_t m = 0; m < schedule[step].size(); ++m) {
+      batches.push_back(
+          std::move(LearnableBatches(1, schedule[step][m], static_cast<int>(8 + 4 * step + m))[0]));
+    }
+    std::vector<MicroBatch> micro;
+    for (const Batch& b : batches) micro.push_back({&b.images, &b.labels, std::nullopt});
+    const double lr = opt.lr * (1.0 - static_cast<double>(step) / 20.0);
+    absl::StatusOr<double> a = (*eager)->Step(micro, lr);
+    absl::StatusOr<double> g = (*graphed)->Step(micro, lr);
     ASSERT_TRUE(a.ok()) << a.status();
     ASSERT_TRUE(g.ok()) << g.status();
     EXPECT_EQ(*a, *g) << "step " << step;
     std::printf(
-        "  step %2d: loss %.7f, %s\n", step, *g,
+        "  step %2zu: loss %.7f, %s\n", step, *g,
         (*graphed)->graph_note().empty() ? "from a graph" : (*graphed)->graph_note().c_str());
   }
   EXPECT_EQ((*graphed)->graph_steps(), want_graph_steps);
@@ -523,6 +529,23 @@ void CompareGraphSteps(const OptimizerConfig& opt, int64_t want_graph_steps) {
     EXPECT_EQ(testing::MaxRelError(got->Parameters()[k]->value, want->Parameters()[k]->value), 0.0)
         << want->Parameters()[k]->name;
   }
+  EXPECT_EQ((*graphed)->optimizer().steps(), (*eager)->optimizer().steps());
+  auto want_state = (*eager)->optimizer().StateToHost();
+  auto got_state = (*graphed)->optimizer().StateToHost();
+  ASSERT_TRUE(want_state.ok() && got_state.ok());
+  ASSERT_EQ(got_state->size(), want_state->size());
+  for (size_t k = 0; k < want_state->size(); ++k) {
+    EXPECT_EQ((*got_state)[k].first, (*want_state)[k].first);
+    EXPECT_EQ(testing::MaxRelError((*got_state)[k].second, (*want_state)[k].second), 0.0)
+        << (*want_state)[k].first;
+  }
+}
+
+// Batch 64, then two steps of 32 (steps 6 and 7), then 64 again.
+Schedule ShrinkAndBack() {
+  Schedule s(12, {64});
+  s[6] = s[7] = {32};
+  return s;
 }
 
 // Steps 0, 6 and 8 run eagerly (new shapes), 1, 7 and 9 are captured and
@@ -533,7 +556,7 @@ TEST(GpuTraining, CudaGraphStepsMatchEagerStepsBitForBitAdamW) {
   opt.lr = 5e-4;
   opt.weight_decay = 0.01;
   opt.grad_clip_norm = 1.0;
-  CompareGraphSteps(opt, 9);
+  CompareGraphSteps(opt, ShrinkAndBack(), 9);
 }
 
 // SGD's first step is another kernel (the momentum buffer starts as the
@@ -544,7 +567,28 @@ TEST(GpuTraining, CudaGraphStepsMatchEagerStepsBitForBitSgd) {
   opt.lr = 0.01;
   opt.momentum = 0.9;
   opt.nesterov = true;
-  CompareGraphSteps(opt, 8);
+  CompareGraphSteps(opt, ShrinkAndBack(), 8);
+}
+
+// Gradient accumulation in graphs (micro-batches of unequal size, the 1/k
+// loss scale, loss slots), and buffers that grow mid-run (the staging
+// buffers move, so the graph goes): [32, 16] x3, [64, 64] x3, [32] x3.
+// Each shape: one eager step, one captured, one replayed, except that SGD's
+// first step is a shape of its own (step 1 runs eagerly too): 5 of 9. SGD
+// with weight decay and clipping.
+TEST(GpuTraining, CudaGraphStepsMatchEagerStepsWithMicroBatchesAndGrowingBuffers) {
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.02;
+  opt.momentum = 0.9;
+  opt.weight_decay = 1e-3;
+  opt.grad_clip_norm = 0.5;
+  Schedule schedule;
+  for (const std::vector<int64_t>& shape :
+       {std::vector<int64_t>{32, 16}, std::vector<int64_t>{64, 64}, std::vector<int64_t>{32}}) {
+    for (int i = 0; i < 3; ++i) schedule.push_back(shape);
+  }
+  CompareGraphSteps(opt, schedule, 5);
 }
 
 TEST(GpuTraining, CudaGraphsStayOffWhereAStepNeedsTheHost) {

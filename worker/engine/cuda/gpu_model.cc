@@ -362,7 +362,8 @@ absl::Status GpuTrainer::Stage(const std::vector<MicroBatch>& micro) {
   bool images_moved = false, labels_moved = false;
   AIDN_RETURN_IF_ERROR(GrowPinned(&staged_images_, &staged_image_floats_, floats, &images_moved));
   AIDN_RETURN_IF_ERROR(GrowPinned(&staged_labels_, &staged_label_count_, labels, &labels_moved));
-  if (labels_moved) {
+  // (Also when an earlier allocation failed after the pinned buffer grew.)
+  if (labels_moved || device_labels_.bytes() < sizeof(int32_t) * labels) {
     device_labels_.Release();
     AIDN_ASSIGN_OR_RETURN(device_labels_, ctx_->allocator().Allocate(sizeof(int32_t) * labels));
   }
@@ -436,9 +437,15 @@ absl::Status GpuTrainer::GraphStep(const std::vector<MicroBatch>& micro, double 
   AIDN_RETURN_IF_ERROR(optimizer_->EnableArgsInMemory());
   AIDN_RETURN_IF_ERROR(optimizer_->Prepare(lr));
   absl::Status s = GraphStepPrepared(micro, grad_scale);
-  // A step that failed before its update ran is not counted (as eagerly,
-  // where the update is prepared last).
-  if (!s.ok()) optimizer_->Unprepare();
+  if (!s.ok()) {
+    // A step that failed before its update ran is not counted (as eagerly,
+    // where the update is prepared last).
+    optimizer_->Unprepare();
+    // Whatever it queued must be done before the next step's Stage and
+    // Prepare rewrite the pinned buffers its copies read (the error is the
+    // one already returned, or the context's).
+    cudaStreamSynchronize(ctx_->stream());
+  }
   return s;
 }
 
@@ -459,6 +466,7 @@ absl::Status GpuTrainer::GraphStepPrepared(const std::vector<MicroBatch>& micro,
   }
   if (graph_exec_ != nullptr && key == graph_key_) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(graph_exec_, stream));
+    optimizer_->Replayed();
     ++graph_steps_;
     graph_note_.clear();
     return absl::OkStatus();
@@ -473,10 +481,22 @@ absl::Status GpuTrainer::GraphStepPrepared(const std::vector<MicroBatch>& micro,
     return absl::OkStatus();
   }
   // The second step of this shape: capture it, then launch the graph.
+  // The warm-up made every buffer this shape needs, so capturing allocates
+  // nothing; an allocation (even one served from the allocator's cache, which
+  // a capture does not notice) could leave the graph holding a block that is
+  // later freed or handed to another user, so it fails the capture.
+  const CachingAllocator::Stats before = ctx_->allocator().stats();
+  const uint64_t workspace_before = ctx_->workspace_generation();
   AIDN_RETURN_IF_CUDA_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const absl::Status queued = QueueStaged(micro, grad_scale);
+  absl::Status queued = QueueStaged(micro, grad_scale);
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  const CachingAllocator::Stats& after = ctx_->allocator().stats();
+  if (queued.ok() &&
+      (after.cuda_mallocs != before.cuda_mallocs || after.cache_hits != before.cache_hits ||
+       ctx_->workspace_generation() != workspace_before)) {
+    queued = absl::InternalError("the captured step allocated device memory");
+  }
   cudaGraphExec_t exec = nullptr;
   cudaError_t instantiated = cudaErrorUnknown;
   if (queued.ok() && ended == cudaSuccess && graph != nullptr) {
@@ -500,7 +520,12 @@ absl::Status GpuTrainer::GraphStepPrepared(const std::vector<MicroBatch>& micro,
   graph_exec_ = exec;
   graph_key_ = key;
   graph_workspace_ = ctx_->workspace_generation();
-  AIDN_RETURN_IF_CUDA_ERROR(cudaGraphLaunch(graph_exec_, stream));
+  if (const cudaError_t launched = cudaGraphLaunch(graph_exec_, stream); launched != cudaSuccess) {
+    // The update captured in it did not run: the step is not counted.
+    InvalidateGraph();
+    optimizer_->Unqueue();
+    AIDN_RETURN_IF_CUDA_ERROR(launched);
+  }
   ++graph_steps_;
   graph_note_.clear();
   return absl::OkStatus();

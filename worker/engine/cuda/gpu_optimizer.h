@@ -64,6 +64,9 @@ class GpuOptimizer {
   // The last Queue's work was discarded unrun (a failed graph capture):
   // the prepared step may be queued again.
   void Unqueue() { prepared_ = true; }
+  // The prepared step ran as the replay of a graph that captured an
+  // earlier Queue: it is used up, as if queued.
+  void Replayed() { prepared_ = false; }
   // The prepared step will not run at all (its step failed before its
   // update was queued): it is not counted.
   void Unprepare() {
