@@ -134,5 +134,45 @@ TEST(GpuSession, OneRankTrainsAsTheCpuDoesAndResumesFromItsState) {
   EXPECT_EQ(*a, *r) << "same weights, same state, same batch";
 }
 
+// fp16: the session's loss scaler state is what a checkpoint keeps, and a
+// new session restores it (a bad one is refused and changes nothing);
+// fp32 has none to keep or restore.
+TEST(GpuSession, Fp16HasALossScaleThatANewSessionRestores) {
+  DeviceInventory inventory = DiscoverDevices();
+  if (inventory.gpus.empty()) GTEST_SKIP() << "no CUDA device: " << inventory.gpu_note;
+  auto cpu = Mlp(5);
+  ASSERT_NE(cpu, nullptr);
+  auto fp32 = GpuSession::Create(GpuSessionOptions(), *cpu, SgdMomentum());
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_FALSE((*fp32)->loss_scale_state().has_value());
+  EXPECT_EQ((*fp32)->RestoreLossScale({.scale = 4, .growth_tracker = 0}).code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  GpuSessionOptions o;
+  o.precision = "fp16";
+  auto first = GpuSession::Create(o, *cpu, SgdMomentum());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->loss_scale_state().has_value());
+  EXPECT_EQ((*first)->loss_scale_state()->scale, 65536.0) << "torch GradScaler's initial scale";
+  for (int step = 0; step < 3; ++step) {
+    const Batch b = RandomBatch(100 + step);
+    ASSERT_TRUE((*first)->Step(b.images, b.labels, 0.01).ok());
+  }
+  const LossScaleState saved = *(*first)->loss_scale_state();
+  std::printf("after 3 steps: scale %g, growth tracker %d\n", saved.scale, saved.growth_tracker);
+  EXPECT_TRUE(saved.growth_tracker == 3 || saved.scale < 65536.0)
+      << "three steps either counted towards growth or backed the scale off";
+
+  auto resumed = GpuSession::Create(o, *cpu, SgdMomentum());
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ((*resumed)->RestoreLossScale({.scale = saved.scale, .growth_tracker = 1 << 20}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*resumed)->loss_scale_state()->scale, 65536.0) << "a refused state changes nothing";
+  ASSERT_TRUE((*resumed)->RestoreLossScale(saved).ok());
+  EXPECT_EQ((*resumed)->loss_scale_state()->scale, saved.scale);
+  EXPECT_EQ((*resumed)->loss_scale_state()->growth_tracker, saved.growth_tracker);
+  EXPECT_EQ((*resumed)->loss_scale(), saved.scale);
+}
+
 }  // namespace
 }  // namespace aidn::engine
