@@ -9,6 +9,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -174,11 +175,12 @@ TEST_F(GpuJobTest, AnFp16JobResumesWithItsCheckpointedLossScale) {
 
   const std::string log =
       ReadFileOrEmpty(absl::StrCat(dir_, "/g1/logs/", *id, "/gen-2/rank-0.log"));
-  const size_t at = log.find("resuming from a checkpoint step=");
+  constexpr std::string_view kResuming = "resuming from a checkpoint step=";
+  const size_t at = log.find(kResuming);
   ASSERT_NE(at, std::string::npos) << log;
+  const size_t from = at + kResuming.size();
   int64_t resumed = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(log.substr(at + 32, log.find(' ', at + 32) - (at + 32)), &resumed))
-      << log;
+  ASSERT_TRUE(absl::SimpleAtoi(log.substr(from, log.find(' ', from) - from), &resumed)) << log;
   const std::string state =
       ReadFileOrEmpty(absl::StrFormat("%s/ckpt/runs/%s/step-%08d/state.txt", dir_, *id, resumed));
   const std::string scale = StateValue(state, "loss_scale");

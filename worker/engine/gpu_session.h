@@ -99,12 +99,12 @@ class GpuSession {
   // The part of it that backward did not hide (the step waited for it).
   virtual double last_allreduce_wait_seconds() const = 0;
   // fp16: whether the last Step skipped its update (its gradients
-  // overflowed), and the loss scale the next Step uses (0 in fp32 / bf16).
+  // overflowed).
   virtual bool last_step_skipped() const = 0;
-  virtual double loss_scale() const = 0;
-  // fp16: the loss scaler's state, which a checkpoint keeps (nullopt in
-  // fp32 / bf16), and a resume's restoring of it: FAILED_PRECONDITION in
-  // fp32 / bf16, INVALID_ARGUMENT for a bad state (nothing changes then).
+  // fp16: the loss scaler's state (the scale the next Step uses), which a
+  // checkpoint keeps (nullopt in fp32 / bf16), and a resume's restoring of
+  // it: FAILED_PRECONDITION in fp32 / bf16, INVALID_ARGUMENT for a bad
+  // state (nothing changes then).
   virtual std::optional<LossScaleState> loss_scale_state() const = 0;
   virtual absl::Status RestoreLossScale(const LossScaleState& state) = 0;
   // Collectives completed (the progress beat's collective_seq).

@@ -960,6 +960,13 @@ std::optional<Failure> Run::Execute() {
   const engine::LrScheduleConfig schedule = ScheduleOf(spec_);
   const double base_lr = spec_.optimizer().lr();
   const int64_t log_every = std::max<int64_t>(1, std::min<int64_t>(100, total_steps / 20));
+  // Dropout's seed for micro-step `micro` of `step` (the rule state.txt's
+  // "rng" line names), on either device.
+  auto dropout_seed = [&](int64_t step, int64_t micro) {
+    return spec_.seed() * 1'000'003 +
+           static_cast<uint64_t>(step * accum + micro) * static_cast<uint64_t>(world) +
+           static_cast<uint64_t>(rank);
+  };
   if (std::optional<Failure> f = Resume(steps_per_epoch); f.has_value()) return f;
   if (spec_.device() == v1::JobSpec::GPU) {
     if (std::optional<Failure> f = SetupGpu(); f.has_value()) return f;
@@ -1001,11 +1008,8 @@ std::optional<Failure> Run::Execute() {
         const size_t at = static_cast<size_t>(m);
         engine::GatherBatch(train_, indices, static_cast<size_t>(first + m * batch),
                             static_cast<size_t>(batch), &gpu_images[at], &gpu_labels[at]);
-        micro.push_back(engine::MicroBatch{
-            &gpu_images[at], &gpu_labels[at],
-            spec_.seed() * 1'000'003 +
-                static_cast<uint64_t>(step * accum + m) * static_cast<uint64_t>(world) +
-                static_cast<uint64_t>(rank)});
+        micro.push_back(
+            engine::MicroBatch{&gpu_images[at], &gpu_labels[at], dropout_seed(step, m)});
       }
       absl::StatusOr<double> gpu_loss = gpu_->Step(micro, lr);
       if (!gpu_loss.ok()) return FailureFor(gpu_loss.status(), "gpu step");
@@ -1013,7 +1017,7 @@ std::optional<Failure> Run::Execute() {
       mean_loss = *gpu_loss;
       if (gpu_->last_step_skipped()) {
         AIDN_LOG(INFO) << "fp16: gradients overflowed, update skipped" << Kv("step", step + 1)
-                       << Kv("next_loss_scale", gpu_->loss_scale());
+                       << Kv("next_loss_scale", gpu_->loss_scale_state()->scale);
       }
       allreduce_s = gpu_->last_allreduce_seconds();
       wait_s = gpu_->last_allreduce_wait_seconds();
@@ -1022,9 +1026,7 @@ std::optional<Failure> Run::Execute() {
       for (int64_t micro = 0; micro < accum; ++micro) {
         engine::GatherBatch(train_, indices, static_cast<size_t>(first + micro * batch),
                             static_cast<size_t>(batch), &images, &labels);
-        model_->SetSeed(spec_.seed() * 1'000'003 +
-                        static_cast<uint64_t>(step * accum + micro) * static_cast<uint64_t>(world) +
-                        static_cast<uint64_t>(rank));
+        model_->SetSeed(dropout_seed(step, micro));
         model_->Forward(images, &logits, /*training=*/true);
         const double micro_loss = engine::SoftmaxCrossEntropy(logits, labels, &grad_logits,
                                                               1.0 / static_cast<double>(accum));

@@ -442,9 +442,9 @@ absl::Status GpuTrainer::GraphStep(const std::vector<MicroBatch>& micro, double 
     // where the update is prepared last).
     optimizer_->Unprepare();
     // Whatever it queued must be done before the next step's Stage and
-    // Prepare rewrite the pinned buffers its copies read (the error is the
-    // one already returned, or the context's).
-    cudaStreamSynchronize(ctx_->stream());
+    // Prepare rewrite the pinned buffers its copies read (its error, if
+    // any, is the context's, which the next call reports anyway).
+    ctx_->Synchronize().IgnoreError();
   }
   return s;
 }

@@ -141,11 +141,6 @@ class CudaGpuSession final : public GpuSession {
 
   bool last_step_skipped() const override { return trainer_->last_step_skipped(); }
 
-  double loss_scale() const override {
-    const DynamicLossScaler* scaler = trainer_->loss_scaler();
-    return scaler != nullptr ? scaler->scale() : 0.0;
-  }
-
   std::optional<LossScaleState> loss_scale_state() const override {
     const DynamicLossScaler* scaler = trainer_->loss_scaler();
     if (scaler == nullptr) return std::nullopt;
