@@ -1,4 +1,4 @@
-#include "tests/integration/process.h"
+#include "tests/support/process.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -12,8 +12,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -80,11 +78,6 @@ int ExitCodeOf(int wait_status) {
   if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
   if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
   return -1;
-}
-
-std::string TempRoot() {
-  const char* tmpdir = getenv("TMPDIR");
-  return (tmpdir != nullptr && tmpdir[0] != '\0') ? tmpdir : "/tmp";
 }
 
 }  // namespace
@@ -246,15 +239,6 @@ CommandResult RunCommand(const std::vector<std::string>& argv, const std::vector
   return result;
 }
 
-bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  while (true) {
-    if (predicate()) return true;
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
-
 std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
   std::vector<pid_t> found;
   DIR* proc = opendir("/proc");
@@ -276,36 +260,18 @@ std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
   return found;
 }
 
-std::string MakeTempDir(const std::string& prefix) {
-  std::string path = TempRoot() + "/" + prefix + ".XXXXXX";
-  if (mkdtemp(path.data()) == nullptr) {
-    fprintf(stderr, "mkdtemp %s: %s\n", path.c_str(), strerror(errno));
-    abort();
-  }
-  return path;
+char ProcessState(pid_t pid) {
+  // "pid (comm) S ...": the command may hold spaces and parentheses.
+  const std::string stat = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return '\0';
+  return stat[paren + 2];
 }
 
-std::string ReadFileOrEmpty(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "";
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-void WriteFileOrDie(const std::string& path, const std::string& contents) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << contents;
-  out.close();
-  if (!out) {
-    fprintf(stderr, "cannot write %s\n", path.c_str());
-    abort();
-  }
-}
-
-void RemoveTree(const std::string& path) {
-  std::error_code ignored;
-  std::filesystem::remove_all(path, ignored);
+bool IsDead(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const char state = ProcessState(pid);
+  return state == '\0' || state == 'Z';
 }
 
 }  // namespace aidn::testing
