@@ -195,6 +195,37 @@ bool JobEnded(const v1::Job& job) {
          job.state() == v1::Job::CANCELLED;
 }
 
+absl::StatusOr<std::string> SubmitJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+                                      const v1::JobSpec& spec) {
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::SubmitJobResponse response;
+  const grpc::Status s = stub->SubmitJob(Context(token).get(), request, &response);
+  if (!s.ok()) return absl::UnknownError(absl::StrCat("SubmitJob: ", Describe(s)));
+  return response.job().id();
+}
+
+v1::Job GetJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+               const std::string& job_id) {
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  if (!stub->GetJob(Context(token).get(), request, &job).ok()) return v1::Job();
+  return job;
+}
+
+v1::Job WaitForJobEnd(v1::CoordinatorService::Stub* stub, const std::string& token,
+                      const std::string& job_id, std::chrono::milliseconds timeout) {
+  v1::Job job;
+  WaitFor(
+      [&] {
+        job = GetJob(stub, token, job_id);
+        return JobEnded(job);
+      },
+      timeout);
+  return job;
+}
+
 std::string Describe(const grpc::Status& status) {
   return absl::StrCat("code ", static_cast<int>(status.error_code()), ": ", status.error_message());
 }
@@ -350,20 +381,11 @@ bool TestCluster::WorkerIs(const std::string& id, v1::Worker::State state) {
 }
 
 absl::StatusOr<std::string> TestCluster::Submit(const v1::JobSpec& spec) {
-  v1::SubmitJobRequest request;
-  *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  const grpc::Status s = coord_->SubmitJob(Context(admin_token()).get(), request, &response);
-  if (!s.ok()) return absl::UnknownError(absl::StrCat("SubmitJob: ", Describe(s)));
-  return response.job().id();
+  return SubmitJob(coord(), admin_token(), spec);
 }
 
 v1::Job TestCluster::GetJob(const std::string& job_id) {
-  v1::GetJobRequest request;
-  request.set_job_id(job_id);
-  v1::Job job;
-  if (!coord_->GetJob(Context(admin_token()).get(), request, &job).ok()) return v1::Job();
-  return job;
+  return aidn::testing::GetJob(coord(), admin_token(), job_id);
 }
 
 absl::Status TestCluster::Cancel(const std::string& job_id, const std::string& reason) {
@@ -404,14 +426,7 @@ absl::Status TestCluster::Cancel(const std::string& job_id, const std::string& r
 }
 
 v1::Job TestCluster::WaitForEnd(const std::string& job_id, std::chrono::milliseconds timeout) {
-  v1::Job job;
-  WaitFor(
-      [&] {
-        job = GetJob(job_id);
-        return JobEnded(job);
-      },
-      timeout);
-  return job;
+  return WaitForJobEnd(coord(), admin_token(), job_id, timeout);
 }
 
 std::vector<v1::Event> TestCluster::Events(const std::string& job_id) {

@@ -71,6 +71,17 @@ std::string Describe(const CommandResult& result);
 // SUCCEEDED, FAILED or CANCELLED.
 bool JobEnded(const v1::Job& job);
 
+// Jobs through a CoordinatorService stub as `token` (TestCluster's helpers
+// use these, as do the load benchmarks in bench/).
+absl::StatusOr<std::string> SubmitJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+                                      const v1::JobSpec& spec);
+// The job, or an empty Job when the call fails.
+v1::Job GetJob(v1::CoordinatorService::Stub* stub, const std::string& token,
+               const std::string& job_id);
+// Polls until the job ended or `timeout` passed; returns it as last seen.
+v1::Job WaitForJobEnd(v1::CoordinatorService::Stub* stub, const std::string& token,
+                      const std::string& job_id, std::chrono::milliseconds timeout);
+
 // How a TestCluster starts a worker daemon.
 struct WorkerOptions {
   int cpu_slots = 1;

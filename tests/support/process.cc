@@ -13,7 +13,6 @@
 #include <cerrno>
 #include <cstring>
 #include <sstream>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -24,8 +23,6 @@ extern char** environ;
 
 namespace aidn::testing {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // The environment of the test with `overrides` ("K=V") added or replacing
 // the entries with the same key.
@@ -187,23 +184,28 @@ void Process::Signal(int sig) {
 }
 
 absl::StatusOr<int> Process::Wait(std::chrono::milliseconds timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  while (!reaped_) {
-    int status;
-    const pid_t r = waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      reaped_ = true;
-      exit_code_ = ExitCodeOf(status);
-      break;
-    }
-    if (r < 0 && errno != EINTR) {
-      return PosixError(absl::StrCat("waitpid ", pid_), errno);
-    }
-    if (Clock::now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("process ", pid_, " still running after ", timeout.count(), " ms"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  absl::Status error;
+  WaitFor(
+      [&] {
+        if (reaped_) return true;
+        int status;
+        const pid_t r = waitpid(pid_, &status, WNOHANG);
+        if (r == pid_) {
+          reaped_ = true;
+          exit_code_ = ExitCodeOf(status);
+          return true;
+        }
+        if (r < 0 && errno != EINTR) {
+          error = PosixError(absl::StrCat("waitpid ", pid_), errno);
+          return true;
+        }
+        return false;
+      },
+      timeout);
+  if (!error.ok()) return error;
+  if (!reaped_) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("process ", pid_, " still running after ", timeout.count(), " ms"));
   }
   return exit_code_;
 }
