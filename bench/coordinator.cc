@@ -95,7 +95,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "tests/integration/harness.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::bench {
 namespace {
