@@ -62,14 +62,14 @@ double Median(std::vector<double> v) {
 }
 
 int RunRank(int rank, const std::string& store_dir, const Options& options) {
-  auto store = std::make_shared<gloo::rendezvous::FileStore>(store_dir);
+  aidn::engine::FileKeyValueStore kv(store_dir);
   aidn::engine::GlooOptions gloo_options;
   gloo_options.rank = rank;
   gloo_options.world_size = kWorld;
   gloo_options.prefix = "aidn";
   gloo_options.timeout = std::chrono::milliseconds(120'000);
   absl::StatusOr<std::unique_ptr<aidn::engine::Communicator>> comm =
-      aidn::engine::CreateGlooCommunicator(gloo_options, store);
+      aidn::engine::CreateGlooCommunicator(gloo_options, &kv);
   if (!comm.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", rank, comm.status().ToString().c_str());
     return 1;
@@ -80,14 +80,15 @@ int RunRank(int rank, const std::string& store_dir, const Options& options) {
   shm_options.prefix = "aidn-shm";
   shm_options.timeout = gloo_options.timeout;
   absl::StatusOr<aidn::engine::ShmAttempt> shm =
-      aidn::engine::CreateShmCommunicator(shm_options, store);
+      aidn::engine::CreateShmCommunicator(shm_options, &kv);
   if (!shm.ok() || shm->communicator == nullptr) {
     std::fprintf(stderr, "rank %d: shared memory: %s\n", rank,
                  shm.ok() ? shm->description.c_str() : shm.status().ToString().c_str());
     return 1;
   }
-  // Raw Gloo: a context of its own over the same store, as a Gloo user
-  // would set it up.
+  // Raw Gloo: a context of its own over Gloo's own file store in the same
+  // directory, as a Gloo user would set it up.
+  auto store = std::make_shared<gloo::rendezvous::FileStore>(store_dir);
   gloo::transport::tcp::attr attr;
   attr.hostname = "127.0.0.1";
   auto device = gloo::transport::tcp::CreateDevice(attr);

@@ -31,8 +31,10 @@
 #include <string>
 #include <vector>
 
+#include "worker/engine/cpu.h"
 #include "worker/engine/data.h"
 #include "worker/engine/gemm.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"

@@ -40,6 +40,7 @@
 #include "common/metrics/registry.h"
 #include "common/status.h"
 #include "worker/daemon.h"
+#include "worker/engine/cpu.h"
 #include "worker/engine/device.h"
 #include "worker/engine/gpu_session.h"
 #include "worker/engine/model.h"

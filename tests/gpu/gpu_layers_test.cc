@@ -16,6 +16,7 @@
 #include "worker/engine/cuda/gpu_model.h"
 #include "worker/engine/cuda/gpu_optimizer.h"
 #include "worker/engine/layers.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 

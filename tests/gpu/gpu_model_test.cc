@@ -15,6 +15,7 @@
 #include "tests/gpu/gpu_test_util.h"
 #include "worker/engine/cuda/gpu_model.h"
 #include "worker/engine/layers.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 

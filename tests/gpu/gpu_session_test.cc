@@ -12,6 +12,7 @@
 
 #include "worker/engine/device.h"
 #include "worker/engine/gpu_session.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 

@@ -1,5 +1,7 @@
-// NcclCommunicator on a real device: world size 1 collectives through the
-// KV rendezvous, an init whose peer never comes aborted at its deadline, and
+// NcclCommunicator on a real device: the communicator conformance suite
+// (tests/unit/engine/communicator_conformance.h) at world size 1, one rank
+// per GPU, with device buffers; world size 1 collectives through the KV
+// rendezvous, an init whose peer never comes aborted at its deadline, and
 // an aborted communicator refusing calls. Skips without a device.
 #include <stdlib.h>
 
@@ -11,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/unit/engine/communicator_conformance.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/comm/nccl_communicator.h"
 #include "worker/engine/device.h"
@@ -41,6 +44,54 @@ float* Upload(const std::vector<float>& host) {
             cudaSuccess);
   return device;
 }
+
+std::string NoGpu() {
+  setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+  DeviceInventory inventory = DiscoverDevices();
+  return inventory.gpus.empty() ? "no CUDA device: " + inventory.gpu_note : std::string();
+}
+
+CommBackend Nccl() {
+  CommBackend backend;
+  backend.name = "nccl";
+  backend.unavailable = NoGpu;
+  // One rank per device, and this process drives one.
+  backend.max_world = 1;
+  backend.create = [](int rank, int world_size, std::chrono::milliseconds timeout,
+                      KeyValueStore& store) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    NcclOptions options;
+    options.rank = rank;
+    options.world_size = world_size;
+    options.timeout = timeout;
+    absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
+        NcclCommunicator::Create(options, &store);
+    if (!comm.ok()) return comm.status();
+    return std::unique_ptr<Communicator>(*std::move(comm));
+  };
+  backend.allocate = [](size_t count) -> float* {
+    float* device = nullptr;
+    if (count > 0) {
+      EXPECT_EQ(cudaMalloc(&device, count * sizeof(float)), cudaSuccess);
+    }
+    return device;
+  };
+  backend.release = [](float* device) { cudaFree(device); };
+  backend.upload = [](float* device, const float* host, size_t count) {
+    if (count == 0) return;
+    EXPECT_EQ(cudaMemcpy(device, host, count * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  backend.download = [](float* host, const float* device, size_t count) {
+    if (count == 0) return;
+    EXPECT_EQ(cudaMemcpy(host, device, count * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  return backend;
+}
+
+INSTANTIATE_TEST_SUITE_P(Nccl, CommunicatorConformanceTest,
+                         ::testing::Combine(::testing::Values(Nccl()), ::testing::Values(1),
+                                            ::testing::ValuesIn(ConformanceCounts())),
+                         ConformanceName);
+INSTANTIATE_TEST_SUITE_P(Nccl, CommunicatorBackendTest, ::testing::Values(Nccl()), BackendName);
 
 TEST(NcclCommunicator, WorldSizeOneCollectivesThroughTheKvRendezvous) {
   SKIP_WITHOUT_GPU();

@@ -35,20 +35,6 @@ using trainer::CoordinatorStore;
 // Generous: other builds share the machine's two cores.
 constexpr std::chrono::milliseconds kLong{20'000};
 
-// Runs `fn`, which must throw engine::StoreStatusError, and returns its
-// status (UNKNOWN if nothing or something else was thrown).
-template <typename Fn>
-absl::Status StoreErrorOf(Fn&& fn) {
-  try {
-    fn();
-  } catch (const engine::StoreStatusError& e) {
-    return e.status();
-  } catch (const std::exception& e) {
-    return absl::UnknownError(absl::StrCat("unexpected exception: ", e.what()));
-  }
-  return absl::UnknownError("nothing was thrown");
-}
-
 class GlooStoreTest : public ClusterFixture {
  protected:
   GlooStoreTest() : ClusterFixture("aidn-gloo-store-test") {}
@@ -168,7 +154,7 @@ TEST_F(GlooStoreTest, TwoRanksRendezvousThroughTheCoordinatorAndReduceExactly) {
   for (int rank = 0; rank < 2; ++rank) {
     threads.emplace_back([&, rank] {
       absl::StatusOr<std::unique_ptr<engine::Communicator>> comm =
-          engine::CreateGlooCommunicator(GlooOptionsFor(rank), StoreFor(rank, generation_));
+          engine::CreateGlooCommunicator(GlooOptionsFor(rank), StoreFor(rank, generation_).get());
       if (!comm.ok()) {
         results[rank] = comm.status();
         return;
@@ -202,22 +188,21 @@ TEST_F(GlooStoreTest, TwoRanksRendezvousThroughTheCoordinatorAndReduceExactly) {
 TEST_F(GlooStoreTest, TheStoreKeepsBytesAndGetWaitsForTheKey) {
   std::shared_ptr<CoordinatorStore> rank0 = StoreFor(0, generation_);
   std::shared_ptr<CoordinatorStore> rank1 = StoreFor(1, generation_);
-  const std::vector<char> value = {'a', '\0', '\xff', 'z'};
-  rank0->set("bytes", value);
-  EXPECT_EQ(rank1->get("bytes"), value);
+  const std::string value("a\0\xffz", 4);
+  ASSERT_TRUE(rank0->Set("bytes", value).ok());
+  EXPECT_EQ(rank1->Get("bytes", kLong).value_or(""), value);
 
   // A get before the set returns the value once it is set (in either order).
-  std::vector<char> got;
-  std::thread getter([&] { got = rank1->get("later"); });
-  rank0->set("later", {'o', 'k'});
+  absl::StatusOr<std::string> got;
+  std::thread getter([&] { got = rank1->Get("later", kLong); });
+  ASSERT_TRUE(rank0->Set("later", "ok").ok());
   getter.join();
-  EXPECT_EQ(got, (std::vector<char>{'o', 'k'}));
-
-  rank1->wait({"bytes", "later"}, std::chrono::milliseconds(1000));
+  EXPECT_EQ(got.value_or(""), "ok");
+  // A zero timeout looks once.
+  EXPECT_EQ(rank1->Get("later", std::chrono::milliseconds(0)).value_or(""), "ok");
 
   const auto start = std::chrono::steady_clock::now();
-  absl::Status timed_out =
-      StoreErrorOf([&] { rank1->wait({"never-set"}, std::chrono::milliseconds(300)); });
+  absl::Status timed_out = rank1->Get("never-set", std::chrono::milliseconds(300)).status();
   EXPECT_EQ(timed_out.code(), absl::StatusCode::kDeadlineExceeded) << timed_out;
   EXPECT_THAT(std::string(timed_out.message()), HasSubstr("\"never-set\""));
   EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250));
@@ -228,15 +213,15 @@ TEST_F(GlooStoreTest, AStaleGenerationIsRefusedAsSuperseded) {
   const std::string superseded = absl::StrCat("generation ", generation_ - 1, " of ", job_id_,
                                               " is superseded by ", generation_);
 
-  absl::Status set = StoreErrorOf([&] { stale->set("k", {'v'}); });
+  absl::Status set = stale->Set("k", "v");
   EXPECT_EQ(set.code(), absl::StatusCode::kFailedPrecondition) << set;
   EXPECT_THAT(std::string(set.message()), HasSubstr(superseded));
-  absl::Status get = StoreErrorOf([&] { stale->get("k"); });
+  absl::Status get = stale->Get("k", kLong).status();
   EXPECT_EQ(get.code(), absl::StatusCode::kFailedPrecondition) << get;
 
   // Through Gloo, the communicator reports the same code.
   absl::StatusOr<std::unique_ptr<engine::Communicator>> comm =
-      engine::CreateGlooCommunicator(GlooOptionsFor(0), stale);
+      engine::CreateGlooCommunicator(GlooOptionsFor(0), stale.get());
   ASSERT_FALSE(comm.ok());
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
   EXPECT_THAT(std::string(comm.status().message()), HasSubstr(superseded));
@@ -246,19 +231,20 @@ TEST_F(GlooStoreTest, AnUnknownTokenIsRefusedAtOnce) {
   auto store = std::make_shared<CoordinatorStore>(stub_, "not-a-token-of-this-cluster", job_id_,
                                                   generation_, kLong);
   const auto start = std::chrono::steady_clock::now();
-  absl::Status set = StoreErrorOf([&] { store->set("k", {'v'}); });
+  absl::Status set = store->Set("k", "v");
   EXPECT_EQ(set.code(), absl::StatusCode::kUnauthenticated) << set;
-  absl::Status get = StoreErrorOf([&] { store->get("k"); });
+  absl::Status get = store->Get("k", kLong).status();
   EXPECT_EQ(get.code(), absl::StatusCode::kUnauthenticated) << get;
   // Not retried until the timeout.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
-// The engine's KeyValueStore view of the same KV: what NCCL's id hand-out
-// uses. Bytes round-trip (NUL included), a wait times out naming the key,
-// and a stale generation is refused with FAILED_PRECONDITION.
-TEST_F(GlooStoreTest, TheKeyValueStoreAdapterKeepsBytesWaitsAndIsFenced) {
-  trainer::CoordinatorKeyValueStore store(StoreFor(0, generation_));
+// The same store as NCCL's id hand-out uses it. Bytes round-trip (NUL
+// included), a wait times out naming the key, and a stale generation is
+// refused with FAILED_PRECONDITION.
+TEST_F(GlooStoreTest, TheKeyValueStoreKeepsBytesWaitsAndIsFenced) {
+  const std::shared_ptr<CoordinatorStore> owner = StoreFor(0, generation_);
+  CoordinatorStore& store = *owner;
   const std::string bytes(
       "id\0with\xff"
       "bytes",
@@ -273,8 +259,7 @@ TEST_F(GlooStoreTest, TheKeyValueStoreAdapterKeepsBytesWaitsAndIsFenced) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kDeadlineExceeded) << missing.status();
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr("nccl/never"));
 
-  trainer::CoordinatorKeyValueStore stale(StoreFor(1, generation_ - 1));
-  absl::Status set = stale.Set("nccl/x", "late");
+  absl::Status set = StoreFor(1, generation_ - 1)->Set("nccl/x", "late");
   EXPECT_EQ(set.code(), absl::StatusCode::kFailedPrecondition) << set;
 }
 
@@ -287,12 +272,12 @@ TEST_F(GlooStoreTest, TheNcclIdGoesFromRankZeroToRankOneThroughTheCoordinator) {
   std::vector<std::thread> threads;
   for (int rank = 1; rank >= 0; --rank) {  // rank 1 waits first
     threads.emplace_back([&, rank] {
-      trainer::CoordinatorKeyValueStore store(StoreFor(rank, generation_));
+      std::shared_ptr<CoordinatorStore> store = StoreFor(rank, generation_);
       engine::NcclOptions options;
       options.rank = rank;
       options.world_size = 2;
       options.timeout = kLong;
-      ids[rank] = engine::ExchangeNcclUniqueId(options, &store);
+      ids[rank] = engine::ExchangeNcclUniqueId(options, store.get());
     });
   }
   for (std::thread& t : threads) t.join();

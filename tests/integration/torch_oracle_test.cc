@@ -51,10 +51,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
-#include "gloo/rendezvous/hash_store.h"
 #include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/cpu.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/safetensors.h"
@@ -334,7 +335,7 @@ absl::Status TrainRank(const Case& c, const Oracle& oracle, int rank, Communicat
 // Every rank on a thread of its own; Gloo over one in-memory store.
 std::vector<RankResult> Train(const Case& c, const Oracle& oracle) {
   std::vector<RankResult> results(static_cast<size_t>(c.ranks));
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  InMemoryKeyValueStore store;
   std::vector<std::thread> threads;
   for (int rank = 0; rank < c.ranks; ++rank) {
     threads.emplace_back([&, rank] {
@@ -348,7 +349,7 @@ std::vector<RankResult> Train(const Case& c, const Oracle& oracle) {
       options.world_size = c.ranks;
       options.timeout = std::chrono::milliseconds(30'000);
       options.prefix = "oracle";
-      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, store);
+      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, &store);
       if (!comm.ok()) {
         result.status = comm.status();
         return;

@@ -1,3 +1,5 @@
+#include "worker/engine/cpu.h"
+
 #include <cblas.h>
 
 #include <stdlib.h>
@@ -6,7 +8,6 @@
 #include <string>
 
 #include "worker/engine/gemm.h"
-#include "worker/engine/model.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>

@@ -1,13 +1,13 @@
+#include "worker/engine/loss.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "common/log.h"
 #include "worker/engine/layers.h"
-#include "worker/engine/model.h"
 
 namespace aidn::engine {
 
-// `grad_logits` may be null when only the loss is wanted (evaluation).
 double SoftmaxCrossEntropy(const Tensor& logits, const std::vector<int32_t>& labels,
                            Tensor* grad_logits, double grad_scale) {
   AIDN_CHECK(logits.rank() == 2) << "logits must be [N, classes], got " << logits.ShapeString();

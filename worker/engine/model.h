@@ -108,33 +108,9 @@ class Sequential {
 // INVALID_ARGUMENT for an unknown name or bad sizes.
 absl::StatusOr<std::unique_ptr<Sequential>> BuildModel(const ModelConfig& config, uint64_t seed);
 
-// Softmax cross-entropy averaged over the batch, as
-// torch.nn.functional.cross_entropy. Returns the mean loss and writes
-// dL/dlogits into `grad_logits`, scaled by `grad_scale` (1/accum_steps with
-// gradient accumulation). Labels are class indices in [0, classes).
-double SoftmaxCrossEntropy(const Tensor& logits, const std::vector<int32_t>& labels,
-                           Tensor* grad_logits, double grad_scale = 1.0);
-// How many rows' argmax equals their label.
-int64_t CountCorrect(const Tensor& logits, const std::vector<int32_t>& labels);
-
-// Process-wide CPU setup for a rank: BLAS thread count and flush-to-zero /
-// denormals-are-zero (denormals slow training several-fold as weights decay).
-void ConfigureCpu(int threads);
-
 // The seed of layer `index` for a model seed (splitmix64 of both): unrelated
 // streams per layer. The GPU model seeds its layers the same way.
 uint64_t LayerSeed(uint64_t seed, size_t index);
-
-// OpenBLAS 0.3.21 (Debian 12's) picks its kernels by CPU model and gives
-// CPUs it does not know, AMD's AVX-512 ones among them, its AVX2 (Haswell)
-// kernels. OPENBLAS_CORETYPE, read once when the library loads, overrides
-// that. Returns "OPENBLAS_CORETYPE=SkylakeX" when this CPU has AVX-512
-// (F, BW, DQ, VL) but the loaded OpenBLAS chose a core without it and the
-// environment does not already name one; else "". The worker puts it in
-// every trainer's environment; it cannot take effect in this process.
-std::string BlasCoreOverride();
-// The OpenBLAS core in use ("Haswell", "SkylakeX", ...).
-std::string BlasCoreName();
 
 }  // namespace aidn::engine
 

@@ -19,7 +19,8 @@
 // updated in one fused pass over p, grad and its state.
 //
 // Not thread-safe. The parameters must outlive the optimizer and keep their
-// shapes. CPU tensors only for now (the CUDA issue adds a device path).
+// shapes. CPU tensors only (the GPU engine's optimizer is
+// cuda/gpu_optimizer.h).
 
 #include <cstdint>
 #include <memory>

@@ -14,11 +14,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/file.h"
 #include "common/status.h"
+#include "nlohmann/json.hpp"
 
 namespace aidn::engine {
 namespace {
@@ -32,317 +32,109 @@ constexpr absl::string_view kMetadataKey = "__metadata__";
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 constexpr int kMaxJsonDepth = 64;
 
-// ---------------------------------------------------------------------------
-// A strict parser for the JSON subset a safetensors header uses: objects,
-// arrays, strings and integers (true, false, null and fractions never occur
-// in one, so they are errors). Duplicate object keys are errors too.
+// nlohmann's ordered_json keeps the header's keys in file order.
+using Json = nlohmann::ordered_json;
 
-struct Json {
-  enum class Kind { kObject, kArray, kString, kInteger };
-  Kind kind = Kind::kObject;
-  std::string string;
-  int64_t integer = 0;
-  std::vector<Json> array;
-  std::vector<std::pair<std::string, Json>> object;  // in file order
-};
-
-const char* KindName(Json::Kind kind) {
-  switch (kind) {
-    case Json::Kind::kObject:
-      return "an object";
-    case Json::Kind::kArray:
-      return "an array";
-    case Json::Kind::kString:
-      return "a string";
-    case Json::Kind::kInteger:
-      return "an integer";
-  }
-  return "?";
-}
-
-// True if `s` is valid UTF-8 (no overlongs, no surrogates, at most U+10FFFF).
-bool IsValidUtf8(absl::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    int extra;
-    uint32_t cp;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c & 0xE0) == 0xC0) {
-      extra = 1;
-      cp = c & 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-      extra = 2;
-      cp = c & 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-      extra = 3;
-      cp = c & 0x07;
-    } else {
-      return false;
-    }
-    if (i + static_cast<size_t>(extra) >= s.size()) return false;
-    for (int k = 1; k <= extra; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + static_cast<size_t>(k)]);
-      if ((cc & 0xC0) != 0x80) return false;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
-    if (cp < kMin[extra] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
-    i += static_cast<size_t>(extra) + 1;
-  }
-  return true;
-}
-
-void AppendUtf8(uint32_t cp, std::string* out) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
-
-class JsonParser {
+// nlohmann's parser accepts more than a safetensors header may hold (true,
+// false, null, fractions, duplicate keys, any depth). This first, SAX pass
+// over the text refuses those, and turns nlohmann's syntax errors into a
+// message without its exception prefix, so the DOM pass after it cannot
+// fail on anything but memory.
+class HeaderChecker final : public nlohmann::json_sax<Json> {
  public:
-  explicit JsonParser(absl::string_view text) : text_(text) {}
+  // Empty while the text is acceptable.
+  const std::string& error() const { return error_; }
 
-  // The whole text as one value, with only whitespace around it. Errors are
-  // "bad header JSON at byte <k>: <what>".
-  absl::StatusOr<Json> Parse() {
-    Json value;
-    SkipSpace();
-    AIDN_RETURN_IF_ERROR(ParseValue(0, &value));
-    SkipSpace();
-    if (pos_ != text_.size()) return Error("unexpected text after the top-level value");
-    return value;
+  bool null() override { return Refuse("null"); }
+  bool boolean(bool value) override { return Refuse(value ? "true" : "false"); }
+  bool number_integer(number_integer_t /*value*/) override { return true; }
+  bool number_unsigned(number_unsigned_t value) override {
+    return value <= static_cast<number_unsigned_t>(INT64_MAX) || Fail("integer out of range");
+  }
+  // nlohmann reads an integer too large for 64 bits as a float; `text` is
+  // the number as written.
+  bool number_float(number_float_t /*value*/, const string_t& text) override {
+    if (text.find_first_of(".eE") == string_t::npos) return Fail("integer out of range");
+    return Fail(absl::StrCat("a number that is not an integer: ", text));
+  }
+  bool string(string_t& /*value*/) override { return true; }
+  bool binary(binary_t& /*value*/) override { return true; }  // never from JSON text
+  bool start_object(std::size_t /*elements*/) override {
+    keys_.emplace_back();
+    return Enter();
+  }
+  bool key(string_t& key) override {
+    return keys_.back().insert(key).second || Fail(absl::StrCat("duplicate key \"", key, "\""));
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t /*elements*/) override { return Enter(); }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t position, const std::string& /*last_token*/,
+                   const Json::exception& e) override {
+    // "[json.exception.parse_error.101] parse error at line 1, column 6:
+    // syntax error ..." -> "syntax error ..."; `position` counts from 1.
+    absl::string_view what = e.what();
+    const size_t column = what.find("column ");
+    const size_t colon = what.find(": ", column == absl::string_view::npos ? 0 : column);
+    if (colon != absl::string_view::npos) what.remove_prefix(colon + 2);
+    // nlohmann quotes what it last read, which may be bytes that are not
+    // UTF-8: escaped, so the message stays printable text.
+    std::string printable;
+    for (const char c : what) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u < 0x20 || u >= 0x7f) {
+        absl::StrAppend(&printable, "\\x", absl::Hex(u, absl::kZeroPad2));
+      } else {
+        printable.push_back(c);
+      }
+    }
+    error_ =
+        absl::StrCat("bad header JSON at byte ", position > 0 ? position - 1 : 0, ": ", printable);
+    return false;
   }
 
  private:
-  absl::Status Error(absl::string_view what) const {
-    return absl::DataLossError(absl::StrCat("bad header JSON at byte ", pos_, ": ", what));
+  bool Fail(std::string what) {
+    if (error_.empty()) error_ = absl::StrCat("bad header JSON: ", what);
+    return false;
   }
-  bool AtEnd() const { return pos_ >= text_.size(); }
-  char Peek() const { return text_[pos_]; }
-  void SkipSpace() {
-    while (!AtEnd() && (Peek() == ' ' || Peek() == '\t' || Peek() == '\n' || Peek() == '\r')) {
-      ++pos_;
-    }
+  bool Refuse(absl::string_view literal) {
+    return Fail(absl::StrCat("unexpected ", literal,
+                             " (a safetensors header holds only objects, arrays, strings and "
+                             "integers)"));
   }
-  absl::Status Expect(char c) {
-    if (AtEnd() || Peek() != c) {
-      return Error(AtEnd() ? absl::StrCat("expected '", std::string(1, c), "', found the end")
-                           : absl::StrCat("expected '", std::string(1, c), "', found '",
-                                          std::string(1, Peek()), "'"));
-    }
-    ++pos_;
-    return absl::OkStatus();
-  }
+  // The top-level value is at depth 0.
+  bool Enter() { return ++depth_ <= kMaxJsonDepth + 1 || Fail("nested too deeply"); }
 
-  absl::Status ParseValue(int depth, Json* out) {
-    if (depth > kMaxJsonDepth) return Error("nested too deeply");
-    if (AtEnd()) return Error("expected a value, found the end");
-    const char c = Peek();
-    if (c == '{') return ParseObject(depth, out);
-    if (c == '[') return ParseArray(depth, out);
-    if (c == '"') {
-      out->kind = Json::Kind::kString;
-      return ParseString(&out->string);
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) return ParseInteger(out);
-    return Error(absl::StrCat("unexpected '", std::string(1, c),
-                              "' (a safetensors header holds only objects, arrays, strings and "
-                              "integers)"));
-  }
-
-  absl::Status ParseObject(int depth, Json* out) {
-    out->kind = Json::Kind::kObject;
-    ++pos_;  // '{'
-    SkipSpace();
-    if (!AtEnd() && Peek() == '}') {
-      ++pos_;
-      return absl::OkStatus();
-    }
-    std::set<std::string> keys;
-    while (true) {
-      SkipSpace();
-      if (AtEnd() || Peek() != '"') return Error("expected a string key");
-      const size_t key_pos = pos_;
-      std::string key;
-      AIDN_RETURN_IF_ERROR(ParseString(&key));
-      if (!keys.insert(key).second) {
-        pos_ = key_pos;
-        return Error(absl::StrCat("duplicate key \"", key, "\""));
-      }
-      SkipSpace();
-      AIDN_RETURN_IF_ERROR(Expect(':'));
-      SkipSpace();
-      Json value;
-      AIDN_RETURN_IF_ERROR(ParseValue(depth + 1, &value));
-      out->object.emplace_back(std::move(key), std::move(value));
-      SkipSpace();
-      if (!AtEnd() && Peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      return Expect('}');
-    }
-  }
-
-  absl::Status ParseArray(int depth, Json* out) {
-    out->kind = Json::Kind::kArray;
-    ++pos_;  // '['
-    SkipSpace();
-    if (!AtEnd() && Peek() == ']') {
-      ++pos_;
-      return absl::OkStatus();
-    }
-    while (true) {
-      SkipSpace();
-      Json value;
-      AIDN_RETURN_IF_ERROR(ParseValue(depth + 1, &value));
-      out->array.push_back(std::move(value));
-      SkipSpace();
-      if (!AtEnd() && Peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      return Expect(']');
-    }
-  }
-
-  absl::Status ParseHex4(uint32_t* out) {
-    uint32_t v = 0;
-    for (int k = 0; k < 4; ++k, ++pos_) {
-      if (AtEnd()) return Error("truncated \\u escape");
-      const char c = Peek();
-      v <<= 4;
-      if (c >= '0' && c <= '9') {
-        v |= static_cast<uint32_t>(c - '0');
-      } else if (c >= 'a' && c <= 'f') {
-        v |= static_cast<uint32_t>(c - 'a' + 10);
-      } else if (c >= 'A' && c <= 'F') {
-        v |= static_cast<uint32_t>(c - 'A' + 10);
-      } else {
-        return Error("bad hex digit in a \\u escape");
-      }
-    }
-    *out = v;
-    return absl::OkStatus();
-  }
-
-  absl::Status ParseString(std::string* out) {
-    ++pos_;  // '"'
-    while (true) {
-      if (AtEnd()) return Error("unterminated string");
-      const char c = Peek();
-      if (c == '"') {
-        ++pos_;
-        return absl::OkStatus();
-      }
-      if (static_cast<unsigned char>(c) < 0x20) return Error("control character in a string");
-      if (c != '\\') {
-        out->push_back(c);
-        ++pos_;
-        continue;
-      }
-      ++pos_;
-      if (AtEnd()) return Error("unterminated escape");
-      const char e = Peek();
-      ++pos_;
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/':
-          out->push_back(e);
-          break;
-        case 'b':
-          out->push_back('\b');
-          break;
-        case 'f':
-          out->push_back('\f');
-          break;
-        case 'n':
-          out->push_back('\n');
-          break;
-        case 'r':
-          out->push_back('\r');
-          break;
-        case 't':
-          out->push_back('\t');
-          break;
-        case 'u': {
-          uint32_t cp = 0;
-          AIDN_RETURN_IF_ERROR(ParseHex4(&cp));
-          if (cp >= 0xDC00 && cp <= 0xDFFF) return Error("unpaired low surrogate");
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (text_.substr(pos_, 2) != "\\u") return Error("unpaired high surrogate");
-            pos_ += 2;
-            uint32_t low = 0;
-            AIDN_RETURN_IF_ERROR(ParseHex4(&low));
-            if (low < 0xDC00 || low > 0xDFFF) return Error("unpaired high surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-          }
-          AppendUtf8(cp, out);
-          break;
-        }
-        default:
-          --pos_;
-          return Error(absl::StrCat("bad escape '\\", std::string(1, e), "'"));
-      }
-    }
-  }
-
-  absl::Status ParseInteger(Json* out) {
-    out->kind = Json::Kind::kInteger;
-    const bool negative = Peek() == '-';
-    if (negative) ++pos_;
-    if (AtEnd() || Peek() < '0' || Peek() > '9') return Error("expected a digit");
-    if (Peek() == '0' && pos_ + 1 < text_.size() && text_[pos_ + 1] >= '0' &&
-        text_[pos_ + 1] <= '9') {
-      return Error("leading zero in a number");
-    }
-    uint64_t v = 0;
-    while (!AtEnd() && Peek() >= '0' && Peek() <= '9') {
-      const auto digit = static_cast<uint64_t>(Peek() - '0');
-      if (v > (uint64_t{INT64_MAX} - digit) / 10) return Error("integer out of range");
-      v = v * 10 + digit;
-      ++pos_;
-    }
-    if (!AtEnd() && (Peek() == '.' || Peek() == 'e' || Peek() == 'E')) {
-      return Error("a number that is not an integer");
-    }
-    out->integer = negative ? -static_cast<int64_t>(v) : static_cast<int64_t>(v);
-    return absl::OkStatus();
-  }
-
-  absl::string_view text_;
-  size_t pos_ = 0;
+  int depth_ = 0;
+  std::vector<std::set<std::string>> keys_;
+  std::string error_;
 };
 
-void AppendJsonString(absl::string_view s, std::string* out) {
-  out->push_back('"');
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out->push_back('\\');
-      out->push_back(c);
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      absl::StrAppend(out, absl::StrFormat("\\u%04x", static_cast<unsigned char>(c)));
-    } else {
-      out->push_back(c);
-    }
+// The header text as JSON, checked by HeaderChecker.
+absl::StatusOr<Json> ParseJson(absl::string_view text) {
+  HeaderChecker checker;
+  bool ok = false;
+  try {
+    ok = Json::sax_parse(text.begin(), text.end(), &checker);
+  } catch (const Json::exception& e) {
+    return absl::DataLossError(absl::StrCat("bad header JSON: ", e.what()));
   }
-  out->push_back('"');
+  if (!ok || !checker.error().empty()) {
+    return absl::DataLossError(checker.error().empty() ? "bad header JSON" : checker.error());
+  }
+  try {
+    return Json::parse(text.begin(), text.end());
+  } catch (const Json::exception& e) {
+    return absl::DataLossError(absl::StrCat("bad header JSON: ", e.what()));
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -384,35 +176,35 @@ absl::StatusOr<TensorEntry> ParseTensorEntry(const std::string& name, const Json
   auto bad = [&](absl::string_view what) {
     return absl::DataLossError(absl::StrCat("tensor ", Quote(name), ": ", what));
   };
-  if (info.kind != Json::Kind::kObject) {
-    return bad(absl::StrCat("expected an object, found ", KindName(info.kind)));
+  if (!info.is_object()) {
+    return bad(absl::StrCat("expected an object, found ", info.is_array() ? "an " : "a ",
+                            info.type_name()));
   }
   TensorEntry entry;
   entry.name = name;
   bool has_dtype = false, has_shape = false, has_offsets = false;
-  for (const auto& [key, value] : info.object) {
+  for (const auto& [key, value] : info.items()) {
     if (key == "dtype") {
-      if (value.kind != Json::Kind::kString) return bad("\"dtype\" is not a string");
-      entry.dtype = value.string;
+      if (!value.is_string()) return bad("\"dtype\" is not a string");
+      entry.dtype = value.get<std::string>();
       has_dtype = true;
     } else if (key == "shape") {
-      if (value.kind != Json::Kind::kArray) return bad("\"shape\" is not an array");
-      for (const Json& d : value.array) {
-        if (d.kind != Json::Kind::kInteger || d.integer < 0) {
+      if (!value.is_array()) return bad("\"shape\" is not an array");
+      for (const Json& d : value) {
+        if (!d.is_number_integer() || d.get<int64_t>() < 0) {
           return bad("\"shape\" holds something other than a non-negative integer");
         }
-        entry.shape.push_back(d.integer);
+        entry.shape.push_back(d.get<int64_t>());
       }
       has_shape = true;
     } else if (key == "data_offsets") {
-      if (value.kind != Json::Kind::kArray || value.array.size() != 2 ||
-          value.array[0].kind != Json::Kind::kInteger ||
-          value.array[1].kind != Json::Kind::kInteger || value.array[0].integer < 0 ||
-          value.array[1].integer < 0) {
+      if (!value.is_array() || value.size() != 2 || !value[0].is_number_integer() ||
+          !value[1].is_number_integer() || value[0].get<int64_t>() < 0 ||
+          value[1].get<int64_t>() < 0) {
         return bad("\"data_offsets\" is not a pair of non-negative integers");
       }
-      entry.begin = static_cast<uint64_t>(value.array[0].integer);
-      entry.end = static_cast<uint64_t>(value.array[1].integer);
+      entry.begin = value[0].get<uint64_t>();
+      entry.end = value[1].get<uint64_t>();
       has_offsets = true;
     } else {
       return bad(absl::StrCat("unknown field ", Quote(key)));
@@ -447,20 +239,19 @@ absl::StatusOr<Header> ParseHeader(absl::string_view text, uint64_t data_bytes) 
   if (text.empty() || text[0] != '{') {
     return absl::DataLossError("bad header JSON: the header does not start with '{'");
   }
-  if (!IsValidUtf8(text)) return absl::DataLossError("bad header JSON: not valid UTF-8");
-  AIDN_ASSIGN_OR_RETURN(Json root, JsonParser(text).Parse());
+  AIDN_ASSIGN_OR_RETURN(Json root, ParseJson(text));
   Header header;
-  for (const auto& [key, value] : root.object) {
+  for (const auto& [key, value] : root.items()) {
     if (key == kMetadataKey) {
-      if (value.kind != Json::Kind::kObject) {
+      if (!value.is_object()) {
         return absl::DataLossError("\"__metadata__\" is not an object");
       }
-      for (const auto& [mkey, mvalue] : value.object) {
-        if (mvalue.kind != Json::Kind::kString) {
+      for (const auto& [mkey, mvalue] : value.items()) {
+        if (!mvalue.is_string()) {
           return absl::DataLossError(
               absl::StrCat("\"__metadata__\" value of ", Quote(mkey), " is not a string"));
         }
-        header.metadata[mkey] = mvalue.string;
+        header.metadata[mkey] = mvalue.get<std::string>();
       }
       continue;
     }
@@ -608,30 +399,26 @@ absl::Status Save(const std::string& path, const std::vector<NamedTensor>& tenso
     }
   }
 
-  std::string header = "{";
-  if (!metadata.empty()) {
-    AppendJsonString(kMetadataKey, &header);
-    header += ":{";
-    bool first = true;
-    for (const auto& [key, value] : metadata) {
-      if (!first) header += ",";
-      first = false;
-      AppendJsonString(key, &header);
-      header += ":";
-      AppendJsonString(value, &header);
-    }
-    header += "}";
-  }
+  Json json = Json::object();
+  if (!metadata.empty()) json[std::string(kMetadataKey)] = metadata;
   uint64_t offset = 0;
   for (const auto& [name, value] : tensors) {
-    if (header.size() > 1) header += ",";
-    AppendJsonString(name, &header);
     const uint64_t bytes = static_cast<uint64_t>(value->numel()) * sizeof(float);
-    absl::StrAppend(&header, ":{\"dtype\":\"F32\",\"shape\":", ShapeString(value->shape()),
-                    ",\"data_offsets\":[", offset, ",", offset + bytes, "]}");
+    Json& entry = json[name];
+    entry["dtype"] = "F32";
+    entry["shape"] = value->shape();
+    entry["data_offsets"] = Json::array({offset, offset + bytes});
     offset += bytes;
   }
-  header += "}";
+  std::string header;
+  try {
+    header = json.dump();
+  } catch (const Json::exception& e) {
+    // Only strings that are not UTF-8 (type_error 316), which no reader
+    // would accept.
+    return absl::InvalidArgumentError(
+        absl::StrCat("a tensor name or metadata entry that is not valid UTF-8: ", e.what()));
+  }
   // Pad so the data starts 8-byte aligned, as the reference writer does.
   header.append((8 - header.size() % 8) % 8, ' ');
   unsigned char length_bytes[8];

@@ -1,8 +1,9 @@
 #ifndef AIDN_WORKER_ENGINE_TENSOR_H_
 #define AIDN_WORKER_ENGINE_TENSOR_H_
 
-// A dense float32 tensor in row-major order with a device tag. The CPU path
-// owns its storage; the CUDA issue adds device storage behind the same type.
+// A dense float32 tensor in row-major order with a device tag. Its storage
+// is host memory; the GPU engine keeps device memory in a type of its own
+// (cuda/gpu_tensor.h), so the CPU engine stays free of CUDA.
 // Storage is 64-byte aligned (AVX-512 loads) and reused by Resize when the
 // new size fits, so steady-state training allocates nothing.
 //

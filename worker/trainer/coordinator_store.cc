@@ -1,16 +1,15 @@
 #include "worker/trainer/coordinator_store.h"
 
 #include <algorithm>
-#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/rpc/client.h"
+#include "common/rpc/retry.h"
 #include "common/rpc/status_convert.h"
 #include "google/protobuf/duration.pb.h"
 #include "grpcpp/client_context.h"
-#include "worker/engine/comm/gloo_communicator.h"
 
 namespace aidn::trainer {
 namespace {
@@ -25,8 +24,8 @@ constexpr milliseconds kWaitSlice{5'000};
 constexpr milliseconds kRpcGrace{5'000};
 // Longest single KvSet call.
 constexpr milliseconds kSetRpcTimeout{10'000};
-constexpr milliseconds kFirstBackoff{50};
-constexpr milliseconds kMaxBackoff{1'000};
+// Retries start at 50 ms and back off to 1 s.
+constexpr rpc::BackoffOptions kBackoff{milliseconds(50), milliseconds(1'000)};
 
 milliseconds Remaining(SteadyClock::time_point deadline) {
   return std::chrono::duration_cast<milliseconds>(deadline - SteadyClock::now());
@@ -37,18 +36,6 @@ google::protobuf::Duration ToProto(milliseconds d) {
   proto.set_seconds(d.count() / 1000);
   proto.set_nanos(static_cast<int32_t>((d.count() % 1000) * 1'000'000));
   return proto;
-}
-
-// Worth another try before the deadline: the coordinator is restarting or
-// the connection dropped.
-bool Transient(const grpc::Status& status) {
-  return status.error_code() == grpc::StatusCode::UNAVAILABLE;
-}
-
-// Sleeps for the backoff (never past the deadline) and doubles it.
-void Backoff(milliseconds* backoff, SteadyClock::time_point deadline) {
-  std::this_thread::sleep_for(std::min(*backoff, std::max(Remaining(deadline), milliseconds(0))));
-  *backoff = std::min(*backoff * 2, kMaxBackoff);
 }
 
 }  // namespace
@@ -62,71 +49,58 @@ CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::ClusterService::Stub> stu
       generation_(generation),
       timeout_(timeout) {}
 
-void CoordinatorStore::set(const std::string& key, const std::vector<char>& data) {
+absl::Status CoordinatorStore::Set(const std::string& key, const std::string& value) {
   v1::KvSetRequest request;
   request.set_job_id(job_id_);
   request.set_generation(generation_);
   request.set_key(key);
-  request.set_value(std::string(data.begin(), data.end()));
+  request.set_value(value);
   const SteadyClock::time_point deadline = SteadyClock::now() + timeout_;
-  milliseconds backoff = kFirstBackoff;
+  rpc::Backoff backoff(kBackoff);
   while (true) {
     grpc::ClientContext context;
     rpc::PrepareContext(&context, token_,
                         std::max(milliseconds(1), std::min(kSetRpcTimeout, Remaining(deadline))));
     v1::KvSetResponse response;
     const grpc::Status status = stub_->KvSet(&context, request, &response);
-    if (status.ok()) return;
+    if (status.ok()) return absl::OkStatus();
     // A set is idempotent: retrying one that did land is harmless.
-    if (Transient(status) && Remaining(deadline) > milliseconds(0)) {
-      Backoff(&backoff, deadline);
+    if (rpc::Transient(status) && Remaining(deadline) > milliseconds(0)) {
+      backoff.Sleep(deadline);
       continue;
     }
     const absl::Status error = rpc::FromGrpcStatus(status);
-    throw engine::StoreStatusError(absl::Status(
-        error.code(), absl::StrCat("coordinator KV set \"", key, "\" (", job_id_, " generation ",
-                                   generation_, "): ", error.message())));
+    return absl::Status(error.code(),
+                        absl::StrCat("coordinator KV set \"", key, "\" (", job_id_, " generation ",
+                                     generation_, "): ", error.message()));
   }
 }
 
-std::vector<char> CoordinatorStore::get(const std::string& key) {
-  const std::string value = WaitForKey(key, SteadyClock::now() + timeout_, "get");
-  return std::vector<char>(value.begin(), value.end());
-}
-
-void CoordinatorStore::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
-
-void CoordinatorStore::wait(const std::vector<std::string>& keys,
-                            const std::chrono::milliseconds& timeout) {
-  const SteadyClock::time_point deadline =
-      SteadyClock::now() + (timeout > milliseconds(0) ? timeout : timeout_);
-  for (const std::string& key : keys) WaitForKey(key, deadline, "wait for");
-}
-
-std::string CoordinatorStore::WaitForKey(const std::string& key, Deadline deadline,
-                                         const char* operation) {
+absl::StatusOr<std::string> CoordinatorStore::Get(const std::string& key,
+                                                  std::chrono::milliseconds timeout) {
   const SteadyClock::time_point start = SteadyClock::now();
+  const SteadyClock::time_point deadline = start + std::max(timeout, milliseconds(0));
   auto fail = [&](absl::StatusCode code, absl::string_view message) {
-    throw engine::StoreStatusError(
-        absl::Status(code, absl::StrCat("coordinator KV ", operation, " \"", key, "\" (", job_id_,
-                                        " generation ", generation_, "): ", message)));
+    return absl::Status(code, absl::StrCat("coordinator KV get \"", key, "\" (", job_id_,
+                                           " generation ", generation_, "): ", message));
   };
   v1::KvGetRequest request;
   request.set_job_id(job_id_);
   request.set_generation(generation_);
   request.set_key(key);
-  milliseconds backoff = kFirstBackoff;
+  rpc::Backoff backoff(kBackoff);
   std::string last_error;
-  while (true) {
+  // At least one call, so a zero timeout still looks once.
+  for (bool first = true;; first = false) {
     const milliseconds remaining = Remaining(deadline);
-    if (remaining <= milliseconds(0)) {
+    if (!first && remaining <= milliseconds(0)) {
       const auto waited = std::chrono::duration_cast<milliseconds>(SteadyClock::now() - start);
-      fail(absl::StatusCode::kDeadlineExceeded,
-           absl::StrCat("timed out after ", waited.count(), " ms waiting for the key",
-                        last_error.empty() ? "" : " (last error: ", last_error,
-                        last_error.empty() ? "" : ")"));
+      return fail(absl::StatusCode::kDeadlineExceeded,
+                  absl::StrCat("timed out after ", waited.count(), " ms waiting for the key",
+                               last_error.empty() ? "" : " (last error: ", last_error,
+                               last_error.empty() ? "" : ")"));
     }
-    const milliseconds slice = std::min(remaining, kWaitSlice);
+    const milliseconds slice = std::clamp(remaining, milliseconds(0), kWaitSlice);
     *request.mutable_wait() = ToProto(slice);
     grpc::ClientContext context;
     rpc::PrepareContext(&context, token_, slice + kRpcGrace);
@@ -137,37 +111,13 @@ std::string CoordinatorStore::WaitForKey(const std::string& key, Deadline deadli
       continue;  // Not set within the slice: wait again.
     }
     if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) continue;
-    if (Transient(status)) {
+    if (rpc::Transient(status)) {
       last_error = rpc::FromGrpcStatus(status).ToString();
-      Backoff(&backoff, deadline);
+      backoff.Sleep(deadline);
       continue;
     }
     const absl::Status error = rpc::FromGrpcStatus(status);
-    fail(error.code(), error.message());
-  }
-}
-
-absl::Status CoordinatorKeyValueStore::Set(const std::string& key, const std::string& value) {
-  try {
-    store_->set(key, std::vector<char>(value.begin(), value.end()));
-  } catch (const engine::StoreStatusError& e) {
-    return e.status();
-  } catch (const std::exception& e) {
-    return absl::InternalError(e.what());
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> CoordinatorKeyValueStore::Get(const std::string& key,
-                                                          std::chrono::milliseconds timeout) {
-  try {
-    store_->wait({key}, timeout);
-    const std::vector<char> value = store_->get(key);
-    return std::string(value.begin(), value.end());
-  } catch (const engine::StoreStatusError& e) {
-    return e.status();
-  } catch (const std::exception& e) {
-    return absl::InternalError(e.what());
+    return fail(error.code(), error.message());
   }
 }
 

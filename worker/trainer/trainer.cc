@@ -28,10 +28,12 @@
 #include "common/status.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/comm/cpu_communicator.h"
+#include "worker/engine/cpu.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
 #include "worker/engine/device.h"
 #include "worker/engine/gpu_session.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
@@ -538,7 +540,6 @@ class Run {
   // device: gpu: the step runs here; model_ and optimizer_ stay the CPU
   // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
   std::shared_ptr<CoordinatorStore> kv_;
-  std::unique_ptr<CoordinatorKeyValueStore> gpu_store_;
   std::unique_ptr<engine::GpuSession> gpu_;
   std::string checkpoint_dir_;
   // The step training starts after: 0, or the resumed checkpoint's.
@@ -622,7 +623,8 @@ std::optional<Failure> Run::Setup() {
     default:
       comm_options.transport = engine::CpuTransport::kAuto;
   }
-  absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(comm_options, store);
+  absl::StatusOr<engine::CpuCommunicator> comm =
+      engine::CreateCpuCommunicator(comm_options, store.get());
   if (!comm.ok()) return FailureFor(comm.status(), "communicator");
   AIDN_LOG(INFO) << "communicator ready" << Kv("transport", comm->transport)
                  << Kv("why", comm->description);
@@ -849,8 +851,7 @@ std::optional<Failure> Run::SetupGpu() {
   }
   if (o.world_size > 1) {
     // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
-    gpu_store_ = std::make_unique<CoordinatorKeyValueStore>(kv_);
-    o.store = gpu_store_.get();
+    o.store = kv_.get();
   }
   absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
       engine::GpuSession::Create(o, *model_, OptimizerConfigOf(spec_));

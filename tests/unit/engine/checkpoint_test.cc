@@ -15,6 +15,7 @@
 #include "common/checkpoint_manifest.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 

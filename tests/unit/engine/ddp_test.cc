@@ -10,7 +10,6 @@
 #include <thread>
 #include <vector>
 
-#include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/engine/comm/gloo_communicator.h"
@@ -221,7 +220,7 @@ TEST(DdpReducer, ACommunicatorFailureComesBackFromFinishNamingTheBucket) {
 // Runs `body(rank, communicator)` on `n` threads over real Gloo communicators.
 template <typename Body>
 void OnRanks(int n, const Body& body) {
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  InMemoryKeyValueStore store;
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
@@ -230,7 +229,7 @@ void OnRanks(int n, const Body& body) {
       options.world_size = n;
       options.timeout = std::chrono::seconds(20);
       options.prefix = "ddp-test";
-      auto comm = CreateGlooCommunicator(options, store);
+      auto comm = CreateGlooCommunicator(options, &store);
       ASSERT_TRUE(comm.ok()) << comm.status();
       body(r, comm->get());
     });

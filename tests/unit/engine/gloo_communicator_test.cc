@@ -1,7 +1,9 @@
-// The Gloo communicator with every rank a thread of this process, meeting
-// through one in-memory gloo::rendezvous::HashStore on 127.0.0.1. Rank r
-// contributes values built from r and the element index, so every expected
-// result is an exact float (all sums stay below 2^24).
+// What only the Gloo communicator does, with every rank a thread of this
+// process meeting through one in-memory KeyValueStore on 127.0.0.1: its
+// direct exchange and cached options, creation without a store, SIGPIPE,
+// rendezvous and peer failures, a store's status carried through Gloo. The
+// collectives every communicator shares are in
+// communicator_conformance_test.cc.
 
 #include "worker/engine/comm/gloo_communicator.h"
 
@@ -14,14 +16,13 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/run_ranks.h"
 
 namespace aidn::engine {
 namespace {
@@ -48,22 +49,12 @@ GlooOptions Options(int rank, int world_size, std::chrono::milliseconds timeout 
 std::vector<absl::Status> RunRanks(int world_size,
                                    const std::function<absl::Status(int, Communicator&)>& body,
                                    std::chrono::milliseconds timeout = kTimeout) {
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
-  std::vector<absl::Status> results(world_size);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      absl::StatusOr<std::unique_ptr<Communicator>> comm =
-          CreateGlooCommunicator(Options(rank, world_size, timeout), store);
-      if (!comm.ok()) {
-        results[rank] = comm.status();
-        return;
-      }
-      results[rank] = body(rank, **comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return results;
+  return testing::RunRanks(world_size, [&](int rank, KeyValueStore& store) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm =
+        CreateGlooCommunicator(Options(rank, world_size, timeout), &store);
+    if (!comm.ok()) return comm.status();
+    return body(rank, **comm);
+  });
 }
 
 void ExpectAllOk(const std::vector<absl::Status>& results) {
@@ -86,155 +77,6 @@ void ExpectAllOk(const std::vector<absl::Status>& results) {
 }
 
 float TriangularSum(int n) { return static_cast<float>(n * (n - 1) / 2); }
-
-class GlooCollectiveTest : public ::testing::TestWithParam<std::tuple<int, size_t>> {
- protected:
-  int world() const { return std::get<0>(GetParam()); }
-  size_t elements() const { return std::get<1>(GetParam()); }
-  // Per-rank count for AllGather and ReduceScatter, whose buffers are
-  // world_size times larger: the large case keeps the total at kLarge.
-  size_t per_rank_elements() const { return elements() == kLarge ? kLarge / world() : elements(); }
-};
-
-TEST_P(GlooCollectiveTest, AllReduceSumGivesEveryRankTheExactSum) {
-  const int n = world();
-  const size_t count = elements();
-  ExpectAllOk(RunRanks(n, [&](int rank, Communicator& comm) -> absl::Status {
-    std::vector<float> data(count);
-    for (size_t i = 0; i < count; ++i) data[i] = static_cast<float>(rank + i);
-    if (absl::Status s = comm.AllReduce(data.data(), count, ReduceOp::kSum); !s.ok()) return s;
-    EXPECT_TRUE(Matches(
-        data, [&](size_t i) { return TriangularSum(n) + static_cast<float>(n * i); }, rank));
-    EXPECT_EQ(comm.sequence(), 1);
-    return absl::OkStatus();
-  }));
-}
-
-TEST_P(GlooCollectiveTest, AllReduceAvgDividesTheSumByWorldSize) {
-  const int n = world();
-  const size_t count = elements();
-  ExpectAllOk(RunRanks(n, [&](int rank, Communicator& comm) -> absl::Status {
-    std::vector<float> data(count);
-    for (size_t i = 0; i < count; ++i) data[i] = static_cast<float>(rank + i);
-    if (absl::Status s = comm.AllReduce(data.data(), count, ReduceOp::kAvg); !s.ok()) return s;
-    EXPECT_TRUE(Matches(
-        data,
-        [&](size_t i) {
-          return (TriangularSum(n) + static_cast<float>(n * i)) / static_cast<float>(n);
-        },
-        rank));
-    return absl::OkStatus();
-  }));
-}
-
-TEST_P(GlooCollectiveTest, BroadcastFromTheLastRankReachesEveryRank) {
-  const int n = world();
-  const size_t count = elements();
-  const int root = n - 1;
-  ExpectAllOk(RunRanks(n, [&](int rank, Communicator& comm) -> absl::Status {
-    std::vector<float> data(count, -1.0f);
-    if (rank == root) {
-      for (size_t i = 0; i < count; ++i) data[i] = static_cast<float>(3 * i + 7);
-    }
-    if (absl::Status s = comm.Broadcast(data.data(), count, root); !s.ok()) return s;
-    EXPECT_TRUE(Matches(
-        data, [](size_t i) { return static_cast<float>(3 * i + 7); }, rank));
-    return absl::OkStatus();
-  }));
-}
-
-TEST_P(GlooCollectiveTest, AllGatherPutsEachRanksBlockInRankOrder) {
-  const int n = world();
-  const size_t count = per_rank_elements();
-  ExpectAllOk(RunRanks(n, [&](int rank, Communicator& comm) -> absl::Status {
-    std::vector<float> in(count);
-    for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(i * n + rank);
-    std::vector<float> out(count * n, -1.0f);
-    if (absl::Status s = comm.AllGather(in.data(), count, out.data()); !s.ok()) return s;
-    EXPECT_TRUE(Matches(
-        out,
-        [&](size_t j) {
-          const size_t block = j / count;
-          const size_t i = j % count;
-          return static_cast<float>(i * n + block);
-        },
-        rank));
-    return absl::OkStatus();
-  }));
-}
-
-TEST_P(GlooCollectiveTest, ReduceScatterGivesEachRankItsReducedBlock) {
-  const int n = world();
-  const size_t count = per_rank_elements();
-  ExpectAllOk(RunRanks(n, [&](int rank, Communicator& comm) -> absl::Status {
-    std::vector<float> in(count * n);
-    for (size_t j = 0; j < in.size(); ++j) in[j] = static_cast<float>(rank + j);
-    const std::vector<float> original = in;
-    std::vector<float> sum(count, -1.0f);
-    std::vector<float> avg(count, -1.0f);
-    if (absl::Status s = comm.ReduceScatter(in.data(), count, sum.data(), ReduceOp::kSum);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = comm.ReduceScatter(in.data(), count, avg.data(), ReduceOp::kAvg);
-        !s.ok()) {
-      return s;
-    }
-    auto exact = [&](size_t i) {
-      return TriangularSum(n) + static_cast<float>(n * (rank * count + i));
-    };
-    EXPECT_TRUE(Matches(sum, exact, rank));
-    EXPECT_TRUE(Matches(
-        avg, [&](size_t i) { return exact(i) / static_cast<float>(n); }, rank));
-    EXPECT_EQ(in, original) << "rank " << rank << ": the input was modified";
-    return absl::OkStatus();
-  }));
-}
-
-TEST_P(GlooCollectiveTest, SequenceCountsEveryCompletedCollective) {
-  const int n = world();
-  const size_t count = std::min(elements(), size_t{4096});
-  ExpectAllOk(RunRanks(n, [&](int rank, Communicator& comm) -> absl::Status {
-    EXPECT_EQ(comm.sequence(), 0);
-    std::vector<float> data(count * n, 1.0f);
-    std::vector<float> out(count * n);
-    for (const auto& step : std::vector<std::function<absl::Status()>>{
-             [&] { return comm.AllReduce(data.data(), count, ReduceOp::kSum); },
-             [&] { return comm.Broadcast(data.data(), count, 0); },
-             [&] { return comm.AllGather(data.data(), count, out.data()); },
-             [&] { return comm.ReduceScatter(data.data(), count, out.data(), ReduceOp::kSum); },
-             [&] { return comm.Barrier(); }}) {
-      const int64_t before = comm.sequence();
-      if (absl::Status s = step(); !s.ok()) return s;
-      EXPECT_EQ(comm.sequence(), before + 1) << "rank " << rank;
-    }
-    EXPECT_EQ(comm.sequence(), 5);
-    return absl::OkStatus();
-  }));
-}
-
-INSTANTIATE_TEST_SUITE_P(WorldSizesAndCounts, GlooCollectiveTest,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
-                                            ::testing::Values(size_t{0}, size_t{1}, size_t{1023},
-                                                              kLarge)),
-                         [](const ::testing::TestParamInfo<std::tuple<int, size_t>>& info) {
-                           return absl::StrCat("world", std::get<0>(info.param), "_count",
-                                               std::get<1>(info.param));
-                         });
-
-TEST(GlooCommunicator, BarrierReleasesNoRankBeforeAllArrived) {
-  constexpr int kWorld = 4;
-  std::atomic<int> arrived{0};
-  ExpectAllOk(RunRanks(kWorld, [&](int rank, Communicator& comm) -> absl::Status {
-    // The last rank arrives late; a barrier that does not wait lets the
-    // others see fewer than kWorld arrivals.
-    if (rank == kWorld - 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    arrived.fetch_add(1);
-    if (absl::Status s = comm.Barrier(); !s.ok()) return s;
-    EXPECT_EQ(arrived.load(), kWorld) << "rank " << rank << " left the barrier early";
-    return absl::OkStatus();
-  }));
-}
 
 TEST(GlooCommunicator, RepeatedAllReducesOnFreshAndReusedBuffersStayExact) {
   // Small buffers go through the direct exchange (its staging area grows
@@ -320,7 +162,8 @@ TEST(GlooCommunicator, CreatingOneLeavesSigpipeIgnored) {
 }
 
 TEST(GlooCommunicator, BadOptionsAndArgumentsAreInvalidArguments) {
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  InMemoryKeyValueStore memory;
+  KeyValueStore* store = &memory;
   EXPECT_EQ(CreateGlooCommunicator(Options(0, 0), store).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CreateGlooCommunicator(Options(2, 2), store).status().code(),
@@ -347,14 +190,14 @@ TEST(GlooCommunicator, BadOptionsAndArgumentsAreInvalidArguments) {
 TEST(GlooCommunicator, APeerThatNeverArrivesFailsTheOthersWithinTheTimeout) {
   constexpr int kWorld = 3;
   constexpr std::chrono::milliseconds kShort{2'000};
-  auto store = std::make_shared<gloo::rendezvous::HashStore>();
+  InMemoryKeyValueStore store;
   std::vector<absl::Status> results(kWorld - 1);
   std::vector<std::thread> threads;
   const Clock::time_point start = Clock::now();
   // Rank 2 never shows up.
   for (int rank = 0; rank < kWorld - 1; ++rank) {
     threads.emplace_back([&, rank] {
-      results[rank] = CreateGlooCommunicator(Options(rank, kWorld, kShort), store).status();
+      results[rank] = CreateGlooCommunicator(Options(rank, kWorld, kShort), &store).status();
     });
   }
   for (std::thread& t : threads) t.join();
@@ -366,38 +209,6 @@ TEST(GlooCommunicator, APeerThatNeverArrivesFailsTheOthersWithinTheTimeout) {
   }
   EXPECT_GE(elapsed, kShort);
   EXPECT_LT(elapsed, kShort + std::chrono::seconds(10));
-}
-
-TEST(GlooCommunicator, APeerThatStopsCallingFailsTheCollectiveAndBreaksTheCommunicator) {
-  constexpr int kWorld = 2;
-  constexpr std::chrono::milliseconds kShort{1'000};
-  std::atomic<bool> rank0_done{false};
-  std::vector<absl::Status> results = RunRanks(
-      kWorld,
-      [&](int rank, Communicator& comm) -> absl::Status {
-        std::vector<float> data(1000, 1.0f);
-        if (absl::Status s = comm.AllReduce(data.data(), data.size(), ReduceOp::kSum); !s.ok()) {
-          return s;
-        }
-        if (rank == 1) {
-          // Alive but silent until rank 0 gave up, then gone.
-          while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-          return absl::OkStatus();
-        }
-        const Clock::time_point start = Clock::now();
-        absl::Status failed = comm.AllReduce(data.data(), data.size(), ReduceOp::kSum);
-        const auto elapsed = Clock::now() - start;
-        rank0_done = true;
-        EXPECT_EQ(failed.code(), absl::StatusCode::kDeadlineExceeded) << failed;
-        EXPECT_THAT(std::string(failed.message()), HasSubstr("gloo allreduce of 1000 floats"));
-        EXPECT_LT(elapsed, kShort + std::chrono::seconds(10));
-        EXPECT_EQ(comm.sequence(), 1);
-        absl::Status after = comm.Barrier();
-        EXPECT_EQ(after.code(), absl::StatusCode::kFailedPrecondition) << after;
-        return absl::OkStatus();
-      },
-      kShort);
-  ExpectAllOk(results);
 }
 
 TEST(GlooCommunicator, APeerThatLeavesFailsTheNextCollectiveWithoutAHang) {
@@ -423,21 +234,35 @@ TEST(GlooCommunicator, APeerThatLeavesFailsTheNextCollectiveWithoutAHang) {
 
 // A store that refuses every write the way the coordinator refuses a stale
 // generation.
-class SupersededStore final : public gloo::rendezvous::HashStore {
+class SupersededStore final : public KeyValueStore {
  public:
-  void set(const std::string&, const std::vector<char>&) override {
-    throw StoreStatusError(
-        absl::FailedPreconditionError("generation 1 of job-1 is superseded by 2"));
+  absl::Status Set(const std::string&, const std::string&) override {
+    return absl::FailedPreconditionError("generation 1 of job-1 is superseded by 2");
+  }
+  absl::StatusOr<std::string> Get(const std::string&, std::chrono::milliseconds) override {
+    return absl::FailedPreconditionError("generation 1 of job-1 is superseded by 2");
   }
 };
 
-TEST(GlooCommunicator, AStoreStatusErrorKeepsItsCodeThroughTheRendezvous) {
+TEST(GlooCommunicator, AStoreErrorKeepsItsCodeThroughTheRendezvous) {
+  SupersededStore store;
   absl::StatusOr<std::unique_ptr<Communicator>> comm =
-      CreateGlooCommunicator(Options(0, 2), std::make_shared<SupersededStore>());
+      CreateGlooCommunicator(Options(0, 2), &store);
   ASSERT_FALSE(comm.ok());
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
   EXPECT_THAT(std::string(comm.status().message()), HasSubstr("superseded by 2"));
   EXPECT_THAT(std::string(comm.status().message()), HasSubstr("gloo rendezvous of rank 0 of 2"));
+}
+
+// A peer whose address never appears: the rendezvous fails with the store's
+// DEADLINE_EXCEEDED naming the key it waited for.
+TEST(GlooCommunicator, TheStoresTimeoutNamesTheMissingKey) {
+  InMemoryKeyValueStore store;
+  absl::StatusOr<std::unique_ptr<Communicator>> comm =
+      CreateGlooCommunicator(Options(0, 2, std::chrono::milliseconds(300)), &store);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
+  EXPECT_THAT(std::string(comm.status().message()), HasSubstr("test/1"));
 }
 
 }  // namespace

@@ -20,7 +20,9 @@
 #include <gtest/gtest.h>
 
 #include "tests/unit/engine/gradcheck.h"
+#include "worker/engine/cpu.h"
 #include "worker/engine/layers.h"
+#include "worker/engine/loss.h"
 
 // Counting global allocator: lets a test assert that a steady-state training
 // step allocates nothing (Tensor storage comes from the aligned operator new).

@@ -2,9 +2,11 @@
 #define AIDN_WORKER_ENGINE_COMM_COMMUNICATOR_H_
 
 // Collectives among the ranks of one generation of a job. Implementations:
-// shared memory among ranks on one host (shm_communicator.h),
-// Gloo over TCP (CPU, any hosts), NCCL (GPU, a later issue);
-// cpu_communicator.h picks between the CPU ones.
+// shared memory among ranks on one host (shm_communicator.h), Gloo over TCP
+// (gloo_communicator.h: CPU, any hosts), NCCL (nccl_communicator.h: GPU);
+// cpu_communicator.h picks between the CPU ones. All meet their peers
+// through a KeyValueStore (kv_store.h), and all pass one conformance suite
+// (tests/unit/engine/communicator_conformance.h).
 //
 // Call-order contract: every rank calls the same collectives, with the same
 // counts, in the same order. One collective at a time per communicator (use

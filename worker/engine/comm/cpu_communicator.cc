@@ -8,8 +8,8 @@
 
 namespace aidn::engine {
 
-absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(
-    const CpuCommunicatorOptions& options, std::shared_ptr<gloo::rendezvous::Store> store) {
+absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(const CpuCommunicatorOptions& options,
+                                                      KeyValueStore* store) {
   const GlooOptions& gloo = options.gloo;
   std::string why_not_shm;
   if (options.transport != CpuTransport::kGloo && gloo.world_size > 1) {

@@ -41,8 +41,8 @@ struct CpuCommunicator {
   std::string description;
 };
 
-absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(
-    const CpuCommunicatorOptions& options, std::shared_ptr<gloo::rendezvous::Store> store);
+absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(const CpuCommunicatorOptions& options,
+                                                      KeyValueStore* store);
 
 }  // namespace aidn::engine
 

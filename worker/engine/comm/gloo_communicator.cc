@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
 #include <new>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,6 +22,7 @@
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
+#include "gloo/common/error.h"
 #include "gloo/common/logging.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/prefix_store.h"
@@ -92,6 +95,57 @@ bool MentionsTimeout(const char* what) {
   for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return lower.find("timeout") != std::string::npos || lower.find("timed out") != std::string::npos;
 }
+
+// What the GlooStore below throws to carry a failed store call's status
+// through Gloo (which only knows exceptions) back to Guarded. It is a
+// gloo::IoException, so Gloo code that catches those treats it as any other
+// I/O failure.
+class StoreStatusError : public gloo::IoException {
+ public:
+  explicit StoreStatusError(absl::Status status)
+      : gloo::IoException(status.ToString()), status_(std::move(status)) {}
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+// Gloo's view of the engine's KeyValueStore. A get or wait without a
+// timeout of its own (or with a non-positive one) waits `timeout`.
+class GlooStore final : public gloo::rendezvous::Store {
+ public:
+  GlooStore(KeyValueStore& store, std::chrono::milliseconds timeout)
+      : store_(store), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    Check(store_.Set(key, std::string(data.begin(), data.end())));
+  }
+  std::vector<char> get(const std::string& key) override {
+    absl::StatusOr<std::string> value = store_.Get(key, timeout_);
+    Check(value.status());
+    return std::vector<char>(value->begin(), value->end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    const Clock::time_point deadline =
+        Clock::now() + (timeout > std::chrono::milliseconds::zero() ? timeout : timeout_);
+    for (const std::string& key : keys) {
+      const auto left =
+          std::max(std::chrono::milliseconds::zero(),
+                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+      Check(store_.Get(key, left).status());
+    }
+  }
+
+ private:
+  static void Check(const absl::Status& status) {
+    if (!status.ok()) throw StoreStatusError(status);
+  }
+
+  KeyValueStore& store_;
+  const std::chrono::milliseconds timeout_;
+};
 
 // Runs `fn`, turning whatever it throws into a status prefixed with
 // `context()` (built only on failure).
@@ -387,8 +441,8 @@ class GlooCommunicator final : public Communicator {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(
-    const GlooOptions& options, std::shared_ptr<gloo::rendezvous::Store> store) {
+absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(const GlooOptions& options,
+                                                                     KeyValueStore* store) {
   if (options.world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("world_size: must be at least 1, got ", options.world_size));
@@ -417,10 +471,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(
         std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
         context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
         context->setTimeout(options.timeout);
+        GlooStore gloo_store(*store, options.timeout);
         if (options.prefix.empty()) {
-          context->connectFullMesh(*store, device);
+          context->connectFullMesh(gloo_store, device);
         } else {
-          gloo::rendezvous::PrefixStore prefixed(options.prefix, *store);
+          gloo::rendezvous::PrefixStore prefixed(options.prefix, gloo_store);
           context->connectFullMesh(prefixed, device);
         }
       },

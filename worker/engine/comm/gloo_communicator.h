@@ -3,11 +3,12 @@
 
 // The CPU Communicator: Gloo (Debian's libgloo, 2022 snapshot) over TCP.
 //
-// Ranks find each other through a gloo::rendezvous::Store: each rank
+// Ranks find each other through the engine's KeyValueStore (kv_store.h),
+// seen by Gloo through an adapter to its gloo::rendezvous::Store: each rank
 // publishes its listening addresses under "<prefix>/<rank>" and connects a
 // full mesh. In a trainer the store is the coordinator's job KV
-// (trainer/coordinator_store.h); in tests, a gloo::rendezvous::HashStore
-// shared by threads.
+// (trainer/coordinator_store.h); in tests, an InMemoryKeyValueStore shared
+// by threads.
 //
 // Algorithms: AllReduce of a small buffer (each rank sending at most
 // 256 KiB) is one direct exchange of whole buffers, summed in rank order;
@@ -22,8 +23,8 @@
 // Errors: every Gloo exception is caught and returned as a status naming
 // the collective ("gloo allreduce of 1024 floats: ..."): DEADLINE_EXCEEDED
 // for a timeout (a peer that never arrives or stops answering), UNAVAILABLE
-// for other I/O failures (a peer gone), or the status a store carried in a
-// StoreStatusError (FAILED_PRECONDITION: the generation was superseded).
+// for other I/O failures (a peer gone), or the status of a failed store call
+// with its code (FAILED_PRECONDITION: the generation was superseded).
 // After an error the communicator answers FAILED_PRECONDITION.
 //
 // Calls with count 0 communicate nothing and count as completed in
@@ -40,14 +41,9 @@
 #include <memory>
 #include <string>
 
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "gloo/common/error.h"
 #include "worker/engine/comm/communicator.h"
-
-namespace gloo::rendezvous {
-class Store;
-}  // namespace gloo::rendezvous
+#include "worker/engine/comm/kv_store.h"
 
 namespace aidn::engine {
 
@@ -66,26 +62,13 @@ struct GlooOptions {
 };
 
 // Connects to the other ranks (blocking until all arrived or the timeout)
-// and returns the communicator. world_size 1 needs neither a network nor a
-// store (`store` may be null then). INVALID_ARGUMENT for bad options,
-// DEADLINE_EXCEEDED if a peer does not arrive in time, the store's status
-// from a StoreStatusError, UNAVAILABLE for other network errors.
-absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(
-    const GlooOptions& options, std::shared_ptr<gloo::rendezvous::Store> store);
-
-// What a gloo::rendezvous::Store implementation throws to carry a precise
-// status through Gloo (which only knows exceptions) to the caller of
-// CreateGlooCommunicator. It is a gloo::IoException, so Gloo code that
-// catches those treats it as any other I/O failure.
-class StoreStatusError : public gloo::IoException {
- public:
-  explicit StoreStatusError(absl::Status status)
-      : gloo::IoException(status.ToString()), status_(std::move(status)) {}
-  const absl::Status& status() const { return status_; }
-
- private:
-  absl::Status status_;
-};
+// and returns the communicator; `store` is used during the call only.
+// world_size 1 needs neither a network nor a store (`store` may be null
+// then). INVALID_ARGUMENT for bad options, DEADLINE_EXCEEDED if a peer does
+// not arrive in time, a failed store call's status, UNAVAILABLE for other
+// network errors.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(const GlooOptions& options,
+                                                                     KeyValueStore* store);
 
 }  // namespace aidn::engine
 

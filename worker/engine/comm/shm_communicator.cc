@@ -25,9 +25,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
-#include "gloo/common/error.h"
-#include "gloo/rendezvous/store.h"
-#include "worker/engine/comm/gloo_communicator.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -114,8 +111,6 @@ bool Exited(pid_t pid) {
   const size_t paren = stat.rfind(')');
   return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'Z';
 }
-
-std::vector<char> Bytes(const std::string& s) { return std::vector<char>(s.begin(), s.end()); }
 
 // Copies `n` floats.
 void CopyFloats(const float* src, float* dst, size_t n) {
@@ -341,17 +336,23 @@ class ShmCommunicator final : public Communicator {
   std::atomic<int64_t> sequence_{0};
 };
 
-// The store's value of every rank's "<prefix>/<name>/<r>".
-std::vector<std::string> GatherAll(gloo::rendezvous::Store& store, const std::string& prefix,
-                                   const std::string& name, int world,
-                                   std::chrono::milliseconds timeout) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < world; ++r) keys.push_back(absl::StrCat(prefix, "/", name, "/", r));
-  store.wait(keys, timeout);
+// Time left until `deadline`, not negative.
+std::chrono::milliseconds Left(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds::zero(),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+
+// The store's value of every rank's "<prefix>/<name>/<r>", all within
+// `timeout`.
+absl::StatusOr<std::vector<std::string>> GatherAll(KeyValueStore& store, const std::string& prefix,
+                                                   const std::string& name, int world,
+                                                   std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
   std::vector<std::string> values;
-  for (const std::string& key : keys) {
-    std::vector<char> v = store.get(key);
-    values.emplace_back(v.begin(), v.end());
+  for (int r = 0; r < world; ++r) {
+    AIDN_ASSIGN_OR_RETURN(std::string value,
+                          store.Get(absl::StrCat(prefix, "/", name, "/", r), Left(deadline)));
+    values.push_back(std::move(value));
   }
   return values;
 }
@@ -417,15 +418,17 @@ absl::StatusOr<Mapping> AttachSegment(const std::string& name, int world, size_t
   return Mapping{base, bytes};
 }
 
-absl::StatusOr<ShmAttempt> Negotiate(const ShmOptions& options, gloo::rendezvous::Store& store) {
+absl::StatusOr<ShmAttempt> Negotiate(const ShmOptions& options, KeyValueStore& store) {
   const int rank = options.rank;
   const int world = options.world_size;
   const std::string& prefix = options.prefix;
   ShmAttempt attempt;
 
-  store.set(absl::StrCat(prefix, "/host/", rank),
-            Bytes(options.host_identity.empty() ? HostIdentity() : options.host_identity));
-  const std::vector<std::string> hosts = GatherAll(store, prefix, "host", world, options.timeout);
+  AIDN_RETURN_IF_ERROR(
+      store.Set(absl::StrCat(prefix, "/host/", rank),
+                options.host_identity.empty() ? HostIdentity() : options.host_identity));
+  AIDN_ASSIGN_OR_RETURN(const std::vector<std::string> hosts,
+                        GatherAll(store, prefix, "host", world, options.timeout));
   const int64_t here = std::count(hosts.begin(), hosts.end(), hosts[0]);
   if (here != world) {
     attempt.description =
@@ -454,15 +457,13 @@ absl::StatusOr<ShmAttempt> Negotiate(const ShmOptions& options, gloo::rendezvous
     absl::StatusOr<Mapping> made = CreateSegment(name, world, slot, nonce);
     if (made.ok()) {
       mapping = *made;
-      store.set(segment_key, Bytes(absl::StrCat(name, " ", nonce)));
+      AIDN_RETURN_IF_ERROR(store.Set(segment_key, absl::StrCat(name, " ", nonce)));
     } else {
       why_not = std::string(made.status().message());
-      store.set(segment_key, Bytes(absl::StrCat("- ", why_not)));
+      AIDN_RETURN_IF_ERROR(store.Set(segment_key, absl::StrCat("- ", why_not)));
     }
   } else {
-    store.wait({segment_key}, options.timeout);
-    std::vector<char> raw = store.get(segment_key);
-    const std::string value(raw.begin(), raw.end());
+    AIDN_ASSIGN_OR_RETURN(const std::string value, store.Get(segment_key, options.timeout));
     std::vector<std::string> parts = absl::StrSplit(value, absl::MaxSplits(' ', 1));
     if (parts.size() != 2) {
       why_not = absl::StrCat("rank 0 published \"", value, "\"");
@@ -483,10 +484,10 @@ absl::StatusOr<ShmAttempt> Negotiate(const ShmOptions& options, gloo::rendezvous
     auto* lines = reinterpret_cast<RankLine*>(static_cast<Header*>(mapping.base) + 1);
     lines[rank].pid.store(getpid());
   }
-  store.set(absl::StrCat(prefix, "/attached/", rank),
-            Bytes(why_not.empty() ? std::string("ok") : why_not));
-  const std::vector<std::string> attached =
-      GatherAll(store, prefix, "attached", world, options.timeout);
+  AIDN_RETURN_IF_ERROR(store.Set(absl::StrCat(prefix, "/attached/", rank),
+                                 why_not.empty() ? std::string("ok") : why_not));
+  AIDN_ASSIGN_OR_RETURN(const std::vector<std::string> attached,
+                        GatherAll(store, prefix, "attached", world, options.timeout));
   if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
   for (int r = 0; r < world; ++r) {
     if (attached[r] != "ok" && why_not.empty()) {
@@ -505,8 +506,7 @@ absl::StatusOr<ShmAttempt> Negotiate(const ShmOptions& options, gloo::rendezvous
 
 }  // namespace
 
-absl::StatusOr<ShmAttempt> CreateShmCommunicator(const ShmOptions& options,
-                                                 std::shared_ptr<gloo::rendezvous::Store> store) {
+absl::StatusOr<ShmAttempt> CreateShmCommunicator(const ShmOptions& options, KeyValueStore* store) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", options.rank, " of world size ",
                                                    options.world_size, " is out of range"));
@@ -521,19 +521,9 @@ absl::StatusOr<ShmAttempt> CreateShmCommunicator(const ShmOptions& options,
     // Nothing to share; the caller's single-rank path (Gloo's) serves.
     return ShmAttempt{nullptr, "one rank"};
   }
-  try {
-    return Negotiate(options, *store);
-  } catch (const StoreStatusError& e) {
-    return e.status();
-  } catch (const gloo::IoException& e) {
-    const std::string what = e.what();
-    if (what.find("imeout") != std::string::npos) {
-      return absl::DeadlineExceededError(absl::StrCat("shared-memory set-up: ", what));
-    }
-    return absl::UnavailableError(absl::StrCat("shared-memory set-up: ", what));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("shared-memory set-up: ", e.what()));
-  }
+  absl::StatusOr<ShmAttempt> attempt = Negotiate(options, *store);
+  if (!attempt.ok()) return Annotate(attempt.status(), "shared-memory set-up");
+  return attempt;
 }
 
 }  // namespace aidn::engine

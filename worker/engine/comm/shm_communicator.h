@@ -6,7 +6,7 @@
 // instead of TCP over loopback (Gloo reaches ~1.1 GB/s on loopback; memory
 // copies run at ~10 GB/s per core).
 //
-// Setting up (through a gloo::rendezvous::Store, as the Gloo communicator):
+// Setting up (through a KeyValueStore, as every communicator):
 // each rank publishes its host identity (boot id, PID namespace); unless
 // all are equal the communicator is "not applicable". Rank 0 creates the
 // segment (/dev/shm/aidn-<pid>-<random>, mode 0600) with a random nonce in
@@ -43,10 +43,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/communicator.h"
-
-namespace gloo::rendezvous {
-class Store;
-}  // namespace gloo::rendezvous
+#include "worker/engine/comm/kv_store.h"
 
 namespace aidn::engine {
 
@@ -75,12 +72,11 @@ struct ShmAttempt {
   std::string description;
 };
 
-// Blocks until every rank took part in the exchange. Errors are the store's
-// (a StoreStatusError's status, DEADLINE_EXCEEDED for a rank that never
-// arrives) or INVALID_ARGUMENT for bad options; "not applicable" is no
-// error but a null communicator.
-absl::StatusOr<ShmAttempt> CreateShmCommunicator(const ShmOptions& options,
-                                                 std::shared_ptr<gloo::rendezvous::Store> store);
+// Blocks until every rank took part in the exchange; `store` is used during
+// the call only. Errors are the store's, with their codes
+// (DEADLINE_EXCEEDED for a rank that never arrives), or INVALID_ARGUMENT for
+// bad options; "not applicable" is no error but a null communicator.
+absl::StatusOr<ShmAttempt> CreateShmCommunicator(const ShmOptions& options, KeyValueStore* store);
 
 }  // namespace aidn::engine
 
