@@ -33,8 +33,10 @@
 namespace aidn::trainer {
 
 struct StopSignalOptions {
-  // How long the stop waits for the training loop to reach a step boundary.
-  std::chrono::milliseconds boundary_wait{2000};
+  // How long the stop waits for the training loop to reach a step boundary
+  // (a step takes milliseconds; a rank blocked in a collective whose peer
+  // died never gets there, and its restart waits this long).
+  std::chrono::milliseconds boundary_wait{1000};
   // What the flush is given.
   std::chrono::milliseconds flush_timeout{3000};
   // Stage 3 (tests replace it): by default, the default action of `signal`
