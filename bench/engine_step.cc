@@ -1,10 +1,12 @@
 // One rank's training step, in process: no coordinator, no worker, no gRPC.
-// It does the work of the trainer's step loop (worker/trainer/trainer.cc,
-// Run::Execute) for one rank without gradient accumulation: ZeroGrad,
-// GatherBatch from the epoch's shuffled indices, SetSeed, Forward, softmax
-// cross-entropy, Backward, SGD (lr 0.05, momentum 0.9) Step. The one-rank
-// DdpReducer leaves gradients in place and is left out. This is the engine's
-// side of bench/torch_peer.py --world 1, which times the same step in torch.
+// It runs the trainer's own step (engine::CpuSession::Step, which the
+// trainer's loop calls) for one rank without gradient accumulation:
+// GatherBatch from the epoch's shuffled indices, then ZeroGrad, SetSeed
+// (the trainer's dropout seed rule), Forward, softmax cross-entropy,
+// Backward, SGD (lr 0.05, momentum 0.9) Step. The session has no
+// communicator: the one-rank DdpReducer leaves gradients in place and is
+// left out. This is the engine's side of bench/torch_peer.py --world 1,
+// which times the same step in torch.
 //
 //   build/bench/engine_step --model mlp|cnn [--steps 2000] [--threads 1]
 //                           [--batch 64] [--warmup-frac 0.1] [--json]
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "worker/engine/cpu.h"
+#include "worker/engine/cpu_session.h"
 #include "worker/engine/data.h"
 #include "worker/engine/gemm.h"
 #include "worker/engine/loss.h"
@@ -104,6 +107,12 @@ int Run(const Options& options) {
     std::fprintf(stderr, "optimizer: %s\n", optimizer.status().ToString().c_str());
     return 1;
   }
+  absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
+      engine::CpuSession::Create({}, model.get(), optimizer->get());
+  if (!session.ok()) {
+    std::fprintf(stderr, "session: %s\n", session.status().ToString().c_str());
+    return 1;
+  }
 
   engine::DistributedSampler sampler(train->size, /*world_size=*/1, /*rank=*/0, /*shuffle=*/true,
                                      options.seed, /*drop_last=*/false);
@@ -118,7 +127,7 @@ int Run(const Options& options) {
   std::vector<std::vector<int64_t>> epoch_indices;
   for (int64_t e = 0; e < epochs; ++e) epoch_indices.push_back(sampler.EpochIndices(e));
 
-  engine::Tensor images, logits, grad_logits;
+  engine::Tensor images;
   std::vector<int32_t> labels;
   std::vector<Clock::time_point> stamps(static_cast<size_t>(options.steps) + 1);
   std::vector<double> cpu_stamps(static_cast<size_t>(options.steps) + 1);
@@ -128,18 +137,18 @@ int Run(const Options& options) {
   for (int64_t step = 0; step < options.steps; ++step) {
     const std::vector<int64_t>& indices =
         epoch_indices[static_cast<size_t>(step / steps_per_epoch)];
-    model->ZeroGrad();
     engine::GatherBatch(*train, indices,
                         static_cast<size_t>((step % steps_per_epoch) * options.batch),
                         static_cast<size_t>(options.batch), &images, &labels);
-    model->SetSeed(options.seed * 1'000'003 + static_cast<uint64_t>(step));
-    model->Forward(images, &logits, /*training=*/true);
-    last_loss = engine::SoftmaxCrossEntropy(logits, labels, &grad_logits);
-    model->Backward(grad_logits);
-    if (absl::Status s = (*optimizer)->Step(optimizer_config.lr); !s.ok()) {
-      std::fprintf(stderr, "optimizer step: %s\n", s.ToString().c_str());
+    const uint64_t seed = engine::DropoutSeed(options.seed, step, /*accum=*/1, /*micro=*/0,
+                                              /*world_size=*/1, /*rank=*/0);
+    absl::StatusOr<double> loss =
+        (*session)->Step({engine::MicroBatch{&images, &labels, seed}}, optimizer_config.lr);
+    if (!loss.ok()) {
+      std::fprintf(stderr, "step: %s\n", loss.status().ToString().c_str());
       return 1;
     }
+    last_loss = *loss;
     stamps[static_cast<size_t>(step) + 1] = Clock::now();
     cpu_stamps[static_cast<size_t>(step) + 1] = ProcessCpuSeconds();
   }

@@ -53,6 +53,7 @@
 #include "common/status.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/cpu.h"
+#include "worker/engine/cpu_session.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
 #include "worker/engine/loss.h"
@@ -295,40 +296,30 @@ absl::Status TrainRank(const Case& c, const Oracle& oracle, int rank, Communicat
                                        model.Parameters()));
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                         Optimizer::Create(OptimizerFor(c.optimizer), model.Parameters()));
-  std::unique_ptr<DdpReducer> reducer;
+  // The trainer's step; with 2 ranks over a DDP reducer whose small
+  // buckets make several allreduces overlap backward.
+  CpuSessionOptions options;
   if (communicator != nullptr) {
-    // Small buckets, so several allreduces overlap backward.
-    DdpOptions options;
+    options.communicator = communicator;
     options.bucket_mb = 0.25;
-    AIDN_ASSIGN_OR_RETURN(reducer, DdpReducer::Create(options, model.Parameters(), communicator));
     AIDN_RETURN_IF_ERROR(DdpReducer::BroadcastParameters(model.Parameters(), communicator));
-    model.SetGradReadyCallback([r = reducer.get()](Parameter* p) { r->OnGradReady(p); });
   }
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<CpuSession> session,
+                        CpuSession::Create(options, &model, optimizer.get()));
   const int64_t rows = kBatch / c.ranks;
   Tensor images({rows, 1, 28, 28});
   std::vector<int32_t> labels(static_cast<size_t>(rows));
-  Tensor logits;
-  Tensor grad_logits;
   for (int step = 0; step < kSteps; ++step) {
     const int64_t first = int64_t{step} * kBatch + rank * rows;
     std::memcpy(images.data(), oracle.images.data() + first * kImageSize,
                 static_cast<size_t>(rows * kImageSize) * sizeof(float));
     std::memcpy(labels.data(), oracle.labels.data() + first,
                 static_cast<size_t>(rows) * sizeof(int32_t));
-    model.ZeroGrad();
-    model.Forward(images, &logits, /*training=*/true);
-    const double loss = SoftmaxCrossEntropy(logits, labels, &grad_logits);
-    if (reducer != nullptr) reducer->BeginBackward(/*communicate=*/true, static_cast<float>(loss));
-    model.Backward(grad_logits);
-    if (reducer != nullptr) {
-      AIDN_RETURN_IF_ERROR(reducer->Finish(nullptr, nullptr));
-      result->losses.push_back(reducer->averaged_extra());
-    } else {
-      result->losses.push_back(loss);
-    }
-    AIDN_RETURN_IF_ERROR(optimizer->Step(OptimizerFor(c.optimizer).lr));
+    // The mean over the ranks with 2, this rank's with 1.
+    AIDN_ASSIGN_OR_RETURN(const double loss,
+                          session->Step(images, labels, OptimizerFor(c.optimizer).lr));
+    result->losses.push_back(loss);
   }
-  if (reducer != nullptr) model.SetGradReadyCallback(nullptr);
   return absl::OkStatus();
 }
 
@@ -449,9 +440,10 @@ TEST_P(TorchOracle, EndsTwentyStepsWithinOneInTenThousandOfPyTorch) {
   // match the reference run; when it does not, the spread in the message tells
   // whether the oracle was ill-conditioned on this machine.
   if (torch_spread >= kTolerance) {
-    std::printf("[  oracle  ] note: torch's own float32 variants end %.1e from its reference "
-                "run (%s): the trajectory is sensitive to rounding on this machine\n",
-                torch_spread, spread_note.c_str());
+    std::printf(
+        "[  oracle  ] note: torch's own float32 variants end %.1e from its reference "
+        "run (%s): the trajectory is sensitive to rounding on this machine\n",
+        torch_spread, spread_note.c_str());
   }
 
   const auto start = std::chrono::steady_clock::now();

@@ -5,6 +5,13 @@
 // It joins the rendezvous, builds the communicator (Gloo over the job's KV
 // store), loads its shard of the data, trains with DDP, streams metric
 // records and progress beats, evaluates after each epoch, and exits.
+//
+//   rank_training.h   one rank's training, from the rendezvous to the end
+//   reporter.h        metric records, checkpoint commits, progress beats
+//   training_state.h  what a checkpoint's state.txt holds, typed
+//   engine_config.h   the job spec as the engine's configs
+//   stop_signal.h     SIGTERM: stop at a step boundary, send, then exit
+//   coordinator_store.h  the rendezvous store over the coordinator's KV
 
 #include <cstdint>
 #include <string>
@@ -46,7 +53,9 @@ struct TrainerOptions {
   std::string cache_dir;
 };
 
-// Runs the rank to the end; returns the process exit code.
+// Runs the rank to the end; returns the process exit code. Takes SIGTERM
+// and SIGINT for the whole process (stop_signal.h): a stopped trainer
+// sends what its reporter holds and dies of the signal, without returning.
 int RunTrainer(const TrainerOptions& options);
 
 }  // namespace aidn::trainer

@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/engine/loss.h"
+#include "worker/engine/cpu_session.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 
@@ -30,6 +31,7 @@ namespace fs = std::filesystem;
 struct Trainer {
   std::unique_ptr<Sequential> model;
   std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<CpuSession> session;
 
   static Trainer Make(uint64_t seed) {
     ModelConfig config;
@@ -42,11 +44,12 @@ struct Trainer {
     o.lr = 1e-2;
     o.weight_decay = 0.01;
     t.optimizer = *Optimizer::Create(o, t.model->Parameters());
+    t.session = *CpuSession::Create({}, t.model.get(), t.optimizer.get());
     return t;
   }
 
   // Step `step` sees data and a dropout seed that depend on the step alone,
-  // as in the trainer.
+  // as in the trainer, and runs the trainer's step.
   void Step(int64_t step) {
     std::mt19937 gen(static_cast<uint32_t>(1000 + step));
     std::normal_distribution<float> normal;
@@ -54,13 +57,9 @@ struct Trainer {
     for (int64_t i = 0; i < images.numel(); ++i) images[i] = normal(gen);
     std::vector<int32_t> labels(8);
     for (int32_t& l : labels) l = static_cast<int32_t>(gen() % 10);
-    Tensor logits, grad;
-    model->ZeroGrad();
-    model->SetSeed(77 * 1'000'003 + static_cast<uint64_t>(step));
-    model->Forward(images, &logits, /*training=*/true);
-    SoftmaxCrossEntropy(logits, labels, &grad);
-    model->Backward(grad);
-    ASSERT_TRUE(optimizer->Step(1e-2).ok());
+    const uint64_t seed = DropoutSeed(77, step, /*accum=*/1, /*micro=*/0, /*world_size=*/1,
+                                      /*rank=*/0);
+    ASSERT_TRUE(session->Step({MicroBatch{&images, &labels, seed}}, 1e-2).ok());
   }
 
   CheckpointContents Contents(int64_t step) const {

@@ -1,0 +1,275 @@
+// CpuSession: its Step is the hand-written sequence (forward, loss,
+// backward, update) bit for bit, with dropout seeds, gradient accumulation
+// and clipping; and with 2 Gloo ranks in threads it applies the average of
+// the ranks' gradients.
+
+#include "worker/engine/cpu_session.h"
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/comm/kv_store.h"
+#include "worker/engine/cpu.h"
+#include "worker/engine/loss.h"
+
+namespace aidn::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kRows = 8;
+
+// A small MLP with dropout, and SGD with momentum and clipping.
+struct Net {
+  std::unique_ptr<Sequential> model;
+  std::unique_ptr<Optimizer> optimizer;
+
+  static Net Make() {
+    ModelConfig config;
+    config.hidden_sizes = {32, 16};
+    config.dropout = 0.25;
+    Net n;
+    n.model = *BuildModel(config, /*seed=*/3);
+    OptimizerConfig o;
+    o.name = "sgd";
+    o.lr = 0.05;
+    o.momentum = 0.9;
+    o.grad_clip_norm = 0.5;
+    n.optimizer = *Optimizer::Create(o, n.model->Parameters());
+    return n;
+  }
+};
+
+struct Batch {
+  Tensor images = Tensor({kRows, 784});
+  std::vector<int32_t> labels = std::vector<int32_t>(kRows);
+};
+
+Batch MakeBatch(uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal;
+  Batch b;
+  for (int64_t i = 0; i < b.images.numel(); ++i) b.images[i] = normal(gen);
+  for (int32_t& l : b.labels) l = static_cast<int32_t>(gen() % 10);
+  return b;
+}
+
+void ExpectSameWeights(const Sequential& a, const Sequential& b) {
+  ASSERT_EQ(a.Parameters().size(), b.Parameters().size());
+  for (size_t i = 0; i < a.Parameters().size(); ++i) {
+    const Tensor& x = a.Parameters()[i]->value;
+    const Tensor& y = b.Parameters()[i]->value;
+    ASSERT_EQ(x.numel(), y.numel());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), static_cast<size_t>(x.numel()) * sizeof(float)), 0)
+        << a.Parameters()[i]->name;
+  }
+}
+
+// The step as the trainer used to write it out, for `micro` batches.
+double HandWrittenStep(Net& net, const std::vector<Batch>& micro, int64_t step, double lr) {
+  Tensor logits, grad;
+  double loss = 0;
+  const int64_t accum = static_cast<int64_t>(micro.size());
+  net.model->ZeroGrad();
+  for (int64_t m = 0; m < accum; ++m) {
+    net.model->SetSeed(DropoutSeed(11, step, accum, m, 1, 0));
+    net.model->Forward(micro[static_cast<size_t>(m)].images, &logits, /*training=*/true);
+    loss += SoftmaxCrossEntropy(logits, micro[static_cast<size_t>(m)].labels, &grad,
+                                1.0 / static_cast<double>(accum)) /
+            static_cast<double>(accum);
+    net.model->Backward(grad);
+  }
+  EXPECT_TRUE(net.optimizer->Step(lr).ok());
+  return loss;
+}
+
+std::vector<MicroBatch> MicroBatches(const std::vector<Batch>& batches, int64_t step) {
+  std::vector<MicroBatch> micro;
+  const int64_t accum = static_cast<int64_t>(batches.size());
+  for (int64_t m = 0; m < accum; ++m) {
+    const Batch& b = batches[static_cast<size_t>(m)];
+    micro.push_back(MicroBatch{&b.images, &b.labels, DropoutSeed(11, step, accum, m, 1, 0)});
+  }
+  return micro;
+}
+
+TEST(CpuSession, AStepIsTheHandWrittenSequenceBitForBit) {
+  for (int accum : {1, 3}) {
+    Net reference = Net::Make();
+    Net net = Net::Make();
+    absl::StatusOr<std::unique_ptr<CpuSession>> session =
+        CpuSession::Create({}, net.model.get(), net.optimizer.get());
+    ASSERT_TRUE(session.ok()) << session.status();
+    for (int64_t step = 0; step < 4; ++step) {
+      std::vector<Batch> batches;
+      for (int m = 0; m < accum; ++m)
+        batches.push_back(MakeBatch(static_cast<uint32_t>(100 * step + m)));
+      const double want = HandWrittenStep(reference, batches, step, 0.05);
+      absl::StatusOr<double> got = (*session)->Step(MicroBatches(batches, step), 0.05);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, want) << "accum " << accum << " step " << step;
+    }
+    ExpectSameWeights(*net.model, *reference.model);
+    EXPECT_EQ(net.optimizer->steps(), 4);
+    EXPECT_EQ((*session)->last_allreduce_seconds(), 0.0);
+  }
+}
+
+// A world of one: the reducer only checks that every gradient arrived.
+class OneRank final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  absl::Status AllReduce(float*, size_t, ReduceOp) override { return Unexpected(); }
+  absl::Status Broadcast(float*, size_t, int) override { return Unexpected(); }
+  absl::Status AllGather(const float*, size_t, float*) override { return Unexpected(); }
+  absl::Status ReduceScatter(const float*, size_t, float*, ReduceOp) override {
+    return Unexpected();
+  }
+  absl::Status Barrier() override { return Unexpected(); }
+  int64_t sequence() const override { return 0; }
+
+ private:
+  static absl::Status Unexpected() { return absl::InternalError("one rank: no collective"); }
+};
+
+TEST(CpuSession, WithOneRankTheReducerChangesNothingButTheLossRounding) {
+  Net reference = Net::Make();
+  Net net = Net::Make();
+  OneRank comm;
+  absl::StatusOr<std::unique_ptr<CpuSession>> session =
+      CpuSession::Create({.communicator = &comm}, net.model.get(), net.optimizer.get());
+  ASSERT_TRUE(session.ok()) << session.status();
+  for (int64_t step = 0; step < 3; ++step) {
+    std::vector<Batch> batches;
+    batches.push_back(MakeBatch(static_cast<uint32_t>(7 + step)));
+    batches.push_back(MakeBatch(static_cast<uint32_t>(70 + step)));
+    const double want = HandWrittenStep(reference, batches, step, 0.05);
+    absl::StatusOr<double> got = (*session)->Step(MicroBatches(batches, step), 0.05);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, static_cast<double>(static_cast<float>(want)));
+  }
+  ExpectSameWeights(*net.model, *reference.model);
+}
+
+TEST(CpuSession, RefusesAnEmptyStepAndMissingParts) {
+  Net net = Net::Make();
+  EXPECT_EQ(CpuSession::Create({}, nullptr, net.optimizer.get()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  OneRank comm;
+  EXPECT_EQ(CpuSession::Create({.communicator = &comm, .bucket_mb = 0}, net.model.get(),
+                               net.optimizer.get())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  std::unique_ptr<CpuSession> session =
+      *CpuSession::Create({}, net.model.get(), net.optimizer.get());
+  absl::Status s = session->Step(std::vector<MicroBatch>{}, 0.1).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  // A bad learning rate comes back from the optimizer, named.
+  const Batch b = MakeBatch(1);
+  s = session->Step(b.images, b.labels, -1.0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("optimizer: "));
+}
+
+TEST(CpuSession, TwoGlooRanksApplyTheAverageOfTheirGradients) {
+  constexpr int kRanks = 2;
+  constexpr int kSteps = 3;
+  // Rank r's batch of step s.
+  auto batch = [](int rank, int64_t step) {
+    return MakeBatch(static_cast<uint32_t>(1000 * rank + step));
+  };
+  // Flush-to-zero as on the ranks' threads.
+  ConfigureCpu(1);
+
+  // The reference: one thread, each rank's gradients by hand (with its
+  // dropout seed), averaged.
+  Net reference = Net::Make();
+  std::vector<double> want_losses;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    std::vector<std::vector<float>> sums;
+    double loss = 0;
+    for (int r = 0; r < kRanks; ++r) {
+      const Batch b = batch(r, step);
+      Tensor logits, grad;
+      reference.model->ZeroGrad();
+      reference.model->SetSeed(DropoutSeed(5, step, 1, 0, kRanks, r));
+      reference.model->Forward(b.images, &logits, /*training=*/true);
+      loss += SoftmaxCrossEntropy(logits, b.labels, &grad);
+      reference.model->Backward(grad);
+      const std::vector<Parameter*>& params = reference.model->Parameters();
+      sums.resize(params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        sums[i].resize(static_cast<size_t>(params[i]->grad.numel()));
+        for (int64_t k = 0; k < params[i]->grad.numel(); ++k) {
+          sums[i][static_cast<size_t>(k)] += params[i]->grad[k];
+        }
+      }
+    }
+    const std::vector<Parameter*>& params = reference.model->Parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (int64_t k = 0; k < params[i]->grad.numel(); ++k) {
+        params[i]->grad[k] = sums[i][static_cast<size_t>(k)] / kRanks;
+      }
+    }
+    ASSERT_TRUE(reference.optimizer->Step(0.05).ok());
+    want_losses.push_back(loss / kRanks);
+  }
+
+  std::vector<Net> nets(kRanks);
+  std::vector<std::vector<double>> losses(kRanks);
+  InMemoryKeyValueStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      ConfigureCpu(1);
+      GlooOptions options;
+      options.rank = r;
+      options.world_size = kRanks;
+      options.timeout = std::chrono::seconds(30);
+      options.prefix = "cpu-session-test";
+      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, &store);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      Net& net = nets[static_cast<size_t>(r)];
+      net = Net::Make();
+      absl::StatusOr<std::unique_ptr<CpuSession>> session = CpuSession::Create(
+          {.communicator = comm->get(), .bucket_mb = 0.01}, net.model.get(), net.optimizer.get());
+      ASSERT_TRUE(session.ok()) << session.status();
+      for (int64_t step = 0; step < kSteps; ++step) {
+        const Batch b = batch(r, step);
+        absl::StatusOr<double> loss = (*session)->Step(
+            {MicroBatch{&b.images, &b.labels, DropoutSeed(5, step, 1, 0, kRanks, r)}}, 0.05);
+        ASSERT_TRUE(loss.ok()) << loss.status();
+        losses[static_cast<size_t>(r)].push_back(*loss);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+
+  // The ranks agree bit for bit, on the weights and the averaged loss.
+  ExpectSameWeights(*nets[1].model, *nets[0].model);
+  EXPECT_EQ(losses[1], losses[0]);
+  // And match the reference up to the rounding of the average.
+  for (int64_t step = 0; step < kSteps; ++step) {
+    EXPECT_FLOAT_EQ(static_cast<float>(losses[0][static_cast<size_t>(step)]),
+                    static_cast<float>(want_losses[static_cast<size_t>(step)]));
+  }
+  const std::vector<Parameter*>& got = nets[0].model->Parameters();
+  const std::vector<Parameter*>& want = reference.model->Parameters();
+  for (size_t i = 0; i < got.size(); ++i) {
+    for (int64_t k = 0; k < got[i]->value.numel(); ++k) {
+      ASSERT_NEAR(got[i]->value[k], want[i]->value[k], 1e-6f) << got[i]->name << "[" << k << "]";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace aidn::engine

@@ -1,0 +1,195 @@
+#include "worker/trainer/reporter.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace aidn::trainer {
+namespace {
+
+using std::chrono::milliseconds;
+using ::testing::ElementsAre;
+
+// A coordinator that keeps, in order, what reached it: "records 1,2,3"
+// for a stored StreamMetrics call, "commit 3", "beat 3".
+class FakeCoordinator final : public v1::ClusterService::Service {
+ public:
+  grpc::Status StreamMetrics(grpc::ServerContext*, grpc::ServerReader<v1::StreamMetricsRequest>* in,
+                             v1::StreamMetricsResponse* response) override {
+    std::vector<int64_t> steps;
+    v1::StreamMetricsRequest request;
+    while (in->Read(&request)) {
+      for (const v1::MetricRecord& r : request.records()) steps.push_back(r.step());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail_metrics_ > 0) {
+      --fail_metrics_;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "not now");
+    }
+    std::string event = "records";
+    for (size_t i = 0; i < steps.size(); ++i) absl::StrAppend(&event, i ? "," : " ", steps[i]);
+    Add(event);
+    response->set_incarnation("one");
+    if (!steps.empty()) response->set_durable_step(steps.back());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CommitCheckpoint(grpc::ServerContext*, const v1::CommitCheckpointRequest* request,
+                                v1::CommitCheckpointResponse* response) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Add(absl::StrCat("commit ", request->step()));
+    response->set_committed(true);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* request,
+                              v1::ReportProgressResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fence_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "generation over");
+    beats_.push_back(request->step());
+    cv_.notify_all();
+    return grpc::Status::OK;
+  }
+
+  void FailMetricsCalls(int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_metrics_ = n;
+  }
+  void Fence() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fence_ = true;
+  }
+  std::vector<std::string> events() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return events_;
+  }
+  // Waits (with a deadline) until `done` holds for the events.
+  bool WaitFor(const std::function<bool(const std::vector<std::string>&)>& done) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(30), [&] { return done(events_); });
+  }
+
+ private:
+  void Add(std::string event) {
+    events_.push_back(std::move(event));
+    cv_.notify_all();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> events_;
+  std::vector<int64_t> beats_;
+  int fail_metrics_ = 0;
+  bool fence_ = false;
+};
+
+class ReporterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&coordinator_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  std::unique_ptr<Reporter> MakeReporter() {
+    ReporterOptions options;
+    options.job_id = "j";
+    options.generation = 1;
+    // Records go only when something else sends them: a commit or Close.
+    options.report_period = std::chrono::hours(1);
+    return std::make_unique<Reporter>(channel_, v1::ClusterService::NewStub(channel_), options,
+                                      nullptr);
+  }
+
+  static v1::MetricRecord Train(int64_t step) {
+    v1::MetricRecord r;
+    r.set_kind(v1::MetricRecord::TRAIN);
+    r.set_step(step);
+    return r;
+  }
+  static v1::CommitCheckpointRequest CommitOf(int64_t step) {
+    v1::CommitCheckpointRequest c;
+    c.set_step(step);
+    c.add_writer_ranks(0);
+    return c;
+  }
+  static bool HasCommit(const std::vector<std::string>& events) {
+    for (const std::string& e : events) {
+      if (e.rfind("commit", 0) == 0) return true;
+    }
+    return false;
+  }
+
+  FakeCoordinator coordinator_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+TEST_F(ReporterTest, SendsTheRecordsUpToACheckpointBeforeItsCommit) {
+  std::unique_ptr<Reporter> reporter = MakeReporter();
+  for (int64_t step = 1; step <= 3; ++step) reporter->Record(Train(step));
+  reporter->Commit(CommitOf(3));
+  ASSERT_TRUE(coordinator_.WaitFor(HasCommit)) << ::testing::PrintToString(coordinator_.events());
+  EXPECT_THAT(coordinator_.events(), ElementsAre("records 1,2,3", "commit 3"));
+  reporter->Close(milliseconds(5000));
+}
+
+TEST_F(ReporterTest, HoldsTheCommitBackUntilItsRecordsGetThrough) {
+  coordinator_.FailMetricsCalls(2);
+  std::unique_ptr<Reporter> reporter = MakeReporter();
+  reporter->Record(Train(1));
+  reporter->Record(Train(2));
+  reporter->Commit(CommitOf(2));
+  ASSERT_TRUE(coordinator_.WaitFor(HasCommit)) << ::testing::PrintToString(coordinator_.events());
+  EXPECT_THAT(coordinator_.events(), ElementsAre("records 1,2", "commit 2"));
+  reporter->Close(milliseconds(5000));
+}
+
+TEST_F(ReporterTest, CloseSendsWhatItHolds) {
+  std::unique_ptr<Reporter> reporter = MakeReporter();
+  for (int64_t step = 1; step <= 5; ++step) reporter->Record(Train(step));
+  // Long before the next periodic send.
+  reporter->Close(milliseconds(10'000));
+  // Close returned after the thread sent everything.
+  EXPECT_THAT(coordinator_.events(), ElementsAre("records 1,2,3,4,5"));
+}
+
+TEST_F(ReporterTest, ConcurrentClosesAllReturn) {
+  std::unique_ptr<Reporter> reporter = MakeReporter();
+  reporter->Record(Train(1));
+  std::thread other([&] { reporter->Close(milliseconds(10'000)); });
+  reporter->Close(milliseconds(10'000));
+  other.join();
+  EXPECT_THAT(coordinator_.events(), ElementsAre("records 1"));
+}
+
+TEST_F(ReporterTest, AFencedGenerationIsSuperseded) {
+  coordinator_.Fence();
+  std::unique_ptr<Reporter> reporter = MakeReporter();
+  EXPECT_FALSE(reporter->superseded());
+  reporter->Progress(/*step=*/0, /*epoch=*/0, /*collective_seq=*/0, /*total_steps=*/10);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!reporter->superseded() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_TRUE(reporter->superseded());
+}
+
+}  // namespace
+}  // namespace aidn::trainer

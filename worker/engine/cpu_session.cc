@@ -1,0 +1,67 @@
+#include "worker/engine/cpu_session.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "worker/engine/loss.h"
+
+namespace aidn::engine {
+
+absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
+                                                               Sequential* model,
+                                                               Optimizer* optimizer) {
+  if (model == nullptr || optimizer == nullptr) {
+    return absl::InvalidArgumentError("cpu session: needs a model and an optimizer");
+  }
+  std::unique_ptr<CpuSession> session(new CpuSession(model, optimizer));
+  if (options.communicator != nullptr) {
+    // After the optimizer, as the trainer has always made them: with more
+    // than one rank the reducer turns every gradient into a view of its
+    // bucket.
+    absl::StatusOr<std::unique_ptr<DdpReducer>> reducer = DdpReducer::Create(
+        {.bucket_mb = options.bucket_mb}, model->Parameters(), options.communicator);
+    if (!reducer.ok()) return reducer.status();
+    session->reducer_ = *std::move(reducer);
+    DdpReducer* r = session->reducer_.get();
+    model->SetGradReadyCallback([r](Parameter* p) { r->OnGradReady(p); });
+  }
+  return session;
+}
+
+CpuSession::~CpuSession() {
+  if (reducer_ != nullptr) model_->SetGradReadyCallback(nullptr);
+}
+
+absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, double lr) {
+  if (micro.empty()) return absl::InvalidArgumentError("cpu session: a step needs a micro-batch");
+  allreduce_seconds_ = 0.0;
+  wait_seconds_ = 0.0;
+  const int64_t accum = static_cast<int64_t>(micro.size());
+  double loss = 0;
+  model_->ZeroGrad();
+  for (int64_t m = 0; m < accum; ++m) {
+    const MicroBatch& batch = micro[static_cast<size_t>(m)];
+    if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
+    model_->Forward(*batch.images, &logits_, /*training=*/true);
+    const double micro_loss = SoftmaxCrossEntropy(logits_, *batch.labels, &grad_logits_,
+                                                  1.0 / static_cast<double>(accum));
+    loss += micro_loss / static_cast<double>(accum);
+    // Only the last micro-batch's backward communicates; the mean loss
+    // rides in its last bucket.
+    const bool last = m == accum - 1;
+    if (reducer_ != nullptr) reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f);
+    model_->Backward(grad_logits_);
+  }
+  if (reducer_ != nullptr) {
+    if (absl::Status s = reducer_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("gradient allreduce: ", s.message()));
+    }
+    loss = reducer_->averaged_extra();
+  }
+  if (absl::Status s = optimizer_->Step(lr); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("optimizer: ", s.message()));
+  }
+  return loss;
+}
+
+}  // namespace aidn::engine

@@ -1,0 +1,112 @@
+#ifndef AIDN_WORKER_ENGINE_CPU_SESSION_H_
+#define AIDN_WORKER_ENGINE_CPU_SESSION_H_
+
+// One rank's training step on the CPU, the counterpart of GpuSession
+// (gpu_session.h): a model, its optimizer and, with a communicator, a DDP
+// reducer (ddp.h) that averages the gradients over the ranks in buckets
+// whose allreduce overlaps the rest of backward. A Step reads as llm.c's:
+//
+//   zero grad ; per micro-batch: forward, loss, backward ; allreduce ; update
+//
+// Gradient accumulation: a Step takes several micro-batches, each one's
+// gradients scaled by 1/k and summed, and communicates only after the last
+// one's backward. Clipping (OptimizerConfig::grad_clip_norm) is folded into
+// the optimizer's update.
+//
+// The trainer, the engine benchmark (bench/engine_step.cc) and the tests
+// that check training against PyTorch all run this one step.
+//
+// Not thread-safe: one session per training thread. The model and the
+// optimizer are borrowed (the trainer also reads them for checkpoints and
+// evaluation) and must outlive the session.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/data.h"
+#include "worker/engine/ddp.h"
+#include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+// Dropout's seed for micro-batch `micro` of optimizer step `step` (steps
+// counted from 0, `accum` micro-batches a step) on `rank` of `world_size`:
+// a different stream for every forward of every rank, derived from the
+// step alone, so that a resumed run draws what an uninterrupted one would.
+// The CPU and GPU paths both seed with it; a checkpoint's state.txt names
+// the rule (its "rng" line).
+inline uint64_t DropoutSeed(uint64_t seed, int64_t step, int64_t accum, int64_t micro,
+                            int world_size, int rank) {
+  return seed * 1'000'003 +
+         static_cast<uint64_t>(step * accum + micro) * static_cast<uint64_t>(world_size) +
+         static_cast<uint64_t>(rank);
+}
+
+struct CpuSessionOptions {
+  // The ranks to average gradients over (not owned; must outlive the
+  // session). Null: one rank and no DDP reducer, the gradients are used as
+  // backward leaves them. With a communicator of one rank the reducer only
+  // checks that every parameter got its gradient.
+  Communicator* communicator = nullptr;
+  // DDP gradient bucket size in MB (spec bucket_mb).
+  double bucket_mb = 25.0;
+};
+
+class CpuSession {
+ public:
+  // A session over `model` and `optimizer` (created over the model's
+  // parameters). With a communicator, sets the model's grad-ready callback
+  // (cleared again by the destructor); no collective runs here. The
+  // parameters must already be equal on every rank
+  // (DdpReducer::BroadcastParameters). INVALID_ARGUMENT for a null model or
+  // optimizer, or (with a communicator) a bad bucket size.
+  static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
+                                                            Sequential* model,
+                                                            Optimizer* optimizer);
+  ~CpuSession();
+  CpuSession(const CpuSession&) = delete;
+  CpuSession& operator=(const CpuSession&) = delete;
+
+  // One optimizer step over `micro` (at least one micro-batch; each with
+  // its dropout seed if it has one, else the model's current one) with
+  // learning rate `lr`. Returns the loss, the mean over the micro-batches:
+  // averaged over the ranks (rounded to float) with a communicator, this
+  // rank's without. A failed allreduce or update is returned with what
+  // failed named; the step is then not to be repeated.
+  absl::StatusOr<double> Step(const std::vector<MicroBatch>& micro, double lr);
+  // One batch (images [N, C, H, W], labels [N]), with the current seed.
+  absl::StatusOr<double> Step(const Tensor& images, const std::vector<int32_t>& labels, double lr) {
+    return Step({MicroBatch{&images, &labels, std::nullopt}}, lr);
+  }
+
+  // Seconds the bucket allreduces took in the last Step (0 without a
+  // communicator or with one rank), overlapped with backward.
+  double last_allreduce_seconds() const { return allreduce_seconds_; }
+  // The part of it backward did not hide (the step waited for it).
+  double last_allreduce_wait_seconds() const { return wait_seconds_; }
+
+  Sequential& model() { return *model_; }
+  Optimizer& optimizer() { return *optimizer_; }
+
+ private:
+  CpuSession(Sequential* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
+
+  Sequential* model_;
+  Optimizer* optimizer_;
+  std::unique_ptr<DdpReducer> reducer_;
+  // Reused from step to step.
+  Tensor logits_;
+  Tensor grad_logits_;
+  double allreduce_seconds_ = 0.0;
+  double wait_seconds_ = 0.0;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_CPU_SESSION_H_

@@ -1,0 +1,139 @@
+#include "worker/trainer/engine_config.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/status/statusor.h"
+
+namespace aidn::trainer {
+
+using std::chrono::milliseconds;
+
+engine::ModelConfig ModelConfigOf(const v1::JobSpec& spec) {
+  engine::ModelConfig config;
+  config.name = spec.model().name();
+  config.hidden_sizes.assign(spec.model().hidden_sizes().begin(),
+                             spec.model().hidden_sizes().end());
+  config.dropout = spec.model().dropout();
+  return config;
+}
+
+engine::OptimizerConfig OptimizerConfigOf(const v1::JobSpec& spec) {
+  const v1::OptimizerSpec& o = spec.optimizer();
+  engine::OptimizerConfig config;
+  config.name = o.name();
+  config.lr = o.lr();
+  config.momentum = o.momentum();
+  config.nesterov = o.nesterov();
+  config.weight_decay = o.weight_decay();
+  config.beta1 = o.beta1();
+  config.beta2 = o.beta2();
+  config.eps = o.eps();
+  config.grad_clip_norm = o.grad_clip_norm();
+  return config;
+}
+
+engine::LrScheduleConfig ScheduleOf(const v1::JobSpec& spec) {
+  const v1::LrScheduleSpec& s = spec.lr_schedule();
+  engine::LrScheduleConfig config;
+  switch (s.kind()) {
+    case v1::LrScheduleSpec::STEP:
+      config.kind = engine::LrScheduleConfig::Kind::kStep;
+      break;
+    case v1::LrScheduleSpec::COSINE:
+      config.kind = engine::LrScheduleConfig::Kind::kCosine;
+      break;
+    default:
+      config.kind = engine::LrScheduleConfig::Kind::kConstant;
+  }
+  config.warmup_steps = s.warmup_steps();
+  config.step_size = s.step_size();
+  config.gamma = s.gamma();
+  config.min_lr = s.min_lr();
+  return config;
+}
+
+double BucketMbOf(const v1::JobSpec& spec) {
+  return spec.has_bucket_mb() ? spec.bucket_mb() : 25.0;
+}
+
+milliseconds PeerTimeoutOf(const v1::JobSpec& spec) {
+  const google::protobuf::Duration& d = spec.timeouts().rendezvous();
+  return std::max(milliseconds(30'000), milliseconds(d.seconds() * 1000 + d.nanos() / 1'000'000));
+}
+
+engine::CpuTransport CpuTransportOf(const v1::JobSpec& spec) {
+  switch (spec.comm_backend()) {
+    case v1::JobSpec::GLOO:
+      return engine::CpuTransport::kGloo;
+    case v1::JobSpec::SHM:
+      return engine::CpuTransport::kShm;
+    default:
+      return engine::CpuTransport::kAuto;
+  }
+}
+
+engine::GpuSessionOptions GpuSessionOptionsOf(const v1::JobSpec& spec, int rank, int world_size) {
+  engine::GpuSessionOptions o;
+  o.rank = rank;
+  o.world_size = world_size;
+  o.allow_tf32 = spec.allow_tf32();
+  o.fast_convolutions = spec.fast_convolutions();
+  o.timeout = PeerTimeoutOf(spec);
+  o.bucket_mb = BucketMbOf(spec);
+  o.cuda_graphs = spec.cuda_graphs();
+  switch (spec.precision()) {
+    case v1::JobSpec::BF16:
+      o.precision = "bf16";
+      break;
+    case v1::JobSpec::FP16:
+      o.precision = "fp16";
+      break;
+    default:
+      o.precision = "fp32";
+      break;
+  }
+  return o;
+}
+
+absl::Status LoadData(const v1::DatasetSpec& spec, const std::string& cache_dir,
+                      engine::Dataset* train, engine::Dataset* test) {
+  // Through the cache when there is one; an error is reported from the
+  // files the spec names.
+  auto load = [&cache_dir](const std::string& images, const std::string& labels) {
+    if (!cache_dir.empty()) {
+      absl::StatusOr<engine::Dataset> cached = engine::LoadIdx(
+          engine::DecompressedPath(images, cache_dir), engine::DecompressedPath(labels, cache_dir),
+          engine::kFashionMnistMean, engine::kFashionMnistStd);
+      if (cached.ok()) return cached;
+    }
+    return engine::LoadIdx(images, labels, engine::kFashionMnistMean, engine::kFashionMnistStd);
+  };
+  absl::StatusOr<engine::Dataset> tr, te;
+  if (spec.kind() == "idx") {
+    tr = load(spec.train_images(), spec.train_labels());
+    if (tr.ok()) te = load(spec.test_images(), spec.test_labels());
+  } else {
+    tr = engine::LoadFashionMnist(spec.dir(), /*train=*/true, cache_dir);
+    if (tr.ok()) te = engine::LoadFashionMnist(spec.dir(), /*train=*/false, cache_dir);
+  }
+  if (!tr.ok()) return tr.status();
+  if (!te.ok()) return te.status();
+  *train = *std::move(tr);
+  *test = *std::move(te);
+  return absl::OkStatus();
+}
+
+std::string CheckpointDirOf(const v1::JobSpec& spec, const TrainerOptions& options) {
+  const std::string& dir = spec.checkpoint().dir();
+  if (dir.empty()) return "";
+  std::filesystem::path path(dir);
+  if (path.is_relative()) {
+    path = std::filesystem::path(options.checkpoint_root.empty() ? options.work_dir
+                                                                 : options.checkpoint_root) /
+           path;
+  }
+  return (path / options.job_id).lexically_normal().string();
+}
+
+}  // namespace aidn::trainer

@@ -1,0 +1,619 @@
+#include "worker/trainer/rank_training.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/digest.h"
+#include "common/log.h"
+#include "common/rpc/client.h"
+#include "common/rpc/retry.h"
+#include "common/rpc/status_convert.h"
+#include "common/status.h"
+#include "worker/engine/comm/cpu_communicator.h"
+#include "worker/engine/cpu.h"
+#include "worker/engine/ddp.h"
+#include "worker/engine/device.h"
+#include "worker/engine/loss.h"
+#include "worker/trainer/engine_config.h"
+#include "worker/trainer/training_state.h"
+
+namespace aidn::trainer {
+namespace {
+
+using std::chrono::milliseconds;
+using SteadyClock = std::chrono::steady_clock;
+using Stub = v1::ClusterService::Stub;
+
+constexpr milliseconds kRpcTimeout{10'000};
+
+double SecondsSince(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
+}
+
+google::protobuf::Timestamp Now() {
+  google::protobuf::Timestamp ts;
+  const int64_t nanos = absl::ToUnixNanos(absl::Now());
+  ts.set_seconds(nanos / 1'000'000'000);
+  ts.set_nanos(static_cast<int32_t>(nanos % 1'000'000'000));
+  return ts;
+}
+
+// Joins the rendezvous, retrying while the coordinator is unreachable.
+absl::StatusOr<v1::JoinRendezvousResponse> Join(grpc::Channel* channel, Stub* stub,
+                                                const TrainerOptions& options) {
+  const SteadyClock::time_point deadline = SteadyClock::now() + std::chrono::minutes(30);
+  rpc::Backoff backoff;
+  while (true) {
+    grpc::ClientContext context;
+    // The coordinator answers at the job's rendezvous timeout at the latest.
+    rpc::PrepareContext(&context, options.token, std::chrono::hours(24));
+    v1::JoinRendezvousRequest request;
+    request.set_job_id(options.job_id);
+    request.set_generation(options.generation);
+    request.set_rank(options.rank);
+    request.set_worker_id(options.worker_id);
+    request.set_address(options.host);
+    v1::JoinRendezvousResponse response;
+    grpc::Status status = stub->JoinRendezvous(&context, request, &response);
+    if (status.ok()) return response;
+    // Only an unreachable coordinator is worth another join, not every
+    // rpc::Transient failure: it answers DEADLINE_EXCEEDED when the
+    // rendezvous timed out and ABORTED when a newer join of this rank
+    // replaced this one, and both end the trainer.
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || !backoff.FitsBefore(deadline)) {
+      return rpc::FromGrpcStatus(status);
+    }
+    rpc::ResetBackoffAfter(status, channel);
+    AIDN_LOG(WARNING) << "coordinator unreachable, retrying the rendezvous: "
+                      << status.error_message();
+    backoff.Sleep(deadline);
+  }
+}
+
+// int64 values through a float collective: the bits travel unchanged
+// (broadcast copies, it never adds).
+absl::Status BroadcastInts(engine::Communicator* comm, int64_t* values, size_t count) {
+  std::vector<float> buffer(count * 2);
+  std::memcpy(buffer.data(), values, count * sizeof(int64_t));
+  AIDN_RETURN_IF_ERROR(comm->Broadcast(buffer.data(), buffer.size(), 0));
+  std::memcpy(values, buffer.data(), count * sizeof(int64_t));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Failure FailureFor(const absl::Status& status, const char* what) {
+  const absl::Status annotated(status.code(), absl::StrCat(what, ": ", status.message()));
+  if (status.code() == absl::StatusCode::kFailedPrecondition) {
+    return {kExitSuperseded, annotated};
+  }
+  return {kExitFailure, annotated};
+}
+
+RankTraining::RankTraining(const TrainerOptions& options, std::shared_ptr<grpc::Channel> channel,
+                           StopSignal* stop)
+    : options_(options),
+      channel_(channel),
+      stub_(v1::ClusterService::NewStub(channel)),
+      stop_(stop) {}
+
+RankTraining::~RankTraining() {
+  // What is left goes now, also when the stop's flush still holds it.
+  if (reporter_ != nullptr) reporter_->Close(milliseconds(5000));
+}
+
+std::optional<Failure> RankTraining::Setup() {
+  absl::StatusOr<v1::JoinRendezvousResponse> joined = Join(channel_.get(), stub_.get(), options_);
+  if (!joined.ok()) return FailureFor(joined.status(), "rendezvous");
+  rendezvous_ = *std::move(joined);
+  spec_ = rendezvous_.spec();
+  AIDN_LOG(INFO) << "joined the rendezvous" << Kv("job", options_.job_id)
+                 << Kv("generation", options_.generation) << Kv("rank", rendezvous_.rank())
+                 << Kv("world_size", rendezvous_.world_size());
+  if (std::optional<Failure> f = PrepareCheckpointDir(); f.has_value()) return f;
+  const std::string dir = checkpoint_dir_;
+  ReporterOptions reporting;
+  reporting.token = options_.token;
+  reporting.job_id = options_.job_id;
+  reporting.generation = options_.generation;
+  reporting.rank = options_.rank;
+  reporter_ = std::make_shared<Reporter>(channel_, stub_, reporting, [dir](int64_t step) {
+    if (absl::Status s = engine::RemoveCheckpoint(dir, step); !s.ok()) {
+      AIDN_LOG(WARNING) << "retention: " << s;
+    } else {
+      AIDN_LOG(INFO) << "retention removed a checkpoint" << Kv("step", step);
+    }
+  });
+  if (stop_ != nullptr) {
+    stop_->SetFlush([reporter = reporter_](milliseconds timeout) { reporter->Close(timeout); });
+  }
+
+  if (spec_.device() == v1::JobSpec::GPU) {
+    engine::DeviceInventory devices = engine::DiscoverDevices();
+    if (devices.gpus.empty()) {
+      return Failure{kExitPermanent,
+                     absl::FailedPreconditionError(absl::StrCat(
+                         "device: gpu: this trainer sees no GPU (", devices.gpu_note, ")"))};
+    }
+  }
+  engine::ConfigureCpu(std::max(1, options_.threads));
+  if (absl::Status s = LoadData(spec_.dataset(), options_.cache_dir, &train_, &test_); !s.ok()) {
+    return Failure{kExitPermanent, absl::Status(s.code(), absl::StrCat("dataset: ", s.message()))};
+  }
+  absl::StatusOr<std::unique_ptr<engine::Sequential>> model =
+      engine::BuildModel(ModelConfigOf(spec_), spec_.seed());
+  if (!model.ok()) return Failure{kExitPermanent, model.status()};
+  model_ = *std::move(model);
+  if (std::optional<Failure> f = Connect(); f.has_value()) return f;
+  if (rendezvous_.rank() == 0 && !checkpoint_dir_.empty()) LoadNewestCheckpoint();
+  // Rank 0's weights, loaded or fresh, become everyone's.
+  if (absl::Status s = engine::DdpReducer::BroadcastParameters(model_->Parameters(), comm_.get());
+      !s.ok()) {
+    return FailureFor(s, "initial weights");
+  }
+  return BuildSession();
+}
+
+std::optional<Failure> RankTraining::PrepareCheckpointDir() {
+  checkpoint_dir_ = CheckpointDirOf(spec_, options_);
+  if (checkpoint_dir_.empty() || rendezvous_.rank() != 0) return std::nullopt;
+  // A directory that cannot be made is no passing trouble: fail for good.
+  std::error_code error;
+  std::filesystem::create_directories(checkpoint_dir_, error);
+  if (error) {
+    return Failure{kExitPermanent,
+                   absl::FailedPreconditionError(absl::StrCat(
+                       "checkpoint.dir: cannot create ", checkpoint_dir_, ": ", error.message()))};
+  }
+  // Left by a writer killed half way; no writer runs now.
+  if (absl::Status s = engine::RemoveTemporaries(checkpoint_dir_); !s.ok()) {
+    AIDN_LOG(WARNING) << "could not clear unfinished checkpoints: " << s;
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::Connect() {
+  // Gloo's rendezvous goes through the coordinator's KV store for this
+  // generation; a stale generation is refused there.
+  const milliseconds timeout = PeerTimeoutOf(spec_);
+  auto store = std::make_shared<CoordinatorStore>(stub_, options_.token, options_.job_id,
+                                                  options_.generation, timeout);
+  kv_ = store;
+  engine::CpuCommunicatorOptions comm_options;
+  engine::GlooOptions& gloo = comm_options.gloo;
+  gloo.rank = rendezvous_.rank();
+  gloo.world_size = rendezvous_.world_size();
+  gloo.host = options_.host;
+  gloo.timeout = timeout;
+  gloo.prefix = "gloo";
+  comm_options.transport = CpuTransportOf(spec_);
+  absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(comm_options, store.get());
+  if (!comm.ok()) return FailureFor(comm.status(), "communicator");
+  AIDN_LOG(INFO) << "communicator ready" << Kv("transport", comm->transport)
+                 << Kv("why", comm->description);
+  comm_ = std::move(comm->communicator);
+  return std::nullopt;
+}
+
+void RankTraining::LoadNewestCheckpoint() {
+  for (const v1::Checkpoint& candidate : rendezvous_.resume_candidates()) {
+    const std::string path =
+        absl::StrCat(checkpoint_dir_, "/", engine::CheckpointDirName(candidate.step()));
+    absl::StatusOr<engine::LoadedCheckpoint> loaded =
+        engine::LoadCheckpoint(path, model_->Parameters());
+    if (loaded.ok() && loaded->step != candidate.step()) {
+      loaded = absl::DataLossError(absl::StrCat("MANIFEST: says step ", loaded->step));
+    }
+    if (loaded.ok()) {
+      AIDN_LOG(INFO) << "resuming from a checkpoint" << Kv("step", candidate.step())
+                     << Kv("path", path);
+      loaded_ = *std::move(loaded);
+      return;
+    }
+    ReportInvalid(candidate, path, loaded.status());
+  }
+}
+
+std::optional<Failure> RankTraining::BuildSession() {
+  absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
+      engine::Optimizer::Create(OptimizerConfigOf(spec_), model_->Parameters());
+  if (!optimizer.ok()) return Failure{kExitPermanent, optimizer.status()};
+  optimizer_ = *std::move(optimizer);
+  if (spec_.device() == v1::JobSpec::GPU) return std::nullopt;  // SetupGpu, after the resume
+  engine::CpuSessionOptions o;
+  o.communicator = comm_.get();
+  o.bucket_mb = BucketMbOf(spec_);
+  absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
+      engine::CpuSession::Create(o, model_.get(), optimizer_.get());
+  if (!session.ok()) return Failure{kExitPermanent, session.status()};
+  cpu_ = *std::move(session);
+  return std::nullopt;
+}
+
+void RankTraining::ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
+                                 const absl::Status& why) {
+  const std::string reason = absl::StrCat(path, ": ", why.message());
+  AIDN_LOG(WARNING) << "skipping a checkpoint that fails verification: " << reason;
+  v1::ReportCheckpointInvalidRequest request;
+  request.set_job_id(options_.job_id);
+  request.set_generation(options_.generation);
+  request.set_rank(rendezvous_.rank());
+  request.set_step(checkpoint.step());
+  request.set_reason(reason);
+  rpc::Backoff backoff;
+  constexpr int kAttempts = 8;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    if (attempt > 0) backoff.Sleep();
+    grpc::ClientContext context;
+    rpc::PrepareContext(&context, options_.token, kRpcTimeout);
+    v1::ReportCheckpointInvalidResponse response;
+    grpc::Status status = stub_->ReportCheckpointInvalid(&context, request, &response);
+    rpc::ResetBackoffAfter(status, channel_.get());
+    if (!rpc::Transient(status)) {
+      if (!status.ok()) {
+        AIDN_LOG(WARNING) << "could not report the bad checkpoint: " << status.error_message();
+      }
+      return;
+    }
+  }
+  AIDN_LOG(WARNING) << "gave up reporting the bad checkpoint: the coordinator stayed unreachable"
+                    << Kv("attempts", kAttempts);
+}
+
+absl::StatusOr<RankTraining::Plan> RankTraining::MakePlan(
+    const engine::DistributedSampler& sampler) const {
+  Plan plan;
+  plan.batch = spec_.batch_size();
+  plan.accum = std::max(1, spec_.grad_accum_steps());
+  // Whole optimizer steps per epoch; the tail that does not fill one is
+  // left out (every rank runs the same number of steps).
+  plan.steps_per_epoch = sampler.num_samples() / (plan.batch * plan.accum);
+  if (plan.steps_per_epoch <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch_size x grad_accum_steps (", plan.batch * plan.accum,
+        ") is larger than this rank's share of the data (", sampler.num_samples(), ")"));
+  }
+  plan.total_steps = spec_.epochs() > 0 ? spec_.epochs() * plan.steps_per_epoch : INT64_MAX;
+  if (spec_.max_steps() > 0) plan.total_steps = std::min(plan.total_steps, spec_.max_steps());
+  plan.log_every = std::max<int64_t>(1, std::min<int64_t>(100, plan.total_steps / 20));
+  return plan;
+}
+
+std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
+  TrainingState::Broadcast header = TrainingState::EncodeNone();
+  if (loaded_.has_value()) {
+    absl::StatusOr<TrainingState> state = TrainingState::Decode(loaded_->state);
+    if (!state.ok()) return Failure{kExitFailure, state.status()};
+    // The manifest's step, which LoadNewestCheckpoint checked.
+    state->step = loaded_->step;
+    header = state->EncodeBroadcast();
+  }
+  if (absl::Status s = BroadcastInts(comm_.get(), header.data(), header.size()); !s.ok()) {
+    return FailureFor(s, "resume");
+  }
+  std::optional<TrainingState> resumed = TrainingState::DecodeBroadcast(header);
+  if (!resumed.has_value()) return std::nullopt;
+  resumed_loss_scale_ = resumed->loss_scale;
+  if (resumed->steps_per_epoch != steps_per_epoch ||
+      resumed->world_size != rendezvous_.world_size()) {
+    return Failure{kExitPermanent, absl::FailedPreconditionError(absl::StrCat(
+                                       "the checkpoint of step ", resumed->step, " was made with ",
+                                       resumed->world_size, " ranks and ", resumed->steps_per_epoch,
+                                       " steps per epoch; this job has ", rendezvous_.world_size(),
+                                       " and ", steps_per_epoch))};
+  }
+  if (std::optional<Failure> f = ResumeOptimizerState(resumed->step, resumed->optimizer_steps);
+      f.has_value()) {
+    return f;
+  }
+  start_step_ = resumed->step;
+  loaded_.reset();
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t step, int64_t optimizer_steps) {
+  // Rank 0's loaded buffers, broadcast entry by entry in the order State()
+  // lists them (the same on every rank).
+  std::vector<engine::Tensor> buffers;
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
+    engine::Tensor t = e.second->Clone();
+    if (loaded_.has_value()) {
+      auto it = loaded_->optimizer_state.find(e.first);
+      if (it == loaded_->optimizer_state.end() || it->second.numel() != t.numel()) {
+        return Failure{kExitFailure, absl::DataLossError(absl::StrCat(
+                                         "checkpoint of step ", step, ": optimizer state \"",
+                                         e.first, "\" is missing or has the wrong size"))};
+      }
+      std::memcpy(t.data(), it->second.data(), static_cast<size_t>(t.numel()) * sizeof(float));
+    }
+    if (absl::Status s = comm_->Broadcast(t.data(), static_cast<size_t>(t.numel()), 0); !s.ok()) {
+      return FailureFor(s, "resume");
+    }
+    buffers.push_back(std::move(t));
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    entries.emplace_back(optimizer_->State()[i].first, &buffers[i]);
+  }
+  if (absl::Status s = optimizer_->LoadState(entries, optimizer_steps); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_epoch,
+                                                int64_t total_steps) {
+  if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
+  const SteadyClock::time_point start = SteadyClock::now();
+  if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
+  engine::CheckpointContents contents;
+  for (const engine::Parameter* p : model_->Parameters()) contents.model.push_back(p);
+  contents.model_metadata = {{"aidn.job", options_.job_id},
+                             {"aidn.step", absl::StrCat(step)},
+                             {"aidn.model", spec_.model().name()}};
+  for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
+    contents.optimizer_state.emplace_back(e.first, e.second);
+  }
+  const int64_t accum = std::max(1, spec_.grad_accum_steps());
+  TrainingState state = TrainingState::At(step, steps_per_epoch, spec_.batch_size() * accum);
+  state.total_steps = total_steps;
+  state.seed = spec_.seed();
+  state.world_size = rendezvous_.world_size();
+  state.optimizer = spec_.optimizer().name();
+  state.optimizer_steps = optimizer_->steps();
+  state.model = spec_.model().name();
+  state.job = options_.job_id;
+  state.generation = options_.generation;
+  // fp16: the scale the next step would use, so that a resume does not
+  // start again at 2^16 and overflow its way back down.
+  if (gpu_ != nullptr) state.loss_scale = gpu_->loss_scale_state();
+  contents.state = state.Encode();
+  absl::StatusOr<engine::WrittenCheckpoint> written =
+      engine::WriteCheckpoint(checkpoint_dir_, step, contents);
+  if (!written.ok()) return FailureFor(written.status(), "checkpoint");
+  AIDN_LOG(INFO) << "checkpoint written" << Kv("step", step) << Kv("path", written->path)
+                 << Kv("bytes", written->bytes)
+                 << Kv("ms", static_cast<int64_t>(SecondsSince(start) * 1e3));
+  v1::CommitCheckpointRequest request;
+  request.set_job_id(options_.job_id);
+  request.set_generation(options_.generation);
+  request.set_rank(rendezvous_.rank());
+  request.set_step(step);
+  request.set_path(written->path);
+  request.set_bytes(written->bytes);
+  request.set_manifest_sha256(Sha256Hex(written->manifest));
+  request.add_writer_ranks(0);
+  // After the step's records (ReportStep): the reporter sends those first.
+  reporter_->Commit(std::move(request));
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::SetupGpu() {
+  engine::GpuSessionOptions o =
+      GpuSessionOptionsOf(spec_, rendezvous_.rank(), rendezvous_.world_size());
+  if (o.world_size > 1) {
+    // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
+    o.store = kv_.get();
+  }
+  absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
+      engine::GpuSession::Create(o, *model_, OptimizerConfigOf(spec_));
+  if (!session.ok()) {
+    if (session.status().code() == absl::StatusCode::kUnimplemented ||
+        session.status().code() == absl::StatusCode::kInvalidArgument) {
+      return Failure{kExitPermanent, session.status()};
+    }
+    return FailureFor(session.status(), "gpu");
+  }
+  gpu_ = *std::move(session);
+  if (optimizer_->steps() > 0) {
+    // Resumed: the CPU optimizer holds the checkpoint's state (Resume).
+    std::vector<std::pair<std::string, const engine::Tensor*>> state;
+    for (const engine::Optimizer::StateEntry& e : optimizer_->State()) state.push_back(e);
+    if (absl::Status s = gpu_->LoadOptimizerState(state, optimizer_->steps()); !s.ok()) {
+      return Failure{kExitFailure, s};
+    }
+  }
+  if (resumed_loss_scale_.has_value() && gpu_->loss_scale_state().has_value()) {
+    if (absl::Status s = gpu_->RestoreLossScale(*resumed_loss_scale_); !s.ok()) {
+      return Failure{kExitFailure,
+                     absl::DataLossError(absl::StrCat("resumed checkpoint: ", s.message()))};
+    }
+    AIDN_LOG(INFO) << "fp16 loss scale restored" << Kv("loss_scale", resumed_loss_scale_->scale)
+                   << Kv("growth_tracker", resumed_loss_scale_->growth_tracker);
+  }
+  AIDN_LOG(INFO) << "training on the GPU" << Kv("device", gpu_->Describe());
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
+  if (gpu_ == nullptr) return std::nullopt;
+  if (absl::Status s = gpu_->CopyParametersTo(model_->Parameters()); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  if (!optimizer_state) return std::nullopt;
+  absl::StatusOr<std::vector<std::pair<std::string, engine::Tensor>>> state =
+      gpu_->OptimizerState();
+  if (!state.ok()) return Failure{kExitFailure, state.status()};
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (const auto& [name, tensor] : *state) entries.emplace_back(name, &tensor);
+  if (absl::Status s = optimizer_->LoadState(entries, gpu_->optimizer_steps()); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
+  if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
+  // Each rank takes every world_size-th test sample; the sums are combined.
+  const int world = rendezvous_.world_size();
+  std::vector<int64_t> mine;
+  for (int64_t i = rendezvous_.rank(); i < test_.size; i += world) mine.push_back(i);
+  engine::Tensor images, logits, grad;
+  std::vector<int32_t> labels;
+  double loss_sum = 0;
+  int64_t correct = 0;
+  constexpr size_t kEvalBatch = 256;  // bounds the CNN's im2col buffers
+  for (size_t begin = 0; begin < mine.size(); begin += kEvalBatch) {
+    const size_t count = std::min(kEvalBatch, mine.size() - begin);
+    engine::GatherBatch(test_, mine, begin, count, &images, &labels);
+    model_->Forward(images, &logits, /*training=*/false);
+    loss_sum += engine::SoftmaxCrossEntropy(logits, labels, &grad) * static_cast<double>(count);
+    correct += engine::CountCorrect(logits, labels);
+  }
+  float sums[3] = {static_cast<float>(loss_sum), static_cast<float>(correct),
+                   static_cast<float>(mine.size())};
+  if (absl::Status s = comm_->AllReduce(sums, 3, engine::ReduceOp::kSum); !s.ok()) {
+    return FailureFor(s, "evaluation");
+  }
+  v1::MetricRecord record;
+  record.set_kind(v1::MetricRecord::EVAL);
+  record.set_step(step);
+  record.set_epoch(epoch);
+  record.set_test_loss(sums[0] / sums[2]);
+  record.set_test_accuracy(sums[1] / sums[2]);
+  *record.mutable_time() = Now();
+  if (rendezvous_.rank() == 0) {
+    std::printf("epoch %d | test loss %.4f | test accuracy %.4f\n", epoch, sums[0] / sums[2],
+                sums[1] / sums[2]);
+    std::fflush(stdout);
+  }
+  reporter_->Record(std::move(record));
+  return std::nullopt;
+}
+
+absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
+    const Plan& plan, int64_t step, const std::vector<int64_t>& indices) {
+  const SteadyClock::time_point start = SteadyClock::now();
+  StepResult result;
+  result.lr = engine::LearningRate(schedule_, spec_.optimizer().lr(), step, plan.total_steps);
+  // The step's micro-batches with their dropout seeds, the same on either
+  // device.
+  const int64_t first = (step % plan.steps_per_epoch) * plan.batch * plan.accum;
+  images_.resize(static_cast<size_t>(plan.accum));
+  labels_.resize(static_cast<size_t>(plan.accum));
+  std::vector<engine::MicroBatch> micro;
+  for (int64_t m = 0; m < plan.accum; ++m) {
+    const size_t at = static_cast<size_t>(m);
+    engine::GatherBatch(train_, indices, static_cast<size_t>(first + m * plan.batch),
+                        static_cast<size_t>(plan.batch), &images_[at], &labels_[at]);
+    micro.push_back(
+        engine::MicroBatch{&images_[at], &labels_[at],
+                           engine::DropoutSeed(spec_.seed(), step, plan.accum, m,
+                                               rendezvous_.world_size(), rendezvous_.rank())});
+  }
+  if (gpu_ != nullptr) {
+    absl::StatusOr<double> loss = gpu_->Step(micro, result.lr);
+    if (!loss.ok()) {
+      return absl::Status(loss.status().code(),
+                          absl::StrCat("gpu step: ", loss.status().message()));
+    }
+    result.loss = *loss;
+    if (gpu_->last_step_skipped()) {
+      AIDN_LOG(INFO) << "fp16: gradients overflowed, update skipped" << Kv("step", step + 1)
+                     << Kv("next_loss_scale", gpu_->loss_scale_state()->scale);
+    }
+    result.allreduce_seconds = gpu_->last_allreduce_seconds();
+    result.wait_seconds = gpu_->last_allreduce_wait_seconds();
+  } else {
+    // "gradient allreduce: ..." or "optimizer: ...".
+    AIDN_ASSIGN_OR_RETURN(result.loss, cpu_->Step(micro, result.lr));
+    result.allreduce_seconds = cpu_->last_allreduce_seconds();
+    result.wait_seconds = cpu_->last_allreduce_wait_seconds();
+  }
+  result.seconds = SecondsSince(start);
+  return result;
+}
+
+void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
+                              const StepResult& result) {
+  v1::MetricRecord record;
+  record.set_kind(v1::MetricRecord::TRAIN);
+  record.set_step(step + 1);
+  // Epochs are counted from 1 in records and progress, as people count
+  // them: steps of the first epoch and its evaluation both say 1.
+  record.set_epoch(epoch + 1);
+  // This rank's loss on a GPU, the ranks' mean on the CPU; the coordinator
+  // averages the ranks' records.
+  record.set_loss(result.loss);
+  record.set_samples(plan.batch * plan.accum);
+  record.set_step_seconds(result.seconds);
+  record.set_allreduce_seconds(result.allreduce_seconds);
+  record.set_compute_seconds(std::max(0.0, result.seconds - result.wait_seconds));
+  record.set_lr(result.lr);
+  *record.mutable_time() = Now();
+  reporter_->Record(std::move(record));
+  reporter_->Progress(step + 1, epoch + 1, CollectiveSequence(), plan.total_steps);
+  if (rendezvous_.rank() == 0 &&
+      ((step + 1) % plan.log_every == 0 || step + 1 == plan.total_steps)) {
+    std::printf("step %lld/%lld | loss %.4f | %.1f ms | %.0f samples/s | allreduce %.1f ms\n",
+                static_cast<long long>(step + 1), static_cast<long long>(plan.total_steps),
+                result.loss, result.seconds * 1e3,
+                static_cast<double>(plan.batch * plan.accum * rendezvous_.world_size()) /
+                    std::max(result.seconds, 1e-9),
+                result.allreduce_seconds * 1e3);
+    std::fflush(stdout);
+  }
+}
+
+std::optional<Failure> RankTraining::AfterStep(const Plan& plan, int64_t step, int32_t epoch) {
+  const bool last = step + 1 == plan.total_steps;
+  if ((step + 1) % plan.steps_per_epoch == 0 || last) {
+    if (std::optional<Failure> f = Evaluate(epoch + 1, step + 1); f.has_value()) return f;
+  }
+  const int64_t every = spec_.checkpoint().every_steps();
+  if (!checkpoint_dir_.empty() && ((every > 0 && (step + 1) % every == 0) || last)) {
+    return Checkpoint(step + 1, plan.steps_per_epoch, plan.total_steps);
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::Execute() {
+  if (std::optional<Failure> f = Setup(); f.has_value()) return f;
+  const engine::DistributedSampler sampler(train_.size, rendezvous_.world_size(),
+                                           rendezvous_.rank(), spec_.dataset().shuffle(),
+                                           spec_.seed(), spec_.dataset().drop_last());
+  absl::StatusOr<Plan> plan = MakePlan(sampler);
+  if (!plan.ok()) return Failure{kExitPermanent, plan.status()};
+  schedule_ = ScheduleOf(spec_);
+  if (std::optional<Failure> f = Resume(plan->steps_per_epoch); f.has_value()) return f;
+  if (spec_.device() == v1::JobSpec::GPU) {
+    if (std::optional<Failure> f = SetupGpu(); f.has_value()) return f;
+  }
+  std::vector<int64_t> indices;
+  int32_t epoch = -1;
+  // Tells the coordinator how long the job is before the first step ends.
+  reporter_->Progress(start_step_, static_cast<int32_t>(start_step_ / plan->steps_per_epoch),
+                      CollectiveSequence(), plan->total_steps);
+  for (int64_t step = start_step_; step < plan->total_steps; ++step) {
+    if (reporter_->superseded()) {
+      return Failure{kExitSuperseded,
+                     absl::FailedPreconditionError("the coordinator ended this generation")};
+    }
+    if (stop_ != nullptr && stop_->requested()) {
+      return Failure{kExitFailure, absl::CancelledError("stopped by a signal")};
+    }
+    const int32_t step_epoch = static_cast<int32_t>(step / plan->steps_per_epoch);
+    if (step_epoch != epoch) {
+      epoch = step_epoch;
+      indices = sampler.EpochIndices(epoch);
+    }
+    absl::StatusOr<StepResult> result = RunStep(*plan, step, indices);
+    if (!result.ok()) {
+      // Already says what failed.
+      const Failure f = FailureFor(result.status(), "step");
+      return Failure{f.exit_code, result.status()};
+    }
+    ReportStep(*plan, step, epoch, *result);
+    if (std::optional<Failure> f = AfterStep(*plan, step, epoch); f.has_value()) return f;
+  }
+  // The last commit must reach the coordinator before the exit does.
+  reporter_->Close(milliseconds(60'000));
+  return std::nullopt;
+}
+
+}  // namespace aidn::trainer

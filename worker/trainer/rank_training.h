@@ -1,0 +1,146 @@
+#ifndef AIDN_WORKER_TRAINER_RANK_TRAINING_H_
+#define AIDN_WORKER_TRAINER_RANK_TRAINING_H_
+
+// One rank's training, from the rendezvous to the last step: joins the
+// generation's rendezvous, builds the communicator (Gloo or shared memory
+// over the coordinator's KV store), loads the data, resumes from the newest
+// checkpoint that verifies, then steps (engine::CpuSession or
+// engine::GpuSession), reports each step (reporter.h), evaluates after each
+// epoch and writes checkpoints (rank 0).
+//
+// Not thread-safe: Execute runs once, on the trainer's main thread.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "aidn/v1/cluster.grpc.pb.h"
+#include "worker/engine/checkpoint.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/cpu_session.h"
+#include "worker/engine/data.h"
+#include "worker/engine/gpu_session.h"
+#include "worker/engine/loss_scale.h"
+#include "worker/engine/lr_schedule.h"
+#include "worker/engine/model.h"
+#include "worker/engine/optimizer.h"
+#include "worker/trainer/coordinator_store.h"
+#include "worker/trainer/reporter.h"
+#include "worker/trainer/stop_signal.h"
+#include "worker/trainer/trainer.h"
+
+namespace aidn::trainer {
+
+// A failure that decides the exit code.
+struct Failure {
+  int exit_code;
+  absl::Status status;
+};
+
+// FAILED_PRECONDITION (the coordinator fenced this generation off) is
+// kExitSuperseded, anything else kExitFailure; `what` prefixes the message.
+Failure FailureFor(const absl::Status& status, const char* what);
+
+class RankTraining {
+ public:
+  // `stop` (not owned; may be null) is asked at every step boundary.
+  RankTraining(const TrainerOptions& options, std::shared_ptr<grpc::Channel> channel,
+               StopSignal* stop);
+  ~RankTraining();
+
+  // Trains to the end: nullopt on success, else the failure. A stop
+  // request ends it at a step boundary with a CANCELLED failure.
+  std::optional<Failure> Execute();
+
+ private:
+  // The job's length, fixed by the spec and this rank's share of the data.
+  struct Plan {
+    int64_t batch = 0;
+    int64_t accum = 1;
+    int64_t steps_per_epoch = 0;
+    int64_t total_steps = 0;
+    int64_t log_every = 1;
+  };
+  // What one step measured.
+  struct StepResult {
+    double loss = 0;
+    double lr = 0;
+    double seconds = 0;
+    double allreduce_seconds = 0;
+    double wait_seconds = 0;
+  };
+
+  std::optional<Failure> Setup();
+  std::optional<Failure> PrepareCheckpointDir();
+  std::optional<Failure> Connect();
+  // Rank 0: the newest resume candidate that verifies, into the model and
+  // loaded_ (reporting each one that does not).
+  void LoadNewestCheckpoint();
+  std::optional<Failure> BuildSession();
+  void ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
+                     const absl::Status& why);
+  absl::StatusOr<Plan> MakePlan(const engine::DistributedSampler& sampler) const;
+  // Every rank gets rank 0's resumed step, weights and optimizer state, so
+  // only rank 0's node needs the files.
+  std::optional<Failure> Resume(int64_t steps_per_epoch);
+  std::optional<Failure> ResumeOptimizerState(int64_t step, int64_t optimizer_steps);
+  // device: gpu: mirrors the CPU model (weights after the broadcast or the
+  // resume) and the resumed optimizer state onto the GPU.
+  std::optional<Failure> SetupGpu();
+  // device: gpu: the GPU's weights (and optimizer state) into the CPU copies.
+  std::optional<Failure> SyncFromGpu(bool optimizer_state);
+
+  // Step `step`'s micro-batches (the same on either device) and its update.
+  absl::StatusOr<StepResult> RunStep(const Plan& plan, int64_t step,
+                                     const std::vector<int64_t>& indices);
+  // The step's metric record, progress beat and (rank 0) log line.
+  void ReportStep(const Plan& plan, int64_t step, int32_t epoch, const StepResult& result);
+  // Evaluation after an epoch (or the last step), checkpoint when due.
+  std::optional<Failure> AfterStep(const Plan& plan, int64_t step, int32_t epoch);
+  std::optional<Failure> Evaluate(int32_t epoch, int64_t step);
+  // DDP: rank 0 writes the state after `step`, and commits it in the
+  // background.
+  std::optional<Failure> Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps);
+  // Collectives completed, CPU and GPU ones together.
+  int64_t CollectiveSequence() const {
+    return comm_->sequence() + (gpu_ != nullptr ? gpu_->collective_sequence() : 0);
+  }
+
+  const TrainerOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<v1::ClusterService::Stub> stub_;
+  StopSignal* const stop_;
+  v1::JoinRendezvousResponse rendezvous_;
+  v1::JobSpec spec_;
+  engine::Dataset train_, test_;
+  std::unique_ptr<engine::Sequential> model_;
+  std::unique_ptr<engine::Communicator> comm_;
+  std::unique_ptr<engine::Optimizer> optimizer_;
+  // device: cpu: the step runs here, over model_ and optimizer_.
+  std::unique_ptr<engine::CpuSession> cpu_;
+  // Shared with the stop signal's flush.
+  std::shared_ptr<Reporter> reporter_;
+  std::shared_ptr<CoordinatorStore> kv_;
+  // device: gpu: the step runs here; model_ and optimizer_ stay the CPU
+  // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
+  std::unique_ptr<engine::GpuSession> gpu_;
+  std::string checkpoint_dir_;
+  // The step training starts after: 0, or the resumed checkpoint's.
+  int64_t start_step_ = 0;
+  // Loaded by rank 0 in Setup, handed to the optimizer in Resume.
+  std::optional<engine::LoadedCheckpoint> loaded_;
+  // fp16: the resumed checkpoint's loss scaler, for SetupGpu.
+  std::optional<engine::LossScaleState> resumed_loss_scale_;
+  engine::LrScheduleConfig schedule_;
+  // A step's micro-batches, reused from step to step.
+  std::vector<engine::Tensor> images_;
+  std::vector<std::vector<int32_t>> labels_;
+};
+
+}  // namespace aidn::trainer
+
+#endif  // AIDN_WORKER_TRAINER_RANK_TRAINING_H_
