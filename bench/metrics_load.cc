@@ -1,7 +1,7 @@
 // metrics_load: streams metric records into a real coordinator at a fixed
 // rate for a while, job after job, and watches the coordinator's resident
 // memory and CPU, to show that finished jobs' metrics leave memory after the
-// retention period (issue 4's load figure).
+// retention period.
 //
 //   metrics_load [--seconds=60] [--rate=1000] [--ranks=2] [--job-seconds=10]
 //                [--retention-seconds=10]

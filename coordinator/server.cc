@@ -29,7 +29,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
 
   grpc::ServerBuilder builder;
   int port = 0;
-  // TLS credentials plug in here (a later issue).
+  // TLS credentials would plug in here.
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
