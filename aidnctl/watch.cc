@@ -15,10 +15,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "aidnctl/output.h"
 #include "aidnctl/watch_view.h"
 #include "common/rpc/client.h"
+#include "common/rpc/retry.h"
 #include "grpcpp/client_context.h"
 
 namespace aidn::ctl {
@@ -31,12 +32,6 @@ constexpr char kShowCursor[] = "\x1b[?25h";
 
 bool IsTerminal(v1::Job::State state) {
   return state == v1::Job::SUCCEEDED || state == v1::Job::FAILED || state == v1::Job::CANCELLED;
-}
-
-// A broken stream worth calling again for: the coordinator went away, is
-// restarting, or the connection died under the call.
-bool Retryable(grpc::StatusCode code) {
-  return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED;
 }
 
 extern "C" void ShowCursorAndExit(int sig) {
@@ -89,14 +84,14 @@ class Watcher {
     if (options_.live && options_.hide_cursor) hidden.emplace(env_.out);
     bool connected_once = false;
     std::optional<Clock::time_point> away_since;
-    std::chrono::milliseconds backoff = options_.initial_backoff;
+    rpc::Backoff backoff({.initial = options_.initial_backoff, .max = options_.max_backoff});
     while (true) {
       bool received = false;
       const grpc::Status status = Follow(&received);
       if (received) {
         connected_once = true;
         away_since.reset();
-        backoff = options_.initial_backoff;
+        backoff.Reset();
       }
       if (status.ok() && have_job_ && IsTerminal(view_.job.state())) {
         Finish();
@@ -110,7 +105,9 @@ class Watcher {
         }
         return RpcError(status, address, env_.options.timeout);
       }
-      if (!status.ok() && !Retryable(status.error_code())) {
+      // A broken stream is called again for while the coordinator is away,
+      // restarting or busy (rpc::Transient).
+      if (!status.ok() && !rpc::Transient(status)) {
         Finish();
         return RpcError(status, address, env_.options.timeout);
       }
@@ -130,8 +127,7 @@ class Watcher {
                          status.ok() ? "the watch kept ending before the job did"
                                      : OneLine(status.error_message())));
       }
-      absl::SleepFor(absl::FromChrono(backoff));
-      backoff = std::min(backoff * 2, options_.max_backoff);
+      backoff.Sleep();
     }
   }
 

@@ -10,8 +10,8 @@
 // lines at most every `progress_interval`, the latest one always printed
 // before the watch ends.
 //
-// Reconnection: when the stream breaks (UNAVAILABLE, DEADLINE_EXCEEDED, or
-// an end before the job ended) after it delivered anything, the watch calls
+// Reconnection: when the stream breaks (an rpc::Transient failure, or an
+// end before the job ended) after it delivered anything, the watch calls
 // again after a backoff (initial_backoff doubling to max_backoff), passing
 // after_event_seq = the last event's seq and from_step = the step of the last
 // step metrics received. That step is asked for again, not the next one: its

@@ -35,7 +35,7 @@
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "aidn/v1/coordinator.grpc.pb.h"
 #include "common/metrics/process_stats.h"
-#include "tests/integration/harness.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::bench {
 namespace {

@@ -4,25 +4,19 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <optional>
-#include <tuple>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/metrics/process_stats.h"
-#include "common/rpc/client.h"
 #include "common/status.h"
-#include "grpcpp/client_context.h"
+#include "google/protobuf/util/time_util.h"
 
 namespace aidn::worker {
 namespace {
 
 using std::chrono::milliseconds;
-using SteadyClock = std::chrono::steady_clock;
 
 // EX_CONFIG: the trainer failed for a reason no restart can cure.
 constexpr int kExitPermanent = 78;
@@ -37,70 +31,41 @@ bool ValidWorkerId(const std::string& id) {
   });
 }
 
-// A job id becomes a directory name: nothing that could climb out of the
-// work dir.
-bool SafePathComponent(const std::string& name) {
-  return !name.empty() && name != "." && name != ".." &&
-         name.find_first_of(std::string("/\0", 2)) == std::string::npos;
-}
-
-milliseconds FromProto(const google::protobuf::Duration& d) {
-  return milliseconds(d.seconds() * 1000 + d.nanos() / 1'000'000);
-}
-
-google::protobuf::Duration ToProto(milliseconds ms) {
-  google::protobuf::Duration d;
-  d.set_seconds(ms.count() / 1000);
-  d.set_nanos(static_cast<int32_t>(ms.count() % 1000) * 1'000'000);
-  return d;
-}
-
-std::string Describe(const grpc::Status& status) {
-  return absl::StrCat("code ", static_cast<int>(status.error_code()), ": ", status.error_message());
-}
-
 std::string KeyText(const std::string& job_id, int64_t generation, int32_t rank) {
   return absl::StrCat(job_id, "/gen-", generation, "/rank-", rank);
 }
 
-// ReportTrainerExit failures worth retrying: the coordinator is away, busy
-// or restarting. Anything else (unknown job, bad request) will not improve.
-bool Retryable(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-    case grpc::StatusCode::ABORTED:
-    case grpc::StatusCode::INTERNAL:
-    case grpc::StatusCode::UNKNOWN:
-    case grpc::StatusCode::CANCELLED:
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return true;
-    default:
-      return false;
+v1::WorkerInfo WorkerInfoOf(const DaemonOptions& o) {
+  v1::WorkerInfo info;
+  info.set_id(o.worker_id);
+  info.set_hostname(o.hostname);
+  info.set_address(o.address);
+  info.set_cpu_slots(o.cpu_slots);
+  info.set_version(o.version);
+  for (const engine::GpuDescription& gpu : o.gpus) {
+    v1::GpuInfo* g = info.add_gpus();
+    g->set_index(gpu.index);
+    g->set_name(gpu.name);
+    g->set_memory_bytes(gpu.memory_bytes);
+    g->set_pci_bus_id(gpu.pci_bus_id);
   }
+  return info;
+}
+
+LaunchOptions LaunchOptionsOf(const DaemonOptions& o) {
+  return {.coordinator = o.coordinator,
+          .worker_id = o.worker_id,
+          .address = o.address,
+          .work_dir = o.work_dir,
+          .checkpoint_root = o.checkpoint_root,
+          .trainer_binary = o.trainer_binary,
+          .trainer_log_level = o.trainer_log_level,
+          .trainer_env = o.trainer_env,
+          .gpus = o.gpus,
+          .cuda_visible_devices = o.cuda_visible_devices};
 }
 
 }  // namespace
-
-absl::StatusOr<std::string> TrainerVisibleDevice(int slot,
-                                                 const std::vector<engine::GpuDescription>& gpus,
-                                                 const std::string& worker_visible_devices) {
-  if (slot < 0 || slot >= static_cast<int>(gpus.size())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GPU slot ", slot, " does not exist: this worker has ", gpus.size(), " GPUs"));
-  }
-  if (!worker_visible_devices.empty()) {
-    std::vector<std::string> entries = absl::StrSplit(worker_visible_devices, ',');
-    if (slot < static_cast<int>(entries.size())) {
-      return std::string(absl::StripAsciiWhitespace(entries[static_cast<size_t>(slot)]));
-    }
-    return absl::InvalidArgumentError(
-        absl::StrCat("GPU slot ", slot, " is not in the worker's CUDA_VISIBLE_DEVICES \"",
-                     worker_visible_devices, "\""));
-  }
-  return absl::StrCat(gpus[static_cast<size_t>(slot)].index);
-}
 
 absl::Status ValidateDaemonOptions(const DaemonOptions& o) {
   if (o.coordinator.empty()) return absl::InvalidArgumentError("coordinator: empty");
@@ -169,25 +134,42 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
 
 Daemon::Daemon(const DaemonOptions& options)
     : options_(options),
+      launch_options_(LaunchOptionsOf(options)),
       metrics_(options.registry != nullptr ? std::make_unique<WorkerMetrics>(options.registry)
-                                           : nullptr),
-      channel_(rpc::MakeChannel(
-          {.address = options.coordinator, .max_message_bytes = options.max_message_bytes})),
-      stub_(v1::ClusterService::NewStub(channel_)) {}
+                                           : nullptr) {
+  link_ = std::make_unique<CoordinatorLink>(
+      CoordinatorLinkOptions{
+          .coordinator = options_.coordinator,
+          .token = options_.token,
+          .info = WorkerInfoOf(options_),
+          .heartbeat_interval = options_.heartbeat_interval,
+          .rpc_timeout = options_.rpc_timeout,
+          .backoff = {.initial = options_.backoff_initial, .max = options_.backoff_max},
+          .max_pending_reports = options_.max_pending_reports,
+          .max_message_bytes = options_.max_message_bytes,
+          .metrics = metrics_.get()},
+      CoordinatorLinkCallbacks{.trainers = [this] { return TrainerStatuses(); },
+                               .on_assignments =
+                                   [this](std::vector<v1::TrainerAssignment> assignments,
+                                          std::vector<v1::StopOrder> stops) {
+                                     SetAssignments(std::move(assignments), std::move(stops));
+                                   }});
+}
 
 Daemon::~Daemon() { Shutdown(); }
 
 absl::Status Daemon::Start() {
-  absl::MutexLock lock(&mu_);
-  if (started_ || stopping_) {
-    return absl::FailedPreconditionError("the daemon was started before or is shut down");
+  {
+    absl::MutexLock lock(&mu_);
+    if (started_ || stopping_) {
+      return absl::FailedPreconditionError("the daemon was started before or is shut down");
+    }
+    started_ = true;
+    AIDN_LOG(INFO) << "worker daemon starting" << Kv("worker_id", options_.worker_id)
+                   << Kv("coordinator", options_.coordinator) << Kv("work_dir", options_.work_dir);
+    supervise_thread_ = std::thread([this] { SuperviseLoop(); });
   }
-  started_ = true;
-  AIDN_LOG(INFO) << "worker daemon starting" << Kv("worker_id", options_.worker_id)
-                 << Kv("coordinator", options_.coordinator) << Kv("work_dir", options_.work_dir);
-  supervise_thread_ = std::thread([this] { SuperviseLoop(); });
-  report_thread_ = std::thread([this] { ReportLoop(); });
-  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  link_->Start();
   return absl::OkStatus();
 }
 
@@ -197,43 +179,16 @@ void Daemon::Shutdown() {
     absl::MutexLock lock(&mu_);
     if (!stopping_ && started_) AIDN_LOG(INFO) << "worker daemon shutting down";
     stopping_ = true;
-    if (heartbeat_call_ != nullptr) heartbeat_call_->TryCancel();
   }
   // New work stops arriving first, then the trainers are stopped (by the
   // supervision thread), then their exit reports get a last chance.
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  link_->StopHeartbeats();
   if (supervise_thread_.joinable()) supervise_thread_.join();
-  if (report_thread_.joinable()) report_thread_.join();
+  link_->FinishReports(options_.shutdown_report_timeout);
 }
 
 // ---------------------------------------------------------------------------
-// Heartbeat thread.
-
-bool Daemon::Stopping() const {
-  absl::MutexLock lock(&mu_);
-  return stopping_;
-}
-
-bool Daemon::SleepUnlessStopping(milliseconds delay) {
-  absl::MutexLock lock(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(delay));
-  return !stopping_;
-}
-
-grpc::Status Daemon::CallCancellable(milliseconds timeout,
-                                     const std::function<grpc::Status(grpc::ClientContext*)>& fn) {
-  grpc::ClientContext context;
-  rpc::PrepareContext(&context, options_.token, timeout);
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return grpc::Status(grpc::StatusCode::CANCELLED, "shutting down");
-    heartbeat_call_ = &context;
-  }
-  grpc::Status status = fn(&context);
-  absl::MutexLock lock(&mu_);
-  heartbeat_call_ = nullptr;
-  return status;
-}
+// Link callbacks.
 
 std::vector<v1::TrainerStatus> Daemon::TrainerStatuses() {
   absl::MutexLock lock(&mu_);
@@ -249,133 +204,13 @@ std::vector<v1::TrainerStatus> Daemon::TrainerStatuses() {
   return statuses;
 }
 
-void Daemon::HeartbeatLoop() {
-  milliseconds backoff = options_.backoff_initial;
-  milliseconds interval = options_.heartbeat_interval;
-  bool registered = false;
-  int64_t version = 0;
-  // The last failure logged, so that an outage is logged once, not every
-  // retry.
-  std::string problem;
-  auto failed = [&](const char* call, const grpc::Status& status) {
-    if (Stopping()) return false;  // cancelled by Shutdown(): nothing to log
-    if (metrics_ != nullptr) {
-      metrics_->coordinator_up.Set(0);
-      metrics_->coordinator_call_failures.Add({{"call", call}}).Increment();
-    }
-    const std::string now = absl::StrCat(call, " ", Describe(status));
-    if (now != problem) {
-      AIDN_LOG(WARNING) << "coordinator call failed; retrying with backoff" << Kv("call", call)
-                        << Kv("coordinator", options_.coordinator)
-                        << Kv("code", static_cast<int>(status.error_code()))
-                        << Kv("error", status.error_message());
-      problem = now;
-    }
-    rpc::ResetBackoffAfter(status, channel_.get());
-    const milliseconds delay = backoff;
-    backoff = std::min(backoff * 2, options_.backoff_max);
-    return SleepUnlessStopping(delay);
-  };
-  auto succeeded = [&] {
-    if (metrics_ != nullptr) metrics_->coordinator_up.Set(1);
-    if (!problem.empty()) {
-      AIDN_LOG(INFO) << "coordinator reachable again" << Kv("coordinator", options_.coordinator);
-      problem.clear();
-    }
-    backoff = options_.backoff_initial;
-  };
-
-  while (!Stopping()) {
-    if (!registered) {
-      // Exit reports still queued go first: registering without a trainer
-      // that ended while its report waits would read as a lost trainer.
-      {
-        absl::MutexLock lock(&mu_);
-        auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return reports_.empty() || stopping_;
-        };
-        mu_.AwaitWithTimeout(absl::Condition(&drained), absl::FromChrono(options_.rpc_timeout));
-      }
-      v1::RegisterWorkerRequest request;
-      v1::WorkerInfo* info = request.mutable_info();
-      info->set_id(options_.worker_id);
-      info->set_hostname(options_.hostname);
-      info->set_address(options_.address);
-      info->set_cpu_slots(options_.cpu_slots);
-      info->set_version(options_.version);
-      for (const engine::GpuDescription& gpu : options_.gpus) {
-        v1::GpuInfo* g = info->add_gpus();
-        g->set_index(gpu.index);
-        g->set_name(gpu.name);
-        g->set_memory_bytes(gpu.memory_bytes);
-        g->set_pci_bus_id(gpu.pci_bus_id);
-      }
-      for (v1::TrainerStatus& t : TrainerStatuses()) *request.add_trainers() = std::move(t);
-      v1::RegisterWorkerResponse response;
-      grpc::Status status = CallCancellable(options_.rpc_timeout, [&](grpc::ClientContext* c) {
-        return stub_->RegisterWorker(c, request, &response);
-      });
-      if (!status.ok()) {
-        if (!failed("RegisterWorker", status)) return;
-        continue;
-      }
-      succeeded();
-      registered = true;
-      version = 0;
-      if (FromProto(response.heartbeat_interval()).count() > 0) {
-        interval = FromProto(response.heartbeat_interval());
-      }
-      AIDN_LOG(INFO) << "registered with the coordinator" << Kv("worker_id", response.worker_id())
-                     << Kv("coordinator", options_.coordinator)
-                     << Kv("heartbeat_interval_ms", interval.count())
-                     << Kv("worker_timeout_ms", FromProto(response.worker_timeout()).count())
-                     << Kv("trainers", request.trainers_size());
-      continue;
-    }
-
-    v1::HeartbeatRequest request;
-    request.set_worker_id(options_.worker_id);
-    for (v1::TrainerStatus& t : TrainerStatuses()) *request.add_trainers() = std::move(t);
-    *request.mutable_max_wait() = ToProto(interval);
-    request.set_assignments_version(version);
-    v1::HeartbeatResponse response;
-    const SteadyClock::time_point sent = SteadyClock::now();
-    grpc::Status status = CallCancellable(
-        interval + options_.rpc_timeout,
-        [&](grpc::ClientContext* c) { return stub_->Heartbeat(c, request, &response); });
-    if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
-      AIDN_LOG(WARNING) << "the coordinator does not know this worker; registering again"
-                        << Kv("worker_id", options_.worker_id);
-      registered = false;
-      continue;
-    }
-    if (!status.ok()) {
-      if (!failed("Heartbeat", status)) return;
-      continue;
-    }
-    succeeded();
-    const bool changed = response.assignments_version() != version;
-    version = response.assignments_version();
-    if (FromProto(response.heartbeat_interval()).count() > 0) {
-      interval = FromProto(response.heartbeat_interval());
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      desired_.assign(response.assignments().begin(), response.assignments().end());
-      have_desired_ = true;
-      stops_.insert(stops_.end(), response.stops().begin(), response.stops().end());
-    }
-    if (changed) {
-      AIDN_LOG(DEBUG) << "assignments" << Kv("version", version)
-                      << Kv("trainers", response.assignments_size())
-                      << Kv("stops", response.stops_size());
-      continue;
-    }
-    // The coordinator answered early without news (it did not hold the
-    // call): keep to the heartbeat interval rather than spin.
-    const auto elapsed = std::chrono::duration_cast<milliseconds>(SteadyClock::now() - sent);
-    if (elapsed < interval / 2 && !SleepUnlessStopping(interval - elapsed)) return;
-  }
+void Daemon::SetAssignments(std::vector<v1::TrainerAssignment> assignments,
+                            std::vector<v1::StopOrder> stops) {
+  absl::MutexLock lock(&mu_);
+  desired_ = std::move(assignments);
+  have_desired_ = true;
+  stops_.insert(stops_.end(), std::make_move_iterator(stops.begin()),
+                std::make_move_iterator(stops.end()));
 }
 
 // ---------------------------------------------------------------------------
@@ -415,15 +250,16 @@ void Daemon::SuperviseLoop() {
     }
   }
   HandleExits(supervisor_.StopAllAndWait(options_.stop_grace));
-  absl::MutexLock lock(&mu_);
-  trainers_stopped_ = true;
 }
 
 void Daemon::ApplyStops(const std::vector<v1::StopOrder>& stops) {
   for (const v1::StopOrder& order : stops) {
-    const milliseconds grace = order.has_grace()
-                                   ? std::max(milliseconds(0), FromProto(order.grace()))
-                                   : options_.stop_grace;
+    const milliseconds grace =
+        order.has_grace()
+            ? std::max(milliseconds(0),
+                       milliseconds(
+                           google::protobuf::util::TimeUtil::DurationToMilliseconds(order.grace())))
+            : options_.stop_grace;
     std::vector<Key> matching;
     {
       absl::MutexLock lock(&mu_);
@@ -474,72 +310,45 @@ void Daemon::Reconcile(const std::vector<v1::TrainerAssignment>& desired) {
   for (const v1::TrainerAssignment* a : missing) StartTrainer(*a);
 }
 
-std::string Daemon::LogPath(const Key& key) const {
-  return absl::StrCat(options_.work_dir, "/logs/", key.job_id, "/gen-", key.generation, "/rank-",
-                      key.rank, ".log");
+void Daemon::NotStarted(const v1::TrainerAssignment& a, const absl::Status& why) {
+  AIDN_LOG(ERROR) << "could not start trainer"
+                  << Kv("trainer", KeyText(a.job_id(), a.generation(), a.rank()))
+                  << Kv("error", why);
+  finished_.insert({a.job_id(), a.generation(), a.rank()});
+  if (metrics_ != nullptr) metrics_->trainer_exits.Add({{"outcome", "not_started"}}).Increment();
+  v1::ReportTrainerExitRequest report;
+  report.set_worker_id(options_.worker_id);
+  report.set_job_id(a.job_id());
+  report.set_generation(a.generation());
+  report.set_rank(a.rank());
+  report.set_exit_code(kExitNotStarted);
+  report.set_stderr_tail(absl::StrCat("worker ", options_.worker_id,
+                                      " could not start the trainer: ", why.ToString()));
+  link_->QueueReport(std::move(report));
 }
 
 void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
-  const Key key{a.job_id(), a.generation(), a.rank()};
-  const std::string name = KeyText(a.job_id(), a.generation(), a.rank());
-  auto not_started = [&](const absl::Status& why) {
-    AIDN_LOG(ERROR) << "could not start trainer" << Kv("trainer", name) << Kv("error", why);
-    finished_.insert(key);
-    v1::ReportTrainerExitRequest report;
-    report.set_worker_id(options_.worker_id);
-    report.set_job_id(a.job_id());
-    report.set_generation(a.generation());
-    report.set_rank(a.rank());
-    report.set_exit_code(kExitNotStarted);
-    if (metrics_ != nullptr) metrics_->trainer_exits.Add({{"outcome", "not_started"}}).Increment();
-    report.set_stderr_tail(absl::StrCat("worker ", options_.worker_id,
-                                        " could not start the trainer: ", why.ToString()));
-    QueueReport(std::move(report));
-  };
-  if (!SafePathComponent(a.job_id())) {
-    return not_started(absl::InvalidArgumentError(
-        absl::StrCat("job id \"", a.job_id(), "\" cannot name a directory")));
-  }
-  const std::string job_dir = absl::StrCat(options_.work_dir, "/jobs/", a.job_id());
+  absl::StatusOr<LaunchSpec> launch = LaunchSpecFor(a, launch_options_);
+  if (!launch.ok()) return NotStarted(a, launch.status());
   std::error_code error;
-  std::filesystem::create_directories(job_dir, error);
+  std::filesystem::create_directories(launch->job_dir, error);
   if (error) {
-    return not_started(absl::InternalError(absl::StrCat("mkdir ", job_dir, ": ", error.message())));
+    return NotStarted(
+        a, absl::InternalError(absl::StrCat("mkdir ", launch->job_dir, ": ", error.message())));
   }
-
-  ChildSpec spec;
-  spec.argv = {options_.trainer_binary, "train", "--coordinator=" + options_.coordinator,
-               "--job=" + a.job_id(), absl::StrCat("--generation=", a.generation()),
-               absl::StrCat("--rank=", a.rank()), absl::StrCat("--world-size=", a.world_size()),
-               "--worker-id=" + options_.worker_id, "--host=" + options_.address,
-               absl::StrCat("--slot=", a.slot()),
-               absl::StrCat("--threads=", std::max(1, a.spec().threads_per_rank())),
-               "--work-dir=" + job_dir, "--checkpoint-root=" + options_.checkpoint_root,
-               // Datasets are inflated once per worker, not once per trainer.
-               "--cache-dir=" + options_.work_dir + "/cache"};
-  if (!options_.trainer_log_level.empty()) {
-    spec.argv.push_back("--log-level=" + options_.trainer_log_level);
-  }
-  // The credential travels in the environment: argv is world-readable.
-  spec.env = options_.trainer_env;
-  if (a.spec().device() == v1::JobSpec::GPU) {
-    // One GPU per trainer, which it sees as its device 0.
-    absl::StatusOr<std::string> visible =
-        TrainerVisibleDevice(a.slot(), options_.gpus, options_.cuda_visible_devices);
-    if (!visible.ok()) return not_started(visible.status());
-    spec.env.push_back("CUDA_VISIBLE_DEVICES=" + *visible);
-  }
-  spec.env.push_back("AIDN_TRAINER_TOKEN=" + a.trainer_token());
-  spec.log_path = LogPath(key);
-  absl::StatusOr<Supervisor::ChildId> child = supervisor_.Start(spec);
-  if (!child.ok()) return not_started(child.status());
+  absl::StatusOr<Supervisor::ChildId> child = supervisor_.Start({.program = launch->program,
+                                                                 .argv = launch->argv,
+                                                                 .env = launch->env,
+                                                                 .log_path = launch->log_path});
+  if (!child.ok()) return NotStarted(a, child.status());
   pid_t pid = 0;
   for (const ChildStatus& c : supervisor_.Running()) {
     if (c.id == *child) pid = c.pid;
   }
   {
     absl::MutexLock lock(&mu_);
-    trainers_[key] = Trainer{.child = *child, .pid = pid};
+    trainers_[{a.job_id(), a.generation(), a.rank()}] =
+        Trainer{.child = *child, .pid = pid, .log_path = launch->log_path};
   }
   auto [seen, first] = generation_started_.try_emplace(a.job_id(), a.generation());
   if (metrics_ != nullptr) {
@@ -547,9 +356,10 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
     if (!first && a.generation() > seen->second) metrics_->trainer_restarts.Increment();
   }
   seen->second = std::max(seen->second, a.generation());
-  AIDN_LOG(INFO) << "trainer started" << Kv("trainer", name) << Kv("pid", pid)
+  AIDN_LOG(INFO) << "trainer started"
+                 << Kv("trainer", KeyText(a.job_id(), a.generation(), a.rank())) << Kv("pid", pid)
                  << Kv("world_size", a.world_size()) << Kv("slot", a.slot())
-                 << Kv("log", spec.log_path);
+                 << Kv("log", launch->log_path);
 }
 
 void Daemon::StopTrainer(const Key& key, milliseconds grace, bool by_order) {
@@ -570,6 +380,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
   for (const ChildExit& exit : exits) {
     Key key;
     bool by_order = false;
+    std::string log_path;
     bool found = false;
     {
       absl::MutexLock lock(&mu_);
@@ -577,6 +388,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
         if (it->second.child != exit.id) continue;
         key = it->first;
         by_order = it->second.by_order;
+        log_path = it->second.log_path;
         trainers_.erase(it);
         found = true;
         break;
@@ -601,7 +413,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     } else {
       AIDN_LOG(WARNING) << "trainer exited"
                         << Kv("trainer", KeyText(key.job_id, key.generation, key.rank))
-                        << Kv("how", how) << Kv("stopped", exit.stopped) << Kv("log", LogPath(key));
+                        << Kv("how", how) << Kv("stopped", exit.stopped) << Kv("log", log_path);
     }
     v1::ReportTrainerExitRequest report;
     report.set_worker_id(options_.worker_id);
@@ -613,7 +425,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     report.set_stderr_tail(exit.log_tail);
     report.set_permanent(exit.signal == 0 && exit.exit_code == kExitPermanent);
     report.set_stopped_by_order(by_order);
-    QueueReport(std::move(report));
+    link_->QueueReport(std::move(report));
   }
 }
 
@@ -640,91 +452,6 @@ void Daemon::CollectMetrics() {
     const metrics::Labels labels{{"gpu", absl::StrCat(gpu.index)}};
     metrics_->gpu_memory_used_bytes.Add(labels).Set(static_cast<double>(gpu.used_bytes));
     metrics_->gpu_memory_total_bytes.Add(labels).Set(static_cast<double>(gpu.total_bytes));
-  }
-}
-
-void Daemon::QueueReport(v1::ReportTrainerExitRequest report) {
-  absl::MutexLock lock(&mu_);
-  if (reports_.size() >= options_.max_pending_reports) {
-    const v1::ReportTrainerExitRequest& dropped = reports_.front().second;
-    AIDN_LOG(ERROR) << "too many undelivered exit reports; dropping the oldest"
-                    << Kv("trainer",
-                          KeyText(dropped.job_id(), dropped.generation(), dropped.rank()));
-    reports_.pop_front();
-  }
-  reports_.emplace_back(next_report_seq_++, std::move(report));
-}
-
-// ---------------------------------------------------------------------------
-// Report thread.
-
-void Daemon::ReportLoop() {
-  milliseconds backoff = options_.backoff_initial;
-  std::optional<SteadyClock::time_point> give_up_at;
-  // The last failure logged, so that an outage is logged once.
-  std::string problem;
-  while (true) {
-    uint64_t seq = 0;
-    v1::ReportTrainerExitRequest report;
-    {
-      absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !reports_.empty() || trainers_stopped_;
-      };
-      mu_.Await(absl::Condition(&ready));
-      if (trainers_stopped_ && !give_up_at.has_value()) {
-        give_up_at = SteadyClock::now() + options_.shutdown_report_timeout;
-      }
-      if (reports_.empty()) return;  // shut down, all delivered
-      seq = reports_.front().first;
-      report = reports_.front().second;
-    }
-    milliseconds timeout = options_.rpc_timeout;
-    if (give_up_at.has_value()) {
-      const auto left = std::chrono::duration_cast<milliseconds>(*give_up_at - SteadyClock::now());
-      if (left.count() <= 0) {
-        absl::MutexLock lock(&mu_);
-        AIDN_LOG(ERROR) << "shutting down with undelivered exit reports"
-                        << Kv("count", reports_.size());
-        return;
-      }
-      timeout = std::min(timeout, left);
-    }
-    grpc::ClientContext context;
-    rpc::PrepareContext(&context, options_.token, timeout);
-    v1::ReportTrainerExitResponse response;
-    const grpc::Status status = stub_->ReportTrainerExit(&context, report, &response);
-    const std::string name = KeyText(report.job_id(), report.generation(), report.rank());
-    if (status.ok() || !Retryable(status.error_code())) {
-      if (status.ok()) {
-        AIDN_LOG(DEBUG) << "exit reported" << Kv("trainer", name);
-        if (!problem.empty()) AIDN_LOG(INFO) << "exit reports are delivered again";
-        problem.clear();
-      } else {
-        AIDN_LOG(WARNING) << "the coordinator refused an exit report; dropping it"
-                          << Kv("trainer", name)
-                          << Kv("code", static_cast<int>(status.error_code()))
-                          << Kv("error", status.error_message());
-      }
-      backoff = options_.backoff_initial;
-      absl::MutexLock lock(&mu_);
-      if (!reports_.empty() && reports_.front().first == seq) reports_.pop_front();
-      continue;
-    }
-    if (Describe(status) != problem) {
-      problem = Describe(status);
-      AIDN_LOG(WARNING) << "could not deliver an exit report; retrying with backoff"
-                        << Kv("trainer", name) << Kv("code", static_cast<int>(status.error_code()))
-                        << Kv("error", status.error_message());
-    }
-    rpc::ResetBackoffAfter(status, channel_.get());
-    milliseconds delay = backoff;
-    if (give_up_at.has_value()) {
-      delay = std::min(delay,
-                       std::chrono::duration_cast<milliseconds>(*give_up_at - SteadyClock::now()));
-    }
-    if (delay.count() > 0) std::this_thread::sleep_for(delay);
-    backoff = std::min(backoff * 2, options_.backoff_max);
   }
 }
 

@@ -10,18 +10,17 @@
 //   ... sigwait(SIGTERM) ...
 //   (*daemon)->Shutdown();                   // trainers stopped, threads joined
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
-#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <thread>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -30,14 +29,11 @@
 #include "absl/synchronization/mutex.h"
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "common/metrics/registry.h"
+#include "worker/coordinator_link.h"
 #include "worker/engine/device.h"
+#include "worker/launch.h"
 #include "worker/metrics.h"
 #include "worker/supervisor.h"
-
-namespace grpc {
-class ClientContext;
-class Status;
-}  // namespace grpc
 
 namespace aidn::worker {
 
@@ -56,7 +52,7 @@ struct DaemonOptions {
   int cpu_slots = 1;
   std::vector<engine::GpuDescription> gpus;
   // The worker's own CUDA_VISIBLE_DEVICES ("" when unset): its GPU g is the
-  // g-th entry of that list (TrainerVisibleDevice).
+  // g-th entry of that list (TrainerVisibleDevice in worker/launch.h).
   std::string cuda_visible_devices;
   // Reported as WorkerInfo.version.
   std::string version;
@@ -67,7 +63,8 @@ struct DaemonOptions {
   // Where a job's relative checkpoint.dir is taken from (an absolute one is
   // used as it is). Empty: <work_dir>/checkpoints. Made absolute by Create().
   std::string checkpoint_root;
-  // Run as `<trainer_binary> train --coordinator=... --job=... ...`.
+  // The program each trainer runs, as `aidn-trainer train --coordinator=...
+  // --job=... ...` (see LaunchSpecFor).
   std::string trainer_binary = "/proc/self/exe";
   // Passed to trainers as --log-level when not empty.
   std::string trainer_log_level;
@@ -81,7 +78,7 @@ struct DaemonOptions {
   // Deadline of each RPC (a held heartbeat gets its max_wait on top).
   std::chrono::milliseconds rpc_timeout{5'000};
   // Retry delays while the coordinator is unreachable: doubling from the
-  // first to the cap.
+  // first to the cap (rpc::BackoffOptions).
   std::chrono::milliseconds backoff_initial{100};
   std::chrono::milliseconds backoff_max{2'000};
   // How often trainers are checked for exits and overdue stops.
@@ -103,35 +100,24 @@ struct DaemonOptions {
 // positive durations, ...). INVALID_ARGUMENT naming the field.
 absl::Status ValidateDaemonOptions(const DaemonOptions& options);
 
-// The CUDA_VISIBLE_DEVICES of a trainer given the worker's GPU `slot`, so
-// that it sees exactly that GPU, as its device 0: the slot-th entry of the
-// worker's own CUDA_VISIBLE_DEVICES when that is set (the worker sees only
-// those, in that order), else the GPU's index. INVALID_ARGUMENT for a slot
-// the worker does not have.
-absl::StatusOr<std::string> TrainerVisibleDevice(int slot,
-                                                 const std::vector<engine::GpuDescription>& gpus,
-                                                 const std::string& worker_visible_devices);
-
-// One daemon per node. It runs three threads:
-//  - heartbeat: RegisterWorker (listing the trainers it runs), then
-//    Heartbeat long-polls (max_wait = the heartbeat interval, with the last
-//    assignments_version, so new work arrives at once); NOT_FOUND registers
-//    again under the same id; an unreachable coordinator is retried with
-//    capped exponential backoff while trainers keep running.
-//  - supervision: reconciles the latest assignment set with the running
-//    trainers (start what is missing, stop what is no longer listed, apply
-//    stop orders with their grace), reaps trainers and queues their exit
-//    reports. It is the only thread that starts trainers, so their
-//    PR_SET_PDEATHSIG follows it (see Supervisor).
-//  - reports: delivers ReportTrainerExit in order, retrying with backoff; a
-//    report the coordinator refuses for good (unknown job, bad request) is
-//    logged and dropped.
+// One daemon per node: the orchestration of a CoordinatorLink (registration,
+// heartbeats, exit reports; worker/coordinator_link.h) and a Supervisor (the
+// trainer processes; worker/supervisor.h). Its own supervision thread
+// reconciles the latest assignment set from the link with the running
+// trainers (start what is missing, stop what is no longer listed, apply stop
+// orders with their grace), reaps trainers and queues their exit reports on
+// the link. It is the only thread that starts trainers, so their
+// PR_SET_PDEATHSIG follows it (see Supervisor). What each trainer process
+// gets (argv, environment, log file) is decided by LaunchSpecFor
+// (worker/launch.h).
+//
 // A trainer that exited is not started again for the same (job, generation,
 // rank), even while the coordinator still lists it.
 //
 // Thread-safe. Start() once; Shutdown() (idempotent, also run by the
-// destructor) stops every trainer (SIGTERM, SIGKILL after stop_grace), tries
-// to deliver their exit reports for shutdown_report_timeout, and joins.
+// destructor) stops heartbeats, then every trainer (SIGTERM, SIGKILL after
+// stop_grace), tries to deliver their exit reports for
+// shutdown_report_timeout, and joins.
 class Daemon {
  public:
   static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonOptions& options);
@@ -163,61 +149,48 @@ class Daemon {
     // Stopped on the coordinator's order (dropped from the assignment set,
     // or a StopOrder), as opposed to by the daemon's own shutdown.
     bool by_order = false;
+    std::string log_path;
   };
 
   explicit Daemon(const DaemonOptions& options);
 
-  void HeartbeatLoop();
-  void SuperviseLoop();
-  void ReportLoop();
-
-  // Heartbeat thread helpers.
-  bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
-  // False when shutting down (at once, not after `delay`).
-  bool SleepUnlessStopping(std::chrono::milliseconds delay) ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs `fn` with a context Shutdown() can cancel.
-  grpc::Status CallCancellable(std::chrono::milliseconds timeout,
-                               const std::function<grpc::Status(grpc::ClientContext*)>& fn)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Link callbacks (its heartbeat thread).
   std::vector<v1::TrainerStatus> TrainerStatuses() ABSL_LOCKS_EXCLUDED(mu_);
+  void SetAssignments(std::vector<v1::TrainerAssignment> assignments,
+                      std::vector<v1::StopOrder> stops) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Supervision thread helpers.
+  // Supervision thread.
+  void SuperviseLoop();
   void ApplyStops(const std::vector<v1::StopOrder>& stops);
   void Reconcile(const std::vector<v1::TrainerAssignment>& desired);
   void StartTrainer(const v1::TrainerAssignment& assignment);
+  // Reports a trainer that could not be started.
+  void NotStarted(const v1::TrainerAssignment& assignment, const absl::Status& why);
   void StopTrainer(const Key& key, std::chrono::milliseconds grace, bool by_order);
   void HandleExits(const std::vector<ChildExit>& exits);
-  void QueueReport(v1::ReportTrainerExitRequest report);
 
-  std::string LogPath(const Key& key) const;
   // Registry collect hook: trainers running, their CPU and memory, GPUs.
   void CollectMetrics() ABSL_LOCKS_EXCLUDED(mu_);
 
-  DaemonOptions options_;
+  const DaemonOptions options_;
+  const LaunchOptions launch_options_;
   // Null without options.registry.
   std::unique_ptr<WorkerMetrics> metrics_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::ClusterService::Stub> stub_;
   Supervisor supervisor_;
+  std::unique_ptr<CoordinatorLink> link_;
 
   // Serialises Shutdown() calls.
   absl::Mutex shutdown_mu_;
-  std::thread heartbeat_thread_;
   std::thread supervise_thread_;
-  std::thread report_thread_;
 
   mutable absl::Mutex mu_;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Set once the supervision thread stopped every trainer at shutdown.
-  bool trainers_stopped_ ABSL_GUARDED_BY(mu_) = false;
-  // The in-flight RPC of the heartbeat thread, cancelled by Shutdown().
-  grpc::ClientContext* heartbeat_call_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // Handed from the heartbeat thread to the supervision thread.
+  // Handed from the link's heartbeat thread to the supervision thread.
   bool have_desired_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<v1::TrainerAssignment> desired_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::StopOrder> stops_ ABSL_GUARDED_BY(mu_);
-  // Written by the supervision thread, read for heartbeats.
+  // Written by the supervision thread, read for heartbeats and metrics.
   std::map<Key, Trainer> trainers_ ABSL_GUARDED_BY(mu_);
   // Supervision thread only: trainers that ended while still assigned (not
   // to be started again).
@@ -225,10 +198,6 @@ class Daemon {
   // Supervision thread only: the newest generation started per job, to
   // count restarts.
   std::map<std::string, int64_t> generation_started_;
-  // Handed from the supervision thread to the report thread, oldest first,
-  // each with a sequence number (the front is popped only once delivered).
-  std::deque<std::pair<uint64_t, v1::ReportTrainerExitRequest>> reports_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_report_seq_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace aidn::worker

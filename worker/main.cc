@@ -8,11 +8,14 @@
 #include <limits.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -20,10 +23,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/time.h"
 #include "aidn/config.h"
 #include "common/file.h"
@@ -37,6 +43,7 @@
 #include "worker/engine/device.h"
 #include "worker/engine/gpu_session.h"
 #include "worker/engine/model.h"
+#include "worker/launch.h"
 #include "worker/trainer/trainer.h"
 
 // Both modes.
@@ -62,7 +69,8 @@ ABSL_FLAG(std::string, metrics_addr, "127.0.0.1:9465",
 ABSL_FLAG(std::string, metrics_addr_file, "",
           "write the host:port /metrics is served on to this file once serving");
 ABSL_FLAG(std::string, trainer_binary, "/proc/self/exe",
-          "program run as `<trainer-binary> train ...` for each rank");
+          "the program each rank runs; it shows in ps as `aidn-trainer train ... --job=<job> "
+          "--generation=<g> --rank=<r> ...`");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "SIGTERM to SIGKILL delay for trainers, unless a stop order says otherwise");
 
@@ -78,8 +86,34 @@ ABSL_FLAG(int32_t, threads, 1, "train: CPU threads");
 namespace {
 
 using aidn::Kv;
+using aidn::worker::kTrainerTokenVariable;
 
-constexpr char kTrainerTokenVariable[] = "AIDN_TRAINER_TOKEN";
+// absl's own --help lists only the flags of a file named like the binary
+// (none here) and exits 1: this lists the flags of this file, with their
+// defaults, and the caller exits 0.
+bool WantsHelp(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "-h") return true;
+  }
+  return false;
+}
+
+void PrintHelp(std::ostream& out) {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), "worker/main.cc")) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  out << absl::ProgramUsageMessage() << "\n\nflags (dashes or underscores):\n";
+  for (const absl::CommandLineFlag* flag : flags) {
+    const std::string value = flag->DefaultValue();
+    out << "  --" << absl::StrReplaceAll(flag->Name(), {{"_", "-"}}) << " (default: "
+        << (flag->IsOfType<std::string>() ? absl::StrCat("\"", value, "\"") : value) << ")\n"
+        << "      " << flag->Help() << "\n";
+  }
+}
 
 int Fail(const char* mode, const absl::Status& status) {
   AIDN_LOG(ERROR) << mode << ": " << status;
@@ -121,6 +155,8 @@ int RunTrainMode() {
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
   options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   options.cache_dir = absl::GetFlag(FLAGS_cache_dir);
+  // `ps -e`, `top` and /proc/<pid>/comm show which rank of which job this is.
+  prctl(PR_SET_NAME, aidn::worker::TrainerThreadName(options.job_id, options.rank).c_str());
   if (const char* token = getenv(kTrainerTokenVariable); token != nullptr) {
     options.token = token;
     // Nothing the trainer might start inherits the credential.
@@ -270,9 +306,13 @@ int RunDaemonMode(const std::string& log_level) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "the aidn worker daemon (see --helpfull for flags)\n"
+      "the aidn worker daemon\n"
       "  aidn-worker [flags]          run the daemon\n"
       "  aidn-worker train [flags]    run one trainer rank (started by the daemon)");
+  if (WantsHelp(argc, argv)) {
+    PrintHelp(std::cout);
+    return 0;
+  }
   // `train` is a mode, not a positional argument: take it out before parsing.
   const bool train = argc > 1 && std::string(argv[1]) == "train";
   std::vector<char*> raw(argv, argv + argc);

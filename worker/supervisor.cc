@@ -131,9 +131,10 @@ Supervisor::~Supervisor() {
 
 absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   if (spec.argv.empty()) return absl::InvalidArgumentError("argv: empty");
-  if (spec.argv[0].find('/') == std::string::npos) {
+  const std::string program = spec.program.empty() ? spec.argv[0] : spec.program;
+  if (program.find('/') == std::string::npos) {
     return absl::InvalidArgumentError(
-        absl::StrCat("argv[0]: must be a path, got \"", spec.argv[0], "\""));
+        absl::StrCat("program: must be a path, got \"", program, "\""));
   }
   if (spec.log_path.empty()) return absl::InvalidArgumentError("log_path: empty");
   const std::filesystem::path parent_dir = std::filesystem::path(spec.log_path).parent_path();
@@ -173,7 +174,7 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   const pid_t self = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
-    ExecChild(self, log_fd, null_fd, exec_pipe[1], child_argv[0], child_argv.data(),
+    ExecChild(self, log_fd, null_fd, exec_pipe[1], program.c_str(), child_argv.data(),
               child_env.data());
   }
   const int fork_error = errno;
@@ -192,15 +193,15 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   if (exec_error != 0) {
     int status = 0;
     WaitBlocking(pid, &status);
-    return PosixError(absl::StrCat("exec ", spec.argv[0]), exec_error);
+    return PosixError(absl::StrCat("exec ", program), exec_error);
   }
 
   const ChildId id = next_id_++;
   Child& child = children_[id];
   child.pid = pid;
   child.log_path = spec.log_path;
-  AIDN_LOG(DEBUG) << "child started" << Kv("child", id) << Kv("pid", pid)
-                  << Kv("program", spec.argv[0]) << Kv("log", spec.log_path);
+  AIDN_LOG(DEBUG) << "child started" << Kv("child", id) << Kv("pid", pid) << Kv("program", program)
+                  << Kv("log", spec.log_path);
   return id;
 }
 

@@ -39,7 +39,9 @@ struct SupervisorOptions {
 
 // What to run.
 struct ChildSpec {
-  // argv[0] is the program: a path (no $PATH search).
+  // The file executed: a path (no $PATH search). Empty: argv[0].
+  std::string program = {};
+  // argv[0] is the name the child shows in `ps` and /proc/<pid>/cmdline.
   std::vector<std::string> argv = {};
   // "KEY=VALUE" entries added to (or replacing those in) the daemon's own
   // environment. Secrets go here, never in argv (argv is world-readable in

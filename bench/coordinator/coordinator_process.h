@@ -16,7 +16,7 @@
 #include "aidn/v1/job.pb.h"
 #include "bench/coordinator/load.h"
 #include "bench/coordinator/options.h"
-#include "tests/integration/harness.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::bench {
 

@@ -4,7 +4,7 @@
 #include <chrono>
 #include <set>
 
-#include "tests/integration/harness.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::bench {
 

@@ -30,7 +30,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tests/integration/harness.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
@@ -46,10 +46,6 @@ const std::string kExampleSpec = std::string(AIDN_SOURCE_DIR) + "/examples/fashi
 // read alike.
 std::string Normalized(const std::string& text) {
   return absl::StrReplaceAll(absl::AsciiStrToLower(text), {{"_", " "}});
-}
-
-std::string Describe(const CommandResult& r) {
-  return absl::StrCat("exit ", r.exit_code, "\n--- stdout:\n", r.out, "\n--- stderr:\n", r.err);
 }
 
 Json ParseJson(const std::string& text) { return Json::parse(text, nullptr, false); }
@@ -173,42 +169,37 @@ int UnusedPort() {
   return ntohs(addr.sin_port);
 }
 
-// Each test gets its own state directory (kept when the test fails, for the
-// coordinator logs in it) and starts its own coordinator.
-class Cli : public ::testing::Test {
+// Each test gets its own cluster directory (kept when the test fails, for
+// the coordinator logs in it) and starts its own coordinator.
+class Cli : public ClusterFixture {
  protected:
-  void SetUp() override { dir_ = MakeTempDir("aidn-cli-test"); }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "state and coordinator logs kept in " << dir_ << "\n";
-    } else {
-      RemoveTree(dir_);
-    }
-  }
-  std::string StateDir() const { return dir_ + "/state"; }
+  Cli() : ClusterFixture("aidn-cli-test") {}
 
-  std::string dir_;
+  void StartCoordinatorWith(const std::vector<std::string>& args = {}) {
+    const absl::Status started = cluster().StartCoordinator(args);
+    ASSERT_TRUE(started.ok()) << started;
+  }
 };
 
 TEST_F(Cli, SubmitsListsDescribesAndCancelsAJob) {
-  auto c = StartCoordinator(StateDir());
-  ASSERT_TRUE(c.ok()) << c.status();
-  const std::string& token = c->admin_token;
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith());
+  const CoordinatorHandle& c = cluster().coordinator();
+  const std::string& token = c.admin_token;
 
-  CommandResult r = Aidnctl(*c, token, {"submit", "-f", kExampleSpec});
+  CommandResult r = Aidnctl(c, token, {"submit", "-f", kExampleSpec});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_EQ(absl::StripAsciiWhitespace(r.out), "submitted job-1") << Describe(r);
 
   // No workers: it waits.
-  EXPECT_EQ(JobStates(*c, token), (std::map<std::string, std::string>{{"job-1", "PENDING"}}));
+  EXPECT_EQ(JobStates(c, token), (std::map<std::string, std::string>{{"job-1", "PENDING"}}));
 
   // describe shows the state and the spec with the defaults filled in.
-  r = Aidnctl(*c, token, {"describe", "job-1"});
+  r = Aidnctl(c, token, {"describe", "job-1"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("job-1"));
   EXPECT_THAT(r.out, HasSubstr("PENDING"));
   EXPECT_THAT(Normalized(r.out), HasSubstr("bucket"));
-  const Json job = AidnctlJson(*c, token, {"describe", "job-1"});
+  const Json job = AidnctlJson(c, token, {"describe", "job-1"});
   EXPECT_EQ(StringField(job, "id"), "job-1") << job.dump(2);
   EXPECT_EQ(StringField(job, "state"), "PENDING") << job.dump(2);
   const Json* spec = Field(job, "spec");
@@ -218,15 +209,15 @@ TEST_F(Cli, SubmitsListsDescribesAndCancelsAJob) {
   EXPECT_EQ(bucket_mb->get<double>(), 25.0);
   EXPECT_GT(IntField(*spec, "world_size"), 0) << job.dump(2);
 
-  r = Aidnctl(*c, token, {"cancel", "job-1", "--reason", "integration test"});
+  r = Aidnctl(c, token, {"cancel", "job-1", "--reason", "integration test"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
-  EXPECT_EQ(StringField(AidnctlJson(*c, token, {"describe", "job-1"}), "state"), "CANCELLED");
-  EXPECT_EQ(JobStates(*c, token), (std::map<std::string, std::string>{{"job-1", "CANCELLED"}}));
-  EXPECT_EQ(JobStates(*c, token, {"--state", "PENDING"}).size(), 0u);
-  EXPECT_EQ(JobStates(*c, token, {"--state", "CANCELLED"}).size(), 1u);
+  EXPECT_EQ(StringField(AidnctlJson(c, token, {"describe", "job-1"}), "state"), "CANCELLED");
+  EXPECT_EQ(JobStates(c, token), (std::map<std::string, std::string>{{"job-1", "CANCELLED"}}));
+  EXPECT_EQ(JobStates(c, token, {"--state", "PENDING"}).size(), 0u);
+  EXPECT_EQ(JobStates(c, token, {"--state", "CANCELLED"}).size(), 1u);
 
   // A second cancel is refused: the job already ended.
-  r = Aidnctl(*c, token, {"cancel", "job-1"});
+  r = Aidnctl(c, token, {"cancel", "job-1"});
   EXPECT_EQ(r.exit_code, 1) << Describe(r);
   EXPECT_THAT(r.err, StartsWith("aidnctl: error:"));
   EXPECT_THAT(r.err, HasSubstr("job-1"));
@@ -234,9 +225,9 @@ TEST_F(Cli, SubmitsListsDescribesAndCancelsAJob) {
   EXPECT_TRUE(absl::StrContains(err, "ended") || absl::StrContains(err, "cancelled") ||
               absl::StrContains(err, "already") || absl::StrContains(err, "finished"))
       << Describe(r);
-  EXPECT_EQ(StringField(AidnctlJson(*c, token, {"describe", "job-1"}), "state"), "CANCELLED");
+  EXPECT_EQ(StringField(AidnctlJson(c, token, {"describe", "job-1"}), "state"), "CANCELLED");
 
-  r = Aidnctl(*c, token, {"describe", "job-404"});
+  r = Aidnctl(c, token, {"describe", "job-404"});
   EXPECT_EQ(r.exit_code, 1) << Describe(r);
   EXPECT_THAT(r.err, StartsWith("aidnctl: error:"));
   EXPECT_THAT(r.err, HasSubstr("job-404"));
@@ -246,24 +237,24 @@ TEST_F(Cli, SubmitsListsDescribesAndCancelsAJob) {
 }
 
 TEST_F(Cli, ListsCheckpointsAndExportSaysWhenThereIsNone) {
-  auto c = StartCoordinator(StateDir());
-  ASSERT_TRUE(c.ok()) << c.status();
-  const std::string& token = c->admin_token;
-  CommandResult r = Aidnctl(*c, token, {"submit", "-f", kExampleSpec});
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith());
+  const CoordinatorHandle& c = cluster().coordinator();
+  const std::string& token = c.admin_token;
+  CommandResult r = Aidnctl(c, token, {"submit", "-f", kExampleSpec});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
 
-  r = Aidnctl(*c, token, {"checkpoints", "job-1"});
+  r = Aidnctl(c, token, {"checkpoints", "job-1"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_EQ(r.out, "STEP   GEN   COMMITTED   CREATED   BYTES   PATH   NOTE\n") << Describe(r);
-  EXPECT_TRUE(Items(AidnctlJson(*c, token, {"checkpoints", "job-1"}), "checkpoints").empty());
+  EXPECT_TRUE(Items(AidnctlJson(c, token, {"checkpoints", "job-1"}), "checkpoints").empty());
 
   // Nothing to export yet; the global -o still names the format before the
   // command and the file after it.
-  const std::string output = dir_ + "/model.safetensors";
-  r = Aidnctl(*c, token, {"-o", "json", "export", "job-1", "-o", output});
+  const std::string output = cluster().Path("model.safetensors");
+  r = Aidnctl(c, token, {"-o", "json", "export", "job-1", "-o", output});
   EXPECT_EQ(r.exit_code, 1) << Describe(r);
   EXPECT_THAT(r.err, StartsWith("aidnctl: error: job job-1 has no checkpoints")) << Describe(r);
-  r = Aidnctl(*c, token, {"export", "job-404", "--step", "10", "-o", output});
+  r = Aidnctl(c, token, {"export", "job-404", "--step", "10", "-o", output});
   EXPECT_EQ(r.exit_code, 1) << Describe(r);
   EXPECT_THAT(r.err, HasSubstr("job-404")) << Describe(r);
   EXPECT_EQ(access(output.c_str(), F_OK), -1) << output << " was written";
@@ -296,20 +287,20 @@ std::string Yaml(const SpecText& s) {
 }
 
 TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
-  auto c = StartCoordinator(StateDir());
-  ASSERT_TRUE(c.ok()) << c.status();
-  const std::string& token = c->admin_token;
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith());
+  const CoordinatorHandle& c = cluster().coordinator();
+  const std::string& token = c.admin_token;
 
   // The valid base spec is accepted, so each refusal below is the mutation's.
-  const std::string good = dir_ + "/good.yaml";
+  const std::string good = cluster().Path("good.yaml");
   WriteFileOrDie(good, Yaml({}));
-  CommandResult r = Aidnctl(*c, token, {"submit", "-f", good});
+  CommandResult r = Aidnctl(c, token, {"submit", "-f", good});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   ASSERT_EQ(SubmittedId(r), "job-1") << Describe(r);
 
-  const Json listed_before = AidnctlJson(*c, token, {"list"});
-  const std::vector<v1::Job> jobs_before = ApiJobs(*c);
-  const std::vector<v1::Event> events_before = ApiEvents(*c);
+  const Json listed_before = AidnctlJson(c, token, {"list"});
+  const std::vector<v1::Job> jobs_before = ApiJobs(c);
+  const std::vector<v1::Event> events_before = ApiEvents(c);
   ASSERT_EQ(jobs_before.size(), 1u);
 
   struct Case {
@@ -339,9 +330,9 @@ TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);
-    const std::string path = absl::StrCat(dir_, "/", bad.name, ".yaml");
+    const std::string path = cluster().Path(bad.name + ".yaml");
     WriteFileOrDie(path, Yaml(bad.spec));
-    r = Aidnctl(*c, token, {"submit", "-f", path});
+    r = Aidnctl(c, token, {"submit", "-f", path});
     EXPECT_EQ(r.exit_code, 1) << Describe(r);
     EXPECT_THAT(r.err, StartsWith("aidnctl: error:")) << Describe(r);
     EXPECT_THAT(r.err, HasSubstr(bad.field)) << Describe(r);
@@ -349,9 +340,9 @@ TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
 
   {
     SCOPED_TRACE("malformed YAML");
-    const std::string path = dir_ + "/malformed.yaml";
+    const std::string path = cluster().Path("malformed.yaml");
     WriteFileOrDie(path, "name: broken\nworld_size: [1, 2\nmodel: {name: mlp\n");
-    r = Aidnctl(*c, token, {"submit", "-f", path});
+    r = Aidnctl(c, token, {"submit", "-f", path});
     EXPECT_EQ(r.exit_code, 1) << Describe(r);
     EXPECT_THAT(r.err, StartsWith("aidnctl: error:")) << Describe(r);
     EXPECT_TRUE(absl::StrContains(r.err, "malformed.yaml") ||
@@ -377,7 +368,7 @@ TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
       {"batch_size", [](v1::JobSpec& s) { s.set_batch_size(-1); }},
       {"strategy", [](v1::JobSpec& s) { s.set_strategy(v1::JobSpec::ZERO1); }},
   };
-  auto stub = CoordinatorStub(c->address);
+  auto stub = CoordinatorStub(c.address);
   for (const auto& [field, mutate] : api_cases) {
     SCOPED_TRACE("API " + field);
     v1::SubmitJobRequest request;
@@ -389,29 +380,30 @@ TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
     EXPECT_THAT(status.error_message(), StartsWith(field + ":"));
   }
 
-  EXPECT_EQ(AidnctlJson(*c, token, {"list"}), listed_before);
-  ExpectSameMessages(jobs_before, ApiJobs(*c), "job");
-  ExpectSameMessages(events_before, ApiEvents(*c), "event");
+  EXPECT_EQ(AidnctlJson(c, token, {"list"}), listed_before);
+  ExpectSameMessages(jobs_before, ApiJobs(c), "job");
+  ExpectSameMessages(events_before, ApiEvents(c), "event");
 
   // Refused submits took no job id.
-  r = Aidnctl(*c, token, {"submit", "-f", good});
+  r = Aidnctl(c, token, {"submit", "-f", good});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_EQ(SubmittedId(r), "job-2") << Describe(r);
 }
 
 TEST_F(Cli, RefusesMissingAndWrongTokensAndHonoursRoles) {
   const std::string user_token = "user-token-0123456789abcdef";
-  const std::string token_file = dir_ + "/tokens";
+  const std::string token_file = cluster().Path("tokens");
   WriteFileOrDie(token_file, absl::StrCat("# test tokens\n\n", user_token, " user alice\n"));
-  auto c = StartCoordinator(StateDir(), {"--token-file=" + token_file});
-  ASSERT_TRUE(c.ok()) << c.status();
-  ASSERT_FALSE(c->worker_token.empty());
-  ASSERT_EQ(c->worker_token,
-            std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(StateDir() + "/worker.token"))));
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith({"--token-file=" + token_file}));
+  const CoordinatorHandle& c = cluster().coordinator();
+  ASSERT_FALSE(c.worker_token.empty());
+  ASSERT_EQ(
+      c.worker_token,
+      std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(c.state_dir + "/worker.token"))));
 
   for (const std::string& token : {std::string("wrong-token-0123456789abcdef"), std::string()}) {
     SCOPED_TRACE(token.empty() ? "no token" : "wrong token");
-    const CommandResult r = Aidnctl(*c, token, {"list"});
+    const CommandResult r = Aidnctl(c, token, {"list"});
     EXPECT_EQ(r.exit_code, 1) << Describe(r);
     EXPECT_THAT(r.err, StartsWith("aidnctl: error:")) << Describe(r);
     const std::string err = Normalized(r.err);
@@ -422,7 +414,7 @@ TEST_F(Cli, RefusesMissingAndWrongTokensAndHonoursRoles) {
 
   {
     SCOPED_TRACE("worker token");
-    const CommandResult r = Aidnctl(*c, c->worker_token, {"list"});
+    const CommandResult r = Aidnctl(c, c.worker_token, {"list"});
     EXPECT_EQ(r.exit_code, 1) << Describe(r);
     EXPECT_THAT(r.err, StartsWith("aidnctl: error:")) << Describe(r);
     EXPECT_THAT(Normalized(r.err), HasSubstr("permission denied")) << Describe(r);
@@ -430,11 +422,11 @@ TEST_F(Cli, RefusesMissingAndWrongTokensAndHonoursRoles) {
 
   // The user token from --token-file may submit and list; the job is
   // recorded as the token's owner's.
-  CommandResult r = Aidnctl(*c, user_token, {"submit", "-f", kExampleSpec});
+  CommandResult r = Aidnctl(c, user_token, {"submit", "-f", kExampleSpec});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_EQ(SubmittedId(r), "job-1") << Describe(r);
-  EXPECT_EQ(JobStates(*c, user_token), (std::map<std::string, std::string>{{"job-1", "PENDING"}}));
-  EXPECT_EQ(StringField(AidnctlJson(*c, user_token, {"describe", "job-1"}), "owner"), "alice");
+  EXPECT_EQ(JobStates(c, user_token), (std::map<std::string, std::string>{{"job-1", "PENDING"}}));
+  EXPECT_EQ(StringField(AidnctlJson(c, user_token, {"describe", "job-1"}), "owner"), "alice");
 }
 
 TEST_F(Cli, ReportsAnUnreachableCoordinatorQuickly) {
@@ -455,18 +447,18 @@ TEST_F(Cli, ReportsAnUnreachableCoordinatorQuickly) {
 }
 
 TEST_F(Cli, RefusesAnOversizedRequestAndStaysUp) {
-  auto c = StartCoordinator(StateDir());
-  ASSERT_TRUE(c.ok()) << c.status();
-  CommandResult r = Aidnctl(*c, c->admin_token, {"submit", "-f", kExampleSpec});
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith());
+  const CoordinatorHandle& c = cluster().coordinator();
+  CommandResult r = Aidnctl(c, c.admin_token, {"submit", "-f", kExampleSpec});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
-  const std::vector<v1::Job> jobs_before = ApiJobs(*c);
+  const std::vector<v1::Job> jobs_before = ApiJobs(c);
 
   // A client that allows itself to send 80 MB; the coordinator accepts 4 MB.
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(80 << 20);
   args.SetMaxReceiveMessageSize(80 << 20);
   auto big_stub = v1::CoordinatorService::NewStub(
-      grpc::CreateCustomChannel(c->address, grpc::InsecureChannelCredentials(), args));
+      grpc::CreateCustomChannel(c.address, grpc::InsecureChannelCredentials(), args));
   v1::SubmitJobRequest request;
   request.mutable_spec()->set_name(std::string(64 << 20, 'x'));
   request.mutable_spec()->set_world_size(1);
@@ -474,47 +466,49 @@ TEST_F(Cli, RefusesAnOversizedRequestAndStaysUp) {
   request.mutable_spec()->mutable_optimizer()->set_name("sgd");
   v1::SubmitJobResponse response;
   const grpc::Status status = big_stub->SubmitJob(
-      Context(c->admin_token, std::chrono::seconds(60)).get(), request, &response);
+      Context(c.admin_token, std::chrono::seconds(60)).get(), request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   request.Clear();
 
-  EXPECT_TRUE(c->process->Running());
-  ExpectSameMessages(jobs_before, ApiJobs(*c), "job");
-  r = Aidnctl(*c, c->admin_token, {"submit", "-f", kExampleSpec});
+  EXPECT_TRUE(c.process->Running());
+  ExpectSameMessages(jobs_before, ApiJobs(c), "job");
+  r = Aidnctl(c, c.admin_token, {"submit", "-f", kExampleSpec});
   EXPECT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_EQ(SubmittedId(r), "job-2") << Describe(r);
 }
 
 TEST_F(Cli, KeepsJobsAndEventsAcrossKillNineAndRestart) {
-  auto c = StartCoordinator(StateDir());
-  ASSERT_TRUE(c.ok()) << c.status();
-  const std::string token = c->admin_token;
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith());
+  const CoordinatorHandle& c = cluster().coordinator();
+  const std::string token = c.admin_token;
 
-  CommandResult r = Aidnctl(*c, token, {"submit", "-f", kExampleSpec});
+  CommandResult r = Aidnctl(c, token, {"submit", "-f", kExampleSpec});
   ASSERT_EQ(SubmittedId(r), "job-1") << Describe(r);
-  r = Aidnctl(*c, token, {"submit", "-f", kExampleSpec});
+  r = Aidnctl(c, token, {"submit", "-f", kExampleSpec});
   ASSERT_EQ(SubmittedId(r), "job-2") << Describe(r);
-  r = Aidnctl(*c, token, {"cancel", "job-1"});
+  r = Aidnctl(c, token, {"cancel", "job-1"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
 
-  const std::map<std::string, std::string> states_before = JobStates(*c, token);
+  const std::map<std::string, std::string> states_before = JobStates(c, token);
   EXPECT_EQ(states_before,
             (std::map<std::string, std::string>{{"job-1", "CANCELLED"}, {"job-2", "PENDING"}}));
-  const std::vector<Json> cli_events_before = Items(AidnctlJson(*c, token, {"events"}), "events");
-  const std::vector<v1::Job> jobs_before = ApiJobs(*c);
-  const std::vector<v1::Event> events_before = ApiEvents(*c);
+  const std::vector<Json> cli_events_before = Items(AidnctlJson(c, token, {"events"}), "events");
+  const std::vector<v1::Job> jobs_before = ApiJobs(c);
+  const std::vector<v1::Event> events_before = ApiEvents(c);
   ASSERT_GE(events_before.size(), 3u);  // two submits and a cancel at least
   ASSERT_EQ(cli_events_before.size(), events_before.size());
 
-  c->process->Signal(SIGKILL);
-  absl::StatusOr<int> code = c->process->Wait(std::chrono::seconds(30));
+  const std::string worker_token = c.worker_token;
+  absl::StatusOr<int> code = cluster().KillCoordinator();
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 128 + SIGKILL);
 
-  auto restarted = StartCoordinator(StateDir());
-  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  // The same state directory, on a new port.
+  const absl::Status started = cluster().RestartCoordinator(/*same_address=*/false);
+  ASSERT_TRUE(started.ok()) << started;
+  const CoordinatorHandle* restarted = &cluster().coordinator();
   EXPECT_EQ(restarted->admin_token, token);
-  EXPECT_EQ(restarted->worker_token, c->worker_token);
+  EXPECT_EQ(restarted->worker_token, worker_token);
 
   EXPECT_EQ(JobStates(*restarted, token), states_before);
   const std::vector<v1::Job> jobs_after = ApiJobs(*restarted);

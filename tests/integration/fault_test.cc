@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -23,11 +24,11 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
@@ -37,7 +38,6 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 constexpr milliseconds kLong{180'000};
-constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
 
 std::string TrainerNeedle(const std::string& job, int64_t generation, int rank) {
   return absl::StrCat("--job=", job, " --generation=", generation, " --rank=", rank, " ");
@@ -54,64 +54,45 @@ std::string TensorBytes(const std::string& path) {
   return all.substr(8 + n);
 }
 
-class FaultTest : public ::testing::Test {
+class FaultTest : public ClusterFixture {
  protected:
+  FaultTest() : ClusterFixture("aidn-fault-test") {}
+
   void SetUp() override {
-    if (!fs::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+    if (!FashionMnistInstalled()) {
       GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
     }
-    dir_ = MakeTempDir("aidn-fault-test");
-    ckpt_root_ = dir_ + "/ckpt";
-    StartCoordinatorProcess();
+    ClusterFixture::SetUp();
+    ckpt_root_ = cluster().Path("ckpt");
+    const absl::Status started = cluster().StartCoordinator(
+        {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s"});
+    ASSERT_TRUE(started.ok()) << started;
   }
 
-  void StartCoordinatorProcess() {
-    absl::StatusOr<CoordinatorHandle> c = StartCoordinator(
-        dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s"});
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    coord_ = CoordinatorStub(coordinator_.address);
-  }
-
-  // A worker daemon with one CPU slot; all share the checkpoint root.
-  void StartOneWorker(const std::string& id) {
-    absl::StatusOr<std::unique_ptr<Process>> w =
-        StartWorker(coordinator_, id, absl::StrCat(dir_, "/", id),
-                    {"--checkpoint-root=" + ckpt_root_, "--stop-grace=1s"});
-    ASSERT_TRUE(w.ok()) << w.status();
-    workers_[id] = std::move(*w);
-  }
-
+  // Worker daemons with one CPU slot each; all share the checkpoint root.
   void StartWorkers(const std::vector<std::string>& ids) {
-    for (const std::string& id : ids) StartOneWorker(id);
-    ASSERT_TRUE(
-        WaitForAliveWorkers(coord_.get(), admin(), static_cast<int>(workers_.size()), seconds(30)))
-        << "workers did not register";
+    ASSERT_TRUE(cluster().StartWorkers(
+        ids, {.args = {"--checkpoint-root=" + ckpt_root_, "--stop-grace=1s"}}));
   }
 
   void TearDown() override {
-    if (HasFailure()) {
-      std::vector<std::string> ids;
-      for (const auto& [id, w] : workers_) ids.push_back(id);
-      PrintStderrTails(dir_, ids, coordinator_);
-    }
-    workers_.clear();
-    coordinator_.process.reset();
-    if (dir_.empty()) return;
+    if (cluster_ == nullptr) return;
+    cluster().StopAll();
     // 8. Nothing of the test is left running, and no unfinished checkpoint
     // directory is left behind.
-    EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir_}).empty(); }, seconds(15)))
-        << "stray processes: " << ProcessesWith({dir_}).size();
+    EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir()}).empty(); }, seconds(15),
+                        "every process of the test gone",
+                        [&] { return absl::StrCat(ProcessesWith({dir()}).size(), " left"); }));
     std::error_code error;
     for (auto it = fs::recursive_directory_iterator(ckpt_root_, error);
          !error && it != fs::recursive_directory_iterator(); ++it) {
       EXPECT_FALSE(absl::StartsWith(it->path().filename().string(), ".tmp-"))
           << "leaked temporary checkpoint directory " << it->path();
     }
-    if (!HasFailure()) fs::remove_all(dir_, error);
+    ClusterFixture::TearDown();
   }
 
-  const std::string& admin() const { return coordinator_.admin_token; }
+  const std::string& dir() { return cluster().dir(); }
 
   // Small and quick, but long enough to interrupt: AdamW (moments to
   // restore) and dropout (a generator to restore).
@@ -138,35 +119,15 @@ class FaultTest : public ::testing::Test {
   }
 
   std::string Submit(const v1::JobSpec& spec) {
-    absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+    absl::StatusOr<std::string> id = cluster().Submit(spec);
     EXPECT_TRUE(id.ok()) << id.status();
     return id.ok() ? *id : "";
   }
-  v1::Job Get(const std::string& id) { return GetJob(coord_.get(), admin(), id); }
-  v1::Job WaitForEnd(const std::string& id) {
-    return WaitForJobEnd(coord_.get(), admin(), id, kLong);
-  }
-
-  std::vector<v1::Event> Events(const std::string& id) {
-    v1::ListEventsRequest request;
-    request.set_job_id(id);
-    v1::ListEventsResponse response;
-    coord_->ListEvents(Context(admin()).get(), request, &response);
-    return {response.events().begin(), response.events().end()};
-  }
-
-  std::string EventText(const std::string& id) {
-    std::string text;
-    for (const v1::Event& e : Events(id)) absl::StrAppend(&text, e.type(), ": ", e.message(), "\n");
-    return text;
-  }
-
+  v1::Job Get(const std::string& id) { return cluster().GetJob(id); }
+  v1::Job WaitForEnd(const std::string& id) { return cluster().WaitForEnd(id, kLong); }
+  std::string EventText(const std::string& id) { return cluster().EventText(id); }
   std::vector<v1::Checkpoint> Checkpoints(const std::string& id) {
-    v1::ListCheckpointsRequest request;
-    request.set_job_id(id);
-    v1::ListCheckpointsResponse response;
-    coord_->ListCheckpoints(Context(admin()).get(), request, &response);
-    return {response.checkpoints().begin(), response.checkpoints().end()};
+    return cluster().Checkpoints(id);
   }
 
   std::string JobDir(const std::string& id) const { return absl::StrCat(ckpt_root_, "/runs/", id); }
@@ -190,20 +151,14 @@ class FaultTest : public ::testing::Test {
 
   std::string TrainerLog(const std::string& worker, const std::string& job, int64_t generation,
                          int rank) const {
-    return ReadFileOrEmpty(absl::StrCat(dir_, "/", worker, "/logs/", job, "/gen-", generation,
-                                        "/rank-", rank, ".log"));
+    return ReadFileOrEmpty(absl::StrCat(cluster_->WorkDir(worker), "/logs/", job, "/gen-",
+                                        generation, "/rank-", rank, ".log"));
   }
 
   // Every step 1..n present once in the job's metric records.
   ::testing::AssertionResult NoMissingSteps(const std::string& id, int64_t n) {
-    v1::GetMetricsRequest request;
-    request.set_job_id(id);
-    request.set_limit(100000);
-    v1::GetMetricsResponse response;
-    grpc::Status s = coord_->GetMetrics(Context(admin()).get(), request, &response);
-    if (!s.ok()) return ::testing::AssertionFailure() << s.error_message();
     std::map<int64_t, int> seen;
-    for (const v1::StepMetrics& m : response.steps()) {
+    for (const v1::StepMetrics& m : cluster().Metrics(id)) {
       if (m.kind() == v1::MetricRecord::TRAIN) ++seen[m.step()];
     }
     std::vector<int64_t> missing, twice;
@@ -224,7 +179,7 @@ class FaultTest : public ::testing::Test {
     std::vector<pid_t> pids;
     ASSERT_TRUE(WaitFor(
         [&] {
-          pids = ProcessesWith({dir_, TrainerNeedle(job, generation, rank)});
+          pids = ProcessesWith({dir(), TrainerNeedle(job, generation, rank)});
           return pids.size() == 1;
         },
         kLong))
@@ -232,11 +187,7 @@ class FaultTest : public ::testing::Test {
     ASSERT_EQ(::kill(pids[0], sig), 0);
   }
 
-  std::string dir_;
   std::string ckpt_root_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::map<std::string, std::unique_ptr<Process>> workers_;
 };
 
 // 1. kill -9 a trainer mid-run: the job resumes from its last checkpoint and
@@ -288,13 +239,29 @@ TEST_F(FaultTest, AKilledTrainerResumesFromItsCheckpointAndEndsBitwiseEqual) {
     EXPECT_EQ(listed, on_disk);
 
     // The final weights go out as a verified safetensors file.
-    const std::string exported = absl::StrCat(dir_, "/", id, ".safetensors");
-    CommandResult export_run = Aidnctl(coordinator_, admin(), {"export", id, "-o", exported});
+    const std::string exported = cluster().Path(id + ".safetensors");
+    CommandResult export_run = cluster().Aidnctl({"export", id, "-o", exported});
     EXPECT_EQ(export_run.exit_code, 0) << export_run.err;
     EXPECT_EQ(
         ReadFileOrEmpty(exported),
         ReadFileOrEmpty(absl::StrFormat("%s/step-%08d/model.safetensors", JobDir(id), kSteps)));
   }
+}
+
+// Damages a checkpoint file: "truncate" cuts it in half, "flip" flips a bit
+// in its middle.
+void Corrupt(const std::string& file, const std::string& how) {
+  if (how == "truncate") {
+    fs::resize_file(file, fs::file_size(file) / 2);
+    return;
+  }
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
+  char c = 0;
+  f.read(&c, 1);
+  f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
+  c = static_cast<char>(c ^ 0x04);
+  f.write(&c, 1);
 }
 
 // 5. The newest checkpoint is corrupt (a truncated file; a flipped byte)
@@ -314,12 +281,16 @@ TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
     std::vector<pid_t> writer;
     ASSERT_TRUE(WaitFor(
         [&] {
-          writer = ProcessesWith({dir_, TrainerNeedle(id, 1, 0)});
+          writer = ProcessesWith({dir(), TrainerNeedle(id, 1, 0)});
           return writer.size() == 1;
         },
-        kLong));
+        kLong, "the writer's trainer"));
     ASSERT_EQ(::kill(writer[0], SIGSTOP), 0);
-    std::this_thread::sleep_for(milliseconds(1500));  // let a pending commit land
+    ASSERT_TRUE(
+        WaitFor([&] { return ProcessState(writer[0]) == 'T'; }, kLong, "the writer stopped"));
+    // A commit the writer sent just before it stopped may still land, so
+    // every checkpoint on disk newer than `previous` is damaged: whichever
+    // of them ends up the newest committed one, the resume must skip it.
     std::vector<v1::Checkpoint> checkpoints = Checkpoints(id);
     int64_t newest = 0, previous = 0;
     for (const v1::Checkpoint& c : checkpoints) {
@@ -328,18 +299,20 @@ TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
       newest = c.step();
     }
     ASSERT_GT(previous, 0) << "need two committed checkpoints";
-    const std::string file = absl::StrFormat("%s/step-%08d/model.safetensors", JobDir(id), newest);
-    if (corruption == "truncate") {
-      fs::resize_file(file, fs::file_size(file) / 2);
-    } else {
-      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-      f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
-      char c = 0;
-      f.read(&c, 1);
-      f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
-      c = static_cast<char>(c ^ 0x04);
-      f.write(&c, 1);
+    int damaged = 0;
+    for (const auto& entry : fs::directory_iterator(JobDir(id))) {
+      int64_t step = 0;
+      const std::string name = entry.path().filename().string();
+      if (!absl::StartsWith(name, "step-") || !absl::SimpleAtoi(name.substr(5), &step) ||
+          step <= previous) {
+        continue;
+      }
+      const std::string file = entry.path().string() + "/model.safetensors";
+      if (!fs::exists(file)) continue;
+      Corrupt(file, corruption);
+      ++damaged;
     }
+    ASSERT_GE(damaged, 1) << "the newest committed checkpoint, step " << newest;
     ASSERT_EQ(::kill(writer[0], SIGKILL), 0);
 
     v1::Job job = WaitForEnd(id);
@@ -372,12 +345,13 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   }
   const std::string victim = running.placement(1).worker_id();
   const auto killed_at = std::chrono::steady_clock::now();
-  workers_[victim]->Signal(SIGKILL);
-  ASSERT_TRUE(workers_[victim]->Wait(seconds(10)).ok());
+  ASSERT_NE(cluster().worker(victim), nullptr) << victim;
+  cluster().worker(victim)->Signal(SIGKILL);
+  ASSERT_TRUE(cluster().worker(victim)->Wait(seconds(10)).ok());
   // Its trainer died with it (PR_SET_PDEATHSIG).
   EXPECT_TRUE(WaitFor(
       [&] {
-        return ProcessesWith({dir_, TrainerNeedle(id, 1, 1)}).empty();
+        return ProcessesWith({dir(), TrainerNeedle(id, 1, 1)}).empty();
       },
       seconds(5)));
   ASSERT_TRUE(WaitFor(
@@ -411,7 +385,7 @@ TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
   std::vector<pid_t> pids;
   ASSERT_TRUE(WaitFor(
       [&] {
-        pids = ProcessesWith({dir_, TrainerNeedle(id, 1, 1)});
+        pids = ProcessesWith({dir(), TrainerNeedle(id, 1, 1)});
         return pids.size() == 1;
       },
       kLong));
@@ -426,7 +400,7 @@ TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
   // The stopped process is killed, not left behind.
   EXPECT_TRUE(WaitFor(
       [&] {
-        return ::kill(pids[0], 0) != 0 || ProcessesWith({dir_, TrainerNeedle(id, 1, 1)}).empty();
+        return ::kill(pids[0], 0) != 0 || ProcessesWith({dir(), TrainerNeedle(id, 1, 1)}).empty();
       },
       seconds(15)));
   v1::Job job = WaitForEnd(id);
@@ -442,18 +416,15 @@ TEST_F(FaultTest, ACoordinatorRestartDoesNotRestartTheJobNorLoseSteps) {
     const int64_t steps = pause_s == 0 ? 1500 : 6000;
     const std::string id = Submit(Spec(2, steps));
     ASSERT_TRUE(WaitForCommitted(id, 50));
-    coordinator_.process->Signal(SIGKILL);
-    ASSERT_TRUE(coordinator_.process->Wait(seconds(10)).ok());
-    coordinator_.process.reset();
+    ASSERT_TRUE(cluster().KillCoordinator().ok());
+    // The outage itself is the scenario: the coordinator stays away for this
+    // long on the real clock (longer than the worker timeout), while the
+    // trainers go on training and buffer their records.
     std::this_thread::sleep_for(seconds(pause_s));
-    // Same state directory; the port may differ, so the workers would not
-    // find it: restart on the same address.
-    absl::StatusOr<CoordinatorHandle> c =
-        StartCoordinator(dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms",
-                                           "--stop-grace=1s", "--listen=" + coordinator_.address});
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    coord_ = CoordinatorStub(coordinator_.address);
+    // Same state directory and, so that the workers find it, the same
+    // address.
+    const absl::Status restarted = cluster().RestartCoordinator(/*same_address=*/true);
+    ASSERT_TRUE(restarted.ok()) << restarted;
     v1::Job job = WaitForEnd(id);
     ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
     EXPECT_EQ(job.restarts(), 0) << EventText(id);
@@ -470,17 +441,19 @@ TEST_F(FaultTest, AnAlwaysCrashingJobFailsAfterMaxRestartsWithBackoff) {
   StartWorkers({"w1", "w2"});
   v1::JobSpec good_spec = Spec(1, 3000);
   const std::string good = Submit(good_spec);
-  ASSERT_TRUE(WaitFor([&] { return Get(good).state() == v1::Job::RUNNING; }, kLong));
+  ASSERT_TRUE(cluster().WaitForState(good, v1::Job::RUNNING, kLong));
   v1::JobSpec bad_spec = Spec(1, 3000);
   bad_spec.set_max_restarts(3);
   const std::string bad = Submit(bad_spec);
   // Every trainer of the bad job is killed as soon as it appears.
   std::atomic<bool> done{false};
   std::thread killer([&] {
-    while (!done.load()) {
-      for (pid_t pid : ProcessesWith({dir_, "--job=" + bad + " "})) ::kill(pid, SIGKILL);
-      std::this_thread::sleep_for(milliseconds(20));
-    }
+    WaitFor(
+        [&] {
+          for (pid_t pid : ProcessesWith({dir(), "--job=" + bad + " "})) ::kill(pid, SIGKILL);
+          return done.load();
+        },
+        2 * kLong);
   });
   v1::Job job = WaitForEnd(bad);
   done = true;
@@ -490,7 +463,7 @@ TEST_F(FaultTest, AnAlwaysCrashingJobFailsAfterMaxRestartsWithBackoff) {
   EXPECT_TRUE(absl::StrContains(job.message(), "max_restarts 3")) << job.message();
   // Backoff 0.2 s, 0.4 s, 0.8 s: the gaps between a failure and the next
   // start grow.
-  std::vector<v1::Event> events = Events(bad);
+  std::vector<v1::Event> events = cluster().Events(bad);
   std::vector<double> failed_at, scheduled_at;
   for (const v1::Event& e : events) {
     const double t = e.time().seconds() + e.time().nanos() * 1e-9;
@@ -519,24 +492,23 @@ TEST_F(FaultTest, ALateTrainerOfAnOldGenerationIsRefused) {
       << EventText(id);
   // The store of generation 2 holds Gloo's keys; generation 1 cannot read
   // them, not even with a worker's credential.
-  auto cluster = ClusterStub(coordinator_.address);
   v1::KvGetRequest get;
   get.set_job_id(id);
   get.set_generation(1);
   get.set_key("gloo/0");
   v1::KvGetResponse value;
-  grpc::Status s = cluster->KvGet(Context(coordinator_.worker_token).get(), get, &value);
+  grpc::Status s = cluster().cluster()->KvGet(Context(cluster().worker_token()).get(), get, &value);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
   EXPECT_FALSE(value.found());
   // A real trainer process of generation 1 starting late exits with the
   // superseded code (75) without joining.
-  const std::string work = dir_ + "/late";
+  const std::string work = cluster().Path("late");
   fs::create_directories(work);
   absl::StatusOr<std::unique_ptr<Process>> late = Process::Start(
-      {AIDN_WORKER_BIN, "train", "--coordinator=" + coordinator_.address, "--job=" + id,
+      {AIDN_WORKER_BIN, "train", "--coordinator=" + cluster().address(), "--job=" + id,
        "--generation=1", "--rank=1", "--world-size=2", "--worker-id=w2", "--work-dir=" + work,
        "--checkpoint-root=" + ckpt_root_},
-      {"AIDN_TRAINER_TOKEN=" + coordinator_.worker_token}, work + "/out", work + "/err");
+      {"AIDN_TRAINER_TOKEN=" + cluster().worker_token()}, work + "/out", work + "/err");
   ASSERT_TRUE(late.ok()) << late.status();
   absl::StatusOr<int> code = (*late)->Wait(seconds(30));
   ASSERT_TRUE(code.ok()) << code.status();

@@ -20,8 +20,7 @@
 #include "aidn/v1/job.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #if defined(AIDN_HAVE_NCCL) && AIDN_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
@@ -35,10 +34,6 @@ using trainer::CoordinatorStore;
 
 // Generous: other builds share the machine's two cores.
 constexpr std::chrono::milliseconds kLong{20'000};
-
-std::string Describe(const grpc::Status& status) {
-  return absl::StrCat("code ", static_cast<int>(status.error_code()), ": ", status.error_message());
-}
 
 // Runs `fn`, which must throw engine::StoreStatusError, and returns its
 // status (UNKNOWN if nothing or something else was thrown).
@@ -54,18 +49,18 @@ absl::Status StoreErrorOf(Fn&& fn) {
   return absl::UnknownError("nothing was thrown");
 }
 
-class GlooStoreTest : public ::testing::Test {
+class GlooStoreTest : public ClusterFixture {
  protected:
+  GlooStoreTest() : ClusterFixture("aidn-gloo-store-test") {}
+
   void SetUp() override {
-    state_dir_ = MakeTempDir("aidn-gloo-store-test");
+    ClusterFixture::SetUp();
     // The fake workers heartbeat only while waiting for their assignments;
     // a long worker timeout keeps them alive for the rest of the test.
-    absl::StatusOr<CoordinatorHandle> handle =
-        StartCoordinator(state_dir_, {"--worker-timeout=60s", "--tick-interval=50ms"});
-    ASSERT_TRUE(handle.ok()) << handle.status();
-    coordinator_ = std::move(handle).value();
-    coord_ = CoordinatorStub(coordinator_.address);
-    cluster_ = std::shared_ptr<v1::ClusterService::Stub>(ClusterStub(coordinator_.address));
+    const absl::Status started =
+        cluster().StartCoordinator({"--worker-timeout=60s", "--tick-interval=50ms"});
+    ASSERT_TRUE(started.ok()) << started;
+    stub_ = cluster().shared_cluster();
 
     for (const std::string id : {"w1", "w2"}) {
       v1::RegisterWorkerRequest request;
@@ -75,7 +70,7 @@ class GlooStoreTest : public ::testing::Test {
       request.mutable_info()->set_cpu_slots(1);
       v1::RegisterWorkerResponse response;
       grpc::Status status =
-          cluster_->RegisterWorker(Context(coordinator_.worker_token).get(), request, &response);
+          stub_->RegisterWorker(Context(cluster().worker_token()).get(), request, &response);
       ASSERT_TRUE(status.ok()) << "RegisterWorker " << id << ": " << Describe(status);
     }
 
@@ -87,8 +82,7 @@ class GlooStoreTest : public ::testing::Test {
     spec->mutable_model()->set_name("mlp");
     spec->set_epochs(1);
     v1::SubmitJobResponse submitted;
-    grpc::Status status =
-        coord_->SubmitJob(Context(coordinator_.admin_token).get(), submit, &submitted);
+    grpc::Status status = cluster().coord()->SubmitJob(Context(admin()).get(), submit, &submitted);
     ASSERT_TRUE(status.ok()) << "SubmitJob: " << Describe(status);
     job_id_ = submitted.job().id();
 
@@ -101,7 +95,7 @@ class GlooStoreTest : public ::testing::Test {
             v1::HeartbeatRequest request;
             request.set_worker_id(id);
             v1::HeartbeatResponse response;
-            if (!cluster_->Heartbeat(Context(coordinator_.worker_token).get(), request, &response)
+            if (!stub_->Heartbeat(Context(cluster().worker_token()).get(), request, &response)
                      .ok()) {
               continue;
             }
@@ -131,7 +125,7 @@ class GlooStoreTest : public ::testing::Test {
         request.set_rank(rank);
         request.set_worker_id(worker_of_rank_[rank]);
         v1::JoinRendezvousResponse response;
-        joined[rank] = cluster_->JoinRendezvous(
+        joined[rank] = stub_->JoinRendezvous(
             Context(assignments_[rank].trainer_token(), kLong).get(), request, &response);
       });
     }
@@ -142,19 +136,9 @@ class GlooStoreTest : public ::testing::Test {
     }
   }
 
-  void TearDown() override {
-    if (HasFailure() && coordinator_.process != nullptr) {
-      std::string log = coordinator_.process->Stderr();
-      if (log.size() > 6000) log = log.substr(log.size() - 6000);
-      std::cerr << "---- coordinator stderr (tail) ----\n" << log << "\n----\n";
-    }
-    coordinator_.process.reset();
-    if (!HasFailure()) RemoveTree(state_dir_);
-  }
-
   std::shared_ptr<CoordinatorStore> StoreFor(int rank, int64_t generation,
                                              std::chrono::milliseconds timeout = kLong) {
-    return std::make_shared<CoordinatorStore>(cluster_, assignments_[rank].trainer_token(), job_id_,
+    return std::make_shared<CoordinatorStore>(stub_, assignments_[rank].trainer_token(), job_id_,
                                               generation, timeout);
   }
 
@@ -168,10 +152,8 @@ class GlooStoreTest : public ::testing::Test {
     return options;
   }
 
-  std::string state_dir_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::shared_ptr<v1::ClusterService::Stub> cluster_;
+  // The trainers' stub, shared with their stores.
+  std::shared_ptr<v1::ClusterService::Stub> stub_;
   std::string job_id_;
   int64_t generation_ = 0;
   std::vector<v1::TrainerAssignment> assignments_;
@@ -261,7 +243,7 @@ TEST_F(GlooStoreTest, AStaleGenerationIsRefusedAsSuperseded) {
 }
 
 TEST_F(GlooStoreTest, AnUnknownTokenIsRefusedAtOnce) {
-  auto store = std::make_shared<CoordinatorStore>(cluster_, "not-a-token-of-this-cluster", job_id_,
+  auto store = std::make_shared<CoordinatorStore>(stub_, "not-a-token-of-this-cluster", job_id_,
                                                   generation_, kLong);
   const auto start = std::chrono::steady_clock::now();
   absl::Status set = StoreErrorOf([&] { store->set("k", {'v'}); });

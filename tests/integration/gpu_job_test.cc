@@ -5,12 +5,11 @@
 
 #include <signal.h>
 
-#include <filesystem>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -19,71 +18,51 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
 
 constexpr std::chrono::milliseconds kLong{180'000};
-constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
 
-class GpuJobTest : public ::testing::Test {
+class GpuJobTest : public ClusterFixture {
  protected:
+  GpuJobTest() : ClusterFixture("aidn-gpu-job-test") {}
+
   void SetUp() override {
-    if (!std::filesystem::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+    if (!FashionMnistInstalled()) {
       GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
     }
-    dir_ = MakeTempDir("aidn-gpu-job-test");
-    absl::StatusOr<CoordinatorHandle> c =
-        StartCoordinator(dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms"});
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    coord_ = CoordinatorStub(coordinator_.address);
-    absl::StatusOr<std::unique_ptr<Process>> w = StartWorker(
-        coordinator_, "g1", dir_ + "/g1",
-        {"--checkpoint-root=" + dir_ + "/ckpt", "--stop-grace=1s"}, AIDN_WORKER_GPU_BIN);
-    ASSERT_TRUE(w.ok()) << w.status();
-    worker_ = std::move(*w);
-    v1::ListWorkersResponse workers;
-    ASSERT_TRUE(WaitFor(
-        [&] {
-          workers.Clear();
-          return coord_->ListWorkers(Context(admin()).get(), {}, &workers).ok() &&
-                 workers.workers_size() == 1;
-        },
-        std::chrono::seconds(30)))
-        << "the GPU worker did not register";
-    if (workers.workers(0).info().gpus_size() == 0) {
-      GTEST_SKIP() << "aidn-worker-gpu found no GPU on this machine";
-    }
-    gpu_name_ = workers.workers(0).info().gpus(0).name();
-    gpus_ = workers.workers(0).info().gpus_size();
+    ClusterFixture::SetUp();
+    ASSERT_TRUE(
+        cluster().StartCoordinator({"--worker-timeout=3s", "--heartbeat-interval=500ms"}).ok());
+    ASSERT_TRUE(cluster().StartWorkers(
+        {"g1"}, {.args = {"--checkpoint-root=" + cluster().Path("ckpt"), "--stop-grace=1s"},
+                 .binary = AIDN_WORKER_GPU_BIN}));
+    const std::map<std::string, v1::Worker> workers = cluster().Workers();
+    ASSERT_EQ(workers.size(), 1u);
+    const v1::WorkerInfo& info = workers.begin()->second.info();
+    if (info.gpus_size() == 0) GTEST_SKIP() << "aidn-worker-gpu found no GPU on this machine";
+    gpu_name_ = info.gpus(0).name();
+    gpus_ = info.gpus_size();
   }
 
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "---- worker stderr ----\n" << ReadFileOrEmpty(dir_ + "/g1/worker.err") << "\n";
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator stderr ----\n" << coordinator_.process->Stderr() << "\n";
-      }
-    }
-    worker_.reset();
-    coordinator_.process.reset();
-    if (!HasFailure() && !dir_.empty()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir_, ignored);
-    }
+  std::string Submit(const v1::JobSpec& spec) {
+    absl::StatusOr<std::string> id = cluster().Submit(spec);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
+  }
+  std::string TrainerLog(const std::string& id, int generation) {
+    return ReadFileOrEmpty(
+        absl::StrCat(cluster().WorkDir("g1"), "/logs/", id, "/gen-", generation, "/rank-0.log"));
+  }
+  std::string StateFile(const std::string& id, int64_t step) {
+    return ReadFileOrEmpty(
+        absl::StrFormat("%s/runs/%s/step-%08d/state.txt", cluster().Path("ckpt"), id, step));
   }
 
-  const std::string& admin() const { return coordinator_.admin_token; }
-
-  std::string dir_;
   std::string gpu_name_;
   int gpus_ = 0;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::unique_ptr<Process> worker_;
 };
 
 // One rank on the GPU: the job succeeds, every step is reported, the loss
@@ -102,18 +81,14 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
   spec.set_max_steps(300);
   spec.set_seed(1);
   spec.set_max_restarts(0);
-  absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
-  ASSERT_TRUE(id.ok()) << id.status();
-  v1::Job job = WaitForJobEnd(coord_.get(), admin(), *id, kLong);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty());
+  v1::Job job = cluster().WaitForEnd(id, kLong);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
 
-  v1::GetMetricsRequest request;
-  request.set_job_id(*id);
-  v1::GetMetricsResponse response;
-  ASSERT_TRUE(coord_->GetMetrics(Context(admin()).get(), request, &response).ok());
   int train = 0;
   double first_loss = 0, last_loss = 0, accuracy = -1;
-  for (const v1::StepMetrics& s : response.steps()) {
+  for (const v1::StepMetrics& s : cluster().Metrics(id)) {
     if (s.kind() == v1::MetricRecord::EVAL) {
       accuracy = s.test_accuracy();
       continue;
@@ -128,8 +103,7 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
   EXPECT_LT(last_loss, 0.9);
   // As the CPU job of training_test: ~0.8 after 300 steps of 64.
   EXPECT_GT(accuracy, 0.72);
-  const std::string log =
-      ReadFileOrEmpty(absl::StrCat(dir_, "/g1/logs/", *id, "/gen-1/rank-0.log"));
+  const std::string log = TrainerLog(id, 1);
   EXPECT_TRUE(absl::StrContains(log, "training on the GPU")) << log;
   EXPECT_TRUE(absl::StrContains(log, gpu_name_)) << log;
 }
@@ -161,28 +135,26 @@ TEST_F(GpuJobTest, AnFp16JobResumesWithItsCheckpointedLossScale) {
   spec.mutable_checkpoint()->set_dir("runs");
   spec.mutable_checkpoint()->set_every_steps(500);
   spec.mutable_checkpoint()->set_keep_last(1000);
-  absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
-  ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_TRUE(WaitFor(
-      [&] { return GetJob(coord_.get(), admin(), *id).last_checkpoint_step() >= 500; }, kLong))
-      << "no checkpoint committed";
-  std::vector<pid_t> trainer = ProcessesWith({dir_, "--job=" + *id + " --generation=1 "});
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty());
+  ASSERT_TRUE(cluster().WaitForJob(
+      id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 500; },
+      "committing a checkpoint", kLong));
+  std::vector<pid_t> trainer = ProcessesWith({cluster().dir(), "--job=" + id + " --generation=1 "});
   ASSERT_EQ(trainer.size(), 1u);
   ASSERT_EQ(::kill(trainer[0], SIGKILL), 0);
-  v1::Job job = WaitForJobEnd(coord_.get(), admin(), *id, kLong);
+  v1::Job job = cluster().WaitForEnd(id, kLong);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   EXPECT_EQ(job.restarts(), 1);
 
-  const std::string log =
-      ReadFileOrEmpty(absl::StrCat(dir_, "/g1/logs/", *id, "/gen-2/rank-0.log"));
+  const std::string log = TrainerLog(id, 2);
   constexpr std::string_view kResuming = "resuming from a checkpoint step=";
   const size_t at = log.find(kResuming);
   ASSERT_NE(at, std::string::npos) << log;
   const size_t from = at + kResuming.size();
   int64_t resumed = 0;
   ASSERT_TRUE(absl::SimpleAtoi(log.substr(from, log.find(' ', from) - from), &resumed)) << log;
-  const std::string state =
-      ReadFileOrEmpty(absl::StrFormat("%s/ckpt/runs/%s/step-%08d/state.txt", dir_, *id, resumed));
+  const std::string state = StateFile(id, resumed);
   const std::string scale = StateValue(state, "loss_scale");
   const std::string tracker = StateValue(state, "loss_scale_growth_tracker");
   double value = 0;
@@ -195,10 +167,7 @@ TEST_F(GpuJobTest, AnFp16JobResumesWithItsCheckpointedLossScale) {
                                                   logged.str(), " growth_tracker=", tracker)))
       << log;
   // The last checkpoint keeps one too.
-  EXPECT_FALSE(StateValue(ReadFileOrEmpty(absl::StrFormat("%s/ckpt/runs/%s/step-%08d/state.txt",
-                                                          dir_, *id, 20000)),
-                          "loss_scale")
-                   .empty());
+  EXPECT_FALSE(StateValue(StateFile(id, 20000), "loss_scale").empty());
 }
 
 // While a job holds every GPU, a second GPU job waits: it is not placed on
@@ -214,17 +183,17 @@ TEST_F(GpuJobTest, ASecondGpuJobWaitsForAGpu) {
   spec.set_batch_size(64);
   spec.set_max_steps(100000);
   spec.set_max_restarts(0);
-  absl::StatusOr<std::string> first = SubmitJob(coord_.get(), admin(), spec);
-  ASSERT_TRUE(first.ok()) << first.status();
-  ASSERT_TRUE(
-      WaitFor([&] { return GetJob(coord_.get(), admin(), *first).state() == v1::Job::RUNNING; },
-              std::chrono::seconds(60)));
+  const std::string first = Submit(spec);
+  ASSERT_TRUE(cluster().WaitForState(first, v1::Job::RUNNING, std::chrono::seconds(60)));
   spec.set_name("gpu-waiter");
   spec.set_world_size(1);
-  absl::StatusOr<std::string> second = SubmitJob(coord_.get(), admin(), spec);
-  ASSERT_TRUE(second.ok()) << second.status();
-  std::this_thread::sleep_for(std::chrono::seconds(3));
-  EXPECT_EQ(GetJob(coord_.get(), admin(), *second).state(), v1::Job::PENDING);
+  const std::string second = Submit(spec);
+  ASSERT_FALSE(second.empty());
+  // The scheduler looked at it and found no room: it says so with an event,
+  // and the job stays PENDING (not placed on the free CPU slot).
+  ASSERT_TRUE(cluster().WaitForEvent("job.waiting", second, std::chrono::seconds(60)));
+  EXPECT_EQ(cluster().GetJob(second).state(), v1::Job::PENDING);
+  EXPECT_EQ(cluster().GetJob(second).generation(), 0);
 }
 
 }  // namespace

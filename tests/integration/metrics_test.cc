@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -24,8 +25,7 @@
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
@@ -33,7 +33,6 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
 constexpr char kPromtool[] = "/usr/bin/promtool";
 constexpr char kPrometheus[] = "/usr/bin/prometheus";
 
@@ -79,83 +78,54 @@ double Sample(const std::string& text, const std::string& series) {
   return -1;
 }
 
-class MetricsTest : public ::testing::Test {
+class MetricsTest : public ClusterFixture {
  protected:
+  MetricsTest() : ClusterFixture("aidn-metrics-test") {}
+
   void SetUp() override {
-    if (!std::filesystem::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+    if (!FashionMnistInstalled()) {
       GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
     }
-    dir_ = MakeTempDir("aidn-metrics-test");
+    ClusterFixture::SetUp();
   }
 
   void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "---- worker log ----\n" << ReadFileOrEmpty(dir_ + "/worker.log") << "\n";
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator log ----\n" << coordinator_.process->Stderr() << "\n";
-      }
-    }
     prometheus_.reset();
-    worker_.reset();
-    coordinator_.process.reset();
-    if (!HasFailure() && !dir_.empty()) RemoveTree(dir_);
+    ClusterFixture::TearDown();
   }
 
   void StartCluster(const std::vector<std::string>& coordinator_args = {}) {
-    absl::StatusOr<CoordinatorHandle> c = StartCoordinator(dir_ + "/state", coordinator_args);
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    ASSERT_FALSE(coordinator_.metrics_address.empty());
-    coord_ = CoordinatorStub(coordinator_.address);
-    const std::string addr_file = dir_ + "/worker.metrics.addr";
-    absl::StatusOr<std::unique_ptr<Process>> w =
-        Process::Start({AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
-                        "--token-file=" + coordinator_.state_dir + "/worker.token",
-                        "--worker-id=w1", "--cpu-slots=1", "--work-dir=" + dir_ + "/w1",
-                        "--metrics-addr=127.0.0.1:0", "--metrics-addr-file=" + addr_file},
-                       {}, dir_ + "/worker.log", dir_ + "/worker.log");
-    ASSERT_TRUE(w.ok()) << w.status();
-    worker_ = std::move(*w);
+    absl::Status started = cluster().StartCoordinator(coordinator_args);
+    ASSERT_TRUE(started.ok()) << started;
+    ASSERT_FALSE(cluster().coordinator().metrics_address.empty());
+    const std::string addr_file = cluster().Path("worker.metrics.addr");
+    started = cluster().StartWorker(
+        "w1", {.args = {"--metrics-addr=127.0.0.1:0", "--metrics-addr-file=" + addr_file}});
+    ASSERT_TRUE(started.ok()) << started;
     ASSERT_TRUE(WaitFor(
         [&] {
           worker_metrics_ = std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(addr_file)));
-          v1::ListWorkersResponse r;
-          return !worker_metrics_.empty() &&
-                 coord_->ListWorkers(Context(admin()).get(), {}, &r).ok() && r.workers_size() == 1;
+          return !worker_metrics_.empty();
         },
-        std::chrono::seconds(30)))
-        << "the worker did not register";
+        TestCluster::kStartTimeout, "the worker's metrics address file"));
+    ASSERT_TRUE(cluster().WaitForAliveWorkers(1));
   }
 
-  const std::string& admin() const { return coordinator_.admin_token; }
+  const std::string& metrics_address() { return cluster().coordinator().metrics_address; }
 
   std::string Submit(int64_t max_steps) {
-    v1::SubmitJobRequest request;
-    v1::JobSpec* spec = request.mutable_spec();
-    spec->set_name("metrics-test");
-    spec->set_world_size(1);
-    spec->mutable_model()->set_name("mlp");
-    spec->set_batch_size(64);
-    spec->set_max_steps(max_steps);
-    spec->set_max_restarts(0);
-    v1::SubmitJobResponse response;
-    grpc::Status s = coord_->SubmitJob(Context(admin()).get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response.job().id();
+    v1::JobSpec spec;
+    spec.set_name("metrics-test");
+    spec.set_world_size(1);
+    spec.mutable_model()->set_name("mlp");
+    spec.set_batch_size(64);
+    spec.set_max_steps(max_steps);
+    spec.set_max_restarts(0);
+    absl::StatusOr<std::string> id = cluster().Submit(spec);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
   }
 
-  v1::Job Get(const std::string& id) {
-    v1::GetJobRequest request;
-    request.set_job_id(id);
-    v1::Job job;
-    EXPECT_TRUE(coord_->GetJob(Context(admin()).get(), request, &job).ok());
-    return job;
-  }
-
-  std::string dir_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::unique_ptr<Process> worker_;
   std::string worker_metrics_;
   std::unique_ptr<Process> prometheus_;
 };
@@ -167,20 +137,21 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   ASSERT_NO_FATAL_FAILURE(StartCluster());
   // Long enough to be scraped while running; cancelled at the end.
   const std::string id = Submit(1'000'000);
-  ASSERT_TRUE(WaitFor([&] { return Get(id).last_step() >= 20; }, std::chrono::seconds(60)))
-      << "the job did not start training: " << Get(id).message();
+  ASSERT_TRUE(cluster().WaitForJob(
+      id, [](const v1::Job& j) { return j.last_step() >= 20; }, "training 20 steps",
+      std::chrono::seconds(60)));
   const std::string job = absl::StrCat("job_id=\"", id, "\"");
 
   // The coordinator's scrape.
   std::string text;
   ASSERT_TRUE(WaitFor(
       [&] {
-        text = HttpGet(coordinator_.metrics_address, "/metrics");
+        text = HttpGet(metrics_address(), "/metrics");
         return Sample(text, absl::StrCat("aidn_job_loss{", job, "}")) > 0;
       },
       std::chrono::seconds(30)))
       << text;
-  CommandResult check = Promtool(dir_, text);
+  CommandResult check = Promtool(cluster().dir(), text);
   EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
   EXPECT_EQ(check.out + check.err, "") << "promtool found problems";
   EXPECT_GT(Sample(text, absl::StrCat("aidn_job_step{", job, "}")), 0);
@@ -195,7 +166,7 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
 
   // The worker's scrape.
   const std::string worker_text = HttpGet(worker_metrics_, "/metrics");
-  check = Promtool(dir_, worker_text);
+  check = Promtool(cluster().dir(), worker_text);
   EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
   EXPECT_EQ(check.out + check.err, "") << "promtool found problems";
   EXPECT_EQ(Sample(worker_text, "aidn_worker_trainers_running"), 1);
@@ -233,22 +204,23 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
       ReadFileOrEmpty(std::string(AIDN_SOURCE_DIR) + "/deploy/prometheus/prometheus.yml");
   ASSERT_THAT(config, HasSubstr("\"127.0.0.1:9464\""));
   ASSERT_THAT(config, HasSubstr("\"127.0.0.1:9465\""));
-  config = absl::StrReplaceAll(
-      config, {{"\"127.0.0.1:9464\"", absl::StrCat("\"", coordinator_.metrics_address, "\"")},
-               {"\"127.0.0.1:9465\"", absl::StrCat("\"", worker_metrics_, "\"")},
-               {"scrape_interval: 15s", "scrape_interval: 1s"},
-               {"evaluation_interval: 15s", "evaluation_interval: 1s"},
-               {"scrape_timeout: 10s", "scrape_timeout: 1s"}});
-  WriteFileOrDie(dir_ + "/prometheus.yml", config);
+  config = absl::StrReplaceAll(config,
+                               {{"\"127.0.0.1:9464\"", absl::StrCat("\"", metrics_address(), "\"")},
+                                {"\"127.0.0.1:9465\"", absl::StrCat("\"", worker_metrics_, "\"")},
+                                {"scrape_interval: 15s", "scrape_interval: 1s"},
+                                {"evaluation_interval: 15s", "evaluation_interval: 1s"},
+                                {"scrape_timeout: 10s", "scrape_timeout: 1s"}});
+  WriteFileOrDie(cluster().Path("prometheus.yml"), config);
   const std::string web = absl::StrCat("127.0.0.1:", FreePort());
-  absl::StatusOr<std::unique_ptr<Process>> p = Process::Start(
-      {kPrometheus, "--config.file=" + dir_ + "/prometheus.yml",
-       "--storage.tsdb.path=" + dir_ + "/tsdb", "--web.listen-address=" + web, "--log.level=warn"},
-      {}, dir_ + "/prometheus.log", dir_ + "/prometheus.log");
+  absl::StatusOr<std::unique_ptr<Process>> p =
+      Process::Start({kPrometheus, "--config.file=" + cluster().Path("prometheus.yml"),
+                      "--storage.tsdb.path=" + cluster().Path("tsdb"),
+                      "--web.listen-address=" + web, "--log.level=warn"},
+                     {}, cluster().Path("prometheus.log"), cluster().Path("prometheus.log"));
   ASSERT_TRUE(p.ok()) << p.status();
   prometheus_ = std::move(*p);
   ASSERT_TRUE(WaitFor([&] { return !HttpGet(web, "/-/ready").empty(); }, std::chrono::seconds(30)))
-      << ReadFileOrEmpty(dir_ + "/prometheus.log");
+      << ReadFileOrEmpty(cluster().Path("prometheus.log"));
 
   const std::regex value(R"re("value":\[[0-9.]+,"([0-9.e+-]+)"\])re");
   for (const std::string metric : {"aidn_job_step", "aidn_job_loss"}) {
@@ -279,24 +251,19 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   EXPECT_THAT(targets, HasSubstr("\"job\":\"aidn-coordinator\""));
   EXPECT_THAT(targets, HasSubstr("\"job\":\"aidn-workers\""));
 
-  v1::CancelJobRequest cancel;
-  cancel.set_job_id(id);
-  v1::Job cancelled;
-  EXPECT_TRUE(coord_->CancelJob(Context(admin()).get(), cancel, &cancelled).ok());
+  EXPECT_TRUE(cluster().Cancel(id).ok());
 }
 
 TEST_F(MetricsTest, AFinishedJobsSeriesGoAfterTheRetentionPeriod) {
   ASSERT_NO_FATAL_FAILURE(StartCluster({"--metrics-retention=2s"}));
   const std::string id = Submit(50);
-  ASSERT_TRUE(
-      WaitFor([&] { return Get(id).state() == v1::Job::SUCCEEDED; }, std::chrono::seconds(60)))
-      << Get(id).message();
+  ASSERT_TRUE(cluster().WaitForState(id, v1::Job::SUCCEEDED, std::chrono::seconds(60)));
   const std::string step = absl::StrCat("aidn_job_step{job_id=\"", id, "\"}");
-  std::string text = HttpGet(coordinator_.metrics_address, "/metrics");
+  std::string text = HttpGet(metrics_address(), "/metrics");
   EXPECT_EQ(Sample(text, step), 50) << "still shown right after it ended";
   EXPECT_TRUE(WaitFor(
       [&] {
-        text = HttpGet(coordinator_.metrics_address, "/metrics");
+        text = HttpGet(metrics_address(), "/metrics");
         return !text.empty() && !absl::StrContains(text, id);
       },
       std::chrono::seconds(15)))
@@ -304,17 +271,14 @@ TEST_F(MetricsTest, AFinishedJobsSeriesGoAfterTheRetentionPeriod) {
       << text;
   EXPECT_EQ(Sample(text, "aidn_jobs{state=\"SUCCEEDED\"}"), 1);
   // The steps themselves stay in the store.
-  v1::GetMetricsRequest get;
-  get.set_job_id(id);
-  v1::GetMetricsResponse steps;
-  ASSERT_TRUE(coord_->GetMetrics(Context(admin()).get(), get, &steps).ok());
-  EXPECT_EQ(steps.steps_size(), 51);  // 50 TRAIN, 1 EVAL
+  EXPECT_EQ(cluster().Metrics(id).size(), 51u);  // 50 TRAIN, 1 EVAL
 }
 
 TEST_F(MetricsTest, AnUnusableMetricsAddressStopsTheDaemonsAtStart) {
   // Not a host:port.
-  CommandResult bad = RunCommand({AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-                                  "--state-dir=" + dir_ + "/bad", "--metrics-addr=nonsense"});
+  CommandResult bad =
+      RunCommand({AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                  "--state-dir=" + cluster().Path("bad"), "--metrics-addr=nonsense"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err, HasSubstr("nonsense"));
 
@@ -329,13 +293,13 @@ TEST_F(MetricsTest, AnUnusableMetricsAddressStopsTheDaemonsAtStart) {
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   const std::string taken = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
   CommandResult coordinator =
-      RunCommand({AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--state-dir=" + dir_ + "/busy",
-                  "--metrics-addr=" + taken});
+      RunCommand({AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                  "--state-dir=" + cluster().Path("busy"), "--metrics-addr=" + taken});
   EXPECT_NE(coordinator.exit_code, 0);
   EXPECT_THAT(coordinator.err, HasSubstr(taken));
   CommandResult worker =
       RunCommand({AIDN_WORKER_BIN, "--coordinator=127.0.0.1:1", "--token=x", "--worker-id=w9",
-                  "--work-dir=" + dir_ + "/w9", "--metrics-addr=" + taken});
+                  "--work-dir=" + cluster().Path("w9"), "--metrics-addr=" + taken});
   EXPECT_NE(worker.exit_code, 0);
   EXPECT_THAT(worker.err, HasSubstr(taken));
   close(fd);

@@ -32,8 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 #include "worker/engine/data.h"
 
 namespace aidn::testing {
@@ -81,8 +80,10 @@ TorchEval ParseEval(const std::string& out) {
   return eval;
 }
 
-class SafetensorsTorchTest : public ::testing::Test {
+class SafetensorsTorchTest : public ClusterFixture {
  protected:
+  SafetensorsTorchTest() : ClusterFixture("aidn-safetensors-torch-test") {}
+
   void SetUp() override {
     if (!fs::exists(std::string(engine::kFashionMnistDir) + "/t10k-images-idx3-ubyte.gz") ||
         !fs::exists(std::string(engine::kFashionMnistDir) + "/train-images-idx3-ubyte.gz")) {
@@ -93,42 +94,25 @@ class SafetensorsTorchTest : public ::testing::Test {
       GTEST_SKIP() << kPython << " cannot import torch and numpy (Debian's python3-torch; "
                    << "scripts/setup.sh installs it)";
     }
-    dir_ = MakeTempDir("aidn-safetensors-torch-test");
-    ckpt_root_ = dir_ + "/ckpt";
-    absl::StatusOr<CoordinatorHandle> c = StartCoordinator(dir_ + "/state");
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    coord_ = CoordinatorStub(coordinator_.address);
+    ClusterFixture::SetUp();
+    ckpt_root_ = cluster().Path("ckpt");
+    const absl::Status started = cluster().StartCoordinator();
+    ASSERT_TRUE(started.ok()) << started;
   }
 
   void TearDown() override {
-    if (HasFailure()) {
-      std::vector<std::string> ids;
-      for (const auto& [id, w] : workers_) ids.push_back(id);
-      PrintStderrTails(dir_, ids, coordinator_);
+    if (cluster_ != nullptr) {
+      cluster().StopAll();
+      EXPECT_TRUE(WaitFor([&] { return ProcessesWith({cluster().dir()}).empty(); }, seconds(15),
+                          "every process of the test gone"));
     }
-    workers_.clear();
-    coordinator_.process.reset();
-    if (dir_.empty()) return;
-    EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir_}).empty(); }, seconds(15)))
-        << "stray processes: " << ProcessesWith({dir_}).size();
-    if (!HasFailure()) RemoveTree(dir_);
+    ClusterFixture::TearDown();
   }
-
-  const std::string& admin() const { return coordinator_.admin_token; }
 
   // Worker daemons with one CPU slot each, sharing the checkpoint root.
   void StartWorkers(const std::vector<std::string>& ids) {
-    for (const std::string& id : ids) {
-      absl::StatusOr<std::unique_ptr<Process>> w =
-          StartWorker(coordinator_, id, absl::StrCat(dir_, "/", id),
-                      {"--checkpoint-root=" + ckpt_root_, "--stop-grace=1s"});
-      ASSERT_TRUE(w.ok()) << w.status();
-      workers_[id] = std::move(*w);
-    }
-    ASSERT_TRUE(
-        WaitForAliveWorkers(coord_.get(), admin(), static_cast<int>(workers_.size()), seconds(30)))
-        << "workers did not register";
+    ASSERT_TRUE(cluster().StartWorkers(
+        ids, {.args = {"--checkpoint-root=" + ckpt_root_, "--stop-grace=1s"}}));
   }
 
   v1::JobSpec Spec(const std::string& model, const std::vector<int>& hidden, int world_size,
@@ -152,22 +136,15 @@ class SafetensorsTorchTest : public ::testing::Test {
 
   // Submits `spec`, waits until the job has ended, and returns it.
   v1::Job RunJob(const v1::JobSpec& spec) {
-    absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+    absl::StatusOr<std::string> id = cluster().Submit(spec);
     EXPECT_TRUE(id.ok()) << id.status();
     if (!id.ok()) return v1::Job();
-    return WaitForJobEnd(coord_.get(), admin(), *id, kJobTimeout);
+    return cluster().WaitForEnd(*id, kJobTimeout);
   }
 
   // The EVAL metrics aidn recorded for `step`; kind TRAIN if there are none.
   v1::StepMetrics EvalAt(const std::string& job_id, int64_t step) {
-    v1::GetMetricsRequest request;
-    request.set_job_id(job_id);
-    request.set_from_step(step);
-    request.set_to_step(step);
-    v1::GetMetricsResponse response;
-    grpc::Status s = coord_->GetMetrics(Context(admin()).get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    for (const v1::StepMetrics& m : response.steps()) {
+    for (const v1::StepMetrics& m : cluster().Metrics(job_id, step, step)) {
       if (m.kind() == v1::MetricRecord::EVAL && m.step() == step) return m;
     }
     return v1::StepMetrics();
@@ -232,11 +209,7 @@ class SafetensorsTorchTest : public ::testing::Test {
         << "aidn reported " << eval.test_accuracy() << ", torch measured " << torch_accuracy;
   }
 
-  std::string dir_;
   std::string ckpt_root_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::map<std::string, std::unique_ptr<Process>> workers_;
 };
 
 TEST(SafetensorsTorchEval, ParsesTheScriptsReport) {

@@ -16,67 +16,27 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
 
 constexpr std::chrono::milliseconds kLong{120'000};
-constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
+constexpr const char* kDataset = kFashionMnist;
 
-class TrainingTest : public ::testing::Test {
+class TrainingTest : public ClusterFixture {
  protected:
+  TrainingTest() : ClusterFixture("aidn-training-test") {}
+
   void SetUp() override {
-    if (!std::filesystem::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+    if (!FashionMnistInstalled()) {
       GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
     }
-    dir_ = MakeTempDir("aidn-training-test");
-    absl::StatusOr<CoordinatorHandle> c =
-        StartCoordinator(dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms"});
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    coord_ = CoordinatorStub(coordinator_.address);
-    for (const char* id : {"w1", "w2"}) {
-      const std::string work = absl::StrCat(dir_, "/", id);
-      std::filesystem::create_directories(work);
-      absl::StatusOr<std::unique_ptr<Process>> w =
-          Process::Start({AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
-                          "--token-file=" + coordinator_.state_dir + "/worker.token",
-                          std::string("--worker-id=") + id, "--cpu-slots=1", "--work-dir=" + work,
-                          "--metrics-addr=127.0.0.1:0"},
-                         {}, work + "/worker.out", work + "/worker.err");
-      ASSERT_TRUE(w.ok()) << w.status();
-      workers_.push_back(std::move(*w));
-    }
-    ASSERT_TRUE(WaitFor(
-        [&] {
-          v1::ListWorkersResponse r;
-          return coord_->ListWorkers(Context(admin()).get(), {}, &r).ok() && r.workers_size() == 2;
-        },
-        std::chrono::seconds(30)))
-        << "workers did not register";
+    ClusterFixture::SetUp();
+    ASSERT_TRUE(
+        cluster().StartCoordinator({"--worker-timeout=3s", "--heartbeat-interval=500ms"}).ok());
+    ASSERT_TRUE(cluster().StartWorkers({"w1", "w2"}, {.args = {"--metrics-addr=127.0.0.1:0"}}));
   }
-
-  void TearDown() override {
-    if (HasFailure()) {
-      for (const char* id : {"w1", "w2"}) {
-        std::cerr << "---- worker " << id << " stderr ----\n"
-                  << ReadFileOrEmpty(absl::StrCat(dir_, "/", id, "/worker.err")) << "\n";
-      }
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator stderr ----\n" << coordinator_.process->Stderr() << "\n";
-      }
-    }
-    workers_.clear();
-    coordinator_.process.reset();
-    if (!HasFailure() && !dir_.empty()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir_, ignored);
-    }
-  }
-
-  const std::string& admin() const { return coordinator_.admin_token; }
 
   v1::JobSpec MlpSpec() {
     v1::JobSpec spec;
@@ -94,27 +54,16 @@ class TrainingTest : public ::testing::Test {
   }
 
   std::string Submit(const v1::JobSpec& spec) {
-    absl::StatusOr<std::string> id = SubmitJob(coord_.get(), admin(), spec);
+    absl::StatusOr<std::string> id = cluster().Submit(spec);
     EXPECT_TRUE(id.ok()) << id.status();
     return id.ok() ? *id : "";
   }
-  v1::Job Get(const std::string& id) { return GetJob(coord_.get(), admin(), id); }
-  v1::Job WaitForEnd(const std::string& id) {
-    return WaitForJobEnd(coord_.get(), admin(), id, kLong);
+  v1::Job WaitForEnd(const std::string& id) { return cluster().WaitForEnd(id, kLong); }
+  std::vector<v1::StepMetrics> Metrics(const std::string& id) { return cluster().Metrics(id); }
+  std::string TrainerLog(const std::string& worker, const std::string& id, int rank) {
+    return ReadFileOrEmpty(
+        absl::StrCat(cluster().WorkDir(worker), "/logs/", id, "/gen-1/rank-", rank, ".log"));
   }
-
-  std::vector<v1::StepMetrics> Metrics(const std::string& id) {
-    v1::GetMetricsRequest request;
-    request.set_job_id(id);
-    v1::GetMetricsResponse response;
-    EXPECT_TRUE(coord_->GetMetrics(Context(admin()).get(), request, &response).ok());
-    return {response.steps().begin(), response.steps().end()};
-  }
-
-  std::string dir_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::vector<std::unique_ptr<Process>> workers_;
 };
 
 TEST_F(TrainingTest, TwoWorkersTrainTheMlpToARealTestAccuracy) {
@@ -148,7 +97,8 @@ TEST_F(TrainingTest, TwoWorkersTrainTheMlpToARealTestAccuracy) {
   // Fashion-MNIST; a broken gradient or allreduce stays near 0.1.
   EXPECT_GT(accuracy, 0.72);
   // The trainers wrote their logs where the workers keep them.
-  EXPECT_TRUE(std::filesystem::exists(absl::StrCat(dir_, "/w1/logs/", id, "/gen-1")));
+  EXPECT_TRUE(
+      std::filesystem::exists(absl::StrCat(cluster().WorkDir("w1"), "/logs/", id, "/gen-1")));
 }
 
 // Both workers run on this host, so by default the ranks meet in shared
@@ -166,8 +116,7 @@ TEST_F(TrainingTest, SharedMemoryAndGlooTrainTheSameLossesBitForBit) {
     std::string logs;
     for (const char* w : {"w1", "w2"}) {
       for (int rank : {0, 1}) {
-        logs +=
-            ReadFileOrEmpty(absl::StrCat(dir_, "/", w, "/logs/", id, "/gen-1/rank-", rank, ".log"));
+        logs += TrainerLog(w, id, rank);
       }
     }
     const std::string want = backend == v1::JobSpec::AUTO ? "transport=shm" : "transport=gloo";
@@ -235,7 +184,7 @@ TEST_F(TrainingTest, GradientAccumulationTrainsWithFewerOptimizerSteps) {
 
 TEST_F(TrainingTest, ATruncatedDatasetFileFailsTheJobNamingTheFileAndTheProblem) {
   // The real labels, and a training image file cut off after its header.
-  const std::string images = dir_ + "/train-images-truncated";
+  const std::string images = cluster().Path("train-images-truncated");
   {
     std::ofstream out(images, std::ios::binary);
     const unsigned char header[16] = {0, 0, 8, 3, 0, 0, 0xea, 0x60, 0, 0, 0, 28, 0, 0, 0, 28};
@@ -263,23 +212,14 @@ TEST_F(TrainingTest, CancelStopsEveryTrainerWithinSeconds) {
   spec.set_max_steps(0);
   spec.set_epochs(1000);
   const std::string id = Submit(spec);
-  ASSERT_TRUE(WaitFor([&] { return Get(id).state() == v1::Job::RUNNING; }, kLong));
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        return ProcessesWith({dir_, "--job=" + id + " "}).size() == 2;
-      },
-      kLong))
-      << "two trainer processes run the job";
-  v1::CancelJobRequest cancel;
-  cancel.set_job_id(id);
-  v1::Job job;
-  ASSERT_TRUE(coord_->CancelJob(Context(admin()).get(), cancel, &job).ok());
-  EXPECT_TRUE(WaitFor(
-      [&] {
-        return ProcessesWith({dir_, "--job=" + id + " "}).empty();
-      },
-      std::chrono::seconds(15)))
-      << "trainers left behind: " << ProcessesWith({dir_, "--job=" + id + " "}).size();
+  ASSERT_TRUE(cluster().WaitForState(id, v1::Job::RUNNING, kLong));
+  const std::vector<std::string> trainers = {cluster().dir(), "--job=" + id + " "};
+  ASSERT_TRUE(WaitFor([&] { return ProcessesWith(trainers).size() == 2; }, kLong,
+                      "two trainer processes running the job"));
+  ASSERT_TRUE(cluster().Cancel(id).ok());
+  EXPECT_TRUE(WaitFor([&] { return ProcessesWith(trainers).empty(); }, std::chrono::seconds(15),
+                      "every trainer gone",
+                      [&] { return absl::StrCat(ProcessesWith(trainers).size(), " left"); }));
 }
 
 }  // namespace

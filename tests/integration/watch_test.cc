@@ -22,8 +22,7 @@
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
@@ -31,16 +30,12 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-constexpr char kDataset[] = "/usr/share/datasets/fashion-mnist";
+constexpr const char* kDataset = kFashionMnist;
 constexpr char kScript[] = "/usr/bin/script";
 // About 2 s of the MLP on one core (and 2 epochs and a bit: evaluations at
 // 937, 1874 and 2000): redrawn every 100 ms, the bar shows many values.
 constexpr int kSteps = 2000;
 constexpr std::chrono::milliseconds kJobTimeout{180'000};
-
-std::string Describe(const CommandResult& r) {
-  return absl::StrCat("exit ", r.exit_code, "\n--- stdout:\n", r.out, "\n--- stderr:\n", r.err);
-}
 
 // `text` as one word for sh.
 std::string ShellQuoted(const std::string& text) {
@@ -69,54 +64,25 @@ std::pair<uint32_t, uint32_t> PngSize(const std::string& bytes) {
   return {be32(16), be32(20)};
 }
 
-class WatchTest : public ::testing::Test {
+class WatchTest : public ClusterFixture {
  protected:
+  WatchTest() : ClusterFixture("aidn-watch-test") {}
+
   void SetUp() override {
-    if (!std::filesystem::exists(std::string(kDataset) + "/train-images-idx3-ubyte.gz")) {
+    if (!FashionMnistInstalled()) {
       GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
     }
-    dir_ = MakeTempDir("aidn-watch-test");
-    home_ = dir_ + "/home";
+    ClusterFixture::SetUp();
+    home_ = cluster().Path("home");
     std::filesystem::create_directories(home_);
-    absl::StatusOr<CoordinatorHandle> c =
-        StartCoordinator(dir_ + "/state", {"--worker-timeout=3s", "--heartbeat-interval=500ms"});
-    ASSERT_TRUE(c.ok()) << c.status();
-    coordinator_ = std::move(*c);
-    const std::string work = dir_ + "/w1";
-    std::filesystem::create_directories(work);
-    absl::StatusOr<std::unique_ptr<Process>> w = Process::Start(
-        {AIDN_WORKER_BIN, "--coordinator=" + coordinator_.address,
-         "--token-file=" + coordinator_.state_dir + "/worker.token", "--worker-id=w1",
-         "--cpu-slots=1", "--work-dir=" + work, "--metrics-addr=127.0.0.1:0"},
-        {}, work + "/worker.out", work + "/worker.err");
-    ASSERT_TRUE(w.ok()) << w.status();
-    worker_ = std::move(*w);
-    auto stub = CoordinatorStub(coordinator_.address);
-    ASSERT_TRUE(WaitFor(
-        [&] {
-          v1::ListWorkersResponse r;
-          return stub->ListWorkers(Context(coordinator_.admin_token).get(), {}, &r).ok() &&
-                 r.workers_size() == 1;
-        },
-        std::chrono::seconds(30)))
-        << "the worker did not register";
-  }
-
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "---- worker stderr ----\n" << ReadFileOrEmpty(dir_ + "/w1/worker.err") << "\n";
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator stderr ----\n" << coordinator_.process->Stderr() << "\n";
-      }
-    }
-    worker_.reset();
-    coordinator_.process.reset();
-    if (!HasFailure() && !dir_.empty()) RemoveTree(dir_);
+    ASSERT_TRUE(
+        cluster().StartCoordinator({"--worker-timeout=3s", "--heartbeat-interval=500ms"}).ok());
+    ASSERT_TRUE(cluster().StartWorkers({"w1"}, {.args = {"--metrics-addr=127.0.0.1:0"}}));
   }
 
   // A one-rank MLP job of kSteps steps, as a YAML file; returns its path.
   std::string WriteSpec(const std::string& name, const std::string& dataset_dir = kDataset) {
-    const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
+    const std::string path = cluster().Path(name + ".yaml");
     WriteFileOrDie(path, absl::StrCat("name: ", name,
                                       "\n"
                                       "world_size: 1\n"
@@ -137,21 +103,16 @@ class WatchTest : public ::testing::Test {
   // aidnctl with the test's coordinator and admin token, stdout on a
   // pseudo-terminal of `script`.
   CommandResult AidnctlInTerminal(const std::vector<std::string>& args) {
-    std::string command = absl::StrCat(ShellQuoted(AIDNCTL_BIN), " --addr=", coordinator_.address,
-                                       " --token=", ShellQuoted(coordinator_.admin_token));
+    std::string command = absl::StrCat(ShellQuoted(AIDNCTL_BIN), " --addr=", cluster().address(),
+                                       " --token=", ShellQuoted(admin()));
     for (const std::string& arg : args) absl::StrAppend(&command, " ", ShellQuoted(arg));
     return RunCommand({kScript, "-qfec", command, "/dev/null"},
                       {"HOME=" + home_, "AIDN_ADDR=", "AIDN_TOKEN=", "TERM=xterm"}, kJobTimeout);
   }
 
-  CommandResult Ctl(const std::vector<std::string>& args) {
-    return Aidnctl(coordinator_, coordinator_.admin_token, args);
-  }
+  CommandResult Ctl(const std::vector<std::string>& args) { return cluster().Aidnctl(args); }
 
-  std::string dir_;
   std::string home_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<Process> worker_;
 };
 
 TEST_F(WatchTest, SubmitWatchDrawsAnAdvancingBarAndTheRestReadsTheSameJob) {
@@ -227,7 +188,7 @@ TEST_F(WatchTest, SubmitWatchDrawsAnAdvancingBarAndTheRestReadsTheSameJob) {
   EXPECT_THAT(csv.out, HasSubstr(absl::StrCat("\nEVAL,", kSteps, ",")));
 
   // 4. A PNG of the size asked for.
-  const std::string png = dir_ + "/loss.png";
+  const std::string png = cluster().Path("loss.png");
   const CommandResult plot = Ctl({"plot", id, "-o", png, "--width", "800", "--height", "500"});
   ASSERT_EQ(plot.exit_code, 0) << Describe(plot);
   EXPECT_THAT(plot.out, HasSubstr(absl::StrCat(kSteps, " steps, ", evals, " evaluation")));
@@ -245,26 +206,21 @@ TEST_F(WatchTest, AWatchSurvivesACoordinatorRestartMissingNothing) {
   const std::string id = std::string(
       absl::StripAsciiWhitespace(absl::StripPrefix(absl::string_view(submit.out), "submitted ")));
 
-  const std::string out = dir_ + "/watch.out", err = dir_ + "/watch.err";
-  absl::StatusOr<std::unique_ptr<Process>> watch = Process::Start(
-      {AIDNCTL_BIN, "--addr=" + coordinator_.address, "--token=" + coordinator_.admin_token,
-       "watch", id, "--reconnect-timeout=60s"},
-      {"HOME=" + home_, "AIDN_ADDR=", "AIDN_TOKEN="}, out, err);
+  const std::string out = cluster().Path("watch.out"), err = cluster().Path("watch.err");
+  absl::StatusOr<std::unique_ptr<Process>> watch =
+      Process::Start({AIDNCTL_BIN, "--addr=" + cluster().address(), "--token=" + admin(), "watch",
+                      id, "--reconnect-timeout=60s"},
+                     {"HOME=" + home_, "AIDN_ADDR=", "AIDN_TOKEN="}, out, err);
   ASSERT_TRUE(watch.ok()) << watch.status();
   ASSERT_TRUE(WaitFor([&] { return absl::StrContains(ReadFileOrEmpty(out), "\nstep "); },
                       std::chrono::seconds(60)))
       << ReadFileOrEmpty(out) << ReadFileOrEmpty(err);
 
   // kill -9, and the same coordinator again on the same port and state.
-  const std::string address = coordinator_.address;
-  coordinator_.process->Signal(SIGKILL);
-  ASSERT_TRUE(coordinator_.process->Wait(std::chrono::seconds(10)).ok());
-  absl::StatusOr<CoordinatorHandle> again = StartCoordinator(
-      dir_ + "/state",
-      {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--listen=" + address});
-  ASSERT_TRUE(again.ok()) << again.status();
-  coordinator_ = std::move(*again);
-  ASSERT_EQ(coordinator_.address, address);
+  const std::string address = cluster().address();
+  const absl::Status restarted = cluster().RestartCoordinator(/*same_address=*/true);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  ASSERT_EQ(cluster().address(), address);
 
   absl::StatusOr<int> exit = (*watch)->Wait(kJobTimeout);
   ASSERT_TRUE(exit.ok()) << exit.status();
@@ -298,7 +254,7 @@ TEST_F(WatchTest, AWatchSurvivesACoordinatorRestartMissingNothing) {
 }
 
 TEST_F(WatchTest, WatchingAJobThatFailsExitsNonZeroSayingWhy) {
-  const std::string empty_dataset = dir_ + "/no-data";
+  const std::string empty_dataset = cluster().Path("no-data");
   std::filesystem::create_directories(empty_dataset);
   const CommandResult submit = Ctl({"submit", "-f", WriteSpec("doomed", empty_dataset)});
   ASSERT_EQ(submit.exit_code, 0) << Describe(submit);

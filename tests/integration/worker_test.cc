@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -27,8 +28,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
-#include "tests/integration/harness.h"
-#include "tests/integration/process.h"
+#include "tests/integration/cluster_fixture.h"
 
 #ifndef AIDN_WORKER_BIN
 #error "AIDN_WORKER_BIN must name the aidn-worker binary"
@@ -81,15 +81,6 @@ mv "$wd/rank-$rank.pids.tmp" "$wd/rank-$rank.pids"
 exec sleep 1000
 )";
 
-// Gone, or a zombie (dead, waiting for some parent to reap it).
-bool IsDead(pid_t pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  const std::string stat = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/stat"));
-  const size_t paren = stat.rfind(')');
-  return stat.empty() ||
-         (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'Z');
-}
-
 std::vector<pid_t> ParsePids(const std::string& text) {
   std::vector<pid_t> pids;
   for (absl::string_view word : absl::StrSplit(text, absl::ByAnyChar(" \n"), absl::SkipEmpty())) {
@@ -110,42 +101,14 @@ v1::JobSpec Spec(int32_t world_size, int32_t max_restarts = 0) {
   return spec;
 }
 
-struct WorkerHandle {
-  std::string id;
-  std::string work_dir;
-  std::string log;
-  std::unique_ptr<Process> process;
-};
-
-class WorkerTest : public ::testing::Test {
+class WorkerTest : public ClusterFixture {
  protected:
-  void SetUp() override { dir_ = MakeTempDir("aidn-worker-test"); }
+  WorkerTest() : ClusterFixture("aidn-worker-test") {}
 
-  void TearDown() override {
-    if (HasFailure()) {
-      for (const auto& [id, w] : workers_) {
-        std::cerr << "---- worker " << id << " log (tail) ----\n" << Tail(ReadFileOrEmpty(w.log));
-      }
-      if (coordinator_.process != nullptr) {
-        std::cerr << "---- coordinator log (tail) ----\n" << Tail(coordinator_.process->Stderr());
-      }
-      std::cerr << "---- kept " << dir_ << " ----\n";
-    }
-    // Workers first (their trainers die with them), then the coordinator.
-    for (auto& [id, w] : workers_) w.process.reset();
-    coordinator_.process.reset();
-    if (!HasFailure()) RemoveTree(dir_);
-  }
-
-  static std::string Tail(const std::string& text) {
-    return text.size() <= 6000 ? text : "..." + text.substr(text.size() - 6000);
-  }
-
-  void StartCoordinatorWith(std::vector<std::string> args, const std::string& state = "state") {
-    absl::StatusOr<CoordinatorHandle> handle = StartCoordinator(dir_ + "/" + state, args);
-    ASSERT_TRUE(handle.ok()) << handle.status();
-    coordinator_ = std::move(handle).value();
-    coord_ = CoordinatorStub(coordinator_.address);
+  void StartCoordinatorWith(const std::vector<std::string>& args,
+                            const std::string& state = "state") {
+    const absl::Status started = cluster().StartCoordinator(args, state);
+    ASSERT_TRUE(started.ok()) << started;
   }
 
   // Heartbeats every 300 ms; a worker silent for 2 s is lost.
@@ -156,117 +119,61 @@ class WorkerTest : public ::testing::Test {
 
   // Writes a trainer script (prologue + `body`) and returns its path.
   std::string WriteScript(const std::string& name, const std::string& body) {
-    const std::string path = absl::StrCat(dir_, "/", name, ".sh");
+    const std::string path = cluster().Path(name + ".sh");
     WriteFileOrDie(path, absl::StrCat(kScriptPrologue, body));
     std::filesystem::permissions(path, std::filesystem::perms::owner_all);
     return path;
   }
 
   // Starts an aidn-worker daemon with one CPU slot.
-  WorkerHandle* StartWorker(const std::string& id, const std::string& trainer_script,
-                            const std::vector<std::string>& extra_args = {}) {
-    WorkerHandle& w = workers_[id];
-    w.id = id;
-    w.work_dir = absl::StrCat(dir_, "/", id);
-    w.log = absl::StrCat(dir_, "/", id, ".log");
-    std::filesystem::create_directories(w.work_dir);
-    std::vector<std::string> argv = {AIDN_WORKER_BIN,
-                                     "--coordinator=" + coordinator_.address,
-                                     "--token-file=" + coordinator_.state_dir + "/worker.token",
-                                     "--worker-id=" + id,
-                                     "--cpu-slots=1",
-                                     "--work_dir=" + w.work_dir,  // underscores work too
-                                     "--trainer-binary=" + trainer_script,
-                                     "--stop-grace=2s",
-                                     "--metrics-addr=127.0.0.1:0",
-                                     "--log-level=debug"};
-    argv.insert(argv.end(), extra_args.begin(), extra_args.end());
-    absl::StatusOr<std::unique_ptr<Process>> process = Process::Start(argv, {}, w.log, w.log);
-    EXPECT_TRUE(process.ok()) << process.status();
-    if (process.ok()) w.process = *std::move(process);
-    return &w;
+  Process* StartWorker(const std::string& id, const std::string& trainer_script,
+                       const std::vector<std::string>& extra_args = {}) {
+    std::vector<std::string> args = {"--work_dir=" + cluster().WorkDir(id),  // underscores work too
+                                     "--trainer-binary=" + trainer_script, "--stop-grace=2s",
+                                     "--metrics-addr=127.0.0.1:0", "--log-level=debug"};
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
+    const absl::Status started = cluster().StartWorker(id, {.args = args});
+    EXPECT_TRUE(started.ok()) << started;
+    return cluster().worker(id);
   }
 
-  std::map<std::string, v1::Worker> Workers() {
-    v1::ListWorkersResponse response;
-    grpc::Status status = coord_->ListWorkers(Context(admin()).get(), {}, &response);
-    EXPECT_TRUE(status.ok()) << status.error_message();
-    std::map<std::string, v1::Worker> out;
-    for (const v1::Worker& w : response.workers()) out[w.info().id()] = w;
-    return out;
-  }
-
+  std::map<std::string, v1::Worker> Workers() { return cluster().Workers(); }
   bool WorkerIs(const std::string& id, v1::Worker::State state) {
-    std::map<std::string, v1::Worker> workers = Workers();
-    auto it = workers.find(id);
-    return it != workers.end() && it->second.state() == state;
+    return cluster().WorkerIs(id, state);
   }
 
   std::string Submit(const v1::JobSpec& spec) {
-    v1::SubmitJobRequest request;
-    *request.mutable_spec() = spec;
-    v1::SubmitJobResponse response;
-    grpc::Status status = coord_->SubmitJob(Context(admin()).get(), request, &response);
-    EXPECT_TRUE(status.ok()) << "SubmitJob: " << status.error_message();
-    return response.job().id();
+    absl::StatusOr<std::string> id = cluster().Submit(spec);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
   }
 
-  v1::Job GetJob(const std::string& job_id) {
-    v1::GetJobRequest request;
-    request.set_job_id(job_id);
-    v1::Job job;
-    grpc::Status status = coord_->GetJob(Context(admin()).get(), request, &job);
-    EXPECT_TRUE(status.ok()) << "GetJob: " << status.error_message();
-    return job;
-  }
+  v1::Job GetJob(const std::string& job_id) { return cluster().GetJob(job_id); }
 
   AssertionResult WaitForJobState(const std::string& job_id, v1::Job::State state,
                                   std::chrono::milliseconds timeout = kLong) {
-    if (WaitFor([&] { return GetJob(job_id).state() == state; }, timeout)) {
-      return AssertionSuccess();
-    }
-    const v1::Job job = GetJob(job_id);
-    return AssertionFailure() << job_id << " is " << v1::Job::State_Name(job.state()) << " ("
-                              << job.message() << "), not " << v1::Job::State_Name(state)
-                              << " after " << timeout.count() << " ms; events:\n  "
-                              << absl::StrJoin(EventLines(job_id), "\n  ");
-  }
-
-  std::vector<v1::Event> Events(const std::string& job_id) {
-    v1::ListEventsRequest request;
-    request.set_job_id(job_id);
-    request.set_limit(10000);
-    v1::ListEventsResponse response;
-    grpc::Status status = coord_->ListEvents(Context(admin()).get(), request, &response);
-    EXPECT_TRUE(status.ok()) << "ListEvents: " << status.error_message();
-    return {response.events().begin(), response.events().end()};
+    return cluster().WaitForState(job_id, state, timeout);
   }
 
   std::vector<std::string> EventLines(const std::string& job_id) {
     std::vector<std::string> lines;
-    for (const v1::Event& e : Events(job_id)) {
+    for (const v1::Event& e : cluster().Events(job_id)) {
       lines.push_back(absl::StrCat(e.seq(), " ", e.type(), " gen=", e.generation(),
                                    " worker=", e.worker_id(), ": ", e.message()));
     }
     return lines;
   }
 
-  // The messages of the job's events of `type`.
   std::vector<std::string> EventMessages(const std::string& job_id, const std::string& type) {
-    std::vector<std::string> messages;
-    for (const v1::Event& e : Events(job_id)) {
-      if (e.type() == type) messages.push_back(e.message());
-    }
-    return messages;
+    return cluster().EventMessages(job_id, type);
   }
 
   void Cancel(const std::string& job_id) {
-    v1::CancelJobRequest request;
-    request.set_job_id(job_id);
-    v1::Job job;
-    grpc::Status status = coord_->CancelJob(Context(admin()).get(), request, &job);
-    ASSERT_TRUE(status.ok()) << "CancelJob: " << status.error_message();
+    const absl::Status cancelled = cluster().Cancel(job_id);
+    ASSERT_TRUE(cancelled.ok()) << cancelled;
   }
+
+  std::string Log(const std::string& id) { return cluster().WorkerLog(id); }
 
   // Waits for the pid file a sleeping trainer script writes for `rank` in
   // the job directory of any worker; returns the pids in it.
@@ -274,9 +181,9 @@ class WorkerTest : public ::testing::Test {
     std::vector<pid_t> pids;
     WaitFor(
         [&] {
-          for (const auto& [id, w] : workers_) {
+          for (const std::string& id : cluster().worker_ids()) {
             pids = ParsePids(ReadFileOrEmpty(
-                absl::StrCat(w.work_dir, "/jobs/", job_id, "/rank-", rank, ".pids")));
+                absl::StrCat(cluster().WorkDir(id), "/jobs/", job_id, "/rank-", rank, ".pids")));
             if (!pids.empty()) return true;
           }
           return false;
@@ -307,13 +214,6 @@ class WorkerTest : public ::testing::Test {
     return AssertionFailure() << "still running after " << timeout.count()
                               << " ms: " << absl::StrJoin(alive, ", ");
   }
-
-  const std::string& admin() const { return coordinator_.admin_token; }
-
-  std::string dir_;
-  CoordinatorHandle coordinator_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coord_;
-  std::map<std::string, WorkerHandle> workers_;
 };
 
 TEST_F(WorkerTest, TwoWorkersRegisterAndStayAlive) {
@@ -339,7 +239,7 @@ TEST_F(WorkerTest, TwoWorkersRegisterAndStayAlive) {
   EXPECT_TRUE(WorkerIs("w1", v1::Worker::ALIVE));
   EXPECT_TRUE(WorkerIs("w2", v1::Worker::ALIVE));
   // The resolved configuration is logged as a table.
-  EXPECT_THAT(ReadFileOrEmpty(workers_["w1"].log), HasSubstr("trainer_binary"));
+  EXPECT_THAT(Log("w1"), HasSubstr("trainer_binary"));
 }
 
 TEST_F(WorkerTest, ATwoRankJobWhoseTrainersExitZeroSucceeds) {
@@ -361,12 +261,13 @@ TEST_F(WorkerTest, ATwoRankJobWhoseTrainersExitZeroSucceeds) {
   // One rank per worker (one slot each); each has its log file and was run
   // with the assignment's flags and the token in its environment.
   std::map<int, std::string> args;
-  for (const auto& [id, w] : workers_) {
+  for (const std::string& id : cluster().worker_ids()) {
     for (int rank = 0; rank < 2; ++rank) {
-      const std::string log = absl::StrCat(w.work_dir, "/logs/", job, "/gen-1/rank-", rank, ".log");
+      const std::string log =
+          absl::StrCat(cluster().WorkDir(id), "/logs/", job, "/gen-1/rank-", rank, ".log");
       if (!std::filesystem::exists(log)) continue;
       EXPECT_EQ(ReadFileOrEmpty(log), "trainer done\n") << log;
-      const std::string job_dir = absl::StrCat(w.work_dir, "/jobs/", job);
+      const std::string job_dir = absl::StrCat(cluster().WorkDir(id), "/jobs/", job);
       args[rank] = ReadFileOrEmpty(absl::StrCat(job_dir, "/rank-", rank, ".gen-1.args"));
       EXPECT_THAT(args[rank], HasSubstr("--work-dir=" + job_dir));
       EXPECT_THAT(args[rank], HasSubstr("--worker-id=" + id));
@@ -376,7 +277,7 @@ TEST_F(WorkerTest, ATwoRankJobWhoseTrainersExitZeroSucceeds) {
   ASSERT_EQ(args.size(), 2u) << "expected one log file per rank under the work dirs";
   for (const auto& [rank, a] : args) {
     EXPECT_THAT(a,
-                HasSubstr(absl::StrCat("train --coordinator=", coordinator_.address, " --job=", job,
+                HasSubstr(absl::StrCat("train --coordinator=", cluster().address(), " --job=", job,
                                        " --generation=1 --rank=", rank, " --world-size=2")));
     EXPECT_THAT(a, HasSubstr("--host=127.0.0.1 --slot=0 --threads=1"));
     EXPECT_THAT(a, Not(HasSubstr("token")));
@@ -402,7 +303,7 @@ TEST_F(WorkerTest, ACrashingTrainerIsReportedWithItsCodeAndStderrAndTheJobFailsA
   }
   EXPECT_EQ(EventMessages(job, "job.restarting").size(), 1u);
   // One log per generation.
-  const std::string logs = absl::StrCat(workers_["w1"].work_dir, "/logs/", job);
+  const std::string logs = absl::StrCat(cluster().WorkDir("w1"), "/logs/", job);
   EXPECT_EQ(ReadFileOrEmpty(logs + "/gen-1/rank-0.log"), "starting\nboom\n");
   EXPECT_EQ(ReadFileOrEmpty(logs + "/gen-2/rank-0.log"), "starting\nboom\n");
 }
@@ -447,29 +348,29 @@ TEST_F(WorkerTest, CancellingAJobStopsEveryTrainerWithinSeconds) {
 
 TEST_F(WorkerTest, KillingTheWorkerDaemonTakesItsTrainersAlongAndTheWorkerIsLost) {
   StartDefaultCoordinator();
-  WorkerHandle* w = StartWorker("w1", WriteScript("sleep", kSleepAlone));
+  Process* w = StartWorker("w1", WriteScript("sleep", kSleepAlone));
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   const std::string job = Submit(Spec(1));
   const std::vector<pid_t> pids = WaitForTrainerPids(job, 0);
   ASSERT_EQ(pids.size(), 1u);
   ASSERT_FALSE(IsDead(pids[0]));
 
-  w->process->Signal(SIGKILL);
-  ASSERT_TRUE(w->process->Wait(kLong).ok());
+  w->Signal(SIGKILL);
+  ASSERT_TRUE(w->Wait(kLong).ok());
   EXPECT_TRUE(WaitForAllDead(pids)) << "the trainer outlived its daemon";
   EXPECT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::LOST); }, kLong));
 }
 
 TEST_F(WorkerTest, StoppingTheWorkerDaemonStopsItsTrainersReportsThemAndExitsZero) {
   StartDefaultCoordinator();
-  WorkerHandle* w = StartWorker("w1", WriteScript("sleep", kSleepWithChild));
+  Process* w = StartWorker("w1", WriteScript("sleep", kSleepWithChild));
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   const std::string job = Submit(Spec(1));
   const std::vector<pid_t> pids = WaitForTrainerPids(job, 0);
   ASSERT_EQ(pids.size(), 2u);
 
-  w->process->Signal(SIGTERM);
-  absl::StatusOr<int> code = w->process->Wait(kLong);
+  w->Signal(SIGTERM);
+  absl::StatusOr<int> code = w->Wait(kLong);
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
   EXPECT_TRUE(WaitForAllDead(pids));
@@ -487,26 +388,21 @@ TEST_F(WorkerTest, TrainersKeepRunningThroughACoordinatorRestart) {
   const std::vector<std::string> args = {"--worker-timeout=6s", "--heartbeat-interval=300ms",
                                          "--tick-interval=50ms"};
   StartCoordinatorWith(args);
-  WorkerHandle* w = StartWorker("w1", WriteScript("sleep", kSleepAlone));
+  StartWorker("w1", WriteScript("sleep", kSleepAlone));
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   const std::string job = Submit(Spec(1));
   const std::vector<pid_t> pids = WaitForTrainerPids(job, 0);
   ASSERT_EQ(pids.size(), 1u);
 
   // kill -9 the coordinator; the worker keeps its trainer while it retries.
-  const std::string address = coordinator_.address;
-  coordinator_.process->Signal(SIGKILL);
-  ASSERT_TRUE(coordinator_.process->Wait(kLong).ok());
-  ASSERT_TRUE(WaitFor(
-      [&] { return ReadFileOrEmpty(w->log).find("coordinator call failed") != std::string::npos; },
-      kLong))
-      << "the worker never noticed the coordinator was gone";
+  ASSERT_TRUE(cluster().KillCoordinator().ok());
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(Log("w1"), "coordinator call failed"); },
+                      kLong, "the worker noticing the coordinator was gone"));
   EXPECT_FALSE(IsDead(pids[0]));
 
-  std::vector<std::string> restart_args = args;
-  restart_args.push_back("--listen=" + address);  // the same port: the worker's address
-  StartCoordinatorWith(restart_args);
-  ASSERT_EQ(coordinator_.address, address);
+  // The same port: the worker's address.
+  const absl::Status restarted = cluster().RestartCoordinator(/*same_address=*/true);
+  ASSERT_TRUE(restarted.ok()) << restarted;
   const int64_t restarted_at = absl::ToUnixSeconds(absl::Now());
   ASSERT_TRUE(WaitFor(
       [&] {
@@ -526,32 +422,29 @@ TEST_F(WorkerTest, TrainersKeepRunningThroughACoordinatorRestart) {
 TEST_F(WorkerTest, AWorkerRegistersAgainWithACoordinatorThatForgotIt) {
   // Two coordinators with separate state on the same port, sharing a worker
   // token through --token-file: the second has never heard of the worker.
-  const std::string token_file = dir_ + "/tokens";
+  const std::string token_file = cluster().Path("tokens");
   WriteFileOrDie(token_file, "worker-test-token-0123456789 worker shared\n");
   const std::vector<std::string> args = {"--worker-timeout=2s", "--heartbeat-interval=300ms",
                                          "--tick-interval=50ms", "--token-file=" + token_file};
   StartCoordinatorWith(args, "state-a");
-  WriteFileOrDie(dir_ + "/worker.token", "worker-test-token-0123456789\n");
-  WorkerHandle* w = StartWorker("w1", WriteScript("exit0", kExitZero),
-                                {"--token-file=" + dir_ + "/worker.token"});
+  WriteFileOrDie(cluster().Path("worker.token"), "worker-test-token-0123456789\n");
+  StartWorker("w1", WriteScript("exit0", kExitZero),
+              {"--token-file=" + cluster().Path("worker.token")});
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   // ALIVE in the coordinator is not enough: the worker must also have read the
   // answer, or a kill right after the coordinator stored it leaves a worker
   // whose first registration simply goes to the second coordinator.
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        return ReadFileOrEmpty(w->log).find("registered with the coordinator") != std::string::npos;
-      },
-      kLong));
+  ASSERT_TRUE(
+      WaitFor([&] { return absl::StrContains(Log("w1"), "registered with the coordinator"); },
+              kLong, "the worker's registration"));
 
-  const std::string address = coordinator_.address;
-  coordinator_.process->Signal(SIGKILL);
-  ASSERT_TRUE(coordinator_.process->Wait(kLong).ok());
+  const std::string address = cluster().address();
+  ASSERT_TRUE(cluster().KillCoordinator().ok());
   std::vector<std::string> fresh_args = args;
   fresh_args.push_back("--listen=" + address);
   StartCoordinatorWith(fresh_args, "state-b");
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
-  EXPECT_THAT(ReadFileOrEmpty(w->log), HasSubstr("registering again"));
+  EXPECT_THAT(Log("w1"), HasSubstr("registering again"));
 
   // And it takes work from the new coordinator: its trainer ran and its exit
   // was reported.

@@ -4,7 +4,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -23,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "common/metrics/process_stats.h"
 #include "common/metrics/registry.h"
 
@@ -563,14 +563,12 @@ int64_t CountDirEntries(const std::string& path) {
 
 TEST(ProcessStats, ReportsSensibleFiguresForThisProcess) {
   // A second thread, parked, so that the thread count must be read right.
-  std::atomic<bool> stop{false};
-  std::thread parked([&] {
-    while (!stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  });
+  absl::Notification stop;
+  std::thread parked([&] { stop.WaitForNotification(); });
   BurnCpu(0.05);
   const absl::StatusOr<ProcessStats> stats = ReadProcessStats();
   const int64_t tasks = CountDirEntries("/proc/self/task");
-  stop = true;
+  stop.Notify();
   parked.join();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_GE(stats->cpu_seconds, 0.04);

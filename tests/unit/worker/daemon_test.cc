@@ -1,9 +1,9 @@
-// Pure helpers of the worker daemon.
+// Pure parts of the worker daemon and its coordinator link.
 #include <string>
-#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/coordinator_link.h"
 #include "worker/daemon.h"
 
 namespace aidn::worker {
@@ -11,38 +11,48 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::vector<engine::GpuDescription> Gpus(std::vector<int> indices) {
-  std::vector<engine::GpuDescription> gpus;
-  for (int index : indices) {
-    engine::GpuDescription g;
-    g.index = index;
-    g.name = "test gpu";
-    gpus.push_back(g);
+DaemonOptions Valid() {
+  DaemonOptions o;
+  o.token = "worker-token-0123456789";
+  o.worker_id = "w1";
+  return o;
+}
+
+TEST(ValidateDaemonOptions, AcceptsTheDefaultsWithAnIdAndAToken) {
+  EXPECT_TRUE(ValidateDaemonOptions(Valid()).ok());
+}
+
+TEST(ValidateDaemonOptions, NamesTheFieldItRefuses) {
+  DaemonOptions o = Valid();
+  o.worker_id = "w/1";
+  EXPECT_THAT(ValidateDaemonOptions(o).message(), HasSubstr("worker_id"));
+  o = Valid();
+  o.token.clear();
+  EXPECT_THAT(ValidateDaemonOptions(o).message(), HasSubstr("token"));
+  o = Valid();
+  o.trainer_binary = "aidn-worker";
+  EXPECT_THAT(ValidateDaemonOptions(o).message(), HasSubstr("trainer_binary"));
+  o = Valid();
+  o.backoff_max = std::chrono::milliseconds(10);  // below backoff_initial
+  EXPECT_EQ(ValidateDaemonOptions(o).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ExitReportRetryable, RetriesWhatTheCoordinatorMayAnswerDifferentlyLater) {
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::DEADLINE_EXCEEDED,
+        grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::ABORTED,
+        grpc::StatusCode::CANCELLED, grpc::StatusCode::INTERNAL, grpc::StatusCode::UNKNOWN}) {
+    EXPECT_TRUE(ExitReportRetryable(code)) << code;
   }
-  return gpus;
 }
 
-TEST(TrainerVisibleDevice, IsTheGpusIndexWhenTheWorkerSeesEveryGpu) {
-  EXPECT_EQ(*TrainerVisibleDevice(0, Gpus({0, 1, 2}), ""), "0");
-  EXPECT_EQ(*TrainerVisibleDevice(2, Gpus({0, 1, 2}), ""), "2");
-}
-
-TEST(TrainerVisibleDevice, MapsThroughTheWorkersOwnList) {
-  // The worker runs with CUDA_VISIBLE_DEVICES=3,1: its GPU 0 is physical 3.
-  EXPECT_EQ(*TrainerVisibleDevice(0, Gpus({0, 1}), "3,1"), "3");
-  EXPECT_EQ(*TrainerVisibleDevice(1, Gpus({0, 1}), "3, 1"), "1");
-  EXPECT_EQ(*TrainerVisibleDevice(1, Gpus({0, 1}), "GPU-aaaa,GPU-bbbb"), "GPU-bbbb");
-}
-
-TEST(TrainerVisibleDevice, RefusesASlotTheWorkerDoesNotHave) {
-  absl::StatusOr<std::string> none = TrainerVisibleDevice(0, {}, "");
-  ASSERT_FALSE(none.ok());
-  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(none.status().message(), HasSubstr("has 0 GPUs"));
-  EXPECT_FALSE(TrainerVisibleDevice(-1, Gpus({0}), "").ok());
-  absl::StatusOr<std::string> short_list = TrainerVisibleDevice(1, Gpus({0, 1}), "5");
-  ASSERT_FALSE(short_list.ok());
-  EXPECT_THAT(short_list.status().message(), HasSubstr("CUDA_VISIBLE_DEVICES \"5\""));
+TEST(ExitReportRetryable, DropsWhatWillNotChange) {
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::NOT_FOUND, grpc::StatusCode::INVALID_ARGUMENT,
+        grpc::StatusCode::FAILED_PRECONDITION, grpc::StatusCode::PERMISSION_DENIED,
+        grpc::StatusCode::UNAUTHENTICATED}) {
+    EXPECT_FALSE(ExitReportRetryable(code)) << code;
+  }
 }
 
 }  // namespace

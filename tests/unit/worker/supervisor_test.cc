@@ -125,6 +125,36 @@ TEST_F(SupervisorTest, ReportsTheExitCodeOfAChildThatExits) {
   EXPECT_TRUE(supervisor.Running().empty());
 }
 
+TEST_F(SupervisorTest, RunsTheProgramUnderTheNameGivenAsArgvZero) {
+  Supervisor supervisor;
+  absl::StatusOr<Supervisor::ChildId> id =
+      supervisor.Start({.program = "/bin/sh",
+                        .argv = {"aidn-trainer", "-c", "sleep 1000; exit 0"},
+                        .log_path = dir_ + "/child.log"});
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_EQ(supervisor.Running().size(), 1u);
+  const pid_t pid = supervisor.Running()[0].pid;
+  // What `ps -ef` shows: the name, not the program's path.
+  EXPECT_THAT(ReadFile(absl::StrCat("/proc/", pid, "/cmdline")),
+              StartsWith(std::string("aidn-trainer\0-c\0", 16)));
+  ASSERT_TRUE(supervisor.Stop(*id, std::chrono::milliseconds(0)).ok());
+  std::optional<ChildExit> exit = WaitForExit(supervisor, *id);
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_TRUE(exit->stopped);
+}
+
+TEST_F(SupervisorTest, RefusesAProgramThatIsNotAPath) {
+  Supervisor supervisor;
+  absl::StatusOr<Supervisor::ChildId> id =
+      supervisor.Start({.program = "sh", .argv = {"sh", "-c", "exit 0"}, .log_path = dir_ + "/l"});
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(id.status().message(), HasSubstr("program"));
+  id = supervisor.Start({.argv = {"sh", "-c", "exit 0"}, .log_path = dir_ + "/l"});
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(supervisor.Running().empty());
+}
+
 TEST_F(SupervisorTest, ReportsTheSignalThatKilledAChild) {
   Supervisor supervisor;
   absl::StatusOr<Supervisor::ChildId> id = supervisor.Start(Script("kill -KILL $$"));

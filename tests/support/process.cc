@@ -1,4 +1,4 @@
-#include "tests/integration/process.h"
+#include "tests/support/process.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -12,10 +12,7 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <sstream>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -26,8 +23,6 @@ extern char** environ;
 
 namespace aidn::testing {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // The environment of the test with `overrides` ("K=V") added or replacing
 // the entries with the same key.
@@ -80,11 +75,6 @@ int ExitCodeOf(int wait_status) {
   if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
   if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
   return -1;
-}
-
-std::string TempRoot() {
-  const char* tmpdir = getenv("TMPDIR");
-  return (tmpdir != nullptr && tmpdir[0] != '\0') ? tmpdir : "/tmp";
 }
 
 }  // namespace
@@ -194,23 +184,28 @@ void Process::Signal(int sig) {
 }
 
 absl::StatusOr<int> Process::Wait(std::chrono::milliseconds timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  while (!reaped_) {
-    int status;
-    const pid_t r = waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      reaped_ = true;
-      exit_code_ = ExitCodeOf(status);
-      break;
-    }
-    if (r < 0 && errno != EINTR) {
-      return PosixError(absl::StrCat("waitpid ", pid_), errno);
-    }
-    if (Clock::now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("process ", pid_, " still running after ", timeout.count(), " ms"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  absl::Status error;
+  WaitFor(
+      [&] {
+        if (reaped_) return true;
+        int status;
+        const pid_t r = waitpid(pid_, &status, WNOHANG);
+        if (r == pid_) {
+          reaped_ = true;
+          exit_code_ = ExitCodeOf(status);
+          return true;
+        }
+        if (r < 0 && errno != EINTR) {
+          error = PosixError(absl::StrCat("waitpid ", pid_), errno);
+          return true;
+        }
+        return false;
+      },
+      timeout);
+  if (!error.ok()) return error;
+  if (!reaped_) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("process ", pid_, " still running after ", timeout.count(), " ms"));
   }
   return exit_code_;
 }
@@ -246,15 +241,6 @@ CommandResult RunCommand(const std::vector<std::string>& argv, const std::vector
   return result;
 }
 
-bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  while (true) {
-    if (predicate()) return true;
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
-
 std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
   std::vector<pid_t> found;
   DIR* proc = opendir("/proc");
@@ -276,36 +262,18 @@ std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
   return found;
 }
 
-std::string MakeTempDir(const std::string& prefix) {
-  std::string path = TempRoot() + "/" + prefix + ".XXXXXX";
-  if (mkdtemp(path.data()) == nullptr) {
-    fprintf(stderr, "mkdtemp %s: %s\n", path.c_str(), strerror(errno));
-    abort();
-  }
-  return path;
+char ProcessState(pid_t pid) {
+  // "pid (comm) S ...": the command may hold spaces and parentheses.
+  const std::string stat = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return '\0';
+  return stat[paren + 2];
 }
 
-std::string ReadFileOrEmpty(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "";
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-void WriteFileOrDie(const std::string& path, const std::string& contents) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << contents;
-  out.close();
-  if (!out) {
-    fprintf(stderr, "cannot write %s\n", path.c_str());
-    abort();
-  }
-}
-
-void RemoveTree(const std::string& path) {
-  std::error_code ignored;
-  std::filesystem::remove_all(path, ignored);
+bool IsDead(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const char state = ProcessState(pid);
+  return state == '\0' || state == 'Z';
 }
 
 }  // namespace aidn::testing

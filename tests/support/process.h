@@ -1,18 +1,20 @@
-#ifndef AIDN_TESTS_INTEGRATION_PROCESS_H_
-#define AIDN_TESTS_INTEGRATION_PROCESS_H_
+#ifndef AIDN_TESTS_SUPPORT_PROCESS_H_
+#define AIDN_TESTS_SUPPORT_PROCESS_H_
 
-// Child processes and polling for integration tests. Never sleep for a fixed
-// time to wait for a state: poll with a deadline (WaitFor).
+// Child processes for tests: real binaries started in their own process
+// group, commands run to completion, and a look through /proc for processes
+// a test left behind. Wait for their states with WaitFor (wait.h).
 
 #include <sys/types.h>
 
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "tests/support/files.h"
+#include "tests/support/wait.h"
 
 namespace aidn::testing {
 
@@ -62,23 +64,18 @@ CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::vector<std::string>& env = {},
                          std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
-// Polls `predicate` every 20 ms until it returns true (→ true) or `timeout`
-// passes (→ false).
-bool WaitFor(const std::function<bool()>& predicate, std::chrono::milliseconds timeout);
-
-// A new empty directory under $TMPDIR (or /tmp), named after `prefix`.
-std::string MakeTempDir(const std::string& prefix);
-std::string ReadFileOrEmpty(const std::string& path);
-
 // PIDs of live (not zombie) processes other than this one whose command line
 // (arguments joined by spaces) contains every one of `needles`. Tests that
 // run beside each other share job ids ("job-1"): pass the test's own
 // directory as one of the needles.
 std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles);
-void WriteFileOrDie(const std::string& path, const std::string& contents);
-// Removes `path` and everything under it; errors are ignored.
-void RemoveTree(const std::string& path);
+
+// The state letter of /proc/<pid>/stat ('R', 'S', 'T' for stopped, 'Z' for
+// a zombie...), or '\0' if there is no such process.
+char ProcessState(pid_t pid);
+// Gone, or a zombie (dead, waiting for some parent to reap it).
+bool IsDead(pid_t pid);
 
 }  // namespace aidn::testing
 
-#endif  // AIDN_TESTS_INTEGRATION_PROCESS_H_
+#endif  // AIDN_TESTS_SUPPORT_PROCESS_H_
