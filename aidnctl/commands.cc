@@ -106,6 +106,9 @@ absl::Status RpcError(const grpc::Status& status, const std::string& address,
 absl::Status RunSubmit(const CommandEnv& env, const std::string& path, std::string* job_id) {
   v1::SubmitJobRequest request;
   AIDN_ASSIGN_OR_RETURN(*request.mutable_spec(), ReadJobSpec(path, *env.in));
+  AIDN_RETURN_IF_ERROR(CheckJobSpecSizes(request.spec(), path == "-" ? "<stdin>" : path,
+                                         // Less the request's own framing.
+                                         rpc::ChannelOptions().max_message_bytes - 64));
   v1::SubmitJobResponse response;
   AIDN_RETURN_IF_ERROR(Call(env, &Stub::SubmitJob, request, &response,
                             /*invalid_argument_prefix=*/"invalid job spec: "));

@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
   std::string spec_path, reconnect_timeout = "5m";
   bool submit_watch = false;
   CLI::App* submit = app.add_subcommand("submit", "Submit a job spec (YAML or JSON)");
-  submit->add_option("-f,--file", spec_path, "The job spec file; - reads stdin")
+  // The file as an argument (aidnctl submit job.yaml) or as -f/--file.
+  submit->add_option("file,-f,--file", spec_path, "The job spec file; - reads stdin")
       ->required()
       ->type_name("FILE");
   submit->add_flag("--watch", submit_watch, "Then watch the job as `aidnctl watch` does");

@@ -7,6 +7,7 @@
 #include <istream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <regex>
 #include <set>
 #include <utility>
@@ -21,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "aidnctl/config.h"
+#include "common/job_spec_limits.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 #include "yaml-cpp/yaml.h"
@@ -451,6 +453,80 @@ absl::StatusOr<v1::JobSpec> ReadJobSpec(const std::string& path, std::istream& s
                         absl::StrCat("cannot read job spec ", text.status().message()));
   }
   return ParseJobSpec(*text, path);
+}
+
+namespace {
+
+// The first string field of `message` (recursively) over its limit, as
+// "path: N bytes, ...".
+std::optional<std::string> OversizedString(const google::protobuf::Message& message,
+                                           const std::string& prefix) {
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  reflection->ListFields(message, &fields);
+  for (const FieldDescriptor* field : fields) {
+    const std::string path = prefix + field->name();
+    if (field->is_map()) continue;  // labels, checked by the caller
+    if (field->type() == FieldDescriptor::TYPE_MESSAGE && !field->is_repeated()) {
+      if (auto found = OversizedString(reflection->GetMessage(message, field), path + ".")) {
+        return found;
+      }
+      continue;
+    }
+    if (field->type() != FieldDescriptor::TYPE_STRING || field->is_repeated()) continue;
+    const size_t limit =
+        path == "name" ? job_spec_limits::kMaxNameBytes : job_spec_limits::kMaxPathBytes;
+    const size_t size = reflection->GetStringReference(message, field, nullptr).size();
+    if (size > limit) {
+      return absl::StrCat(path, ": ", size, " bytes, the coordinator takes at most ", limit);
+    }
+  }
+  return std::nullopt;
+}
+
+std::string ShortQuote(const std::string& text) {
+  return absl::StrCat("\"", text.size() > 40 ? text.substr(0, 40) + "..." : text, "\"");
+}
+
+}  // namespace
+
+absl::Status CheckJobSpecSizes(const v1::JobSpec& spec, absl::string_view source,
+                               size_t max_message_bytes) {
+  auto too_large = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", what));
+  };
+  namespace limits = job_spec_limits;
+  if (static_cast<size_t>(spec.labels_size()) > limits::kMaxLabels) {
+    return too_large(absl::StrCat("labels: ", spec.labels_size(),
+                                  " labels, the coordinator takes at most ", limits::kMaxLabels));
+  }
+  for (const auto& [key, value] : spec.labels()) {
+    if (key.size() > limits::kMaxLabelKeyBytes) {
+      return too_large(absl::StrCat("labels: key ", ShortQuote(key), " is ", key.size(),
+                                    " bytes, the coordinator takes at most ",
+                                    limits::kMaxLabelKeyBytes));
+    }
+    if (value.size() > limits::kMaxLabelValueBytes) {
+      return too_large(absl::StrCat("labels[", ShortQuote(key), "]: ", value.size(),
+                                    " bytes, the coordinator takes at most ",
+                                    limits::kMaxLabelValueBytes));
+    }
+  }
+  if (std::optional<std::string> what = OversizedString(spec, "")) return too_large(*what);
+  // Anything else (a long repeated field): name the largest field.
+  const size_t total = spec.ByteSizeLong();
+  if (total <= max_message_bytes) return absl::OkStatus();
+  const Descriptor* descriptor = spec.GetDescriptor();
+  std::string largest;
+  size_t largest_bytes = 0;
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    v1::JobSpec without = spec;
+    without.GetReflection()->ClearField(&without, descriptor->field(i));
+    const size_t bytes = total - without.ByteSizeLong();
+    if (bytes > largest_bytes) largest = descriptor->field(i)->name(), largest_bytes = bytes;
+  }
+  return too_large(absl::StrCat("the spec is ", total, " bytes, more than the ", max_message_bytes,
+                                " a call carries; ", largest, " takes ", largest_bytes));
 }
 
 std::string JsonToYaml(const nlohmann::ordered_json& json, const Descriptor* type) {

@@ -24,6 +24,7 @@
 //   job.yaml: optimizer.lrr: unknown field (line 7)
 //   job.yaml: line 3, column 9: illegal map value
 
+#include <cstddef>
 #include <iosfwd>
 #include <string>
 
@@ -42,6 +43,15 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
 
 // Reads the file at `path` ("-": all of `stdin_stream`) and parses it.
 absl::StatusOr<v1::JobSpec> ReadJobSpec(const std::string& path, std::istream& stdin_stream);
+
+// OK, or INVALID_ARGUMENT naming the first field too large for the
+// coordinator (common/job_spec_limits.h) or the field that makes the whole
+// spec larger than `max_message_bytes`, a call's limit:
+//   job.yaml: labels["notes"]: 10485760 bytes, the coordinator takes at most 256
+// Checked before sending, as gRPC would refuse such a call with a transport
+// error that names nothing.
+absl::Status CheckJobSpecSizes(const v1::JobSpec& spec, absl::string_view source,
+                               size_t max_message_bytes);
 
 // Writes `json` as block YAML. Strings that a YAML reader would take for
 // something else ("123", "true", "") are quoted. With `type`, the message

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The coordinator at scale: builds and runs coordinator_load (bench/coordinator.cc)
+# The coordinator at scale: builds and runs coordinator_load (bench/coordinator/)
 # against one real aidn-coordinator. Arguments go to coordinator_load.
 #
 #   bench/coordinator.sh                          # 10,000 workers, 1,000 ranks, 300 s window

@@ -55,8 +55,8 @@ struct Options {
   bool json = false;
 };
 
-void Usage() {
-  std::fprintf(stderr,
+void Usage(std::FILE* out = stderr) {
+  std::fprintf(out,
                "usage: gpu_step --model mlp|cnn [--batch 64] [--steps 500] [--warmup 50] "
                "[--tf32] [--fast-conv] [--precision fp32|bf16|fp16] [--cuda-graphs] [--profile] "
                "[--json]\n");
@@ -176,6 +176,10 @@ int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      Usage(stdout);
+      return 0;
+    }
     auto value = [&](const char* name) -> const char* {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "gpu_step: %s needs a value\n", name);

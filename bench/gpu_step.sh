@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU training step, aidn against PyTorch eager on the same GPU, in the
-# same run, interleaved (issue 7's figures). For a GPU machine: builds the
-# engine alone (no gRPC needed) and runs build-gpu/bench/gpu_step beside
-# bench/gpu_step_torch.py.
+# same run, interleaved. For a GPU machine: builds the engine alone (no gRPC
+# needed) and runs build-gpu/bench/gpu_step beside bench/gpu_step_torch.py.
 #
 #   bench/gpu_step.sh                        # mlp and cnn at batch 64, 256, 1024; REPS=3
 #   MODELS=mlp BATCHES="64" REPS=5 bench/gpu_step.sh
@@ -102,5 +101,5 @@ for model, conv, batch in cases:
     print(f"{label:<26} | {med['aidn']:>14.0f} | {med['torch']:>15.0f} | {med['aidn'] / med['torch']:>10.2f}")
 cudnn = {r.get("cudnn") for r in rows if r["impl"] == "torch"}
 print()
-print(f"torch's cuDNN: {sorted(cudnn)}; targets (issue 7): aidn/torch >= 1.0 everywhere, >= 2.0 at batch 64 (medians over reps)")
+print(f"torch's cuDNN: {sorted(cudnn)}; targets: aidn/torch >= 1.0 everywhere, >= 2.0 at batch 64 (medians over reps)")
 PY

@@ -1,7 +1,7 @@
 // metrics_load: streams metric records into a real coordinator at a fixed
 // rate for a while, job after job, and watches the coordinator's resident
 // memory and CPU, to show that finished jobs' metrics leave memory after the
-// retention period (issue 4's load figure).
+// retention period.
 //
 //   metrics_load [--seconds=60] [--rate=1000] [--ranks=2] [--job-seconds=10]
 //                [--retention-seconds=10]
@@ -52,9 +52,18 @@ struct Options {
   int retention_seconds = 10;
 };
 
-bool ParseFlags(int argc, char** argv, Options* o) {
+constexpr char kUsage[] =
+    "usage: metrics_load [--seconds=60] [--rate=1000] [--ranks=2] [--job-seconds=10]\n"
+    "                    [--retention-seconds=10]\n";
+
+// False on a bad flag, or with *help set on --help.
+bool ParseFlags(int argc, char** argv, Options* o, bool* help) {
   for (int i = 1; i < argc; ++i) {
     std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    if (kv[0] == "--help" || kv[0] == "-h") {
+      *help = true;
+      return false;
+    }
     int* target = nullptr;
     if (kv[0] == "--seconds") target = &o->seconds;
     if (kv[0] == "--rate") target = &o->rate;
@@ -315,6 +324,10 @@ int Run(const Options& o) {
 
 int main(int argc, char** argv) {
   aidn::bench::Options options;
-  if (!aidn::bench::ParseFlags(argc, argv, &options)) return 2;
+  bool help = false;
+  if (!aidn::bench::ParseFlags(argc, argv, &options, &help)) {
+    std::fputs(aidn::bench::kUsage, help ? stdout : stderr);
+    return help ? 0 : 2;
+  }
   return aidn::bench::Run(options);
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training throughput, aidn against PyTorch, measured in the same run,
-# interleaved (issue 6's bench/train).
+# interleaved.
 #
 #   bench/train.sh                  # ~10 minutes on an idle 2-core machine
 #   CASES="mlp:2:1:shm mlp:2:1:gloo" REPS=5 bench/train.sh
@@ -348,7 +348,7 @@ for c in cases:
     a, t = med(rates("aidn", c)), med(rates("torch", peer(c)))
     print("%-19s | %14.0f | %15.0f | %10.2f" % (c, a, t, a / t if t else float("nan")))
 print()
-# Issue 6's targets, where this run measured the cases they need.
+# The targets, where this run measured the cases they need.
 targets = [("mlp 1r x 1t", None, 1.5), ("cnn 1r x 1t", None, 1.5),
            ("mlp 2r x 1t", None, 2.0), ("cnn 2r x 1t", None, 1.3),
            ("mlp 2r x 1t", "mlp 1r x 2t", 0.9), ("cnn 2r x 1t", "cnn 1r x 2t", 0.9)]

@@ -89,7 +89,13 @@ int main(int argc, char** argv) {
   // optimised builds go without it, as they would with a release Abseil.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 #endif
-  absl::SetProgramUsageMessage("aidn-coordinator: the aidn training coordinator");
+  absl::SetProgramUsageMessage("the aidn training coordinator");
+  if (aidn::PrintFlagsHelpIfAsked(argc, argv,
+                                  "aidn-coordinator: the aidn training coordinator\n"
+                                  "usage: aidn-coordinator [flags]",
+                                  "coordinator/main.cc")) {
+    return 0;
+  }
   std::vector<std::string> arg_storage;
   std::vector<char*> args = aidn::NormalizeFlagNames(argc, argv, &arg_storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());

@@ -1,6 +1,8 @@
 #include "coordinator/server.h"
 
 #include "absl/strings/str_cat.h"
+#include "aidn/v1/cluster.grpc.pb.h"
+#include "aidn/v1/coordinator.grpc.pb.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -27,7 +29,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
 
   grpc::ServerBuilder builder;
   int port = 0;
-  // TLS credentials plug in here (a later issue).
+  // TLS credentials would plug in here.
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
@@ -43,13 +45,24 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
         absl::StrCat("could not listen on ", options.listen, " (address in use or not local?)"));
   }
   server->address_ = absl::StrCat(options.listen.substr(0, colon), ":", port);
+  // gRPC's health service answers SERVING for "" (the server) on its own;
+  // each service is known to it only once named here.
+  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
+  for (const std::string& name : ServedServices()) health->SetServingStatus(name, true);
   return server;
+}
+
+std::vector<std::string> Server::ServedServices() {
+  return {v1::CoordinatorService::service_full_name(), v1::ClusterService::service_full_name()};
 }
 
 Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
 
 void Server::Shutdown(std::chrono::milliseconds grace) {
   if (server_ == nullptr) return;
+  // Every service (and "") NOT_SERVING from here on, for health watchers
+  // and checks that still get through while the calls drain.
+  server_->GetHealthCheckService()->Shutdown();
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   server_->Wait();
   server_.reset();

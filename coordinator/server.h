@@ -3,10 +3,15 @@
 
 // The coordinator's gRPC server: both services, gRPC health checking and
 // server reflection, on one port. Thread-safe.
+//
+// Health (grpc.health.v1.Health/Check): "" and each served service's full
+// name ("aidn.v1.CoordinatorService", "aidn.v1.ClusterService") are SERVING
+// while the server runs and NOT_SERVING once Shutdown begins.
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "coordinator/auth.h"
@@ -38,6 +43,9 @@ class Server {
   const std::string& address() const { return address_; }
   // Stops accepting calls; calls still running after `grace` are cancelled.
   void Shutdown(std::chrono::milliseconds grace);
+
+  // The full names of the services served, as health checks name them.
+  static std::vector<std::string> ServedServices();
 
  private:
   Server() = default;

@@ -443,7 +443,8 @@ void Daemon::CollectMetrics() {
     absl::StatusOr<metrics::ProcessStats> stats = metrics::ReadProcessStats(pid);
     if (!stats.ok()) continue;  // it just ended
     const metrics::Labels labels{{"job_id", key.job_id}, {"rank", absl::StrCat(key.rank)}};
-    metrics_->trainer_cpu_seconds.Add(labels).Set(stats->cpu_seconds);
+    // A fresh series (all were removed above): the increment is the total.
+    metrics_->trainer_cpu_seconds.Add(labels).Increment(stats->cpu_seconds);
     metrics_->trainer_resident_memory_bytes.Add(labels).Set(
         static_cast<double>(stats->resident_bytes));
   }

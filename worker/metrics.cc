@@ -26,8 +26,8 @@ WorkerMetrics::WorkerMetrics(metrics::Registry* r)
                          .Add({})),
       coordinator_call_failures(r->AddCounter("aidn_worker_coordinator_call_failures_total",
                                               "Failed calls to the coordinator, by call.")),
-      trainer_cpu_seconds(r->AddGauge("aidn_worker_trainer_cpu_seconds",
-                                      "CPU time (user + system) a running trainer used so far.")),
+      trainer_cpu_seconds(r->AddCounter("aidn_worker_trainer_cpu_seconds_total",
+                                        "CPU time (user + system) a running trainer used so far.")),
       trainer_resident_memory_bytes(r->AddGauge("aidn_worker_trainer_resident_memory_bytes",
                                                 "Resident memory of a running trainer.")),
       gpu_memory_used_bytes(

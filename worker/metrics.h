@@ -26,8 +26,9 @@ struct WorkerMetrics {
   metrics::Family<metrics::Counter>& trainer_exits;
   metrics::Gauge& coordinator_up;
   metrics::Family<metrics::Counter>& coordinator_call_failures;
-  // Per trainer (labels job_id, rank).
-  metrics::Family<metrics::Gauge>& trainer_cpu_seconds;
+  // Per trainer (labels job_id, rank). CPU time is cumulative, so a
+  // counter; its series live as long as the trainer runs.
+  metrics::Family<metrics::Counter>& trainer_cpu_seconds;
   metrics::Family<metrics::Gauge>& trainer_resident_memory_bytes;
   // Per GPU (label gpu, the index).
   metrics::Family<metrics::Gauge>& gpu_memory_used_bytes;

@@ -196,6 +196,16 @@ TEST_F(CommandsTest, ABadSpecFileFailsBeforeAnyCall) {
   EXPECT_EQ(fake_->last_authorization(), "");  // never called
 }
 
+TEST_F(CommandsTest, ASpecTooLargeForACallFailsBeforeAnyCallNamingTheField) {
+  in_.str(absl::StrCat(
+      "name: x\nworld_size: 2\nlabels:\n  notes: ", std::string(5 * 1024 * 1024, 'x'), "\n"));
+  const absl::Status status = RunSubmit(env_, "-");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              StartsWith("<stdin>: labels[\"notes\"]: 5242880 bytes"));
+  EXPECT_EQ(fake_->last_authorization(), "");  // never called
+}
+
 TEST_F(CommandsTest, ListFollowsPageTokensUpToTheLimit) {
   ListOptions options;
   options.limit = 120;

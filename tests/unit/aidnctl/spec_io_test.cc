@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "aidnctl/config.h"
@@ -27,7 +28,16 @@ using ::testing::UnorderedElementsAre;
 
 std::string ExamplePath(const std::string& name) {
   // This file is tests/unit/aidnctl/spec_io_test.cc under the source root.
-  return (std::filesystem::path(__FILE__).parent_path() / "../../../examples" / name).string();
+  // __FILE__ is relative to the build directory when the compiler was given
+  // relative paths (ccache's base_dir does that), so also look upwards from
+  // the working directory, which ctest sets inside the build directory.
+  std::filesystem::path file = __FILE__;
+  for (std::filesystem::path dir = std::filesystem::current_path();
+       file.is_relative() && !std::filesystem::exists(file) && dir.has_relative_path();
+       dir = dir.parent_path()) {
+    if (std::filesystem::exists(dir / __FILE__)) file = dir / __FILE__;
+  }
+  return (file.parent_path() / "../../../examples" / name).string();
 }
 
 v1::JobSpec MustParse(const std::string& text, const std::string& source = "job.yaml") {
@@ -330,6 +340,67 @@ TEST(MessageToJson, UsesProtoFieldNamesAndLeavesDefaultsOut) {
   EXPECT_FALSE(parsed.contains("name"));
   EXPECT_FALSE(parsed.contains("worldSize"));
   EXPECT_EQ(json->back(), '\n');
+}
+
+// ---------------------------------------------------------------------------
+// Sizes checked before sending.
+
+constexpr size_t kCallLimit = 4 * 1024 * 1024;
+
+v1::JobSpec SmallSpec() {
+  v1::JobSpec spec;
+  spec.set_name("x");
+  spec.set_world_size(2);
+  (*spec.mutable_labels())["team"] = "vision";
+  return spec;
+}
+
+TEST(CheckJobSpecSizes, ASpecWithinTheLimitsPasses) {
+  EXPECT_TRUE(CheckJobSpecSizes(SmallSpec(), "job.yaml", kCallLimit).ok());
+  v1::JobSpec at_limits = SmallSpec();
+  at_limits.set_name(std::string(128, 'n'));
+  (*at_limits.mutable_labels())[std::string(63, 'k')] = std::string(256, 'v');
+  at_limits.mutable_checkpoint()->set_dir(std::string(4096, 'd'));
+  EXPECT_TRUE(CheckJobSpecSizes(at_limits, "job.yaml", kCallLimit).ok());
+}
+
+TEST(CheckJobSpecSizes, ATenMegabyteLabelIsNamed) {
+  v1::JobSpec spec = SmallSpec();
+  (*spec.mutable_labels())["notes"] = std::string(10 * 1024 * 1024, 'x');
+  const absl::Status status = CheckJobSpecSizes(spec, "job.yaml", kCallLimit);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(),
+            "job.yaml: labels[\"notes\"]: 10485760 bytes, the coordinator takes at most 256");
+}
+
+TEST(CheckJobSpecSizes, ALongLabelKeyAndTooManyLabelsAreNamed) {
+  v1::JobSpec spec = SmallSpec();
+  (*spec.mutable_labels())[std::string(64, 'k')] = "v";
+  EXPECT_THAT(std::string(CheckJobSpecSizes(spec, "job.yaml", kCallLimit).message()),
+              HasSubstr("labels: key \"kkkk"));
+  spec = SmallSpec();
+  for (int i = 0; i < 64; ++i) (*spec.mutable_labels())[absl::StrCat("k", i)] = "v";
+  EXPECT_EQ(CheckJobSpecSizes(spec, "job.yaml", kCallLimit).message(),
+            "job.yaml: labels: 65 labels, the coordinator takes at most 64");
+}
+
+TEST(CheckJobSpecSizes, ALongNameOrPathIsNamedWithItsField) {
+  v1::JobSpec spec = SmallSpec();
+  spec.set_name(std::string(129, 'n'));
+  EXPECT_EQ(CheckJobSpecSizes(spec, "<stdin>", kCallLimit).message(),
+            "<stdin>: name: 129 bytes, the coordinator takes at most 128");
+  spec = SmallSpec();
+  spec.mutable_dataset()->set_train_images(std::string(5 * 1024 * 1024, 'p'));
+  EXPECT_EQ(CheckJobSpecSizes(spec, "job.yaml", kCallLimit).message(),
+            "job.yaml: dataset.train_images: 5242880 bytes, the coordinator takes at most 4096");
+}
+
+TEST(CheckJobSpecSizes, ASpecOverTheCallLimitNamesItsLargestField) {
+  v1::JobSpec spec = SmallSpec();
+  for (int i = 0; i < 1000; ++i) spec.mutable_model()->add_hidden_sizes(100'000);
+  const absl::Status status = CheckJobSpecSizes(spec, "job.yaml", /*max_message_bytes=*/1000);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("more than the 1000 a call carries"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("; model takes "));
 }
 
 }  // namespace
