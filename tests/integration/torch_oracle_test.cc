@@ -21,7 +21,10 @@
 // variants too and reports how far they end from its reference beside every
 // comparison, so that a failure tells an aidn error from an ill-conditioned
 // oracle. The spread is reported, not asserted: it depends on which kernels
-// the machine's libraries pick.
+// the machine's libraries pick. Where torch's native (im2col + GEMM)
+// convolutions end beyond the tolerance from its oneDNN reference (seen on
+// AMD EPYC and on Xeon machines), aidn must match one of those two torch runs,
+// weights and per-step losses, within the tolerance.
 //
 // Skips only when /usr/bin/python3 cannot import torch; fails (naming it) if
 // the dataset is missing.
@@ -177,8 +180,11 @@ for name in ("mlp", "cnn"):
         save(f"{d}/{name}_{opt_name}_halves.safetensors", train(model, init, opt_name, True)[0])
         if name == "cnn":  # an MLP has no convolutions
             torch.backends.mkldnn.enabled = False
-            save(f"{d}/{name}_{opt_name}_native.safetensors", train(model, init, opt_name)[0])
+            native, native_losses = train(model, init, opt_name)
             torch.backends.mkldnn.enabled = True
+            save(f"{d}/{name}_{opt_name}_native.safetensors", native)
+            with open(f"{d}/{name}_{opt_name}_native_losses.f64", "wb") as f:
+                f.write(struct.pack("<%dd" % len(native_losses), *native_losses))
         print("torch %s %-5s: %d steps in %.2f s, loss %.4f -> %.4f" % (
             name, opt_name, STEPS, seconds, losses[0], losses[-1]))
 print("ok")
@@ -476,14 +482,31 @@ TEST_P(TorchOracle, EndsTwentyStepsWithinOneInTenThousandOfPyTorch) {
 
   std::map<std::string, const Tensor*> got;
   for (const Parameter* p : params) got[p->name] = &p->value;
-  const Distance d = Compare(got, *want, *init);
+  Distance d = Compare(got, *want, *init);
+  // Where torch's native (im2col + GEMM) convolutions end further from its
+  // oneDNN reference than the tolerance, both runs are equally valid float32
+  // trajectories of the same training: aidn, whose convolutions are im2col +
+  // GEMM too, must then match one of them, weights and losses of that run.
+  std::string against = "reference";
+  std::string losses_file = absl::StrCat(prefix, c.optimizer, "_losses.f64");
+  const std::string native_path = absl::StrCat(prefix, c.optimizer, "_native.safetensors");
+  if (d.worst >= kTolerance && torch_spread >= kTolerance &&
+      std::filesystem::exists(native_path)) {
+    absl::StatusOr<TensorMap> native = ReadSafetensors(native_path);
+    ASSERT_TRUE(native.ok()) << native.status();
+    const Distance n = Compare(got, *native, *init);
+    if (n.worst < d.worst) {
+      d = n;
+      against = "native";
+      losses_file = absl::StrCat(prefix, c.optimizer, "_native_losses.f64");
+    }
+  }
   for (const auto& [name, error] : d.relative) {
-    EXPECT_LT(error, kTolerance) << label << ": tensor " << name << " (torch's own spread "
-                                 << spread_note << ")";
+    EXPECT_LT(error, kTolerance) << label << ": tensor " << name << " against torch's " << against
+                                 << " run (torch's own spread " << spread_note << ")";
   }
 
-  const std::vector<double> torch_losses =
-      ReadArray<double>(absl::StrCat(prefix, c.optimizer, "_losses.f64"));
+  const std::vector<double> torch_losses = ReadArray<double>(losses_file);
   ASSERT_EQ(torch_losses.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(results[0].losses.size(), static_cast<size_t>(kSteps));
   double worst_loss = 0;
@@ -496,9 +519,9 @@ TEST_P(TorchOracle, EndsTwentyStepsWithinOneInTenThousandOfPyTorch) {
   }
   std::printf(
       "[  oracle  ] %-19s max ‖a−b‖/‖b‖ %.2e (%s), max ‖a−b‖/‖update‖ %.2e, max loss error "
-      "%.2e, %.2f s; torch's own spread: %s\n",
+      "%.2e, %.2f s, against torch's %s run; torch's own spread: %s\n",
       label.c_str(), d.worst, d.worst_name.c_str(), d.worst_of_update, worst_loss, seconds,
-      spread_note.c_str());
+      against.c_str(), spread_note.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(ModelsOptimizersRanks, TorchOracle,
