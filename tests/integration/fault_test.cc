@@ -521,5 +521,36 @@ TEST_F(FaultTest, ALateTrainerOfAnOldGenerationIsRefused) {
   EXPECT_EQ(job.restarts(), 1);
 }
 
+
+// 9. A rank killed (kill -9) right after a checkpoint was written, while its
+// peer is stopped by the coordinator, loses no metric step: a checkpoint is a
+// resume point only once the job's records up to its step are stored, and a
+// trainer stopped with SIGTERM sends what it holds first. The same with the
+// coordinator killed at that moment too and started again. Every step
+// 1..N ends up recorded exactly once.
+TEST_F(FaultTest, ARankKilledRightAfterACheckpointLosesNoMetricStep) {
+  StartWorkers({"w1", "w2"});
+  constexpr int64_t kSteps = 1500;
+  for (bool kill_coordinator : {false, true}) {
+    SCOPED_TRACE(kill_coordinator ? "with the coordinator killed too" : "rank only");
+    const std::string id = Submit(Spec(2, kSteps));
+    // The first checkpoint directory on disk: rank 0 renamed it into place
+    // and is sending its commit now.
+    const std::string first = absl::StrFormat("%s/step-%08d", JobDir(id), 50);
+    ASSERT_TRUE(WaitFor([&] { return fs::exists(first + "/state.txt") || JobEnded(Get(id)); },
+                        kLong, "the first checkpoint written"));
+    KillTrainer(id, 1, 1, SIGKILL);
+    if (kill_coordinator) {
+      ASSERT_TRUE(cluster().KillCoordinator().ok());
+      const absl::Status restarted = cluster().RestartCoordinator(/*same_address=*/true);
+      ASSERT_TRUE(restarted.ok()) << restarted;
+    }
+    v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+    EXPECT_GE(job.restarts(), 1) << EventText(id);
+    EXPECT_TRUE(NoMissingSteps(id, kSteps)) << EventText(id);
+  }
+}
+
 }  // namespace
 }  // namespace aidn::testing
