@@ -89,33 +89,6 @@ namespace {
 using aidn::Kv;
 using aidn::worker::kTrainerTokenVariable;
 
-// absl's own --help lists only the flags of a file named like the binary
-// (none here) and exits 1: this lists the flags of this file, with their
-// defaults, and the caller exits 0.
-bool WantsHelp(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-help" || arg == "-h") return true;
-  }
-  return false;
-}
-
-void PrintHelp(std::ostream& out) {
-  std::vector<const absl::CommandLineFlag*> flags;
-  for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (absl::EndsWith(flag->Filename(), "worker/main.cc")) flags.push_back(flag);
-  }
-  std::sort(flags.begin(), flags.end(),
-            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
-  out << absl::ProgramUsageMessage() << "\n\nflags (dashes or underscores):\n";
-  for (const absl::CommandLineFlag* flag : flags) {
-    const std::string value = flag->DefaultValue();
-    out << "  --" << absl::StrReplaceAll(flag->Name(), {{"_", "-"}}) << " (default: "
-        << (flag->IsOfType<std::string>() ? absl::StrCat("\"", value, "\"") : value) << ")\n"
-        << "      " << flag->Help() << "\n";
-  }
-}
-
 int Fail(const char* mode, const absl::Status& status) {
   AIDN_LOG(ERROR) << mode << ": " << status;
   return 1;
@@ -306,14 +279,12 @@ int RunDaemonMode(const std::string& log_level) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "the aidn worker daemon\n"
-      "  aidn-worker [flags]          run the daemon\n"
-      "  aidn-worker train [flags]    run one trainer rank (started by the daemon)");
-  if (WantsHelp(argc, argv)) {
-    PrintHelp(std::cout);
-    return 0;
-  }
+  constexpr char kUsage[] =
+      "aidn-worker: the aidn worker daemon\n"
+      "usage: aidn-worker [flags]          run the daemon\n"
+      "       aidn-worker train [flags]    run one trainer rank (started by the daemon)";
+  absl::SetProgramUsageMessage(kUsage);
+  if (aidn::PrintFlagsHelpIfAsked(argc, argv, kUsage, "worker/main.cc")) return 0;
   // `train` is a mode, not a positional argument: take it out before parsing.
   const bool train = argc > 1 && std::string(argv[1]) == "train";
   std::vector<char*> raw(argv, argv + argc);
