@@ -181,6 +181,8 @@ class Coordinator {
   using JobRef = JobMap::value_type*;
 
   Coordinator(const CoordinatorOptions& options, std::unique_ptr<Store> store, Authenticator* auth);
+  // What parked calls get once shutting down.
+  static const absl::Status& ShuttingDownError();
 
   // Loading (Create): jobs, and for a RUNNING one the answer its completed
   // rendezvous gave, rebuilt so a trainer that retries its join gets the
