@@ -1,0 +1,284 @@
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <google/protobuf/util/message_differencer.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "tests/unit/coordinator/coordinator_fixture.h"
+
+namespace aidn::coordinator {
+namespace {
+
+using namespace test_util;  // NOLINT(build/namespaces): the shared fixture
+using ::testing::Contains;
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using ::testing::UnorderedElementsAre;
+using v1::Job;
+
+// --- Coordinator-level: checkpoint registry -------------------------------------
+
+TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom) {
+  const std::string id = RunningJobOnTwoWorkers();
+  absl::StatusOr<v1::CommitCheckpointResponse> r =
+      c().CommitCheckpoint(Commit(id, 1, 0, 100, {0, 1}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->committed());
+  absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->checkpoints_size(), 1);
+  EXPECT_FALSE(list->checkpoints(0).committed());
+
+  r = c().CommitCheckpoint(Commit(id, 1, 1, 100, {0, 1}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->committed());
+  list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->checkpoints_size(), 1);
+  const v1::Checkpoint& cp = list->checkpoints(0);
+  EXPECT_TRUE(cp.committed());
+  EXPECT_EQ(cp.step(), 100);
+  EXPECT_EQ(cp.generation(), 1);
+  EXPECT_EQ(cp.path(), "ckpt/step-100");
+  EXPECT_THAT(cp.ranks_reported(), UnorderedElementsAre(0, 1));
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 100);
+  EXPECT_THAT(Events(id), Contains("checkpoint.committed"));
+
+  // A later checkpoint only half written is not resumed from.
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 200, {0, 1})).ok());
+
+  ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
+  ASSERT_EQ(Get(id).generation(), 2);
+  PassBackoff(id);
+  std::vector<JoinAnswer> answers = RunJob(id);
+  for (const JoinAnswer& a : answers) {
+    ASSERT_TRUE(a.get().ok());
+    ASSERT_TRUE(a.get()->has_resume_from());
+    EXPECT_EQ(a.get()->resume_from().step(), 100);
+    EXPECT_TRUE(a.get()->resume_from().committed());
+  }
+}
+
+TEST_F(CoordinatorTest, CheckpointCommitValidatesItsRequest) {
+  const std::string id = RunningJobOnTwoWorkers();
+  EXPECT_EQ(c().CommitCheckpoint(Commit(id, 1, 0, 10, {})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c().CommitCheckpoint(Commit(id, 1, 1, 10, {0})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0, 5})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  v1::CommitCheckpointRequest bad_path = Commit(id, 1, 0, 10, {0});
+  bad_path.set_path("../escape");
+  EXPECT_EQ(c().CommitCheckpoint(bad_path).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c().ListCheckpoints(id)->checkpoints_size(), 0);
+  EXPECT_EQ(c().ListCheckpoints("job-404").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorTest, ACheckpointReportedInvalidIsMarkedNamedInAnEventAndNotResumedFrom) {
+  const std::string id = RunningJobOnTwoWorkers();
+  for (int64_t step : {10, 20}) {
+    absl::StatusOr<v1::CommitCheckpointResponse> r =
+        c().CommitCheckpoint(Commit(id, 1, 0, step, {0}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->committed());
+  }
+  ASSERT_EQ(Get(id).last_checkpoint_step(), 20);
+  ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
+  PassBackoff(id);
+  std::vector<JoinAnswer> answers = RunJob(id);
+  ASSERT_TRUE(answers[0].get().ok());
+  ASSERT_EQ(answers[0].get()->resume_from().step(), 20);
+
+  // Rank 0 of generation 2 finds step 20 truncated.
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(2);
+  bad.set_rank(0);
+  bad.set_step(20);
+  bad.set_reason("model.safetensors: size 1024, manifest says 1086784");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+  absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->checkpoints_size(), 2);
+  EXPECT_EQ(list->checkpoints(0).invalid_reason(), "");
+  EXPECT_EQ(list->checkpoints(1).invalid_reason(),
+            "model.safetensors: size 1024, manifest says 1086784");
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 10);
+  std::vector<std::string> messages;
+  for (const v1::Event& e : EventList(id)) {
+    if (e.type() == "checkpoint.invalid") messages.push_back(e.message());
+  }
+  EXPECT_THAT(messages, ElementsAre("step 20 (ckpt/step-20) failed verification on rank 0: "
+                                    "model.safetensors: size 1024, manifest says 1086784"));
+
+  // Rank 1 finds the same: nothing changes, no second event.
+  bad.set_rank(1);
+  bad.set_reason("manifest.json: missing");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+  EXPECT_EQ(c().ListCheckpoints(id)->checkpoints(1).invalid_reason(),
+            "model.safetensors: size 1024, manifest says 1086784");
+  int invalid_events = 0;
+  for (const std::string& type : Events(id)) invalid_events += type == "checkpoint.invalid";
+  EXPECT_EQ(invalid_events, 1);
+
+  // Refusals: an unknown step, another generation, a rank out of range.
+  bad.set_step(30);
+  EXPECT_EQ(c().ReportCheckpointInvalid(bad).code(), absl::StatusCode::kNotFound);
+  bad.set_step(10);
+  bad.set_generation(1);
+  EXPECT_EQ(c().ReportCheckpointInvalid(bad).code(), absl::StatusCode::kFailedPrecondition);
+  bad.set_generation(2);
+  bad.set_rank(2);
+  EXPECT_EQ(c().ReportCheckpointInvalid(bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c().ListCheckpoints(id)->checkpoints(0).invalid_reason(), "");
+
+  // The next generation resumes from step 10 only.
+  ASSERT_TRUE(Exit(id, 2, 0, 1).ok());
+  PassBackoff(id);
+  answers = RunJob(id);
+  for (const JoinAnswer& a : answers) {
+    ASSERT_TRUE(a.get().ok());
+    EXPECT_EQ(a.get()->resume_from().step(), 10);
+    ASSERT_EQ(a.get()->resume_candidates_size(), 1);
+    EXPECT_EQ(a.get()->resume_candidates(0).step(), 10);
+  }
+}
+
+TEST_F(CoordinatorTest, JoinOffersEveryValidCommittedCheckpointNewestFirst) {
+  ASSERT_TRUE(Register("w1", 1).ok());
+  ASSERT_TRUE(Register("w2", 1).ok());
+  const std::string id = Submit(Spec(2));
+  // A fresh start has nothing to resume from.
+  for (const JoinAnswer& a : RunJob(id)) {
+    ASSERT_TRUE(a.get().ok());
+    EXPECT_FALSE(a.get()->has_resume_from());
+    EXPECT_EQ(a.get()->resume_candidates_size(), 0);
+  }
+  for (int64_t step : {10, 20, 30}) {
+    ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, step, {0, 1})).ok());
+    ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 1, step, {0, 1})).ok());
+  }
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 40, {0, 1})).ok());  // half written
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(1);
+  bad.set_rank(1);
+  bad.set_step(30);
+  bad.set_reason("optimizer.bin: crc32c 0x1234abcd, manifest says 0x1234abce");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  PassBackoff(id);
+  for (const JoinAnswer& a : RunJob(id)) {
+    ASSERT_TRUE(a.get().ok());
+    ASSERT_TRUE(a.get()->has_resume_from());
+    EXPECT_EQ(a.get()->resume_from().step(), 20);
+    std::vector<int64_t> steps;
+    const absl::StatusOr<v1::JoinRendezvousResponse> answer = a.get();
+    for (const v1::Checkpoint& cp : answer->resume_candidates()) steps.push_back(cp.step());
+    EXPECT_THAT(steps, ElementsAre(20, 10));
+  }
+}
+
+TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps) {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_checkpoint()->set_dir("ckpt");
+  spec.mutable_checkpoint()->set_every_steps(10);
+  spec.mutable_checkpoint()->set_keep_last(2);
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  std::vector<std::vector<int64_t>> retired;
+  for (int64_t step : {10, 20, 30, 40}) {
+    // Rank 1's report completes each one: it is told what to delete.
+    absl::StatusOr<v1::CommitCheckpointResponse> r =
+        c().CommitCheckpoint(Commit(id, 1, 0, step, {0, 1}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired before the commit completed";
+    r = c().CommitCheckpoint(Commit(id, 1, 1, step, {0, 1}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->committed());
+    retired.emplace_back(r->retired_steps().begin(), r->retired_steps().end());
+  }
+  EXPECT_THAT(retired, ElementsAre(IsEmpty(), IsEmpty(), ElementsAre(10), ElementsAre(20)));
+  absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  std::vector<int64_t> kept;
+  for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
+  EXPECT_THAT(kept, ElementsAre(30, 40));
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 40);
+  // A commit reported again retires nothing more.
+  absl::StatusOr<v1::CommitCheckpointResponse> again =
+      c().CommitCheckpoint(Commit(id, 1, 1, 40, {0, 1}));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->committed());
+  EXPECT_THAT(again->retired_steps(), IsEmpty());
+}
+
+TEST_F(CoordinatorTest, RetentionNeverRetiresTheCheckpointBeingResumedFrom) {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_checkpoint()->set_keep_last(1);
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0})).ok());
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  PassBackoff(id);
+  RunJob(id);  // generation 2 resumes from step 10
+  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 2, 0, 20, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired the checkpoint being resumed from";
+  r = c().CommitCheckpoint(Commit(id, 2, 0, 30, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(20));
+  // Generation 3 resumes from 30; 10 goes with the next commit.
+  ASSERT_TRUE(Exit(id, 2, 1, 1).ok());
+  PassBackoff(id);
+  RunJob(id);
+  r = c().CommitCheckpoint(Commit(id, 3, 0, 40, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(10));
+  std::vector<int64_t> kept;
+  const absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
+  EXPECT_THAT(kept, ElementsAre(30, 40));
+}
+
+TEST_F(CoordinatorTest, RetentionDropsInvalidAndAbandonedCheckpointsBehindTheNewestValidOne) {
+  const std::string id = RunningJobOnTwoWorkers();  // keep_last 3
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0})).ok());
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 20, {0})).ok());
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 25, {0, 1})).ok());  // never completed
+  ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
+  PassBackoff(id);
+  RunJob(id);
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(2);
+  bad.set_rank(0);
+  bad.set_step(20);
+  bad.set_reason("model.safetensors: missing");
+  ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
+  // Generation 2 goes on from 10 and writes 15: the invalid 20 and the
+  // abandoned 25 are newer, so they stay for now.
+  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 2, 0, 15, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), IsEmpty());
+  r = c().CommitCheckpoint(Commit(id, 2, 0, 30, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(20, 25));
+  std::vector<int64_t> kept;
+  const absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
+  EXPECT_THAT(kept, ElementsAre(10, 15, 30));
+}
+
+}  // namespace
+}  // namespace aidn::coordinator

@@ -1,0 +1,222 @@
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <google/protobuf/util/message_differencer.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "tests/unit/coordinator/coordinator_fixture.h"
+
+namespace aidn::coordinator {
+namespace {
+
+using namespace test_util;  // NOLINT(build/namespaces): the shared fixture
+using std::chrono::milliseconds;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using v1::Job;
+
+// --- Coordinator-level: metric ingest -------------------------------------
+
+TEST_F(CoordinatorTest, StepsAreCombinedOnceEveryRankReported) {
+  const std::string id = RunningJobOnTwoWorkers();
+  ASSERT_TRUE(SendSteps(id, 0, 1, 3).ok());
+  EXPECT_EQ(Get(id).last_step(), 3);
+  v1::GetMetricsRequest get;
+  get.set_job_id(id);
+  absl::StatusOr<v1::GetMetricsResponse> none = c().GetMetrics(get);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->steps_size(), 0) << "rank 1 has not reported yet";
+
+  ASSERT_TRUE(SendSteps(id, 1, 1, 2).ok());
+  absl::StatusOr<v1::GetMetricsResponse> two = c().GetMetrics(get);
+  ASSERT_TRUE(two.ok()) << two.status();
+  ASSERT_EQ(two->steps_size(), 2);
+  const v1::StepMetrics& s = two->steps(1);
+  EXPECT_EQ(s.step(), 2);
+  EXPECT_EQ(s.generation(), 1);
+  EXPECT_EQ(s.ranks_reported(), 2);
+  EXPECT_EQ(s.world_size(), 2);
+  EXPECT_DOUBLE_EQ(s.loss(), 0.5 + 0.5);  // mean of 1/2 and 1/2 + 1
+  EXPECT_EQ(s.samples(), 128);
+  EXPECT_DOUBLE_EQ(s.step_seconds(), 0.02);
+  EXPECT_EQ(s.slowest_rank(), 1);
+  EXPECT_DOUBLE_EQ(s.samples_per_second(), 128 / 0.02);
+  EXPECT_THAT(s.rank_step_seconds(), ElementsAre(0.01, 0.02));
+
+  // Range and refusals.
+  get.set_from_step(2);
+  get.set_to_step(2);
+  absl::StatusOr<v1::GetMetricsResponse> one = c().GetMetrics(get);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->steps_size(), 1);
+  get.set_from_step(-1);
+  EXPECT_EQ(c().GetMetrics(get).status().code(), absl::StatusCode::kInvalidArgument);
+  get.set_job_id("job-404");
+  get.set_from_step(0);
+  EXPECT_EQ(c().GetMetrics(get).status().code(), absl::StatusCode::kNotFound);
+  v1::StreamMetricsRequest bad;
+  bad.set_job_id(id);
+  bad.set_generation(1);
+  bad.set_rank(2);
+  EXPECT_EQ(c().AppendMetrics(bad).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, AStepStillMissingARankIsCombinedAfterTheWait) {
+  options_.step_log.max_wait = milliseconds(5000);
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  ASSERT_TRUE(SendSteps(id, 0, 1, 2).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 1).ok());
+  v1::GetMetricsRequest get;
+  get.set_job_id(id);
+  ASSERT_EQ(c().GetMetrics(get)->steps_size(), 1);
+  clock_.Advance(milliseconds(4000));
+  c().Tick();
+  EXPECT_EQ(c().GetMetrics(get)->steps_size(), 1);
+  clock_.Advance(milliseconds(1500));
+  c().Tick();
+  absl::StatusOr<v1::GetMetricsResponse> after = c().GetMetrics(get);
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(after->steps_size(), 2);
+  EXPECT_EQ(after->steps(1).ranks_reported(), 1);
+  EXPECT_DOUBLE_EQ(after->steps(1).loss(), 0.5);
+  // Rank 1's record of step 2 comes too late: dropped, step 2 unchanged.
+  ASSERT_TRUE(SendSteps(id, 1, 2, 2).ok());
+  EXPECT_EQ(c().GetMetrics(get)->steps(1).ranks_reported(), 1);
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr("aidn_metric_records_dropped_total 1\n"));
+}
+
+TEST_F(CoordinatorTest, RegistryShowsJobsRanksAndWorkersAndForgetsFinishedJobsAfterRetention) {
+  options_.metrics_retention = milliseconds(60'000);
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 1, 5).ok());
+  for (int rank : {0, 1}) ASSERT_TRUE(SendSteps(id, rank, 5, 5, v1::MetricRecord::EVAL).ok());
+  v1::ReportProgressRequest progress;
+  progress.set_job_id(id);
+  progress.set_generation(1);
+  progress.set_rank(1);
+  progress.set_step(5);
+  progress.set_total_steps(50);
+  ASSERT_TRUE(c().ReportProgress(progress).ok());
+
+  std::string text = c().registry()->Serialize();
+  const std::string job = absl::StrCat("job_id=\"", id, "\"");
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_step{", job, "} 5\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_total_steps{", job, "} 50\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_loss{", job, "} 0.7\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_test_accuracy{", job, "} 0.85")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_state{", job, ",state=\"RUNNING\"} 1\n")));
+  EXPECT_THAT(text,
+              HasSubstr(absl::StrCat("aidn_rank_step_seconds_count{", job, ",rank=\"1\"} 5\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_last_progress_age_seconds{", job,
+                                           ",rank=\"1\"} 0\n")));
+  EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"RUNNING\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("aidn_worker_up{worker_id=\"w1\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("aidn_metric_records_total 12\n"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_straggler{", job, ",rank=\"1\"} 0\n")));
+
+  for (int rank : {0, 1}) ASSERT_TRUE(Exit(id, 1, rank, 0).ok());
+  clock_.Advance(milliseconds(30'000));
+  text = c().registry()->Serialize();
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_state{", job, ",state=\"SUCCEEDED\"} 1\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_step{", job, "} 5\n")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("aidn_rank_last_progress_age_seconds{")));
+  EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 0\n"));
+
+  clock_.Advance(milliseconds(31'000));
+  text = c().registry()->Serialize();
+  EXPECT_THAT(text, ::testing::Not(HasSubstr(job)));
+  EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"SUCCEEDED\"} 1\n"));
+  // The steps are still in the store.
+  c().Tick();
+  v1::GetMetricsRequest get;
+  get.set_job_id(id);
+  EXPECT_EQ(c().GetMetrics(get)->steps_size(), 6);
+}
+
+TEST_F(CoordinatorTest, DurableStepIsTheLastStepBelowWhichEverythingIsStored) {
+  const std::string id = RunningJobOnTwoWorkers();
+  auto durable = [&]() -> int64_t {
+    c().FlushSteps();  // the ticker's batched flush
+    absl::StatusOr<v1::StreamMetricsResponse> r = c().MetricsReceipt(id);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->durable_step() : -1;
+  };
+  EXPECT_EQ(durable(), 0);
+  ASSERT_TRUE(SendSteps(id, 0, 1, 5).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 3).ok());
+  EXPECT_EQ(durable(), 3) << "steps 4 and 5 wait for rank 1";
+  ASSERT_TRUE(SendSteps(id, 1, 4, 5).ok());
+  EXPECT_EQ(durable(), 5);
+  // An evaluation at step 5 that only rank 0 sent holds step 5 back.
+  ASSERT_TRUE(SendSteps(id, 0, 5, 5, v1::MetricRecord::EVAL).ok());
+  EXPECT_EQ(durable(), 4);
+  ASSERT_TRUE(SendSteps(id, 1, 5, 5, v1::MetricRecord::EVAL).ok());
+  EXPECT_EQ(durable(), 5);
+}
+
+// Receipts do not wait for a flush (they run on gRPC's callback threads),
+// so what a flush has taken but not yet stored, or failed to store, must
+// not count as durable: the sender would drop records the store never got.
+
+TEST_F(CoordinatorTest, AStepIsNotDurableWhileAnyOfItsRowsIsInFlightOrFailedToStore) {
+  enum Mode { kPass, kBlock, kFail };
+  std::atomic<int> mode{kPass};
+  absl::Notification entered, release;
+  put_steps_hook_ = [&]() -> absl::Status {
+    if (mode == kBlock) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+    if (mode == kFail) return absl::UnavailableError("injected write failure");
+    return absl::OkStatus();
+  };
+  Open(":memory:");
+  const std::string id = RunningJobOnTwoWorkers();
+  auto durable = [&]() -> int64_t {
+    absl::StatusOr<v1::StreamMetricsResponse> r = c().MetricsReceipt(id);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->durable_step() : -1;
+  };
+  ASSERT_TRUE(SendSteps(id, 0, 1, 5).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 5).ok());
+  c().FlushSteps();
+  EXPECT_EQ(durable(), 5);
+
+  // Step 5's evaluation, combined, taken by a flush that is still writing
+  // it: step 5's TRAIN row is stored, its EVAL row is not.
+  ASSERT_TRUE(SendSteps(id, 0, 5, 5, v1::MetricRecord::EVAL).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 5, 5, v1::MetricRecord::EVAL).ok());
+  mode = kBlock;
+  std::thread flush([&] { c().FlushSteps(); });
+  entered.WaitForNotification();
+  EXPECT_EQ(durable(), 4) << "step 5's EVAL row is being written";
+  mode = kPass;
+  release.Notify();
+  flush.join();
+  EXPECT_EQ(durable(), 5);
+
+  // A failed write keeps its steps not durable until a flush stores them.
+  ASSERT_TRUE(SendSteps(id, 0, 6, 7).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 6, 7).ok());
+  mode = kFail;
+  c().FlushSteps();
+  EXPECT_EQ(durable(), 5);
+  mode = kPass;
+  c().FlushSteps();
+  EXPECT_EQ(durable(), 7);
+}
+
+}  // namespace
+}  // namespace aidn::coordinator
