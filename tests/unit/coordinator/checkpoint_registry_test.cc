@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "coordinator/checkpoint_registry.h"
+#include "coordinator/store.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -24,6 +26,124 @@ using ::testing::ElementsAre;
 using ::testing::IsEmpty;
 using ::testing::UnorderedElementsAre;
 using v1::Job;
+
+// --- CheckpointRegistry alone ------------------------------------------------
+
+class CheckpointRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = ":memory:"});
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    registry_ = std::make_unique<CheckpointRegistry>(store_.get(), &clock_);
+    job_.set_id("job-1");
+    job_.set_generation(1);
+    *job_.mutable_spec() = Spec(2);
+    job_.mutable_spec()->mutable_checkpoint()->set_keep_last(2);
+  }
+
+  // Both ranks of generation `generation` report the checkpoint at `step`;
+  // the retired steps of the commit.
+  std::vector<int64_t> CommitBoth(int64_t generation, int64_t step) {
+    job_.set_generation(generation);
+    std::vector<int64_t> retired;
+    for (int rank = 0; rank < 2; ++rank) {
+      absl::StatusOr<CommitOutcome> outcome =
+          registry_->Commit(job_, Commit(job_.id(), generation, rank, step, {0, 1}));
+      EXPECT_TRUE(outcome.ok()) << outcome.status();
+      if (!outcome.ok() || !outcome->newly_committed) continue;
+      retired = registry_->ApplyRetention(job_, state_, &outcome->checkpoints);
+    }
+    return retired;
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<CheckpointRegistry> registry_;
+  v1::Job job_;
+  JobCheckpoints state_;
+};
+
+TEST_F(CheckpointRegistryTest, CommitsOnceEveryWriterReportedAndLaterGenerationsResumeFromIt) {
+  absl::StatusOr<CommitOutcome> first = registry_->Commit(job_, Commit("job-1", 1, 0, 100, {0, 1}));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->committed);
+  absl::StatusOr<CommitOutcome> again = registry_->Commit(job_, Commit("job-1", 1, 0, 100, {0, 1}));
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->committed);
+  absl::StatusOr<CommitOutcome> last = registry_->Commit(job_, Commit("job-1", 1, 1, 100, {0, 1}));
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->committed);
+  EXPECT_TRUE(last->newly_committed);
+  ASSERT_EQ(last->checkpoints.size(), 1u);
+  EXPECT_EQ(last->checkpoints[0].bytes(), 2000);
+
+  // Generation 1 wrote it: it resumes nothing, generation 2 resumes it.
+  v1::JoinRendezvousResponse same;
+  registry_->FillResume(job_, &state_, &same);
+  EXPECT_FALSE(same.has_resume_from());
+  EXPECT_EQ(state_.resumed_from_step, -1);
+  job_.set_generation(2);
+  v1::JoinRendezvousResponse next;
+  registry_->FillResume(job_, &state_, &next);
+  EXPECT_EQ(next.resume_from().step(), 100);
+  EXPECT_EQ(state_.resumed_from_step, 100);
+}
+
+TEST_F(CheckpointRegistryTest, CommitRefusesWritersOutOfRangeOrARankNotAmongThem) {
+  EXPECT_EQ(registry_->Commit(job_, Commit("job-1", 1, 0, 100, {0, 2})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_->Commit(job_, Commit("job-1", 1, 1, 100, {0})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckpointRegistry::ValidateCommit(Commit("job-1", 1, 0, -1, {0})).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CheckpointRegistryTest, RetentionKeepsKeepLastAndTheCheckpointBeingResumedFrom) {
+  EXPECT_THAT(CommitBoth(1, 100), IsEmpty());
+  EXPECT_THAT(CommitBoth(1, 200), IsEmpty());
+  EXPECT_THAT(CommitBoth(1, 300), ElementsAre(100));
+  job_.set_generation(2);
+  v1::JoinRendezvousResponse join;
+  registry_->FillResume(job_, &state_, &join);
+  ASSERT_EQ(state_.resumed_from_step, 300);
+  EXPECT_THAT(CommitBoth(2, 400), ElementsAre(200));
+  // 300 is being resumed from: kept beyond keep_last.
+  EXPECT_THAT(CommitBoth(2, 500), IsEmpty());
+  EXPECT_THAT(CommitBoth(2, 600), ElementsAre(400));
+}
+
+TEST_F(CheckpointRegistryTest, AnInvalidCheckpointIsNotOfferedAndTheResumePointMovesBelowIt) {
+  CommitBoth(1, 100);
+  CommitBoth(1, 200);
+  job_.set_generation(2);
+  v1::JoinRendezvousResponse join;
+  registry_->FillResume(job_, &state_, &join);
+  ASSERT_EQ(state_.resumed_from_step, 200);
+  v1::ReportCheckpointInvalidRequest bad;
+  bad.set_job_id("job-1");
+  bad.set_generation(2);
+  bad.set_step(200);
+  bad.set_reason("sha256 mismatch");
+  absl::StatusOr<InvalidOutcome> outcome = registry_->MarkInvalid(job_, &state_, bad);
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_FALSE(outcome->already);
+  EXPECT_EQ(outcome->reason, "sha256 mismatch");
+  EXPECT_EQ(outcome->newest_valid_step, 100);
+  EXPECT_EQ(state_.resumed_from_step, 100);
+  outcome = registry_->MarkInvalid(job_, &state_, bad);
+  ASSERT_TRUE(outcome.ok());
+  EXPECT_TRUE(outcome->already);
+  bad.set_step(150);
+  EXPECT_EQ(registry_->MarkInvalid(job_, &state_, bad).status().code(),
+            absl::StatusCode::kNotFound);
+
+  job_.set_generation(3);
+  v1::JoinRendezvousResponse later;
+  registry_->FillResume(job_, &state_, &later);
+  ASSERT_EQ(later.resume_candidates_size(), 1);
+  EXPECT_EQ(later.resume_from().step(), 100);
+}
 
 // --- Coordinator-level: checkpoint registry -------------------------------------
 

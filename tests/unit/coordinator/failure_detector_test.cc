@@ -1,6 +1,9 @@
 #include <atomic>
 #include <chrono>
+#include <deque>
+#include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -13,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "coordinator/failure_detector.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -24,6 +28,131 @@ using ::testing::Contains;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using v1::Job;
+
+// --- FailureDetector alone ---------------------------------------------------
+
+v1::Job PlacedJob(int world_size) {
+  v1::Job job;
+  job.set_id("job-1");
+  job.set_generation(1);
+  job.set_state(v1::Job::RUNNING);
+  *job.mutable_spec() = Spec(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    v1::RankPlacement* p = job.add_placement();
+    p->set_rank(r);
+    p->set_worker_id(absl::StrCat("w", r));
+  }
+  return job;
+}
+
+TEST(FailureDetector, AWorkerIsLostOnlyOnceSilentLongerThanTheTimeout) {
+  FakeClock clock;
+  FailureDetector detector({.worker_timeout = milliseconds(10'000)});
+  const WorkerLiveness worker{v1::Worker::ALIVE, clock.Now()};
+  clock.Advance(milliseconds(10'000));
+  EXPECT_FALSE(detector.WorkerSilence(worker, clock.Now()).has_value());
+  clock.Advance(milliseconds(1));
+  EXPECT_EQ(detector.WorkerSilence(worker, clock.Now()), milliseconds(10'001));
+  // A worker already lost is not lost again.
+  EXPECT_FALSE(detector.WorkerSilence({v1::Worker::LOST, worker.last_seen}, clock.Now()));
+}
+
+TEST(FailureDetector, PlacementFailureNamesTheUnknownLostOrSilentWorker) {
+  FakeClock clock;
+  FailureDetector detector({.worker_timeout = milliseconds(10'000)});
+  v1::Job job = PlacedJob(2);
+  *job.mutable_spec()->mutable_timeouts()->mutable_worker() = Dur(milliseconds(3'000));
+  std::map<std::string, WorkerLiveness> workers{{"w0", {v1::Worker::ALIVE, clock.Now()}},
+                                                {"w1", {v1::Worker::ALIVE, clock.Now()}}};
+  const auto lookup = [&](const std::string& id) -> std::optional<WorkerLiveness> {
+    auto it = workers.find(id);
+    if (it == workers.end()) return std::nullopt;
+    return it->second;
+  };
+  EXPECT_EQ(detector.PlacementFailure(job, lookup, clock.Now()), "");
+  clock.Advance(milliseconds(3'001));  // past the job's own timeout, not the worker timeout
+  workers["w0"].last_seen = clock.Now();
+  EXPECT_EQ(detector.PlacementFailure(job, lookup, clock.Now()),
+            "worker w1 silent for 3.001s (job's worker timeout 3s) with rank 1");
+  workers["w1"].state = v1::Worker::LOST;
+  EXPECT_THAT(detector.PlacementFailure(job, lookup, clock.Now()),
+              StartsWith("worker w1 lost (no heartbeat for 3.001s) with rank 1"));
+  workers.erase("w1");
+  EXPECT_EQ(detector.PlacementFailure(job, lookup, clock.Now()), "worker w1 is unknown");
+}
+
+TEST(FailureDetector, AHangNamesTheSilentRankAndWhereTheOthersWait) {
+  FakeClock clock;
+  FailureDetector detector({.trainer_beat_interval = milliseconds(1000)});
+  v1::Job job = PlacedJob(3);
+  *job.mutable_spec()->mutable_timeouts()->mutable_progress() = Dur(milliseconds(5'000));
+  JobHealth health;
+  health.Restart(clock.Now());
+  for (int r = 0; r < 3; ++r) FailureDetector::Beat(&health, r, 7, 40, clock.Now());
+  // Every rank beat, so the spec's timeout holds (not the one-minute floor).
+  clock.Advance(milliseconds(3'000));
+  FailureDetector::Beat(&health, 0, 7, 41, clock.Now());
+  FailureDetector::Beat(&health, 1, 7, 41, clock.Now());
+  EXPECT_FALSE(detector.Hang(job, health, nullptr, clock.Now()).has_value());
+  clock.Advance(milliseconds(2'001));
+  FailureDetector::Beat(&health, 0, 7, 41, clock.Now());
+  FailureDetector::Beat(&health, 1, 7, 41, clock.Now());
+  const std::optional<std::string> hang = detector.Hang(job, health, nullptr, clock.Now());
+  ASSERT_TRUE(hang.has_value());
+  EXPECT_EQ(*hang,
+            "no progress for 5s at step 7: rank 2 silent for 5.001s (last beat at step 7, "
+            "collective 40); ranks 0, 1 waiting at step 7, collective 41");
+}
+
+TEST(FailureDetector, UntilEveryRankBeatTheProgressTimeoutIsAtLeastAMinute) {
+  FakeClock clock;
+  FailureDetector detector({});
+  v1::Job job = PlacedJob(2);
+  *job.mutable_spec()->mutable_timeouts()->mutable_progress() = Dur(milliseconds(5'000));
+  JobHealth health;
+  health.Restart(clock.Now());
+  FailureDetector::Beat(&health, 0, 1, 0, clock.Now());
+  clock.Advance(FailureDetector::kMinAutoProgressTimeout);
+  EXPECT_FALSE(detector.Hang(job, health, nullptr, clock.Now()).has_value());
+  clock.Advance(milliseconds(1));
+  const std::optional<std::string> hang = detector.Hang(job, health, nullptr, clock.Now());
+  ASSERT_TRUE(hang.has_value());
+  EXPECT_THAT(*hang, HasSubstr("rank 1 silent for 60.001s (no beat yet)"));
+}
+
+TEST(FailureDetector, AutomaticProgressTimeoutFollowsTheMedianStep) {
+  v1::Job job = PlacedJob(1);
+  const std::deque<double> slow(30, 9.0);  // ten steps: 90 s
+  EXPECT_EQ(FailureDetector::ProgressTimeout(job, nullptr), milliseconds(60'000));
+  EXPECT_EQ(FailureDetector::ProgressTimeout(job, &slow), milliseconds(90'000));
+}
+
+TEST(FailureDetector, AStragglerIsReportedOnceAndRecoversBelowTheLowerRatio) {
+  JobHealth health;
+  for (int i = 0; i < 20; ++i) {
+    FailureDetector::AddStepTime(&health, 0, 1.0);
+    FailureDetector::AddStepTime(&health, 1, 1.0);
+    FailureDetector::AddStepTime(&health, 2, 2.0);
+  }
+  std::vector<StragglerChange> changes = FailureDetector::CheckStragglers(&health);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].rank, 2);
+  EXPECT_TRUE(changes[0].slow);
+  EXPECT_THAT(changes[0].message, HasSubstr("(2.00x)"));
+  EXPECT_TRUE(FailureDetector::CheckStragglers(&health).empty());
+  // 1.3x: still a straggler, since it recovers only below 1.2x.
+  for (size_t i = 0; i < FailureDetector::kStragglerWindow; ++i) {
+    FailureDetector::AddStepTime(&health, 2, 1.3);
+  }
+  EXPECT_TRUE(FailureDetector::CheckStragglers(&health).empty());
+  for (size_t i = 0; i < FailureDetector::kStragglerWindow; ++i) {
+    FailureDetector::AddStepTime(&health, 2, 1.0);
+  }
+  changes = FailureDetector::CheckStragglers(&health);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_FALSE(changes[0].slow);
+  EXPECT_TRUE(health.stragglers.empty());
+}
 
 // --- Coordinator-level: failure detector -------------------------------------
 

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "coordinator/held_heartbeats.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -21,6 +22,90 @@ namespace {
 using namespace test_util;  // NOLINT(build/namespaces): the shared fixture
 using std::chrono::milliseconds;
 using v1::Job;
+
+// --- HeldHeartbeats alone ----------------------------------------------------
+
+// Answers that name the worker and count the answers built.
+struct CountingBuilder {
+  int built = 0;
+  HeldHeartbeats::Builder Get() {
+    return [this](const std::string& worker_id) {
+      ++built;
+      v1::HeartbeatResponse response;
+      response.add_assignments()->set_job_id(worker_id);
+      return response;
+    };
+  }
+};
+
+TEST(HeldHeartbeats, AnswersOnlyTheCallsWhoseDeadlinePassed) {
+  FakeClock clock;
+  HeldHeartbeats held;
+  CountingBuilder builder;
+  Async<v1::HeartbeatResponse> early, late;
+  held.Hold("w1", clock.Now() + milliseconds(100), early.Callback());
+  held.Hold("w1", clock.Now() + milliseconds(200), late.Callback());
+  EXPECT_FALSE(held.AnyDue(clock.Now()));
+  clock.Advance(milliseconds(100));
+  ASSERT_TRUE(held.AnyDue(clock.Now()));
+  {
+    Deferred deferred;
+    held.AnswerDue(clock.Now(), builder.Get(), &deferred);
+    EXPECT_FALSE(early.done());  // answered once the Deferred runs
+  }
+  EXPECT_TRUE(early.done());
+  EXPECT_EQ(early.get()->assignments(0).job_id(), "w1");
+  EXPECT_FALSE(late.done());
+  EXPECT_EQ(held.held("w1"), 1u);
+  EXPECT_EQ(builder.built, 1);
+}
+
+TEST(HeldHeartbeats, AnswerWorkerAnswersEveryCallOfThatWorkerOnly) {
+  FakeClock clock;
+  HeldHeartbeats held;
+  CountingBuilder builder;
+  Async<v1::HeartbeatResponse> a1, a2, b;
+  held.Hold("a", clock.Now() + milliseconds(100), a1.Callback());
+  held.Hold("a", clock.Now() + milliseconds(100), a2.Callback());
+  held.Hold("b", clock.Now() + milliseconds(100), b.Callback());
+  {
+    Deferred deferred;
+    held.AnswerWorker("a", builder.Get(), &deferred);
+  }
+  EXPECT_TRUE(a1.done());
+  EXPECT_TRUE(a2.done());
+  EXPECT_FALSE(b.done());
+  EXPECT_EQ(held.held("a"), 0u);
+  // The deadline queue still names "a": nothing is answered twice.
+  clock.Advance(milliseconds(100));
+  {
+    Deferred deferred;
+    held.AnswerDue(clock.Now(), builder.Get(), &deferred);
+  }
+  EXPECT_EQ(a1.calls(), 1);
+  EXPECT_EQ(b.calls(), 1);
+  EXPECT_EQ(builder.built, 3);
+}
+
+TEST(HeldHeartbeats, FailWorkerAndFailAllAnswerWithTheStatus) {
+  FakeClock clock;
+  HeldHeartbeats held;
+  Async<v1::HeartbeatResponse> a, b;
+  held.Hold("a", clock.Now() + milliseconds(100), a.Callback());
+  held.Hold("b", clock.Now() + milliseconds(100), b.Callback());
+  {
+    Deferred deferred;
+    held.FailWorker("a", absl::NotFoundError("lost"), &deferred);
+  }
+  EXPECT_EQ(a.get().status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(b.done());
+  {
+    Deferred deferred;
+    held.FailAll(absl::UnavailableError("closing"), &deferred);
+  }
+  EXPECT_EQ(b.get().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(held.held("b"), 0u);
+}
 
 // --- Coordinator-level: held heartbeats -------------------------------------
 

@@ -13,6 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "coordinator/metric_ingest.h"
+#include "coordinator/store.h"
+#include "coordinator/time_util.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -23,6 +26,119 @@ using std::chrono::milliseconds;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using v1::Job;
+
+// --- MetricIngest alone ------------------------------------------------------
+
+class MetricIngestTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = ":memory:"});
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    ingest_ =
+        std::make_unique<MetricIngest>(MetricIngestOptions{}, &metrics_, store_.get(), &clock_);
+    job_.set_id("job-1");
+    job_.set_generation(1);
+    job_.set_state(v1::Job::RUNNING);
+    *job_.mutable_spec() = Spec(2);
+  }
+
+  // Rank `rank` sends TRAIN records of steps [first, last]; whether steps
+  // were combined.
+  bool Send(int rank, int64_t first, int64_t last) {
+    v1::StreamMetricsRequest request;
+    request.set_job_id(job_.id());
+    request.set_generation(job_.generation());
+    request.set_rank(rank);
+    for (int64_t step = first; step <= last; ++step) {
+      v1::MetricRecord* r = request.add_records();
+      r->set_kind(v1::MetricRecord::TRAIN);
+      r->set_step(step);
+      r->set_samples(64);
+      r->set_step_seconds(0.5);
+    }
+    return ingest_->Append(job_, &m_, request, clock_.Now(),
+                           [this](const v1::MetricRecord&) { ++train_records_; });
+  }
+
+  // A flush as the coordinator does it, the store write succeeding.
+  void Flush() {
+    FlushBatch batch;
+    ingest_->Take(job_.id(), &m_, &batch);
+    ingest_->InFlight(batch);
+    ASSERT_TRUE(store_->PutSteps(batch.steps).ok());
+    ingest_->Stored();
+    for (const auto& [id, seq] : batch.taken) MetricIngest::NoteFlushed(&m_, seq);
+    for (const Store::JobStep& s : batch.steps) {
+      MetricIngest::NoteStored(job_.generation(), &m_, s.step);
+    }
+  }
+
+  FakeClock clock_;
+  metrics::Registry registry_;
+  CoordinatorMetrics metrics_{&registry_};
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<MetricIngest> ingest_;
+  v1::Job job_;
+  JobMetrics m_;
+  int train_records_ = 0;
+};
+
+TEST_F(MetricIngestTest, StepsCombineAcrossRanksAndAreDurableOnlyOnceStored) {
+  EXPECT_FALSE(Send(0, 1, 3));
+  EXPECT_TRUE(Send(1, 1, 3));
+  EXPECT_EQ(train_records_, 6);
+  EXPECT_EQ(m_.steps->last_seq(), 3);
+  EXPECT_EQ(ingest_->DurableStep(job_, m_), 0);
+  // Taken by a flush whose write has not ended: still not durable.
+  FlushBatch batch;
+  ingest_->Take(job_.id(), &m_, &batch);
+  ASSERT_EQ(batch.steps.size(), 3u);
+  ingest_->InFlight(batch);
+  EXPECT_EQ(ingest_->DurableStep(job_, m_), 0);
+  ASSERT_TRUE(store_->PutSteps(batch.steps).ok());
+  ingest_->Stored();
+  for (const Store::JobStep& s : batch.steps) {
+    MetricIngest::NoteStored(job_.generation(), &m_, s.step);
+  }
+  EXPECT_EQ(ingest_->DurableStep(job_, m_), 3);
+  // Step 4 waits for rank 1: durable stays at 3.
+  Send(0, 4, 4);
+  Flush();
+  EXPECT_EQ(ingest_->DurableStep(job_, m_), 3);
+}
+
+TEST_F(MetricIngestTest, RecordsARestartedCoordinatorFoundStoredAreIgnored) {
+  Send(0, 1, 2);
+  Send(1, 1, 2);
+  Flush();
+  // A new process loads the job: its trainers send steps 1-3 again.
+  JobMetrics loaded;
+  ingest_->RecoverStored(job_, &loaded, /*resumed_from_step=*/-1);
+  EXPECT_EQ(loaded.resent_first_step, 3);
+  EXPECT_EQ(ingest_->DurableStep(job_, loaded), 2);
+  m_ = std::move(loaded);
+  train_records_ = 0;
+  Send(0, 1, 3);
+  Send(1, 1, 3);
+  EXPECT_EQ(train_records_, 2);  // only step 3's
+  ASSERT_NE(m_.steps, nullptr);
+  EXPECT_EQ(m_.steps->last_seq(), 1);
+  EXPECT_EQ(m_.steps->last_train()->step(), 3);
+}
+
+TEST_F(MetricIngestTest, AFinishedJobsStepsLeaveMemoryOnceStoredAndPastRetention) {
+  Send(0, 1, 1);
+  Send(1, 1, 1);
+  job_.set_state(v1::Job::SUCCEEDED);
+  *job_.mutable_finished_at() = ToProto(clock_.WallNow());
+  clock_.Advance(MetricIngestOptions{}.metrics_retention);
+  ingest_->Expire(job_, &m_, clock_.Now());
+  EXPECT_NE(m_.steps, nullptr);  // not stored yet
+  Flush();
+  ingest_->Expire(job_, &m_, clock_.Now());
+  EXPECT_EQ(m_.steps, nullptr);
+}
 
 // --- Coordinator-level: metric ingest -------------------------------------
 

@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "coordinator/store.h"
+#include "coordinator/watch_streams.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -22,6 +24,93 @@ using namespace test_util;  // NOLINT(build/namespaces): the shared fixture
 using ::testing::Contains;
 using ::testing::IsEmpty;
 using v1::Job;
+
+// --- WatchStreams alone ------------------------------------------------------
+
+class CountingSubscriber final : public WatchSubscriber {
+ public:
+  void Notify() override { ++notified; }
+  int notified = 0;
+};
+
+TEST(WatchSubscribers, NotifyReachesOnlyTheJobsSubscribersUntilRemoved) {
+  WatchSubscribers subscribers;
+  CountingSubscriber a, b;
+  subscribers.Add("job-1", &a);
+  subscribers.Add("job-2", &b);
+  subscribers.Notify("job-1");
+  EXPECT_EQ(a.notified, 1);
+  EXPECT_EQ(b.notified, 0);
+  subscribers.Remove("job-1", &a);
+  subscribers.Notify("job-1");
+  EXPECT_EQ(a.notified, 1);
+}
+
+TEST(WatchStreams, PollMemorySendsTheJobPerVersionAndStepsAfterTheCursor) {
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = ":memory:"});
+  ASSERT_TRUE(store.ok()) << store.status();
+  WatchStreams streams(store->get());
+  FakeClock clock;
+  StepLog steps(StepLogOptions{});
+  steps.StartGeneration(1, 1);
+  for (int64_t step = 1; step <= 3; ++step) {
+    v1::MetricRecord r;
+    r.set_kind(v1::MetricRecord::TRAIN);
+    r.set_step(step);
+    r.set_generation(1);
+    ASSERT_TRUE(steps.Add(r, clock.Now()));
+  }
+  v1::Job job;
+  job.set_id("job-1");
+  v1::WatchJobRequest request;
+  request.set_job_id("job-1");
+  request.set_include_metrics(true);
+  request.set_from_step(2);
+  WatchCursor cursor;
+  cursor.catching_up = false;
+
+  WatchBatch batch;
+  absl::StatusOr<bool> added = streams.PollMemory(request, job, 1, &steps, &cursor, &batch);
+  ASSERT_TRUE(added.ok()) << added.status();
+  EXPECT_TRUE(*added);
+  ASSERT_EQ(batch.items.size(), 3u);
+  EXPECT_TRUE(batch.items[0].has_job());
+  EXPECT_EQ(batch.items[1].step().step(), 2);
+  EXPECT_EQ(batch.items[2].step().step(), 3);
+  EXPECT_EQ(cursor.metrics_seq, 3);
+
+  // Nothing new: nothing sent.
+  WatchBatch again;
+  added = streams.PollMemory(request, job, 1, &steps, &cursor, &again);
+  ASSERT_TRUE(added.ok());
+  EXPECT_FALSE(*added);
+  EXPECT_TRUE(again.items.empty());
+}
+
+TEST(WatchStreams, ReadStoredSendsTheStoredStepsFromTheCursorAndSaysWhenDone) {
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open({.path = ":memory:"});
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::vector<Store::JobStep> rows;
+  for (int64_t step = 1; step <= 5; ++step) {
+    v1::StepMetrics m;
+    m.set_step(step);
+    m.set_generation(1);
+    rows.push_back({"job-1", m});
+  }
+  ASSERT_TRUE((*store)->PutSteps(rows).ok());
+  WatchStreams streams(store->get());
+  v1::WatchJobRequest request;
+  request.set_job_id("job-1");
+  WatchCursor cursor;
+  cursor.next_step = 3;
+  WatchBatch batch;
+  absl::StatusOr<bool> done = streams.ReadStored(request, &cursor, &batch);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(*done);
+  ASSERT_EQ(batch.items.size(), 3u);
+  EXPECT_EQ(batch.items[0].step().step(), 3);
+  EXPECT_EQ(cursor.last_step_sent, 5);
+}
 
 // --- Coordinator-level: watch streams -------------------------------------
 
