@@ -45,8 +45,9 @@ absl::Status CheckpointRegistry::ValidateCommit(const v1::CommitCheckpointReques
   return absl::OkStatus();
 }
 
-absl::StatusOr<CommitOutcome> CheckpointRegistry::Commit(
-    const v1::Job& job, const v1::CommitCheckpointRequest& request) {
+absl::StatusOr<CommitOutcome> CheckpointRegistry::Commit(const v1::Job& job, JobCheckpoints* state,
+                                                         const v1::CommitCheckpointRequest& request,
+                                                         const MetricsDurable& durable) {
   std::set<int> writers(request.writer_ranks().begin(), request.writer_ranks().end());
   for (int r : writers) {
     if (r < 0 || r >= job.spec().world_size()) {
@@ -86,17 +87,65 @@ absl::StatusOr<CommitOutcome> CheckpointRegistry::Commit(
       checkpoint.set_manifest_sha256(request.manifest_sha256());
     }
   }
-  bool all = true;
-  for (int r : checkpoint.ranks_expected()) all = all && reported.contains(r);
-  checkpoint.set_committed(all);
+  outcome.written = Written(checkpoint);
+  const bool committed =
+      was_committed || (outcome.written && durable(checkpoint.step(), checkpoint.generation()));
+  checkpoint.set_committed(committed);
   AIDN_RETURN_IF_ERROR(store_->PutCheckpoint(checkpoint));
-  outcome.committed = all;
-  outcome.newly_committed = all && !was_committed;
+  if (outcome.written && !committed) {
+    state->awaiting_metrics[checkpoint.step()] = checkpoint.generation();
+  } else {
+    state->awaiting_metrics.erase(checkpoint.step());
+  }
+  outcome.committed = committed;
+  outcome.newly_committed = committed && !was_committed;
   return outcome;
 }
 
-std::vector<int64_t> CheckpointRegistry::ApplyRetention(const v1::Job& job,
-                                                        const JobCheckpoints& state,
+absl::StatusOr<AwaitedOutcome> CheckpointRegistry::CompleteAwaiting(const v1::Job& job,
+                                                                    JobCheckpoints* state,
+                                                                    const MetricsDurable& durable) {
+  AwaitedOutcome outcome;
+  std::map<int64_t, int64_t> ready;
+  for (const auto& [step, generation] : state->awaiting_metrics) {
+    if (durable(step, generation)) ready.emplace(step, generation);
+  }
+  if (ready.empty()) return outcome;
+  AIDN_ASSIGN_OR_RETURN(outcome.checkpoints, store_->ListCheckpoints(job.id()));
+  for (v1::Checkpoint& c : outcome.checkpoints) {
+    auto it = ready.find(c.step());
+    if (it == ready.end() || it->second != c.generation() || c.committed() ||
+        !c.invalid_reason().empty() || !Written(c)) {
+      continue;
+    }
+    c.set_committed(true);
+    AIDN_RETURN_IF_ERROR(store_->PutCheckpoint(c));
+    outcome.committed.push_back(c);
+  }
+  // Those gone from the store (retired, or started over) await nothing.
+  for (const auto& [step, generation] : ready) state->awaiting_metrics.erase(step);
+  return outcome;
+}
+
+absl::Status CheckpointRegistry::LoadAwaiting(const v1::Job& job, JobCheckpoints* state) {
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints, store_->ListCheckpoints(job.id()));
+  for (const v1::Checkpoint& c : checkpoints) {
+    if (Written(c) && !c.committed() && c.invalid_reason().empty()) {
+      state->awaiting_metrics[c.step()] = c.generation();
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool CheckpointRegistry::Written(const v1::Checkpoint& c) {
+  std::set<int> reported(c.ranks_reported().begin(), c.ranks_reported().end());
+  for (int r : c.ranks_expected()) {
+    if (!reported.contains(r)) return false;
+  }
+  return true;
+}
+
+std::vector<int64_t> CheckpointRegistry::ApplyRetention(const v1::Job& job, JobCheckpoints* state,
                                                         std::vector<v1::Checkpoint>* checkpoints) {
   const int keep = std::max(1, job.spec().checkpoint().keep_last());
   std::vector<int64_t> valid;  // newest first
@@ -107,7 +156,7 @@ std::vector<int64_t> CheckpointRegistry::ApplyRetention(const v1::Job& job,
   if (valid.empty()) return {};
   std::vector<int64_t> retired;
   for (const v1::Checkpoint& c : *checkpoints) {
-    if (!Retires(c, valid, keep, job.generation(), state.resumed_from_step)) continue;
+    if (!Retires(c, valid, keep, job.generation(), state->resumed_from_step)) continue;
     absl::Status s = store_->DeleteCheckpoint(job.id(), c.step());
     if (!s.ok()) {
       AIDN_LOG(ERROR) << "could not retire checkpoint: " << s << Kv("job", job.id())
@@ -115,6 +164,7 @@ std::vector<int64_t> CheckpointRegistry::ApplyRetention(const v1::Job& job,
       continue;
     }
     retired.push_back(c.step());
+    state->awaiting_metrics.erase(c.step());
   }
   std::sort(retired.begin(), retired.end());
   if (!retired.empty()) {

@@ -159,9 +159,12 @@ class Coordinator {
       const v1::ReportProgressRequest& request);
   // One StreamMetrics message.
   absl::Status AppendMetrics(const v1::StreamMetricsRequest& request);
-  // Records the checkpoint as committed once every writer reported; the
-  // commit that completes it also applies the job's keep_last retention
-  // and answers the steps it retired.
+  // Records the checkpoint as committed once every writer reported and the
+  // job's metrics up to its step are in the store; until then it awaits
+  // them (committed false), and the tick commits it once a flush stored
+  // them. The commit applies the job's keep_last retention; the retired
+  // steps are answered by the call that completed it, or, when the tick
+  // did, by the job's next CommitCheckpoint call.
   absl::StatusOr<v1::CommitCheckpointResponse> CommitCheckpoint(
       const v1::CommitCheckpointRequest& request);
   // A rank found a checkpoint fails verification: it is never offered for a
@@ -191,6 +194,11 @@ class Coordinator {
   void LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RebuildRendezvous(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's written checkpoints not committed: committed now if the
+  // store holds their metrics, else awaiting them (the running
+  // generation's only).
+  void LoadAwaitingCheckpoints(JobEntry* entry, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Looks up a job for a trainer call and checks its generation.
   absl::StatusOr<JobEntry*> FencedJob(const std::string& job_id, int64_t generation)
@@ -231,6 +239,15 @@ class Coordinator {
   void CheckTimeouts(Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckWorkers(Clock::TimePoint now, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckJob(JobEntry* entry, Clock::TimePoint now, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the job's metrics up to a step of a generation are durable, as
+  // far as this process knows (in memory), or as the store says (on load).
+  MetricsDurable DurableInMemory(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  MetricsDurable DurableInStore(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Commits the job's checkpoints that awaited their metrics, if `durable`
+  // now says they are: records the commits, applies retention (the retired
+  // steps are answered with the next CommitCheckpoint) and persists the job.
+  void CompleteCheckpoints(JobEntry* entry, const MetricsDurable& durable, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reports ranks that became (or stopped being) stragglers.
   void CheckStragglers(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

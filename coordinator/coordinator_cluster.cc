@@ -413,17 +413,25 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
   Job& job = entry->stored.job;
-  AIDN_ASSIGN_OR_RETURN(CommitOutcome outcome, checkpoints_.Commit(job, request));
+  AIDN_ASSIGN_OR_RETURN(
+      CommitOutcome outcome,
+      checkpoints_.Commit(job, &entry->checkpoints, request, DurableInMemory(entry)));
   v1::CommitCheckpointResponse response;
   response.set_committed(outcome.committed);
-  if (!outcome.newly_committed) return response;
-  Emit("checkpoint.committed", job.id(), "", job.generation(),
-       absl::StrCat("step ", request.step(), " at ", request.path()), &deferred);
-  for (int64_t step : checkpoints_.ApplyRetention(job, entry->checkpoints, &outcome.checkpoints)) {
-    response.add_retired_steps(step);
+  std::vector<int64_t> retired;
+  retired.swap(entry->checkpoints.retired_untold);
+  if (outcome.newly_committed) {
+    Emit("checkpoint.committed", job.id(), "", job.generation(),
+         absl::StrCat("step ", request.step(), " at ", request.path()), &deferred);
+    for (int64_t step :
+         checkpoints_.ApplyRetention(job, &entry->checkpoints, &outcome.checkpoints)) {
+      retired.push_back(step);
+    }
+    job.set_last_checkpoint_step(CheckpointRegistry::NewestValidStep(outcome.checkpoints));
+    (void)PersistJob(entry, &deferred);
   }
-  job.set_last_checkpoint_step(CheckpointRegistry::NewestValidStep(outcome.checkpoints));
-  (void)PersistJob(entry, &deferred);
+  std::sort(retired.begin(), retired.end());
+  for (int64_t step : retired) response.add_retired_steps(step);
   return response;
 }
 

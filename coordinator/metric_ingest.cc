@@ -32,6 +32,9 @@ void MetricIngest::RecoverStored(const Job& job, JobMetrics* m, int64_t resumed_
   m->resent_first_step = std::max<int64_t>(resumed_from_step, 0) + 1;
   if (last->has_value()) {
     NoteStored(job.generation(), m, **last);
+    // The last row may be an EVAL one: its step's TRAIN row is stored too.
+    m->stored_train_step[job.generation()] =
+        std::max(m->stored_train_step[job.generation()], (*last)->step());
     m->resent_floor = m->stored_key;
     m->resent_first_step = (*last)->step() + 1;
   }
@@ -106,6 +109,10 @@ void MetricIngest::InFlight(const FlushBatch& batch) {
 }
 
 void MetricIngest::NoteStored(int64_t generation, JobMetrics* m, const v1::StepMetrics& step) {
+  if (step.kind() == v1::MetricRecord::TRAIN) {
+    int64_t& train = m->stored_train_step.try_emplace(step.generation(), -1).first->second;
+    train = std::max(train, step.step());
+  }
   if (step.generation() != generation) return;
   if (m->stored_generation != generation) {
     m->stored_generation = generation;
@@ -113,6 +120,11 @@ void MetricIngest::NoteStored(int64_t generation, JobMetrics* m, const v1::StepM
   }
   const std::pair<int64_t, int> key{step.step(), static_cast<int>(step.kind())};
   if (!m->stored_key.has_value() || key > *m->stored_key) m->stored_key = key;
+}
+
+int64_t MetricIngest::StoredTrainStep(const JobMetrics& m, int64_t generation) {
+  auto it = m.stored_train_step.find(generation);
+  return it == m.stored_train_step.end() ? -1 : it->second;
 }
 
 int64_t MetricIngest::DurableStep(const Job& job, const JobMetrics& m) const {

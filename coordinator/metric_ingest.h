@@ -58,6 +58,10 @@ struct JobMetrics {
   // process loaded it: its StepLog combines from there in order.
   int64_t resent_first_step = 1;
   std::optional<std::pair<int64_t, int>> resent_floor;
+  // Per generation: the highest TRAIN step known to be in the store. Steps
+  // are combined and stored in order, so every TRAIN step of the generation
+  // below it is stored too (checkpoints wait for this).
+  std::map<int64_t, int64_t> stored_train_step;
 };
 
 // Steps taken from the logs for one write to the store.
@@ -120,6 +124,10 @@ class MetricIngest {
   // A combined step of the job (of its current generation `generation`)
   // went to the store.
   static void NoteStored(int64_t generation, JobMetrics* m, const v1::StepMetrics& step);
+
+  // The highest TRAIN step of `generation` known to be in the store, -1 if
+  // none.
+  static int64_t StoredTrainStep(const JobMetrics& m, int64_t generation);
 
   // The step up to which the job's records of its current generation are
   // in the store, 0 if none.

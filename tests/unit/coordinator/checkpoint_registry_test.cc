@@ -24,6 +24,7 @@ using namespace test_util;  // NOLINT(build/namespaces): the shared fixture
 using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::IsEmpty;
+using ::testing::Not;
 using ::testing::UnorderedElementsAre;
 using v1::Job;
 
@@ -48,11 +49,11 @@ class CheckpointRegistryTest : public ::testing::Test {
     job_.set_generation(generation);
     std::vector<int64_t> retired;
     for (int rank = 0; rank < 2; ++rank) {
-      absl::StatusOr<CommitOutcome> outcome =
-          registry_->Commit(job_, Commit(job_.id(), generation, rank, step, {0, 1}));
+      absl::StatusOr<CommitOutcome> outcome = registry_->Commit(
+          job_, &state_, Commit(job_.id(), generation, rank, step, {0, 1}), durable_);
       EXPECT_TRUE(outcome.ok()) << outcome.status();
       if (!outcome.ok() || !outcome->newly_committed) continue;
-      retired = registry_->ApplyRetention(job_, state_, &outcome->checkpoints);
+      retired = registry_->ApplyRetention(job_, &state_, &outcome->checkpoints);
     }
     return retired;
   }
@@ -62,16 +63,22 @@ class CheckpointRegistryTest : public ::testing::Test {
   std::unique_ptr<CheckpointRegistry> registry_;
   v1::Job job_;
   JobCheckpoints state_;
+  // Whether metrics are durable: up to `durable_through_` of any generation.
+  int64_t durable_through_ = 1'000'000;
+  MetricsDurable durable_ = [this](int64_t step, int64_t) { return step <= durable_through_; };
 };
 
 TEST_F(CheckpointRegistryTest, CommitsOnceEveryWriterReportedAndLaterGenerationsResumeFromIt) {
-  absl::StatusOr<CommitOutcome> first = registry_->Commit(job_, Commit("job-1", 1, 0, 100, {0, 1}));
+  absl::StatusOr<CommitOutcome> first =
+      registry_->Commit(job_, &state_, Commit("job-1", 1, 0, 100, {0, 1}), durable_);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_FALSE(first->committed);
-  absl::StatusOr<CommitOutcome> again = registry_->Commit(job_, Commit("job-1", 1, 0, 100, {0, 1}));
+  absl::StatusOr<CommitOutcome> again =
+      registry_->Commit(job_, &state_, Commit("job-1", 1, 0, 100, {0, 1}), durable_);
   ASSERT_TRUE(again.ok());
   EXPECT_FALSE(again->committed);
-  absl::StatusOr<CommitOutcome> last = registry_->Commit(job_, Commit("job-1", 1, 1, 100, {0, 1}));
+  absl::StatusOr<CommitOutcome> last =
+      registry_->Commit(job_, &state_, Commit("job-1", 1, 1, 100, {0, 1}), durable_);
   ASSERT_TRUE(last.ok());
   EXPECT_TRUE(last->committed);
   EXPECT_TRUE(last->newly_committed);
@@ -91,10 +98,13 @@ TEST_F(CheckpointRegistryTest, CommitsOnceEveryWriterReportedAndLaterGenerations
 }
 
 TEST_F(CheckpointRegistryTest, CommitRefusesWritersOutOfRangeOrARankNotAmongThem) {
-  EXPECT_EQ(registry_->Commit(job_, Commit("job-1", 1, 0, 100, {0, 2})).status().code(),
+  EXPECT_EQ(registry_->Commit(job_, &state_, Commit("job-1", 1, 0, 100, {0, 2}), durable_)
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry_->Commit(job_, Commit("job-1", 1, 1, 100, {0})).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      registry_->Commit(job_, &state_, Commit("job-1", 1, 1, 100, {0}), durable_).status().code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CheckpointRegistry::ValidateCommit(Commit("job-1", 1, 0, -1, {0})).code(),
             absl::StatusCode::kInvalidArgument);
 }
@@ -145,12 +155,49 @@ TEST_F(CheckpointRegistryTest, AnInvalidCheckpointIsNotOfferedAndTheResumePointM
   EXPECT_EQ(later.resume_from().step(), 100);
 }
 
+TEST_F(CheckpointRegistryTest, AWrittenCheckpointAwaitsItsMetricsAndIsNotOfferedUntilThen) {
+  durable_through_ = 99;  // the metrics of step 100 are not in the store yet
+  ASSERT_TRUE(registry_->Commit(job_, &state_, Commit("job-1", 1, 0, 100, {0, 1}), durable_).ok());
+  absl::StatusOr<CommitOutcome> last =
+      registry_->Commit(job_, &state_, Commit("job-1", 1, 1, 100, {0, 1}), durable_);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_TRUE(last->written);
+  EXPECT_FALSE(last->committed);
+  EXPECT_THAT(state_.awaiting_metrics, ElementsAre(std::pair<const int64_t, int64_t>(100, 1)));
+  job_.set_generation(2);
+  v1::JoinRendezvousResponse early;
+  registry_->FillResume(job_, &state_, &early);
+  EXPECT_FALSE(early.has_resume_from());
+
+  // Still not durable: nothing changes, and the store is not read.
+  absl::StatusOr<AwaitedOutcome> none = registry_->CompleteAwaiting(job_, &state_, durable_);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->committed.empty());
+  durable_through_ = 100;  // a flush stored them
+  absl::StatusOr<AwaitedOutcome> done = registry_->CompleteAwaiting(job_, &state_, durable_);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->committed.size(), 1u);
+  EXPECT_EQ(done->committed[0].step(), 100);
+  EXPECT_TRUE(state_.awaiting_metrics.empty());
+  v1::JoinRendezvousResponse later;
+  registry_->FillResume(job_, &state_, &later);
+  EXPECT_EQ(later.resume_from().step(), 100);
+
+  // A registry over the same store (a restarted coordinator) finds nothing
+  // awaiting once committed, and finds the written ones that were not.
+  durable_through_ = 0;
+  job_.set_generation(2);
+  ASSERT_TRUE(registry_->Commit(job_, &state_, Commit("job-1", 2, 0, 200, {0}), durable_).ok());
+  JobCheckpoints loaded;
+  ASSERT_TRUE(registry_->LoadAwaiting(job_, &loaded).ok());
+  EXPECT_THAT(loaded.awaiting_metrics, ElementsAre(std::pair<const int64_t, int64_t>(200, 2)));
+}
+
 // --- Coordinator-level: checkpoint registry -------------------------------------
 
 TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom) {
   const std::string id = RunningJobOnTwoWorkers();
-  absl::StatusOr<v1::CommitCheckpointResponse> r =
-      c().CommitCheckpoint(Commit(id, 1, 0, 100, {0, 1}));
+  absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 1, 0, 100, {0, 1}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->committed());
   absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
@@ -158,7 +205,7 @@ TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom
   ASSERT_EQ(list->checkpoints_size(), 1);
   EXPECT_FALSE(list->checkpoints(0).committed());
 
-  r = c().CommitCheckpoint(Commit(id, 1, 1, 100, {0, 1}));
+  r = CommitDurable(Commit(id, 1, 1, 100, {0, 1}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->committed());
   list = c().ListCheckpoints(id);
@@ -174,7 +221,7 @@ TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom
   EXPECT_THAT(Events(id), Contains("checkpoint.committed"));
 
   // A later checkpoint only half written is not resumed from.
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 200, {0, 1})).ok());
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 200, {0, 1})).ok());
 
   ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
   ASSERT_EQ(Get(id).generation(), 2);
@@ -190,15 +237,15 @@ TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom
 
 TEST_F(CoordinatorTest, CheckpointCommitValidatesItsRequest) {
   const std::string id = RunningJobOnTwoWorkers();
-  EXPECT_EQ(c().CommitCheckpoint(Commit(id, 1, 0, 10, {})).status().code(),
+  EXPECT_EQ(CommitDurable(Commit(id, 1, 0, 10, {})).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(c().CommitCheckpoint(Commit(id, 1, 1, 10, {0})).status().code(),
+  EXPECT_EQ(CommitDurable(Commit(id, 1, 1, 10, {0})).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0, 5})).status().code(),
+  EXPECT_EQ(CommitDurable(Commit(id, 1, 0, 10, {0, 5})).status().code(),
             absl::StatusCode::kInvalidArgument);
   v1::CommitCheckpointRequest bad_path = Commit(id, 1, 0, 10, {0});
   bad_path.set_path("../escape");
-  EXPECT_EQ(c().CommitCheckpoint(bad_path).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CommitDurable(bad_path).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c().ListCheckpoints(id)->checkpoints_size(), 0);
   EXPECT_EQ(c().ListCheckpoints("job-404").status().code(), absl::StatusCode::kNotFound);
 }
@@ -206,8 +253,7 @@ TEST_F(CoordinatorTest, CheckpointCommitValidatesItsRequest) {
 TEST_F(CoordinatorTest, ACheckpointReportedInvalidIsMarkedNamedInAnEventAndNotResumedFrom) {
   const std::string id = RunningJobOnTwoWorkers();
   for (int64_t step : {10, 20}) {
-    absl::StatusOr<v1::CommitCheckpointResponse> r =
-        c().CommitCheckpoint(Commit(id, 1, 0, step, {0}));
+    absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 1, 0, step, {0}));
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_TRUE(r->committed());
   }
@@ -284,10 +330,10 @@ TEST_F(CoordinatorTest, JoinOffersEveryValidCommittedCheckpointNewestFirst) {
     EXPECT_EQ(a.get()->resume_candidates_size(), 0);
   }
   for (int64_t step : {10, 20, 30}) {
-    ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, step, {0, 1})).ok());
-    ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 1, step, {0, 1})).ok());
+    ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, step, {0, 1})).ok());
+    ASSERT_TRUE(CommitDurable(Commit(id, 1, 1, step, {0, 1})).ok());
   }
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 40, {0, 1})).ok());  // half written
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 40, {0, 1})).ok());  // half written
   v1::ReportCheckpointInvalidRequest bad;
   bad.set_job_id(id);
   bad.set_generation(1);
@@ -318,11 +364,10 @@ TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps
   std::vector<std::vector<int64_t>> retired;
   for (int64_t step : {10, 20, 30, 40}) {
     // Rank 1's report completes each one: it is told what to delete.
-    absl::StatusOr<v1::CommitCheckpointResponse> r =
-        c().CommitCheckpoint(Commit(id, 1, 0, step, {0, 1}));
+    absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 1, 0, step, {0, 1}));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired before the commit completed";
-    r = c().CommitCheckpoint(Commit(id, 1, 1, step, {0, 1}));
+    r = CommitDurable(Commit(id, 1, 1, step, {0, 1}));
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_TRUE(r->committed());
     retired.emplace_back(r->retired_steps().begin(), r->retired_steps().end());
@@ -335,8 +380,7 @@ TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps
   EXPECT_THAT(kept, ElementsAre(30, 40));
   EXPECT_EQ(Get(id).last_checkpoint_step(), 40);
   // A commit reported again retires nothing more.
-  absl::StatusOr<v1::CommitCheckpointResponse> again =
-      c().CommitCheckpoint(Commit(id, 1, 1, 40, {0, 1}));
+  absl::StatusOr<v1::CommitCheckpointResponse> again = CommitDurable(Commit(id, 1, 1, 40, {0, 1}));
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->committed());
   EXPECT_THAT(again->retired_steps(), IsEmpty());
@@ -346,21 +390,21 @@ TEST_F(CoordinatorTest, RetentionNeverRetiresTheCheckpointBeingResumedFrom) {
   v1::JobSpec spec = Spec(2);
   spec.mutable_checkpoint()->set_keep_last(1);
   const std::string id = RunningJobOnTwoWorkers(spec);
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0})).ok());
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 10, {0})).ok());
   ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
   PassBackoff(id);
   RunJob(id);  // generation 2 resumes from step 10
-  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 2, 0, 20, {0}));
+  absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 2, 0, 20, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired the checkpoint being resumed from";
-  r = c().CommitCheckpoint(Commit(id, 2, 0, 30, {0}));
+  r = CommitDurable(Commit(id, 2, 0, 30, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(r->retired_steps(), ElementsAre(20));
   // Generation 3 resumes from 30; 10 goes with the next commit.
   ASSERT_TRUE(Exit(id, 2, 1, 1).ok());
   PassBackoff(id);
   RunJob(id);
-  r = c().CommitCheckpoint(Commit(id, 3, 0, 40, {0}));
+  r = CommitDurable(Commit(id, 3, 0, 40, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(r->retired_steps(), ElementsAre(10));
   std::vector<int64_t> kept;
@@ -372,9 +416,9 @@ TEST_F(CoordinatorTest, RetentionNeverRetiresTheCheckpointBeingResumedFrom) {
 
 TEST_F(CoordinatorTest, RetentionDropsInvalidAndAbandonedCheckpointsBehindTheNewestValidOne) {
   const std::string id = RunningJobOnTwoWorkers();  // keep_last 3
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0})).ok());
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 20, {0})).ok());
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 25, {0, 1})).ok());  // never completed
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 10, {0})).ok());
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 20, {0})).ok());
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 25, {0, 1})).ok());  // never completed
   ASSERT_TRUE(Exit(id, 1, 0, 1).ok());
   PassBackoff(id);
   RunJob(id);
@@ -387,10 +431,10 @@ TEST_F(CoordinatorTest, RetentionDropsInvalidAndAbandonedCheckpointsBehindTheNew
   ASSERT_TRUE(c().ReportCheckpointInvalid(bad).ok());
   // Generation 2 goes on from 10 and writes 15: the invalid 20 and the
   // abandoned 25 are newer, so they stay for now.
-  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 2, 0, 15, {0}));
+  absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 2, 0, 15, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(r->retired_steps(), IsEmpty());
-  r = c().CommitCheckpoint(Commit(id, 2, 0, 30, {0}));
+  r = CommitDurable(Commit(id, 2, 0, 30, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(r->retired_steps(), ElementsAre(20, 25));
   std::vector<int64_t> kept;
@@ -398,6 +442,70 @@ TEST_F(CoordinatorTest, RetentionDropsInvalidAndAbandonedCheckpointsBehindTheNew
   ASSERT_TRUE(list.ok()) << list.status();
   for (const v1::Checkpoint& cp : list->checkpoints()) kept.push_back(cp.step());
   EXPECT_THAT(kept, ElementsAre(10, 15, 30));
+}
+
+TEST_F(CoordinatorTest, ACheckpointIsAResumePointOnlyOnceItsMetricsAreStored) {
+  const std::string id = RunningJobOnTwoWorkers();
+  // Both ranks' records of steps 1-10 came (combined, not yet stored) and
+  // both writers reported the checkpoint at step 10.
+  ASSERT_TRUE(SendSteps(id, 0, 1, 10).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 10).ok());
+  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0, 1})).ok());
+  absl::StatusOr<v1::CommitCheckpointResponse> r =
+      c().CommitCheckpoint(Commit(id, 1, 1, 10, {0, 1}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->committed());
+  c().Tick();
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 0);
+  EXPECT_THAT(Events(id), Not(Contains("checkpoint.committed")));
+
+  // A rank fails before any flush: generation 2 starts from scratch rather
+  // than from a step whose metrics would never be reported.
+  ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
+  PassBackoff(id);
+  std::vector<JoinAnswer> second = RunJob(id);
+  ASSERT_TRUE(second[0].get().ok());
+  EXPECT_FALSE(second[0].get()->has_resume_from());
+
+  // Once stored, it commits and later generations resume from it.
+  c().FlushSteps();
+  c().Tick();
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 10);
+  EXPECT_THAT(Events(id), Contains("checkpoint.committed"));
+  ASSERT_TRUE(Exit(id, 2, 0, 1).ok());
+  PassBackoff(id);
+  std::vector<JoinAnswer> third = RunJob(id);
+  ASSERT_TRUE(third[0].get().ok());
+  EXPECT_EQ(third[0].get()->resume_from().step(), 10);
+}
+
+TEST_F(CoordinatorTest, StepsRetiredByADelayedCommitAreAnsweredToTheNextCommitCall) {
+  v1::JobSpec spec = Spec(1);
+  spec.mutable_checkpoint()->set_keep_last(1);
+  ASSERT_TRUE(Register("w1", 1).ok());
+  const std::string id = Submit(spec);
+  RunJob(id);
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 5, {0})).ok());
+  ASSERT_TRUE(SendSteps(id, 0, 6, 10).ok());
+  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 1, 0, 10, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->committed());
+  EXPECT_THAT(r->retired_steps(), IsEmpty());
+  c().FlushSteps();
+  c().Tick();  // commits step 10, retiring step 5
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 10);
+  absl::StatusOr<v1::ListCheckpointsResponse> listed = c().ListCheckpoints(id);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->checkpoints_size(), 1);
+  EXPECT_EQ(listed->checkpoints(0).step(), 10);
+  // The rank learns of it with its next commit, once.
+  ASSERT_TRUE(SendSteps(id, 0, 11, 15).ok());
+  r = c().CommitCheckpoint(Commit(id, 1, 0, 15, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->retired_steps(), ElementsAre(5));
+  r = c().CommitCheckpoint(Commit(id, 1, 0, 15, {0}));
+  ASSERT_TRUE(r.ok());
+  EXPECT_THAT(r->retired_steps(), IsEmpty());
 }
 
 }  // namespace

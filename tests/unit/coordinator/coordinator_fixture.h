@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -340,6 +341,28 @@ class CoordinatorTest : public ::testing::Test {
     return c().AppendMetrics(request);
   }
 
+  // Every rank of generation `generation` of the job reports the TRAIN
+  // steps up to `step` it has not reported yet, and they are flushed to
+  // the store: a checkpoint at `step` may commit.
+  void MetricsDurableThrough(const std::string& job_id, int64_t generation, int64_t step) {
+    int64_t& sent = metrics_sent_[{job_id, generation}];
+    if (step > sent) {
+      const int world = Get(job_id).spec().world_size();
+      for (int rank = 0; rank < world; ++rank) {
+        (void)SendTimedSteps(job_id, generation, rank, sent + 1, step, 0.01);
+      }
+      sent = step;
+    }
+    c().FlushSteps();
+  }
+
+  // CommitCheckpoint once the job's metrics up to the step are durable.
+  absl::StatusOr<v1::CommitCheckpointResponse> CommitDurable(
+      const v1::CommitCheckpointRequest& request) {
+    MetricsDurableThrough(request.job_id(), request.generation(), request.step());
+    return c().CommitCheckpoint(request);
+  }
+
   // A progress beat.
   absl::StatusOr<v1::ReportProgressResponse> Progress(const std::string& job_id, int64_t generation,
                                                       int rank, int64_t step,
@@ -364,6 +387,8 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   CoordinatorOptions options_;
+  // MetricsDurableThrough: the last step sent per (job, generation).
+  std::map<std::pair<std::string, int64_t>, int64_t> metrics_sent_;
   FakeClock clock_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<Coordinator> coord_;

@@ -965,7 +965,11 @@ TEST_F(CoordinatorTest, ARunningJobGoesOnAcrossACoordinatorRestart) {
   v1::JobSpec spec = Spec(2);
   *spec.mutable_timeouts()->mutable_progress() = Dur(milliseconds(8000));
   const std::string id = RunningJobOnTwoWorkers(spec);
-  ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 4, {0})).ok());
+  // Written before its metrics came: it awaits them.
+  absl::StatusOr<v1::CommitCheckpointResponse> early =
+      c().CommitCheckpoint(Commit(id, 1, 0, 4, {0}));
+  ASSERT_TRUE(early.ok()) << early.status();
+  EXPECT_FALSE(early->committed());
   ASSERT_TRUE(SendSteps(id, 0, 1, 8).ok());
   ASSERT_TRUE(SendSteps(id, 1, 1, 5).ok());
   ASSERT_TRUE(Progress(id, 1, 0, 8, 80).ok());
@@ -983,6 +987,8 @@ TEST_F(CoordinatorTest, ARunningJobGoesOnAcrossACoordinatorRestart) {
   ASSERT_NE(coord_, nullptr);
   c().Tick();
   ASSERT_EQ(Get(id).state(), Job::RUNNING);
+  // Its metrics were stored before the restart: the new process commits it.
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 4);
 
   // The trainers carry on: each sends again what it was not told is durable
   // (rank 0 from step 1, as if it missed the last receipt), then new steps.
@@ -992,6 +998,7 @@ TEST_F(CoordinatorTest, ARunningJobGoesOnAcrossACoordinatorRestart) {
   ASSERT_TRUE(beat.ok()) << beat.status();
   EXPECT_NE(beat->incarnation(), old_incarnation);
   ASSERT_TRUE(Progress(id, 1, 1, 10, 100).ok());
+  c().FlushSteps();
   absl::StatusOr<v1::CommitCheckpointResponse> commit =
       c().CommitCheckpoint(Commit(id, 1, 0, 8, {0}));
   ASSERT_TRUE(commit.ok()) << commit.status();
