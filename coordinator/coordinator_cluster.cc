@@ -265,6 +265,13 @@ void Coordinator::JoinRendezvous(const v1::JoinRendezvousRequest& request,
       entry, Job::RUNNING,
       absl::StrCat("all ", job.spec().world_size(), " ranks joined generation ", job.generation()),
       &deferred);
+  if (base.has_resume_from()) {
+    // The ranks load it; without this only their logs would say so.
+    Emit("job.resumed", job.id(), "", job.generation(),
+         absl::StrCat("resumed from step ", base.resume_from().step(), ", checkpoint ",
+                      base.resume_from().path()),
+         &deferred);
+  }
   entry->rendezvous->Complete(base, &deferred);
 }
 

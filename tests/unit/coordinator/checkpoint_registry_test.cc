@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -506,6 +507,22 @@ TEST_F(CoordinatorTest, StepsRetiredByADelayedCommitAreAnsweredToTheNextCommitCa
   r = c().CommitCheckpoint(Commit(id, 1, 0, 15, {0}));
   ASSERT_TRUE(r.ok());
   EXPECT_THAT(r->retired_steps(), IsEmpty());
+}
+
+TEST_F(CoordinatorTest, AGenerationThatResumesFromACheckpointSaysSoInAnEvent) {
+  const std::string id = RunningJobOnTwoWorkers();
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 10, {0})).ok());
+  EXPECT_THAT(Events(id), Not(Contains("job.resumed")));  // generation 1 started afresh
+  ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
+  PassBackoff(id);
+  RunJob(id);
+  const std::vector<v1::Event> events = EventList(id);
+  const auto resumed = std::find_if(events.begin(), events.end(),
+                                    [](const v1::Event& e) { return e.type() == "job.resumed"; });
+  ASSERT_NE(resumed, events.end());
+  EXPECT_EQ(resumed->message(), "resumed from step 10, checkpoint ckpt/step-10");
+  EXPECT_EQ(resumed->generation(), 2);
+  EXPECT_TRUE(InOrder(Events(id), {"job.running", "job.resumed"}));
 }
 
 }  // namespace
