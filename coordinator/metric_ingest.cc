@@ -156,6 +156,10 @@ void MetricIngest::EnsureRankSeries(const Job& job, JobMetrics* m) {
   m->series_removed = false;
 }
 
+metrics::Labels MetricIngest::JobLabels(const Job& job) {
+  return {{"job_id", job.id()}, {"name", job.spec().name()}, {"owner", job.owner()}};
+}
+
 bool MetricIngest::PastRetention(const Job& job) const {
   if (!IsTerminal(job.state())) return false;
   const absl::Time finished = absl::FromUnixSeconds(job.finished_at().seconds()) +
@@ -166,6 +170,8 @@ bool MetricIngest::PastRetention(const Job& job) const {
 void MetricIngest::RemoveJobSeries(const Job& job, JobMetrics* m) {
   const metrics::Labels match{{"job_id", job.id()}};
   CoordinatorMetrics& cm = *metrics_;
+  cm.job_steps_total.RemoveMatching(match);
+  cm.job_samples_total.RemoveMatching(match);
   for (metrics::Family<metrics::Gauge>* f :
        {&cm.job_state, &cm.job_step, &cm.job_total_steps, &cm.job_epoch, &cm.job_loss,
         &cm.job_samples_per_second, &cm.job_step_seconds, &cm.job_allreduce_seconds,
@@ -190,10 +196,12 @@ void MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& he
   }
   CoordinatorMetrics& cm = *metrics_;
   const std::string& id = job.id();
-  const metrics::Labels labels{{"job_id", id}};
+  const metrics::Labels labels = JobLabels(job);
   // One series per job: the old state's goes when the state changes.
-  cm.job_state.RemoveMatching(labels);
-  cm.job_state.Add({{"job_id", id}, {"state", StateName(job.state())}}).Set(1);
+  cm.job_state.RemoveMatching({{"job_id", id}});
+  metrics::Labels with_state = labels;
+  with_state.emplace("state", StateName(job.state()));
+  cm.job_state.Add(with_state).Set(1);
   cm.job_step.Add(labels).Set(static_cast<double>(job.last_step()));
   cm.job_total_steps.Add(labels).Set(static_cast<double>(job.total_steps()));
   cm.job_epoch.Add(labels).Set(job.epoch());
@@ -201,7 +209,13 @@ void MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& he
   cm.job_generation.Add(labels).Set(static_cast<double>(job.generation()));
   cm.job_world_size.Add(labels).Set(job.spec().world_size());
   cm.job_last_checkpoint_step.Add(labels).Set(static_cast<double>(job.last_checkpoint_step()));
+  metrics::Counter& steps_total = cm.job_steps_total.Add(labels);
+  metrics::Counter& samples_total = cm.job_samples_total.Add(labels);
   if (m->steps != nullptr) {
+    steps_total.Increment(static_cast<double>(m->steps->train_steps() - m->steps_counted));
+    samples_total.Increment(static_cast<double>(m->steps->train_samples() - m->samples_counted));
+    m->steps_counted = m->steps->train_steps();
+    m->samples_counted = m->steps->train_samples();
     if (const v1::StepMetrics* t = m->steps->last_train(); t != nullptr) {
       cm.job_loss.Add(labels).Set(t->loss());
       cm.job_samples_per_second.Add(labels).Set(t->samples_per_second());
@@ -214,9 +228,10 @@ void MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& he
     }
   }
   // Progress of the ranks of a generation that holds slots; none after.
-  cm.rank_step.RemoveMatching(labels);
-  cm.rank_last_progress_age_seconds.RemoveMatching(labels);
-  cm.rank_straggler.RemoveMatching(labels);
+  const metrics::Labels job_match{{"job_id", id}};
+  cm.rank_step.RemoveMatching(job_match);
+  cm.rank_last_progress_age_seconds.RemoveMatching(job_match);
+  cm.rank_straggler.RemoveMatching(job_match);
   for (const auto& [rank, beat] : health.beats) {
     const metrics::Labels rank_labels{{"job_id", id}, {"rank", absl::StrCat(rank)}};
     cm.rank_step.Add(rank_labels).Set(static_cast<double>(beat.step));

@@ -62,6 +62,10 @@ struct JobMetrics {
   // are combined and stored in order, so every TRAIN step of the generation
   // below it is stored too (checkpoints wait for this).
   std::map<int64_t, int64_t> stored_train_step;
+  // The StepLog's TRAIN steps and samples already added to the job's
+  // counters.
+  int64_t steps_counted = 0;
+  int64_t samples_counted = 0;
 };
 
 // Steps taken from the logs for one write to the store.
@@ -136,6 +140,8 @@ class MetricIngest {
   // The job's series as /metrics shows them (`health` gives the ranks'
   // progress); a finished job's leave once its retention ran out.
   void CollectJob(const v1::Job& job, JobMetrics* m, const JobHealth& health, Clock::TimePoint now);
+  // The labels of the job's series: job_id, name, owner.
+  static metrics::Labels JobLabels(const v1::Job& job);
   // Whether the job ended longer than the retention period ago.
   bool PastRetention(const v1::Job& job) const;
 

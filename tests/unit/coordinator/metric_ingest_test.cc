@@ -226,21 +226,23 @@ TEST_F(CoordinatorTest, RegistryShowsJobsRanksAndWorkersAndForgetsFinishedJobsAf
   ASSERT_TRUE(c().ReportProgress(progress).ok());
 
   std::string text = c().registry()->Serialize();
-  const std::string job = absl::StrCat("job_id=\"", id, "\"");
+  // Job series carry the job's name and owner; rank series its id.
+  const std::string job = absl::StrCat("job_id=\"", id, "\",name=\"\",owner=\"alice\"");
+  const std::string rank_job = absl::StrCat("job_id=\"", id, "\"");
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_step{", job, "} 5\n")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_total_steps{", job, "} 50\n")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_loss{", job, "} 0.7\n")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_test_accuracy{", job, "} 0.85")));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_state{", job, ",state=\"RUNNING\"} 1\n")));
-  EXPECT_THAT(text,
-              HasSubstr(absl::StrCat("aidn_rank_step_seconds_count{", job, ",rank=\"1\"} 5\n")));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_last_progress_age_seconds{", job,
+  EXPECT_THAT(
+      text, HasSubstr(absl::StrCat("aidn_rank_step_seconds_count{", rank_job, ",rank=\"1\"} 5\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_last_progress_age_seconds{", rank_job,
                                            ",rank=\"1\"} 0\n")));
   EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"RUNNING\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_worker_up{worker_id=\"w1\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_metric_records_total 12\n"));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_straggler{", job, ",rank=\"1\"} 0\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_straggler{", rank_job, ",rank=\"1\"} 0\n")));
 
   for (int rank : {0, 1}) ASSERT_TRUE(Exit(id, 1, rank, 0).ok());
   clock_.Advance(milliseconds(30'000));
@@ -332,6 +334,33 @@ TEST_F(CoordinatorTest, AStepIsNotDurableWhileAnyOfItsRowsIsInFlightOrFailedToSt
   mode = kPass;
   c().FlushSteps();
   EXPECT_EQ(durable(), 7);
+}
+
+TEST_F(CoordinatorTest, JobSeriesCarryNameAndOwnerAndCountStepsAndSamplesForRate) {
+  v1::JobSpec spec = Spec(2);
+  spec.set_name("resnet-sweep");
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  const std::string labels =
+      absl::StrCat("{job_id=\"", id, "\",name=\"resnet-sweep\",owner=\"alice\"}");
+  std::string text = c().registry()->Serialize();
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_steps_total", labels, " 0\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_samples_total", labels, " 0\n")));
+  ASSERT_TRUE(SendSteps(id, 0, 1, 3).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 3).ok());
+  ASSERT_TRUE(SendSteps(id, 0, 4, 4).ok());  // step 4 waits for rank 1
+  ASSERT_TRUE(SendSteps(id, 0, 1, 1, v1::MetricRecord::EVAL).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 1, 1, v1::MetricRecord::EVAL).ok());
+  text = c().registry()->Serialize();
+  // Three TRAIN steps of 2 x 64 samples; evaluations are not counted.
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_steps_total", labels, " 3\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_samples_total", labels, " 384\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_step", labels, " 4\n")));
+  // Counted once: another scrape with nothing new adds nothing.
+  ASSERT_TRUE(SendSteps(id, 1, 4, 4).ok());
+  (void)c().registry()->Serialize();
+  text = c().registry()->Serialize();
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_steps_total", labels, " 4\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_job_samples_total", labels, " 512\n")));
 }
 
 }  // namespace
