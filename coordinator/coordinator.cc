@@ -123,64 +123,6 @@ void Coordinator::LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* defe
   jobs_[job.id()] = std::move(entry);
 }
 
-void Coordinator::LoadAwaitingCheckpoints(JobEntry* entry, Deferred* deferred) {
-  const Job& job = entry->stored.job;
-  if (absl::Status s = checkpoints_.LoadAwaiting(job, &entry->checkpoints); !s.ok()) {
-    AIDN_LOG(ERROR) << "could not list checkpoints: " << s << Kv("job", job.id());
-    return;
-  }
-  if (entry->checkpoints.awaiting_metrics.empty()) return;
-  // The last process may have stored their metrics and not yet committed them.
-  CompleteCheckpoints(entry, DurableInStore(entry), deferred);
-  // Metrics of a generation that ended can no longer come.
-  const bool running = HoldsSlots(job.state());
-  std::erase_if(entry->checkpoints.awaiting_metrics, [&](const auto& step_and_generation) {
-    return !running || step_and_generation.second != job.generation();
-  });
-}
-
-MetricsDurable Coordinator::DurableInMemory(JobEntry* entry) {
-  return [this, entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    // Steps up to the checkpoint the generation resumed from were durable
-    // before that checkpoint committed.
-    int64_t through = MetricIngest::StoredTrainStep(entry->metrics, generation);
-    if (generation == entry->stored.job.generation()) {
-      through = std::max(through, entry->checkpoints.resumed_from_step);
-    }
-    return step <= std::max<int64_t>(through, 0);
-  };
-}
-
-MetricsDurable Coordinator::DurableInStore(JobEntry* entry) {
-  return [this, entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (DurableInMemory(entry)(step, generation)) return true;
-    absl::StatusOr<std::optional<v1::StepMetrics>> last =
-        store_->LastStepOfGeneration(entry->stored.job.id(), generation, step - 1);
-    return last.ok() && last->has_value();
-  };
-}
-
-void Coordinator::CompleteCheckpoints(JobEntry* entry, const MetricsDurable& durable,
-                                      Deferred* deferred) {
-  Job& job = entry->stored.job;
-  absl::StatusOr<AwaitedOutcome> done =
-      checkpoints_.CompleteAwaiting(job, &entry->checkpoints, durable);
-  if (!done.ok()) {
-    AIDN_LOG(ERROR) << "could not commit checkpoints: " << done.status() << Kv("job", job.id());
-    return;
-  }
-  if (done->committed.empty()) return;
-  for (const v1::Checkpoint& c : done->committed) {
-    Emit("checkpoint.committed", job.id(), "", job.generation(),
-         absl::StrCat("step ", c.step(), " at ", c.path(), " (its metrics are stored)"), deferred);
-  }
-  for (int64_t step : checkpoints_.ApplyRetention(job, &entry->checkpoints, &done->checkpoints)) {
-    entry->checkpoints.retired_untold.push_back(step);
-  }
-  job.set_last_checkpoint_step(CheckpointRegistry::NewestValidStep(done->checkpoints));
-  (void)PersistJob(entry, deferred);
-}
-
 void Coordinator::RebuildRendezvous(JobEntry* entry, Deferred* deferred) {
   const Job& job = entry->stored.job;
   v1::JoinRendezvousResponse base;

@@ -11,9 +11,19 @@
 // long-poll heartbeats) take a callback and return at once; the callback runs
 // on whichever thread completes them, never under the mutex.
 //
+// The Coordinator holds the lock and orchestrates; each concern is a
+// component of its own, not thread-safe, guarded by that lock:
+// FailureDetector (lost workers, rendezvous deadlines, hangs, stragglers),
+// CheckpointRegistry (commits, retention, resume points), HeldHeartbeats
+// (long polls), MetricIngest (records, durable steps, per-job series),
+// WatchStreams (WatchJob), SlotTable (free slots, in scheduler.h), beside
+// Rendezvous, KvStore and StepLog. What is kept per job (JobEntry, one
+// member per component) is private, in job_entry.h.
+//
 // Time comes from options.clock; Tick() does the time-driven work (lost
-// workers, rendezvous and wait timeouts). StartTicker() runs it on a thread;
-// tests call Tick() themselves after advancing a FakeClock.
+// workers, rendezvous and wait timeouts, checkpoints whose metrics were
+// stored). StartTicker() runs it on a thread; tests call Tick() themselves
+// after advancing a FakeClock.
 
 #include <chrono>
 #include <cstdint>
@@ -160,11 +170,11 @@ class Coordinator {
   // One StreamMetrics message.
   absl::Status AppendMetrics(const v1::StreamMetricsRequest& request);
   // Records the checkpoint as committed once every writer reported and the
-  // job's metrics up to its step are in the store; until then it awaits
-  // them (committed false), and the tick commits it once a flush stored
-  // them. The commit applies the job's keep_last retention; the retired
-  // steps are answered by the call that completed it, or, when the tick
-  // did, by the job's next CommitCheckpoint call.
+  // job's metrics up to its step are in the store (if they are combined in
+  // memory, this call stores them first); until then it awaits them
+  // (committed false), and the tick commits it once a flush stored them. The commit applies the
+  // job's keep_last retention; the retired steps are answered by the call that completed it, or,
+  // when the tick did, by the job's next CommitCheckpoint call.
   absl::StatusOr<v1::CommitCheckpointResponse> CommitCheckpoint(
       const v1::CommitCheckpointRequest& request);
   // A rank found a checkpoint fails verification: it is never offered for a
@@ -247,8 +257,14 @@ class Coordinator {
   // Commits the job's checkpoints that awaited their metrics, if `durable`
   // now says they are: records the commits, applies retention (the retired
   // steps are answered with the next CommitCheckpoint) and persists the job.
-  void CompleteCheckpoints(JobEntry* entry, const MetricsDurable& durable, Deferred* deferred)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns the steps committed.
+  std::vector<int64_t> CompleteCheckpoints(JobEntry* entry, const MetricsDurable& durable,
+                                           Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CommitCheckpoint under the lock. True when the checkpoint is written
+  // and awaits metrics that are combined in memory, not yet stored.
+  absl::StatusOr<bool> CommitCheckpointLocked(const v1::CommitCheckpointRequest& request,
+                                              v1::CommitCheckpointResponse* response)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Reports ranks that became (or stopped being) stragglers.
   void CheckStragglers(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -1,6 +1,7 @@
 // The coordinator's ClusterService calls: workers (registration,
 // long-poll heartbeats, trainer exits) and trainers (rendezvous, KV store,
-// progress, metrics, checkpoints).
+// progress, metrics, checkpoints), and the commit of checkpoints that
+// awaited their metrics.
 
 #include <regex>
 
@@ -413,9 +414,98 @@ absl::StatusOr<v1::StreamMetricsResponse> Coordinator::MetricsReceipt(const std:
 // ---------------------------------------------------------------------------
 // Checkpoints.
 
+void Coordinator::LoadAwaitingCheckpoints(JobEntry* entry, Deferred* deferred) {
+  const Job& job = entry->stored.job;
+  if (absl::Status s = checkpoints_.LoadAwaiting(job, &entry->checkpoints); !s.ok()) {
+    AIDN_LOG(ERROR) << "could not list checkpoints: " << s << Kv("job", job.id());
+    return;
+  }
+  if (entry->checkpoints.awaiting_metrics.empty()) return;
+  // The last process may have stored their metrics and not yet committed them.
+  CompleteCheckpoints(entry, DurableInStore(entry), deferred);
+  // Metrics of a generation that ended can no longer come.
+  const bool running = HoldsSlots(job.state());
+  std::erase_if(entry->checkpoints.awaiting_metrics, [&](const auto& step_and_generation) {
+    return !running || step_and_generation.second != job.generation();
+  });
+}
+
+MetricsDurable Coordinator::DurableInMemory(JobEntry* entry) {
+  return [this, entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    // Steps up to the checkpoint the generation resumed from were durable
+    // before that checkpoint committed.
+    int64_t through = MetricIngest::StoredTrainStep(entry->metrics, generation);
+    if (generation == entry->stored.job.generation()) {
+      through = std::max(through, entry->checkpoints.resumed_from_step);
+    }
+    return step <= std::max<int64_t>(through, 0);
+  };
+}
+
+MetricsDurable Coordinator::DurableInStore(JobEntry* entry) {
+  return [this, entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (DurableInMemory(entry)(step, generation)) return true;
+    absl::StatusOr<std::optional<v1::StepMetrics>> last =
+        store_->LastStepOfGeneration(entry->stored.job.id(), generation, step - 1);
+    return last.ok() && last->has_value();
+  };
+}
+
+std::vector<int64_t> Coordinator::CompleteCheckpoints(JobEntry* entry,
+                                                      const MetricsDurable& durable,
+                                                      Deferred* deferred) {
+  Job& job = entry->stored.job;
+  absl::StatusOr<AwaitedOutcome> done =
+      checkpoints_.CompleteAwaiting(job, &entry->checkpoints, durable);
+  if (!done.ok()) {
+    AIDN_LOG(ERROR) << "could not commit checkpoints: " << done.status() << Kv("job", job.id());
+    return {};
+  }
+  if (done->committed.empty()) return {};
+  std::vector<int64_t> committed;
+  for (const v1::Checkpoint& c : done->committed) {
+    Emit("checkpoint.committed", job.id(), "", job.generation(),
+         absl::StrCat("step ", c.step(), " at ", c.path(), " (its metrics are stored)"), deferred);
+    committed.push_back(c.step());
+  }
+  for (int64_t step : checkpoints_.ApplyRetention(job, &entry->checkpoints, &done->checkpoints)) {
+    entry->checkpoints.retired_untold.push_back(step);
+  }
+  job.set_last_checkpoint_step(CheckpointRegistry::NewestValidStep(done->checkpoints));
+  (void)PersistJob(entry, deferred);
+  return committed;
+}
+
 absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
     const v1::CommitCheckpointRequest& request) {
   AIDN_RETURN_IF_ERROR(CheckpointRegistry::ValidateCommit(request));
+  v1::CommitCheckpointResponse response;
+  AIDN_ASSIGN_OR_RETURN(const bool steps_in_memory, CommitCheckpointLocked(request, &response));
+  if (!steps_in_memory) return response;
+  // Written, and its steps are combined but not yet stored (a trainer
+  // sends its records before the commit): store them now, so that this
+  // call commits it rather than a later tick. Once per checkpoint.
+  FlushSteps();
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<JobEntry*> found = FindJob(request.job_id());
+  if (!found.ok()) return response;  // the report itself was recorded
+  JobEntry* entry = *found;
+  for (int64_t step : CompleteCheckpoints(entry, DurableInMemory(entry), &deferred)) {
+    if (step == request.step()) response.set_committed(true);
+  }
+  std::vector<int64_t> retired(response.retired_steps().begin(), response.retired_steps().end());
+  retired.insert(retired.end(), entry->checkpoints.retired_untold.begin(),
+                 entry->checkpoints.retired_untold.end());
+  entry->checkpoints.retired_untold.clear();
+  std::sort(retired.begin(), retired.end());
+  response.clear_retired_steps();
+  for (int64_t step : retired) response.add_retired_steps(step);
+  return response;
+}
+
+absl::StatusOr<bool> Coordinator::CommitCheckpointLocked(const v1::CommitCheckpointRequest& request,
+                                                         v1::CommitCheckpointResponse* response) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
@@ -423,8 +513,7 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   AIDN_ASSIGN_OR_RETURN(
       CommitOutcome outcome,
       checkpoints_.Commit(job, &entry->checkpoints, request, DurableInMemory(entry)));
-  v1::CommitCheckpointResponse response;
-  response.set_committed(outcome.committed);
+  response->set_committed(outcome.committed);
   std::vector<int64_t> retired;
   retired.swap(entry->checkpoints.retired_untold);
   if (outcome.newly_committed) {
@@ -438,8 +527,12 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
     (void)PersistJob(entry, &deferred);
   }
   std::sort(retired.begin(), retired.end());
-  for (int64_t step : retired) response.add_retired_steps(step);
-  return response;
+  for (int64_t step : retired) response->add_retired_steps(step);
+  const StepLog* steps = entry->metrics.steps.get();
+  return outcome.written && !outcome.committed && steps != nullptr &&
+         steps->last_train() != nullptr &&
+         steps->last_train()->generation() == request.generation() &&
+         steps->last_train()->step() >= request.step();
 }
 
 absl::Status Coordinator::ReportCheckpointInvalid(

@@ -447,10 +447,9 @@ TEST_F(CoordinatorTest, RetentionDropsInvalidAndAbandonedCheckpointsBehindTheNew
 
 TEST_F(CoordinatorTest, ACheckpointIsAResumePointOnlyOnceItsMetricsAreStored) {
   const std::string id = RunningJobOnTwoWorkers();
-  // Both ranks' records of steps 1-10 came (combined, not yet stored) and
-  // both writers reported the checkpoint at step 10.
+  // Rank 0's records of steps 1-10 came, rank 1's not yet (the steps wait
+  // for it), and both writers reported the checkpoint at step 10.
   ASSERT_TRUE(SendSteps(id, 0, 1, 10).ok());
-  ASSERT_TRUE(SendSteps(id, 1, 1, 10).ok());
   ASSERT_TRUE(c().CommitCheckpoint(Commit(id, 1, 0, 10, {0, 1})).ok());
   absl::StatusOr<v1::CommitCheckpointResponse> r =
       c().CommitCheckpoint(Commit(id, 1, 1, 10, {0, 1}));
@@ -460,7 +459,8 @@ TEST_F(CoordinatorTest, ACheckpointIsAResumePointOnlyOnceItsMetricsAreStored) {
   EXPECT_EQ(Get(id).last_checkpoint_step(), 0);
   EXPECT_THAT(Events(id), Not(Contains("checkpoint.committed")));
 
-  // A rank fails before any flush: generation 2 starts from scratch rather
+  // Rank 1 fails before sending them: its steps are combined from rank 0's
+  // records but not yet stored, and generation 2 starts from scratch rather
   // than from a step whose metrics would never be reported.
   ASSERT_TRUE(Exit(id, 1, 1, 1).ok());
   PassBackoff(id);
@@ -487,11 +487,12 @@ TEST_F(CoordinatorTest, StepsRetiredByADelayedCommitAreAnsweredToTheNextCommitCa
   const std::string id = Submit(spec);
   RunJob(id);
   ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 5, {0})).ok());
-  ASSERT_TRUE(SendSteps(id, 0, 6, 10).ok());
+  // Reported before its records came.
   absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 1, 0, 10, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->committed());
   EXPECT_THAT(r->retired_steps(), IsEmpty());
+  ASSERT_TRUE(SendSteps(id, 0, 6, 10).ok());
   c().FlushSteps();
   c().Tick();  // commits step 10, retiring step 5
   EXPECT_EQ(Get(id).last_checkpoint_step(), 10);
@@ -503,7 +504,8 @@ TEST_F(CoordinatorTest, StepsRetiredByADelayedCommitAreAnsweredToTheNextCommitCa
   ASSERT_TRUE(SendSteps(id, 0, 11, 15).ok());
   r = c().CommitCheckpoint(Commit(id, 1, 0, 15, {0}));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_THAT(r->retired_steps(), ElementsAre(5));
+  // Step 5 retired by the tick's commit, step 10 by this one's.
+  EXPECT_THAT(r->retired_steps(), ElementsAre(5, 10));
   r = c().CommitCheckpoint(Commit(id, 1, 0, 15, {0}));
   ASSERT_TRUE(r.ok());
   EXPECT_THAT(r->retired_steps(), IsEmpty());
@@ -523,6 +525,24 @@ TEST_F(CoordinatorTest, AGenerationThatResumesFromACheckpointSaysSoInAnEvent) {
   EXPECT_EQ(resumed->message(), "resumed from step 10, checkpoint ckpt/step-10");
   EXPECT_EQ(resumed->generation(), 2);
   EXPECT_TRUE(InOrder(Events(id), {"job.running", "job.resumed"}));
+}
+
+TEST_F(CoordinatorTest, ACommitWhoseRecordsCameFirstStoresThemAndCommitsInTheCall) {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_checkpoint()->set_keep_last(1);
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, 5, {0})).ok());
+  ASSERT_TRUE(SendSteps(id, 0, 6, 10).ok());
+  ASSERT_TRUE(SendSteps(id, 1, 6, 10).ok());
+  // Combined in memory, not stored: the call stores them, then commits.
+  absl::StatusOr<v1::CommitCheckpointResponse> r = c().CommitCheckpoint(Commit(id, 1, 0, 10, {0}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->committed());
+  EXPECT_THAT(r->retired_steps(), ElementsAre(5));
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 10);
+  absl::StatusOr<v1::StreamMetricsResponse> receipt = c().MetricsReceipt(id);
+  ASSERT_TRUE(receipt.ok());
+  EXPECT_EQ(receipt->durable_step(), 10);
 }
 
 }  // namespace
