@@ -11,9 +11,19 @@
 // long-poll heartbeats) take a callback and return at once; the callback runs
 // on whichever thread completes them, never under the mutex.
 //
+// The Coordinator holds the lock and orchestrates; each concern is a
+// component of its own, not thread-safe, guarded by that lock:
+// FailureDetector (lost workers, rendezvous deadlines, hangs, stragglers),
+// CheckpointRegistry (commits, retention, resume points), HeldHeartbeats
+// (long polls), MetricIngest (records, durable steps, per-job series),
+// WatchStreams (WatchJob), SlotTable (free slots, in scheduler.h), beside
+// Rendezvous, KvStore and StepLog. What is kept per job (JobEntry, one
+// member per component) is private, in job_entry.h.
+//
 // Time comes from options.clock; Tick() does the time-driven work (lost
-// workers, rendezvous and wait timeouts). StartTicker() runs it on a thread;
-// tests call Tick() themselves after advancing a FakeClock.
+// workers, rendezvous and wait timeouts, checkpoints whose metrics were
+// stored). StartTicker() runs it on a thread; tests call Tick() themselves
+// after advancing a FakeClock.
 
 #include <chrono>
 #include <cstdint>
@@ -38,15 +48,25 @@
 #include "common/clock.h"
 #include "common/metrics/registry.h"
 #include "coordinator/auth.h"
+#include "coordinator/checkpoint_registry.h"
 #include "coordinator/deferred.h"
+#include "coordinator/failure_detector.h"
+#include "coordinator/held_heartbeats.h"
 #include "coordinator/kv_store.h"
+#include "coordinator/metric_ingest.h"
 #include "coordinator/metrics.h"
 #include "coordinator/rendezvous.h"
+#include "coordinator/scheduler.h"
 #include "coordinator/spec.h"
 #include "coordinator/step_log.h"
 #include "coordinator/store.h"
+#include "coordinator/watch_streams.h"
 
 namespace aidn::coordinator {
+
+// Private (coordinator/job_entry.h): what is kept of each job and worker.
+struct JobEntry;
+struct WorkerEntry;
 
 struct CoordinatorOptions {
   SpecLimits spec_limits;
@@ -74,33 +94,6 @@ struct CoordinatorOptions {
   // whose beats stopped for more than three of these (a stopped or wedged
   // process) is named as the culprit rather than the ranks waiting for it.
   std::chrono::milliseconds trainer_beat_interval{1000};
-};
-
-// Something watching one job (a WatchJob stream). Notify() is called, never
-// under the coordinator's mutex, when the job has something new; the
-// watcher then pulls with PollWatch.
-class WatchSubscriber {
- public:
-  virtual ~WatchSubscriber() = default;
-  virtual void Notify() = 0;
-};
-
-// Where a watcher is in a job's stream.
-struct WatchCursor {
-  int64_t job_version_sent = -1;
-  int64_t last_event_seq = 0;
-  // Steps: first read back from the store from `next_step` on, then
-  // followed in memory after step number `metrics_seq`.
-  bool catching_up = true;
-  int64_t next_step = -1;  // -1: the request's from_step
-  int64_t metrics_seq = 0;
-  int64_t last_step_sent = -1;
-};
-
-struct WatchBatch {
-  std::vector<v1::WatchJobResponse> items;
-  // The job has ended and nothing is left to send.
-  bool finished = false;
 };
 
 class Coordinator {
@@ -176,9 +169,12 @@ class Coordinator {
       const v1::ReportProgressRequest& request);
   // One StreamMetrics message.
   absl::Status AppendMetrics(const v1::StreamMetricsRequest& request);
-  // Records the checkpoint as committed once every writer reported; the
-  // commit that completes it also applies the job's keep_last retention
-  // and answers the steps it retired.
+  // Records the checkpoint as committed once every writer reported and the
+  // job's metrics up to its step are in the store (if they are combined in
+  // memory, this call stores them first); until then it awaits them
+  // (committed false), and the tick commits it once a flush stored them. The commit applies the
+  // job's keep_last retention; the retired steps are answered by the call that completed it, or,
+  // when the tick did, by the job's next CommitCheckpoint call.
   absl::StatusOr<v1::CommitCheckpointResponse> CommitCheckpoint(
       const v1::CommitCheckpointRequest& request);
   // A rank found a checkpoint fails verification: it is never offered for a
@@ -194,86 +190,25 @@ class Coordinator {
   const std::string& incarnation() const { return incarnation_; }
 
  private:
-  struct JobEntry {
-    StoredJob stored;
-    // Bumped on every change a watcher should see.
-    int64_t version = 0;
-    // Of the current generation; null when the job holds no slots.
-    std::unique_ptr<Rendezvous> rendezvous;
-    std::unique_ptr<KvStore> kv;
-    std::set<int> exited_ok;
-    // The last progress beat of each rank of the current generation.
-    struct Beat {
-      int64_t step = -1;
-      int64_t collective_seq = 0;
-      Clock::TimePoint at{};
-    };
-    std::map<int, Beat> beats;
-    // When a rank's step last went up, or the generation started running
-    // (or the coordinator did): the progress deadline runs from here, not
-    // from the last beat, since beats go on while training is stuck.
-    Clock::TimePoint last_advance{};
-    // When the generation started running (or the coordinator did).
-    Clock::TimePoint running_since{};
-    // The checkpoint step the current generation resumed from (-1: none);
-    // retention never retires it.
-    int64_t resumed_from_step = -1;
-    // A RESTARTING job is not placed before this (restart backoff).
-    Clock::TimePoint restart_at{};
-    // Workers that ran the failed generation, and when it failed: a restart
-    // is placed on one of them only once it was heard from after that (it
-    // got its stop orders, it is alive), so a worker that died with the
-    // generation is not chosen again before it is declared lost.
-    std::set<std::string> unconfirmed_workers;
-    Clock::TimePoint failed_at{};
-    // Stragglers: each rank's newest TRAIN step times of this generation,
-    // whether they changed since the last look, and the ranks reported as
-    // stragglers now.
-    std::map<int, std::deque<double>> step_window;
-    bool step_window_changed = false;
-    std::set<int> stragglers;
-    // Per rank: TRAIN samples taken into step_window so far, and that count
-    // when its straggler state last changed.
-    std::map<int, int64_t> step_samples;
-    std::map<int, int64_t> straggler_changed_at;
-    // The reason it last waited for, so "job.waiting" is not repeated.
-    std::string waiting_reason;
-    // Metrics: combined steps (null until the first record, and again once
-    // the job ended longer than the retention period ago), the highest
-    // step number known to be in the store, per-rank series and progress
-    // times, and whether the job's series were taken off /metrics.
-    std::unique_ptr<StepLog> steps;
-    int64_t steps_generation = 0;
-    int64_t stored_seq = 0;
-    std::vector<metrics::Histogram*> rank_step_seconds;
-    std::vector<metrics::Histogram*> rank_allreduce_seconds;
-    bool series_removed = false;
-    // The highest (step, kind) of generation `stored_generation` known to be
-    // in the store (for durable_step).
-    int64_t stored_generation = 0;
-    std::optional<std::pair<int64_t, int>> stored_key;
-    // What the store held of the running generation when this process
-    // loaded it: records at or below it, sent again by trainers that saw the
-    // coordinator restart, are ignored. Above it the StepLog knows.
-    int64_t resent_generation = 0;
-    // The first TRAIN step of `resent_generation` not in the store when
-    // this process loaded it: its StepLog combines from there in order.
-    int64_t resent_first_step = 1;
-    std::optional<std::pair<int64_t, int>> resent_floor;
-  };
-  struct HeldHeartbeat {
-    Clock::TimePoint deadline;
-    HeartbeatCallback done;
-  };
-  struct WorkerEntry {
-    v1::Worker worker;
-    Clock::TimePoint last_seen{};
-    std::vector<v1::StopOrder> pending_stops;
-    std::vector<HeldHeartbeat> held;
-  };
+  using JobMap = std::map<std::string, std::unique_ptr<JobEntry>>;
+  using JobRef = JobMap::value_type*;
 
   Coordinator(const CoordinatorOptions& options, std::unique_ptr<Store> store, Authenticator* auth);
+  // What parked calls get once shutting down.
+  static const absl::Status& ShuttingDownError();
+
+  // Loading (Create): jobs, and for a RUNNING one the answer its completed
+  // rendezvous gave, rebuilt so a trainer that retries its join gets the
+  // same peers.
   absl::Status Load() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RebuildRendezvous(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's written checkpoints not committed: committed now if the
+  // store holds their metrics, else awaiting them (the running
+  // generation's only).
+  void LoadAwaitingCheckpoints(JobEntry* entry, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Looks up a job for a trainer call and checks its generation.
   absl::StatusOr<JobEntry*> FencedJob(const std::string& job_id, int64_t generation)
@@ -294,8 +229,44 @@ class Coordinator {
   // Releases the job's slots and tells its workers to stop its trainers.
   void ReleaseGeneration(JobEntry* entry, const std::string& reason, const absl::Status& status,
                          Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new generation of the job starts on its placement (just made): a
+  // fresh rendezvous and KV store, SCHEDULED.
+  void StartGeneration(JobEntry* entry, const std::set<std::string>& workers, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Scheduling: places the jobs waiting for slots, by priority then
+  // submission, FIFO within a priority.
   void Schedule(Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Free slots of alive workers, from the placements of jobs holding slots.
+  SlotTable FreeSlots() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tries to place one waiting job; false when the queue behind it must
+  // wait (it waits for room).
+  bool TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The time-driven checks of a tick: lost workers, then each placed job's
+  // workers, rendezvous deadline, progress and KV waits.
   void CheckTimeouts(Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckWorkers(Clock::TimePoint now, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckJob(JobEntry* entry, Clock::TimePoint now, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the job's metrics up to a step of a generation are durable, as
+  // far as this process knows (in memory), or as the store says (on load).
+  MetricsDurable DurableInMemory(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  MetricsDurable DurableInStore(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Commits the job's checkpoints that awaited their metrics, if `durable`
+  // now says they are: records the commits, applies retention (the retired
+  // steps are answered with the next CommitCheckpoint) and persists the job.
+  // Returns the steps committed.
+  std::vector<int64_t> CompleteCheckpoints(JobEntry* entry, const MetricsDurable& durable,
+                                           Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CommitCheckpoint under the lock. True when the checkpoint is written
+  // and awaits metrics that are combined in memory, not yet stored.
+  absl::StatusOr<bool> CommitCheckpointLocked(const v1::CommitCheckpointRequest& request,
+                                              v1::CommitCheckpointResponse* response)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Reports ranks that became (or stopped being) stragglers.
+  void CheckStragglers(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void Emit(const std::string& type, const std::string& job_id, const std::string& worker_id,
             int64_t generation, const std::string& message, Deferred* deferred)
@@ -309,13 +280,18 @@ class Coordinator {
   // (each rebuilt under mu_) and bring them all straight back.
   void AssignmentsChanged(const std::set<std::string>& workers, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::HeartbeatResponse BuildHeartbeat(WorkerEntry* worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AnswerDueHeartbeatsLocked(Clock::TimePoint now, Deferred* deferred)
+  v1::HeartbeatResponse BuildHeartbeat(const std::string& worker_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Builds held heartbeats' answers.
+  HeldHeartbeats::Builder HeartbeatBuilder() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker that re-registered lost its trainers: running generations
+  // with ranks there that it does not report alive fail.
+  void FailGenerationsWithoutTrainers(const v1::RegisterWorkerRequest& request, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The jobs holding slots with ranks on the worker, in job id order (from
   // jobs_by_worker_, rebuilt first if a placement or job state changed).
-  const std::vector<std::pair<const std::string, std::unique_ptr<JobEntry>>*>& JobsOnWorker(
-      const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const std::vector<JobRef>& JobsOnWorker(const std::string& worker_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Placements or job states changed: jobs_by_worker_ is rebuilt on its
   // next use.
   void PlacementsChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { jobs_by_worker_stale_ = true; }
@@ -323,43 +299,16 @@ class Coordinator {
   // The worker as ListWorkers shows it: with the slots and jobs it has now.
   v1::Worker WorkerView(const std::string& id, const WorkerEntry& w)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The job's StepLog, started on the job's current generation.
-  StepLog* StepsOf(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Per-rank histograms of the job's current world size.
-  void EnsureRankSeries(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Refreshes the gauges /metrics shows (a registry collect hook), and
   // takes finished jobs' series off once their retention ran out.
   void CollectMetrics();
-  void RemoveJobSeries(JobEntry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool PastRetention(const v1::Job& job) const;
+  void CollectWorkerSeries(Clock::TimePoint now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FlushStepsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(flush_mu_);
   // Reads steps of a watched job back from the store (PollWatch's catch-up).
   absl::Status CatchUpFromStore(const v1::WatchJobRequest& request, WatchCursor* cursor,
                                 WatchBatch* batch);
-  std::chrono::milliseconds JobWorkerTimeout(const JobEntry& entry) const;
-  // The job's progress timeout: the spec's, or the larger of 60s and 10x
-  // the median of its recent step times.
-  std::chrono::milliseconds ProgressTimeout(const JobEntry& entry) const;
-  // Why a generation without progress hangs, naming the culprit ranks.
-  std::string HangReport(const JobEntry& entry, Clock::TimePoint now,
-                         std::chrono::milliseconds timeout) const;
-  // Reports ranks that became (or stopped being) stragglers.
-  void CheckStragglers(JobEntry* entry, Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The wait before the job's restart number job.restarts().
   std::chrono::milliseconds RestartDelay(const v1::Job& job) const;
-  // Fills resume_from and resume_candidates from the checkpoints of
-  // generations before the current one, and remembers what it resumes from.
-  void FillResume(JobEntry* entry, v1::JoinRendezvousResponse* response)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // keep_last retention over `checkpoints` (all of the job's): deletes the
-  // retired ones from the store and returns their steps.
-  std::vector<int64_t> RetireCheckpoints(JobEntry* entry,
-                                         const std::vector<v1::Checkpoint>& checkpoints)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A combined step of the job went to the store.
-  static void NoteStored(JobEntry* entry, const v1::StepMetrics& step);
-  // The worker running `rank` of the job's current placement, "" if none.
-  static std::string WorkerOfRank(const v1::Job& job, int rank);
 
   const CoordinatorOptions options_;
   Clock* const clock_;
@@ -379,39 +328,29 @@ class Coordinator {
   // two flushes interleave. Taken before mu_, never after.
   absl::Mutex flush_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   // Steps taken from the logs whose write failed, retried first.
-  std::vector<Store::JobStep> failed_steps_ ABSL_GUARDED_BY(flush_mu_);
-  // (job id, highest step number) of those steps.
-  std::vector<std::pair<std::string, int64_t>> failed_taken_ ABSL_GUARDED_BY(flush_mu_);
+  FlushBatch failed_flush_ ABSL_GUARDED_BY(flush_mu_);
 
   absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<JobEntry>> jobs_ ABSL_GUARDED_BY(mu_);
+  JobMap jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
-  // The lowest step of each job among the steps taken from the logs and not
-  // yet stored (the flush in flight, or failed_steps_ after a failed one),
-  // kept under mu_ so that a metrics receipt (one per StreamMetrics call)
-  // never waits for flush_mu_, which is held through a whole SQLite
-  // transaction: receipts run on gRPC's callback threads, and blocking them
-  // there stalls every other call, heartbeats included. By step, not (step,
-  // kind): a step's EVAL row may be in flight after its TRAIN row was stored.
-  std::map<std::string, int64_t> unstored_first_step_ ABSL_GUARDED_BY(mu_);
-  // (deadline, worker id) of every heartbeat held, earliest first. An entry
-  // may outlive its call (answered early, worker lost): the worker's own
-  // `held` list is the truth, this only says when to look.
-  std::multimap<Clock::TimePoint, std::string> held_deadlines_ ABSL_GUARDED_BY(mu_);
+  // The components, each guarded by mu_ (WatchStreams::ReadStored by
+  // flush_mu_: it only reads the store).
+  FailureDetector failures_ ABSL_GUARDED_BY(mu_);
+  CheckpointRegistry checkpoints_ ABSL_GUARDED_BY(mu_);
+  HeldHeartbeats held_ ABSL_GUARDED_BY(mu_);
+  MetricIngest ingest_ ABSL_GUARDED_BY(mu_);
+  WatchStreams watch_;
   // Jobs holding slots by the workers their ranks are placed on, so that a
   // heartbeat (thousands a second with 10,000 workers) or a worker's view
   // looks at its own jobs rather than at every placement of every job.
-  std::map<std::string, std::vector<std::pair<const std::string, std::unique_ptr<JobEntry>>*>>
-      jobs_by_worker_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<JobRef>> jobs_by_worker_ ABSL_GUARDED_BY(mu_);
   bool jobs_by_worker_stale_ ABSL_GUARDED_BY(mu_) = true;
   int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t assignments_version_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 
-  // Watchers have their own lock, taken without mu_ held, so that a watcher
-  // can pull (taking mu_) from inside Notify().
-  absl::Mutex watch_mu_;
-  std::map<std::string, std::set<WatchSubscriber*>> watchers_ ABSL_GUARDED_BY(watch_mu_);
+  // Thread-safe; its lock is taken without mu_ held.
+  WatchSubscribers watchers_;
 
   absl::Mutex ticker_mu_;
   std::thread ticker_;

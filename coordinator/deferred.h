@@ -30,6 +30,12 @@ class Deferred {
   std::vector<std::function<void()>> fns_;
 };
 
+// Answers a parked call's callback with `status` once the lock is released.
+template <typename Callback, typename Status>
+void AnswerLater(Deferred* deferred, Callback done, const Status& status) {
+  deferred->Add([done = std::move(done), status]() { done(status); });
+}
+
 }  // namespace aidn::coordinator
 
 #endif  // AIDN_COORDINATOR_DEFERRED_H_

@@ -137,6 +137,12 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
       job_test_accuracy(r->AddGauge("aidn_job_test_accuracy",
                                     "Test-set accuracy at the job's newest evaluation (0 to 1).")),
       job_test_loss(r->AddGauge("aidn_job_test_loss", "Test-set loss at the newest evaluation.")),
+      job_steps_total(r->AddCounter("aidn_job_steps_total",
+                                    "Training steps of the job combined from its ranks' records.")),
+      job_samples_total(r->AddCounter(
+          "aidn_job_samples_total",
+          "Training samples of the job's combined steps, summed over ranks (rate() is the "
+          "job's throughput).")),
       rank_step_seconds(r->AddHistogram("aidn_rank_step_seconds",
                                         "Time of each training step, per rank.",
                                         ExponentialBuckets(0.0005, 2, 16))),

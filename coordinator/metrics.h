@@ -20,8 +20,8 @@ struct CoordinatorMetrics {
 
   // Jobs by state (every state, zeros included).
   metrics::Family<metrics::Gauge>& jobs;
-  // Per job (label job_id), for jobs running or ended within the
-  // retention period.
+  // Per job (labels job_id, name, owner), for jobs running or ended within
+  // the retention period.
   metrics::Family<metrics::Gauge>& job_state;  // 1, with a state label
   metrics::Family<metrics::Gauge>& job_step;
   metrics::Family<metrics::Gauge>& job_total_steps;
@@ -36,7 +36,11 @@ struct CoordinatorMetrics {
   metrics::Family<metrics::Gauge>& job_last_checkpoint_step;
   metrics::Family<metrics::Gauge>& job_test_accuracy;
   metrics::Family<metrics::Gauge>& job_test_loss;
-  // Per rank (labels job_id, rank).
+  // Counters of the job's combined TRAIN steps and their samples, so that
+  // rate() gives its throughput over any window.
+  metrics::Family<metrics::Counter>& job_steps_total;
+  metrics::Family<metrics::Counter>& job_samples_total;
+  // Per rank of a job (labels job_id, rank).
   metrics::Family<metrics::Histogram>& rank_step_seconds;
   metrics::Family<metrics::Histogram>& rank_allreduce_seconds;
   metrics::Family<metrics::Gauge>& rank_step;

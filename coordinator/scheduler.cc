@@ -101,4 +101,41 @@ absl::StatusOr<std::vector<v1::RankPlacement>> PlaceGang(const GangRequest& requ
   return placement;
 }
 
+GangRequest GangRequestOf(const v1::JobSpec& spec) {
+  GangRequest request;
+  request.world_size = spec.world_size();
+  request.gpu = spec.device() == v1::JobSpec::GPU;
+  request.slots_per_rank = spec.threads_per_rank();
+  return request;
+}
+
+void SlotTable::AddWorker(const std::string& worker_id, int cpu_slots, int gpus) {
+  WorkerSlots& ws = workers_[worker_id];
+  ws.worker_id = worker_id;
+  ws.cpu_used.assign(std::max(0, cpu_slots), false);
+  ws.gpu_used.assign(std::max(0, gpus), false);
+}
+
+void SlotTable::MarkUsed(const v1::Job& job) {
+  const bool gpu = job.spec().device() == v1::JobSpec::GPU;
+  const int k = gpu ? 1 : std::max(1, job.spec().threads_per_rank());
+  for (const v1::RankPlacement& p : job.placement()) {
+    auto it = workers_.find(p.worker_id());
+    if (it == workers_.end()) continue;
+    std::vector<bool>& used = gpu ? it->second.gpu_used : it->second.cpu_used;
+    for (int s = p.slot(); s < p.slot() + k && s < static_cast<int>(used.size()); ++s) {
+      if (s >= 0) used[s] = true;
+    }
+  }
+}
+
+std::vector<WorkerSlots> SlotTable::Snapshot(
+    const std::function<bool(const std::string& worker_id)>& eligible) const {
+  std::vector<WorkerSlots> out;
+  for (const auto& [id, ws] : workers_) {
+    if (eligible(id)) out.push_back(ws);
+  }
+  return out;
+}
+
 }  // namespace aidn::coordinator

@@ -2,8 +2,12 @@
 #define AIDN_COORDINATOR_SCHEDULER_H_
 
 // Gang placement: all ranks of a job at once or none, on the fewest workers.
-// Pure functions over a snapshot of the cluster; thread-safe.
+// PlaceGang is a pure function over a snapshot of the cluster (thread-safe);
+// SlotTable builds that snapshot from the workers and the placements of the
+// jobs holding slots (a value, not thread-safe).
 
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,6 +41,28 @@ struct GangRequest {
 // Both messages say what is needed and what there is.
 absl::StatusOr<std::vector<v1::RankPlacement>> PlaceGang(const GangRequest& request,
                                                          const std::vector<WorkerSlots>& workers);
+
+// What a job of `spec` asks for.
+GangRequest GangRequestOf(const v1::JobSpec& spec);
+
+// Free-slot accounting: every slot of the workers added, and which of them
+// the placements marked take.
+class SlotTable {
+ public:
+  // A worker with `cpu_slots` CPU slots and `gpus` GPUs, all free.
+  void AddWorker(const std::string& worker_id, int cpu_slots, int gpus);
+  // The slots the job's placement takes (a GPU rank one GPU, a CPU rank
+  // threads_per_rank consecutive slots) are used. Workers not added, and
+  // slots beyond a worker's, are ignored.
+  void MarkUsed(const v1::Job& job);
+  // The workers for which `eligible` holds, in worker id order.
+  std::vector<WorkerSlots> Snapshot(
+      const std::function<bool(const std::string& worker_id)>& eligible) const;
+  bool empty() const { return workers_.empty(); }
+
+ private:
+  std::map<std::string, WorkerSlots> workers_;
+};
 
 }  // namespace aidn::coordinator
 

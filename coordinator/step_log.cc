@@ -85,6 +85,8 @@ void StepLog::Combine(std::map<Key, Pending>::iterator it) {
   } else {
     last_train_ = step;
     has_train_ = true;
+    ++train_steps_;
+    train_samples_ += step.samples();
     recent_train_seconds_.push_back(step.step_seconds());
     if (recent_train_seconds_.size() > kRecentTrainSteps) recent_train_seconds_.pop_front();
   }

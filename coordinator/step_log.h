@@ -90,6 +90,11 @@ class StepLog {
   static constexpr size_t kRecentTrainSteps = 100;
   const std::deque<double>& recent_train_step_seconds() const { return recent_train_seconds_; }
 
+  // TRAIN steps combined so far, and their samples (summed over ranks):
+  // what the job's throughput counters count.
+  int64_t train_steps() const { return train_steps_; }
+  int64_t train_samples() const { return train_samples_; }
+
   // Records dropped by Add so far.
   int64_t dropped() const { return dropped_; }
   size_t pending() const { return pending_.size(); }
@@ -126,6 +131,8 @@ class StepLog {
   bool has_train_ = false, has_eval_ = false;
   std::deque<double> recent_train_seconds_;
   int64_t dropped_ = 0;
+  int64_t train_steps_ = 0;
+  int64_t train_samples_ = 0;
 };
 
 }  // namespace aidn::coordinator

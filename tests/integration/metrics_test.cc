@@ -140,7 +140,10 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   ASSERT_TRUE(cluster().WaitForJob(
       id, [](const v1::Job& j) { return j.last_step() >= 20; }, "training 20 steps",
       std::chrono::seconds(60)));
-  const std::string job = absl::StrCat("job_id=\"", id, "\"");
+  // Job series carry the job's name and owner; rank series its id.
+  const std::string job = absl::StrCat("job_id=\"", id, "\",name=\"metrics-test\",owner=\"",
+                                       cluster().GetJob(id).owner(), "\"");
+  const std::string rank_job = absl::StrCat("job_id=\"", id, "\"");
 
   // The coordinator's scrape.
   std::string text;
@@ -159,7 +162,9 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   EXPECT_EQ(Sample(text, "aidn_jobs{state=\"RUNNING\"}"), 1);
   EXPECT_EQ(Sample(text, "aidn_worker_up{worker_id=\"w1\"}"), 1);
   EXPECT_EQ(Sample(text, "aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w1\"}"), 1);
-  EXPECT_GT(Sample(text, absl::StrCat("aidn_rank_step_seconds_count{", job, ",rank=\"0\"}")), 0);
+  EXPECT_GT(Sample(text, absl::StrCat("aidn_rank_step_seconds_count{", rank_job, ",rank=\"0\"}")),
+            0);
+  EXPECT_GT(Sample(text, absl::StrCat("aidn_job_samples_total{", job, "}")), 0);
   EXPECT_THAT(text, HasSubstr("method=\"StreamMetrics\""));
   EXPECT_THAT(text, HasSubstr("aidn_rpc_duration_seconds_bucket{"));
   EXPECT_GT(Sample(text, "process_resident_memory_bytes"), 0);
@@ -172,8 +177,8 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   EXPECT_EQ(Sample(worker_text, "aidn_worker_trainers_running"), 1);
   EXPECT_EQ(Sample(worker_text, "aidn_worker_trainers_started_total"), 1);
   EXPECT_EQ(Sample(worker_text, "aidn_worker_coordinator_up"), 1);
-  EXPECT_GT(Sample(worker_text,
-                   absl::StrCat("aidn_worker_trainer_resident_memory_bytes{", job, ",rank=\"0\"}")),
+  EXPECT_GT(Sample(worker_text, absl::StrCat("aidn_worker_trainer_resident_memory_bytes{", rank_job,
+                                             ",rank=\"0\"}")),
             10e6);
   EXPECT_GT(Sample(worker_text, "process_resident_memory_bytes"), 0);
 
@@ -258,7 +263,9 @@ TEST_F(MetricsTest, AFinishedJobsSeriesGoAfterTheRetentionPeriod) {
   ASSERT_NO_FATAL_FAILURE(StartCluster({"--metrics-retention=2s"}));
   const std::string id = Submit(50);
   ASSERT_TRUE(cluster().WaitForState(id, v1::Job::SUCCEEDED, std::chrono::seconds(60)));
-  const std::string step = absl::StrCat("aidn_job_step{job_id=\"", id, "\"}");
+  const std::string step =
+      absl::StrCat("aidn_job_step{job_id=\"", id, "\",name=\"metrics-test\",owner=\"",
+                   cluster().GetJob(id).owner(), "\"}");
   std::string text = HttpGet(metrics_address(), "/metrics");
   EXPECT_EQ(Sample(text, step), 50) << "still shown right after it ended";
   EXPECT_TRUE(WaitFor(

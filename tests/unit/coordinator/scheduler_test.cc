@@ -268,5 +268,55 @@ TEST(PlaceGang, RandomClustersGetValidPlacements) {
   EXPECT_GT(placed, 100);
 }
 
+// --- SlotTable ---------------------------------------------------------------
+
+v1::Job JobOn(const std::string& worker_id, bool gpu, int threads, std::vector<int> slots) {
+  v1::Job job;
+  job.mutable_spec()->set_device(gpu ? v1::JobSpec::GPU : v1::JobSpec::CPU);
+  job.mutable_spec()->set_threads_per_rank(threads);
+  for (int s : slots) {
+    v1::RankPlacement* p = job.add_placement();
+    p->set_worker_id(worker_id);
+    p->set_slot(s);
+  }
+  return job;
+}
+
+TEST(SlotTable, PlacementsTakeConsecutiveCpuSlotsOrOneGpuPerRank) {
+  SlotTable table;
+  table.AddWorker("a", 4, 2);
+  table.MarkUsed(JobOn("a", /*gpu=*/false, /*threads=*/2, {1}));
+  table.MarkUsed(JobOn("a", /*gpu=*/true, /*threads=*/8, {1}));
+  // Placements on workers not in the table, or past a worker's slots, are ignored.
+  table.MarkUsed(JobOn("gone", false, 1, {0}));
+  table.MarkUsed(JobOn("a", false, 4, {3}));
+  const std::vector<WorkerSlots> all = table.Snapshot([](const std::string&) { return true; });
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_THAT(all[0].cpu_used, ElementsAre(false, true, true, true));
+  EXPECT_THAT(all[0].gpu_used, ElementsAre(false, true));
+}
+
+TEST(SlotTable, SnapshotKeepsTheEligibleWorkersInIdOrder) {
+  SlotTable table;
+  table.AddWorker("c", 1, 0);
+  table.AddWorker("a", 1, 0);
+  table.AddWorker("b", 1, 0);
+  const std::vector<WorkerSlots> some =
+      table.Snapshot([](const std::string& id) { return id != "b"; });
+  ASSERT_EQ(some.size(), 2u);
+  EXPECT_EQ(some[0].worker_id, "a");
+  EXPECT_EQ(some[1].worker_id, "c");
+  const GangRequest request = GangRequestOf([] {
+    v1::JobSpec spec;
+    spec.set_world_size(3);
+    spec.set_device(v1::JobSpec::GPU);
+    spec.set_threads_per_rank(2);
+    return spec;
+  }());
+  EXPECT_EQ(request.world_size, 3);
+  EXPECT_TRUE(request.gpu);
+  EXPECT_EQ(request.slots_per_rank, 2);
+}
+
 }  // namespace
 }  // namespace aidn::coordinator

@@ -1,0 +1,279 @@
+// The coordinator's CoordinatorService calls (jobs, workers listed,
+// checkpoints, events, metrics, watch streams) and its Prometheus series.
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/token.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/job_entry.h"
+#include "coordinator/job_state.h"
+#include "coordinator/time_util.h"
+
+namespace aidn::coordinator {
+
+using v1::Job;
+
+// ---------------------------------------------------------------------------
+// CoordinatorService.
+
+absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& owner) {
+  ApplyJobSpecDefaults(options_.spec_limits, &spec);
+  AIDN_RETURN_IF_ERROR(ValidateJobSpec(options_.spec_limits, spec));
+  AIDN_ASSIGN_OR_RETURN(std::string token, RandomHex(24));
+
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  auto entry = std::make_unique<JobEntry>();
+  entry->stored.number = next_job_number_;
+  entry->stored.trainer_token = token;
+  Job& job = entry->stored.job;
+  job.set_id(absl::StrCat("job-", next_job_number_));
+  *job.mutable_spec() = std::move(spec);
+  job.set_state(Job::PENDING);
+  job.set_message("waiting to be scheduled");
+  job.set_owner(owner);
+  *job.mutable_created_at() = ToProto(clock_->WallNow());
+  *job.mutable_updated_at() = job.created_at();
+  AIDN_RETURN_IF_ERROR(store_->PutJob(entry->stored));
+  next_job_number_++;
+  const std::string id = job.id();
+  auth_->AddToken(token, Principal{Role::kTrainer, "trainer:" + id, id});
+  Emit("job.submitted", id, "", 0,
+       absl::StrCat("world_size ", job.spec().world_size(), ", model ", job.spec().model().name(),
+                    owner.empty() ? "" : ", by " + owner),
+       &deferred);
+  jobs_[id] = std::move(entry);
+  Schedule(&deferred);
+  return jobs_[id]->stored.job;
+}
+
+absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  return entry->stored.job;
+}
+
+absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsRequest& request) {
+  int page_size = request.page_size() <= 0 ? 100 : std::min(request.page_size(), 1000);
+  int64_t below = INT64_MAX;
+  if (!request.page_token().empty() &&
+      (!absl::SimpleAtoi(request.page_token(), &below) || below <= 0)) {
+    return absl::InvalidArgumentError("page_token: malformed");
+  }
+  std::set<int> states(request.states().begin(), request.states().end());
+  const auto labels_match = [&request](const Job& job) {
+    for (const auto& [k, v] : request.labels()) {
+      auto it = job.spec().labels().find(k);
+      if (it == job.spec().labels().end() || it->second != v) return false;
+    }
+    return true;
+  };
+  absl::MutexLock lock(&mu_);
+  std::vector<const JobEntry*> matching;
+  for (const auto& [id, entry] : jobs_) {
+    const Job& job = entry->stored.job;
+    if (entry->stored.number >= below) continue;
+    if (!states.empty() && !states.contains(job.state())) continue;
+    if (labels_match(job)) matching.push_back(entry.get());
+  }
+  std::sort(matching.begin(), matching.end(), [](const JobEntry* a, const JobEntry* b) {
+    return a->stored.number > b->stored.number;
+  });
+  v1::ListJobsResponse response;
+  for (size_t i = 0; i < matching.size() && static_cast<int>(i) < page_size; ++i) {
+    *response.add_jobs() = matching[i]->stored.job;
+  }
+  if (static_cast<int>(matching.size()) > page_size) {
+    response.set_next_page_token(absl::StrCat(matching[page_size - 1]->stored.number));
+  }
+  return response;
+}
+
+absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& reason) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  Job& job = entry->stored.job;
+  if (IsTerminal(job.state())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
+  }
+  const std::string message = reason.empty() ? "cancelled by user" : "cancelled: " + reason;
+  if (HoldsSlots(job.state())) {
+    ReleaseGeneration(entry, message,
+                      absl::FailedPreconditionError(absl::StrCat(job_id, " was cancelled")),
+                      &deferred);
+  }
+  AIDN_RETURN_IF_ERROR(SetState(entry, Job::CANCELLED, message, &deferred));
+  Schedule(&deferred);
+  return job;
+}
+
+v1::ListWorkersResponse Coordinator::ListWorkers() {
+  absl::MutexLock lock(&mu_);
+  v1::ListWorkersResponse response;
+  for (const auto& [id, w] : workers_) *response.add_workers() = WorkerView(id, w);
+  return response;
+}
+
+v1::Worker Coordinator::WorkerView(const std::string& id, const WorkerEntry& w) {
+  v1::Worker worker = w.worker;
+  std::set<std::string> job_ids;
+  for (const JobRef job_and_id : JobsOnWorker(id)) {
+    const Job& job = job_and_id->second->stored.job;
+    for (const v1::RankPlacement& p : job.placement()) {
+      if (p.worker_id() != id) continue;
+      job_ids.insert(job_and_id->first);
+      if (job.spec().device() == v1::JobSpec::GPU) {
+        worker.set_gpus_used(worker.gpus_used() + 1);
+      } else {
+        worker.set_cpu_slots_used(worker.cpu_slots_used() +
+                                  std::max(1, job.spec().threads_per_rank()));
+      }
+    }
+  }
+  for (const std::string& j : job_ids) worker.add_job_ids(j);
+  return worker;
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
+    const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints, store_->ListCheckpoints(job_id));
+  v1::ListCheckpointsResponse response;
+  for (v1::Checkpoint& c : checkpoints) *response.add_checkpoints() = std::move(c);
+  return response;
+}
+
+absl::StatusOr<v1::ListEventsResponse> Coordinator::ListEvents(
+    const v1::ListEventsRequest& request) {
+  const int limit = request.limit() <= 0 ? 1000 : std::min(request.limit(), 10000);
+  absl::MutexLock lock(&mu_);
+  if (!request.job_id().empty()) AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Event> events,
+                        store_->ListEvents(request.job_id(), request.after_seq(), limit));
+  v1::ListEventsResponse response;
+  for (v1::Event& e : events) *response.add_events() = std::move(e);
+  return response;
+}
+
+absl::StatusOr<v1::GetMetricsResponse> Coordinator::GetMetrics(
+    const v1::GetMetricsRequest& request) {
+  const int limit = request.limit() <= 0 ? 10000 : std::min(request.limit(), 100000);
+  if (request.from_step() < 0 || request.to_step() < 0) {
+    return absl::InvalidArgumentError("from_step, to_step: must be >= 0");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  }
+  FlushSteps();
+  AIDN_ASSIGN_OR_RETURN(
+      std::vector<v1::StepMetrics> steps,
+      store_->GetSteps(request.job_id(), request.from_step(), request.to_step(), limit));
+  v1::GetMetricsResponse response;
+  for (v1::StepMetrics& step : steps) *response.add_steps() = std::move(step);
+  return response;
+}
+
+absl::Status Coordinator::Subscribe(const std::string& job_id, WatchSubscriber* subscriber) {
+  {
+    absl::MutexLock lock(&mu_);
+    AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+  }
+  watchers_.Add(job_id, subscriber);
+  return absl::OkStatus();
+}
+
+void Coordinator::Unsubscribe(const std::string& job_id, WatchSubscriber* subscriber) {
+  watchers_.Remove(job_id, subscriber);
+}
+
+absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& request,
+                                                  WatchCursor* cursor) {
+  if (cursor->next_step < 0) cursor->next_step = std::max<int64_t>(request.from_step(), 0);
+  WatchBatch batch;
+  bool terminal = false;
+  bool quiet = true;  // nothing new but possibly steps
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return ShuttingDownError();
+    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+    const StepLog* steps = entry->metrics.steps.get();
+    AIDN_ASSIGN_OR_RETURN(bool added, watch_.PollMemory(request, entry->stored.job, entry->version,
+                                                        steps, cursor, &batch));
+    if (added) quiet = false;
+    terminal = IsTerminal(entry->stored.job.state()) && (steps == nullptr || steps->pending() == 0);
+  }
+  if (request.include_metrics() && cursor->catching_up) {
+    const size_t before = batch.items.size();
+    AIDN_RETURN_IF_ERROR(CatchUpFromStore(request, cursor, &batch));
+    if (batch.items.size() != before) quiet = false;
+  }
+  batch.finished = terminal && quiet && !(request.include_metrics() && cursor->catching_up);
+  return batch;
+}
+
+absl::Status Coordinator::CatchUpFromStore(const v1::WatchJobRequest& request, WatchCursor* cursor,
+                                           WatchBatch* batch) {
+  // Under flush_mu_ from the flush to reading stored_seq: no other flush
+  // can store steps in between, so every step numbered after stored_seq is
+  // still only in memory, and none is sent twice.
+  absl::MutexLock flush(&flush_mu_);
+  FlushStepsLocked();
+  AIDN_ASSIGN_OR_RETURN(bool done, watch_.ReadStored(request, cursor, batch));
+  if (done) {
+    absl::MutexLock lock(&mu_);
+    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+    cursor->catching_up = false;
+    cursor->metrics_seq = entry->metrics.stored_seq;
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Prometheus.
+
+void Coordinator::CollectMetrics() {
+  absl::MutexLock lock(&mu_);
+  const Clock::TimePoint now = clock_->Now();
+  std::map<Job::State, int> by_state;
+  for (int s = Job::PENDING; s <= Job::CANCELLED; ++s) by_state[static_cast<Job::State>(s)] = 0;
+  for (auto& [id, entry] : jobs_) {
+    ++by_state[entry->stored.job.state()];
+    ingest_.CollectJob(entry->stored.job, &entry->metrics, entry->health, now);
+  }
+  for (const auto& [state, count] : by_state) {
+    metrics_.jobs.Add({{"state", StateName(state)}}).Set(count);
+  }
+  CollectWorkerSeries(now);
+}
+
+void Coordinator::CollectWorkerSeries(Clock::TimePoint now) {
+  for (const auto& [id, w] : workers_) {
+    const v1::Worker worker = WorkerView(id, w);
+    const bool alive = worker.state() != v1::Worker::LOST;
+    const metrics::Labels labels{{"worker_id", id}};
+    metrics_.worker_up.Add(labels).Set(alive ? 1 : 0);
+    metrics_.worker_heartbeat_age_seconds.Add(labels).Set(
+        std::chrono::duration<double>(now - w.last_seen).count());
+    const std::pair<const char*, std::pair<int, int>> kinds[] = {
+        {"cpu", {worker.info().cpu_slots(), worker.cpu_slots_used()}},
+        {"gpu", {worker.info().gpus_size(), worker.gpus_used()}}};
+    for (const auto& [kind, total_used] : kinds) {
+      const metrics::Labels slot_labels{{"worker_id", id}, {"kind", kind}};
+      const auto [total, in_use] = total_used;
+      metrics_.worker_slots.Add(slot_labels).Set(total);
+      metrics_.worker_slots_used.Add(slot_labels).Set(in_use);
+      metrics_.worker_slots_free.Add(slot_labels).Set(alive ? std::max(total - in_use, 0) : 0);
+    }
+  }
+}
+
+}  // namespace aidn::coordinator
