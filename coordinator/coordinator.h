@@ -260,6 +260,11 @@ class Coordinator {
   // Returns the steps committed.
   std::vector<int64_t> CompleteCheckpoints(JobEntry* entry, const MetricsDurable& durable,
                                            Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a trainer's exit under the lock (fails the generation on an
+  // unclean one): whether it was the last rank of the current generation
+  // to exit cleanly.
+  absl::StatusOr<bool> RecordTrainerExit(const v1::ReportTrainerExitRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // CommitCheckpoint under the lock. True when the checkpoint is written
   // and awaits metrics that are combined in memory, not yet stored.
   absl::StatusOr<bool> CommitCheckpointLocked(const v1::CommitCheckpointRequest& request,

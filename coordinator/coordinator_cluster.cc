@@ -136,6 +136,33 @@ void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallba
 }
 
 absl::Status Coordinator::ReportTrainerExit(const v1::ReportTrainerExitRequest& request) {
+  AIDN_ASSIGN_OR_RETURN(const bool last_rank_done, RecordTrainerExit(request));
+  if (!last_rank_done) return absl::OkStatus();
+  // Every rank sent its records before it exited: store them now, so that
+  // the checkpoints awaiting them commit before the job counts as succeeded
+  // (an export right after success gets the final weights).
+  FlushSteps();
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
+  Job& job = entry->stored.job;
+  // Anything may have happened while the lock was free (a cancel, a
+  // failure, this same report delivered twice).
+  if (request.generation() != job.generation() || !HoldsSlots(job.state()) ||
+      static_cast<int>(entry->exited_ok.size()) < job.spec().world_size()) {
+    return absl::OkStatus();
+  }
+  CompleteCheckpoints(entry, DurableInMemory(entry), &deferred);
+  ReleaseGeneration(entry, "job succeeded",
+                    absl::FailedPreconditionError(absl::StrCat(job.id(), " has succeeded")),
+                    &deferred);
+  (void)SetState(entry, Job::SUCCEEDED,
+                 absl::StrCat("all ", job.spec().world_size(), " ranks exited 0"), &deferred);
+  Schedule(&deferred);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Coordinator::RecordTrainerExit(const v1::ReportTrainerExitRequest& request) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
@@ -149,22 +176,14 @@ absl::Status Coordinator::ReportTrainerExit(const v1::ReportTrainerExitRequest& 
   std::string message = absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id(),
                                      " ", what, tail.empty() ? "" : ": " + tail);
   Emit("trainer.exited", job.id(), request.worker_id(), request.generation(), message, &deferred);
-  if (!current || request.stopped_by_order()) return absl::OkStatus();
+  if (!current || request.stopped_by_order()) return false;
   if (!clean) {
     FailGeneration(entry, message, request.permanent(), &deferred);
     Schedule(&deferred);
-    return absl::OkStatus();
+    return false;
   }
   entry->exited_ok.insert(request.rank());
-  if (static_cast<int>(entry->exited_ok.size()) >= job.spec().world_size()) {
-    ReleaseGeneration(entry, "job succeeded",
-                      absl::FailedPreconditionError(absl::StrCat(job.id(), " has succeeded")),
-                      &deferred);
-    (void)SetState(entry, Job::SUCCEEDED,
-                   absl::StrCat("all ", job.spec().world_size(), " ranks exited 0"), &deferred);
-    Schedule(&deferred);
-  }
-  return absl::OkStatus();
+  return static_cast<int>(entry->exited_ok.size()) >= job.spec().world_size();
 }
 
 HeldHeartbeats::Builder Coordinator::HeartbeatBuilder() {

@@ -430,7 +430,7 @@ TEST_F(FaultTest, ACoordinatorRestartDoesNotRestartTheJobNorLoseSteps) {
     EXPECT_EQ(job.restarts(), 0) << EventText(id);
     EXPECT_EQ(job.generation(), 1);
     EXPECT_TRUE(NoMissingSteps(id, steps));
-    EXPECT_EQ(job.last_checkpoint_step(), steps);
+    EXPECT_EQ(job.last_checkpoint_step(), steps) << EventText(id);
   }
 }
 
@@ -520,7 +520,6 @@ TEST_F(FaultTest, ALateTrainerOfAnOldGenerationIsRefused) {
   EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   EXPECT_EQ(job.restarts(), 1);
 }
-
 
 // 9. A rank killed (kill -9) right after a checkpoint was written, while its
 // peer is stopped by the coordinator, loses no metric step: a checkpoint is a

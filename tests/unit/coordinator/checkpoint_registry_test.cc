@@ -196,6 +196,32 @@ TEST_F(CheckpointRegistryTest, AWrittenCheckpointAwaitsItsMetricsAndIsNotOffered
 
 // --- Coordinator-level: checkpoint registry -------------------------------------
 
+// The last rank's clean exit stores the job's steps and commits the
+// checkpoints that awaited them before the job counts as succeeded, so an
+// export right after success gets the final weights.
+TEST_F(CoordinatorTest, ASucceededJobsLastCheckpointIsCommittedWhenItSucceeds) {
+  const std::string id = RunningJobOnTwoWorkers();
+  for (int rank : {0, 1}) {
+    absl::StatusOr<v1::CommitCheckpointResponse> r =
+        c().CommitCheckpoint(Commit(id, 1, rank, 100, {0, 1}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->committed()) << "no metrics were sent yet";
+  }
+  // Every rank sends its records, then exits; no flush or tick in between.
+  for (int rank : {0, 1}) ASSERT_TRUE(SendTimedSteps(id, 1, rank, 1, 100, 0.01).ok());
+  EXPECT_EQ(Get(id).last_checkpoint_step(), 0);
+  ASSERT_TRUE(Exit(id, 1, 0, 0).ok());
+  EXPECT_NE(Get(id).state(), v1::Job::SUCCEEDED);
+  ASSERT_TRUE(Exit(id, 1, 1, 0).ok());
+  const v1::Job job = Get(id);
+  EXPECT_EQ(job.state(), v1::Job::SUCCEEDED);
+  EXPECT_EQ(job.last_checkpoint_step(), 100);
+  absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->checkpoints_size(), 1);
+  EXPECT_TRUE(list->checkpoints(0).committed());
+}
+
 TEST_F(CoordinatorTest, CheckpointCommitsOnceEveryWriterReportedAndIsResumedFrom) {
   const std::string id = RunningJobOnTwoWorkers();
   absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 1, 0, 100, {0, 1}));
