@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/job_spec_limits.h"
 #include "common/status.h"
 
 namespace aidn::coordinator {
@@ -23,8 +24,12 @@ constexpr char kAdamW[] = "adamw";
 constexpr char kMlp[] = "mlp";
 constexpr char kCnn[] = "cnn";
 
-constexpr size_t kMaxNameBytes = 128;
-constexpr size_t kMaxPathBytes = 4096;
+// Sizes aidnctl checks too, before it sends a spec.
+using job_spec_limits::kMaxLabelKeyBytes;
+using job_spec_limits::kMaxLabels;
+using job_spec_limits::kMaxLabelValueBytes;
+using job_spec_limits::kMaxNameBytes;
+using job_spec_limits::kMaxPathBytes;
 constexpr int32_t kMaxThreadsPerRank = 256;
 constexpr int kMaxHiddenLayers = 16;
 constexpr int32_t kMaxHiddenSize = 65536;
@@ -42,9 +47,6 @@ constexpr int64_t kMaxTimeoutSeconds = 24 * 60 * 60;
 // A longer wait between restarts only hides a job that cannot run.
 constexpr int64_t kMaxRestartBackoffSeconds = 5 * 60;
 constexpr std::chrono::milliseconds kDefaultRestartBackoff{1000};
-constexpr size_t kMaxLabels = 64;
-constexpr size_t kMaxLabelKeyBytes = 63;
-constexpr size_t kMaxLabelValueBytes = 256;
 
 google::protobuf::Duration ToDuration(std::chrono::milliseconds ms) {
   google::protobuf::Duration d;
