@@ -294,6 +294,15 @@ absl::StatusOr<JobEntry*> Coordinator::FencedJob(const std::string& job_id, int6
   return entry;
 }
 
+absl::StatusOr<JobEntry*> Coordinator::FencedRank(const std::string& job_id, int64_t generation,
+                                                  int rank) {
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(job_id, generation));
+  if (rank < 0 || rank >= entry->stored.job.spec().world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", rank));
+  }
+  return entry;
+}
+
 absl::StatusOr<JobEntry*> Coordinator::FencedJobToWaitOn(const std::string& job_id,
                                                          int64_t generation) {
   if (shutting_down_) return ShuttingDownError();

@@ -213,6 +213,10 @@ class Coordinator {
   // Looks up a job for a trainer call and checks its generation.
   absl::StatusOr<JobEntry*> FencedJob(const std::string& job_id, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FencedJob for a call of one of the job's ranks: INVALID_ARGUMENT for a
+  // rank outside its world.
+  absl::StatusOr<JobEntry*> FencedRank(const std::string& job_id, int64_t generation, int rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FencedJob for calls that park (rendezvous, KV waits): UNAVAILABLE once
   // shutting down, so nothing new is parked.
   absl::StatusOr<JobEntry*> FencedJobToWaitOn(const std::string& job_id, int64_t generation)

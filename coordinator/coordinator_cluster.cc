@@ -366,10 +366,8 @@ absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
   if (request.total_steps() < 0) return absl::InvalidArgumentError("total_steps: must be >= 0");
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
-  if (request.rank() < 0 || request.rank() >= entry->stored.job.spec().world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
-  }
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry,
+                        FencedRank(request.job_id(), request.generation(), request.rank()));
   FailureDetector::Beat(&entry->health, request.rank(), request.step(), request.collective_seq(),
                         clock_->Now());
   // Kept in memory; persisted with the job's next state change.
@@ -394,11 +392,9 @@ absl::Status Coordinator::AppendMetrics(const v1::StreamMetricsRequest& request)
   }
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry,
+                        FencedRank(request.job_id(), request.generation(), request.rank()));
   Job& job = entry->stored.job;
-  if (request.rank() < 0 || request.rank() >= job.spec().world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
-  }
   const bool combined =
       ingest_.Append(job, &entry->metrics, request, clock_->Now(), [&](const v1::MetricRecord& r) {
         // What the rank itself spent: in DDP the others wait for a slow rank
@@ -559,11 +555,9 @@ absl::Status Coordinator::ReportCheckpointInvalid(
   if (request.step() < 0) return absl::InvalidArgumentError("step: must be >= 0");
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FencedJob(request.job_id(), request.generation()));
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry,
+                        FencedRank(request.job_id(), request.generation(), request.rank()));
   Job& job = entry->stored.job;
-  if (request.rank() < 0 || request.rank() >= job.spec().world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: out of range: ", request.rank()));
-  }
   AIDN_ASSIGN_OR_RETURN(InvalidOutcome outcome,
                         checkpoints_.MarkInvalid(job, &entry->checkpoints, request));
   if (outcome.already) return absl::OkStatus();

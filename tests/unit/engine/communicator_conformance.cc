@@ -58,7 +58,20 @@ std::vector<absl::Status> OnRanks(const CommBackend& backend, int world,
   });
 }
 
-// Compares element by element and reports the first difference only.
+std::vector<float> Iota(size_t count, size_t start, size_t step) {
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = static_cast<float>(start + i * step);
+  return v;
+}
+
+}  // namespace
+
+void ExpectAllOk(const std::vector<absl::Status>& results) {
+  for (size_t rank = 0; rank < results.size(); ++rank) {
+    EXPECT_TRUE(results[rank].ok()) << "rank " << rank << ": " << results[rank];
+  }
+}
+
 ::testing::AssertionResult Matches(const std::vector<float>& got,
                                    const std::function<float(size_t)>& want, int rank) {
   for (size_t i = 0; i < got.size(); ++i) {
@@ -71,16 +84,7 @@ std::vector<absl::Status> OnRanks(const CommBackend& backend, int world,
   return ::testing::AssertionSuccess();
 }
 
-// n(n-1)/2: what the ranks' own numbers sum to.
 float TriangularSum(int n) { return static_cast<float>(n * (n - 1) / 2); }
-
-std::vector<float> Iota(size_t count, size_t start, size_t step) {
-  std::vector<float> v(count);
-  for (size_t i = 0; i < count; ++i) v[i] = static_cast<float>(start + i * step);
-  return v;
-}
-
-}  // namespace
 
 std::vector<size_t> ConformanceCounts() { return {0, 1, 1023, kConformanceLarge}; }
 

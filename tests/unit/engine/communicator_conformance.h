@@ -57,6 +57,14 @@ struct CommBackend {
 
 inline void PrintTo(const CommBackend& backend, std::ostream* os) { *os << backend.name; }
 
+// Every rank's result is OK (each failure reported with its rank).
+void ExpectAllOk(const std::vector<absl::Status>& results);
+// Compares element by element and reports the first difference only.
+::testing::AssertionResult Matches(const std::vector<float>& got,
+                                   const std::function<float(size_t)>& want, int rank);
+// n(n-1)/2: what ranks 0..n-1 contributing their own rank sum to.
+float TriangularSum(int n);
+
 // Element counts: none, one, odd, and large (several shared-memory slots
 // with a ragged last one; Gloo's ring rather than its direct exchange).
 constexpr size_t kConformanceLarge = (size_t{1} << 20) + 77;

@@ -23,6 +23,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/run_ranks.h"
+#include "tests/unit/engine/communicator_conformance.h"
 
 namespace aidn::engine {
 namespace {
@@ -56,27 +57,6 @@ std::vector<absl::Status> RunRanks(int world_size,
     return body(rank, **comm);
   });
 }
-
-void ExpectAllOk(const std::vector<absl::Status>& results) {
-  for (size_t rank = 0; rank < results.size(); ++rank) {
-    EXPECT_TRUE(results[rank].ok()) << "rank " << rank << ": " << results[rank];
-  }
-}
-
-// Compares element by element and reports the first difference only.
-::testing::AssertionResult Matches(const std::vector<float>& got,
-                                   const std::function<float(size_t)>& want, int rank) {
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] != want(i)) {
-      return ::testing::AssertionFailure()
-             << "rank " << rank << ": element " << i << " of " << got.size() << " is " << got[i]
-             << ", want " << want(i);
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-float TriangularSum(int n) { return static_cast<float>(n * (n - 1) / 2); }
 
 TEST(GlooCommunicator, RepeatedAllReducesOnFreshAndReusedBuffersStayExact) {
   // Small buffers go through the direct exchange (its staging area grows

@@ -27,6 +27,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/run_ranks.h"
+#include "tests/unit/engine/communicator_conformance.h"
 #include "worker/engine/comm/cpu_communicator.h"
 
 namespace aidn::engine {
@@ -65,24 +66,6 @@ std::vector<absl::Status> RunRanks(
     }
     return body(rank, *attempt->communicator);
   });
-}
-
-void ExpectAllOk(const std::vector<absl::Status>& results) {
-  for (size_t rank = 0; rank < results.size(); ++rank) {
-    EXPECT_TRUE(results[rank].ok()) << "rank " << rank << ": " << results[rank];
-  }
-}
-
-::testing::AssertionResult Matches(const std::vector<float>& got,
-                                   const std::function<float(size_t)>& want, int rank) {
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] != want(i)) {
-      return ::testing::AssertionFailure()
-             << "rank " << rank << ": element " << i << " of " << got.size() << " is " << got[i]
-             << ", want " << want(i);
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 float Value(int rank, size_t i) { return static_cast<float>(rank * 1000 + (i % 997)); }
