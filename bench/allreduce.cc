@@ -170,8 +170,28 @@ int RunRank(int rank, const std::string& store_dir, const Options& options) {
 
 }  // namespace
 
+void PrintUsage(std::FILE* out, const char* argv0) {
+  const Options d;
+  std::fprintf(out,
+               "usage: %s [--max-mb N] [--rounds N] [--min-seconds S]\n"
+               "  --max-mb       largest message in MiB (default: %zu)\n"
+               "  --rounds       rounds per size, the median reported (default: %d)\n"
+               "  --min-seconds  least time per round (default: %g)\n",
+               argv0, d.max_bytes >> 20, d.rounds, d.min_seconds);
+}
+
 int main(int argc, char** argv) {
   Options options;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      PrintUsage(stdout, argv[0]);
+      return 0;
+    }
+  }
+  if (argc % 2 == 0) {
+    PrintUsage(stderr, argv[0]);
+    return 2;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--max-mb") {
@@ -181,7 +201,7 @@ int main(int argc, char** argv) {
     } else if (flag == "--min-seconds") {
       options.min_seconds = std::atof(argv[i + 1]);
     } else {
-      std::fprintf(stderr, "usage: %s [--max-mb N] [--rounds N] [--min-seconds S]\n", argv[0]);
+      PrintUsage(stderr, argv[0]);
       return 2;
     }
   }

@@ -69,11 +69,26 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-int Usage(const char* argv0) {
-  std::fprintf(stderr,
+void PrintUsage(std::FILE* out, const char* argv0) {
+  const Options d;
+  std::fprintf(out,
                "usage: %s --model mlp|cnn [--steps N] [--threads T] [--batch B]\n"
-               "          [--warmup-frac F] [--seed S] [--data DIR] [--json]\n",
-               argv0);
+               "          [--warmup-frac F] [--seed S] [--data DIR] [--json]\n"
+               "  --model        mlp or cnn (default: %s)\n"
+               "  --steps        training steps (default: %lld)\n"
+               "  --threads      CPU threads (default: %d)\n"
+               "  --batch        batch size (default: %lld)\n"
+               "  --warmup-frac  share of the steps left out of the figures (default: %g)\n"
+               "  --seed         model and data seed (default: %llu)\n"
+               "  --data         Fashion-MNIST directory (default: %s)\n"
+               "  --json         one JSON line instead of the table (default: off)\n",
+               argv0, d.model.c_str(), static_cast<long long>(d.steps), d.threads,
+               static_cast<long long>(d.batch), d.warmup_frac,
+               static_cast<unsigned long long>(d.seed), d.data.c_str());
+}
+
+int Usage(const char* argv0) {
+  PrintUsage(stderr, argv0);
   return 2;
 }
 
@@ -211,6 +226,10 @@ int main(int argc, char** argv) {
   Options options;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      PrintUsage(stdout, argv[0]);
+      return 0;
+    }
     if (flag == "--json") {
       options.json = true;
       continue;

@@ -119,7 +119,11 @@ void Coordinator::LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* defe
     }
   }
   if (job.state() == Job::RESTARTING) entry->restart_at = now + RestartDelay(job);
-  if (!IsTerminal(job.state())) LoadAwaitingCheckpoints(entry.get(), deferred);
+  // A succeeded job too: the last process may have ended before it could
+  // commit the final checkpoint whose metrics it had stored.
+  if (!IsTerminal(job.state()) || job.state() == Job::SUCCEEDED) {
+    LoadAwaitingCheckpoints(entry.get(), deferred);
+  }
   jobs_[job.id()] = std::move(entry);
 }
 

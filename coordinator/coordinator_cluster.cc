@@ -183,7 +183,12 @@ absl::StatusOr<bool> Coordinator::RecordTrainerExit(const v1::ReportTrainerExitR
     return false;
   }
   entry->exited_ok.insert(request.rank());
-  return static_cast<int>(entry->exited_ok.size()) >= job.spec().world_size();
+  if (static_cast<int>(entry->exited_ok.size()) < job.spec().world_size()) return false;
+  // No rank of the generation can send again: steps still missing a rank's
+  // record (one whose last records were dropped) are combined as they are,
+  // so that the flush before success stores them.
+  if (ingest_.EndGeneration(&entry->metrics)) NotifyWatchers(job.id(), &deferred);
+  return true;
 }
 
 HeldHeartbeats::Builder Coordinator::HeartbeatBuilder() {
@@ -447,12 +452,11 @@ void Coordinator::LoadAwaitingCheckpoints(JobEntry* entry, Deferred* deferred) {
 
 MetricsDurable Coordinator::DurableInMemory(JobEntry* entry) {
   return [this, entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    // Steps up to the checkpoint the generation resumed from were durable
-    // before that checkpoint committed.
-    int64_t through = MetricIngest::StoredTrainStep(entry->metrics, generation);
-    if (generation == entry->stored.job.generation()) {
-      through = std::max(through, entry->checkpoints.resumed_from_step);
-    }
+    // Only what this generation stored counts: its checkpoints lie past the
+    // step it resumed from, whose steps an earlier generation stored, and
+    // the coordinator's idea of that step may be wrong (a checkpoint rank 0
+    // found bad without being able to say so).
+    const int64_t through = MetricIngest::StoredTrainStep(entry->metrics, generation);
     return step <= std::max<int64_t>(through, 0);
   };
 }

@@ -23,6 +23,8 @@ struct Reporter::Work {
   std::vector<v1::MetricRecord> batch;
   // A commit is waiting (SendCommitIfDue decides whether it goes).
   bool commit = false;
+  // Closing, nothing left to send: ask whether the records sent are stored.
+  bool confirm = false;
   bool beat = false;
   int64_t step = 0;
   int32_t epoch = 0;
@@ -133,10 +135,13 @@ std::optional<Reporter::Work> Reporter::TakeDueLocked(Clock::time_point now,
   const bool records_due =
       may_send && !records_.empty() && (closing_ || commit || now >= next_send_);
   const bool beat = progress_step_ >= 0 && (first_beat_ || now >= next_beat_);
-  if (!records_due && !(may_send && commit) && !beat) {
+  const bool unconfirmed = closing_ && records_.empty() && !commit && !unacked_.empty();
+  const bool confirm = unconfirmed && may_send && now >= next_confirm_;
+  if (!records_due && !(may_send && commit) && !beat && !confirm) {
     *wake = next_send_;
     if (progress_step_ >= 0) *wake = std::min(*wake, next_beat_);
     if (commit || (closing_ && !records_.empty())) *wake = std::min(*wake, retry_at_);
+    if (unconfirmed) *wake = std::min(*wake, std::max(next_confirm_, retry_at_));
     if (closing_) *wake = std::min(*wake, close_deadline_);
     if (now >= next_send_) next_send_ = now + options_.report_period;  // nothing to send
     return std::nullopt;
@@ -151,6 +156,8 @@ std::optional<Reporter::Work> Reporter::TakeDueLocked(Clock::time_point now,
     next_send_ = records_.empty() ? now + options_.report_period : now;
   }
   work.commit = may_send && commit;
+  work.confirm = confirm;
+  if (confirm) next_confirm_ = now + options_.confirm_period;
   work.beat = beat;
   first_beat_ = false;
   work.step = progress_step_;
@@ -170,7 +177,9 @@ void Reporter::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     const Clock::time_point now = Clock::now();
-    if (closing_ && ((records_.empty() && commits_.empty()) || now >= close_deadline_)) break;
+    const bool all_stored =
+        records_.empty() && commits_.empty() && (unacked_.empty() || superseded_.load());
+    if (closing_ && (all_stored || now >= close_deadline_)) break;
     Clock::time_point wake;
     std::optional<Work> work = TakeDueLocked(now, &wake);
     if (!work.has_value()) {
@@ -180,6 +189,9 @@ void Reporter::Loop() {
     }
     lock.unlock();
     bool failed = false;
+    // An empty call is the question "stored yet?": its answer carries the
+    // durable step and the incarnation (Send handles both).
+    if (work->confirm && !Send({}, work->timeout)) failed = true;
     if (!work->batch.empty() && !Send(work->batch, work->timeout)) {
       lock.lock();
       // Back in front, in order, for the next try.
@@ -196,7 +208,7 @@ void Reporter::Loop() {
     if (work->beat) next_beat_ = Clock::now() + options_.beat_period;
     if (failed) {
       retry_at_ = Clock::now() + backoff.Next();
-    } else if (!work->batch.empty() || work->commit) {
+    } else if (!work->batch.empty() || work->commit || work->confirm) {
       backoff.Reset();
     }
   }
@@ -210,7 +222,8 @@ bool Reporter::Send(const std::vector<v1::MetricRecord>& batch, milliseconds tim
   v1::StreamMetricsResponse response;
   std::unique_ptr<grpc::ClientWriterInterface<v1::StreamMetricsRequest>> writer =
       stub_->StreamMetrics(&context, &response);
-  for (size_t first = 0; first < batch.size(); first += kBatch) {
+  // At least one message, so that an empty call still names the job.
+  for (size_t first = 0; first == 0 || first < batch.size(); first += kBatch) {
     v1::StreamMetricsRequest request;
     request.set_job_id(options_.job_id);
     request.set_generation(options_.generation);

@@ -60,6 +60,9 @@ struct ReporterOptions {
   size_t max_records = 100'000;
   // Commits held while the coordinator is away (a resume takes the newest).
   size_t max_commits = 1024;
+  // While closing, how often to ask whether the records sent are stored
+  // (the coordinator stores them every tick, 100 ms by default).
+  std::chrono::milliseconds confirm_period{100};
 };
 
 class Reporter {
@@ -88,7 +91,10 @@ class Reporter {
   bool superseded() const { return superseded_.load(); }
 
   // Sends what is left (records, then commits) within `timeout` and stops
-  // the thread. Returns once the thread ended or `timeout` passed.
+  // the thread, once the coordinator says every record sent is stored: until
+  // then it asks every `confirm_period`, so that a coordinator that
+  // restarted unnoticed (and lost records not yet stored) gets them again.
+  // Returns once the thread ended or `timeout` passed.
   void Close(std::chrono::milliseconds timeout);
 
  private:
@@ -130,6 +136,8 @@ class Reporter {
   int64_t total_steps_ = 0;
   Clock::time_point next_send_;
   Clock::time_point next_beat_;
+  // While closing with records sent but not confirmed stored: the next ask.
+  Clock::time_point next_confirm_;
   // After a failed send, records and commits wait until then.
   Clock::time_point retry_at_;
   bool closing_ = false;

@@ -39,8 +39,9 @@ class FakeCoordinator final : public v1::ClusterService::Service {
     std::string event = "records";
     for (size_t i = 0; i < steps.size(); ++i) absl::StrAppend(&event, i ? "," : " ", steps[i]);
     Add(event);
-    response->set_incarnation("one");
-    if (!steps.empty()) response->set_durable_step(steps.back());
+    response->set_incarnation(incarnation_);
+    if (!steps.empty() && !hold_durable_) stored_through_ = std::max(stored_through_, steps.back());
+    response->set_durable_step(stored_through_);
     return grpc::Status::OK;
   }
 
@@ -61,6 +62,17 @@ class FakeCoordinator final : public v1::ClusterService::Service {
     return grpc::Status::OK;
   }
 
+  // Records are received but not (yet) stored: durable_step stays.
+  void HoldDurable(bool hold) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_durable_ = hold;
+  }
+  // A restart: what was not stored is gone, and a new incarnation answers.
+  void Restart() {
+    std::lock_guard<std::mutex> lock(mu_);
+    incarnation_ = "two";
+    hold_durable_ = false;
+  }
   void FailMetricsCalls(int n) {
     std::lock_guard<std::mutex> lock(mu_);
     fail_metrics_ = n;
@@ -91,6 +103,9 @@ class FakeCoordinator final : public v1::ClusterService::Service {
   std::vector<int64_t> beats_;
   int fail_metrics_ = 0;
   bool fence_ = false;
+  bool hold_durable_ = false;
+  int64_t stored_through_ = 0;
+  std::string incarnation_ = "one";
 };
 
 class ReporterTest : public ::testing::Test {
@@ -168,6 +183,26 @@ TEST_F(ReporterTest, CloseSendsWhatItHolds) {
   reporter->Close(milliseconds(10'000));
   // Close returned after the thread sent everything.
   EXPECT_THAT(coordinator_.events(), ElementsAre("records 1,2,3,4,5"));
+}
+
+// The coordinator received the last records but restarted before it stored
+// them, and nothing else told the rank: Close keeps asking until its
+// records are stored, sees the new incarnation, and sends them again.
+TEST_F(ReporterTest, CloseSendsAgainWhatARestartedCoordinatorDidNotStore) {
+  coordinator_.HoldDurable(true);
+  std::unique_ptr<Reporter> reporter = MakeReporter();
+  for (int64_t step = 1; step <= 3; ++step) reporter->Record(Train(step));
+  std::thread closer([&] { reporter->Close(milliseconds(30'000)); });
+  ASSERT_TRUE(coordinator_.WaitFor([](const std::vector<std::string>& events) {
+    return events.size() >= 2;  // the records, then a question
+  })) << ::testing::PrintToString(coordinator_.events());
+  coordinator_.Restart();
+  closer.join();
+  const std::vector<std::string> events = coordinator_.events();
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.front(), "records 1,2,3");
+  EXPECT_EQ(events.back(), "records 1,2,3") << ::testing::PrintToString(events);
+  for (size_t i = 1; i + 1 < events.size(); ++i) EXPECT_EQ(events[i], "records") << i;
 }
 
 TEST_F(ReporterTest, ConcurrentClosesAllReturn) {
