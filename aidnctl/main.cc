@@ -74,153 +74,199 @@ std::vector<ctl::CompletionFlag> FlagsOf(const CLI::App* app) {
   return flags;
 }
 
-}  // namespace
+// What the command line says: the values CLI11 fills in, and the commands, to
+// see which one was given. CLI11 keeps pointers into it: it does not move.
+struct CommandLine {
+  CommandLine() = default;
+  CommandLine(const CommandLine&) = delete;
+  CommandLine& operator=(const CommandLine&) = delete;
 
-int main(int argc, char** argv) {
-  // One line on stderr per failure: gRPC's own logging stays quiet unless
-  // asked for (GRPC_VERBOSITY=debug).
-  setenv("GRPC_VERBOSITY", "NONE", /*overwrite=*/0);
-
-  CLI::App app{"aidnctl: the command-line client of the aidn coordinator.", "aidnctl"};
-  app.require_subcommand(1);
-  app.fallthrough();  // global options may also follow the command
-
+  // Global options.
   std::string address, token, output = "table", timeout = "30s";
-  CLI::Option* address_flag =
-      app.add_option("--addr", address,
-                     "Coordinator HOST:PORT (else $AIDN_ADDR, the config file, 127.0.0.1:7070)");
-  CLI::Option* token_flag =
-      app.add_option("--token", token, "Bearer token (else $AIDN_TOKEN, the config file)");
-  app.add_option("-o,--output", output, "Output format: table, json or yaml (metrics: csv too)")
-      ->check(Check(ctl::ParseOutputFormat, "FORMAT"))
-      ->capture_default_str();
-  app.add_option("--timeout", timeout, "Deadline of each call: 30s, 500ms, 2m")
-      ->check(Check(ctl::ParseTimeout, "DURATION"))
-      ->capture_default_str();
-
+  CLI::Option* address_flag = nullptr;
+  CLI::Option* token_flag = nullptr;
+  // submit and watch.
   std::string spec_path, reconnect_timeout = "5m";
   bool submit_watch = false;
-  CLI::App* submit = app.add_subcommand("submit", "Submit a job spec (YAML or JSON)");
+  // list.
+  std::vector<std::string> states, labels;
+  int list_limit = 100;
+  // describe, cancel and checkpoints.
+  std::string job_id, reason;
+  ctl::EventsOptions events_options;
+  ctl::ExportOptions export_options;
+  int64_t export_step = 0;
+  CLI::Option* export_step_flag = nullptr;
+  ctl::WatchOptions watch_options;
+  ctl::MetricsOptions metrics_options;
+  ctl::PlotOptions plot_options;
+  std::string shell;
+
+  CLI::App* submit = nullptr;
+  CLI::App* list = nullptr;
+  CLI::App* describe = nullptr;
+  CLI::App* cancel = nullptr;
+  CLI::App* workers = nullptr;
+  CLI::App* events = nullptr;
+  CLI::App* checkpoints = nullptr;
+  CLI::App* export_command = nullptr;
+  CLI::App* watch = nullptr;
+  CLI::App* metrics = nullptr;
+  CLI::App* plot = nullptr;
+  CLI::App* completion = nullptr;
+  CLI::App* version = nullptr;
+};
+
+void AddGlobalOptions(CLI::App& app, CommandLine& cl) {
+  cl.address_flag =
+      app.add_option("--addr", cl.address,
+                     "Coordinator HOST:PORT (else $AIDN_ADDR, the config file, 127.0.0.1:7070)");
+  cl.token_flag =
+      app.add_option("--token", cl.token, "Bearer token (else $AIDN_TOKEN, the config file)");
+  app.add_option("-o,--output", cl.output, "Output format: table, json or yaml (metrics: csv too)")
+      ->check(Check(ctl::ParseOutputFormat, "FORMAT"))
+      ->capture_default_str();
+  app.add_option("--timeout", cl.timeout, "Deadline of each call: 30s, 500ms, 2m")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
+}
+
+void AddSubmit(CLI::App& app, CommandLine& cl) {
+  cl.submit = app.add_subcommand("submit", "Submit a job spec (YAML or JSON)");
   // The file as an argument (aidnctl submit job.yaml) or as -f/--file.
-  submit->add_option("file,-f,--file", spec_path, "The job spec file; - reads stdin")
+  cl.submit->add_option("file,-f,--file", cl.spec_path, "The job spec file; - reads stdin")
       ->required()
       ->type_name("FILE");
-  submit->add_flag("--watch", submit_watch, "Then watch the job as `aidnctl watch` does");
-  submit
-      ->add_option("--reconnect-timeout", reconnect_timeout,
+  cl.submit->add_flag("--watch", cl.submit_watch, "Then watch the job as `aidnctl watch` does");
+  cl.submit
+      ->add_option("--reconnect-timeout", cl.reconnect_timeout,
                    "With --watch: give up when the coordinator is gone this long")
       ->check(Check(ctl::ParseTimeout, "DURATION"))
       ->capture_default_str();
+}
 
-  std::vector<std::string> states, labels;
-  int list_limit = 100;
-  CLI::App* list = app.add_subcommand("list", "List jobs, newest first");
-  list->add_option("--state", states, "Only jobs in this state (repeatable, or a,b)")
+void AddList(CLI::App& app, CommandLine& cl) {
+  cl.list = app.add_subcommand("list", "List jobs, newest first");
+  cl.list->add_option("--state", cl.states, "Only jobs in this state (repeatable, or a,b)")
       ->delimiter(',')
       ->check(Check(ctl::ParseJobState, "STATE"));
-  list->add_option("--label", labels, "Only jobs with this label KEY=VALUE (repeatable)")
+  cl.list->add_option("--label", cl.labels, "Only jobs with this label KEY=VALUE (repeatable)")
       ->check(Check(ctl::ParseLabel, "KEY=VALUE"));
-  list->add_option("--limit", list_limit, "At most this many jobs; 0: all")
+  cl.list->add_option("--limit", cl.list_limit, "At most this many jobs; 0: all")
       ->check(kNotNegative)
       ->capture_default_str();
+}
 
-  std::string job_id;
-  CLI::App* describe = app.add_subcommand("describe", "Show a job: state, spec and placement");
-  describe->add_option("job", job_id, "Job ID")->required();
+// describe, cancel, workers, events and checkpoints: one job's (or every job's)
+// records.
+void AddJobRecords(CLI::App& app, CommandLine& cl) {
+  cl.describe = app.add_subcommand("describe", "Show a job: state, spec and placement");
+  cl.describe->add_option("job", cl.job_id, "Job ID")->required();
 
-  std::string reason;
-  CLI::App* cancel = app.add_subcommand("cancel", "Cancel a job");
-  cancel->add_option("job", job_id, "Job ID")->required();
-  cancel->add_option("--reason", reason, "Why; recorded in the job's events");
+  cl.cancel = app.add_subcommand("cancel", "Cancel a job");
+  cl.cancel->add_option("job", cl.job_id, "Job ID")->required();
+  cl.cancel->add_option("--reason", cl.reason, "Why; recorded in the job's events");
 
-  CLI::App* workers = app.add_subcommand("workers", "List workers");
+  cl.workers = app.add_subcommand("workers", "List workers");
 
-  ctl::EventsOptions events_options;
-  CLI::App* events = app.add_subcommand("events", "List events of a job, or of every job");
-  events->add_option("job", events_options.job_id, "Job ID (default: all)");
-  events->add_option("--after", events_options.after_seq, "Only events with seq above this")
+  cl.events = app.add_subcommand("events", "List events of a job, or of every job");
+  cl.events->add_option("job", cl.events_options.job_id, "Job ID (default: all)");
+  cl.events->add_option("--after", cl.events_options.after_seq, "Only events with seq above this")
       ->check(kNotNegative);
-  events->add_option("--limit", events_options.limit, "At most this many (default 1000)")
+  cl.events->add_option("--limit", cl.events_options.limit, "At most this many (default 1000)")
       ->check(kNotNegative);
 
-  CLI::App* checkpoints = app.add_subcommand("checkpoints", "List a job's checkpoints");
-  checkpoints->add_option("job", job_id, "Job ID")->required();
+  cl.checkpoints = app.add_subcommand("checkpoints", "List a job's checkpoints");
+  cl.checkpoints->add_option("job", cl.job_id, "Job ID")->required();
+}
 
-  ctl::ExportOptions export_options;
-  int64_t export_step = 0;
-  CLI::App* export_command = app.add_subcommand(
+void AddExport(CLI::App& app, CommandLine& cl) {
+  cl.export_command = app.add_subcommand(
       "export",
       "Copy a checkpoint's weights (model.safetensors, Hugging Face layout) to a file, after "
       "verifying the checkpoint against its manifest. The checkpoint directory must be reachable "
       "from this machine at the path the workers wrote it to. Here -o/--output names the file; "
       "the global output format does not apply");
-  export_command->add_option("job", export_options.job_id, "Job ID")->required();
-  CLI::Option* export_step_flag =
-      export_command
-          ->add_option("--step", export_step,
+  cl.export_command->add_option("job", cl.export_options.job_id, "Job ID")->required();
+  cl.export_step_flag =
+      cl.export_command
+          ->add_option("--step", cl.export_step,
                        "The checkpoint of this step (default: the newest committed, valid one)")
           ->check(kNotNegative);
-  export_command
-      ->add_option("-o,--output", export_options.output_path,
+  cl.export_command
+      ->add_option("-o,--output", cl.export_options.output_path,
                    "The file to write, ending in .safetensors; its directory must exist")
       ->required()
       ->type_name("FILE");
-  export_command->add_flag("--force", export_options.force, "Replace the file if it exists");
+  cl.export_command->add_flag("--force", cl.export_options.force, "Replace the file if it exists");
+}
 
-  ctl::WatchOptions watch_options;
-  CLI::App* watch = app.add_subcommand(
+void AddWatch(CLI::App& app, CommandLine& cl) {
+  cl.watch = app.add_subcommand(
       "watch",
       "Follow a job until it ends: progress and ETA, loss, samples/s, slowest rank, allreduce "
       "share, checkpoints, evaluations, events. Redraws in place on a terminal, else appends "
       "lines. Exit status 0 if the job succeeded, 1 if it failed or was cancelled");
-  watch->add_option("job", watch_options.job_id, "Job ID")->required();
-  watch
-      ->add_option("--from-step", watch_options.from_step,
+  cl.watch->add_option("job", cl.watch_options.job_id, "Job ID")->required();
+  cl.watch
+      ->add_option("--from-step", cl.watch_options.from_step,
                    "Show step metrics from this step on (default: all)")
       ->check(kNotNegative);
-  watch
-      ->add_option("--reconnect-timeout", reconnect_timeout,
+  cl.watch
+      ->add_option("--reconnect-timeout", cl.reconnect_timeout,
                    "Give up when the coordinator is gone this long")
       ->check(Check(ctl::ParseTimeout, "DURATION"))
       ->capture_default_str();
+}
 
-  ctl::MetricsOptions metrics_options;
-  CLI::App* metrics = app.add_subcommand(
+void AddMetrics(CLI::App& app, CommandLine& cl) {
+  cl.metrics = app.add_subcommand(
       "metrics", "Print a job's step metrics: -o table (default), csv, json or yaml");
-  metrics->add_option("job", metrics_options.job_id, "Job ID")->required();
-  metrics->add_option("--from", metrics_options.from_step, "From this step (default: the first)")
+  cl.metrics->add_option("job", cl.metrics_options.job_id, "Job ID")->required();
+  cl.metrics
+      ->add_option("--from", cl.metrics_options.from_step, "From this step (default: the first)")
       ->check(kNotNegative);
-  metrics
-      ->add_option("--to", metrics_options.to_step, "To this step, inclusive (default: the last)")
+  cl.metrics
+      ->add_option("--to", cl.metrics_options.to_step,
+                   "To this step, inclusive (default: the last)")
       ->check(kNotNegative);
+}
 
-  ctl::PlotOptions plot_options;
-  CLI::App* plot = app.add_subcommand(
+void AddPlot(CLI::App& app, CommandLine& cl) {
+  ctl::PlotOptions& plot_options = cl.plot_options;
+  cl.plot = app.add_subcommand(
       "plot",
       "Draw a job's training loss (and test accuracy) against step as a PNG with gnuplot "
       "(Debian package gnuplot-nox). Here -o/--output names the PNG file; the global output "
       "format does not apply");
-  plot->add_option("job", plot_options.job_id, "Job ID")->required();
-  plot->add_option("-o,--output", plot_options.output_path, "The PNG file to write")
+  cl.plot->add_option("job", plot_options.job_id, "Job ID")->required();
+  cl.plot->add_option("-o,--output", plot_options.output_path, "The PNG file to write")
       ->required()
       ->type_name("FILE");
-  plot->add_option("--from", plot_options.from_step, "From this step (default: the first)")
+  cl.plot->add_option("--from", plot_options.from_step, "From this step (default: the first)")
       ->check(kNotNegative);
-  plot->add_option("--to", plot_options.to_step, "To this step, inclusive (default: the last)")
+  cl.plot->add_option("--to", plot_options.to_step, "To this step, inclusive (default: the last)")
       ->check(kNotNegative);
-  plot->add_option("--width", plot_options.width, "Image width in pixels")
+  cl.plot->add_option("--width", plot_options.width, "Image width in pixels")
       ->check(CLI::Range(100, 10000))
       ->capture_default_str();
-  plot->add_option("--height", plot_options.height, "Image height in pixels")
+  cl.plot->add_option("--height", plot_options.height, "Image height in pixels")
       ->check(CLI::Range(100, 10000))
       ->capture_default_str();
+}
 
-  std::string shell;
-  CLI::App* completion = app.add_subcommand("completion", "Print a shell completion script");
-  completion->add_option("shell", shell, "Shell: bash")->required()->check(CLI::IsMember({"bash"}));
+void AddCompletionAndVersion(CLI::App& app, CommandLine& cl) {
+  cl.completion = app.add_subcommand("completion", "Print a shell completion script");
+  cl.completion->add_option("shell", cl.shell, "Shell: bash")
+      ->required()
+      ->check(CLI::IsMember({"bash"}));
 
-  CLI::App* version = app.add_subcommand("version", "Print aidnctl's version");
+  cl.version = app.add_subcommand("version", "Print aidnctl's version");
+}
 
+// Parses argv into `app`; an exit status when aidnctl is done (--help, or a
+// usage error said on stderr).
+std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -240,43 +286,114 @@ int main(int argc, char** argv) {
     }
     return Fail(what + " (see " + help + " --help)", kExitUsage);
   }
+  return std::nullopt;
+}
+
+// The usage errors CLI11 cannot see: an output format the command does not
+// print in. Empty when there is none.
+std::string MisusedOutputFormat(const CommandLine& cl, ctl::OutputFormat format) {
+  const bool watching = *cl.watch || (*cl.submit && cl.submit_watch);
+  if (format == ctl::OutputFormat::kCsv && !*cl.metrics && !*cl.completion) {
+    return "-o csv is only for `aidnctl metrics`; use table, json or yaml here";
+  }
+  if (watching && format != ctl::OutputFormat::kTable) {
+    return "watching prints for people, -o " + cl.output +
+           " does not apply (for data: aidnctl metrics JOB -o json)";
+  }
+  return "";
+}
+
+// How a watch draws: in place on a terminal that can, else line by line.
+void SetWatchDisplay(CommandLine& cl) {
+  const char* term = std::getenv("TERM");
+  cl.watch_options.live =
+      isatty(STDOUT_FILENO) == 1 && !(term != nullptr && std::strcmp(term, "dumb") == 0);
+  cl.watch_options.hide_cursor = cl.watch_options.live;
+  cl.watch_options.width = [] { return ctl::TerminalWidth(STDOUT_FILENO); };
+  cl.watch_options.reconnect_timeout = *ctl::ParseTimeout(cl.reconnect_timeout);
+}
+
+std::string CompletionScript(const CLI::App& app) {
+  std::vector<ctl::CompletionCommand> commands;
+  for (const CLI::App* command : app.get_subcommands(kAll)) {
+    commands.push_back({command->get_name(), FlagsOf(command)});
+  }
+  return ctl::BashCompletionScript(FlagsOf(&app), commands);
+}
+
+// Runs the command given (one that talks to the coordinator).
+absl::Status RunCommand(const ctl::CommandEnv& env, CommandLine& cl) {
+  if (*cl.submit) {
+    absl::Status status = ctl::RunSubmit(env, cl.spec_path, &cl.watch_options.job_id);
+    if (status.ok() && cl.submit_watch) status = ctl::RunWatch(env, cl.watch_options);
+    return status;
+  }
+  if (*cl.list) {
+    ctl::ListOptions list_options;
+    for (const std::string& state : cl.states) {
+      list_options.states.push_back(*ctl::ParseJobState(state));
+    }
+    for (const std::string& label : cl.labels) list_options.labels.insert(*ctl::ParseLabel(label));
+    list_options.limit = cl.list_limit;
+    return ctl::RunList(env, list_options);
+  }
+  if (*cl.describe) return ctl::RunDescribe(env, cl.job_id);
+  if (*cl.cancel) return ctl::RunCancel(env, cl.job_id, cl.reason);
+  if (*cl.workers) return ctl::RunWorkers(env);
+  if (*cl.events) return ctl::RunEvents(env, cl.events_options);
+  if (*cl.checkpoints) return ctl::RunCheckpoints(env, cl.job_id);
+  if (*cl.export_command) {
+    if (cl.export_step_flag->count() > 0) cl.export_options.step = cl.export_step;
+    return ctl::RunExport(env, cl.export_options);
+  }
+  if (*cl.watch) return ctl::RunWatch(env, cl.watch_options);
+  if (*cl.metrics) return ctl::RunMetrics(env, cl.metrics_options);
+  if (*cl.plot) return ctl::RunPlot(env, cl.plot_options);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // One line on stderr per failure: gRPC's own logging stays quiet unless
+  // asked for (GRPC_VERBOSITY=debug).
+  setenv("GRPC_VERBOSITY", "NONE", /*overwrite=*/0);
+
+  CLI::App app{"aidnctl: the command-line client of the aidn coordinator.", "aidnctl"};
+  app.require_subcommand(1);
+  app.fallthrough();  // global options may also follow the command
+  CommandLine cl;
+  AddGlobalOptions(app, cl);
+  AddSubmit(app, cl);
+  AddList(app, cl);
+  AddJobRecords(app, cl);
+  AddExport(app, cl);
+  AddWatch(app, cl);
+  AddMetrics(app, cl);
+  AddPlot(app, cl);
+  AddCompletionAndVersion(app, cl);
+  if (std::optional<int> exit_code = Parse(app, argc, argv)) return *exit_code;
 
   ctl::GlobalOptions options;
-  options.format = *ctl::ParseOutputFormat(output);  // checked by the validators
-  options.timeout = *ctl::ParseTimeout(timeout);
-
-  const bool watching = *watch || (*submit && submit_watch);
-  if (options.format == ctl::OutputFormat::kCsv && !*metrics && !*completion) {
-    return Fail("-o csv is only for `aidnctl metrics`; use table, json or yaml here", kExitUsage);
+  options.format = *ctl::ParseOutputFormat(cl.output);  // checked by the validators
+  options.timeout = *ctl::ParseTimeout(cl.timeout);
+  if (std::string misuse = MisusedOutputFormat(cl, options.format); !misuse.empty()) {
+    return Fail(misuse, kExitUsage);
   }
-  if (watching && options.format != ctl::OutputFormat::kTable) {
-    return Fail("watching prints for people, -o " + output +
-                    " does not apply (for data: aidnctl metrics JOB -o json)",
-                kExitUsage);
-  }
-  const char* term = std::getenv("TERM");
-  watch_options.live =
-      isatty(STDOUT_FILENO) == 1 && !(term != nullptr && std::strcmp(term, "dumb") == 0);
-  watch_options.hide_cursor = watch_options.live;
-  watch_options.width = [] { return ctl::TerminalWidth(STDOUT_FILENO); };
-  watch_options.reconnect_timeout = *ctl::ParseTimeout(reconnect_timeout);
+  SetWatchDisplay(cl);
 
-  if (*version) {
+  if (*cl.version) {
     std::cout << ctl::VersionText(options.format);
     return 0;
   }
-  if (*completion) {
-    std::vector<ctl::CompletionCommand> commands;
-    for (const CLI::App* command : app.get_subcommands(kAll)) {
-      commands.push_back({command->get_name(), FlagsOf(command)});
-    }
-    std::cout << ctl::BashCompletionScript(FlagsOf(&app), commands);
+  if (*cl.completion) {
+    std::cout << CompletionScript(app);
     return 0;
   }
 
   ctl::ConnectionFlags flags;
-  if (address_flag->count() > 0) flags.address = address;
-  if (token_flag->count() > 0) flags.token = token;
+  if (cl.address_flag->count() > 0) flags.address = cl.address;
+  if (cl.token_flag->count() > 0) flags.token = cl.token;
   absl::StatusOr<ctl::ConnectionSettings> connection = ctl::LoadConnection(flags);
   if (!connection.ok()) return Fail(std::string(connection.status().message()), kExitFailure);
   options.connection = *connection;
@@ -287,38 +404,8 @@ int main(int argc, char** argv) {
   env.stub = stub.get();
   env.out = &std::cout;
   env.in = &std::cin;
-
-  absl::Status status;
-  if (*submit) {
-    status = ctl::RunSubmit(env, spec_path, &watch_options.job_id);
-    if (status.ok() && submit_watch) status = ctl::RunWatch(env, watch_options);
-  } else if (*list) {
-    ctl::ListOptions list_options;
-    for (const std::string& state : states)
-      list_options.states.push_back(*ctl::ParseJobState(state));
-    for (const std::string& label : labels) list_options.labels.insert(*ctl::ParseLabel(label));
-    list_options.limit = list_limit;
-    status = ctl::RunList(env, list_options);
-  } else if (*describe) {
-    status = ctl::RunDescribe(env, job_id);
-  } else if (*cancel) {
-    status = ctl::RunCancel(env, job_id, reason);
-  } else if (*workers) {
-    status = ctl::RunWorkers(env);
-  } else if (*events) {
-    status = ctl::RunEvents(env, events_options);
-  } else if (*checkpoints) {
-    status = ctl::RunCheckpoints(env, job_id);
-  } else if (*export_command) {
-    if (export_step_flag->count() > 0) export_options.step = export_step;
-    status = ctl::RunExport(env, export_options);
-  } else if (*watch) {
-    status = ctl::RunWatch(env, watch_options);
-  } else if (*metrics) {
-    status = ctl::RunMetrics(env, metrics_options);
-  } else if (*plot) {
-    status = ctl::RunPlot(env, plot_options);
+  if (absl::Status status = RunCommand(env, cl); !status.ok()) {
+    return Fail(std::string(status.message()), kExitFailure);
   }
-  if (!status.ok()) return Fail(std::string(status.message()), kExitFailure);
   return 0;
 }

@@ -173,6 +173,60 @@ std::string ModelText(const v1::ModelSpec& model) {
   return text;
 }
 
+// The two series a plot draws, as gnuplot data: "<step> <value>" lines.
+struct PlotData {
+  std::string train;  // training loss
+  std::string eval;   // test accuracy in percent
+  int64_t train_count = 0;
+  int64_t eval_count = 0;
+};
+
+absl::StatusOr<v1::Job> GetJob(const CommandEnv& env, const std::string& job_id) {
+  v1::Job job;
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  grpc::ClientContext context;
+  rpc::PrepareContext(&context, env.options.connection.token, env.options.timeout);
+  const grpc::Status status = env.stub->GetJob(&context, request, &job);
+  if (!status.ok()) return RpcError(status, env.options.connection.address, env.options.timeout);
+  return job;
+}
+
+absl::StatusOr<PlotData> FetchPlotData(const CommandEnv& env, const PlotOptions& options) {
+  PlotData data;
+  MetricsOptions range;
+  range.job_id = options.job_id;
+  range.from_step = options.from_step;
+  range.to_step = options.to_step;
+  AIDN_RETURN_IF_ERROR(ForEachStepPage(env, range, [&](const std::vector<v1::StepMetrics>& steps) {
+    for (const v1::StepMetrics& step : steps) {
+      if (step.kind() == v1::MetricRecord::EVAL) {
+        absl::StrAppend(&data.eval, step.step(), " ", DataValue(step.test_accuracy() * 100), "\n");
+        ++data.eval_count;
+      } else {
+        absl::StrAppend(&data.train, step.step(), " ", DataValue(step.loss()), "\n");
+        ++data.train_count;
+      }
+    }
+    return absl::OkStatus();
+  }));
+  return data;
+}
+
+// Runs gnuplot on `script_path`, its output going to `log_path`; a failure
+// carries what it said.
+absl::Status RunGnuplot(const std::string& gnuplot, const std::string& script_path,
+                        const std::string& log_path) {
+  AIDN_ASSIGN_OR_RETURN(const int exit_code, Spawn({gnuplot, script_path}, log_path));
+  if (exit_code != 0) {
+    std::ifstream file(log_path);
+    const std::string said((std::istreambuf_iterator<char>(file)), {});
+    return absl::InternalError(
+        absl::StrCat("gnuplot failed (exit ", exit_code, "): ", OneLine(said, 400)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string GnuplotScript(const GnuplotInputs& inputs) {
@@ -221,37 +275,9 @@ absl::Status RunPlot(const CommandEnv& env, const PlotOptions& options) {
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<TempOutput> output,
                         TempOutput::Create(options.output_path));
 
-  v1::Job job;
-  {
-    v1::GetJobRequest request;
-    request.set_job_id(options.job_id);
-    grpc::ClientContext context;
-    rpc::PrepareContext(&context, env.options.connection.token, env.options.timeout);
-    const grpc::Status status = env.stub->GetJob(&context, request, &job);
-    if (!status.ok()) {
-      return RpcError(status, env.options.connection.address, env.options.timeout);
-    }
-  }
-
-  std::string train, eval;
-  int64_t train_count = 0, eval_count = 0;
-  MetricsOptions range;
-  range.job_id = options.job_id;
-  range.from_step = options.from_step;
-  range.to_step = options.to_step;
-  AIDN_RETURN_IF_ERROR(ForEachStepPage(env, range, [&](const std::vector<v1::StepMetrics>& steps) {
-    for (const v1::StepMetrics& step : steps) {
-      if (step.kind() == v1::MetricRecord::EVAL) {
-        absl::StrAppend(&eval, step.step(), " ", DataValue(step.test_accuracy() * 100), "\n");
-        ++eval_count;
-      } else {
-        absl::StrAppend(&train, step.step(), " ", DataValue(step.loss()), "\n");
-        ++train_count;
-      }
-    }
-    return absl::OkStatus();
-  }));
-  if (train_count == 0) {
+  AIDN_ASSIGN_OR_RETURN(const v1::Job job, GetJob(env, options.job_id));
+  AIDN_ASSIGN_OR_RETURN(const PlotData data, FetchPlotData(env, options));
+  if (data.train_count == 0) {
     const bool ranged = options.from_step > 0 || options.to_step > 0;
     return absl::FailedPreconditionError(
         absl::StrCat("job ", options.job_id, " has no training metrics",
@@ -267,26 +293,19 @@ absl::Status RunPlot(const CommandEnv& env, const PlotOptions& options) {
   if (!job.spec().name().empty()) absl::StrAppend(&inputs.title, " (", job.spec().name(), ")");
   inputs.png_path = output->temp_path();
   inputs.train_data_path = dir->path() + "/train.dat";
-  if (eval_count > 0) inputs.eval_data_path = dir->path() + "/eval.dat";
+  if (data.eval_count > 0) inputs.eval_data_path = dir->path() + "/eval.dat";
   inputs.width = options.width;
   inputs.height = options.height;
   const std::string script_path = dir->path() + "/plot.gp";
-  AIDN_RETURN_IF_ERROR(WriteFile(inputs.train_data_path, train));
-  if (eval_count > 0) AIDN_RETURN_IF_ERROR(WriteFile(inputs.eval_data_path, eval));
+  AIDN_RETURN_IF_ERROR(WriteFile(inputs.train_data_path, data.train));
+  if (data.eval_count > 0) AIDN_RETURN_IF_ERROR(WriteFile(inputs.eval_data_path, data.eval));
   AIDN_RETURN_IF_ERROR(WriteFile(script_path, GnuplotScript(inputs)));
 
-  const std::string log = dir->path() + "/gnuplot.log";
-  AIDN_ASSIGN_OR_RETURN(const int exit_code, Spawn({options.gnuplot, script_path}, log));
-  if (exit_code != 0) {
-    std::ifstream file(log);
-    const std::string said((std::istreambuf_iterator<char>(file)), {});
-    return absl::InternalError(
-        absl::StrCat("gnuplot failed (exit ", exit_code, "): ", OneLine(said, 400)));
-  }
+  AIDN_RETURN_IF_ERROR(RunGnuplot(options.gnuplot, script_path, dir->path() + "/gnuplot.log"));
   AIDN_RETURN_IF_ERROR(output->Commit());
-  *env.out << "wrote " << options.output_path << ": " << train_count
-           << (train_count == 1 ? " step, " : " steps, ") << eval_count
-           << (eval_count == 1 ? " evaluation" : " evaluations") << "\n";
+  *env.out << "wrote " << options.output_path << ": " << data.train_count
+           << (data.train_count == 1 ? " step, " : " steps, ") << data.eval_count
+           << (data.eval_count == 1 ? " evaluation" : " evaluations") << "\n";
   env.out->flush();
   return absl::OkStatus();
 }

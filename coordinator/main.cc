@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,6 +62,10 @@ std::chrono::milliseconds Millis(absl::Duration d) {
   return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
 }
 
+std::string Format(std::chrono::milliseconds ms) {
+  return absl::FormatDuration(absl::FromChrono(ms));
+}
+
 absl::Status MakeDirs(const std::string& path) {
   std::string partial;
   for (size_t i = 0; i <= path.size(); ++i) {
@@ -78,45 +84,63 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// Debian's Abseil is built without NDEBUG, so its Mutex runs the deadlock
+// detector on every lock (ours and gRPC's, which uses absl::Mutex) through
+// one global graph lock: 5 % of the coordinator's CPU under 10,000 workers,
+// and a point where every RPC thread serialises. A debugging aid; optimised
+// builds go without it, as they would with a release Abseil.
+void TurnOffDeadlockDetectionWhenOptimised() {
 #ifdef NDEBUG
-  // Debian's Abseil is built without NDEBUG, so its Mutex runs the deadlock
-  // detector on every lock (ours and gRPC's, which uses absl::Mutex) through
-  // one global graph lock: 5 % of the coordinator's CPU under 10,000
-  // workers, and a point where every RPC thread serialises. A debugging aid;
-  // optimised builds go without it, as they would with a release Abseil.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 #endif
-  absl::SetProgramUsageMessage("the aidn training coordinator");
-  if (aidn::PrintFlagsHelpIfAsked(argc, argv,
-                                  "aidn-coordinator: the aidn training coordinator\n"
-                                  "usage: aidn-coordinator [flags]",
-                                  "coordinator/main.cc")) {
-    return 0;
-  }
-  std::vector<std::string> arg_storage;
-  std::vector<char*> args = aidn::NormalizeFlagNames(argc, argv, &arg_storage);
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+}
 
+// False (after saying why on stderr) when --log_level names no level.
+bool SetLogLevelFromFlag() {
   aidn::LogLevel level;
   if (!aidn::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
     std::fprintf(stderr, "aidn-coordinator: --log_level: unknown level \"%s\"\n",
                  absl::GetFlag(FLAGS_log_level).c_str());
-    return 2;
+    return false;
   }
   aidn::SetMinLogLevel(level);
+  return true;
+}
 
-  // Signals are taken by sigwait below, so block them in every thread first.
+// Signals are taken by sigwait in Serve, so they are blocked in every thread
+// first: call before any thread starts.
+sigset_t BlockStopSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
 
-  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
-  aidn::coordinator::CoordinatorOptions options;
+// Everything the flags say, typed. coordinator.registry is set by Serve.
+struct Config {
+  std::string state_dir;
+  std::string addr_file;
+  std::string token_file;
+  std::string metrics_addr;       // empty: no /metrics
+  std::string metrics_addr_file;  // empty: not written
+  std::string log_level;
+  std::chrono::milliseconds tick{0};
+  aidn::coordinator::CoordinatorOptions coordinator;
+  aidn::coordinator::ServerOptions server;
+};
+
+absl::StatusOr<Config> ConfigFromFlags() {
+  Config config;
+  config.state_dir = absl::GetFlag(FLAGS_state_dir);
+  config.addr_file = absl::GetFlag(FLAGS_addr_file);
+  config.token_file = absl::GetFlag(FLAGS_token_file);
+  config.metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
+  config.metrics_addr_file = absl::GetFlag(FLAGS_metrics_addr_file);
+  config.log_level = absl::GetFlag(FLAGS_log_level);
+  config.tick = Millis(absl::GetFlag(FLAGS_tick_interval));
+  aidn::coordinator::CoordinatorOptions& options = config.coordinator;
   options.spec_limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   options.spec_limits.default_worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
   options.spec_limits.default_rendezvous_timeout = Millis(absl::GetFlag(FLAGS_rendezvous_timeout));
@@ -125,73 +149,83 @@ int main(int argc, char** argv) {
   options.worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
   options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
   options.metrics_retention = Millis(absl::GetFlag(FLAGS_metrics_retention));
-  aidn::metrics::Registry registry;
-  aidn::metrics::AddProcessMetrics(&registry);
-  options.registry = &registry;
-  aidn::coordinator::ServerOptions server_options;
-  server_options.listen = absl::GetFlag(FLAGS_listen);
-  server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  const std::chrono::milliseconds tick = Millis(absl::GetFlag(FLAGS_tick_interval));
+  config.server.listen = absl::GetFlag(FLAGS_listen);
+  config.server.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
 
   if (options.spec_limits.max_world_size < 1 || options.heartbeat_interval.count() <= 0 ||
-      options.worker_timeout <= options.heartbeat_interval || tick.count() <= 0 ||
-      options.stop_grace.count() < 0 || server_options.max_message_bytes < 1024 ||
+      options.worker_timeout <= options.heartbeat_interval || config.tick.count() <= 0 ||
+      options.stop_grace.count() < 0 || config.server.max_message_bytes < 1024 ||
       options.metrics_retention.count() < 0) {
-    return Fail(absl::InvalidArgumentError(
+    return absl::InvalidArgumentError(
         "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
         "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024, "
-        "--metrics_retention >= 0, --stop_grace >= 0"));
+        "--metrics_retention >= 0, --stop_grace >= 0");
   }
+  return config;
+}
 
+// The resolved configuration as a two-column table.
+void LogConfiguration(const Config& config) {
+  const aidn::coordinator::CoordinatorOptions& options = config.coordinator;
   aidn::LogConfigTable(
       absl::StrCat("aidn-coordinator ", AIDN_VERSION, " configuration:"),
-      {{"listen", server_options.listen},
-       {"state_dir", state_dir},
-       {"addr_file", absl::GetFlag(FLAGS_addr_file)},
-       {"token_file", absl::GetFlag(FLAGS_token_file)},
+      {{"listen", config.server.listen},
+       {"state_dir", config.state_dir},
+       {"addr_file", config.addr_file},
+       {"token_file", config.token_file},
        {"max_world_size", absl::StrCat(options.spec_limits.max_world_size)},
-       {"heartbeat_interval", absl::FormatDuration(absl::GetFlag(FLAGS_heartbeat_interval))},
-       {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
-       {"worker_timeout", absl::FormatDuration(absl::GetFlag(FLAGS_worker_timeout))},
-       {"rendezvous_timeout", absl::FormatDuration(absl::GetFlag(FLAGS_rendezvous_timeout))},
+       {"heartbeat_interval", Format(options.heartbeat_interval)},
+       {"stop_grace", Format(options.stop_grace)},
+       {"worker_timeout", Format(options.worker_timeout)},
+       {"rendezvous_timeout", Format(options.spec_limits.default_rendezvous_timeout)},
        {"max_restarts", absl::StrCat(options.spec_limits.default_max_restarts)},
-       {"max_message_bytes", absl::StrCat(server_options.max_message_bytes)},
-       {"tick_interval", absl::FormatDuration(absl::GetFlag(FLAGS_tick_interval))},
-       {"metrics_addr", absl::GetFlag(FLAGS_metrics_addr)},
-       {"metrics_retention", absl::FormatDuration(absl::GetFlag(FLAGS_metrics_retention))},
-       {"log_level", absl::GetFlag(FLAGS_log_level)}});
+       {"max_message_bytes", absl::StrCat(config.server.max_message_bytes)},
+       {"tick_interval", Format(config.tick)},
+       {"metrics_addr", config.metrics_addr},
+       {"metrics_retention", Format(options.metrics_retention)},
+       {"log_level", config.log_level}});
+}
 
-  if (absl::Status s = MakeDirs(state_dir); !s.ok()) return Fail(s);
+// Serves /metrics on config.metrics_addr and writes where to
+// config.metrics_addr_file; null when config.metrics_addr is empty.
+absl::StatusOr<std::unique_ptr<aidn::metrics::HttpServer>> StartMetricsServer(
+    const Config& config, aidn::metrics::Registry* registry) {
+  if (config.metrics_addr.empty()) return nullptr;
+  AIDN_ASSIGN_OR_RETURN(
+      std::unique_ptr<aidn::metrics::HttpServer> server,
+      aidn::metrics::HttpServer::Start({.address = config.metrics_addr}, registry));
+  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address());
+  if (!config.metrics_addr_file.empty()) {
+    AIDN_RETURN_IF_ERROR(
+        aidn::WriteFileAtomically(config.metrics_addr_file, server->address() + "\n"));
+  }
+  return server;
+}
+
+// Opens the state, starts serving, and runs until one of `signals` arrives.
+int Serve(Config config, const sigset_t& signals) {
+  aidn::metrics::Registry registry;
+  aidn::metrics::AddProcessMetrics(&registry);
+  config.coordinator.registry = &registry;
+
+  if (absl::Status s = MakeDirs(config.state_dir); !s.ok()) return Fail(s);
   auto auth = aidn::coordinator::Authenticator::Create(
-      {.state_dir = state_dir, .token_file = absl::GetFlag(FLAGS_token_file)});
+      {.state_dir = config.state_dir, .token_file = config.token_file});
   if (!auth.ok()) return Fail(auth.status());
-  auto store = aidn::coordinator::Store::Open({.path = state_dir + "/coordinator.db"});
+  auto store = aidn::coordinator::Store::Open({.path = config.state_dir + "/coordinator.db"});
   if (!store.ok()) return Fail(store.status());
   auto coordinator =
-      aidn::coordinator::Coordinator::Create(options, *std::move(store), auth->get());
+      aidn::coordinator::Coordinator::Create(config.coordinator, *std::move(store), auth->get());
   if (!coordinator.ok()) return Fail(coordinator.status());
-  auto server = aidn::coordinator::Server::Start(server_options, coordinator->get(), auth->get());
+  auto server = aidn::coordinator::Server::Start(config.server, coordinator->get(), auth->get());
   if (!server.ok()) return Fail(server.status());
-  (*coordinator)->StartTicker(tick);
-  std::unique_ptr<aidn::metrics::HttpServer> metrics_server;
-  if (!absl::GetFlag(FLAGS_metrics_addr).empty()) {
-    auto started =
-        aidn::metrics::HttpServer::Start({.address = absl::GetFlag(FLAGS_metrics_addr)}, &registry);
-    if (!started.ok()) return Fail(started.status());
-    metrics_server = *std::move(started);
-    AIDN_LOG(INFO) << "serving /metrics" << Kv("address", metrics_server->address());
-    if (const std::string file = absl::GetFlag(FLAGS_metrics_addr_file); !file.empty()) {
-      if (absl::Status s = aidn::WriteFileAtomically(file, metrics_server->address() + "\n");
-          !s.ok()) {
-        return Fail(s);
-      }
-    }
-  }
+  (*coordinator)->StartTicker(config.tick);
+  auto metrics_server = StartMetricsServer(config, &registry);
+  if (!metrics_server.ok()) return Fail(metrics_server.status());
 
   const std::string& address = (*server)->address();
-  if (!absl::GetFlag(FLAGS_addr_file).empty()) {
-    if (absl::Status s = aidn::WriteFileAtomically(absl::GetFlag(FLAGS_addr_file), address + "\n");
-        !s.ok()) {
+  if (!config.addr_file.empty()) {
+    if (absl::Status s = aidn::WriteFileAtomically(config.addr_file, address + "\n"); !s.ok()) {
       return Fail(s);
     }
   }
@@ -206,6 +240,29 @@ int main(int argc, char** argv) {
   (*server)->Shutdown(std::chrono::seconds(2));
   (*coordinator)->StopTicker();
   // /metrics calls into the coordinator: stop it before the coordinator goes.
-  metrics_server.reset();
+  metrics_server->reset();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  TurnOffDeadlockDetectionWhenOptimised();
+  absl::SetProgramUsageMessage("the aidn training coordinator");
+  if (aidn::PrintFlagsHelpIfAsked(argc, argv,
+                                  "aidn-coordinator: the aidn training coordinator\n"
+                                  "usage: aidn-coordinator [flags]",
+                                  "coordinator/main.cc")) {
+    return 0;
+  }
+  std::vector<std::string> arg_storage;
+  std::vector<char*> args = aidn::NormalizeFlagNames(argc, argv, &arg_storage);
+  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (!SetLogLevelFromFlag()) return 2;
+
+  const sigset_t signals = BlockStopSignals();
+  absl::StatusOr<Config> config = ConfigFromFlags();
+  if (!config.ok()) return Fail(config.status());
+  LogConfiguration(*config);
+  return Serve(*std::move(config), signals);
 }

@@ -368,6 +368,124 @@ absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string
   return absl::OkStatus();
 }
 
+// world_size, device and threads_per_rank: where and on what the ranks run.
+absl::Status ValidatePlacement(const SpecLimits& limits, const v1::JobSpec& spec) {
+  using v1::JobSpec;
+  AIDN_RETURN_IF_ERROR(CheckIntRange("world_size", spec.world_size(), 1, limits.max_world_size));
+  switch (spec.device()) {
+    case JobSpec::CPU:
+    case JobSpec::GPU:
+      break;
+    case JobSpec::DEVICE_UNSPECIFIED:
+      return Invalid("device", "not set (defaults were not applied)");
+    default:
+      return Invalid("device", absl::StrCat("unknown value ", static_cast<int>(spec.device()),
+                                            " (known: cpu, gpu)"));
+  }
+  return CheckIntRange("threads_per_rank", spec.threads_per_rank(), 1, kMaxThreadsPerRank);
+}
+
+// batch_size, epochs and max_steps: how much training there is.
+absl::Status ValidateLength(const v1::JobSpec& spec) {
+  AIDN_RETURN_IF_ERROR(CheckIntRange("batch_size", spec.batch_size(), 1, kMaxBatchSize));
+  AIDN_RETURN_IF_ERROR(CheckIntRange("epochs", spec.epochs(), 0, kMaxEpochs));
+  AIDN_RETURN_IF_ERROR(CheckIntRange("max_steps", spec.max_steps(), 0, kMaxSteps));
+  if (spec.epochs() == 0 && spec.max_steps() == 0) {
+    return Invalid("epochs", "one of epochs and max_steps must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+// strategy, bucket_mb and grad_accum_steps: how gradients are combined.
+absl::Status ValidateParallelism(const v1::JobSpec& spec) {
+  using v1::JobSpec;
+  switch (spec.strategy()) {
+    case JobSpec::DDP:
+      break;
+    case JobSpec::ZERO1:
+    case JobSpec::ZERO2:
+    case JobSpec::FSDP:
+      return Invalid("strategy", absl::StrCat(JobSpec::Strategy_Name(spec.strategy()),
+                                              " is reserved and not supported yet (use ddp)"));
+    case JobSpec::STRATEGY_UNSPECIFIED:
+      return Invalid("strategy", "not set (defaults were not applied)");
+    default:
+      return Invalid("strategy", absl::StrCat("unknown value ", static_cast<int>(spec.strategy()),
+                                              " (known: ddp)"));
+  }
+  if (!spec.has_bucket_mb()) return Invalid("bucket_mb", "not set (defaults were not applied)");
+  if (!std::isfinite(spec.bucket_mb()) || spec.bucket_mb() <= 0 ||
+      spec.bucket_mb() > kMaxBucketMb) {
+    return Invalid("bucket_mb",
+                   absl::StrCat("must be a finite number in (0, 1024], got ", spec.bucket_mb()));
+  }
+  return CheckIntRange("grad_accum_steps", spec.grad_accum_steps(), 1, kMaxGradAccumSteps);
+}
+
+absl::Status ValidatePrecision(const v1::JobSpec& spec) {
+  using v1::JobSpec;
+  switch (spec.precision()) {
+    case JobSpec::FP32:
+      return absl::OkStatus();
+    case JobSpec::BF16:
+    case JobSpec::FP16:
+      if (spec.device() != JobSpec::GPU) {
+        return Invalid("precision", absl::StrCat(JobSpec::Precision_Name(spec.precision()),
+                                                 " is for device: gpu (CPU jobs compute in fp32)"));
+      }
+      return absl::OkStatus();
+    case JobSpec::PRECISION_UNSPECIFIED:
+      return Invalid("precision", "not set (defaults were not applied)");
+    default:
+      return Invalid("precision", absl::StrCat("unknown value ", static_cast<int>(spec.precision()),
+                                               " (known: fp32, bf16, fp16)"));
+  }
+}
+
+absl::Status ValidateCommBackend(const v1::JobSpec& spec) {
+  using v1::JobSpec;
+  switch (spec.comm_backend()) {
+    case JobSpec::AUTO:
+      return absl::OkStatus();
+    case JobSpec::GLOO:
+    case JobSpec::SHM:
+      if (spec.device() == JobSpec::GPU) {
+        return Invalid("comm_backend", absl::StrCat(JobSpec::CommBackend_Name(spec.comm_backend()),
+                                                    " is for CPU jobs (GPU jobs use NCCL): "
+                                                    "leave it unset or auto"));
+      }
+      return absl::OkStatus();
+    case JobSpec::COMM_BACKEND_UNSPECIFIED:
+      return Invalid("comm_backend", "not set (defaults were not applied)");
+    default:
+      return Invalid("comm_backend",
+                     absl::StrCat("unknown value ", static_cast<int>(spec.comm_backend()),
+                                  " (known: auto, gloo, shm)"));
+  }
+}
+
+// allow_tf32, cuda_graphs and fast_convolutions mean something on a GPU only.
+absl::Status ValidateGpuOnlySwitches(const v1::JobSpec& spec) {
+  using v1::JobSpec;
+  if (spec.allow_tf32() && spec.device() != JobSpec::GPU) {
+    return Invalid("allow_tf32", "is for device: gpu (CPU jobs compute in fp32)");
+  }
+  if (spec.cuda_graphs() && spec.device() != JobSpec::GPU) {
+    return Invalid("cuda_graphs", "is for device: gpu (CPU steps launch no kernels)");
+  }
+  if (spec.fast_convolutions() && spec.device() != JobSpec::GPU) {
+    return Invalid("fast_convolutions", "is for device: gpu (cuDNN's convolution algorithms)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateMaxRestarts(const v1::JobSpec& spec) {
+  if (!spec.has_max_restarts()) {
+    return Invalid("max_restarts", "not set (defaults were not applied)");
+  }
+  return CheckIntRange("max_restarts", spec.max_restarts(), 0, kMaxRestarts);
+}
+
 }  // namespace
 
 void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
@@ -434,110 +552,22 @@ void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
   }
 }
 
+// Reports the first problem, checking in a fixed order, so a spec with several
+// problems always gets the same one.
 absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) {
-  using v1::JobSpec;
   AIDN_RETURN_IF_ERROR(CheckText("name", spec.name(), kMaxNameBytes));
-  AIDN_RETURN_IF_ERROR(CheckIntRange("world_size", spec.world_size(), 1, limits.max_world_size));
-
-  switch (spec.device()) {
-    case JobSpec::CPU:
-    case JobSpec::GPU:
-      break;
-    case JobSpec::DEVICE_UNSPECIFIED:
-      return Invalid("device", "not set (defaults were not applied)");
-    default:
-      return Invalid("device", absl::StrCat("unknown value ", static_cast<int>(spec.device()),
-                                            " (known: cpu, gpu)"));
-  }
-  AIDN_RETURN_IF_ERROR(
-      CheckIntRange("threads_per_rank", spec.threads_per_rank(), 1, kMaxThreadsPerRank));
-
+  AIDN_RETURN_IF_ERROR(ValidatePlacement(limits, spec));
   AIDN_RETURN_IF_ERROR(ValidateModel(spec.model()));
   AIDN_RETURN_IF_ERROR(ValidateDataset(spec.dataset()));
   AIDN_RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
   AIDN_RETURN_IF_ERROR(ValidateLrSchedule(spec.lr_schedule(), spec.optimizer().lr()));
-
-  AIDN_RETURN_IF_ERROR(CheckIntRange("batch_size", spec.batch_size(), 1, kMaxBatchSize));
-  AIDN_RETURN_IF_ERROR(CheckIntRange("epochs", spec.epochs(), 0, kMaxEpochs));
-  AIDN_RETURN_IF_ERROR(CheckIntRange("max_steps", spec.max_steps(), 0, kMaxSteps));
-  if (spec.epochs() == 0 && spec.max_steps() == 0) {
-    return Invalid("epochs", "one of epochs and max_steps must be > 0");
-  }
-
-  switch (spec.strategy()) {
-    case JobSpec::DDP:
-      break;
-    case JobSpec::ZERO1:
-    case JobSpec::ZERO2:
-    case JobSpec::FSDP:
-      return Invalid("strategy", absl::StrCat(JobSpec::Strategy_Name(spec.strategy()),
-                                              " is reserved and not supported yet (use ddp)"));
-    case JobSpec::STRATEGY_UNSPECIFIED:
-      return Invalid("strategy", "not set (defaults were not applied)");
-    default:
-      return Invalid("strategy", absl::StrCat("unknown value ", static_cast<int>(spec.strategy()),
-                                              " (known: ddp)"));
-  }
-  if (!spec.has_bucket_mb()) return Invalid("bucket_mb", "not set (defaults were not applied)");
-  if (!std::isfinite(spec.bucket_mb()) || spec.bucket_mb() <= 0 ||
-      spec.bucket_mb() > kMaxBucketMb) {
-    return Invalid("bucket_mb",
-                   absl::StrCat("must be a finite number in (0, 1024], got ", spec.bucket_mb()));
-  }
-  AIDN_RETURN_IF_ERROR(
-      CheckIntRange("grad_accum_steps", spec.grad_accum_steps(), 1, kMaxGradAccumSteps));
-
-  switch (spec.precision()) {
-    case JobSpec::FP32:
-      break;
-    case JobSpec::BF16:
-    case JobSpec::FP16:
-      if (spec.device() != JobSpec::GPU) {
-        return Invalid("precision", absl::StrCat(JobSpec::Precision_Name(spec.precision()),
-                                                 " is for device: gpu (CPU jobs compute in fp32)"));
-      }
-      break;
-    case JobSpec::PRECISION_UNSPECIFIED:
-      return Invalid("precision", "not set (defaults were not applied)");
-    default:
-      return Invalid("precision", absl::StrCat("unknown value ", static_cast<int>(spec.precision()),
-                                               " (known: fp32, bf16, fp16)"));
-  }
-
-  switch (spec.comm_backend()) {
-    case JobSpec::AUTO:
-      break;
-    case JobSpec::GLOO:
-    case JobSpec::SHM:
-      if (spec.device() == JobSpec::GPU) {
-        return Invalid("comm_backend", absl::StrCat(JobSpec::CommBackend_Name(spec.comm_backend()),
-                                                    " is for CPU jobs (GPU jobs use NCCL): "
-                                                    "leave it unset or auto"));
-      }
-      break;
-    case JobSpec::COMM_BACKEND_UNSPECIFIED:
-      return Invalid("comm_backend", "not set (defaults were not applied)");
-    default:
-      return Invalid("comm_backend",
-                     absl::StrCat("unknown value ", static_cast<int>(spec.comm_backend()),
-                                  " (known: auto, gloo, shm)"));
-  }
-
-  if (spec.allow_tf32() && spec.device() != JobSpec::GPU) {
-    return Invalid("allow_tf32", "is for device: gpu (CPU jobs compute in fp32)");
-  }
-  if (spec.cuda_graphs() && spec.device() != JobSpec::GPU) {
-    return Invalid("cuda_graphs", "is for device: gpu (CPU steps launch no kernels)");
-  }
-  if (spec.fast_convolutions() && spec.device() != JobSpec::GPU) {
-    return Invalid("fast_convolutions", "is for device: gpu (cuDNN's convolution algorithms)");
-  }
-
+  AIDN_RETURN_IF_ERROR(ValidateLength(spec));
+  AIDN_RETURN_IF_ERROR(ValidateParallelism(spec));
+  AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
+  AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
+  AIDN_RETURN_IF_ERROR(ValidateGpuOnlySwitches(spec));
   AIDN_RETURN_IF_ERROR(ValidateCheckpoint(spec.checkpoint()));
-  if (!spec.has_max_restarts()) {
-    return Invalid("max_restarts", "not set (defaults were not applied)");
-  }
-  AIDN_RETURN_IF_ERROR(CheckIntRange("max_restarts", spec.max_restarts(), 0, kMaxRestarts));
+  AIDN_RETURN_IF_ERROR(ValidateMaxRestarts(spec));
   AIDN_RETURN_IF_ERROR(ValidateTimeouts(spec.timeouts()));
   AIDN_RETURN_IF_ERROR(CheckIntRange("priority", spec.priority(), -kMaxPriority, kMaxPriority));
   return ValidateLabels(spec.labels());

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -160,8 +161,65 @@ int RunTrainMode() {
   return aidn::trainer::RunTrainer(options);
 }
 
-int RunDaemonMode(const std::string& log_level) {
+// Signals are taken by sigwait in ServeDaemon, so they are blocked in every
+// thread first (the supervisor gives trainers an empty mask again): call
+// before any thread starts.
+sigset_t BlockStopSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
+
+// The daemon's flags, typed, with what the configuration table shows besides
+// the options. options.registry is set by RunDaemonMode.
+struct DaemonConfig {
   aidn::worker::DaemonOptions options;
+  std::string token_file;         // where options.token came from; empty: --token
+  std::string gpus_line;          // the GPUs found, and whether they are offered
+  std::string blas_override;      // what trainers get for their GEMM kernels; empty: none
+  std::string metrics_addr;       // empty: no /metrics
+  std::string metrics_addr_file;  // empty: not written
+  std::string log_level;
+};
+
+// The join token from --token-file or --token (at most one of them).
+absl::StatusOr<std::string> TokenFromFlags() {
+  const std::string token_file = absl::GetFlag(FLAGS_token_file);
+  if (!token_file.empty() && !absl::GetFlag(FLAGS_token).empty()) {
+    return absl::InvalidArgumentError("pass --token-file or --token, not both");
+  }
+  if (!token_file.empty()) return ReadToken(token_file);
+  return absl::GetFlag(FLAGS_token);
+}
+
+// The GPUs this node has, offered in `options` only by a binary whose
+// trainers can use them; returns the table's line about them.
+std::string OfferGpus(aidn::worker::DaemonOptions* options) {
+  const aidn::engine::DeviceInventory devices = aidn::engine::DiscoverDevices();
+  std::vector<std::string> gpu_names;
+  for (const aidn::engine::GpuDescription& gpu : devices.gpus) {
+    gpu_names.push_back(
+        absl::StrCat(gpu.index, ": ", gpu.name, " (", gpu.memory_bytes / (1024 * 1024), " MiB)"));
+  }
+  std::string gpus_line = gpu_names.empty() ? absl::StrCat("none (", devices.gpu_note, ")")
+                                            : absl::StrJoin(gpu_names, ", ");
+  if (aidn::engine::GpuSessionAvailable()) {
+    options->gpus = devices.gpus;
+  } else if (!devices.gpus.empty()) {
+    gpus_line = absl::StrCat(gpus_line, "; not offered: this binary has no GPU trainer (run ",
+                             "aidn-worker-gpu)");
+    AIDN_LOG(WARNING) << "this node has GPUs but aidn-worker cannot train on them; run "
+                         "aidn-worker-gpu to offer them";
+  }
+  return gpus_line;
+}
+
+absl::StatusOr<DaemonConfig> DaemonConfigFromFlags(const std::string& log_level) {
+  DaemonConfig config;
+  aidn::worker::DaemonOptions& options = config.options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.hostname = Hostname();
   options.worker_id = absl::GetFlag(FLAGS_worker_id);
@@ -174,60 +232,26 @@ int RunDaemonMode(const std::string& log_level) {
   options.trainer_log_level = log_level;
   options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
   options.version = AIDN_VERSION;
-  aidn::metrics::Registry registry;
-  aidn::metrics::AddProcessMetrics(&registry);
-  const std::string metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
-  if (!metrics_addr.empty()) options.registry = &registry;
+  config.metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
+  config.metrics_addr_file = absl::GetFlag(FLAGS_metrics_addr_file);
+  config.log_level = log_level;
 
-  const std::string token_file = absl::GetFlag(FLAGS_token_file);
-  if (!token_file.empty() && !absl::GetFlag(FLAGS_token).empty()) {
-    return Fail("aidn-worker",
-                absl::InvalidArgumentError("pass --token-file or --token, not both"));
-  }
-  if (!token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadToken(token_file);
-    if (!token.ok()) return Fail("aidn-worker", token.status());
-    options.token = *std::move(token);
-  } else {
-    options.token = absl::GetFlag(FLAGS_token);
-  }
-
-  const aidn::engine::DeviceInventory devices = aidn::engine::DiscoverDevices();
-  std::vector<std::string> gpu_names;
-  for (const aidn::engine::GpuDescription& gpu : devices.gpus) {
-    gpu_names.push_back(
-        absl::StrCat(gpu.index, ": ", gpu.name, " (", gpu.memory_bytes / (1024 * 1024), " MiB)"));
-  }
-  std::string gpus_line = gpu_names.empty() ? absl::StrCat("none (", devices.gpu_note, ")")
-                                            : absl::StrJoin(gpu_names, ", ");
-  // GPUs are offered only by a binary whose trainers can use them.
-  if (aidn::engine::GpuSessionAvailable()) {
-    options.gpus = devices.gpus;
-  } else if (!devices.gpus.empty()) {
-    gpus_line = absl::StrCat(gpus_line, "; not offered: this binary has no GPU trainer (run ",
-                             "aidn-worker-gpu)");
-    AIDN_LOG(WARNING) << "this node has GPUs but aidn-worker cannot train on them; run "
-                         "aidn-worker-gpu to offer them";
-  }
-
+  config.token_file = absl::GetFlag(FLAGS_token_file);
+  AIDN_ASSIGN_OR_RETURN(options.token, TokenFromFlags());
+  config.gpus_line = OfferGpus(&options);
   if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
     options.cuda_visible_devices = visible;
   }
   // AVX-512 GEMM kernels for the trainers where OpenBLAS would not pick them.
-  const std::string blas_override = aidn::engine::BlasCoreOverride();
-  if (!blas_override.empty()) options.trainer_env.push_back(blas_override);
+  config.blas_override = aidn::engine::BlasCoreOverride();
+  if (!config.blas_override.empty()) options.trainer_env.push_back(config.blas_override);
+  return config;
+}
 
-  // Signals are taken by sigwait below, so block them in every thread first
-  // (the supervisor gives trainers an empty mask again).
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
-  absl::StatusOr<std::unique_ptr<aidn::worker::Daemon>> daemon =
-      aidn::worker::Daemon::Create(options);
-  const aidn::worker::DaemonOptions& resolved = daemon.ok() ? (*daemon)->options() : options;
+// The configuration as a two-column table: `resolved` is what the daemon made
+// of config.options (or config.options itself when it refused them).
+void LogDaemonConfiguration(const DaemonConfig& config,
+                            const aidn::worker::DaemonOptions& resolved) {
   std::string trainer = resolved.trainer_binary;
   if (trainer == "/proc/self/exe") {
     char self[PATH_MAX + 1] = {};
@@ -237,43 +261,69 @@ int RunDaemonMode(const std::string& log_level) {
   aidn::LogConfigTable(
       absl::StrCat("aidn-worker ", AIDN_VERSION, " configuration:"),
       {{"coordinator", resolved.coordinator},
-       {"token", token_file.empty() ? (resolved.token.empty() ? "(none)" : "(from --token)")
-                                    : absl::StrCat("(from ", token_file, ")")},
+       {"token", config.token_file.empty() ? (resolved.token.empty() ? "(none)" : "(from --token)")
+                                           : absl::StrCat("(from ", config.token_file, ")")},
        {"worker_id", resolved.worker_id},
        {"hostname", resolved.hostname},
        {"address", resolved.address},
        {"cpu_slots", absl::StrCat(resolved.cpu_slots)},
-       {"gpus", gpus_line},
+       {"gpus", config.gpus_line},
        {"work_dir", resolved.work_dir},
        {"checkpoint_root", resolved.checkpoint_root},
        {"trainer_binary", trainer},
-       {"trainer_blas", blas_override.empty()
-                            ? aidn::engine::BlasCoreName()
-                            : absl::StrCat(aidn::engine::BlasCoreName(), " -> ", blas_override)},
-       {"stop_grace", absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace))},
-       {"metrics_addr", metrics_addr.empty() ? "(off)" : metrics_addr},
-       {"log_level", log_level}});
-  if (!daemon.ok()) return Fail("aidn-worker", daemon.status());
-  std::unique_ptr<aidn::metrics::HttpServer> metrics_server;
-  if (!metrics_addr.empty()) {
-    auto started = aidn::metrics::HttpServer::Start({.address = metrics_addr}, &registry);
-    if (!started.ok()) return Fail("aidn-worker", started.status());
-    metrics_server = *std::move(started);
-    AIDN_LOG(INFO) << "serving /metrics" << aidn::Kv("address", metrics_server->address());
-    if (const std::string file = absl::GetFlag(FLAGS_metrics_addr_file); !file.empty()) {
-      absl::Status s = aidn::WriteFileAtomically(file, metrics_server->address() + "\n");
-      if (!s.ok()) return Fail("aidn-worker", s);
-    }
+       {"trainer_blas", config.blas_override.empty() ? aidn::engine::BlasCoreName()
+                                                     : absl::StrCat(aidn::engine::BlasCoreName(),
+                                                                    " -> ", config.blas_override)},
+       {"stop_grace", absl::FormatDuration(absl::FromChrono(config.options.stop_grace))},
+       {"metrics_addr", config.metrics_addr.empty() ? "(off)" : config.metrics_addr},
+       {"log_level", config.log_level}});
+}
+
+// Serves /metrics on config.metrics_addr and writes where to
+// config.metrics_addr_file; null when config.metrics_addr is empty.
+absl::StatusOr<std::unique_ptr<aidn::metrics::HttpServer>> StartMetricsServer(
+    const DaemonConfig& config, aidn::metrics::Registry* registry) {
+  if (config.metrics_addr.empty()) return nullptr;
+  AIDN_ASSIGN_OR_RETURN(
+      std::unique_ptr<aidn::metrics::HttpServer> server,
+      aidn::metrics::HttpServer::Start({.address = config.metrics_addr}, registry));
+  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address());
+  if (!config.metrics_addr_file.empty()) {
+    AIDN_RETURN_IF_ERROR(
+        aidn::WriteFileAtomically(config.metrics_addr_file, server->address() + "\n"));
   }
-  if (absl::Status s = (*daemon)->Start(); !s.ok()) return Fail("aidn-worker", s);
+  return server;
+}
+
+// Starts /metrics and the daemon, and runs until one of `signals` arrives.
+int ServeDaemon(aidn::worker::Daemon& daemon, const DaemonConfig& config,
+                aidn::metrics::Registry* registry, const sigset_t& signals) {
+  auto metrics_server = StartMetricsServer(config, registry);
+  if (!metrics_server.ok()) return Fail("aidn-worker", metrics_server.status());
+  if (absl::Status s = daemon.Start(); !s.ok()) return Fail("aidn-worker", s);
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   AIDN_LOG(INFO) << "signal received; stopping trainers and exiting" << Kv("signal", signal_number);
-  (*daemon)->Shutdown();
+  daemon.Shutdown();
   // /metrics calls into the daemon: stop it before the daemon goes.
-  metrics_server.reset();
+  metrics_server->reset();
   return 0;
+}
+
+int RunDaemonMode(const std::string& log_level) {
+  absl::StatusOr<DaemonConfig> config = DaemonConfigFromFlags(log_level);
+  if (!config.ok()) return Fail("aidn-worker", config.status());
+  aidn::metrics::Registry registry;
+  aidn::metrics::AddProcessMetrics(&registry);
+  if (!config->metrics_addr.empty()) config->options.registry = &registry;
+
+  const sigset_t signals = BlockStopSignals();
+  absl::StatusOr<std::unique_ptr<aidn::worker::Daemon>> daemon =
+      aidn::worker::Daemon::Create(config->options);
+  LogDaemonConfiguration(*config, daemon.ok() ? (*daemon)->options() : config->options);
+  if (!daemon.ok()) return Fail("aidn-worker", daemon.status());
+  return ServeDaemon(**daemon, *config, &registry, signals);
 }
 
 }  // namespace
