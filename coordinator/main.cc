@@ -25,6 +25,7 @@
 #include "common/metrics/process_stats.h"
 #include "common/metrics/registry.h"
 #include "common/status.h"
+#include "common/stop_signals.h"
 #include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/server.h"
@@ -107,17 +108,6 @@ bool SetLogLevelFromFlag() {
   return true;
 }
 
-// Signals are taken by sigwait in Serve, so they are blocked in every thread
-// first: call before any thread starts.
-sigset_t BlockStopSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  return signals;
-}
-
 // Everything the flags say, typed. coordinator.registry is set by Serve.
 struct Config {
   std::string state_dir;
@@ -186,22 +176,6 @@ void LogConfiguration(const Config& config) {
        {"log_level", config.log_level}});
 }
 
-// Serves /metrics on config.metrics_addr and writes where to
-// config.metrics_addr_file; null when config.metrics_addr is empty.
-absl::StatusOr<std::unique_ptr<aidn::metrics::HttpServer>> StartMetricsServer(
-    const Config& config, aidn::metrics::Registry* registry) {
-  if (config.metrics_addr.empty()) return nullptr;
-  AIDN_ASSIGN_OR_RETURN(
-      std::unique_ptr<aidn::metrics::HttpServer> server,
-      aidn::metrics::HttpServer::Start({.address = config.metrics_addr}, registry));
-  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address());
-  if (!config.metrics_addr_file.empty()) {
-    AIDN_RETURN_IF_ERROR(
-        aidn::WriteFileAtomically(config.metrics_addr_file, server->address() + "\n"));
-  }
-  return server;
-}
-
 // Opens the state, starts serving, and runs until one of `signals` arrives.
 int Serve(Config config, const sigset_t& signals) {
   aidn::metrics::Registry registry;
@@ -220,7 +194,8 @@ int Serve(Config config, const sigset_t& signals) {
   auto server = aidn::coordinator::Server::Start(config.server, coordinator->get(), auth->get());
   if (!server.ok()) return Fail(server.status());
   (*coordinator)->StartTicker(config.tick);
-  auto metrics_server = StartMetricsServer(config, &registry);
+  auto metrics_server =
+      aidn::metrics::StartMetricsEndpoint(config.metrics_addr, config.metrics_addr_file, &registry);
   if (!metrics_server.ok()) return Fail(metrics_server.status());
 
   const std::string& address = (*server)->address();
@@ -260,7 +235,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   if (!SetLogLevelFromFlag()) return 2;
 
-  const sigset_t signals = BlockStopSignals();
+  const sigset_t signals = aidn::BlockStopSignals();
   absl::StatusOr<Config> config = ConfigFromFlags();
   if (!config.ok()) return Fail(config.status());
   LogConfiguration(*config);

@@ -40,6 +40,7 @@
 #include "common/metrics/process_stats.h"
 #include "common/metrics/registry.h"
 #include "common/status.h"
+#include "common/stop_signals.h"
 #include "worker/daemon.h"
 #include "worker/engine/cpu.h"
 #include "worker/engine/device.h"
@@ -161,18 +162,6 @@ int RunTrainMode() {
   return aidn::trainer::RunTrainer(options);
 }
 
-// Signals are taken by sigwait in ServeDaemon, so they are blocked in every
-// thread first (the supervisor gives trainers an empty mask again): call
-// before any thread starts.
-sigset_t BlockStopSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  return signals;
-}
-
 // The daemon's flags, typed, with what the configuration table shows besides
 // the options. options.registry is set by RunDaemonMode.
 struct DaemonConfig {
@@ -279,26 +268,11 @@ void LogDaemonConfiguration(const DaemonConfig& config,
        {"log_level", config.log_level}});
 }
 
-// Serves /metrics on config.metrics_addr and writes where to
-// config.metrics_addr_file; null when config.metrics_addr is empty.
-absl::StatusOr<std::unique_ptr<aidn::metrics::HttpServer>> StartMetricsServer(
-    const DaemonConfig& config, aidn::metrics::Registry* registry) {
-  if (config.metrics_addr.empty()) return nullptr;
-  AIDN_ASSIGN_OR_RETURN(
-      std::unique_ptr<aidn::metrics::HttpServer> server,
-      aidn::metrics::HttpServer::Start({.address = config.metrics_addr}, registry));
-  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address());
-  if (!config.metrics_addr_file.empty()) {
-    AIDN_RETURN_IF_ERROR(
-        aidn::WriteFileAtomically(config.metrics_addr_file, server->address() + "\n"));
-  }
-  return server;
-}
-
 // Starts /metrics and the daemon, and runs until one of `signals` arrives.
 int ServeDaemon(aidn::worker::Daemon& daemon, const DaemonConfig& config,
                 aidn::metrics::Registry* registry, const sigset_t& signals) {
-  auto metrics_server = StartMetricsServer(config, registry);
+  auto metrics_server =
+      aidn::metrics::StartMetricsEndpoint(config.metrics_addr, config.metrics_addr_file, registry);
   if (!metrics_server.ok()) return Fail("aidn-worker", metrics_server.status());
   if (absl::Status s = daemon.Start(); !s.ok()) return Fail("aidn-worker", s);
 
@@ -318,7 +292,7 @@ int RunDaemonMode(const std::string& log_level) {
   aidn::metrics::AddProcessMetrics(&registry);
   if (!config->metrics_addr.empty()) config->options.registry = &registry;
 
-  const sigset_t signals = BlockStopSignals();
+  const sigset_t signals = aidn::BlockStopSignals();
   absl::StatusOr<std::unique_ptr<aidn::worker::Daemon>> daemon =
       aidn::worker::Daemon::Create(config->options);
   LogDaemonConfiguration(*config, daemon.ok() ? (*daemon)->options() : config->options);

@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -167,5 +168,18 @@ HttpServer::~HttpServer() {
 int HttpServer::port() const { return impl_->port; }
 
 std::string HttpServer::address() const { return JoinHostPort(impl_->host, impl_->port); }
+
+absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const std::string& address,
+                                                                 const std::string& address_file,
+                                                                 Registry* registry) {
+  if (address.empty()) return nullptr;
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<HttpServer> server,
+                        HttpServer::Start({.address = address}, registry));
+  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address());
+  if (!address_file.empty()) {
+    AIDN_RETURN_IF_ERROR(WriteFileAtomically(address_file, server->address() + "\n"));
+  }
+  return server;
+}
 
 }  // namespace aidn::metrics

@@ -41,6 +41,14 @@ class HttpServer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Serves `registry` on `address` and, when `address_file` is not empty,
+// writes the address it got there ("host:port\n", atomically: tests and
+// scripts read it to find an ephemeral port). Null when `address` is empty
+// (/metrics off).
+absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const std::string& address,
+                                                                 const std::string& address_file,
+                                                                 Registry* registry);
+
 }  // namespace aidn::metrics
 
 #endif  // AIDN_COMMON_METRICS_HTTP_SERVER_H_

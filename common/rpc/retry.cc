@@ -25,7 +25,8 @@ Backoff::Backoff(const BackoffOptions& options)
 
 milliseconds Backoff::Next() {
   const milliseconds wait = current_;
-  current_ = std::min(std::max(current_ * 2, milliseconds(1)), std::max(options_.max, options_.initial));
+  current_ =
+      std::min(std::max(current_ * 2, milliseconds(1)), std::max(options_.max, options_.initial));
   return wait;
 }
 

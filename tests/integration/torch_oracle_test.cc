@@ -490,8 +490,7 @@ TEST_P(TorchOracle, EndsTwentyStepsWithinOneInTenThousandOfPyTorch) {
   std::string against = "reference";
   std::string losses_file = absl::StrCat(prefix, c.optimizer, "_losses.f64");
   const std::string native_path = absl::StrCat(prefix, c.optimizer, "_native.safetensors");
-  if (d.worst >= kTolerance && torch_spread >= kTolerance &&
-      std::filesystem::exists(native_path)) {
+  if (d.worst >= kTolerance && torch_spread >= kTolerance && std::filesystem::exists(native_path)) {
     absl::StatusOr<TensorMap> native = ReadSafetensors(native_path);
     ASSERT_TRUE(native.ok()) << native.status();
     const Distance n = Compare(got, *native, *init);

@@ -192,7 +192,8 @@ std::optional<Failure> RankTraining::Connect() {
   gloo.timeout = timeout;
   gloo.prefix = "gloo";
   comm_options.transport = CpuTransportOf(spec_);
-  absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(comm_options, store.get());
+  absl::StatusOr<engine::CpuCommunicator> comm =
+      engine::CreateCpuCommunicator(comm_options, store.get());
   if (!comm.ok()) return FailureFor(comm.status(), "communicator");
   AIDN_LOG(INFO) << "communicator ready" << Kv("transport", comm->transport)
                  << Kv("why", comm->description);

@@ -10,10 +10,9 @@ namespace {
 using std::chrono::milliseconds;
 
 TEST(Transient, CoordinatorAwayOrBusyIsWorthAnotherCall) {
-  for (grpc::StatusCode code :
-       {grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::DEADLINE_EXCEEDED,
-        grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::ABORTED,
-        grpc::StatusCode::CANCELLED}) {
+  for (grpc::StatusCode code : {grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::DEADLINE_EXCEEDED,
+                                grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::ABORTED,
+                                grpc::StatusCode::CANCELLED}) {
     EXPECT_TRUE(Transient(code)) << code;
     EXPECT_TRUE(Transient(grpc::Status(code, "x"))) << code;
   }

@@ -15,8 +15,8 @@
 #include "common/checkpoint_manifest.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/engine/loss.h"
 #include "worker/engine/cpu_session.h"
+#include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 
