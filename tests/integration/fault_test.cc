@@ -378,7 +378,10 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
 // named, killed (not left behind), and the job recovers.
 TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
   StartWorkers({"w1", "w2"});
-  v1::JobSpec spec = Spec(2, 600);
+  // Long enough that the stop lands mid-training, not after a rank is done
+  // (600 steps can all be over, on a busy machine, before the test sees the
+  // first commit).
+  v1::JobSpec spec = Spec(2, 3000);
   spec.mutable_timeouts()->mutable_progress()->set_seconds(3);
   const std::string id = Submit(spec);
   ASSERT_TRUE(WaitForCommitted(id, 50));
@@ -391,6 +394,7 @@ TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {
       kLong));
   ASSERT_EQ(::kill(pids[0], SIGSTOP), 0);
   const auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_LT(Get(id).last_step(), 3000) << "the job ended before the stop";
   ASSERT_TRUE(WaitFor([&] { return Get(id).generation() >= 2; }, seconds(30))) << EventText(id);
   const double detected_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
@@ -529,7 +533,9 @@ TEST_F(FaultTest, ALateTrainerOfAnOldGenerationIsRefused) {
 // 1..N ends up recorded exactly once.
 TEST_F(FaultTest, ARankKilledRightAfterACheckpointLosesNoMetricStep) {
   StartWorkers({"w1", "w2"});
-  constexpr int64_t kSteps = 1500;
+  // Long enough that rank 1 is still training when the first checkpoint
+  // lands, however busy the machine.
+  constexpr int64_t kSteps = 3000;
   for (bool kill_coordinator : {false, true}) {
     SCOPED_TRACE(kill_coordinator ? "with the coordinator killed too" : "rank only");
     const std::string id = Submit(Spec(2, kSteps));
