@@ -568,6 +568,9 @@ std::optional<Failure> RankTraining::AfterStep(const Plan& plan, int64_t step, i
   }
   const int64_t every = spec_.checkpoint().every_steps();
   if (!checkpoint_dir_.empty() && ((every > 0 && (step + 1) % every == 0) || last)) {
+    // Every rank's records up to the step, not only the writer's, must be
+    // stored before the checkpoint counts: they go now.
+    reporter_->SendNow();
     return Checkpoint(step + 1, plan.steps_per_epoch, plan.total_steps);
   }
   return std::nullopt;

@@ -68,6 +68,14 @@ void Reporter::Record(v1::MetricRecord record) {
   records_.push_back(std::move(record));
 }
 
+void Reporter::SendNow() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    next_send_ = Clock::now();
+  }
+  cv_.notify_all();
+}
+
 void Reporter::Commit(v1::CommitCheckpointRequest request) {
   {
     std::lock_guard<std::mutex> lock(mu_);

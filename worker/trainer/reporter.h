@@ -84,6 +84,11 @@ class Reporter {
   // Queues a commit; commits are sent in order, each after the records up
   // to its step, and retried until the coordinator answers.
   void Commit(v1::CommitCheckpointRequest request);
+  // Sends the records held now rather than at the next report period: every
+  // rank calls it at a checkpoint step, since the coordinator makes the
+  // checkpoint a resume point only once every rank's records up to it are
+  // stored.
+  void SendNow();
   // The rank's position, for the next beat.
   void Progress(int64_t step, int32_t epoch, int64_t collective_seq, int64_t total_steps);
 

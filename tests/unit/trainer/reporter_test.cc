@@ -205,6 +205,18 @@ TEST_F(ReporterTest, CloseSendsAgainWhatARestartedCoordinatorDidNotStore) {
   for (size_t i = 1; i + 1 < events.size(); ++i) EXPECT_EQ(events[i], "records") << i;
 }
 
+TEST_F(ReporterTest, SendNowSendsBeforeTheReportPeriod) {
+  std::unique_ptr<Reporter> reporter = MakeReporter();  // a report period of an hour
+  reporter->Record(Train(1));
+  reporter->Record(Train(2));
+  reporter->SendNow();
+  ASSERT_TRUE(coordinator_.WaitFor([](const std::vector<std::string>& events) {
+    return !events.empty();
+  })) << "nothing sent";
+  EXPECT_THAT(coordinator_.events(), ElementsAre("records 1,2"));
+  reporter->Close(milliseconds(5000));
+}
+
 TEST_F(ReporterTest, ConcurrentClosesAllReturn) {
   std::unique_ptr<Reporter> reporter = MakeReporter();
   reporter->Record(Train(1));
