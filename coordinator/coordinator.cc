@@ -119,9 +119,11 @@ void Coordinator::LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* defe
     }
   }
   if (job.state() == Job::RESTARTING) entry->restart_at = now + RestartDelay(job);
-  // A succeeded job too: the last process may have ended before it could
-  // commit the final checkpoint whose metrics it had stored.
-  if (!IsTerminal(job.state()) || job.state() == Job::SUCCEEDED) {
+  // A job that succeeded recently too: the last process may have ended
+  // before it could commit the final checkpoint whose metrics it had stored.
+  // Older ones had a running coordinator's ticks for that (and reading every
+  // old job's checkpoints would slow every start).
+  if (!IsTerminal(job.state()) || (job.state() == Job::SUCCEEDED && !ingest_.PastRetention(job))) {
     LoadAwaitingCheckpoints(entry.get(), deferred);
   }
   jobs_[job.id()] = std::move(entry);

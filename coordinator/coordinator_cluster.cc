@@ -483,7 +483,7 @@ std::vector<int64_t> Coordinator::CompleteCheckpoints(JobEntry* entry,
   if (done->committed.empty()) return {};
   std::vector<int64_t> committed;
   for (const v1::Checkpoint& c : done->committed) {
-    Emit("checkpoint.committed", job.id(), "", job.generation(),
+    Emit("checkpoint.committed", job.id(), "", c.generation(),
          absl::StrCat("step ", c.step(), " at ", c.path(), " (its metrics are stored)"), deferred);
     committed.push_back(c.step());
   }
@@ -536,7 +536,7 @@ absl::StatusOr<bool> Coordinator::CommitCheckpointLocked(const v1::CommitCheckpo
   std::vector<int64_t> retired;
   retired.swap(entry->checkpoints.retired_untold);
   if (outcome.newly_committed) {
-    Emit("checkpoint.committed", job.id(), "", job.generation(),
+    Emit("checkpoint.committed", job.id(), "", request.generation(),
          absl::StrCat("step ", request.step(), " at ", request.path()), &deferred);
     for (int64_t step :
          checkpoints_.ApplyRetention(job, &entry->checkpoints, &outcome.checkpoints)) {

@@ -50,6 +50,9 @@ StopSignal::StopSignal(const StopSignalOptions& options) : options_(options) {
                       << Kv("errno", errno);
     return;
   }
+  // The handler must never block: once the watcher has taken the first
+  // signal it reads no more, and a full pipe would hang a later handler.
+  fcntl(pipe_[1], F_SETFL, O_NONBLOCK);
   g_wake_fd.store(pipe_[1]);
   struct sigaction action = {};
   action.sa_handler = OnSignal;
