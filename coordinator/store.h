@@ -2,9 +2,9 @@
 #define AIDN_COORDINATOR_STORE_H_
 
 // The coordinator's durable state in one SQLite file (WAL mode, a schema
-// version table and forward migrations): jobs, workers, events, checkpoints
-// and the jobs' per-step metrics. Rows hold the serialized v1 protos beside the columns
-// queries filter on, so the schema follows the API without a migration per
+// version table and forward migrations): jobs, workers, events, checkpoints,
+// the jobs' per-step metrics and their ranks' output lines. Rows hold the serialized v1 protos
+// beside the columns queries filter on, so the schema follows the API without a migration per
 // field.
 //
 // Thread-safe: one connection behind a mutex. Each call is one transaction.
@@ -21,6 +21,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "aidn/v1/cluster.pb.h"
+#include "aidn/v1/coordinator.pb.h"
 #include "aidn/v1/job.pb.h"
 
 struct sqlite3;
@@ -108,6 +110,46 @@ class Store {
   absl::StatusOr<std::optional<v1::StepMetrics>> LastStepOfGeneration(const std::string& job_id,
                                                                       int64_t generation,
                                                                       int64_t after_step);
+
+  // The ranks' output lines (store_logs.cc), in the order they arrived.
+  //
+  // AppendLogs stores the chunks' lines in one transaction. Per rank of a
+  // generation, lines numbered below the next one expected are stored
+  // already (a worker sending again what it was not sure went through) and
+  // are skipped. A job's lines count their text plus one byte each; past
+  // max_bytes_per_job (0: no bound) its oldest lines are deleted, down to
+  // 7/8 of the bound so that this happens once in a while rather than at
+  // every batch, and counted as dropped. Returns the lines stored.
+  absl::StatusOr<int64_t> AppendLogs(const std::vector<v1::LogChunk>& chunks,
+                                     int64_t max_bytes_per_job);
+  struct LogQuery {
+    std::string job_id;
+    // -1: any.
+    int32_t rank = -1;
+    int64_t generation = -1;
+    // Lines stored after the line with this id (0: from the first).
+    int64_t after_id = 0;
+  };
+  struct StoredLogLine {
+    // Arrival order, increasing, never reused.
+    int64_t id = 0;
+    v1::LogEntry entry;
+  };
+  // Lines matching `query`, oldest first, at most `limit` (0: 1000).
+  absl::StatusOr<std::vector<StoredLogLine>> ReadLogs(const LogQuery& query, int limit);
+  // The after_id from which `query` reads only its newest `n` lines.
+  absl::StatusOr<int64_t> LogTailStart(const LogQuery& query, int n);
+  struct JobLogState {
+    int64_t bytes = 0;
+    int64_t dropped_lines = 0;
+    int64_t dropped_bytes = 0;
+    // The ranks of `generation` (LogState's argument) whose output ended
+    // and is all stored.
+    std::vector<int32_t> complete_ranks;
+  };
+  absl::StatusOr<JobLogState> LogState(const std::string& job_id, int64_t generation);
+  // Every line and count of the job (its log retention ran out).
+  absl::Status DeleteLogs(const std::string& job_id);
 
  private:
   Store(sqlite3* db, std::string path);

@@ -751,6 +751,9 @@ void MakeOldMetricsFile(const std::string& path, int version,
                         const std::vector<v1::MetricRecord>& records) {
   std::string sql = R"sql(
       DROP TABLE steps;
+      DROP TABLE log_lines;
+      DROP TABLE log_streams;
+      DROP TABLE log_jobs;
       CREATE TABLE metrics(job_id TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL,
                            kind INTEGER NOT NULL, record BLOB NOT NULL);
       CREATE INDEX metrics_job_id_step_rank ON metrics(job_id, step, rank);)sql";
@@ -782,7 +785,7 @@ TEST_F(StoreTest, OpenCombinesTheRanksRecordsOfAnOlderFileIntoSteps) {
 
     std::unique_ptr<Store> store = OpenStore();
     ASSERT_NE(store, nullptr);
-    EXPECT_EQ(store->SchemaVersion(), 3);
+    EXPECT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
     absl::StatusOr<std::vector<v1::StepMetrics>> steps = store->GetSteps("job-1", 0, 0, 0);
     ASSERT_TRUE(steps.ok()) << steps.status();
     ASSERT_EQ(steps->size(), 3u);
