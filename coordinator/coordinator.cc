@@ -53,7 +53,8 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Stor
       checkpoints_(store_.get(), clock_),
       ingest_({.step_log = options.step_log, .metrics_retention = options.metrics_retention},
               &metrics_, store_.get(), clock_),
-      watch_(store_.get()) {}
+      watch_(store_.get()),
+      logs_(options.logs, store_.get()) {}
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const CoordinatorOptions& options,
                                                                  std::unique_ptr<Store> store,
@@ -181,6 +182,7 @@ void Coordinator::StartTicker(milliseconds interval) {
     while (!stop->WaitForNotificationWithDeadline(next)) {
       Tick();
       FlushSteps();
+      TickLogs();
       next = std::max(next + absl::FromChrono(interval), absl::Now());
     }
     FlushSteps();
@@ -373,7 +375,10 @@ absl::Status Coordinator::SetState(JobEntry* entry, Job::State state, const std:
 }
 
 void Coordinator::NotifyWatchers(const std::string& job_id, Deferred* deferred) {
-  deferred->Add([this, job_id]() { watchers_.Notify(job_id); });
+  deferred->Add([this, job_id]() {
+    watchers_.Notify(job_id);
+    log_followers_.Notify(job_id);
+  });
 }
 
 void Coordinator::AssignmentsChanged(const std::set<std::string>& workers, Deferred* deferred) {

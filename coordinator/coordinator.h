@@ -52,6 +52,7 @@
 #include "coordinator/deferred.h"
 #include "coordinator/failure_detector.h"
 #include "coordinator/held_heartbeats.h"
+#include "coordinator/job_logs.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/metric_ingest.h"
 #include "coordinator/metrics.h"
@@ -94,6 +95,8 @@ struct CoordinatorOptions {
   // whose beats stopped for more than three of these (a stopped or wedged
   // process) is named as the culprit rather than the ranks waiting for it.
   std::chrono::milliseconds trainer_beat_interval{1000};
+  // The ranks' output lines: per-job bound, retention, followers' wait.
+  JobLogsOptions logs;
 };
 
 class Coordinator {
@@ -184,6 +187,20 @@ class Coordinator {
   // step the job's records are in the store (the ticker's batched flushes
   // put them there; this does not flush), and the incarnation.
   absl::StatusOr<v1::StreamMetricsResponse> MetricsReceipt(const std::string& job_id);
+
+  // --- The ranks' output lines (coordinator_logs.cc) ---
+  // A worker's lines: stored (chunks of jobs this coordinator does not know
+  // are dropped), then the jobs' log followers are woken.
+  absl::Status ShipLogs(const v1::ShipLogsRequest& request);
+  // ReadLogs: subscribe (followers), then pull. NOT_FOUND for an unknown
+  // job; Subscribe is for followers only.
+  absl::Status SubscribeLogs(const std::string& job_id, WatchSubscriber* subscriber);
+  void UnsubscribeLogs(const std::string& job_id, WatchSubscriber* subscriber);
+  absl::StatusOr<LogBatch> PollLogs(const v1::ReadLogsRequest& request, LogCursor* cursor);
+  // The ticker's part for logs, after each tick: once a second wakes the log
+  // followers (one waiting for a lost rank's lines ends after the settle
+  // time), once a minute deletes finished jobs' lines past their retention.
+  void TickLogs();
 
   // Random, made once per process: trainers that see it change know the
   // coordinator restarted and send again what it may have lost.
@@ -349,6 +366,10 @@ class Coordinator {
   HeldHeartbeats held_ ABSL_GUARDED_BY(mu_);
   MetricIngest ingest_ ABSL_GUARDED_BY(mu_);
   WatchStreams watch_;
+  // Thread-safe on its own (it only talks to the store).
+  JobLogs logs_;
+  // Jobs whose lines were deleted (retention), not to be deleted again.
+  std::set<std::string> logs_deleted_ ABSL_GUARDED_BY(mu_);
   // Jobs holding slots by the workers their ranks are placed on, so that a
   // heartbeat (thousands a second with 10,000 workers) or a worker's view
   // looks at its own jobs rather than at every placement of every job.
@@ -360,6 +381,11 @@ class Coordinator {
 
   // Thread-safe; its lock is taken without mu_ held.
   WatchSubscribers watchers_;
+  // ReadLogs followers, woken by ShipLogs, job changes and TickLogs.
+  WatchSubscribers log_followers_;
+  // TickLogs' clocks (the ticker thread's only).
+  absl::Time logs_woken_ = absl::InfinitePast();
+  absl::Time logs_pruned_ = absl::InfinitePast();
 
   absl::Mutex ticker_mu_;
   std::thread ticker_;

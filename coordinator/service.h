@@ -43,6 +43,9 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::CallbackServ
   grpc::ServerUnaryReactor* GetMetrics(grpc::CallbackServerContext* context,
                                        const v1::GetMetricsRequest* request,
                                        v1::GetMetricsResponse* response) override;
+  // In service_logs.cc.
+  grpc::ServerWriteReactor<v1::ReadLogsResponse>* ReadLogs(
+      grpc::CallbackServerContext* context, const v1::ReadLogsRequest* request) override;
 
  private:
   Coordinator* const coordinator_;
@@ -89,6 +92,10 @@ class ClusterServiceImpl final : public v1::ClusterService::CallbackService {
   grpc::ServerUnaryReactor* ReportCheckpointInvalid(
       grpc::CallbackServerContext* context, const v1::ReportCheckpointInvalidRequest* request,
       v1::ReportCheckpointInvalidResponse* response) override;
+  // In service_logs.cc.
+  grpc::ServerUnaryReactor* ShipLogs(grpc::CallbackServerContext* context,
+                                     const v1::ShipLogsRequest* request,
+                                     v1::ShipLogsResponse* response) override;
 
  private:
   Coordinator* const coordinator_;

@@ -27,6 +27,14 @@ void WatchSubscribers::Notify(const std::string& job_id) {
   for (WatchSubscriber* s : it->second) s->Notify();
 }
 
+std::vector<std::string> WatchSubscribers::Jobs() {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> jobs;
+  jobs.reserve(subscribers_.size());
+  for (const auto& [job_id, subscribers] : subscribers_) jobs.push_back(job_id);
+  return jobs;
+}
+
 absl::StatusOr<bool> WatchStreams::PollMemory(const v1::WatchJobRequest& request,
                                               const v1::Job& job, int64_t version,
                                               const StepLog* steps, WatchCursor* cursor,

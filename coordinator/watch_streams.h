@@ -61,6 +61,8 @@ class WatchSubscribers {
   void Remove(const std::string& job_id, WatchSubscriber* subscriber);
   // Notifies the job's subscribers (never call under the coordinator's mutex).
   void Notify(const std::string& job_id);
+  // The jobs with a subscriber now.
+  std::vector<std::string> Jobs();
 
  private:
   absl::Mutex mu_;
