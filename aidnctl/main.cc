@@ -18,9 +18,12 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "aidnctl/commands.h"
 #include "aidnctl/config.h"
 #include "aidnctl/export.h"
+#include "aidnctl/logs.h"
 #include "aidnctl/metrics.h"
 #include "aidnctl/output.h"
 #include "aidnctl/plot.h"
@@ -100,6 +103,10 @@ struct CommandLine {
   ctl::WatchOptions watch_options;
   ctl::MetricsOptions metrics_options;
   ctl::PlotOptions plot_options;
+  ctl::LogsOptions logs_options;
+  int32_t logs_rank = 0;
+  std::string logs_generation;
+  CLI::Option* logs_rank_flag = nullptr;
   std::string shell;
 
   CLI::App* submit = nullptr;
@@ -113,6 +120,7 @@ struct CommandLine {
   CLI::App* watch = nullptr;
   CLI::App* metrics = nullptr;
   CLI::App* plot = nullptr;
+  CLI::App* logs = nullptr;
   CLI::App* completion = nullptr;
   CLI::App* version = nullptr;
 };
@@ -255,6 +263,42 @@ void AddPlot(CLI::App& app, CommandLine& cl) {
       ->capture_default_str();
 }
 
+// "all" or a generation number.
+absl::StatusOr<int64_t> ParseGeneration(absl::string_view text) {
+  int64_t generation = 0;
+  if (text == "all") return -1;
+  if (!absl::SimpleAtoi(text, &generation) || generation < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a generation is a number >= 0 or \"all\", not \"", text, "\""));
+  }
+  return generation;
+}
+
+void AddLogs(CLI::App& app, CommandLine& cl) {
+  ctl::LogsOptions& o = cl.logs_options;
+  cl.logs = app.add_subcommand(
+      "logs",
+      "Print the ranks' output (stdout and stderr) as the workers shipped it to the coordinator, "
+      "each line prefixed [rank N] ([gen G rank N] with --generation all); default: the current "
+      "generation, every rank");
+  cl.logs->add_option("job", o.job_id, "Job ID")->required();
+  cl.logs_rank_flag =
+      cl.logs->add_option("--rank", cl.logs_rank, "Only this rank's lines")->check(kNotNegative);
+  cl.logs
+      ->add_option("--generation", cl.logs_generation,
+                   "This generation's lines, or \"all\" (default: the current one)")
+      ->check(Check(ParseGeneration, "GENERATION"));
+  cl.logs->add_option("--tail", o.tail, "Only the last N lines (then, with --follow, new ones)")
+      ->check(kNotNegative);
+  cl.logs->add_flag("-f,--follow", o.follow,
+                    "Keep printing new lines until the job has ended and its output is all in");
+  cl.logs
+      ->add_option("--reconnect-timeout", cl.reconnect_timeout,
+                   "With --follow: give up when the coordinator is gone this long")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
+}
+
 void AddCompletionAndVersion(CLI::App& app, CommandLine& cl) {
   cl.completion = app.add_subcommand("completion", "Print a shell completion script");
   cl.completion->add_option("shell", cl.shell, "Shell: bash")
@@ -349,6 +393,17 @@ absl::Status RunCommand(const ctl::CommandEnv& env, CommandLine& cl) {
   if (*cl.watch) return ctl::RunWatch(env, cl.watch_options);
   if (*cl.metrics) return ctl::RunMetrics(env, cl.metrics_options);
   if (*cl.plot) return ctl::RunPlot(env, cl.plot_options);
+  if (*cl.logs) {
+    ctl::LogsOptions options = cl.logs_options;
+    if (cl.logs_rank_flag->count() > 0) options.rank = cl.logs_rank;
+    if (!cl.logs_generation.empty()) {
+      const int64_t generation = *ParseGeneration(cl.logs_generation);
+      options.all_generations = generation < 0;
+      if (generation >= 0) options.generation = generation;
+    }
+    options.reconnect_timeout = *ctl::ParseTimeout(cl.reconnect_timeout);
+    return ctl::RunLogs(env, options);
+  }
   return absl::OkStatus();
 }
 
@@ -371,6 +426,7 @@ int main(int argc, char** argv) {
   AddWatch(app, cl);
   AddMetrics(app, cl);
   AddPlot(app, cl);
+  AddLogs(app, cl);
   AddCompletionAndVersion(app, cl);
   if (std::optional<int> exit_code = Parse(app, argc, argv)) return *exit_code;
 

@@ -84,7 +84,8 @@ absl::StatusOr<bool> JobLogs::GenerationDone(const v1::Job& job, absl::Time now,
 
 absl::StatusOr<LogBatch> JobLogs::Poll(const v1::ReadLogsRequest& request, const v1::Job& job,
                                        absl::Time now, LogCursor* cursor, int max_responses) {
-  if (!cursor->started) {
+  const bool first = !cursor->started;
+  if (first) {
     cursor->generation = request.all_generations()  ? -1
                          : request.has_generation() ? request.generation()
                                                     : job.generation();
@@ -126,6 +127,8 @@ absl::StatusOr<LogBatch> JobLogs::Poll(const v1::ReadLogsRequest& request, const
       *r.add_lines() = std::move(line.entry);
     }
   }
+  // The first answer says the stream is open, even with nothing in it.
+  if (first && batch.responses.empty()) batch.responses.emplace_back();
   batch.finished = !more && (!request.follow() || done);
   return batch;
 }

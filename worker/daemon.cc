@@ -154,6 +154,10 @@ Daemon::Daemon(const DaemonOptions& options)
                                           std::vector<v1::StopOrder> stops) {
                                      SetAssignments(std::move(assignments), std::move(stops));
                                    }});
+  log_shipper_ = std::make_unique<LogShipper>(
+      LogShipperOptions{.worker_id = options_.worker_id},
+      MakeGrpcLogSink(options_.coordinator, options_.token, options_.rpc_timeout,
+                      options_.max_message_bytes));
 }
 
 Daemon::~Daemon() { Shutdown(); }
@@ -170,6 +174,7 @@ absl::Status Daemon::Start() {
     supervise_thread_ = std::thread([this] { SuperviseLoop(); });
   }
   link_->Start();
+  log_shipper_->Start();
   return absl::OkStatus();
 }
 
@@ -185,6 +190,8 @@ void Daemon::Shutdown() {
   link_->StopHeartbeats();
   if (supervise_thread_.joinable()) supervise_thread_.join();
   link_->FinishReports(options_.shutdown_report_timeout);
+  // The trainers' last lines too.
+  log_shipper_->Stop(options_.shutdown_report_timeout);
 }
 
 // ---------------------------------------------------------------------------
@@ -350,6 +357,7 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
     trainers_[{a.job_id(), a.generation(), a.rank()}] =
         Trainer{.child = *child, .pid = pid, .log_path = launch->log_path};
   }
+  log_shipper_->Follow({a.job_id(), a.generation(), a.rank()}, launch->log_path);
   auto [seen, first] = generation_started_.try_emplace(a.job_id(), a.generation());
   if (metrics_ != nullptr) {
     metrics_->trainers_started.Increment();
@@ -396,6 +404,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     }
     if (!found) continue;  // not a trainer of ours (cannot happen)
     finished_.insert(key);
+    log_shipper_->Ended({key.job_id, key.generation, key.rank});
     const std::string how = exit.signal != 0 ? absl::StrCat("signal ", exit.signal)
                                              : absl::StrCat("code ", exit.exit_code);
     const bool clean = exit.signal == 0 && exit.exit_code == 0;

@@ -32,6 +32,7 @@
 #include "worker/coordinator_link.h"
 #include "worker/engine/device.h"
 #include "worker/launch.h"
+#include "worker/log_shipper.h"
 #include "worker/metrics.h"
 #include "worker/supervisor.h"
 
@@ -178,6 +179,8 @@ class Daemon {
   std::unique_ptr<WorkerMetrics> metrics_;
   Supervisor supervisor_;
   std::unique_ptr<CoordinatorLink> link_;
+  // Ships each trainer's output file to the coordinator (thread-safe).
+  std::unique_ptr<LogShipper> log_shipper_;
 
   // Serialises Shutdown() calls.
   absl::Mutex shutdown_mu_;
