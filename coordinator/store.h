@@ -118,8 +118,9 @@ class Store {
   // already (a worker sending again what it was not sure went through) and
   // are skipped. A job's lines count their text plus one byte each; past
   // max_bytes_per_job (0: no bound) its oldest lines are deleted, down to
-  // 7/8 of the bound so that this happens once in a while rather than at
-  // every batch, and counted as dropped. Returns the lines stored.
+  // 63/64 of the bound, and counted as dropped: a job printing without end
+  // deletes about a batch's worth with each batch (a 64 MiB bound: 1 MiB),
+  // so no one call holds the store for long. Returns the lines stored.
   absl::StatusOr<int64_t> AppendLogs(const std::vector<v1::LogChunk>& chunks,
                                      int64_t max_bytes_per_job);
   struct LogQuery {

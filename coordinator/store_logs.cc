@@ -84,7 +84,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> InsertChunk(sqlite3* db, const v1::L
 }
 
 // Adds `added` bytes to the job's count and, past `max_bytes`, deletes its
-// oldest lines down to 7/8 of it.
+// oldest lines down to 63/64 of it.
 absl::Status KeepWithinBound(sqlite3* db, const std::string& job_id, int64_t added,
                              int64_t max_bytes, const std::string& context) {
   AIDN_ASSIGN_OR_RETURN(Statement add, Statement::Prepare(db, R"sql(
@@ -99,7 +99,7 @@ absl::Status KeepWithinBound(sqlite3* db, const std::string& job_id, int64_t add
   AIDN_RETURN_IF_ERROR(add.Run());  // RETURNING: step to the end
   if (max_bytes <= 0 || bytes <= max_bytes) return absl::OkStatus();
 
-  const int64_t excess = bytes - max_bytes / 8 * 7;
+  const int64_t excess = bytes - (max_bytes - max_bytes / 64);
   AIDN_ASSIGN_OR_RETURN(Statement oldest, Statement::Prepare(db, R"sql(
       SELECT id, length(text) + 1 FROM log_lines WHERE job_id = ? ORDER BY id)sql",
                                                              context));

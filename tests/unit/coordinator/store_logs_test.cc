@@ -113,14 +113,13 @@ TEST_F(StoreLogsTest, AJobPastItsBoundKeepsItsNewestLinesAndCountsTheDropped) {
   Append({Chunk("j", 1, 0, 10, 100)}, /*max_bytes=*/400);
   state = store_->LogState("j", 1);
   ASSERT_TRUE(state.ok());
-  // Down to 7/8 of the bound: 350 bytes, i.e. the newest 43 lines (344 bytes).
-  EXPECT_LE(state->bytes, 350);
-  EXPECT_GT(state->bytes, 340);
-  EXPECT_EQ(state->dropped_lines, 100 - 43);
-  EXPECT_EQ(state->dropped_bytes, 70 + 90 * 8 - state->bytes);
+  // Down to 63/64 of the bound, 394 bytes: the newest 49 lines (392 bytes).
+  EXPECT_EQ(state->bytes, 392);
+  EXPECT_EQ(state->dropped_lines, 100 - 49);
+  EXPECT_EQ(state->dropped_bytes, 70 + 90 * 8 - 392);
   std::vector<std::string> kept = Read({.job_id = "j"});
-  ASSERT_EQ(kept.size(), 43u);
-  EXPECT_EQ(kept.front(), "g1 r0 line 57");
+  ASSERT_EQ(kept.size(), 49u);
+  EXPECT_EQ(kept.front(), "g1 r0 line 51");
   EXPECT_EQ(kept.back(), "g1 r0 line 99");
   // Other jobs are untouched, and dropped lines are not taken again.
   EXPECT_EQ(Read({.job_id = "small"}).size(), 3u);
