@@ -506,15 +506,26 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
   // Only workers heard from within this job's worker timeout: one silent
   // longer would fail the new generation on the next tick again.
   const milliseconds job_timeout = failures_.JobWorkerTimeout(job);
+  int refuse_commands = 0;
   const std::vector<WorkerSlots> snapshot = slots->Snapshot([&](const std::string& id) {
-    const Clock::TimePoint seen = workers_.at(id).last_seen;
+    const WorkerEntry& worker = workers_.at(id);
+    if (job.spec().has_command() && !worker.worker.info().runs_commands()) {
+      ++refuse_commands;
+      return false;
+    }
+    const Clock::TimePoint seen = worker.last_seen;
     if (now - seen > job_timeout) return false;
     return !(entry->unconfirmed_workers.contains(id) && seen < entry->failed_at);
   });
   absl::StatusOr<std::vector<v1::RankPlacement>> placement =
       PlaceGang(GangRequestOf(job.spec()), snapshot);
   if (!placement.ok()) {
-    const std::string reason(placement.status().message());
+    std::string reason(placement.status().message());
+    if (refuse_commands > 0) {
+      absl::StrAppend(&reason, " (", refuse_commands,
+                      " worker(s) run no command jobs: started with --no-command-jobs, or as "
+                      "root without --command-user)");
+    }
     if (reason != entry->waiting_reason) {
       entry->waiting_reason = reason;
       job.set_message(reason);

@@ -172,7 +172,10 @@ absl::StatusOr<bool> Coordinator::RecordTrainerExit(const v1::ReportTrainerExitR
                                            : absl::StrCat("exited with code ", request.exit_code());
   const bool clean = request.exit_code() == 0 && request.signal() == 0;
   // A clean exit's last log line is no reason for anything.
-  const std::string tail = clean ? "" : LastLine(request.stderr_tail());
+  // What the program said of its failure (torch's @record error file) is
+  // the best account, else its last log line.
+  const std::string tail =
+      clean ? "" : (!request.error().empty() ? request.error() : LastLine(request.stderr_tail()));
   std::string message = absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id(),
                                      " ", what, tail.empty() ? "" : ": " + tail);
   Emit("trainer.exited", job.id(), request.worker_id(), request.generation(), message, &deferred);
@@ -229,6 +232,7 @@ v1::HeartbeatResponse Coordinator::BuildHeartbeat(const std::string& worker_id) 
       a->set_slot(p.slot());
       *a->mutable_spec() = job.spec();
       a->set_trainer_token(entry->stored.trainer_token);
+      a->set_restarts(job.restarts());
     }
   }
   WorkerEntry& worker = workers_.at(worker_id);
