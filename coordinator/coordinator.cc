@@ -411,10 +411,16 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
 }
 
 void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, bool permanent,
-                                 Deferred* deferred) {
+                                 Deferred* deferred, std::optional<absl::Time> rank_exit_at) {
   Job& job = entry->stored.job;
   if (!HoldsSlots(job.state())) return;
   const int64_t generation = job.generation();
+  FailureCause& cause = entry->last_failure.emplace();
+  cause.generation = generation;
+  cause.at = rank_exit_at.value_or(clock_->WallNow());
+  cause.reason = reason;
+  cause.revisable = rank_exit_at.has_value();
+  for (const v1::RankPlacement& p : job.placement()) cause.workers.insert(p.worker_id());
   ReleaseGeneration(entry, reason,
                     absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ",
                                                                job.id(), " ended: ", reason)),
@@ -582,8 +588,9 @@ void Coordinator::CheckWorkers(Clock::TimePoint now, Deferred* deferred) {
     if (!silent.has_value()) continue;
     w.worker.set_state(v1::Worker::LOST);
     PersistWorker(w);
-    Emit("worker.lost", "", id, 0, absl::StrCat("no heartbeat for ", FormatMillis(*silent)),
-         deferred);
+    const std::string silence = absl::StrCat("no heartbeat for ", FormatMillis(*silent));
+    Emit("worker.lost", "", id, 0, silence, deferred);
+    WorkerLostForJobs(w, silence, deferred);
     // Answer its held heartbeat, if any, so the call does not hang.
     held_.FailWorker(id, absl::NotFoundError("worker was declared lost; register again"), deferred);
   }
