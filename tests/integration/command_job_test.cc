@@ -211,5 +211,18 @@ TEST_F(CommandJobTest, ARootWorkerWithoutACommandUserRunsNoCommandJobs) {
   ASSERT_TRUE(cluster().Cancel(job).ok());
 }
 
+TEST_F(CommandJobTest, ARankThatClosesItsOutputOrPrintsAHundredMegabytesIsFine) {
+  StartWorkers({"w1", "w2"});
+  // Rank 0 prints 100 MB in 1 MB lines and a last line; rank 1 closes
+  // stdout and stderr and goes on working.
+  const std::string script =
+      "if [ \"$RANK\" = 0 ]; then head -c 104857600 /dev/zero | tr '\\0' x | fold -w 1048576;"
+      " echo; echo last-line; else exec 1>&- 2>&-; sleep 1; fi; exit 0";
+  const std::string job = Submit(Spec({"/bin/sh", "-c", script}));
+  v1::Job last;
+  ASSERT_TRUE(cluster().WaitForState(job, v1::Job::SUCCEEDED, kJobTimeout, &last))
+      << last.message();
+}
+
 }  // namespace
 }  // namespace aidn::testing
