@@ -14,6 +14,7 @@
 #include "common/rpc/client.h"
 #include "common/status.h"
 #include "google/protobuf/util/time_util.h"
+#include "worker/c10d/store_server.h"
 
 namespace aidn::worker {
 namespace {
@@ -68,6 +69,22 @@ LaunchOptions LaunchOptionsOf(const DaemonOptions& o) {
           .cuda_visible_devices = o.cuda_visible_devices,
           .python_path = o.python_path,
           .command_user = o.command_user};
+}
+
+// A generation's c10d store: PyTorch's TCPStore protocol (worker/c10d).
+class C10dStore final : public GenerationStore {
+ public:
+  explicit C10dStore(std::unique_ptr<c10d::StoreServer> server) : server_(std::move(server)) {}
+  int port() const override { return server_->port(); }
+
+ private:
+  std::unique_ptr<c10d::StoreServer> server_;
+};
+
+absl::StatusOr<std::unique_ptr<GenerationStore>> StartC10dStore(const std::string& address) {
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<c10d::StoreServer> server,
+                        c10d::StoreServer::Start({.bind_address = address, .port = 0}));
+  return std::unique_ptr<GenerationStore>(new C10dStore(std::move(server)));
 }
 
 }  // namespace
@@ -129,6 +146,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   if (access(resolved.trainer_binary.c_str(), X_OK) != 0) {
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
+  if (!resolved.start_store) resolved.start_store = StartC10dStore;
   std::unique_ptr<Daemon> daemon(new Daemon(resolved));
   if (options.registry != nullptr) {
     Daemon* raw = daemon.get();

@@ -104,7 +104,7 @@ struct DaemonOptions {
   // ranks' PYTHONPATH ("" leaves it alone).
   std::string python_path;
   // Starts a generation's c10d store (see CommandAgentOptions::start_store);
-  // without it only command.store RANK0 jobs can run here.
+  // unset: PyTorch's TCPStore protocol, served by worker/c10d.
   std::function<absl::StatusOr<std::unique_ptr<GenerationStore>>(const std::string& address)>
       start_store;
   // Where the daemon's Prometheus metrics go (not owned); none when null.

@@ -112,7 +112,6 @@ class CommandJobTest : public ClusterFixture {
     spec.set_world_size(world_size);
     for (const std::string& arg : argv) spec.mutable_command()->add_argv(arg);
     spec.set_max_restarts(0);
-    spec.mutable_command()->set_store(v1::CommandSpec::RANK0);
     return spec;
   }
 
@@ -163,6 +162,49 @@ TEST_F(CommandJobTest, TwoRanksOnTwoWorkersGetTorchrunsContractAndSucceed) {
     groups.insert(r["GROUP_RANK"].get<std::string>());
   }
   EXPECT_EQ(groups, (std::set<std::string>{"0", "1"}));
+}
+
+TEST_F(CommandJobTest, EveryGenerationGetsANewStore) {
+  StartWorkers({"w1", "w2"});
+  v1::JobSpec spec = Spec({kPython, Script("ddp_env.py")});
+  spec.set_max_restarts(1);
+  spec.mutable_timeouts()->mutable_restart_backoff()->set_nanos(100'000'000);
+  // Rank 0 looks for the key in the store, then sets it; rank 1 fails
+  // generation 1 after the barrier.
+  (*spec.mutable_command()->mutable_env())["DDP_ENV_STORE_KEY"] = "left-by-an-earlier-generation";
+  (*spec.mutable_command()->mutable_env())["FAIL_IN_GENERATION"] = "1";
+  const std::string job = Submit(spec);
+  v1::Job last;
+  ASSERT_TRUE(cluster().WaitForState(job, v1::Job::SUCCEEDED, kJobTimeout, &last))
+      << last.message();
+  EXPECT_EQ(last.restarts(), 1);
+  std::map<int, nlohmann::json> gen1 = EnvReports(cluster(), job, 1);
+  std::map<int, nlohmann::json> gen2 = EnvReports(cluster(), job, 2);
+  ASSERT_TRUE(gen1.contains(0) && gen2.contains(0)) << cluster().EventText(job);
+  EXPECT_EQ(gen1[0]["saw_key"], false);
+  EXPECT_EQ(gen2[0]["saw_key"], false) << "generation 2 read generation 1's store";
+  EXPECT_EQ(gen2[0]["TORCHELASTIC_RESTART_COUNT"], "1");
+  EXPECT_EQ(gen1[0]["TORCHELASTIC_USE_AGENT_STORE"], "True");
+}
+
+TEST_F(CommandJobTest, TwoJobsOnTheSameWorkersNeverShareAStoreOrAPort) {
+  StartWorkers({"w1", "w2"}, {"--cpu-slots=2"});
+  const std::string a = Submit(Spec({kPython, Script("ddp_env.py")}));
+  v1::JobSpec rank0_binds = Spec({kPython, Script("ddp_env.py")});
+  rank0_binds.mutable_command()->set_store(v1::CommandSpec::RANK0);
+  const std::string b = Submit(rank0_binds);
+  for (const std::string& job : {a, b}) {
+    v1::Job last;
+    ASSERT_TRUE(cluster().WaitForState(job, v1::Job::SUCCEEDED, kJobTimeout, &last))
+        << job << ": " << last.message();
+  }
+  std::map<int, nlohmann::json> ra = EnvReports(cluster(), a, 1);
+  std::map<int, nlohmann::json> rb = EnvReports(cluster(), b, 1);
+  ASSERT_EQ(ra.size(), 2u);
+  ASSERT_EQ(rb.size(), 2u);
+  EXPECT_NE(ra[0]["MASTER_PORT"], rb[0]["MASTER_PORT"]);
+  EXPECT_EQ(rb[0]["TORCHELASTIC_USE_AGENT_STORE"], "False");
+  EXPECT_DOUBLE_EQ(rb[1]["sum"].get<double>(), 3.0);
 }
 
 TEST_F(CommandJobTest, AScriptThatRaisesFailsAfterItsRestartsWithTheExceptionNamed) {

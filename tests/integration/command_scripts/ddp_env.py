@@ -35,8 +35,8 @@ if store_key and rank == 0:
     import datetime
     raw = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                         datetime.timedelta(seconds=30))
-    report["saw_key"] = raw.check([store_key])
-    raw.set(store_key, "x")
+    # A counter: 1 when this generation's store never saw it before.
+    report["saw_key"] = raw.add(store_key, 1) > 1
 print("DDP_ENV " + json.dumps(report), flush=True)
 dist.barrier()
 fail_generation = os.environ.get("FAIL_IN_GENERATION")

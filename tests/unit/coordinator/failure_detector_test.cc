@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "coordinator/failure_detector.h"
+#include "coordinator/time_util.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -534,6 +535,14 @@ v1::ReportTrainerExitRequest ExitAt(const std::string& job_id, const std::string
   return r;
 }
 
+// Two ranks, and a restart backoff longer than the tests look, so the job
+// stays RESTARTING with the failure's reason in its message.
+v1::JobSpec SlowRestartSpec() {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_timeouts()->mutable_restart_backoff()->set_seconds(60);
+  return spec;
+}
+
 std::vector<std::string> MessagesOf(const std::vector<v1::Event>& events, const std::string& type) {
   std::vector<std::string> out;
   for (const v1::Event& e : events) {
@@ -543,7 +552,7 @@ std::vector<std::string> MessagesOf(const std::vector<v1::Event>& events, const 
 }
 
 TEST_F(CoordinatorTest, AWorkerSilentBeforeARanksFailureIsTheRootCause) {
-  const std::string id = RunningJobOnTwoWorkers();
+  const std::string id = RunningJobOnTwoWorkers(SlowRestartSpec());
   const std::string healthy = WorkerOf(id, 0);
   const std::string dead = WorkerOf(id, 1);
   // `dead` dies (with its rank) right after a heartbeat; the rank on the
@@ -563,7 +572,7 @@ TEST_F(CoordinatorTest, AWorkerSilentBeforeARanksFailureIsTheRootCause) {
   }
   ASSERT_EQ(WorkerNamed(dead).state(), v1::Worker::LOST);
   const Job job = Get(id);
-  EXPECT_THAT(job.message(), HasSubstr("restart 1 of 3 in 1s: worker " + dead + " lost"));
+  EXPECT_THAT(job.message(), HasSubstr("restart 1 of 3 in 60s: worker " + dead + " lost"));
   const std::vector<v1::Event> events = EventList(id);
   const std::vector<std::string> causes = MessagesOf(events, "job.cause");
   ASSERT_EQ(causes.size(), 1u);
@@ -574,7 +583,7 @@ TEST_F(CoordinatorTest, AWorkerSilentBeforeARanksFailureIsTheRootCause) {
 }
 
 TEST_F(CoordinatorTest, AWorkerLostAfterAFailureIsNotItsCause) {
-  const std::string id = RunningJobOnTwoWorkers();
+  const std::string id = RunningJobOnTwoWorkers(SlowRestartSpec());
   const std::string failing = WorkerOf(id, 0);
   const std::string other = WorkerOf(id, 1);
   clock_.Advance(milliseconds(300));
