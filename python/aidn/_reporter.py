@@ -14,7 +14,8 @@ the C++ trainer's reporter (worker/trainer/reporter.{h,cc}):
   the first goes at once.
 - What cannot be sent is kept (bounded: the oldest go, counted) and retried
   with exponential backoff.
-- FAILED_PRECONDITION from any call means the generation is over: nothing
+- FAILED_PRECONDITION from any call means the generation is over, and so
+  does UNAUTHENTICATED (a job's trainer token dies with the job): nothing
   more is sent, and `fenced` is set.
 - flush() and close() send what is left within a deadline and wait until
   the coordinator says every record sent is stored.
@@ -35,6 +36,11 @@ from . import _rpc
 from .v1 import cluster_pb2, job_pb2
 
 log = logging.getLogger("aidn")
+
+# Answers to a trainer call that mean the generation is over: another
+# generation (or the job's end) fenced it off, or the job ended and its
+# trainer token was revoked with it.
+_OVER = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED})
 
 # Records per StreamMetrics message, and per call.
 _BATCH = 512
@@ -314,7 +320,7 @@ class Reporter:
             self._unacked.clear()
             self._cv.notify_all()
         log.warning("aidn: the coordinator ended this generation (%s); nothing more is sent",
-                    details or "FAILED_PRECONDITION")
+                    details or "no reason given")
 
     def _requests(self, batch):
         # At least one message, so that an empty call still names the job.
@@ -336,7 +342,7 @@ class Reporter:
                                                 metadata=self._metadata)
         except grpc.RpcError as e:
             code = _rpc.code_of(e)
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
+            if code in _OVER:
                 self._fence(_rpc.details_of(e))
                 return True
             if code in _rpc.TRANSIENT:
@@ -380,7 +386,7 @@ class Reporter:
             code = _rpc.code_of(e)
             if code in _rpc.TRANSIENT:
                 return False
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
+            if code in _OVER:
                 self._fence(_rpc.details_of(e))
                 return True
             log.error("aidn: checkpoint commit of step %d refused: %s: %s", request.step,
@@ -408,7 +414,7 @@ class Reporter:
             response = self._stub.ReportProgress(request, timeout=timeout,
                                                  metadata=self._metadata)
         except grpc.RpcError as e:
-            if _rpc.code_of(e) == grpc.StatusCode.FAILED_PRECONDITION:
+            if _rpc.code_of(e) in _OVER:
                 self._fence(_rpc.details_of(e))
             return
         with self._cv:

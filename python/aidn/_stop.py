@@ -47,6 +47,3 @@ def should_stop() -> bool:
     reporter = _job.current().reporter_if_started()
     return reporter is not None and (reporter.fenced or reporter.stop_reason is not None)
 
-
-def sigterm_received() -> bool:
-    return _sigterm.is_set()

@@ -341,6 +341,18 @@ class ClusterTestCase(unittest.TestCase):
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    def start_rank(self, code, env):
+        """start_rank(), killed (if still running) and reaped after the test."""
+        process = start_rank(code, env)
+
+        def reap():
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+
+        self.addCleanup(reap)
+        return process
+
     def start_job(self, spec, checkpoint_dir=""):
         job = self.client.submit(spec)
         generation = join_generation(self.worker, self.coordinator, job.id,
