@@ -169,6 +169,16 @@ class SpecTest(unittest.TestCase):
         self.assertEqual(spec.command.store, job_pb2.CommandSpec.RANK0)
         self.assertEqual(spec.labels["n"], "3")
 
+    def test_the_example_job_specs_parse(self):
+        examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "examples", "pytorch-ddp")
+        for name, script in (("job.yaml", "train.py"), ("job-aidn.yaml", "train_aidn.py")):
+            with self.subTest(name=name):
+                spec = _spec.load_spec(os.path.join(examples, name))
+                self.assertEqual(spec.world_size, 2)
+                self.assertEqual(os.path.basename(spec.command.argv[1]), script)
+                self.assertTrue(os.path.exists(os.path.join(examples, script)))
+
     def test_unknown_fields_are_named(self):
         with self.assertRaises(ValueError) as caught:
             _spec.spec_from_dict({"model": {"nmae": "mlp"}})
