@@ -49,11 +49,14 @@ def current_job():
 
 
 def _number(name, value, kind):
-    try:
-        return kind(value) if kind is float else operator.index(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"aidn.report(): {name} must be {'a number' if kind is float else 'an integer'}, "
-                        f"not {type(value).__name__}") from None
+    what = "a number" if kind is float else "an integer"
+    # float("1.5") would take a string.
+    if not isinstance(value, (str, bytes)):
+        try:
+            return float(value) if kind is float else operator.index(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"aidn.report(): {name} must be {what}, not {type(value).__name__}")
 
 
 def report(step, loss=None, samples=None, **more):

@@ -100,8 +100,11 @@ class StandaloneTest(unittest.TestCase):
         message = str(caught.exception)
         self.assertIn("accuracy, foo", message)
         self.assertIn("test_accuracy", message)
-        with self.assertRaises(TypeError):
-            aidn.report(1, loss="high")
+        for bad in ("high", "1.5", [1.0]):
+            with self.assertRaises(TypeError) as caught:
+                aidn.report(1, loss=bad)
+            self.assertIn(f"loss must be a number, not {type(bad).__name__}",
+                          str(caught.exception))
         with self.assertRaises(TypeError):
             aidn.report(1.5)
         with self.assertRaises(ValueError):
