@@ -110,8 +110,9 @@ absl::StatusOr<LaunchSpec> CommandLaunchSpecFor(const v1::TrainerAssignment& a,
   if (!checkpoint_dir.empty()) launch.owned_dirs.push_back(checkpoint_dir);
   launch.run_as = o.command_user;
 
+  // Not the built-in trainer's trainer_env (its BLAS kernel choice, say):
+  // a program of the user's runs as it would by hand.
   std::vector<std::string>& env = launch.env;
-  env = o.trainer_env;
   // Variables the spec sets come first, so that aidn's own win (the
   // coordinator refuses a spec that sets them, and a later entry wins).
   for (const auto& [name, value] : command.env()) env.push_back(absl::StrCat(name, "=", value));
