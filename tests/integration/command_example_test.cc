@@ -181,5 +181,34 @@ TEST_F(CommandExampleTest, AKilledRankResumesFromTheScriptsCheckpointWithTheSame
   EXPECT_EQ(Digest(resumed), by_hand) << resumed;
 }
 
+TEST_F(CommandExampleTest, AStoppedRankOfAReportingScriptIsAHangNamed) {
+  v1::JobSpec spec;
+  spec.set_name("pytorch-ddp-aidn");
+  spec.set_world_size(2);
+  spec.set_max_restarts(0);
+  spec.mutable_timeouts()->mutable_progress()->set_seconds(4);
+  spec.mutable_command()->add_argv(kPython);
+  spec.mutable_command()->add_argv(
+      absl::StrCat(AIDN_SOURCE_DIR, "/examples/pytorch-ddp/train_aidn.py"));
+  for (const char* a : {"--max-steps=100000", "--threads=1", "--log-every=1000"}) {
+    spec.mutable_command()->add_argv(a);
+  }
+  absl::StatusOr<std::string> job = cluster().Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // Its reports arrive: it is judged by progress from now on.
+  ASSERT_TRUE(WaitFor([&] { return cluster().Metrics(*job).size() >= 5; }, kJobTimeout))
+      << RankLog(cluster(), *job, 1, 0);
+  std::optional<int> rank1 = ProcessWithEnv({"AIDN_JOB_ID=" + *job, "RANK=1"});
+  ASSERT_TRUE(rank1.has_value());
+  ASSERT_EQ(kill(*rank1, SIGSTOP), 0);
+  v1::Job last;
+  ASSERT_TRUE(cluster().WaitForState(*job, v1::Job::FAILED, kJobTimeout, &last));
+  const std::vector<std::string> hangs = cluster().EventMessages(*job, "job.hang");
+  ASSERT_EQ(hangs.size(), 1u) << cluster().EventText(*job);
+  EXPECT_TRUE(absl::StrContains(hangs[0], "rank 1")) << hangs[0];
+  // The stopped rank is killed, not left behind.
+  EXPECT_TRUE(WaitFor([&] { return kill(*rank1, 0) != 0; }, milliseconds(15'000)));
+}
+
 }  // namespace
 }  // namespace aidn::testing
