@@ -416,10 +416,16 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
 }
 
 void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, bool permanent,
-                                 Deferred* deferred) {
+                                 Deferred* deferred, std::optional<absl::Time> rank_exit_at) {
   Job& job = entry->stored.job;
   if (!HoldsSlots(job.state())) return;
   const int64_t generation = job.generation();
+  FailureCause& cause = entry->last_failure.emplace();
+  cause.generation = generation;
+  cause.at = rank_exit_at.value_or(clock_->WallNow());
+  cause.reason = reason;
+  cause.revisable = rank_exit_at.has_value();
+  for (const v1::RankPlacement& p : job.placement()) cause.workers.insert(p.worker_id());
   ReleaseGeneration(entry, reason,
                     absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ",
                                                                job.id(), " ended: ", reason)),
@@ -511,15 +517,26 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
   // Only workers heard from within this job's worker timeout: one silent
   // longer would fail the new generation on the next tick again.
   const milliseconds job_timeout = failures_.JobWorkerTimeout(job);
+  int refuse_commands = 0;
   const std::vector<WorkerSlots> snapshot = slots->Snapshot([&](const std::string& id) {
-    const Clock::TimePoint seen = workers_.at(id).last_seen;
+    const WorkerEntry& worker = workers_.at(id);
+    if (job.spec().has_command() && !worker.worker.info().runs_commands()) {
+      ++refuse_commands;
+      return false;
+    }
+    const Clock::TimePoint seen = worker.last_seen;
     if (now - seen > job_timeout) return false;
     return !(entry->unconfirmed_workers.contains(id) && seen < entry->failed_at);
   });
   absl::StatusOr<std::vector<v1::RankPlacement>> placement =
       PlaceGang(GangRequestOf(job.spec()), snapshot);
   if (!placement.ok()) {
-    const std::string reason(placement.status().message());
+    std::string reason(placement.status().message());
+    if (refuse_commands > 0) {
+      absl::StrAppend(&reason, " (", refuse_commands,
+                      " worker(s) run no command jobs: started with --no-command-jobs, or as "
+                      "root without --command-user)");
+    }
     if (reason != entry->waiting_reason) {
       entry->waiting_reason = reason;
       job.set_message(reason);
@@ -576,8 +593,9 @@ void Coordinator::CheckWorkers(Clock::TimePoint now, Deferred* deferred) {
     if (!silent.has_value()) continue;
     w.worker.set_state(v1::Worker::LOST);
     PersistWorker(w);
-    Emit("worker.lost", "", id, 0, absl::StrCat("no heartbeat for ", FormatMillis(*silent)),
-         deferred);
+    const std::string silence = absl::StrCat("no heartbeat for ", FormatMillis(*silent));
+    Emit("worker.lost", "", id, 0, silence, deferred);
+    WorkerLostForJobs(w, silence, deferred);
     // Answer its held heartbeat, if any, so the call does not hang.
     held_.FailWorker(id, absl::NotFoundError("worker was declared lost; register again"), deferred);
   }

@@ -245,8 +245,21 @@ class Coordinator {
                         Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current generation: stops its trainers, drops its rendezvous and
   // KV store, and either restarts the job or fails it for good.
+  // `rank_exit_at`: the failure is a rank's exit at that time, which an
+  // earlier failure may yet turn out to have caused (failure_cause.h).
   void FailGeneration(JobEntry* entry, const std::string& reason, bool permanent,
-                      Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                      Deferred* deferred, std::optional<absl::Time> rank_exit_at = std::nullopt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A failure of `generation` at `at`, found after the generation failed:
+  // if it came first, it becomes the root cause (the job's message and a
+  // job.cause event say so).
+  void ReviseFailureCause(JobEntry* entry, int64_t generation, absl::Time at,
+                          const std::string& cause, const std::string& worker_id,
+                          Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A lost worker, as the jobs it ran see it: an event for each, and the
+  // root cause of a generation that failed while it was already silent.
+  void WorkerLostForJobs(const WorkerEntry& worker, const std::string& silence, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the job's slots and tells its workers to stop its trainers.
   void ReleaseGeneration(JobEntry* entry, const std::string& reason, const absl::Status& status,
                          Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

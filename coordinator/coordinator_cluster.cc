@@ -10,6 +10,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -172,13 +173,27 @@ absl::StatusOr<bool> Coordinator::RecordTrainerExit(const v1::ReportTrainerExitR
                                            : absl::StrCat("exited with code ", request.exit_code());
   const bool clean = request.exit_code() == 0 && request.signal() == 0;
   // A clean exit's last log line is no reason for anything.
-  const std::string tail = clean ? "" : LastLine(request.stderr_tail());
+  // What the program said of its failure (torch's @record error file) is
+  // the best account, else its last log line.
+  const std::string tail =
+      clean ? "" : (!request.error().empty() ? request.error() : LastLine(request.stderr_tail()));
   std::string message = absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id(),
                                      " ", what, tail.empty() ? "" : ": " + tail);
   Emit("trainer.exited", job.id(), request.worker_id(), request.generation(), message, &deferred);
-  if (!current || request.stopped_by_order()) return false;
+  if (request.stopped_by_order()) return false;
+  const absl::Time exited_at =
+      request.has_exited_at() ? FromProto(request.exited_at()) : clock_->WallNow();
+  if (!current) {
+    // A rank of a generation that already failed, which failed on its own
+    // before it was stopped: the first of them is the root cause.
+    if (!clean) {
+      ReviseFailureCause(entry, request.generation(), exited_at, message, request.worker_id(),
+                         &deferred);
+    }
+    return false;
+  }
   if (!clean) {
-    FailGeneration(entry, message, request.permanent(), &deferred);
+    FailGeneration(entry, message, request.permanent(), &deferred, exited_at);
     Schedule(&deferred);
     return false;
   }
@@ -189,6 +204,60 @@ absl::StatusOr<bool> Coordinator::RecordTrainerExit(const v1::ReportTrainerExitR
   // so that the flush before success stores them.
   if (ingest_.EndGeneration(&entry->metrics)) NotifyWatchers(job.id(), &deferred);
   return true;
+}
+
+void Coordinator::ReviseFailureCause(JobEntry* entry, int64_t generation, absl::Time at,
+                                     const std::string& cause, const std::string& worker_id,
+                                     Deferred* deferred) {
+  if (!entry->last_failure.has_value() || !entry->last_failure->PrecededBy(generation, at)) return;
+  FailureCause& failure = *entry->last_failure;
+  const std::string followed = failure.reason;
+  failure.at = at;
+  failure.reason = cause;
+  Job& job = entry->stored.job;
+  // The job's message names the new cause where it named the old one.
+  if (const size_t pos = job.message().find(followed); pos != std::string::npos) {
+    std::string message = job.message();
+    message.replace(pos, followed.size(), cause);
+    job.set_message(message);
+    (void)PersistJob(entry, deferred);
+  }
+  Emit("job.cause", job.id(), worker_id, generation,
+       absl::StrCat("root cause of generation ", generation, "'s failure: ", cause,
+                    " (which came before: ", followed, ")"),
+       deferred);
+}
+
+void Coordinator::WorkerLostForJobs(const WorkerEntry& w, const std::string& silence,
+                                    Deferred* deferred) {
+  const std::string& id = w.worker.info().id();
+  // Jobs still placed there: the failure detector fails them on its next
+  // look; the event says so under each job.
+  for (const JobRef job_and_id : JobsOnWorker(id)) {
+    const Job& job = job_and_id->second->stored.job;
+    std::vector<std::string> ranks;
+    for (const v1::RankPlacement& p : job.placement()) {
+      if (p.worker_id() == id) ranks.push_back(absl::StrCat(p.rank()));
+    }
+    Emit("worker.lost", job.id(), id, job.generation(),
+         absl::StrCat("worker ", id, " lost (", silence, "); rank", ranks.size() == 1 ? " " : "s ",
+                      absl::StrJoin(ranks, ", "), " of this job ran there"),
+         deferred);
+  }
+  // Generations that already failed with this worker in them: if it was
+  // silent since before that failure, its loss came first.
+  const absl::Time last_heard = FromProto(w.worker.last_heartbeat());
+  for (auto& [job_id, entry] : jobs_) {
+    if (!entry->last_failure.has_value() || !entry->last_failure->workers.contains(id)) continue;
+    const FailureCause& failure = *entry->last_failure;
+    if (!failure.PrecededBy(failure.generation, last_heard)) continue;
+    const std::string cause = absl::StrCat("worker ", id, " lost (", silence, ")");
+    Emit("worker.lost", job_id, id, failure.generation,
+         absl::StrCat(cause, "; it ran ranks of generation ", failure.generation,
+                      " and was silent before that generation failed"),
+         deferred);
+    ReviseFailureCause(entry.get(), failure.generation, last_heard, cause, id, deferred);
+  }
 }
 
 HeldHeartbeats::Builder Coordinator::HeartbeatBuilder() {
@@ -229,6 +298,7 @@ v1::HeartbeatResponse Coordinator::BuildHeartbeat(const std::string& worker_id) 
       a->set_slot(p.slot());
       *a->mutable_spec() = job.spec();
       a->set_trainer_token(entry->stored.trainer_token);
+      a->set_restarts(job.restarts());
     }
   }
   WorkerEntry& worker = workers_.at(worker_id);

@@ -172,6 +172,10 @@ std::optional<std::string> FailureDetector::Hang(const v1::Job& job, const JobHe
                                                  const std::deque<double>* recent_step_seconds,
                                                  Clock::TimePoint now) const {
   if (job.state() != v1::Job::RUNNING) return std::nullopt;
+  // A command job's program reports progress only if it uses the client
+  // library; until it does, it is judged by liveness alone (its process
+  // exits, its worker's heartbeats).
+  if (job.spec().has_command() && health.beats.empty()) return std::nullopt;
   milliseconds timeout = ProgressTimeout(job, recent_step_seconds);
   // Until every rank has beaten once the ranks are still setting up
   // (loading data, a checkpoint, connecting to each other): that gets at

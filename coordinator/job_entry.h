@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "aidn/v1/job.pb.h"
 #include "common/clock.h"
 #include "coordinator/checkpoint_registry.h"
+#include "coordinator/failure_cause.h"
 #include "coordinator/failure_detector.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/metric_ingest.h"
@@ -42,6 +44,9 @@ struct JobEntry {
   Clock::TimePoint failed_at{};
   // The reason it last waited for, so "job.waiting" is not repeated.
   std::string waiting_reason;
+  // Why the last failed generation failed (revised as earlier failures come
+  // to light; see failure_cause.h).
+  std::optional<FailureCause> last_failure;
 
   // Per component.
   JobHealth health;            // FailureDetector

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "common/job_spec_limits.h"
 #include "common/status.h"
+#include "coordinator/command_spec.h"
 
 namespace aidn::coordinator {
 namespace {
@@ -486,13 +487,21 @@ absl::Status ValidateMaxRestarts(const v1::JobSpec& spec) {
   return CheckIntRange("max_restarts", spec.max_restarts(), 0, kMaxRestarts);
 }
 
-}  // namespace
+// The built-in trainer's fields (all but those every job has).
+absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
+  AIDN_RETURN_IF_ERROR(ValidateModel(spec.model()));
+  AIDN_RETURN_IF_ERROR(ValidateDataset(spec.dataset()));
+  AIDN_RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
+  AIDN_RETURN_IF_ERROR(ValidateLrSchedule(spec.lr_schedule(), spec.optimizer().lr()));
+  AIDN_RETURN_IF_ERROR(ValidateLength(spec));
+  AIDN_RETURN_IF_ERROR(ValidateParallelism(spec));
+  AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
+  AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
+  return ValidateGpuOnlySwitches(spec);
+}
 
-void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
+void ApplyTrainerDefaults(v1::JobSpec* spec) {
   using v1::JobSpec;
-  if (spec->device() == JobSpec::DEVICE_UNSPECIFIED) spec->set_device(JobSpec::CPU);
-  if (spec->threads_per_rank() == 0) spec->set_threads_per_rank(1);
-
   v1::ModelSpec* model = spec->mutable_model();
   if (model->name() == kMlp && model->hidden_sizes_size() == 0) {
     model->add_hidden_sizes(256);
@@ -537,6 +546,19 @@ void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
   if (spec->comm_backend() == JobSpec::COMM_BACKEND_UNSPECIFIED) {
     spec->set_comm_backend(JobSpec::AUTO);
   }
+}
+
+}  // namespace
+
+void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
+  using v1::JobSpec;
+  if (spec->device() == JobSpec::DEVICE_UNSPECIFIED) spec->set_device(JobSpec::CPU);
+  if (spec->threads_per_rank() == 0) spec->set_threads_per_rank(1);
+  if (spec->has_command()) {
+    ApplyCommandDefaults(spec);
+  } else {
+    ApplyTrainerDefaults(spec);
+  }
 
   if (spec->checkpoint().keep_last() == 0) spec->mutable_checkpoint()->set_keep_last(3);
   if (!spec->has_max_restarts()) spec->set_max_restarts(limits.default_max_restarts);
@@ -557,15 +579,11 @@ void ApplyJobSpecDefaults(const SpecLimits& limits, v1::JobSpec* spec) {
 absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(CheckText("name", spec.name(), kMaxNameBytes));
   AIDN_RETURN_IF_ERROR(ValidatePlacement(limits, spec));
-  AIDN_RETURN_IF_ERROR(ValidateModel(spec.model()));
-  AIDN_RETURN_IF_ERROR(ValidateDataset(spec.dataset()));
-  AIDN_RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
-  AIDN_RETURN_IF_ERROR(ValidateLrSchedule(spec.lr_schedule(), spec.optimizer().lr()));
-  AIDN_RETURN_IF_ERROR(ValidateLength(spec));
-  AIDN_RETURN_IF_ERROR(ValidateParallelism(spec));
-  AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
-  AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
-  AIDN_RETURN_IF_ERROR(ValidateGpuOnlySwitches(spec));
+  if (spec.has_command()) {
+    AIDN_RETURN_IF_ERROR(ValidateCommandSpec(spec));
+  } else {
+    AIDN_RETURN_IF_ERROR(ValidateTrainerFields(spec));
+  }
   AIDN_RETURN_IF_ERROR(ValidateCheckpoint(spec.checkpoint()));
   AIDN_RETURN_IF_ERROR(ValidateMaxRestarts(spec));
   AIDN_RETURN_IF_ERROR(ValidateTimeouts(spec.timeouts()));

@@ -23,6 +23,10 @@ inline google::protobuf::Timestamp ToProto(absl::Time t) {
   return ts;
 }
 
+inline absl::Time FromProto(const google::protobuf::Timestamp& t) {
+  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
+}
+
 inline std::chrono::milliseconds ToMillis(const google::protobuf::Duration& d) {
   return std::chrono::milliseconds(d.seconds() * 1000 + d.nanos() / 1'000'000);
 }

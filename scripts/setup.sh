@@ -20,6 +20,9 @@ PACKAGES=(
   prometheus
   # the numerical oracle and speed peer (tests skip their torch checks only without it)
   python3-torch libopenblas0-openmp
+  # the Python client (python/aidn): gRPC and protobuf matching the C++ ones, CRC-32C at
+  # disk speed for checkpoint manifests, YAML job specs and config
+  python3-grpcio python3-protobuf python3-crc32c python3-yaml
 )
 
 missing=()

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <utility>
 
@@ -10,8 +11,10 @@
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/metrics/process_stats.h"
+#include "common/rpc/client.h"
 #include "common/status.h"
 #include "google/protobuf/util/time_util.h"
+#include "worker/c10d/store_server.h"
 
 namespace aidn::worker {
 namespace {
@@ -42,6 +45,7 @@ v1::WorkerInfo WorkerInfoOf(const DaemonOptions& o) {
   info.set_address(o.address);
   info.set_cpu_slots(o.cpu_slots);
   info.set_version(o.version);
+  info.set_runs_commands(o.command_jobs);
   for (const engine::GpuDescription& gpu : o.gpus) {
     v1::GpuInfo* g = info.add_gpus();
     g->set_index(gpu.index);
@@ -62,7 +66,25 @@ LaunchOptions LaunchOptionsOf(const DaemonOptions& o) {
           .trainer_log_level = o.trainer_log_level,
           .trainer_env = o.trainer_env,
           .gpus = o.gpus,
-          .cuda_visible_devices = o.cuda_visible_devices};
+          .cuda_visible_devices = o.cuda_visible_devices,
+          .python_path = o.python_path,
+          .command_user = o.command_user};
+}
+
+// A generation's c10d store: PyTorch's TCPStore protocol (worker/c10d).
+class C10dStore final : public GenerationStore {
+ public:
+  explicit C10dStore(std::unique_ptr<c10d::StoreServer> server) : server_(std::move(server)) {}
+  int port() const override { return server_->port(); }
+
+ private:
+  std::unique_ptr<c10d::StoreServer> server_;
+};
+
+absl::StatusOr<std::unique_ptr<GenerationStore>> StartC10dStore(const std::string& address) {
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<c10d::StoreServer> server,
+                        c10d::StoreServer::Start({.bind_address = address, .port = 0}));
+  return std::unique_ptr<GenerationStore>(new C10dStore(std::move(server)));
 }
 
 }  // namespace
@@ -124,6 +146,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   if (access(resolved.trainer_binary.c_str(), X_OK) != 0) {
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
+  if (!resolved.start_store) resolved.start_store = StartC10dStore;
   std::unique_ptr<Daemon> daemon(new Daemon(resolved));
   if (options.registry != nullptr) {
     Daemon* raw = daemon.get();
@@ -154,6 +177,13 @@ Daemon::Daemon(const DaemonOptions& options)
                                           std::vector<v1::StopOrder> stops) {
                                      SetAssignments(std::move(assignments), std::move(stops));
                                    }});
+  agent_channel_ = rpc::MakeChannel(
+      {.address = options_.coordinator, .max_message_bytes = options_.max_message_bytes});
+  agent_stub_ = v1::ClusterService::NewStub(agent_channel_);
+  agent_ = std::make_unique<CommandAgent>(CommandAgentOptions{.worker_id = options_.worker_id,
+                                                              .address = options_.address,
+                                                              .start_store = options_.start_store},
+                                          agent_channel_.get(), agent_stub_.get());
   log_shipper_ = std::make_unique<LogShipper>(
       LogShipperOptions{.worker_id = options_.worker_id},
       MakeGrpcLogSink(options_.coordinator, options_.token, options_.rpc_timeout,
@@ -189,6 +219,8 @@ void Daemon::Shutdown() {
   // supervision thread), then their exit reports get a last chance.
   link_->StopHeartbeats();
   if (supervise_thread_.joinable()) supervise_thread_.join();
+  // Pending joins are cancelled, stores stop.
+  agent_.reset();
   link_->FinishReports(options_.shutdown_report_timeout);
   // The trainers' last lines too.
   log_shipper_->Stop(options_.shutdown_report_timeout);
@@ -244,6 +276,7 @@ void Daemon::SuperviseLoop() {
     }
     ApplyStops(stops);
     if (have_desired) Reconcile(desired);
+    StartJoinedCommands();
     HandleExits(supervisor_.Reap());
   }
 
@@ -292,6 +325,13 @@ void Daemon::Reconcile(const std::vector<v1::TrainerAssignment>& desired) {
   for (const v1::TrainerAssignment& a : desired) {
     wanted.insert({a.job_id(), a.generation(), a.rank()});
   }
+  // Command ranks still joining whose assignment is gone.
+  for (const auto& [key, a] : assigned_) {
+    if (!wanted.contains(key)) agent_->Cancel(key.job_id, key.generation, key.rank);
+  }
+  assigned_.clear();
+  for (const v1::TrainerAssignment& a : desired)
+    assigned_[{a.job_id(), a.generation(), a.rank()}] = a;
   std::vector<Key> unwanted;
   std::vector<const v1::TrainerAssignment*> missing;
   {
@@ -315,9 +355,63 @@ void Daemon::Reconcile(const std::vector<v1::TrainerAssignment>& desired) {
     StopTrainer(key, options_.stop_grace, /*by_order=*/true);
   }
   for (const v1::TrainerAssignment* a : missing) StartTrainer(*a);
+  ReleaseStores(wanted);
 }
 
-void Daemon::NotStarted(const v1::TrainerAssignment& a, const absl::Status& why) {
+void Daemon::ReleaseStores(const std::set<Key>& wanted) {
+  for (const auto& [job_id, generation] : agent_->StoreGenerations()) {
+    // The store lives while the generation is assigned here: a rank that
+    // exited early may leave peers that still talk to it.
+    auto it = wanted.lower_bound(Key{job_id, generation, 0});
+    if (it == wanted.end() || it->job_id != job_id || it->generation != generation) {
+      agent_->EndGeneration(job_id, generation);
+    }
+  }
+}
+
+void Daemon::StartJoinedCommands() {
+  for (CommandAgent::Ready& ready : agent_->TakeReady()) {
+    const v1::TrainerAssignment& a = ready.assignment;
+    const Key key{a.job_id(), a.generation(), a.rank()};
+    if (!assigned_.contains(key)) continue;  // dropped while joining
+    if (!ready.placement.ok()) {
+      const absl::StatusCode code = ready.placement.status().code();
+      if (code == absl::StatusCode::kCancelled || code == absl::StatusCode::kFailedPrecondition ||
+          code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kAborted) {
+        // The generation ended or timed out: the coordinator knows.
+        AIDN_LOG(INFO) << "command rank not started"
+                       << Kv("trainer", KeyText(a.job_id(), a.generation(), a.rank()))
+                       << Kv("why", ready.placement.status());
+        finished_.insert(key);
+        continue;
+      }
+      NotStarted(a, ready.placement.status());
+      continue;
+    }
+    StartCommand(a, *ready.placement);
+  }
+}
+
+void Daemon::StartCommand(const v1::TrainerAssignment& a, const CommandPlacement& placement) {
+  absl::StatusOr<LaunchSpec> launch = CommandLaunchSpecFor(a, placement, launch_options_);
+  if (!launch.ok()) return NotStarted(a, launch.status(), /*permanent=*/true);
+  for (const std::string& dir : launch->owned_dirs) {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) {
+      return NotStarted(a, absl::InternalError(absl::StrCat("mkdir ", dir, ": ", error.message())));
+    }
+    if (launch->run_as.has_value() &&
+        chown(dir.c_str(), launch->run_as->uid, launch->run_as->gid) != 0) {
+      return NotStarted(a, PosixError(absl::StrCat("chown ", dir), errno));
+    }
+  }
+  // A file left by an earlier run of this rank must not pass for this one's.
+  std::filesystem::remove(launch->error_file);
+  Launch(a, *launch);
+}
+
+void Daemon::NotStarted(const v1::TrainerAssignment& a, const absl::Status& why, bool permanent) {
   AIDN_LOG(ERROR) << "could not start trainer"
                   << Kv("trainer", KeyText(a.job_id(), a.generation(), a.rank()))
                   << Kv("error", why);
@@ -331,10 +425,25 @@ void Daemon::NotStarted(const v1::TrainerAssignment& a, const absl::Status& why)
   report.set_exit_code(kExitNotStarted);
   report.set_stderr_tail(absl::StrCat("worker ", options_.worker_id,
                                       " could not start the trainer: ", why.ToString()));
+  report.set_permanent(permanent);
+  *report.mutable_exited_at() = google::protobuf::util::TimeUtil::GetCurrentTime();
   link_->QueueReport(std::move(report));
 }
 
 void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
+  if (a.spec().has_command()) {
+    if (!options_.command_jobs) {
+      return NotStarted(
+          a,
+          absl::FailedPreconditionError(
+              "this worker does not run command jobs (started with --no-command-jobs)"),
+          /*permanent=*/true);
+    }
+    // The program starts once the agents' rendezvous says where the store
+    // and the other ranks are (StartJoinedCommands).
+    agent_->Begin(a);
+    return;
+  }
   absl::StatusOr<LaunchSpec> launch = LaunchSpecFor(a, launch_options_);
   if (!launch.ok()) return NotStarted(a, launch.status());
   std::error_code error;
@@ -343,19 +452,33 @@ void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
     return NotStarted(
         a, absl::InternalError(absl::StrCat("mkdir ", launch->job_dir, ": ", error.message())));
   }
+  Launch(a, *launch);
+}
+
+void Daemon::Launch(const v1::TrainerAssignment& a, const LaunchSpec& launch_spec) {
+  const LaunchSpec* launch = &launch_spec;
+  std::optional<ChildSpec::RunAs> run_as;
+  if (launch->run_as.has_value()) {
+    run_as = ChildSpec::RunAs{.uid = launch->run_as->uid, .gid = launch->run_as->gid};
+  }
   absl::StatusOr<Supervisor::ChildId> child = supervisor_.Start({.program = launch->program,
                                                                  .argv = launch->argv,
                                                                  .env = launch->env,
-                                                                 .log_path = launch->log_path});
-  if (!child.ok()) return NotStarted(a, child.status());
+                                                                 .log_path = launch->log_path,
+                                                                 .cwd = launch->cwd,
+                                                                 .run_as = run_as});
+  // A command's program that cannot be started will not start on a retry.
+  if (!child.ok()) return NotStarted(a, child.status(), /*permanent=*/a.spec().has_command());
   pid_t pid = 0;
   for (const ChildStatus& c : supervisor_.Running()) {
     if (c.id == *child) pid = c.pid;
   }
   {
     absl::MutexLock lock(&mu_);
-    trainers_[{a.job_id(), a.generation(), a.rank()}] =
-        Trainer{.child = *child, .pid = pid, .log_path = launch->log_path};
+    trainers_[{a.job_id(), a.generation(), a.rank()}] = Trainer{.child = *child,
+                                                                .pid = pid,
+                                                                .log_path = launch->log_path,
+                                                                .error_file = launch->error_file};
   }
   log_shipper_->Follow({a.job_id(), a.generation(), a.rank()}, launch->log_path);
   auto [seen, first] = generation_started_.try_emplace(a.job_id(), a.generation());
@@ -389,6 +512,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     Key key;
     bool by_order = false;
     std::string log_path;
+    std::string error_file;
     bool found = false;
     {
       absl::MutexLock lock(&mu_);
@@ -397,6 +521,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
         key = it->first;
         by_order = it->second.by_order;
         log_path = it->second.log_path;
+        error_file = it->second.error_file;
         trainers_.erase(it);
         found = true;
         break;
@@ -434,6 +559,8 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     report.set_stderr_tail(exit.log_tail);
     report.set_permanent(exit.signal == 0 && exit.exit_code == kExitPermanent);
     report.set_stopped_by_order(by_order);
+    *report.mutable_exited_at() = google::protobuf::util::TimeUtil::GetCurrentTime();
+    if (!clean && !error_file.empty()) report.set_error(ReadErrorFile(error_file));
     link_->QueueReport(std::move(report));
   }
 }

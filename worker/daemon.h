@@ -15,8 +15,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -29,6 +31,8 @@
 #include "absl/synchronization/mutex.h"
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "common/metrics/registry.h"
+#include "worker/command_agent.h"
+#include "worker/command_launch.h"
 #include "worker/coordinator_link.h"
 #include "worker/engine/device.h"
 #include "worker/launch.h"
@@ -91,6 +95,19 @@ struct DaemonOptions {
   std::chrono::milliseconds shutdown_report_timeout{3'000};
   // Largest gRPC message sent or received.
   int max_message_bytes = 4 * 1024 * 1024;
+  // Run command jobs (JobSpec.command: users' own programs). Off, the
+  // worker tells the coordinator so and is given none.
+  bool command_jobs = true;
+  // The user command ranks run as (set when the daemon runs as root: it
+  // never runs them as root unless told so by name).
+  std::optional<LaunchOptions::User> command_user;
+  // The directory holding the `aidn` Python package, put first on command
+  // ranks' PYTHONPATH ("" leaves it alone).
+  std::string python_path;
+  // Starts a generation's c10d store (see CommandAgentOptions::start_store);
+  // unset: PyTorch's TCPStore protocol, served by worker/c10d.
+  std::function<absl::StatusOr<std::unique_ptr<GenerationStore>>(const std::string& address)>
+      start_store;
   // Where the daemon's Prometheus metrics go (not owned); none when null.
   // The daemon adds a collect hook: stop serving the registry before the
   // daemon is destroyed.
@@ -151,6 +168,8 @@ class Daemon {
     // or a StopOrder), as opposed to by the daemon's own shutdown.
     bool by_order = false;
     std::string log_path;
+    // Command ranks: their TORCHELASTIC_ERROR_FILE.
+    std::string error_file;
   };
 
   explicit Daemon(const DaemonOptions& options);
@@ -165,8 +184,17 @@ class Daemon {
   void ApplyStops(const std::vector<v1::StopOrder>& stops);
   void Reconcile(const std::vector<v1::TrainerAssignment>& desired);
   void StartTrainer(const v1::TrainerAssignment& assignment);
-  // Reports a trainer that could not be started.
-  void NotStarted(const v1::TrainerAssignment& assignment, const absl::Status& why);
+  // Command ranks: the agent's joins that finished start their programs.
+  void StartJoinedCommands();
+  void StartCommand(const v1::TrainerAssignment& assignment, const CommandPlacement& placement);
+  // Starts a launch (either kind) under the supervisor.
+  void Launch(const v1::TrainerAssignment& assignment, const LaunchSpec& launch);
+  // Stores of generations no longer assigned here stop.
+  void ReleaseStores(const std::set<Key>& wanted);
+  // Reports a trainer that could not be started; `permanent` fails the job
+  // at once (a command's program that does not exist).
+  void NotStarted(const v1::TrainerAssignment& assignment, const absl::Status& why,
+                  bool permanent = false);
   void StopTrainer(const Key& key, std::chrono::milliseconds grace, bool by_order);
   void HandleExits(const std::vector<ChildExit>& exits);
 
@@ -179,6 +207,10 @@ class Daemon {
   std::unique_ptr<WorkerMetrics> metrics_;
   Supervisor supervisor_;
   std::unique_ptr<CoordinatorLink> link_;
+  // Command ranks' rendezvous (its own channel to the coordinator).
+  std::shared_ptr<grpc::Channel> agent_channel_;
+  std::unique_ptr<v1::ClusterService::Stub> agent_stub_;
+  std::unique_ptr<CommandAgent> agent_;
   // Ships each trainer's output file to the coordinator (thread-safe).
   std::unique_ptr<LogShipper> log_shipper_;
 
@@ -198,6 +230,9 @@ class Daemon {
   // Supervision thread only: trainers that ended while still assigned (not
   // to be started again).
   std::set<Key> finished_;
+  // Supervision thread only: the assignments of the last Reconcile, by key
+  // (command ranks start when their join completes, if still assigned).
+  std::map<Key, v1::TrainerAssignment> assigned_;
   // Supervision thread only: the newest generation started per job, to
   // count restarts.
   std::map<std::string, int64_t> generation_started_;

@@ -16,6 +16,8 @@ bool SafePathComponent(const std::string& name) {
          name.find_first_of(std::string("/\0", 2)) == std::string::npos;
 }
 
+}  // namespace
+
 absl::Status CheckLaunch(const v1::TrainerAssignment& a, const LaunchOptions& o) {
   if (!SafePathComponent(a.job_id())) {
     return absl::InvalidArgumentError(
@@ -40,8 +42,6 @@ absl::Status CheckLaunch(const v1::TrainerAssignment& a, const LaunchOptions& o)
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<LaunchSpec> LaunchSpecFor(const v1::TrainerAssignment& a, const LaunchOptions& o) {
   if (absl::Status s = CheckLaunch(a, o); !s.ok()) return s;

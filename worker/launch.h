@@ -14,6 +14,9 @@
 // The trainer's credential travels only in the environment: argv is
 // world-readable in /proc and `ps`.
 
+#include <sys/types.h>
+
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +56,18 @@ struct LaunchOptions {
   // TrainerVisibleDevice).
   std::vector<engine::GpuDescription> gpus;
   std::string cuda_visible_devices;
+  // Command jobs: the directory holding the `aidn` Python package, put first
+  // on PYTHONPATH ("" leaves PYTHONPATH alone).
+  std::string python_path;
+  // Command jobs: the user they run as (the daemon is root), or none (they
+  // run as the daemon's user).
+  struct User {
+    std::string name;
+    uid_t uid = 0;
+    gid_t gid = 0;
+    std::string home;
+  };
+  std::optional<User> command_user;
 };
 
 // One rank process, ready to start.
@@ -73,7 +88,18 @@ struct LaunchSpec {
   // the caller creates it. The process starts in the daemon's current
   // directory, so a spec's relative dataset paths mean what they meant.
   std::string job_dir;
+  // Command jobs: the process's current directory, the user it runs as,
+  // the directories the caller creates and gives to that user (job_dir, the
+  // error file's, the checkpoints'), and TORCHELASTIC_ERROR_FILE.
+  std::string cwd;
+  std::optional<LaunchOptions::User> run_as;
+  std::vector<std::string> owned_dirs;
+  std::string error_file;
 };
+
+// LaunchSpecFor's checks of an assignment and the options, for every kind
+// of rank.
+absl::Status CheckLaunch(const v1::TrainerAssignment& assignment, const LaunchOptions& options);
 
 // The launch of `assignment` on this worker. INVALID_ARGUMENT, naming the
 // field, for a job id that cannot name a directory, a generation < 1, a rank

@@ -6,6 +6,7 @@
 // The two modes share one flag namespace; each reads the flags it needs.
 // A trainer's token comes from $AIDN_TRAINER_TOKEN, never from argv.
 #include <limits.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -74,6 +76,14 @@ ABSL_FLAG(std::string, metrics_addr_file, "",
 ABSL_FLAG(std::string, trainer_binary, "/proc/self/exe",
           "the program each rank runs; it shows in ps as `aidn-trainer train ... --job=<job> "
           "--generation=<g> --rank=<r> ...`");
+ABSL_FLAG(bool, no_command_jobs, false,
+          "run no command jobs (users' own programs); the scheduler then places none here");
+ABSL_FLAG(std::string, command_user, "",
+          "the user command jobs run as; required for them when the worker runs as root (naming "
+          "root itself runs them as root)");
+ABSL_FLAG(std::string, python_path, "",
+          "directory holding the aidn Python package, first on command ranks' PYTHONPATH "
+          "(default: python/ beside the binary's directory, when it exists)");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "SIGTERM to SIGKILL delay for trainers, unless a stop order says otherwise");
 
@@ -172,7 +182,63 @@ struct DaemonConfig {
   std::string metrics_addr;       // empty: no /metrics
   std::string metrics_addr_file;  // empty: not written
   std::string log_level;
+  std::string command_jobs_line;  // whether and as whom command jobs run
 };
+
+// The directory of this binary.
+std::string SelfDir() {
+  char self[PATH_MAX + 1] = {};
+  const ssize_t n = readlink("/proc/self/exe", self, PATH_MAX);
+  if (n <= 0) return "";
+  return std::filesystem::path(std::string(self, static_cast<size_t>(n))).parent_path().string();
+}
+
+// --python-path, or python/ beside the binary's directory (the build tree's
+// and the installed layout) when it holds the package.
+std::string PythonPathFromFlags() {
+  std::string path = absl::GetFlag(FLAGS_python_path);
+  if (!path.empty()) return path;
+  const std::string self = SelfDir();
+  if (self.empty()) return "";
+  for (const std::string& candidate : {self + "/../python", self + "/../lib/aidn/python"}) {
+    std::error_code error;
+    if (std::filesystem::exists(candidate + "/aidn/__init__.py", error)) {
+      return std::filesystem::canonical(candidate, error).string();
+    }
+  }
+  return "";
+}
+
+// Whether and as whom command jobs run; returns the table's line about it.
+absl::StatusOr<std::string> CommandJobsFromFlags(aidn::worker::DaemonOptions* options) {
+  options->command_jobs = !absl::GetFlag(FLAGS_no_command_jobs);
+  options->python_path = PythonPathFromFlags();
+  const std::string user = absl::GetFlag(FLAGS_command_user);
+  if (!options->command_jobs) return std::string("off (--no-command-jobs)");
+  if (user.empty()) {
+    if (geteuid() != 0) return absl::StrCat("as this daemon's user (uid ", geteuid(), ")");
+    // Never silently as root: a root daemon needs to be told whom to run
+    // users' programs as.
+    options->command_jobs = false;
+    AIDN_LOG(WARNING) << "command jobs are off: this worker runs as root and no --command-user "
+                         "names the user to run them as";
+    return std::string("off (running as root without --command-user)");
+  }
+  struct passwd* pw = getpwnam(user.c_str());
+  if (pw == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("--command-user: no user \"", user, "\""));
+  }
+  if (geteuid() != 0 && pw->pw_uid != geteuid()) {
+    return absl::InvalidArgumentError(absl::StrCat("--command-user: running command jobs as ", user,
+                                                   " needs the worker to run as root"));
+  }
+  options->command_user = aidn::worker::LaunchOptions::User{
+      .name = user, .uid = pw->pw_uid, .gid = pw->pw_gid, .home = pw->pw_dir};
+  if (pw->pw_uid == 0) {
+    AIDN_LOG(WARNING) << "command jobs run as root (--command-user=" << user << ")";
+  }
+  return absl::StrCat("as ", user, " (uid ", pw->pw_uid, ", gid ", pw->pw_gid, ")");
+}
 
 // The join token from --token-file or --token (at most one of them).
 absl::StatusOr<std::string> TokenFromFlags() {
@@ -228,6 +294,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags(const std::string& log_level)
   config.token_file = absl::GetFlag(FLAGS_token_file);
   AIDN_ASSIGN_OR_RETURN(options.token, TokenFromFlags());
   config.gpus_line = OfferGpus(&options);
+  AIDN_ASSIGN_OR_RETURN(config.command_jobs_line, CommandJobsFromFlags(&options));
   if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
     options.cuda_visible_devices = visible;
   }
@@ -263,6 +330,8 @@ void LogDaemonConfiguration(const DaemonConfig& config,
        {"trainer_blas", config.blas_override.empty() ? aidn::engine::BlasCoreName()
                                                      : absl::StrCat(aidn::engine::BlasCoreName(),
                                                                     " -> ", config.blas_override)},
+       {"command_jobs", config.command_jobs_line},
+       {"python_path", resolved.python_path.empty() ? "(none)" : resolved.python_path},
        {"stop_grace", absl::FormatDuration(absl::FromChrono(config.options.stop_grace))},
        {"metrics_addr", config.metrics_addr.empty() ? "(off)" : config.metrics_addr},
        {"log_level", config.log_level}});

@@ -1,6 +1,7 @@
 #include "worker/supervisor.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -57,11 +58,33 @@ void CloseIfOpen(int fd) {
   if (fd >= 0) close(fd);
 }
 
+// What the child reports through the error pipe when it cannot exec.
+struct ExecFailure {
+  enum Stage : int { kNone = 0, kChdir, kSetUser, kExec };
+  int stage = kNone;
+  int error = 0;
+};
+
+[[noreturn]] void ReportFailure(int fd, ExecFailure::Stage stage, int error) {
+  const ExecFailure failure{stage, error};
+  ssize_t ignored = write(fd, &failure, sizeof(failure));
+  (void)ignored;
+  _exit(127);
+}
+
+struct ExecPlan {
+  const char* program;
+  char* const* argv;
+  char* const* envp;
+  const char* cwd;  // null: stay
+  const ChildSpec::RunAs* run_as;
+};
+
 // Runs in the forked child: only async-signal-safe calls until execve (the
 // daemon has gRPC threads, whose locks may be held by threads that do not
 // exist in the child). Never returns.
 [[noreturn]] void ExecChild(pid_t parent, int log_fd, int null_fd, int error_fd,
-                            const char* program, char* const* argv, char* const* envp) {
+                            const ExecPlan& plan) {
   // Its own process group, so that a stop reaches whatever it spawns.
   setpgid(0, 0);
   // Die with the daemon. The parent may have died before prctl took effect:
@@ -91,20 +114,49 @@ void CloseIfOpen(int fd) {
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
 
-  execve(program, argv, envp);
-  const int error = errno;
-  ssize_t ignored = write(error_fd, &error, sizeof(error));
-  (void)ignored;
-  _exit(127);
+  if (plan.run_as != nullptr) {
+    // Group first: after setuid there is no right left to change it.
+    if (setgroups(0, nullptr) != 0 || setgid(plan.run_as->gid) != 0 ||
+        setuid(plan.run_as->uid) != 0) {
+      ReportFailure(error_fd, ExecFailure::kSetUser, errno);
+    }
+  }
+  if (plan.cwd != nullptr && chdir(plan.cwd) != 0) {
+    ReportFailure(error_fd, ExecFailure::kChdir, errno);
+  }
+  execve(plan.program, plan.argv, plan.envp);
+  ReportFailure(error_fd, ExecFailure::kExec, errno);
 }
 
-int ReadExecError(int fd) {
-  int error = 0;
+ExecFailure ReadExecFailure(int fd) {
+  ExecFailure failure;
   ssize_t n;
   do {
-    n = read(fd, &error, sizeof(error));
+    n = read(fd, &failure, sizeof(failure));
   } while (n < 0 && errno == EINTR);
-  return n == static_cast<ssize_t>(sizeof(error)) ? error : 0;
+  return n == static_cast<ssize_t>(sizeof(failure)) ? failure : ExecFailure{};
+}
+
+absl::Status ExecFailureStatus(const ExecFailure& failure, const std::string& program,
+                               const ChildSpec& spec) {
+  switch (failure.stage) {
+    case ExecFailure::kChdir:
+      return PosixError(absl::StrCat("working directory ", spec.cwd), failure.error);
+    case ExecFailure::kSetUser:
+      return PosixError(
+          absl::StrCat("switching to uid ", spec.run_as->uid, " gid ", spec.run_as->gid),
+          failure.error);
+    default:
+      return PosixError(absl::StrCat("exec ", program), failure.error);
+  }
+}
+
+// The PATH of the child's environment, or the default execvp uses.
+std::string PathOf(const std::vector<std::string>& env) {
+  for (const std::string& entry : env) {
+    if (entry.rfind("PATH=", 0) == 0) return entry.substr(5);
+  }
+  return "/usr/local/bin:/usr/bin:/bin";
 }
 
 void WaitBlocking(pid_t pid, int* status) {
@@ -129,13 +181,24 @@ Supervisor::~Supervisor() {
   children_.clear();
 }
 
+absl::StatusOr<std::string> FindProgram(const std::string& program, const std::string& path) {
+  if (program.empty()) return absl::InvalidArgumentError("program: empty");
+  if (program.find('/') != std::string::npos) return program;
+  for (absl::string_view dir : absl::StrSplit(path, ':')) {
+    // An empty entry means the current directory, as for execvp.
+    const std::string candidate = absl::StrCat(dir.empty() ? "." : dir, "/", program);
+    struct stat st = {};
+    if (stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+        access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+  }
+  return absl::NotFoundError(
+      absl::StrCat("program \"", program, "\" not found on PATH (", path, ")"));
+}
+
 absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   if (spec.argv.empty()) return absl::InvalidArgumentError("argv: empty");
-  const std::string program = spec.program.empty() ? spec.argv[0] : spec.program;
-  if (program.find('/') == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("program: must be a path, got \"", program, "\""));
-  }
   if (spec.log_path.empty()) return absl::InvalidArgumentError("log_path: empty");
   const std::filesystem::path parent_dir = std::filesystem::path(spec.log_path).parent_path();
   if (!parent_dir.empty()) {
@@ -149,6 +212,9 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
 
   // Everything the child needs is prepared before fork.
   std::vector<std::string> env_strings = MergedEnvironment(spec.env);
+  AIDN_ASSIGN_OR_RETURN(
+      const std::string program,
+      FindProgram(spec.program.empty() ? spec.argv[0] : spec.program, PathOf(env_strings)));
   std::vector<std::string> argv_strings = spec.argv;
   std::vector<char*> child_argv = CStrings(argv_strings);
   std::vector<char*> child_env = CStrings(env_strings);
@@ -174,8 +240,12 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   const pid_t self = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
-    ExecChild(self, log_fd, null_fd, exec_pipe[1], program.c_str(), child_argv.data(),
-              child_env.data());
+    const ExecPlan plan{.program = program.c_str(),
+                        .argv = child_argv.data(),
+                        .envp = child_env.data(),
+                        .cwd = spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
+                        .run_as = spec.run_as ? &*spec.run_as : nullptr};
+    ExecChild(self, log_fd, null_fd, exec_pipe[1], plan);
   }
   const int fork_error = errno;
   close(exec_pipe[1]);
@@ -188,12 +258,12 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   // Also here, so the group exists whichever of the two runs first (EACCES
   // once the child has exec'd, harmless: it did it itself).
   setpgid(pid, pid);
-  const int exec_error = ReadExecError(exec_pipe[0]);
+  const ExecFailure failure = ReadExecFailure(exec_pipe[0]);
   close(exec_pipe[0]);
-  if (exec_error != 0) {
+  if (failure.stage != ExecFailure::kNone) {
     int status = 0;
     WaitBlocking(pid, &status);
-    return PosixError(absl::StrCat("exec ", program), exec_error);
+    return ExecFailureStatus(failure, program, spec);
   }
 
   const ChildId id = next_id_++;
@@ -223,6 +293,7 @@ absl::Status Supervisor::Stop(ChildId id, std::chrono::milliseconds grace) {
   if (grace.count() <= 0 && !child.killed) {
     kill(-child.pid, SIGKILL);
     child.killed = true;
+    child.killed_at = clock_->Now();
   }
   return absl::OkStatus();
 }
@@ -231,6 +302,12 @@ std::vector<ChildExit> Supervisor::Reap() {
   std::vector<ChildExit> exits;
   absl::MutexLock lock(&mu_);
   const Clock::TimePoint now = clock_->Now();
+  abandoned_.erase(std::remove_if(abandoned_.begin(), abandoned_.end(),
+                                  [](pid_t pid) {
+                                    int status = 0;
+                                    return waitpid(pid, &status, WNOHANG) != 0;
+                                  }),
+                   abandoned_.end());
   for (auto it = children_.begin(); it != children_.end();) {
     Child& child = it->second;
     siginfo_t info = {};
@@ -245,6 +322,25 @@ std::vector<ChildExit> Supervisor::Reap() {
                           << Kv("child", it->first) << Kv("pid", child.pid);
         kill(-child.pid, SIGKILL);
         child.killed = true;
+        child.killed_at = now;
+      }
+      if (child.killed && now - child.killed_at >= options_.kill_timeout) {
+        AIDN_LOG(ERROR) << "child has not ended after SIGKILL (stuck in the kernel?); "
+                           "reporting it as ended and reaping it when it does"
+                        << Kv("child", it->first) << Kv("pid", child.pid)
+                        << Kv("kill_timeout_ms", options_.kill_timeout.count());
+        ChildExit exit;
+        exit.id = it->first;
+        exit.pid = child.pid;
+        exit.signal = SIGKILL;
+        exit.stopped = child.stopping;
+        exit.killed_after_grace = true;
+        exit.abandoned = true;
+        exit.log_tail = LogTail(child.log_path);
+        exits.push_back(std::move(exit));
+        abandoned_.push_back(child.pid);
+        it = children_.erase(it);
+        continue;
       }
       ++it;
       continue;

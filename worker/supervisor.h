@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,9 @@ struct SupervisorOptions {
   size_t log_tail_max_bytes = 4096;
   // Time for kill deadlines; nullptr means Clock::Real(). Not owned.
   Clock* clock = nullptr;
+  // How long a SIGKILLed child may take to end before it is reported as
+  // ended anyway (ChildExit::abandoned).
+  std::chrono::milliseconds kill_timeout{10'000};
 };
 
 // What to run.
@@ -50,7 +54,21 @@ struct ChildSpec {
   // stdout and stderr of the child are appended to this file; its parent
   // directories are created (0755) if missing. stdin is /dev/null.
   std::string log_path = {};
+  // The child's current directory; empty: the daemon's.
+  std::string cwd = {};
+  // When set, the child drops to this user and group (supplementary groups
+  // cleared) before exec; the daemon must be root to do so.
+  struct RunAs {
+    uid_t uid = 0;
+    gid_t gid = 0;
+  };
+  std::optional<RunAs> run_as = std::nullopt;
 };
+
+// The executable `program` names: itself when it contains a '/', else the
+// first executable file of that name in the directories of `path` (a $PATH
+// value). NOT_FOUND naming the program and the path otherwise.
+absl::StatusOr<std::string> FindProgram(const std::string& program, const std::string& path);
 
 // How a child ended.
 struct ChildExit {
@@ -66,6 +84,10 @@ struct ChildExit {
   bool stopped = false;
   // Stop() escalated to SIGKILL.
   bool killed_after_grace = false;
+  // It did not end within SupervisorOptions::kill_timeout of its SIGKILL (a
+  // process stuck in the kernel): reported as ended (signal SIGKILL) so that
+  // nothing waits on it for ever; it is still reaped when it does end.
+  bool abandoned = false;
 };
 
 // A child not yet reaped.
@@ -103,8 +125,9 @@ class Supervisor {
   Supervisor& operator=(const Supervisor&) = delete;
 
   // Forks and execs `spec`. Returns once the exec succeeded; an exec that
-  // fails (no such file, not executable) is an error and leaves no child
-  // behind.
+  // fails (no such file, not executable), a cwd that cannot be entered or a
+  // user that cannot be taken is an error (naming which) and leaves no
+  // child behind.
   absl::StatusOr<ChildId> Start(const ChildSpec& spec);
 
   // Sends SIGTERM to the child's process group now and SIGKILL once `grace`
@@ -133,6 +156,8 @@ class Supervisor {
     bool stopping = false;
     bool killed = false;
     Clock::TimePoint kill_at;
+    // When SIGKILL was sent.
+    Clock::TimePoint killed_at;
   };
 
   std::string LogTail(const std::string& path) const;
@@ -143,6 +168,8 @@ class Supervisor {
   mutable absl::Mutex mu_;
   ChildId next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<ChildId, Child> children_ ABSL_GUARDED_BY(mu_);
+  // Abandoned children (see ChildExit::abandoned), reaped when they end.
+  std::vector<pid_t> abandoned_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace aidn::worker

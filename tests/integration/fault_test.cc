@@ -371,7 +371,21 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   v1::Job job = WaitForEnd(id);
   EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
   EXPECT_EQ(job.restarts(), 1);
-  EXPECT_TRUE(absl::StrContains(EventText(id), victim)) << EventText(id);
+  // The root cause is the lost worker, not the healthy rank that failed
+  // first on the broken connection; `events JOB` shows the loss.
+  EXPECT_TRUE(cluster().HasEvent("worker.lost", id, victim)) << EventText(id);
+  bool named = false;
+  for (const char* type : {"job.restarting", "job.cause"}) {
+    for (const std::string& m : cluster().EventMessages(id, type)) {
+      named = named ||
+              absl::StrContains(m, absl::StrCat("root cause of generation 1's failure: "
+                                                "worker ",
+                                                victim, " lost")) ||
+              (absl::StartsWith(m, "restart 1 of") &&
+               absl::StrContains(m, absl::StrCat(": worker ", victim, " lost")));
+    }
+  }
+  EXPECT_TRUE(named) << EventText(id);
 }
 
 // 3. A SIGSTOPped trainer is a hang: detected within the progress timeout,

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "coordinator/failure_detector.h"
+#include "coordinator/time_util.h"
 #include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
@@ -506,6 +507,123 @@ TEST_F(CoordinatorTest, ASlowRankIsReportedAsAStragglerOnceAndAsRecoveredLater) 
   // Nothing restarted.
   EXPECT_EQ(Get(id).state(), Job::RUNNING);
   EXPECT_EQ(Get(id).generation(), 1);
+}
+
+}  // namespace
+}  // namespace aidn::coordinator
+
+namespace aidn::coordinator {
+namespace {
+
+using namespace test_util;  // NOLINT(build/namespaces): the shared fixture
+using std::chrono::milliseconds;
+using ::testing::HasSubstr;
+using v1::Job;
+
+// A rank's exit report with the worker's time of the exit.
+v1::ReportTrainerExitRequest ExitAt(const std::string& job_id, const std::string& worker, int rank,
+                                    absl::Time at, bool stopped_by_order = false) {
+  v1::ReportTrainerExitRequest r;
+  r.set_worker_id(worker);
+  r.set_job_id(job_id);
+  r.set_generation(1);
+  r.set_rank(rank);
+  r.set_exit_code(1);
+  r.set_stopped_by_order(stopped_by_order);
+  r.set_stderr_tail(absl::StrCat("rank ", rank, "'s last words"));
+  *r.mutable_exited_at() = ToProto(at);
+  return r;
+}
+
+// Two ranks, and a restart backoff longer than the tests look, so the job
+// stays RESTARTING with the failure's reason in its message.
+v1::JobSpec SlowRestartSpec() {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_timeouts()->mutable_restart_backoff()->set_seconds(60);
+  return spec;
+}
+
+std::vector<std::string> MessagesOf(const std::vector<v1::Event>& events, const std::string& type) {
+  std::vector<std::string> out;
+  for (const v1::Event& e : events) {
+    if (e.type() == type) out.push_back(e.message());
+  }
+  return out;
+}
+
+TEST_F(CoordinatorTest, AWorkerSilentBeforeARanksFailureIsTheRootCause) {
+  const std::string id = RunningJobOnTwoWorkers(SlowRestartSpec());
+  const std::string healthy = WorkerOf(id, 0);
+  const std::string dead = WorkerOf(id, 1);
+  // `dead` dies (with its rank) right after a heartbeat; the rank on the
+  // healthy worker fails on the broken connection and is reported first.
+  ASSERT_TRUE(Beat(healthy).ok());
+  ASSERT_TRUE(Beat(dead).ok());
+  clock_.Advance(milliseconds(300));
+  ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, healthy, 0, clock_.WallNow())).ok());
+  EXPECT_THAT(Get(id).message(), HasSubstr("rank 0 on worker " + healthy));
+
+  // The dead worker is declared lost after its timeout; the healthy one
+  // keeps beating.
+  for (int i = 0; i < 12 && WorkerNamed(dead).state() != v1::Worker::LOST; ++i) {
+    clock_.Advance(milliseconds(1000));
+    ASSERT_TRUE(Beat(healthy).ok());
+    c().Tick();
+  }
+  ASSERT_EQ(WorkerNamed(dead).state(), v1::Worker::LOST);
+  const Job job = Get(id);
+  EXPECT_THAT(job.message(), HasSubstr("restart 1 of 3 in 60s: worker " + dead + " lost"));
+  const std::vector<v1::Event> events = EventList(id);
+  const std::vector<std::string> causes = MessagesOf(events, "job.cause");
+  ASSERT_EQ(causes.size(), 1u);
+  EXPECT_THAT(causes[0], HasSubstr("root cause of generation 1's failure: worker " + dead));
+  EXPECT_THAT(causes[0], HasSubstr("which came before: rank 0 on worker " + healthy));
+  // `events JOB` shows the loss.
+  EXPECT_EQ(MessagesOf(events, "worker.lost").size(), 1u);
+}
+
+TEST_F(CoordinatorTest, AWorkerLostAfterAFailureIsNotItsCause) {
+  const std::string id = RunningJobOnTwoWorkers(SlowRestartSpec());
+  const std::string failing = WorkerOf(id, 0);
+  const std::string other = WorkerOf(id, 1);
+  clock_.Advance(milliseconds(300));
+  // Both beat after the exit: `other` was alive then.
+  const absl::Time exited = clock_.WallNow();
+  clock_.Advance(milliseconds(100));
+  ASSERT_TRUE(Beat(failing).ok());
+  ASSERT_TRUE(Beat(other).ok());
+  ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, failing, 0, exited)).ok());
+  for (int i = 0; i < 12 && WorkerNamed(other).state() != v1::Worker::LOST; ++i) {
+    clock_.Advance(milliseconds(1000));
+    ASSERT_TRUE(Beat(failing).ok());
+    c().Tick();
+  }
+  ASSERT_EQ(WorkerNamed(other).state(), v1::Worker::LOST);
+  EXPECT_THAT(Get(id).message(), HasSubstr("rank 0 on worker " + failing));
+  EXPECT_TRUE(MessagesOf(EventList(id), "job.cause").empty());
+}
+
+TEST_F(CoordinatorTest, AnEarlierExitReportedLaterBecomesTheRootCause) {
+  const std::string id = RunningJobOnTwoWorkers();
+  const std::string w0 = WorkerOf(id, 0);
+  const std::string w1 = WorkerOf(id, 1);
+  const absl::Time first = clock_.WallNow();
+  clock_.Advance(milliseconds(50));
+  // Rank 0's exit (a consequence) reaches the coordinator first.
+  ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, w0, 0, clock_.WallNow())).ok());
+  // Rank 1, stopped by order, says nothing of the cause.
+  ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, w1, 1, first, /*stopped_by_order=*/true)).ok());
+  EXPECT_THAT(Get(id).message(), HasSubstr("rank 0 on worker " + w0));
+  // Rank 1 failed on its own, earlier.
+  ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, w1, 1, first)).ok());
+  EXPECT_THAT(Get(id).message(), HasSubstr("rank 1 on worker " + w1 + " exited with code 1"));
+  EXPECT_THAT(MessagesOf(EventList(id), "job.cause"), testing::ElementsAre(HasSubstr(
+                                                          "root cause of generation 1's failure: "
+                                                          "rank 1 on worker " +
+                                                          w1)));
+  // A later failure does not replace it.
+  ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, w0, 0, first + absl::Seconds(1))).ok());
+  EXPECT_EQ(MessagesOf(EventList(id), "job.cause").size(), 1u);
 }
 
 }  // namespace

@@ -143,16 +143,56 @@ TEST_F(SupervisorTest, RunsTheProgramUnderTheNameGivenAsArgvZero) {
   EXPECT_TRUE(exit->stopped);
 }
 
-TEST_F(SupervisorTest, RefusesAProgramThatIsNotAPath) {
+TEST_F(SupervisorTest, LooksUpAProgramWithoutASlashOnPath) {
   Supervisor supervisor;
   absl::StatusOr<Supervisor::ChildId> id =
-      supervisor.Start({.program = "sh", .argv = {"sh", "-c", "exit 0"}, .log_path = dir_ + "/l"});
+      supervisor.Start({.argv = {"sh", "-c", "echo found"},
+                        .env = {"PATH=/nonexistent:/bin:/usr/bin"},
+                        .log_path = dir_ + "/l"});
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::optional<ChildExit> exit = WaitForExit(supervisor, *id);
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_EQ(exit->exit_code, 0);
+  EXPECT_THAT(exit->log_tail, HasSubstr("found"));
+
+  id = supervisor.Start({.argv = {"no-such-program-aidn"},
+                         .env = {"PATH=/nonexistent:/bin"},
+                         .log_path = dir_ + "/l"});
   ASSERT_FALSE(id.ok());
-  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(id.status().message(), HasSubstr("program"));
-  id = supervisor.Start({.argv = {"sh", "-c", "exit 0"}, .log_path = dir_ + "/l"});
-  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(id.status().message(), HasSubstr("\"no-such-program-aidn\" not found on PATH"));
+  EXPECT_THAT(id.status().message(), HasSubstr("/nonexistent:/bin"));
   EXPECT_TRUE(supervisor.Running().empty());
+}
+
+TEST_F(SupervisorTest, RunsAChildInItsWorkingDirectory) {
+  Supervisor supervisor;
+  std::filesystem::create_directories(dir_ + "/wd");
+  absl::StatusOr<Supervisor::ChildId> id = supervisor.Start(
+      {.argv = {"/bin/sh", "-c", "pwd"}, .log_path = dir_ + "/l", .cwd = dir_ + "/wd"});
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::optional<ChildExit> exit = WaitForExit(supervisor, *id);
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_THAT(exit->log_tail, HasSubstr(dir_ + "/wd"));
+
+  id = supervisor.Start(
+      {.argv = {"/bin/sh", "-c", "pwd"}, .log_path = dir_ + "/l", .cwd = dir_ + "/missing"});
+  ASSERT_FALSE(id.ok());
+  EXPECT_THAT(id.status().message(), HasSubstr("working directory " + dir_ + "/missing"));
+  EXPECT_TRUE(supervisor.Running().empty());
+}
+
+TEST_F(SupervisorTest, RunsAChildAsAnotherUser) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to change user";
+  Supervisor supervisor;
+  absl::StatusOr<Supervisor::ChildId> id =
+      supervisor.Start({.argv = {"/bin/sh", "-c", "echo uid=$(id -u) gid=$(id -g) groups=$(id -G)"},
+                        .log_path = dir_ + "/l",
+                        .run_as = ChildSpec::RunAs{.uid = 65534, .gid = 65534}});
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::optional<ChildExit> exit = WaitForExit(supervisor, *id);
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_THAT(exit->log_tail, HasSubstr("uid=65534 gid=65534 groups=65534"));
 }
 
 TEST_F(SupervisorTest, ReportsTheSignalThatKilledAChild) {
@@ -225,9 +265,13 @@ TEST_F(SupervisorTest, RefusesAProgramThatCannotBeExecuted) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
   EXPECT_THAT(missing.status().message(), HasSubstr("no-such-program"));
 
-  absl::StatusOr<Supervisor::ChildId> relative =
-      supervisor.Start({.argv = {"sh", "-c", "true"}, .log_path = dir_ + "/x.log"});
-  EXPECT_EQ(relative.status().code(), absl::StatusCode::kInvalidArgument);
+  // A file that is not executable.
+  const std::string data = dir_ + "/data.txt";
+  std::ofstream(data) << "not a program\n";
+  absl::StatusOr<Supervisor::ChildId> not_executable =
+      supervisor.Start({.argv = {data}, .log_path = dir_ + "/x.log"});
+  EXPECT_FALSE(not_executable.ok());
+  EXPECT_THAT(not_executable.status().message(), HasSubstr("exec " + data));
   EXPECT_TRUE(supervisor.Running().empty());
   EXPECT_TRUE(supervisor.Reap().empty());
 }
