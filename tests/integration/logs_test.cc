@@ -3,6 +3,8 @@
 // aidnctl reading it back. What `aidnctl logs` prints is compared with the
 // rank log files on the worker, line for line.
 
+#include <sys/stat.h>
+
 #include <chrono>
 #include <string>
 #include <thread>
@@ -32,11 +34,14 @@ class LogsTest : public ClusterFixture {
       GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
     }
     ClusterFixture::SetUp();
+    // Command ranks run as nobody: the test's directory must be reachable.
+    chmod(cluster().dir().c_str(), 0755);
     ASSERT_TRUE(cluster()
                     .StartCoordinator({"--worker-timeout=5s", "--heartbeat-interval=500ms",
                                        "--tick-interval=50ms"})
                     .ok());
-    ASSERT_TRUE(cluster().StartWorkers({"w1"}, {.cpu_slots = 2}));
+    ASSERT_TRUE(
+        cluster().StartWorkers({"w1"}, {.cpu_slots = 2, .args = {"--command-user=nobody"}}));
   }
 
   std::string Submit(int64_t steps) {
@@ -159,6 +164,37 @@ TEST_F(LogsTest, ACoordinatorRestartMidJobLosesNoLine) {
   const v1::Job job = cluster().WaitForEnd(id, kJobTimeout);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << cluster().EventText(id);
   ExpectLogsMatchFiles(id);
+}
+
+// A user's own program (a command job): a progress bar rewritten with
+// carriage returns arrives as its last state, a line longer than 16 KiB is
+// cut and marked, and a last line without a newline arrives too.
+TEST_F(LogsTest, ACommandJobsProgressBarsAndHugeLinesStayReadable) {
+  v1::JobSpec spec;
+  spec.set_name("logs-command");
+  spec.set_world_size(2);
+  spec.set_max_restarts(0);
+  for (const char* arg :
+       {"/bin/sh", "-c",
+        "echo \"start $RANK\"; printf '\\r 10%%|#   |\\r 50%%|##  |\\r100%%|####|\\n';"
+        " head -c 40000 /dev/zero | tr '\\0' y; echo; printf 'done %s' \"$RANK\""}) {
+    spec.mutable_command()->add_argv(arg);
+  }
+  absl::StatusOr<std::string> id = cluster().Submit(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const v1::Job job = cluster().WaitForEnd(*id, kJobTimeout);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  const CommandResult logs = cluster().Aidnctl({"logs", *id, "--follow"});
+  ASSERT_EQ(logs.exit_code, 0) << Describe(logs);
+  for (int rank : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    const std::vector<std::string> lines = RankLines(logs.out, rank);
+    ASSERT_EQ(lines.size(), 4u) << logs.out.substr(0, 2000);
+    EXPECT_EQ(lines[0], absl::StrCat("start ", rank));
+    EXPECT_EQ(lines[1], "100%|####|");
+    EXPECT_EQ(lines[2], std::string(16384, 'y') + " [aidn: line cut at 16384 bytes]");
+    EXPECT_EQ(lines[3], absl::StrCat("done ", rank));
+  }
 }
 
 }  // namespace
