@@ -422,7 +422,8 @@ void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, boo
   const int64_t generation = job.generation();
   FailureCause& cause = entry->last_failure.emplace();
   cause.generation = generation;
-  cause.at = rank_exit_at.value_or(clock_->WallNow());
+  cause.seen_at = clock_->WallNow();
+  cause.at = rank_exit_at.value_or(cause.seen_at);
   cause.reason = reason;
   cause.revisable = rank_exit_at.has_value();
   for (const v1::RankPlacement& p : job.placement()) cause.workers.insert(p.worker_id());

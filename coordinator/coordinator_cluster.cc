@@ -250,13 +250,16 @@ void Coordinator::WorkerLostForJobs(const WorkerEntry& w, const std::string& sil
   for (auto& [job_id, entry] : jobs_) {
     if (!entry->last_failure.has_value() || !entry->last_failure->workers.contains(id)) continue;
     const FailureCause& failure = *entry->last_failure;
-    if (!failure.PrecededBy(failure.generation, last_heard)) continue;
+    if (!failure.SilentBefore(last_heard)) continue;
     const std::string cause = absl::StrCat("worker ", id, " lost (", silence, ")");
     Emit("worker.lost", job_id, id, failure.generation,
          absl::StrCat(cause, "; it ran ranks of generation ", failure.generation,
                       " and was silent before that generation failed"),
          deferred);
-    ReviseFailureCause(entry.get(), failure.generation, last_heard, cause, id, deferred);
+    // The loss becomes the cause, at the earliest time any rank's exit
+    // could be compared with (the failure's own rank times are the
+    // workers' clocks).
+    ReviseFailureCause(entry.get(), failure.generation, absl::InfinitePast(), cause, id, deferred);
   }
 }
 

@@ -25,6 +25,9 @@ struct FailureCause {
   // When the failure happened: a rank's exit time by its worker's clock, or
   // when the coordinator saw it.
   absl::Time at = absl::InfinitePast();
+  // When the coordinator learned of it (its own clock, which a worker's
+  // last heartbeat is compared with).
+  absl::Time seen_at = absl::InfinitePast();
   std::string reason;
   // A rank's exit, which an earlier failure elsewhere may have caused.
   bool revisable = false;
@@ -36,6 +39,9 @@ struct FailureCause {
   bool PrecededBy(int64_t failed_generation, absl::Time when) const {
     return revisable && failed_generation == generation && when < at;
   }
+  // Whether a worker last heard from at `last_heard` (coordinator clock) was
+  // already silent when the coordinator learned of this failure.
+  bool SilentBefore(absl::Time last_heard) const { return revisable && last_heard < seen_at; }
 };
 
 }  // namespace aidn::coordinator

@@ -1,16 +1,18 @@
 #include "worker/command_launch.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
 
-#include <fstream>
-#include <sstream>
-
-#include <cstdlib>
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 
 namespace aidn::worker {
@@ -105,9 +107,9 @@ absl::StatusOr<LaunchSpec> CommandLaunchSpecFor(const v1::TrainerAssignment& a,
                                    : (std::filesystem::path(launch.job_dir) / wd).string();
   const std::string error_dir = absl::StrCat(launch.job_dir, "/.aidn/gen-", a.generation());
   launch.error_file = absl::StrCat(error_dir, "/rank-", a.rank(), "-error.json");
-  launch.owned_dirs = {launch.job_dir, absl::StrCat(launch.job_dir, "/.aidn"), error_dir};
+  launch.make_dirs = {error_dir};
   const std::string checkpoint_dir = CommandCheckpointDir(a, o.checkpoint_root);
-  if (!checkpoint_dir.empty()) launch.owned_dirs.push_back(checkpoint_dir);
+  if (!checkpoint_dir.empty()) launch.make_dirs.push_back(checkpoint_dir);
   launch.run_as = o.command_user;
 
   // Not the built-in trainer's trainer_env (its BLAS kernel choice, say):
@@ -115,6 +117,10 @@ absl::StatusOr<LaunchSpec> CommandLaunchSpecFor(const v1::TrainerAssignment& a,
   std::vector<std::string>& env = launch.env;
   // Variables the spec sets come first, so that aidn's own win (the
   // coordinator refuses a spec that sets them, and a later entry wins).
+  // As torchrun: a peer's death fails NCCL collectives instead of hanging
+  // them (the spec may say otherwise).
+  env.push_back("NCCL_ASYNC_ERROR_HANDLING=1");
+  env.push_back("TORCH_NCCL_ASYNC_ERROR_HANDLING=1");
   for (const auto& [name, value] : command.env()) env.push_back(absl::StrCat(name, "=", value));
   if (o.command_user.has_value()) {
     env.push_back("HOME=" + o.command_user->home);
@@ -168,23 +174,36 @@ absl::StatusOr<LaunchSpec> CommandLaunchSpecFor(const v1::TrainerAssignment& a,
                                inherited != nullptr ? inherited : ""));
   }
   if (a.spec().device() == v1::JobSpec::GPU) {
-    absl::StatusOr<std::string> visible =
-        TrainerVisibleDevice(a.slot(), o.gpus, o.cuda_visible_devices);
-    if (!visible.ok()) return visible.status();
-    env.push_back("CUDA_VISIBLE_DEVICES=" + *visible);
+    // The job's GPUs on this worker in local-rank order, as torchrun leaves
+    // them: a script's torch.cuda.set_device(LOCAL_RANK) picks its own.
+    std::vector<int> slots = p.local_gpu_slots;
+    if (slots.empty()) slots = {a.slot()};
+    std::vector<std::string> visible;
+    for (int slot : slots) {
+      absl::StatusOr<std::string> device =
+          TrainerVisibleDevice(slot, o.gpus, o.cuda_visible_devices);
+      if (!device.ok()) return device.status();
+      visible.push_back(*device);
+    }
+    env.push_back("CUDA_VISIBLE_DEVICES=" + absl::StrJoin(visible, ","));
   }
   env.push_back(absl::StrCat(kTrainerTokenVariable, "=", a.trainer_token()));
   return launch;
 }
 
-std::string ReadErrorFile(const std::string& path) {
+std::string ReadErrorFile(const std::string& path, uid_t owner) {
   constexpr size_t kMaxFileBytes = 1 << 20;
   constexpr size_t kMaxMessageBytes = 2048;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "";
-  std::string text(kMaxFileBytes, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  text.resize(static_cast<size_t>(in.gcount()));
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return "";
+  struct stat st = {};
+  std::string text;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == owner) {
+    text.resize(std::min<size_t>(static_cast<size_t>(st.st_size), kMaxFileBytes));
+    const ssize_t n = pread(fd, text.data(), text.size(), 0);
+    text.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  }
+  close(fd);
   nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded() || !doc.is_object() || !doc.contains("message")) return "";
   const nlohmann::json& message = doc["message"];

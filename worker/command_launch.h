@@ -13,6 +13,8 @@
 //                         CommandLaunchSpecFor(assignment, placement, options));
 //   // launch.env: {"RANK=1", "LOCAL_RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=10.0.0.1", ...}
 
+#include <sys/types.h>
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,6 +39,9 @@ struct CommandPlacement {
   int group_world_size = 1;
   // The newest committed checkpoint to resume from, if any.
   std::optional<v1::Checkpoint> resume_from;
+  // device: gpu: the slots (GPUs) of the job's ranks on this worker, in
+  // local-rank order; empty: the assignment's own.
+  std::vector<int> local_gpu_slots;
 };
 
 // The placement of `rank` from the rendezvous answer: peers[0].address is
@@ -59,8 +64,10 @@ absl::StatusOr<LaunchSpec> CommandLaunchSpecFor(const v1::TrainerAssignment& ass
 
 // What a rank wrote to its TORCHELASTIC_ERROR_FILE (torch's @record writes
 // {"message": {"message": "ValueError: ...", "extraInfo": {...}}}): the
-// message, at most 2 KiB; "" when there is no file or no message in it.
-std::string ReadErrorFile(const std::string& path);
+// message, at most 2 KiB; "" when there is no file or no message in it. The
+// file must be a regular file of `owner` (the rank's user), opened without
+// following a link or blocking (a FIFO there must not hang the caller).
+std::string ReadErrorFile(const std::string& path, uid_t owner);
 
 }  // namespace aidn::worker
 

@@ -1,5 +1,7 @@
 #include "worker/daemon.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -85,6 +87,23 @@ absl::StatusOr<std::unique_ptr<GenerationStore>> StartC10dStore(const std::strin
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<c10d::StoreServer> server,
                         c10d::StoreServer::Start({.bind_address = address, .port = 0}));
   return std::unique_ptr<GenerationStore>(new C10dStore(std::move(server)));
+}
+
+// The job's directory, made by the daemon under its own <work_dir>/jobs and
+// given to `user`: never through a link (the user owns what is inside and
+// could have put one in place of the directory in an earlier generation).
+absl::Status MakeJobDir(const std::string& dir, const std::optional<LaunchOptions::User>& user) {
+  std::error_code error;
+  std::filesystem::create_directories(std::filesystem::path(dir).parent_path(), error);
+  if (error) return absl::InternalError(absl::StrCat("mkdir ", dir, ": ", error.message()));
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return PosixError("mkdir " + dir, errno);
+  if (!user.has_value()) return absl::OkStatus();
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return PosixError(dir + " (must be a directory, not a link)", errno);
+  absl::Status status = absl::OkStatus();
+  if (fchown(fd, user->uid, user->gid) != 0) status = PosixError("chown " + dir, errno);
+  close(fd);
+  return status;
 }
 
 }  // namespace
@@ -376,7 +395,9 @@ void Daemon::StartJoinedCommands() {
     if (!assigned_.contains(key)) continue;  // dropped while joining
     if (!ready.placement.ok()) {
       const absl::StatusCode code = ready.placement.status().code();
-      if (code == absl::StatusCode::kCancelled || code == absl::StatusCode::kFailedPrecondition ||
+      // Cancelled while assigned again: the next Reconcile joins anew.
+      if (code == absl::StatusCode::kCancelled) continue;
+      if (code == absl::StatusCode::kFailedPrecondition ||
           code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kAborted) {
         // The generation ended or timed out: the coordinator knows.
         AIDN_LOG(INFO) << "command rank not started"
@@ -388,26 +409,27 @@ void Daemon::StartJoinedCommands() {
       NotStarted(a, ready.placement.status());
       continue;
     }
-    StartCommand(a, *ready.placement);
+    CommandPlacement placement = *std::move(ready.placement);
+    // This job's ranks here (assigned_ is ordered by rank), for their GPUs.
+    for (const auto& [other, assignment] : assigned_) {
+      if (other.job_id == key.job_id && other.generation == key.generation) {
+        placement.local_gpu_slots.push_back(assignment.slot());
+      }
+    }
+    StartCommand(a, placement);
   }
+  // A store started by a join cancelled meanwhile goes now.
+  std::set<Key> wanted;
+  for (const auto& [key, a] : assigned_) wanted.insert(key);
+  ReleaseStores(wanted);
 }
 
 void Daemon::StartCommand(const v1::TrainerAssignment& a, const CommandPlacement& placement) {
   absl::StatusOr<LaunchSpec> launch = CommandLaunchSpecFor(a, placement, launch_options_);
   if (!launch.ok()) return NotStarted(a, launch.status(), /*permanent=*/true);
-  for (const std::string& dir : launch->owned_dirs) {
-    std::error_code error;
-    std::filesystem::create_directories(dir, error);
-    if (error) {
-      return NotStarted(a, absl::InternalError(absl::StrCat("mkdir ", dir, ": ", error.message())));
-    }
-    if (launch->run_as.has_value() &&
-        chown(dir.c_str(), launch->run_as->uid, launch->run_as->gid) != 0) {
-      return NotStarted(a, PosixError(absl::StrCat("chown ", dir), errno));
-    }
+  if (absl::Status s = MakeJobDir(launch->job_dir, launch->run_as); !s.ok()) {
+    return NotStarted(a, s);
   }
-  // A file left by an earlier run of this rank must not pass for this one's.
-  std::filesystem::remove(launch->error_file);
   Launch(a, *launch);
 }
 
@@ -461,12 +483,17 @@ void Daemon::Launch(const v1::TrainerAssignment& a, const LaunchSpec& launch_spe
   if (launch->run_as.has_value()) {
     run_as = ChildSpec::RunAs{.uid = launch->run_as->uid, .gid = launch->run_as->gid};
   }
-  absl::StatusOr<Supervisor::ChildId> child = supervisor_.Start({.program = launch->program,
-                                                                 .argv = launch->argv,
-                                                                 .env = launch->env,
-                                                                 .log_path = launch->log_path,
-                                                                 .cwd = launch->cwd,
-                                                                 .run_as = run_as});
+  absl::StatusOr<Supervisor::ChildId> child =
+      supervisor_.Start({.program = launch->program,
+                         .argv = launch->argv,
+                         .env = launch->env,
+                         .log_path = launch->log_path,
+                         .cwd = launch->cwd,
+                         .run_as = run_as,
+                         .make_dirs = launch->make_dirs,
+                         // A file left by an earlier run of this rank must not
+                         // pass for this one's.
+                         .remove_file = launch->error_file});
   // A command's program that cannot be started will not start on a retry.
   if (!child.ok()) return NotStarted(a, child.status(), /*permanent=*/a.spec().has_command());
   pid_t pid = 0;
@@ -475,10 +502,12 @@ void Daemon::Launch(const v1::TrainerAssignment& a, const LaunchSpec& launch_spe
   }
   {
     absl::MutexLock lock(&mu_);
-    trainers_[{a.job_id(), a.generation(), a.rank()}] = Trainer{.child = *child,
-                                                                .pid = pid,
-                                                                .log_path = launch->log_path,
-                                                                .error_file = launch->error_file};
+    trainers_[{a.job_id(), a.generation(), a.rank()}] =
+        Trainer{.child = *child,
+                .pid = pid,
+                .log_path = launch->log_path,
+                .error_file = launch->error_file,
+                .error_file_owner = run_as.has_value() ? run_as->uid : geteuid()};
   }
   log_shipper_->Follow({a.job_id(), a.generation(), a.rank()}, launch->log_path);
   auto [seen, first] = generation_started_.try_emplace(a.job_id(), a.generation());
@@ -513,6 +542,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     bool by_order = false;
     std::string log_path;
     std::string error_file;
+    uid_t error_file_owner = 0;
     bool found = false;
     {
       absl::MutexLock lock(&mu_);
@@ -522,6 +552,7 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
         by_order = it->second.by_order;
         log_path = it->second.log_path;
         error_file = it->second.error_file;
+        error_file_owner = it->second.error_file_owner;
         trainers_.erase(it);
         found = true;
         break;
@@ -560,7 +591,8 @@ void Daemon::HandleExits(const std::vector<ChildExit>& exits) {
     report.set_permanent(exit.signal == 0 && exit.exit_code == kExitPermanent);
     report.set_stopped_by_order(by_order);
     *report.mutable_exited_at() = google::protobuf::util::TimeUtil::GetCurrentTime();
-    if (!clean && !error_file.empty()) report.set_error(ReadErrorFile(error_file));
+    if (!clean && !error_file.empty())
+      report.set_error(ReadErrorFile(error_file, error_file_owner));
     link_->QueueReport(std::move(report));
   }
 }

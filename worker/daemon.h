@@ -168,8 +168,10 @@ class Daemon {
     // or a StopOrder), as opposed to by the daemon's own shutdown.
     bool by_order = false;
     std::string log_path;
-    // Command ranks: their TORCHELASTIC_ERROR_FILE.
+    // Command ranks: their TORCHELASTIC_ERROR_FILE, and the user it must
+    // belong to (the rank's).
     std::string error_file;
+    uid_t error_file_owner = 0;
   };
 
   explicit Daemon(const DaemonOptions& options);

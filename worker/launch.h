@@ -88,12 +88,13 @@ struct LaunchSpec {
   // the caller creates it. The process starts in the daemon's current
   // directory, so a spec's relative dataset paths mean what they meant.
   std::string job_dir;
-  // Command jobs: the process's current directory, the user it runs as,
-  // the directories the caller creates and gives to that user (job_dir, the
-  // error file's, the checkpoints'), and TORCHELASTIC_ERROR_FILE.
+  // Command jobs: the process's current directory, the user it runs as
+  // (the caller gives job_dir to that user), the directories the process
+  // creates as that user before it starts (the error file's, the
+  // checkpoints'), and TORCHELASTIC_ERROR_FILE.
   std::string cwd;
   std::optional<LaunchOptions::User> run_as;
-  std::vector<std::string> owned_dirs;
+  std::vector<std::string> make_dirs;
   std::string error_file;
 };
 

@@ -232,6 +232,8 @@ absl::StatusOr<std::string> CommandJobsFromFlags(aidn::worker::DaemonOptions* op
     return absl::InvalidArgumentError(absl::StrCat("--command-user: running command jobs as ", user,
                                                    " needs the worker to run as root"));
   }
+  // Already that user: nothing to switch to.
+  if (geteuid() != 0) return absl::StrCat("as this daemon's user ", user);
   options->command_user = aidn::worker::LaunchOptions::User{
       .name = user, .uid = pw->pw_uid, .gid = pw->pw_gid, .home = pw->pw_dir};
   if (pw->pw_uid == 0) {

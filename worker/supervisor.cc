@@ -60,7 +60,7 @@ void CloseIfOpen(int fd) {
 
 // What the child reports through the error pipe when it cannot exec.
 struct ExecFailure {
-  enum Stage : int { kNone = 0, kChdir, kSetUser, kExec };
+  enum Stage : int { kNone = 0, kChdir, kSetUser, kMkdir, kExec };
   int stage = kNone;
   int error = 0;
 };
@@ -78,7 +78,21 @@ struct ExecPlan {
   char* const* envp;
   const char* cwd;  // null: stay
   const ChildSpec::RunAs* run_as;
+  // Every prefix of every make_dirs entry, parents first.
+  const std::vector<std::string>* mkdirs;
+  const char* remove_file;  // null: none
 };
+
+// "/a/b/c" -> "/a", "/a/b", "/a/b/c": what `mkdir -p` creates, in order.
+std::vector<std::string> DirPrefixes(const std::vector<std::string>& dirs) {
+  std::vector<std::string> prefixes;
+  for (const std::string& dir : dirs) {
+    for (size_t i = 1; i <= dir.size(); ++i) {
+      if (i == dir.size() || dir[i] == '/') prefixes.push_back(dir.substr(0, i));
+    }
+  }
+  return prefixes;
+}
 
 // Runs in the forked child: only async-signal-safe calls until execve (the
 // daemon has gRPC threads, whose locks may be held by threads that do not
@@ -120,7 +134,16 @@ struct ExecPlan {
         setuid(plan.run_as->uid) != 0) {
       ReportFailure(error_fd, ExecFailure::kSetUser, errno);
     }
+    // A change of credentials clears the parent-death signal: set it again.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
   }
+  for (const std::string& dir : *plan.mkdirs) {
+    if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      ReportFailure(error_fd, ExecFailure::kMkdir, errno);
+    }
+  }
+  if (plan.remove_file != nullptr) unlink(plan.remove_file);
   if (plan.cwd != nullptr && chdir(plan.cwd) != 0) {
     ReportFailure(error_fd, ExecFailure::kChdir, errno);
   }
@@ -142,6 +165,8 @@ absl::Status ExecFailureStatus(const ExecFailure& failure, const std::string& pr
   switch (failure.stage) {
     case ExecFailure::kChdir:
       return PosixError(absl::StrCat("working directory ", spec.cwd), failure.error);
+    case ExecFailure::kMkdir:
+      return PosixError("creating the process's directories", failure.error);
     case ExecFailure::kSetUser:
       return PosixError(
           absl::StrCat("switching to uid ", spec.run_as->uid, " gid ", spec.run_as->gid),
@@ -218,6 +243,7 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   std::vector<std::string> argv_strings = spec.argv;
   std::vector<char*> child_argv = CStrings(argv_strings);
   std::vector<char*> child_env = CStrings(env_strings);
+  const std::vector<std::string> mkdirs = DirPrefixes(spec.make_dirs);
 
   const int log_fd = open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log_fd < 0) return PosixError(spec.log_path, errno);
@@ -240,11 +266,14 @@ absl::StatusOr<Supervisor::ChildId> Supervisor::Start(const ChildSpec& spec) {
   const pid_t self = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
-    const ExecPlan plan{.program = program.c_str(),
-                        .argv = child_argv.data(),
-                        .envp = child_env.data(),
-                        .cwd = spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
-                        .run_as = spec.run_as ? &*spec.run_as : nullptr};
+    const ExecPlan plan{
+        .program = program.c_str(),
+        .argv = child_argv.data(),
+        .envp = child_env.data(),
+        .cwd = spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
+        .run_as = spec.run_as ? &*spec.run_as : nullptr,
+        .mkdirs = &mkdirs,
+        .remove_file = spec.remove_file.empty() ? nullptr : spec.remove_file.c_str()};
     ExecChild(self, log_fd, null_fd, exec_pipe[1], plan);
   }
   const int fork_error = errno;

@@ -63,6 +63,12 @@ struct ChildSpec {
     gid_t gid = 0;
   };
   std::optional<RunAs> run_as = std::nullopt;
+  // Made by the child itself, after it took run_as and before it enters
+  // cwd, so the daemon never creates or changes anything in a directory the
+  // child's user controls: directories to create (with their parents, mode
+  // 0755; existing ones are fine) and a file to remove if present.
+  std::vector<std::string> make_dirs = {};
+  std::string remove_file = {};
 };
 
 // The executable `program` names: itself when it contains a '/', else the

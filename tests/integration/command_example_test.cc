@@ -165,7 +165,8 @@ TEST_F(CommandExampleTest, AKilledRankResumesFromTheScriptsCheckpointWithTheSame
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(checkpoint); }, kJobTimeout))
       << RankLog(cluster(), *job, 1, 0);
-  std::optional<int> rank1 = ProcessWithEnv({"AIDN_JOB_ID=" + *job, "RANK=1"});
+  std::optional<int> rank1 =
+      ProcessWithEnv({"AIDN_JOB_ID=" + *job, "AIDN_COORDINATOR=" + cluster().address(), "RANK=1"});
   ASSERT_TRUE(rank1.has_value());
   ASSERT_EQ(kill(*rank1, SIGKILL), 0);
 
@@ -198,7 +199,8 @@ TEST_F(CommandExampleTest, AStoppedRankOfAReportingScriptIsAHangNamed) {
   // Its reports arrive: it is judged by progress from now on.
   ASSERT_TRUE(WaitFor([&] { return cluster().Metrics(*job).size() >= 5; }, kJobTimeout))
       << RankLog(cluster(), *job, 1, 0);
-  std::optional<int> rank1 = ProcessWithEnv({"AIDN_JOB_ID=" + *job, "RANK=1"});
+  std::optional<int> rank1 =
+      ProcessWithEnv({"AIDN_JOB_ID=" + *job, "AIDN_COORDINATOR=" + cluster().address(), "RANK=1"});
   ASSERT_TRUE(rank1.has_value());
   ASSERT_EQ(kill(*rank1, SIGSTOP), 0);
   v1::Job last;

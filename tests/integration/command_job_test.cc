@@ -42,19 +42,25 @@ bool TorchImports() {
   return ok;
 }
 
-// Pids of live processes whose environment says they belong to `job_id`.
-std::vector<int> ProcessesOfJob(const std::string& job_id) {
+// Pids of live processes whose environment says they belong to `job_id` of
+// the coordinator at `coordinator` (other tests run jobs of the same ids).
+std::vector<int> ProcessesOfJob(const std::string& coordinator, const std::string& job_id) {
   std::vector<int> pids;
   const std::string needle = absl::StrCat("AIDN_JOB_ID=", job_id);
+  const std::string ours = absl::StrCat("AIDN_COORDINATOR=", coordinator);
   DIR* proc = opendir("/proc");
   if (proc == nullptr) return pids;
   while (dirent* entry = readdir(proc)) {
     const int pid = atoi(entry->d_name);
     if (pid <= 0) continue;
     const std::string environ = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/environ"));
+    bool job = false;
+    bool coordinator_matches = false;
     for (absl::string_view var : absl::StrSplit(environ, '\0')) {
-      if (var == needle) pids.push_back(pid);
+      job = job || var == needle;
+      coordinator_matches = coordinator_matches || var == ours;
     }
+    if (job && coordinator_matches) pids.push_back(pid);
   }
   closedir(proc);
   return pids;
@@ -95,7 +101,8 @@ class CommandJobTest : public ClusterFixture {
 
   void TearDown() override {
     for (const std::string& job : jobs_) {
-      EXPECT_TRUE(WaitFor([&] { return ProcessesOfJob(job).empty(); }, milliseconds(15'000)))
+      EXPECT_TRUE(WaitFor([&] { return ProcessesOfJob(cluster().address(), job).empty(); },
+                          milliseconds(15'000)))
           << "processes of " << job << " outlived it";
     }
     ClusterFixture::TearDown();
@@ -251,6 +258,27 @@ TEST_F(CommandJobTest, ARootWorkerWithoutACommandUserRunsNoCommandJobs) {
       "the job waiting", milliseconds(30'000)));
   EXPECT_TRUE(absl::StrContains(cluster().WorkerLog("w1"), "no --command-user"));
   ASSERT_TRUE(cluster().Cancel(job).ok());
+}
+
+TEST_F(CommandJobTest, AJobCannotMakeTheRootWorkerChangeFilesOutsideItsDirectories) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root";
+  StartWorkers({"w1"});
+  // A root-owned directory the job points its own directories at with links
+  // before it fails, hoping the next generation's start hands it over.
+  const std::string target = cluster().Path("root-owned");
+  std::filesystem::create_directories(target);
+  const std::string script = absl::StrCat(
+      "rm -rf .aidn && ln -s ", target, " .aidn; rm -rf ckpt && ln -s ", target, " ckpt; exit 1");
+  v1::JobSpec spec = Spec({"/bin/sh", "-c", script}, 1);
+  spec.set_max_restarts(1);
+  spec.mutable_timeouts()->mutable_restart_backoff()->set_nanos(100'000'000);
+  const std::string job = Submit(spec);
+  v1::Job last;
+  ASSERT_TRUE(cluster().WaitForState(job, v1::Job::FAILED, kJobTimeout, &last));
+  struct stat st = {};
+  ASSERT_EQ(stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 0u) << "the worker handed a root-owned directory to the job's user";
+  EXPECT_TRUE(std::filesystem::is_empty(target));
 }
 
 TEST_F(CommandJobTest, ARankThatClosesItsOutputOrPrintsAHundredMegabytesIsFine) {

@@ -2,6 +2,9 @@
 // placement from the agents' rendezvous, and its error file read back.
 #include "worker/command_launch.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -154,7 +157,7 @@ TEST(CommandLaunchSpecFor, GivesEveryRankTorchrunsContract) {
   EXPECT_FALSE(env.contains("CUDA_VISIBLE_DEVICES"));
   // The token travels in the environment only.
   for (const std::string& arg : launch->argv) EXPECT_THAT(arg, Not(HasSubstr("secret")));
-  EXPECT_EQ(launch->owned_dirs.back(), "/var/lib/aidn/checkpoints/ckpt/job-3");
+  EXPECT_EQ(launch->make_dirs.back(), "/var/lib/aidn/checkpoints/ckpt/job-3");
 }
 
 TEST(CommandLaunchSpecFor, HonoursTheWorkingDirectoryTheStoreModeAndTheUser) {
@@ -198,16 +201,25 @@ TEST(CommandLaunchSpecFor, RefusesAnAssignmentWithoutACommand) {
 TEST(ReadErrorFile, ReadsTorchsRecordFormatAndToleratesAnythingElse) {
   aidn::testing::TempDir dir("aidn-error-file");
   const std::string path = dir / "error.json";
-  EXPECT_EQ(ReadErrorFile(path), "");  // none written
+  EXPECT_EQ(ReadErrorFile(path, geteuid()), "");  // none written
   std::ofstream(path) << R"({"message": {"message": "ValueError: loss is nan", )"
                          R"("extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"}}})";
-  EXPECT_EQ(ReadErrorFile(path), "ValueError: loss is nan");
+  EXPECT_EQ(ReadErrorFile(path, geteuid()), "ValueError: loss is nan");
   std::ofstream(path) << R"({"message": "RuntimeError: plain"})";
-  EXPECT_EQ(ReadErrorFile(path), "RuntimeError: plain");
+  EXPECT_EQ(ReadErrorFile(path, geteuid()), "RuntimeError: plain");
   std::ofstream(path) << "not json {";
-  EXPECT_EQ(ReadErrorFile(path), "");
+  EXPECT_EQ(ReadErrorFile(path, geteuid()), "");
   std::ofstream(path) << R"({"message": {"message": ")" << std::string(5000, 'x') << R"("}})";
-  EXPECT_EQ(ReadErrorFile(path).size(), 2048u + 3);
+  EXPECT_EQ(ReadErrorFile(path, geteuid()).size(), 2048u + 3);
+  // Another user's file, a link and a FIFO are not read (nor waited on).
+  std::ofstream(path) << R"({"message": "RuntimeError: plain"})";
+  EXPECT_EQ(ReadErrorFile(path, geteuid() + 1), "");
+  const std::string link = dir / "link.json";
+  std::filesystem::create_symlink(path, link);
+  EXPECT_EQ(ReadErrorFile(link, geteuid()), "");
+  const std::string fifo = dir / "fifo.json";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(ReadErrorFile(fifo, geteuid()), "");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -193,6 +194,33 @@ TEST_F(SupervisorTest, RunsAChildAsAnotherUser) {
   std::optional<ChildExit> exit = WaitForExit(supervisor, *id);
   ASSERT_TRUE(exit.has_value());
   EXPECT_THAT(exit->log_tail, HasSubstr("uid=65534 gid=65534 groups=65534"));
+
+  // The directories it needs are made by the child as that user, and the
+  // file to remove is removed as that user: one root owns stays.
+  const std::string shared = dir_ + "/shared";
+  std::filesystem::create_directories(shared);
+  chmod(shared.c_str(), 0777);
+  chmod(dir_.c_str(), 0755);
+  const std::string root_file = dir_ + "/root-owned";
+  std::ofstream(root_file) << "x";
+  id = supervisor.Start({.argv = {"/bin/sh", "-c", "true"},
+                         .log_path = dir_ + "/l",
+                         .run_as = ChildSpec::RunAs{.uid = 65534, .gid = 65534},
+                         .make_dirs = {shared + "/a/b"},
+                         .remove_file = root_file});
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(WaitForExit(supervisor, *id).has_value());
+  struct stat st = {};
+  ASSERT_EQ(stat((shared + "/a/b").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 65534u);
+  EXPECT_TRUE(std::filesystem::exists(root_file)) << "removed with root's rights";
+  // A directory it may not create fails the start, naming the step.
+  id = supervisor.Start({.argv = {"/bin/sh", "-c", "true"},
+                         .log_path = dir_ + "/l",
+                         .run_as = ChildSpec::RunAs{.uid = 65534, .gid = 65534},
+                         .make_dirs = {dir_ + "/not-writable/x"}});
+  ASSERT_FALSE(id.ok());
+  EXPECT_THAT(id.status().message(), HasSubstr("creating the process's directories"));
 }
 
 TEST_F(SupervisorTest, ReportsTheSignalThatKilledAChild) {
