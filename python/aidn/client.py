@@ -6,15 +6,20 @@ aidnctl's address and token (see _config for where they come from).
     for item in client.watch(job.id):
         print(item)
     print(client.metrics(job.id)[-1].loss)
+    for line in client.logs(job.id, follow=True):
+        print(f"[rank {line.rank}] {line.text}")
 
 Answers are the API's protobuf messages (aidn.v1.job_pb2.Job, StepMetrics,
-Checkpoint, Event, Worker); describe() gives plain dicts. A refused call
-raises ClientError with the gRPC status code and the coordinator's message.
+Checkpoint, Event, Worker), except logs(), which gives LogLine tuples;
+describe() gives plain dicts. A refused call raises ClientError with the
+gRPC status code and the coordinator's message.
 """
 
+import datetime
 import os
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Union
+from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+                    Union)
 
 import grpc
 from google.protobuf import json_format
@@ -47,6 +52,67 @@ def _state(state: Union[str, int]) -> int:
 
 def _dict(message) -> Dict[str, Any]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+class LogLine(NamedTuple):
+    """One line a rank printed (stdout and stderr together), without its
+    newline."""
+    generation: int
+    rank: int
+    # The line's number in its rank's output in that generation, from 0.
+    seq: int
+    # The bytes decoded as UTF-8; bytes that are not become U+FFFD.
+    text: str
+    # When the worker read it (UTC).
+    time: datetime.datetime
+
+
+class LogStream:
+    """The iterator Client.logs() returns: LogLine after LogLine, in the order
+    they reached the coordinator (per rank, in the order printed).
+
+    `dropped_lines` and `dropped_bytes`: how many of the job's oldest lines
+    (and their bytes) the coordinator had dropped to keep within its per-job
+    bound, as of the last answer read (0 until one says otherwise). close()
+    (or leaving a `with` block) cancels the stream; so does reading it to
+    the end. Not thread-safe."""
+
+    def __init__(self, stream):
+        self.dropped_lines = 0
+        self.dropped_bytes = 0
+        self._stream = stream
+        self._lines = self._read()
+
+    def __iter__(self) -> "LogStream":
+        return self
+
+    def __next__(self) -> LogLine:
+        return next(self._lines)
+
+    def close(self) -> None:
+        self._lines.close()
+        self._stream.cancel()
+
+    def __enter__(self) -> "LogStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read(self) -> Iterator[LogLine]:
+        try:
+            for response in self._stream:
+                if response.dropped_lines > self.dropped_lines:
+                    self.dropped_lines = response.dropped_lines
+                    self.dropped_bytes = response.dropped_bytes
+                for entry in response.lines:
+                    yield LogLine(entry.generation, entry.rank, entry.seq,
+                                  entry.text.decode("utf-8", errors="replace"),
+                                  entry.time.ToDatetime(tzinfo=datetime.timezone.utc))
+        except grpc.RpcError as e:
+            raise ClientError("ReadLogs", _rpc.code_of(e), _rpc.details_of(e)) from None
+        finally:
+            self._stream.cancel()
 
 
 class Client:
@@ -159,6 +225,29 @@ class Client:
             stream.cancel()
 
     # -- what jobs leave behind ---------------------------------------------
+
+    def logs(self, job_id: str, rank: Optional[int] = None,
+             generation: Optional[int] = None, all_generations: bool = False,
+             tail: int = 0, follow: bool = False,
+             timeout: Optional[float] = None) -> LogStream:
+        """The output of the job's ranks as LogLine, as `aidnctl logs` shows
+        it: the current generation's (or `generation`'s, or with
+        `all_generations` every one's), of every rank or of `rank`; with
+        `tail` > 0 only the last `tail` of them. With `follow` the stream
+        stays open for new lines and ends once the generation is over and its
+        ranks' output is all in. `timeout`: for the whole stream; by default
+        the client's timeout without `follow`, none with it. A stream that
+        breaks raises ClientError (it is not read again)."""
+        request = coordinator_pb2.ReadLogsRequest(job_id=job_id, all_generations=all_generations,
+                                                  tail=tail, follow=follow)
+        if rank is not None:
+            request.rank = rank
+        if generation is not None:
+            request.generation = generation
+        if timeout is None and not follow:
+            timeout = self._timeout
+        return LogStream(self._stub.ReadLogs(request, timeout=timeout,
+                                             metadata=self._metadata))
 
     def events(self, job_id: str = "", after_seq: int = 0,
                limit: int = 0) -> List[job_pb2.Event]:

@@ -182,6 +182,18 @@ class FakeWorker:
             rank=assignment.rank, exit_code=exit_code)
         self.stub.ReportTrainerExit(request, timeout=5, metadata=_rpc.metadata(self._token))
 
+    def ship_logs(self, job_id, generation, rank, lines, first_seq=0, complete=False):
+        """ShipLogs one chunk of a rank's output: `lines` (bytes or str),
+        numbered from `first_seq`, read at 1000 s + seq after the epoch."""
+        chunk = cluster_pb2.LogChunk(job_id=job_id, generation=generation, rank=rank,
+                                     complete=complete)
+        for seq, text in enumerate(lines, first_seq):
+            line = chunk.lines.add(seq=seq, text=text if isinstance(text, bytes) else
+                                   text.encode())
+            line.time.FromSeconds(1000 + seq)
+        request = cluster_pb2.ShipLogsRequest(worker_id=self.id, chunks=[chunk])
+        self.stub.ShipLogs(request, timeout=5, metadata=_rpc.metadata(self._token))
+
     def _running(self):
         with self._lock:
             return [cluster_pb2.TrainerStatus(job_id=a.job_id, generation=a.generation,

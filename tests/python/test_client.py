@@ -1,9 +1,11 @@
 """aidn.Client against a real aidn-coordinator, and where it finds its
 address and token (aidnctl's rules) and how it reads job specs."""
 
+import datetime
 import json
 import os
 import tempfile
+import threading
 import unittest
 
 import grpc
@@ -103,6 +105,99 @@ class ClientTest(ClusterTestCase):
         self.assertEqual(described["checkpoints"][0]["step"], "5")
         self.assertTrue(described["events"])
         json.dumps(described)
+
+
+def texts(lines):
+    return [line.text for line in lines]
+
+
+class LogsTest(ClusterTestCase):
+    """Client.logs over lines the worker ships (ShipLogs through the stubs)."""
+
+    def test_read_filter_tail_generations_and_follow(self):
+        gen = self.start_job(mlp_spec(world_size=2, max_restarts=1))
+        job_id, ship = gen.job_id, self.worker.ship_logs
+        ship(job_id, 1, 0, ["a0", "a1"])
+        ship(job_id, 1, 1, ["b0", b"b1 \xff"])
+        ship(job_id, 1, 0, ["a2"], first_seq=2)
+
+        lines = list(self.client.logs(job_id))
+        self.assertEqual([(l.generation, l.rank, l.seq, l.text) for l in lines],
+                         [(1, 0, 0, "a0"), (1, 0, 1, "a1"), (1, 1, 0, "b0"),
+                          (1, 1, 1, "b1 \ufffd"), (1, 0, 2, "a2")])
+        self.assertEqual(lines[1].time,
+                         datetime.datetime.fromtimestamp(1001, datetime.timezone.utc))
+        self.assertEqual(texts(self.client.logs(job_id, rank=1)), ["b0", "b1 \ufffd"])
+        self.assertEqual(texts(self.client.logs(job_id, tail=2)), ["b1 \ufffd", "a2"])
+        self.assertEqual(texts(self.client.logs(job_id, rank=0, tail=2)), ["a1", "a2"])
+        self.assertEqual(self.client.logs(job_id).dropped_lines, 0)
+
+        with self.assertRaises(aidn.ClientError) as missing:
+            list(self.client.logs("no-such-job"))
+        self.assertEqual(missing.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(aidn.ClientError) as negative:
+            list(self.client.logs(job_id, tail=-1))
+        self.assertEqual(negative.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("tail", negative.exception.details)
+
+        # The generation fails; the next one's lines are the default.
+        gen.exit_all(exit_code=1)
+        gen2 = join_generation(self.worker, self.coordinator, job_id,
+                               generation_after=gen.generation)
+        self.assertEqual(gen2.generation, 2)
+        ship(job_id, 2, 0, ["c0"])
+        self.assertEqual(texts(self.client.logs(job_id)), ["c0"])
+        self.assertEqual(texts(self.client.logs(job_id, generation=1, rank=1)),
+                         ["b0", "b1 \ufffd"])
+        self.assertEqual([(l.generation, l.text) for l in
+                          self.client.logs(job_id, all_generations=True, tail=3)],
+                         [(1, "b1 \ufffd"), (1, "a2"), (2, "c0")])
+
+        # Leaving a follower early cancels its stream.
+        with self.client.logs(job_id, follow=True) as early:
+            self.assertEqual(next(early).text, "c0")
+        self.assertEqual(list(early), [])
+
+        # A follower gets what arrives while it reads, and ends once the job
+        # has ended and every rank's output is in.
+        stream = self.client.logs(job_id, follow=True, timeout=60)
+        followed, errors = [], []
+
+        def follow():
+            try:
+                for line in stream:
+                    followed.append((line.rank, line.text))
+            except Exception as e:  # noqa: BLE001 - reported by the test below
+                errors.append(e)
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        wait_for(lambda: followed == [(0, "c0")], 20, "the follower's first line")
+        ship(job_id, 2, 1, ["d0"])
+        wait_for(lambda: len(followed) == 2, 20, "a line shipped while following")
+        ship(job_id, 2, 0, ["c1"], first_seq=1, complete=True)
+        ship(job_id, 2, 1, [], first_seq=1, complete=True)
+        self.client.cancel(job_id, "done here")
+        reader.join(timeout=30)
+        self.assertFalse(reader.is_alive(), "the follower did not end with the job")
+        self.assertEqual(errors, [])
+        self.assertEqual(followed, [(0, "c0"), (1, "d0"), (0, "c1")])
+
+
+class DroppedLogsTest(ClusterTestCase):
+    # 640 bytes a job: past it the coordinator drops the oldest lines until
+    # the job is within 630 (max - max/64).
+    coordinator_args = ("--max-log-bytes-per-job=640",)
+
+    def test_dropped_lines_are_counted(self):
+        gen = self.start_job(mlp_spec())
+        # Ten lines of 100 bytes each (99 characters and the newline).
+        self.worker.ship_logs(gen.job_id, 1, 0, ["%02d" % n + "x" * 97 for n in range(10)])
+        stream = self.client.logs(gen.job_id)
+        self.assertEqual(stream.dropped_lines, 0)  # nothing read yet
+        seqs = [line.seq for line in stream]
+        self.assertEqual((stream.dropped_lines, stream.dropped_bytes), (4, 400))
+        self.assertEqual(seqs, list(range(4, 10)))
 
 
 class ConnectionTest(unittest.TestCase):
