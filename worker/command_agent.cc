@@ -99,10 +99,13 @@ void CommandAgent::Run(v1::TrainerAssignment assignment,
     placement = joined.ok() ? CommandPlacementOf(*joined, assignment.rank()) : joined.status();
   }
   if (cancelled->load()) placement = absl::CancelledError("the rank is no longer assigned");
-  absl::MutexLock lock(&mu_);
-  const Key key{assignment.job_id(), assignment.generation(), assignment.rank()};
-  joins_[key].done = true;
-  ready_.push_back({std::move(assignment), std::move(placement)});
+  {
+    absl::MutexLock lock(&mu_);
+    const Key key{assignment.job_id(), assignment.generation(), assignment.rank()};
+    joins_[key].done = true;
+    ready_.push_back({std::move(assignment), std::move(placement)});
+  }
+  if (options_.on_ready) options_.on_ready();
 }
 
 absl::StatusOr<std::string> CommandAgent::StoreAddress(const v1::TrainerAssignment& a) {

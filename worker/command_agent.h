@@ -47,6 +47,9 @@ struct CommandAgentOptions {
   // Starts a store bound to `address` on a fresh port (command.store AGENT).
   std::function<absl::StatusOr<std::unique_ptr<GenerationStore>>(const std::string& address)>
       start_store;
+  // Called (from the join's thread, no lock held) when a join finished, so
+  // the caller can take it at once rather than at its next look.
+  std::function<void()> on_ready;
   // How long a join keeps retrying an unreachable coordinator.
   std::chrono::milliseconds join_deadline{30 * 60 * 1000};
 };

@@ -201,7 +201,12 @@ Daemon::Daemon(const DaemonOptions& options)
   agent_stub_ = v1::ClusterService::NewStub(agent_channel_);
   agent_ = std::make_unique<CommandAgent>(CommandAgentOptions{.worker_id = options_.worker_id,
                                                               .address = options_.address,
-                                                              .start_store = options_.start_store},
+                                                              .start_store = options_.start_store,
+                                                              .on_ready =
+                                                                  [this] {
+                                                                    absl::MutexLock lock(&mu_);
+                                                                    joins_ready_ = true;
+                                                                  }},
                                           agent_channel_.get(), agent_stub_.get());
   log_shipper_ = std::make_unique<LogShipper>(
       LogShipperOptions{.worker_id = options_.worker_id},
@@ -282,10 +287,11 @@ void Daemon::SuperviseLoop() {
     {
       absl::MutexLock lock(&mu_);
       auto news = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return have_desired_ || !stops_.empty() || stopping_;
+        return have_desired_ || !stops_.empty() || stopping_ || joins_ready_;
       };
       mu_.AwaitWithTimeout(absl::Condition(&news), absl::FromChrono(options_.supervise_interval));
       if (stopping_) break;
+      joins_ready_ = false;
       stops.swap(stops_);
       if (have_desired_) {
         desired.swap(desired_);

@@ -227,6 +227,8 @@ class Daemon {
   bool have_desired_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<v1::TrainerAssignment> desired_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::StopOrder> stops_ ABSL_GUARDED_BY(mu_);
+  // A command rank's join finished: the supervision thread looks at once.
+  bool joins_ready_ ABSL_GUARDED_BY(mu_) = false;
   // Written by the supervision thread, read for heartbeats and metrics.
   std::map<Key, Trainer> trainers_ ABSL_GUARDED_BY(mu_);
   // Supervision thread only: trainers that ended while still assigned (not
