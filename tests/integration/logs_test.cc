@@ -23,7 +23,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr std::chrono::milliseconds kJobTimeout{40'000};
+constexpr std::chrono::milliseconds kJobTimeout{180'000};
 
 class LogsTest : public ClusterFixture {
  protected:
