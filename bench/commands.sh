@@ -7,7 +7,8 @@
 #     rendezvous, the store, fork/exec, nothing else);
 #  2. throughput: examples/pytorch-ddp/train.py (2 ranks, CNN) under aidn
 #     and by hand: the median samples/s of its log intervals after the first.
-# Interleaved, REPS times each; prints every sample, the medians and ratios.
+# Interleaved (odd repetitions aidn first, even ones by hand first), REPS
+# times each; prints every sample, the medians and ratios.
 #
 #   bench/commands.sh      # REPS=5: a few minutes; KEEP_RUN_DIR=1 keeps the logs
 set -euo pipefail
@@ -96,15 +97,27 @@ by_hand() {  # output file, program args...
 }
 
 SA=(); SH=(); TA=(); TH=()
-for rep in $(seq 1 "$REPS"); do
-  t0=$(date +%s.%N); job=$(submit_and_wait "$RUN_DIR/startup.yaml")
+aidn_startup() {
+  local t0 job; t0=$(date +%s.%N); job=$(submit_and_wait "$RUN_DIR/startup.yaml")
   rank0_log "$job" >"$RUN_DIR/startup-aidn.$rep"; sa=$(first_step "$t0" "$RUN_DIR/startup-aidn.$rep")
-  t0=$(date +%s.%N); by_hand "$RUN_DIR/startup-hand.$rep" "$ROOT/bench/torch_peer.py" "${PEER_ARGS[@]}"
+}
+hand_startup() {
+  local t0; t0=$(date +%s.%N)
+  by_hand "$RUN_DIR/startup-hand.$rep" "$ROOT/bench/torch_peer.py" "${PEER_ARGS[@]}"
   sh=$(first_step "$t0" "$RUN_DIR/startup-hand.$rep.0")
-  job=$(submit_and_wait "$RUN_DIR/train.yaml")
+}
+aidn_train() {
+  local job; job=$(submit_and_wait "$RUN_DIR/train.yaml")
   rank0_log "$job" >"$RUN_DIR/train-aidn.$rep"; ta=$(samples_per_s "$RUN_DIR/train-aidn.$rep")
+}
+hand_train() {
   by_hand "$RUN_DIR/train-hand.$rep" "$ROOT/examples/pytorch-ddp/train.py" "${TRAIN_ARGS[@]}"
   th=$(samples_per_s "$RUN_DIR/train-hand.$rep.0")
+}
+for rep in $(seq 1 "$REPS"); do
+  # Odd repetitions run aidn first, even ones by hand first.
+  if (( rep % 2 )); then aidn_startup; hand_startup; aidn_train; hand_train
+  else hand_startup; aidn_startup; hand_train; aidn_train; fi
   SA+=("$sa"); SH+=("$sh"); TA+=("$ta"); TH+=("$th")
   echo "rep $rep: submit->first step aidn ${sa}s, by hand ${sh}s; train.py aidn ${ta} samples/s, by hand ${th} samples/s"
 done
