@@ -380,7 +380,6 @@ void Daemon::Reconcile(const std::vector<v1::TrainerAssignment>& desired) {
     StopTrainer(key, options_.stop_grace, /*by_order=*/true);
   }
   for (const v1::TrainerAssignment* a : missing) StartTrainer(*a);
-  ReleaseStores(wanted);
 }
 
 void Daemon::ReleaseStores(const std::set<Key>& wanted) {
@@ -424,7 +423,8 @@ void Daemon::StartJoinedCommands() {
     }
     StartCommand(a, placement);
   }
-  // A store started by a join cancelled meanwhile goes now.
+  // Stores of generations no longer assigned here go, as does one started
+  // by a join cancelled meanwhile.
   std::set<Key> wanted;
   for (const auto& [key, a] : assigned_) wanted.insert(key);
   ReleaseStores(wanted);

@@ -267,8 +267,8 @@ TEST_F(CommandJobTest, AJobCannotMakeTheRootWorkerChangeFilesOutsideItsDirectori
   // before it fails, hoping the next generation's start hands it over.
   const std::string target = cluster().Path("root-owned");
   std::filesystem::create_directories(target);
-  const std::string script = absl::StrCat(
-      "rm -rf .aidn && ln -s ", target, " .aidn; rm -rf ckpt && ln -s ", target, " ckpt; exit 1");
+  const std::string script = absl::StrCat("rm -rf .aidn && ln -s ", target,
+                                          " .aidn; rm -rf ckpt && ln -s ", target, " ckpt; exit 1");
   v1::JobSpec spec = Spec({"/bin/sh", "-c", script}, 1);
   spec.set_max_restarts(1);
   spec.mutable_timeouts()->mutable_restart_backoff()->set_nanos(100'000'000);

@@ -617,10 +617,10 @@ TEST_F(CoordinatorTest, AnEarlierExitReportedLaterBecomesTheRootCause) {
   // Rank 1 failed on its own, earlier.
   ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, w1, 1, first)).ok());
   EXPECT_THAT(Get(id).message(), HasSubstr("rank 1 on worker " + w1 + " exited with code 1"));
-  EXPECT_THAT(MessagesOf(EventList(id), "job.cause"), testing::ElementsAre(HasSubstr(
-                                                          "root cause of generation 1's failure: "
-                                                          "rank 1 on worker " +
-                                                          w1)));
+  EXPECT_THAT(MessagesOf(EventList(id), "job.cause"),
+              testing::ElementsAre(HasSubstr("root cause of generation 1's failure: "
+                                             "rank 1 on worker " +
+                                             w1)));
   // A later failure does not replace it.
   ASSERT_TRUE(c().ReportTrainerExit(ExitAt(id, w0, 0, first + absl::Seconds(1))).ok());
   EXPECT_EQ(MessagesOf(EventList(id), "job.cause").size(), 1u);
