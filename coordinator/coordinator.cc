@@ -187,18 +187,48 @@ void Coordinator::StartTicker(milliseconds interval) {
     }
     FlushSteps();
   });
-  const milliseconds held_period = std::min(interval, milliseconds(5));
-  held_timer_ = std::thread([this, stop, held_period]() {
-    while (!stop->WaitForNotificationWithTimeout(absl::FromChrono(held_period))) {
-      AnswerDueHeartbeats();
+  {
+    absl::MutexLock lock(&mu_);
+    held_timer_stop_ = false;
+  }
+  held_timer_ =
+      std::thread([this, interval]() { RunHeldTimer(std::max(interval, 10 * kHeldGranularity)); });
+}
+
+void Coordinator::RunHeldTimer(milliseconds longest_sleep) {
+  for (;;) {
+    Clock::TimePoint wake;
+    {
+      Deferred deferred;  // the answers, sent once the lock is released
+      absl::MutexLock lock(&mu_);
+      if (held_timer_stop_) return;
+      const Clock::TimePoint now = clock_->Now();
+      held_.AnswerDue(now, HeartbeatBuilder(), &deferred);
+      wake = now + longest_sleep;
+      if (const std::optional<Clock::TimePoint> next = held_.NextDeadline(); next.has_value()) {
+        wake = std::clamp(*next, now + kHeldGranularity, wake);
+      }
+      // From here on a call held due sooner sets held_wake_ (Heartbeat).
+      held_wake_at_ = wake;
+      held_wake_ = false;
     }
-  });
+    absl::MutexLock lock(&mu_);
+    // The clock may be a test's FakeClock: the real wait is then only a cap
+    // (the ticker answers what falls due too).
+    mu_.AwaitWithTimeout(absl::Condition(&held_wake_), absl::FromChrono(wake - clock_->Now()));
+    held_wake_at_ = Clock::TimePoint::max();
+  }
 }
 
 void Coordinator::StopTicker() {
   absl::MutexLock lock(&ticker_mu_);
   if (!ticker_.joinable()) return;
   ticker_stop_->Notify();
+  {
+    absl::MutexLock stop(&mu_);
+    held_timer_stop_ = true;
+    held_wake_ = true;
+  }
   ticker_.join();
   held_timer_.join();
 }

@@ -117,16 +117,19 @@ class Coordinator {
   void Shutdown();
 
   // Starts the ticker thread (Tick and FlushSteps every `interval`) and a
-  // second thread that answers held heartbeats when their time is up, every
-  // few milliseconds: answered by the tick, 5,000 held calls a second from
-  // 10,000 workers would come as bursts of 500 every 100 ms (each worker's
-  // next call right behind its answer), and any call landing in a burst
-  // waits behind it.
+  // second thread that answers held heartbeats when their time is up:
+  // answered by the tick, 5,000 held calls a second from 10,000 workers
+  // would come as bursts of 500 every 100 ms (each worker's next call right
+  // behind its answer), and any call landing in a burst waits behind it.
+  // That thread sleeps until the earliest held call is due (a new call due
+  // sooner wakes it), but looks at most every kHeldGranularity, so a busy
+  // coordinator answers in batches and an idle one hardly wakes.
   void StartTicker(std::chrono::milliseconds interval);
   void StopTicker();
   void Tick();
   // Answers the held heartbeats whose max_wait has passed (Tick does too).
   void AnswerDueHeartbeats();
+  static constexpr std::chrono::milliseconds kHeldGranularity{5};
   // Writes combined steps not yet in the store, all jobs' in one
   // transaction, without holding the coordinator's mutex while writing.
   // The ticker calls it after every Tick.
@@ -323,6 +326,8 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Builds held heartbeats' answers.
   HeldHeartbeats::Builder HeartbeatBuilder() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The held-heartbeat thread's loop (StartTicker); returns on StopTicker.
+  void RunHeldTimer(std::chrono::milliseconds longest_sleep) ABSL_LOCKS_EXCLUDED(mu_);
   // A worker that re-registered lost its trainers: running generations
   // with ranks there that it does not report alive fail.
   void FailGenerationsWithoutTrainers(const v1::RegisterWorkerRequest& request, Deferred* deferred)
@@ -377,6 +382,12 @@ class Coordinator {
   FailureDetector failures_ ABSL_GUARDED_BY(mu_);
   CheckpointRegistry checkpoints_ ABSL_GUARDED_BY(mu_);
   HeldHeartbeats held_ ABSL_GUARDED_BY(mu_);
+  // The held-heartbeat thread: when it next looks (max() while it looks),
+  // the flag that wakes it sooner (a call due before then, or stop), and
+  // its stop flag.
+  Clock::TimePoint held_wake_at_ ABSL_GUARDED_BY(mu_) = Clock::TimePoint::max();
+  bool held_wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool held_timer_stop_ ABSL_GUARDED_BY(mu_) = false;
   MetricIngest ingest_ ABSL_GUARDED_BY(mu_);
   WatchStreams watch_;
   // Thread-safe on its own (it only talks to the store).

@@ -129,7 +129,9 @@ void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallba
   const milliseconds max_wait = std::min(ToMillis(request.max_wait()), options_.heartbeat_interval);
   if (max_wait.count() > 0 && request.assignments_version() == assignments_version_ &&
       w.pending_stops.empty()) {
-    held_.Hold(request.worker_id(), clock_->Now() + max_wait, std::move(done));
+    const Clock::TimePoint deadline = clock_->Now() + max_wait;
+    held_.Hold(request.worker_id(), deadline, std::move(done));
+    if (deadline < held_wake_at_) held_wake_ = true;
     return;
   }
   v1::HeartbeatResponse response = BuildHeartbeat(request.worker_id());

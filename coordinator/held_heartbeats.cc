@@ -13,6 +13,11 @@ bool HeldHeartbeats::AnyDue(Clock::TimePoint now) const {
   return !deadlines_.empty() && deadlines_.begin()->first <= now;
 }
 
+std::optional<Clock::TimePoint> HeldHeartbeats::NextDeadline() const {
+  if (deadlines_.empty()) return std::nullopt;
+  return deadlines_.begin()->first;
+}
+
 void HeldHeartbeats::AnswerDue(Clock::TimePoint now, const Builder& build, Deferred* deferred) {
   while (AnyDue(now)) {
     const std::string worker_id = std::move(deadlines_.begin()->second);

@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,9 @@ class HeldHeartbeats {
   // Whether any held call's deadline is at or before `now` (cheap: a look
   // at the front of the queue).
   bool AnyDue(Clock::TimePoint now) const;
+  // The earliest deadline of a held call, if any (possibly of one answered
+  // early: looking then finds nothing due, which is harmless).
+  std::optional<Clock::TimePoint> NextDeadline() const;
   // Answers every held call whose deadline is at or before `now`.
   void AnswerDue(Clock::TimePoint now, const Builder& build, Deferred* deferred);
   // Answers every held call of the worker now (its assignments changed).

@@ -67,6 +67,14 @@ class Async {
     absl::MutexLock lock(&state_->mu);
     return state_->calls;
   }
+  // Blocks until answered or `timeout` passed; whether it was answered.
+  bool WaitDone(absl::Duration timeout) const {
+    absl::MutexLock lock(&state_->mu);
+    State* state = state_.get();
+    return state->mu.AwaitWithTimeout(absl::Condition(
+                                          +[](State* s) { return s->calls > 0; }, state),
+                                      timeout);
+  }
   absl::StatusOr<T> get() const {
     absl::MutexLock lock(&state_->mu);
     if (!state_->result.has_value()) return absl::InternalError("not answered (yet)");

@@ -60,6 +60,24 @@ TEST(HeldHeartbeats, AnswersOnlyTheCallsWhoseDeadlinePassed) {
   EXPECT_EQ(builder.built, 1);
 }
 
+TEST(HeldHeartbeats, NextDeadlineIsTheEarliestHeld) {
+  FakeClock clock;
+  HeldHeartbeats held;
+  CountingBuilder builder;
+  EXPECT_FALSE(held.NextDeadline().has_value());
+  Async<v1::HeartbeatResponse> a, b;
+  held.Hold("w1", clock.Now() + milliseconds(300), a.Callback());
+  held.Hold("w2", clock.Now() + milliseconds(100), b.Callback());
+  EXPECT_EQ(held.NextDeadline(), clock.Now() + milliseconds(100));
+  clock.Advance(milliseconds(100));
+  {
+    Deferred deferred;
+    held.AnswerDue(clock.Now(), builder.Get(), &deferred);
+  }
+  EXPECT_TRUE(b.done());
+  EXPECT_EQ(held.NextDeadline(), clock.Now() + milliseconds(200));
+}
+
 TEST(HeldHeartbeats, AnswerWorkerAnswersEveryCallOfThatWorkerOnly) {
   FakeClock clock;
   HeldHeartbeats held;
@@ -145,6 +163,29 @@ TEST_F(CoordinatorTest, HeldHeartbeatIsAnsweredOnceMaxWaitHasPassed) {
   EXPECT_EQ(held.get()->assignments_version(), first->assignments_version());
   c().Tick();
   EXPECT_EQ(held.calls(), 1);
+}
+
+// The held-heartbeat thread sleeps until the earliest call is due; a call
+// held while it sleeps longer wakes it. With a ticker that never ticks, only
+// that thread can answer.
+TEST_F(CoordinatorTest, HeldHeartbeatThreadWakesForACallDueBeforeItsNextLook) {
+  ASSERT_TRUE(Register("w1", 2).ok());
+  absl::StatusOr<v1::HeartbeatResponse> first = Beat("w1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Due before the thread starts: answered in its first look, after which
+  // it sleeps as long as it may (an hour).
+  Async<v1::HeartbeatResponse> before =
+      HeldBeat("w1", first->assignments_version(), milliseconds(100));
+  clock_.Advance(milliseconds(100));
+  c().StartTicker(std::chrono::hours(1));
+  ASSERT_TRUE(before.WaitDone(absl::Seconds(30)));
+  Async<v1::HeartbeatResponse> held =
+      HeldBeat("w1", first->assignments_version(), milliseconds(200));
+  clock_.Advance(milliseconds(300));
+  ASSERT_TRUE(held.WaitDone(absl::Seconds(30)));
+  ASSERT_TRUE(held.get().ok()) << held.get().status();
+  EXPECT_EQ(held.get()->assignments_version(), first->assignments_version());
+  c().StopTicker();
 }
 
 TEST_F(CoordinatorTest, HeldHeartbeatOfAWorkerAChangeDoesNotConcernStaysHeld) {
