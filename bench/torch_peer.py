@@ -15,20 +15,25 @@ the wall time of the window, as seen by rank 0 (DDP steps are lock-stepped by
 the allreduce). The whole epoch's shuffle is drawn before the clock starts.
 
 Rank 0 prints one line "RESULT {json}" with samples_per_s (global),
-median_step_ms, the window, and the BLAS library and conv backend in use.
+median_step_ms, the window, and the BLAS library and conv backend in use; for
+start-up, the Unix times the script started and its first step ended, and the
+seconds init_process_group took.
 
 Run it with /usr/bin/python3 and, for a fair comparison,
 LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp (else torch runs on
 Debian's reference BLAS).
 """
 
-import argparse
+import time
+
+STARTED_UNIX = time.time()  # the interpreter reached this script (start-up phases)
+
+import argparse  # noqa: E402 (after the clock above)
 import gzip
 import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -142,8 +147,11 @@ def main():
     batches = step_indices(x.shape[0], world, rank, args.batch, args.steps, args.seed)
 
     model = build_model(args.model)
+    init_s = 0.0
     if world > 1:
+        init_start = time.perf_counter()
         dist.init_process_group("gloo", init_method="env://", world_size=world, rank=rank)
+        init_s = time.perf_counter() - init_start
         model = nn.parallel.DistributedDataParallel(model)  # bucket_cap_mb 25, as aidn
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     model.train()
@@ -184,6 +192,8 @@ def main():
             "median_samples_per_s": global_batch / statistics.median(intervals),
             "final_loss": final_loss,
             "first_step_unix": first_step_unix,
+            "started_unix": STARTED_UNIX,
+            "init_process_group_s": init_s,
             "torch": torch.__version__,
             "blas": blas_in_use(),
             "conv_backend": conv_backend(),
