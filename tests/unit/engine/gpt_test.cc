@@ -1,0 +1,234 @@
+// The GPT decoder (worker/engine/gpt.h): parameter names, shapes and counts
+// against GPT-2's, the initialisation's statistics, and every parameter's
+// gradient against central finite differences of the loss (in double over
+// the float model: a directional derivative per tensor). PyTorch checks the
+// same model value for value in tests/integration/gpt_torch_test.cc.
+
+#include "worker/engine/gpt.h"
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+GptConfig Tiny(double dropout = 0.0, bool bias = true) {
+  GptConfig c;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 16;
+  c.block_size = 8;
+  c.vocab_size = 11;
+  c.dropout = dropout;
+  c.bias = bias;
+  return c;
+}
+
+std::vector<int32_t> Tokens(int64_t n, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return t;
+}
+
+TEST(GptConfig, NamedConfigsHaveGpt2sParameterCounts) {
+  // Hugging Face's GPT-2 small has 124,439,808 parameters (the LM head tied
+  // to wte); medium 354,823,168.
+  EXPECT_EQ(Gpt::ParameterCount(*NamedGptConfig("gpt2")), 124'439'808);
+  EXPECT_EQ(Gpt::ParameterCount(*NamedGptConfig("gpt2-medium")), 354'823'168);
+  // nanoGPT's character-level shape over bytes: 6 blocks of 1,774,464,
+  // wte and wpe of 256 x 384 each, ln_f 768; the model built agrees.
+  absl::StatusOr<std::unique_ptr<Gpt>> chr = Gpt::Create(*NamedGptConfig("gpt-char"), 1);
+  ASSERT_TRUE(chr.ok());
+  EXPECT_EQ((*chr)->ParameterCount(), 10'844'160);
+  EXPECT_EQ(Gpt::ParameterCount((*chr)->config()), 10'844'160);
+  std::unique_ptr<Gpt> no_bias = *Gpt::Create(Tiny(0.0, false), 1);
+  EXPECT_EQ(no_bias->ParameterCount(), Gpt::ParameterCount(Tiny(0.0, false)));
+  EXPECT_EQ(NamedGptConfig("gpt5").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(NamedGptConfig("gpt5").status().message(), HasSubstr("gpt-char"));
+}
+
+TEST(GptConfig, BadConfigsNameTheField) {
+  GptConfig c = Tiny();
+  c.n_head = 3;
+  EXPECT_THAT(ValidateGptConfig(c).message(), HasSubstr("multiple of n_head"));
+  c = Tiny();
+  c.n_layer = 0;
+  EXPECT_THAT(ValidateGptConfig(c).message(), HasSubstr("n_layer"));
+  c = Tiny();
+  c.dropout = 1.0;
+  EXPECT_THAT(ValidateGptConfig(c).message(), HasSubstr("dropout"));
+  EXPECT_FALSE(Gpt::Create(c, 1).ok());
+}
+
+TEST(Gpt, ParametersHaveHuggingFaceNamesAndLayouts) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 1);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const Parameter* p : gpt->Parameters()) shapes[p->name] = p->value.shape();
+  EXPECT_EQ(shapes.size(), 2u + 2u * 12u + 2u);
+  EXPECT_THAT(shapes["transformer.wte.weight"], ElementsAre(11, 16));
+  EXPECT_THAT(shapes["transformer.wpe.weight"], ElementsAre(8, 16));
+  EXPECT_THAT(shapes["transformer.h.1.attn.c_attn.weight"], ElementsAre(16, 48));
+  EXPECT_THAT(shapes["transformer.h.1.attn.c_proj.weight"], ElementsAre(16, 16));
+  EXPECT_THAT(shapes["transformer.h.0.mlp.c_fc.weight"], ElementsAre(16, 64));
+  EXPECT_THAT(shapes["transformer.h.0.mlp.c_proj.bias"], ElementsAre(16));
+  EXPECT_THAT(shapes["transformer.ln_f.bias"], ElementsAre(16));
+  EXPECT_EQ(gpt->Parameters().front()->name, "transformer.wte.weight");
+  EXPECT_FALSE(Gpt::Decays(*gpt->Parameters()[2]));  // h.0.ln_1.weight
+  EXPECT_TRUE(Gpt::Decays(*gpt->Parameters()[4]));   // h.0.attn.c_attn.weight
+
+  std::unique_ptr<Gpt> no_bias = *Gpt::Create(Tiny(0.0, false), 1);
+  EXPECT_EQ(no_bias->Parameters().size(), 2u + 2u * 6u + 1u);
+}
+
+TEST(Gpt, InitialisationIsGpt2s) {
+  GptConfig c = Tiny();
+  c.n_embd = 64;
+  c.vocab_size = 256;
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(c, 7);
+  for (const Parameter* p : gpt->Parameters()) {
+    const Tensor& v = p->value;
+    double sum = 0.0, sq = 0.0;
+    for (int64_t i = 0; i < v.numel(); ++i) {
+      sum += v[i];
+      sq += static_cast<double>(v[i]) * v[i];
+    }
+    const double mean = sum / static_cast<double>(v.numel());
+    const double std = std::sqrt(sq / static_cast<double>(v.numel()) - mean * mean);
+    const std::string& n = p->name;
+    if (n.find("ln_") != std::string::npos && n.ends_with("weight")) {
+      EXPECT_EQ(mean, 1.0) << n;
+    } else if (v.rank() == 1) {
+      EXPECT_EQ(sq, 0.0) << n;
+    } else {
+      const double want = n.ends_with("c_proj.weight") ? 0.02 / std::sqrt(4.0) : 0.02;
+      EXPECT_NEAR(std, want, 0.1 * want) << n;
+      EXPECT_NEAR(mean, 0.0, 0.1 * want) << n;
+    }
+  }
+  // The same seed, the same weights; another seed, others.
+  std::unique_ptr<Gpt> again = *Gpt::Create(c, 7);
+  std::unique_ptr<Gpt> other = *Gpt::Create(c, 8);
+  const Tensor& w = gpt->Parameters()[4]->value;
+  EXPECT_EQ(w[5], again->Parameters()[4]->value[5]);
+  EXPECT_NE(w[5], other->Parameters()[4]->value[5]);
+}
+
+// The loss in double through the float model after moving every element of
+// `p` by `step` * direction.
+double LossAt(Gpt& gpt, Parameter* p, const std::vector<float>& direction, double step,
+              const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets, int64_t b,
+              int64_t t, uint64_t seed) {
+  std::vector<float> saved(p->value.data(), p->value.data() + p->value.numel());
+  for (int64_t i = 0; i < p->value.numel(); ++i) {
+    p->value[i] = static_cast<float>(saved[static_cast<size_t>(i)] +
+                                     step * direction[static_cast<size_t>(i)]);
+  }
+  gpt.SetSeed(seed);
+  const double loss = gpt.Forward(tokens.data(), targets.data(), b, t, /*training=*/true);
+  for (int64_t i = 0; i < p->value.numel(); ++i) p->value[i] = saved[static_cast<size_t>(i)];
+  return loss;
+}
+
+void CheckGradients(const GptConfig& config, int64_t b, int64_t t) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(config, 3);
+  // Larger LayerNorm and bias values than the initialisation's, so that
+  // every term of every gradient is exercised.
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (Parameter* p : gpt->Parameters()) {
+    if (p->value.rank() == 1) {
+      for (int64_t i = 0; i < p->value.numel(); ++i) p->value[i] += 0.3f * normal(rng);
+    } else {
+      for (int64_t i = 0; i < p->value.numel(); ++i) p->value[i] *= 5.0f;
+    }
+  }
+  const std::vector<int32_t> tokens = Tokens(b * t, config.vocab_size, 1);
+  const std::vector<int32_t> targets = Tokens(b * t, config.vocab_size, 2);
+  constexpr uint64_t kSeed = 99;
+  gpt->ZeroGrad();
+  std::vector<std::string> ready;
+  gpt->SetGradReadyCallback([&ready](Parameter* p) { ready.push_back(p->name); });
+  gpt->SetSeed(kSeed);
+  gpt->Forward(tokens.data(), targets.data(), b, t, /*training=*/true);
+  gpt->Backward();
+  // Every parameter reported ready once, wte last.
+  EXPECT_EQ(ready.size(), gpt->Parameters().size());
+  EXPECT_EQ(ready.back(), "transformer.wte.weight");
+
+  for (Parameter* p : gpt->Parameters()) {
+    std::vector<float> direction(static_cast<size_t>(p->value.numel()));
+    double analytic = 0.0;
+    for (size_t i = 0; i < direction.size(); ++i) {
+      direction[i] = normal(rng);
+      analytic += static_cast<double>(direction[i]) * p->grad[static_cast<int64_t>(i)];
+    }
+    constexpr double kStep = 1e-3;
+    const double up = LossAt(*gpt, p, direction, kStep, tokens, targets, b, t, kSeed);
+    const double down = LossAt(*gpt, p, direction, -kStep, tokens, targets, b, t, kSeed);
+    const double numeric = (up - down) / (2 * kStep);
+    EXPECT_NEAR(analytic, numeric, 2e-2 * std::abs(numeric) + 2e-4)
+        << p->name << " (dropout " << config.dropout << ", bias " << config.bias << ")";
+  }
+}
+
+TEST(Gpt, GradientsMatchFiniteDifferences) { CheckGradients(Tiny(), 3, 8); }
+
+TEST(Gpt, GradientsMatchFiniteDifferencesWithDropout) {
+  // The same seed draws the same masks in every Forward.
+  CheckGradients(Tiny(0.2), 2, 8);
+}
+
+TEST(Gpt, GradientsMatchFiniteDifferencesWithoutBiasesOnShortSequences) {
+  CheckGradients(Tiny(0.0, false), 2, 5);
+}
+
+TEST(Gpt, BackwardAccumulatesAndScales) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  const std::vector<int32_t> tokens = Tokens(16, 11, 1);
+  const std::vector<int32_t> targets = Tokens(16, 11, 2);
+  gpt->ZeroGrad();
+  gpt->Forward(tokens.data(), targets.data(), 2, 8, false);
+  gpt->Backward();
+  const Tensor& g = gpt->Parameters()[4]->grad;
+  std::vector<float> once(g.data(), g.data() + g.numel());
+  gpt->Forward(tokens.data(), targets.data(), 2, 8, false);
+  gpt->Backward(0.5);
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    EXPECT_FLOAT_EQ(g[i], 1.5f * once[static_cast<size_t>(i)]) << i;
+  }
+}
+
+TEST(Gpt, LaterPositionsDoNotChangeEarlierLogits) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  std::vector<int32_t> tokens = Tokens(8, 11, 1);
+  const Tensor& logits = gpt->Logits(tokens.data(), 1, 8);
+  std::vector<float> before(logits.data(), logits.data() + logits.numel());
+  tokens[5] = (tokens[5] + 1) % 11;
+  gpt->Logits(tokens.data(), 1, 8);
+  for (int64_t i = 0; i < 5 * 11; ++i) EXPECT_EQ(logits[i], before[static_cast<size_t>(i)]) << i;
+  bool changed = false;
+  for (int64_t i = 5 * 11; i < 8 * 11; ++i) changed |= logits[i] != before[static_cast<size_t>(i)];
+  EXPECT_TRUE(changed);
+}
+
+TEST(GptDeathTest, SequencesLongerThanTheBlockAbort) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  const std::vector<int32_t> tokens(9, 0);
+  EXPECT_DEATH(gpt->Logits(tokens.data(), 1, 9), "block_size");
+}
+
+}  // namespace
+}  // namespace aidn::engine

@@ -1,0 +1,563 @@
+#include "worker/engine/gpt.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <numbers>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "worker/engine/cpu_kernels.h"
+#include "worker/engine/gemm.h"
+#include "worker/engine/layers.h"
+#include "worker/engine/loss.h"
+#include "worker/engine/model.h"
+
+namespace aidn::engine {
+namespace {
+
+constexpr float kLayerNormEps = 1e-5f;
+constexpr double kInitStd = 0.02;
+
+// ---- Kernels on [rows, cols] row-major arrays.
+
+// out = (x - mean) * rstd * w + b per row (b may be null); keeps mean and
+// rstd per row. Sums in double: the statistics of a 768-wide row in float
+// would drift from torch's by more than the test tolerance allows.
+void LayerNormForward(const float* x, const float* w, const float* b, int64_t rows, int64_t cols,
+                      float* out, float* mean, float* rstd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    double sum = 0.0;
+    for (int64_t c = 0; c < cols; ++c) sum += xr[c];
+    const float m = static_cast<float>(sum / static_cast<double>(cols));
+    double var = 0.0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double d = static_cast<double>(xr[c]) - m;
+      var += d * d;
+    }
+    const float s =
+        static_cast<float>(1.0 / std::sqrt(var / static_cast<double>(cols) + kLayerNormEps));
+    float* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float n = (xr[c] - m) * s;
+      o[c] = b != nullptr ? n * w[c] + b[c] : n * w[c];
+    }
+    mean[r] = m;
+    rstd[r] = s;
+  }
+}
+
+// dx += the input gradient; dw, db (db may be null) += the parameters'.
+void LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
+                       const float* rstd, int64_t rows, int64_t cols, float* dx, float* dw,
+                       float* db) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = dout + r * cols;
+    const float* xr = x + r * cols;
+    const float m = mean[r];
+    const float s = rstd[r];
+    double dnorm_mean = 0.0;
+    double dnorm_norm_mean = 0.0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float n = (xr[c] - m) * s;
+      const float dn = g[c] * w[c];
+      dnorm_mean += dn;
+      dnorm_norm_mean += static_cast<double>(dn) * n;
+    }
+    const float a = static_cast<float>(dnorm_mean / static_cast<double>(cols));
+    const float bb = static_cast<float>(dnorm_norm_mean / static_cast<double>(cols));
+    float* d = dx + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float n = (xr[c] - m) * s;
+      const float dn = g[c] * w[c];
+      d[c] += (dn - a - n * bb) * s;
+      dw[c] += g[c] * n;
+      if (db != nullptr) db[c] += g[c];
+    }
+  }
+}
+
+// y = x W + b with x [rows, in], W [in, out] (Hugging Face's Conv1D), b
+// [out] or null.
+void LinearForward(const float* x, const float* w, const float* b, int64_t rows, int64_t in,
+                   int64_t out, float* y) {
+  Sgemm(false, false, rows, out, in, 1.0f, x, in, w, out, 0.0f, y, out);
+  if (b == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r) cpu::AccumulateKernel(b, y + r * out, out);
+}
+
+// dx = dy W^T (overwrites; dx may be null), dW += x^T dy, db += the column
+// sums of dy (db may be null).
+void LinearBackward(const float* dy, const float* x, const float* w, int64_t rows, int64_t in,
+                    int64_t out, float* dx, float* dw, float* db) {
+  if (dx != nullptr) Sgemm(false, true, rows, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
+  Sgemm(true, false, in, out, rows, 1.0f, x, in, dy, out, 1.0f, dw, out);
+  if (db == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r) cpu::AccumulateKernel(dy + r * out, db, out);
+}
+
+// GELU, tanh approximation (F.gelu(x, approximate="tanh")).
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCube = 0.044715f;
+
+void GeluForward(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float t = std::tanh(kGeluScale * (v + kGeluCube * v * v * v));
+    y[i] = 0.5f * v * (1.0f + t);
+  }
+}
+
+// g = g * gelu'(x), in place.
+void GeluBackward(const float* x, float* g, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float t = std::tanh(kGeluScale * (v + kGeluCube * v * v * v));
+    const float dt = (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCube * v * v);
+    g[i] *= 0.5f * (1.0f + t) + 0.5f * v * dt;
+  }
+}
+
+// N(0, std) from a 64-bit stream by Box-Muller in double: the same numbers
+// on every platform and standard library.
+void FillNormal(uint64_t seed, double std, float* x, int64_t n) {
+  std::mt19937_64 rng(seed);
+  const double two_pi = 2.0 * std::numbers::pi;
+  auto uniform = [&rng]() { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
+  for (int64_t i = 0; i < n; i += 2) {
+    const double radius = std::sqrt(-2.0 * std::log(uniform()));
+    const double angle = two_pi * uniform();
+    x[i] = static_cast<float>(std * radius * std::cos(angle));
+    if (i + 1 < n) x[i + 1] = static_cast<float>(std * radius * std::sin(angle));
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateGptConfig(const GptConfig& c) {
+  for (const auto& [name, value] : {std::pair<const char*, int>{"n_layer", c.n_layer},
+                                    {"n_head", c.n_head},
+                                    {"n_embd", c.n_embd},
+                                    {"block_size", c.block_size},
+                                    {"vocab_size", c.vocab_size}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat("gpt ", name, " must be >= 1"));
+  }
+  if (c.n_embd % c.n_head != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpt n_embd (", c.n_embd, ") must be a multiple of n_head (", c.n_head, ")"));
+  }
+  if (!(c.dropout >= 0.0 && c.dropout < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpt dropout must be in [0, 1), got ", c.dropout));
+  }
+  const int64_t widest = std::max<int64_t>(c.vocab_size, 4 * int64_t{c.n_embd});
+  if (widest * c.n_embd > (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError("gpt vocab_size * n_embd is beyond 2^31 elements");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GptConfig> NamedGptConfig(const std::string& name) {
+  struct Named {
+    const char* name;
+    GptConfig config;
+  };
+  static const Named kNamed[] = {
+      {"gpt2", {12, 12, 768, 1024, 50257, 0.0, true}},
+      {"gpt2-medium", {24, 16, 1024, 1024, 50257, 0.0, true}},
+      {"gpt-char", {6, 6, 384, 256, 256, 0.0, true}},
+      {"gpt-mini", {4, 4, 128, 128, 256, 0.0, true}},
+      {"gpt-nano", {2, 2, 32, 32, 256, 0.0, true}},
+  };
+  std::vector<std::string> names;
+  for (const Named& n : kNamed) {
+    if (name == n.name) return n.config;
+    names.push_back(n.name);
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no gpt configuration named \"", name, "\" (", absl::StrJoin(names, ", "), ")"));
+}
+
+Gpt::Gpt(const GptConfig& config) : config_(config) {}
+
+absl::StatusOr<std::unique_ptr<Gpt>> Gpt::Create(const GptConfig& config, uint64_t seed) {
+  if (absl::Status s = ValidateGptConfig(config); !s.ok()) return s;
+  std::unique_ptr<Gpt> gpt(new Gpt(config));
+  gpt->Init(seed);
+  return gpt;
+}
+
+void Gpt::Register(Parameter* p, std::string name, std::vector<int64_t> shape) {
+  p->name = std::move(name);
+  p->value = Tensor(shape);
+  p->grad = Tensor(std::move(shape));
+  parameters_.push_back(p);
+}
+
+void Gpt::Init(uint64_t seed) {
+  const int64_t c = config_.n_embd;
+  const bool bias = config_.bias;
+  Register(&wte_, "transformer.wte.weight", {config_.vocab_size, c});
+  Register(&wpe_, "transformer.wpe.weight", {config_.block_size, c});
+  blocks_.resize(static_cast<size_t>(config_.n_layer));
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    Block& b = blocks_[l];
+    const std::string h = absl::StrCat("transformer.h.", l, ".");
+    Register(&b.ln1_w, h + "ln_1.weight", {c});
+    if (bias) Register(&b.ln1_b, h + "ln_1.bias", {c});
+    Register(&b.attn_w, h + "attn.c_attn.weight", {c, 3 * c});
+    if (bias) Register(&b.attn_b, h + "attn.c_attn.bias", {3 * c});
+    Register(&b.proj_w, h + "attn.c_proj.weight", {c, c});
+    if (bias) Register(&b.proj_b, h + "attn.c_proj.bias", {c});
+    Register(&b.ln2_w, h + "ln_2.weight", {c});
+    if (bias) Register(&b.ln2_b, h + "ln_2.bias", {c});
+    Register(&b.fc_w, h + "mlp.c_fc.weight", {c, 4 * c});
+    if (bias) Register(&b.fc_b, h + "mlp.c_fc.bias", {4 * c});
+    Register(&b.fc_proj_w, h + "mlp.c_proj.weight", {4 * c, c});
+    if (bias) Register(&b.fc_proj_b, h + "mlp.c_proj.bias", {c});
+  }
+  Register(&lnf_w_, "transformer.ln_f.weight", {c});
+  if (bias) Register(&lnf_b_, "transformer.ln_f.bias", {c});
+
+  const double proj_std = kInitStd / std::sqrt(2.0 * config_.n_layer);
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    Parameter* p = parameters_[i];
+    const std::string& n = p->name;
+    auto ends_with = [&n](const char* suffix) {
+      const size_t len = std::char_traits<char>::length(suffix);
+      return n.size() >= len && n.compare(n.size() - len, len, suffix) == 0;
+    };
+    if (ends_with("ln_1.weight") || ends_with("ln_2.weight") || ends_with("ln_f.weight")) {
+      p->value.Fill(1.0f);
+    } else if (p->value.rank() == 1) {
+      p->value.Zero();
+    } else {
+      const bool residual = ends_with("c_proj.weight");
+      FillNormal(LayerSeed(seed, i), residual ? proj_std : kInitStd, p->value.data(),
+                 p->value.numel());
+    }
+  }
+}
+
+int64_t Gpt::ParameterCount() const {
+  int64_t n = 0;
+  for (const Parameter* p : parameters_) n += p->value.numel();
+  return n;
+}
+
+int64_t Gpt::ParameterCount(const GptConfig& config) {
+  const int64_t c = config.n_embd;
+  const int64_t b = config.bias ? 1 : 0;
+  // ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj.
+  const int64_t block = (c + b * c) + (c * 3 * c + b * 3 * c) + (c * c + b * c) + (c + b * c) +
+                        (c * 4 * c + b * 4 * c) + (4 * c * c + b * c);
+  return int64_t{config.vocab_size} * c + int64_t{config.block_size} * c +
+         int64_t{config.n_layer} * block + (c + b * c);
+}
+
+void Gpt::ZeroGrad() {
+  for (Parameter* p : parameters_) p->grad.Zero();
+}
+
+void Gpt::Shape(int64_t batch, int64_t seq_len) {
+  AIDN_CHECK(batch >= 1 && seq_len >= 1 && seq_len <= config_.block_size)
+      << "gpt: batch " << batch << ", sequence length " << seq_len << " (block_size "
+      << config_.block_size << ")";
+  if (batch == batch_ && seq_len == seq_len_) return;
+  batch_ = batch;
+  seq_len_ = seq_len;
+  const int64_t n = batch * seq_len;
+  const int64_t c = config_.n_embd;
+  const int64_t h = config_.n_head;
+  for (Block& b : blocks_) {
+    EnsureShape(&b.in, {n, c});
+    EnsureShape(&b.ln1, {n, c});
+    EnsureShape(&b.ln1_mean, {n});
+    EnsureShape(&b.ln1_rstd, {n});
+    EnsureShape(&b.qkv, {n, 3 * c});
+    EnsureShape(&b.att, {batch, h, seq_len, seq_len});
+    EnsureShape(&b.y, {n, c});
+    EnsureShape(&b.mid, {n, c});
+    EnsureShape(&b.ln2, {n, c});
+    EnsureShape(&b.ln2_mean, {n});
+    EnsureShape(&b.ln2_rstd, {n});
+    EnsureShape(&b.fc, {n, 4 * c});
+    EnsureShape(&b.gelu, {n, 4 * c});
+    if (config_.dropout > 0.0) {
+      EnsureShape(&b.att_mask, {batch, h, seq_len, seq_len});
+      EnsureShape(&b.attn_mask, {n, c});
+      EnsureShape(&b.mlp_mask, {n, c});
+    }
+  }
+  if (config_.dropout > 0.0) EnsureShape(&emb_mask_, {n, c});
+  EnsureShape(&out_, {n, c});
+  EnsureShape(&lnf_, {n, c});
+  EnsureShape(&lnf_mean_, {n});
+  EnsureShape(&lnf_rstd_, {n});
+  EnsureShape(&logits_, {n, config_.vocab_size});
+  EnsureShape(&grad_logits_, {n, config_.vocab_size});
+  EnsureShape(&dx_, {n, c});
+  EnsureShape(&dtmp_, {n, c});
+  EnsureShape(&dbranch_, {n, c});
+  EnsureShape(&dbig_, {n, 4 * c});
+  EnsureShape(&dqkv_, {n, 3 * c});
+  EnsureShape(&datt_, {seq_len, seq_len});
+  EnsureShape(&patt_, {seq_len, seq_len});
+}
+
+int64_t Gpt::ActivationFloats() const {
+  int64_t total = 0;
+  for (const Block& b : blocks_) {
+    for (const Tensor* t :
+         {&b.in, &b.ln1, &b.ln1_mean, &b.ln1_rstd, &b.qkv, &b.att, &b.att_mask, &b.y, &b.attn_mask,
+          &b.mid, &b.ln2, &b.ln2_mean, &b.ln2_rstd, &b.fc, &b.gelu, &b.mlp_mask}) {
+      total += t->numel();
+    }
+  }
+  for (const Tensor* t : {&emb_mask_, &out_, &lnf_, &lnf_mean_, &lnf_rstd_, &logits_, &grad_logits_,
+                          &dx_, &dtmp_, &dbranch_, &dbig_, &dqkv_, &datt_, &patt_}) {
+    total += t->numel();
+  }
+  return total;
+}
+
+void Gpt::AttentionForward(Block& b, bool drop) {
+  const int64_t t_len = seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t heads = config_.n_head;
+  const int64_t hd = c / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int64_t s = 0; s < batch_; ++s) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* q = b.qkv.data() + s * t_len * 3 * c + h * hd;
+      const float* k = q + c;
+      const float* v = q + 2 * c;
+      float* att = b.att.data() + (s * heads + h) * t_len * t_len;
+      Sgemm(false, true, t_len, t_len, hd, scale, q, 3 * c, k, 3 * c, 0.0f, att, t_len);
+      for (int64_t t = 0; t < t_len; ++t) {
+        float* row = att + t * t_len;
+        float max = row[0];
+        for (int64_t j = 1; j <= t; ++j) max = std::max(max, row[j]);
+        float sum = 0.0f;
+        for (int64_t j = 0; j <= t; ++j) {
+          row[j] = std::exp(row[j] - max);
+          sum += row[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j <= t; ++j) row[j] *= inv;
+        std::fill(row + t + 1, row + t_len, 0.0f);
+      }
+      const float* p = att;
+      if (drop) {
+        float* mask = b.att_mask.data() + (s * heads + h) * t_len * t_len;
+        cpu::DropoutMask(rng_, config_.dropout, mask, t_len * t_len);
+        cpu::MulKernel(att, mask, patt_.data(), t_len * t_len);
+        p = patt_.data();
+      }
+      Sgemm(false, false, t_len, hd, t_len, 1.0f, p, t_len, v, 3 * c, 0.0f,
+            b.y.data() + s * t_len * c + h * hd, c);
+    }
+  }
+}
+
+void Gpt::AttentionBackward(Block& b, const float* dy, float* dqkv) {
+  const int64_t t_len = seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t heads = config_.n_head;
+  const int64_t hd = c / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int64_t s = 0; s < batch_; ++s) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = s * t_len * 3 * c + h * hd;
+      const float* q = b.qkv.data() + offset;
+      const float* k = q + c;
+      const float* v = q + 2 * c;
+      float* dq = dqkv + offset;
+      float* dk = dq + c;
+      float* dv = dq + 2 * c;
+      const float* g = dy + s * t_len * c + h * hd;
+      const float* att = b.att.data() + (s * heads + h) * t_len * t_len;
+      const float* mask = dropped_ ? b.att_mask.data() + (s * heads + h) * t_len * t_len : nullptr;
+      const float* p = att;
+      if (mask != nullptr) {
+        cpu::MulKernel(att, mask, patt_.data(), t_len * t_len);
+        p = patt_.data();
+      }
+      float* datt = datt_.data();
+      // dP = dy v^T; dv = P^T dy.
+      Sgemm(false, true, t_len, t_len, hd, 1.0f, g, c, v, 3 * c, 0.0f, datt, t_len);
+      Sgemm(true, false, t_len, hd, t_len, 1.0f, p, t_len, g, c, 0.0f, dv, 3 * c);
+      if (mask != nullptr) {
+        for (int64_t i = 0; i < t_len * t_len; ++i) datt[i] *= mask[i];
+      }
+      // Through the softmax, row by row: dS = A (dA - sum(A dA)).
+      for (int64_t t = 0; t < t_len; ++t) {
+        const float* a = att + t * t_len;
+        float* d = datt + t * t_len;
+        float dot = 0.0f;
+        for (int64_t j = 0; j <= t; ++j) dot += a[j] * d[j];
+        for (int64_t j = 0; j <= t; ++j) d[j] = a[j] * (d[j] - dot);
+        std::fill(d + t + 1, d + t_len, 0.0f);
+      }
+      // S = scale q k^T: dq = scale dS k, dk = scale dS^T q.
+      Sgemm(false, false, t_len, hd, t_len, scale, datt, t_len, k, 3 * c, 0.0f, dq, 3 * c);
+      Sgemm(true, false, t_len, hd, t_len, scale, datt, t_len, q, 3 * c, 0.0f, dk, 3 * c);
+    }
+  }
+}
+
+void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  const bool bias = config_.bias;
+  const bool drop = training && config_.dropout > 0.0;
+  dropped_ = drop;
+  tokens_.assign(tokens, tokens + n);
+  // Embeddings into the first block's input (or out_ without blocks).
+  float* x = blocks_.empty() ? out_.data() : blocks_[0].in.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t tok = tokens[i];
+    AIDN_CHECK(tok >= 0 && tok < config_.vocab_size) << "gpt: token " << tok << " at " << i;
+    const float* te = wte_.value.data() + int64_t{tok} * c;
+    const float* pe = wpe_.value.data() + (i % seq_len_) * c;
+    for (int64_t j = 0; j < c; ++j) x[i * c + j] = te[j] + pe[j];
+  }
+  if (drop) {
+    cpu::DropoutMask(rng_, config_.dropout, emb_mask_.data(), n * c);
+    for (int64_t i = 0; i < n * c; ++i) x[i] *= emb_mask_[i];
+  }
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    Block& b = blocks_[l];
+    float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
+    LayerNormForward(b.in.data(), b.ln1_w.value.data(), bias ? b.ln1_b.value.data() : nullptr, n, c,
+                     b.ln1.data(), b.ln1_mean.data(), b.ln1_rstd.data());
+    LinearForward(b.ln1.data(), b.attn_w.value.data(), bias ? b.attn_b.value.data() : nullptr, n, c,
+                  3 * c, b.qkv.data());
+    AttentionForward(b, drop);
+    // mid = in + drop(y Wproj + b).
+    LinearForward(b.y.data(), b.proj_w.value.data(), bias ? b.proj_b.value.data() : nullptr, n, c,
+                  c, b.mid.data());
+    if (drop) {
+      cpu::DropoutMask(rng_, config_.dropout, b.attn_mask.data(), n * c);
+      for (int64_t i = 0; i < n * c; ++i) b.mid[i] *= b.attn_mask[i];
+    }
+    cpu::AccumulateKernel(b.in.data(), b.mid.data(), n * c);
+    LayerNormForward(b.mid.data(), b.ln2_w.value.data(), bias ? b.ln2_b.value.data() : nullptr, n,
+                     c, b.ln2.data(), b.ln2_mean.data(), b.ln2_rstd.data());
+    LinearForward(b.ln2.data(), b.fc_w.value.data(), bias ? b.fc_b.value.data() : nullptr, n, c,
+                  4 * c, b.fc.data());
+    GeluForward(b.fc.data(), b.gelu.data(), n * 4 * c);
+    LinearForward(b.gelu.data(), b.fc_proj_w.value.data(),
+                  bias ? b.fc_proj_b.value.data() : nullptr, n, 4 * c, c, next);
+    if (drop) {
+      cpu::DropoutMask(rng_, config_.dropout, b.mlp_mask.data(), n * c);
+      for (int64_t i = 0; i < n * c; ++i) next[i] *= b.mlp_mask[i];
+    }
+    cpu::AccumulateKernel(b.mid.data(), next, n * c);
+  }
+  LayerNormForward(out_.data(), lnf_w_.value.data(), bias ? lnf_b_.value.data() : nullptr, n, c,
+                   lnf_.data(), lnf_mean_.data(), lnf_rstd_.data());
+  // logits = ln_f(x) wte^T.
+  Sgemm(false, true, n, config_.vocab_size, c, 1.0f, lnf_.data(), c, wte_.value.data(), c, 0.0f,
+        logits_.data(), config_.vocab_size);
+}
+
+const Tensor& Gpt::Logits(const int32_t* tokens, int64_t batch, int64_t seq_len) {
+  Shape(batch, seq_len);
+  ForwardTrunk(tokens, /*training=*/false);
+  return logits_;
+}
+
+double Gpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch, int64_t seq_len,
+                    bool training) {
+  Shape(batch, seq_len);
+  ForwardTrunk(tokens, training);
+  targets_.assign(targets, targets + batch * seq_len);
+  for (const int32_t t : targets_) {
+    AIDN_CHECK(t >= 0 && t < config_.vocab_size) << "gpt: target " << t;
+  }
+  return SoftmaxCrossEntropy(logits_, targets_, &grad_logits_);
+}
+
+void Gpt::Backward(double grad_scale) {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t vocab = config_.vocab_size;
+  const bool bias = config_.bias;
+  AIDN_CHECK(static_cast<int64_t>(targets_.size()) == n) << "gpt: Backward without a Forward";
+  float* dlogits = grad_logits_.data();
+  if (grad_scale != 1.0) {
+    const float s = static_cast<float>(grad_scale);
+    for (int64_t i = 0; i < n * vocab; ++i) dlogits[i] *= s;
+  }
+  // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
+  Sgemm(false, false, n, c, vocab, 1.0f, dlogits, vocab, wte_.value.data(), c, 0.0f, dtmp_.data(),
+        c);
+  Sgemm(true, false, vocab, c, n, 1.0f, dlogits, vocab, lnf_.data(), c, 1.0f, wte_.grad.data(), c);
+  dx_.Zero();
+  LayerNormBackward(dtmp_.data(), out_.data(), lnf_w_.value.data(), lnf_mean_.data(),
+                    lnf_rstd_.data(), n, c, dx_.data(), lnf_w_.grad.data(),
+                    bias ? lnf_b_.grad.data() : nullptr);
+  Ready(&lnf_w_);
+  if (bias) Ready(&lnf_b_);
+
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    Block& b = blocks_[l];
+    // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
+    const float* dbranch = dx_.data();
+    if (dropped_) {
+      cpu::MulKernel(dx_.data(), b.mlp_mask.data(), dbranch_.data(), n * c);
+      dbranch = dbranch_.data();
+    }
+    LinearBackward(dbranch, b.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c, dbig_.data(),
+                   b.fc_proj_w.grad.data(), bias ? b.fc_proj_b.grad.data() : nullptr);
+    GeluBackward(b.fc.data(), dbig_.data(), n * 4 * c);
+    LinearBackward(dbig_.data(), b.ln2.data(), b.fc_w.value.data(), n, c, 4 * c, dtmp_.data(),
+                   b.fc_w.grad.data(), bias ? b.fc_b.grad.data() : nullptr);
+    LayerNormBackward(dtmp_.data(), b.mid.data(), b.ln2_w.value.data(), b.ln2_mean.data(),
+                      b.ln2_rstd.data(), n, c, dx_.data(), b.ln2_w.grad.data(),
+                      bias ? b.ln2_b.grad.data() : nullptr);
+    Ready(&b.fc_proj_w);
+    if (bias) Ready(&b.fc_proj_b);
+    Ready(&b.fc_w);
+    if (bias) Ready(&b.fc_b);
+    Ready(&b.ln2_w);
+    if (bias) Ready(&b.ln2_b);
+    // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
+    dbranch = dx_.data();
+    if (dropped_) {
+      cpu::MulKernel(dx_.data(), b.attn_mask.data(), dbranch_.data(), n * c);
+      dbranch = dbranch_.data();
+    }
+    LinearBackward(dbranch, b.y.data(), b.proj_w.value.data(), n, c, c, dtmp_.data(),
+                   b.proj_w.grad.data(), bias ? b.proj_b.grad.data() : nullptr);
+    AttentionBackward(b, dtmp_.data(), dqkv_.data());
+    LinearBackward(dqkv_.data(), b.ln1.data(), b.attn_w.value.data(), n, c, 3 * c, dtmp_.data(),
+                   b.attn_w.grad.data(), bias ? b.attn_b.grad.data() : nullptr);
+    LayerNormBackward(dtmp_.data(), b.in.data(), b.ln1_w.value.data(), b.ln1_mean.data(),
+                      b.ln1_rstd.data(), n, c, dx_.data(), b.ln1_w.grad.data(),
+                      bias ? b.ln1_b.grad.data() : nullptr);
+    Ready(&b.proj_w);
+    if (bias) Ready(&b.proj_b);
+    Ready(&b.attn_w);
+    if (bias) Ready(&b.attn_b);
+    Ready(&b.ln1_w);
+    if (bias) Ready(&b.ln1_b);
+  }
+  // The embeddings.
+  if (dropped_) {
+    for (int64_t i = 0; i < n * c; ++i) dx_[i] *= emb_mask_[i];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = dx_.data() + i * c;
+    cpu::AccumulateKernel(g, wte_.grad.data() + int64_t{tokens_[static_cast<size_t>(i)]} * c, c);
+    cpu::AccumulateKernel(g, wpe_.grad.data() + (i % seq_len_) * c, c);
+  }
+  Ready(&wpe_);
+  Ready(&wte_);
+}
+
+}  // namespace aidn::engine

@@ -1,0 +1,179 @@
+#ifndef AIDN_WORKER_ENGINE_GPT_H_
+#define AIDN_WORKER_ENGINE_GPT_H_
+
+// A GPT-2-style decoder on the CPU, with hand-written forward and backward
+// passes in llm.c's manner:
+//
+//   x = drop(wte[tokens] + wpe[positions])
+//   n_layer times:
+//     x = x + drop(c_proj(attention(c_attn(ln_1(x)))))   causal, n_head heads
+//     x = x + drop(mlp.c_proj(gelu_tanh(mlp.c_fc(ln_2(x)))))
+//   logits = ln_f(x) wte^T                               the LM head is wte
+//
+// Parameters carry Hugging Face's GPT2LMHeadModel names and layouts
+// ("transformer.h.0.attn.c_attn.weight" is [n_embd, 3 n_embd]: its Conv1D
+// keeps weights as [in, out]), so checkpoints and safetensors exports load
+// into transformers' GPT-2 and into nanoGPT after its usual transposes.
+// Initialisation is GPT-2's: weights N(0, 0.02), the residual projections
+// (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 n_layer)), biases 0,
+// LayerNorm weight 1 and bias 0 (eps 1e-5).
+//
+// Attention is exact: scores q k^T / sqrt(head_dim) per (sequence, head),
+// the causal softmax over positions 0..t of row t, then dropout on the
+// probabilities and their product with v, as nanoGPT's explicit path.
+//
+// Forward keeps every activation Backward needs (the attention
+// probabilities too: [B, n_head, T, T] per layer). Buffers are sized on the
+// first step and reused while B and T stay the same.
+//
+// Not thread-safe: one model per training thread.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/tensor.h"
+
+namespace aidn::engine {
+
+struct GptConfig {
+  int n_layer = 6;
+  int n_head = 6;
+  int n_embd = 384;
+  // The longest sequence (rows of wpe).
+  int block_size = 256;
+  int vocab_size = 256;
+  // Dropout probability on the embeddings, the attention probabilities and
+  // both residual branches, in [0, 1).
+  double dropout = 0.0;
+  // Biases in the linear layers and LayerNorms (GPT-2 has them).
+  bool bias = true;
+};
+
+// INVALID_ARGUMENT naming the field: sizes below 1, n_embd not a multiple
+// of n_head, dropout outside [0, 1), or a model beyond 2^31 elements in one
+// tensor.
+absl::Status ValidateGptConfig(const GptConfig& config);
+
+// The named configurations: "gpt2" (124M: 12 layers, 12 heads, 768 wide,
+// context 1024, vocabulary 50257), "gpt2-medium" (350M), "gpt-char"
+// (nanoGPT's character-level model: 6 layers, 6 heads, 384 wide, context
+// 256, bytes; 10.7M), "gpt-mini" (4, 4, 128, 128, bytes) and "gpt-nano"
+// (2, 2, 32, 32, bytes; for tests). NOT_FOUND lists the names otherwise.
+absl::StatusOr<GptConfig> NamedGptConfig(const std::string& name);
+
+class Gpt {
+ public:
+  // Called during Backward for each parameter as soon as its gradient is
+  // final for this pass, in reverse order of use (DDP starts bucket
+  // allreduces from here); wte, used first and last, comes last.
+  using GradReadyCallback = std::function<void(Parameter*)>;
+
+  // INVALID_ARGUMENT for a bad config (ValidateGptConfig).
+  static absl::StatusOr<std::unique_ptr<Gpt>> Create(const GptConfig& config, uint64_t seed);
+
+  // Runs `batch` sequences of `seq_len` tokens (row-major [batch, seq_len],
+  // each in [0, vocab_size)) and returns the mean cross-entropy of the
+  // logits against `targets` (same shape), as F.cross_entropy over the
+  // flattened positions. `training` switches dropout on. Programmer errors
+  // (abort): seq_len beyond block_size, a token or target out of range.
+  double Forward(const int32_t* tokens, const int32_t* targets, int64_t batch, int64_t seq_len,
+                 bool training);
+  // Logits only ([batch * seq_len, vocab]), no loss, for generation and
+  // evaluation; Backward must not follow.
+  const Tensor& Logits(const int32_t* tokens, int64_t batch, int64_t seq_len);
+  // Accumulates (+=) every parameter's gradient of the last Forward's loss,
+  // scaled by `grad_scale` (1/k with k micro-batches a step).
+  void Backward(double grad_scale = 1.0);
+
+  void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
+  void ZeroGrad();
+  // Reseeds the dropout stream for the next Forward.
+  void SetSeed(uint64_t seed) { rng_.seed(seed); }
+
+  // In registration order: wte, wpe, each block's, ln_f.
+  const std::vector<Parameter*>& Parameters() const { return parameters_; }
+  // Whether AdamW decays `p`: matrices and embeddings (2-D) yes, biases and
+  // LayerNorm parameters no, as nanoGPT groups them.
+  static bool Decays(const Parameter& p) { return p.value.rank() >= 2; }
+  int64_t ParameterCount() const;
+  // The same count from a configuration alone (without building the model).
+  static int64_t ParameterCount(const GptConfig& config);
+  // The logits of the last Forward, [batch * seq_len, vocab].
+  const Tensor& logits() const { return logits_; }
+  const GptConfig& config() const { return config_; }
+  // Floats held for activations and their gradients at the current shape.
+  int64_t ActivationFloats() const;
+
+ private:
+  struct Block {
+    Parameter ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b;
+    Parameter ln2_w, ln2_b, fc_w, fc_b, fc_proj_w, fc_proj_b;
+    // Activations of the last Forward.
+    Tensor in;         // [N, C] the block's input (the residual stream)
+    Tensor ln1;        // [N, C]
+    Tensor ln1_mean;   // [N]
+    Tensor ln1_rstd;   // [N]
+    Tensor qkv;        // [N, 3C]
+    Tensor att;        // [B, H, T, T] softmax probabilities (0 above the diagonal)
+    Tensor att_mask;   // [B, H, T, T] dropout mask (training with dropout)
+    Tensor y;          // [N, C] the heads' outputs side by side
+    Tensor attn_mask;  // [N, C] dropout mask of the attention branch
+    Tensor mid;        // [N, C] the residual stream after attention
+    Tensor ln2;        // [N, C]
+    Tensor ln2_mean;   // [N]
+    Tensor ln2_rstd;   // [N]
+    Tensor fc;         // [N, 4C] before GELU
+    Tensor gelu;       // [N, 4C]
+    Tensor mlp_mask;   // [N, C] dropout mask of the MLP branch
+  };
+
+  explicit Gpt(const GptConfig& config);
+  void Init(uint64_t seed);
+  void Register(Parameter* p, std::string name, std::vector<int64_t> shape);
+  // Sizes the activation buffers for [batch, seq_len].
+  void Shape(int64_t batch, int64_t seq_len);
+  void ForwardTrunk(const int32_t* tokens, bool training);
+  void AttentionForward(Block& b, bool drop);
+  void AttentionBackward(Block& b, const float* dy, float* dqkv);
+  void Ready(Parameter* p) {
+    if (grad_ready_) grad_ready_(p);
+  }
+
+  GptConfig config_;
+  Parameter wte_, wpe_, lnf_w_, lnf_b_;
+  std::vector<Block> blocks_;
+  std::vector<Parameter*> parameters_;
+  GradReadyCallback grad_ready_;
+  std::mt19937_64 rng_{0};
+
+  int64_t batch_ = 0;
+  int64_t seq_len_ = 0;
+  bool dropped_ = false;  // the last Forward drew dropout masks
+  std::vector<int32_t> tokens_;
+  std::vector<int32_t> targets_;
+  Tensor emb_mask_;  // [N, C]
+  Tensor out_;       // [N, C] the last block's output
+  Tensor lnf_;       // [N, C]
+  Tensor lnf_mean_;  // [N]
+  Tensor lnf_rstd_;  // [N]
+  Tensor logits_;    // [N, V]
+  // Backward scratch.
+  Tensor grad_logits_;  // [N, V]
+  Tensor dx_;           // [N, C] the residual stream's gradient
+  Tensor dtmp_;         // [N, C]
+  Tensor dbranch_;      // [N, C] a residual branch's gradient through its dropout
+  Tensor dbig_;         // [N, 4C]
+  Tensor dqkv_;         // [N, 3C]
+  Tensor datt_;         // [T, T] one (sequence, head) at a time
+  Tensor patt_;         // [T, T] probabilities after dropout, likewise
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_GPT_H_
