@@ -144,10 +144,12 @@ class Sgd final : public Optimizer {
     const float scale = ClipCoefficient();
     const bool momentum = config_.momentum != 0.0;
     // torch creates the momentum buffer as a copy of the first gradient.
-    const SgdFn fn = PickSgd(config_.weight_decay != 0.0, momentum, config_.nesterov, steps_ == 0,
-                             scale != 1.0f);
+    const SgdFn decayed = PickSgd(config_.weight_decay != 0.0, momentum, config_.nesterov,
+                                  steps_ == 0, scale != 1.0f);
+    const SgdFn undecayed = PickSgd(false, momentum, config_.nesterov, steps_ == 0, scale != 1.0f);
     for (size_t k = 0; k < params_.size(); ++k) {
       Parameter* p = params_[k];
+      const SgdFn fn = Decays(*p) ? decayed : undecayed;
       fn(p->value.data(), p->grad.data(), momentum ? buffers_[k].data() : nullptr, p->value.numel(),
          static_cast<float>(lr), static_cast<float>(config_.weight_decay),
          static_cast<float>(config_.momentum), scale);
@@ -270,12 +272,13 @@ class AdamW final : public Optimizer {
     s.neg_step = static_cast<float>(-(lr / bc1));
     const bool decay = config_.weight_decay != 0.0;
     const bool scale = s.scale != 1.0f;
-    auto fn = decay ? (scale ? &AdamWKernel<true, true> : &AdamWKernel<true, false>)
-                    : (scale ? &AdamWKernel<false, true> : &AdamWKernel<false, false>);
+    auto decayed = decay ? (scale ? &AdamWKernel<true, true> : &AdamWKernel<true, false>)
+                         : (scale ? &AdamWKernel<false, true> : &AdamWKernel<false, false>);
+    auto undecayed = scale ? &AdamWKernel<false, true> : &AdamWKernel<false, false>;
     for (size_t k = 0; k < params_.size(); ++k) {
       Parameter* p = params_[k];
-      fn(p->value.data(), p->grad.data(), exp_avg_[k].data(), exp_avg_sq_[k].data(),
-         p->value.numel(), s);
+      (Decays(*p) ? decayed : undecayed)(p->value.data(), p->grad.data(), exp_avg_[k].data(),
+                                         exp_avg_sq_[k].data(), p->value.numel(), s);
     }
     ++steps_;
     return absl::OkStatus();

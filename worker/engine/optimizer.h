@@ -47,6 +47,10 @@ struct OptimizerConfig {
   // sgd: L2 penalty added to the gradient; adamw: decoupled decay of the
   // weights (torch's AdamW default is 0.01; aidn's default is 0 for both).
   double weight_decay = 0.0;
+  // Decay only parameters of two or more dimensions (matrices and
+  // embeddings), none of the biases and normalisation weights, as nanoGPT
+  // and most transformer recipes group them.
+  bool decay_matrices_only = false;
   // adamw only.
   double beta1 = 0.9;
   double beta2 = 0.999;
@@ -108,6 +112,10 @@ class Optimizer {
   // The coefficient Step() applies to the gradients: 1, or the clipping
   // factor when clipping is on and needed. Records last_grad_norm_.
   float ClipCoefficient();
+  // Whether the weight decay applies to `p` (decay_matrices_only).
+  bool Decays(const Parameter& p) const {
+    return !config_.decay_matrices_only || p.value.rank() >= 2;
+  }
   absl::Status CheckStep(double lr) const;
 
   OptimizerConfig config_;

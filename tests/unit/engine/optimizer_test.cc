@@ -112,6 +112,36 @@ TEST(AdamW, WithoutWeightDecayLeavesTheDecayOut) {
   ExpectNear(ThreeSteps(c), {0.900000002, 0.8733662987078463, 0.8075551396770898});
 }
 
+// decay_matrices_only: a [1, 1] matrix follows the decayed closed form, a
+// [1] vector (a bias) the undecayed one, under both optimizers.
+TEST(Optimizer, DecayMatricesOnlyLeavesVectorsUndecayed) {
+  for (const char* name : {"adamw", "sgd"}) {
+    OptimizerConfig c;
+    c.name = name;
+    c.weight_decay = name == std::string("adamw") ? 0.01 : 0.1;
+    c.decay_matrices_only = true;
+    Parameter matrix = MakeParam("w", {1, 1}, {1.0f});
+    Parameter vector = MakeParam("b", {1}, {1.0f});
+    auto opt = Optimizer::Create(c, {&matrix, &vector});
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    std::vector<double> m, v;
+    for (float g : {0.5f, -0.25f, 1.0f}) {
+      matrix.grad[0] = g;
+      vector.grad[0] = g;
+      ASSERT_TRUE((*opt)->Step(0.1).ok());
+      m.push_back(matrix.value[0]);
+      v.push_back(vector.value[0]);
+    }
+    OptimizerConfig all = c;
+    all.decay_matrices_only = false;
+    OptimizerConfig none = c;
+    none.weight_decay = 0.0;
+    SCOPED_TRACE(name);
+    ExpectNear(m, ThreeSteps(all));
+    ExpectNear(v, ThreeSteps(none));
+  }
+}
+
 TEST(AdamW, KeepsItsMomentsAsStateNamedAfterTheParameter) {
   OptimizerConfig c;
   c.name = "adamw";
