@@ -16,6 +16,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # training: BLAS, Gloo, the dataset
   libopenblas-dev libdnnl-dev libgloo-dev dataset-fashion-mnist
+  # a text corpus for the GPT (plain-text fortune files, about 2.5 MB)
+  fortunes
   # the metrics tests scrape with a real Prometheus server and promtool
   prometheus
   # the numerical oracle and speed peer (tests skip their torch checks only without it)
