@@ -372,20 +372,26 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
   EXPECT_EQ(job.restarts(), 1);
   // The root cause is the lost worker, not the healthy rank that failed
-  // first on the broken connection; `events JOB` shows the loss.
-  EXPECT_TRUE(cluster().HasEvent("worker.lost", id, victim)) << EventText(id);
-  bool named = false;
-  for (const char* type : {"job.restarting", "job.cause"}) {
-    for (const std::string& m : cluster().EventMessages(id, type)) {
-      named = named ||
-              absl::StrContains(m, absl::StrCat("root cause of generation 1's failure: "
-                                                "worker ",
-                                                victim, " lost")) ||
-              (absl::StartsWith(m, "restart 1 of") &&
-               absl::StrContains(m, absl::StrCat(": worker ", victim, " lost")));
+  // first on the broken connection; `events JOB` shows the loss. The job
+  // may end before the worker's silence reaches worker_timeout (its second
+  // generation is short), so the loss is waited for.
+  EXPECT_TRUE(WaitFor([&] { return cluster().HasEvent("worker.lost", id, victim); }, seconds(30)))
+      << EventText(id);
+  auto named = [&] {
+    for (const char* type : {"job.restarting", "job.cause"}) {
+      for (const std::string& m : cluster().EventMessages(id, type)) {
+        if (absl::StrContains(m, absl::StrCat("root cause of generation 1's failure: "
+                                              "worker ",
+                                              victim, " lost")) ||
+            (absl::StartsWith(m, "restart 1 of") &&
+             absl::StrContains(m, absl::StrCat(": worker ", victim, " lost")))) {
+          return true;
+        }
+      }
     }
-  }
-  EXPECT_TRUE(named) << EventText(id);
+    return false;
+  };
+  EXPECT_TRUE(WaitFor(named, seconds(30))) << EventText(id);
 }
 
 // 3. A SIGSTOPped trainer is a hang: detected within the progress timeout,
