@@ -468,6 +468,7 @@ void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
 const Tensor& Gpt::Logits(const int32_t* tokens, int64_t batch, int64_t seq_len) {
   Shape(batch, seq_len);
   ForwardTrunk(tokens, /*training=*/false);
+  targets_.clear();  // no loss: a Backward now is a programmer error
   return logits_;
 }
 

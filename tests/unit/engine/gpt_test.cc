@@ -224,6 +224,14 @@ TEST(Gpt, LaterPositionsDoNotChangeEarlierLogits) {
   EXPECT_TRUE(changed);
 }
 
+TEST(GptDeathTest, BackwardAfterLogitsAloneAborts) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  const std::vector<int32_t> tokens = Tokens(8, 11, 1);
+  gpt->Forward(tokens.data(), tokens.data(), 1, 8, false);
+  gpt->Logits(tokens.data(), 1, 8);
+  EXPECT_DEATH(gpt->Backward(), "without a Forward");
+}
+
 TEST(GptDeathTest, SequencesLongerThanTheBlockAbort) {
   std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
   const std::vector<int32_t> tokens(9, 0);
