@@ -174,6 +174,30 @@ class Gpt {
   Tensor patt_;         // [T, T] probabilities after dropout, likewise
 };
 
+// How Generate picks each next token.
+struct SampleOptions {
+  // Tokens to add.
+  int64_t length = 200;
+  // The most likely token (ties: the lowest id) instead of a draw.
+  bool greedy = false;
+  // Draw among the top_k most likely tokens only (0: among all).
+  int top_k = 0;
+  // Logits are divided by it before the softmax; > 0.
+  double temperature = 1.0;
+  // Seeds the draws: the same seed, prompt and weights give the same text.
+  uint64_t seed = 0;
+};
+
+// Continues `prompt` (at least one token, each in [0, vocab_size)) by
+// options.length tokens and returns prompt and continuation together. Each
+// token comes from the logits at the last position of the last block_size
+// tokens, recomputed whole (no key/value cache: fine for the small models
+// the CPU trains, quadratic in the context). INVALID_ARGUMENT naming the
+// problem for an empty prompt, a token out of range, a negative length or
+// top_k, or a temperature that is not > 0.
+absl::StatusOr<std::vector<int32_t>> Generate(Gpt& gpt, std::vector<int32_t> prompt,
+                                              const SampleOptions& options);
+
 }  // namespace aidn::engine
 
 #endif  // AIDN_WORKER_ENGINE_GPT_H_

@@ -224,6 +224,67 @@ TEST(Gpt, LaterPositionsDoNotChangeEarlierLogits) {
   EXPECT_TRUE(changed);
 }
 
+TEST(GptGenerate, GreedyPicksTheArgmaxAndTopOneIsGreedy) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  SampleOptions greedy;
+  greedy.greedy = true;
+  greedy.length = 12;  // beyond block_size 8 with the prompt: the context slides
+  absl::StatusOr<std::vector<int32_t>> text = Generate(*gpt, {1, 2, 3}, greedy);
+  ASSERT_TRUE(text.ok()) << text.status();
+  ASSERT_EQ(text->size(), 15u);
+  EXPECT_EQ((*text)[0], 1);
+  // Each token is the argmax of the logits at the end of its context.
+  for (size_t n = 3; n < text->size(); ++n) {
+    const size_t context = std::min<size_t>(n, 8);
+    const Tensor& logits =
+        gpt->Logits(text->data() + n - context, 1, static_cast<int64_t>(context));
+    const float* last = logits.data() + (context - 1) * 11;
+    int32_t best = 0;
+    for (int32_t v = 1; v < 11; ++v) {
+      if (last[v] > last[best]) best = v;
+    }
+    EXPECT_EQ((*text)[n], best) << n;
+  }
+  SampleOptions top1;
+  top1.top_k = 1;
+  top1.length = 12;
+  top1.seed = 5;
+  EXPECT_EQ(*Generate(*gpt, {1, 2, 3}, top1), *text);
+}
+
+TEST(GptGenerate, DrawsRepeatWithTheSeedAndStayInTheTopK) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  SampleOptions o;
+  o.length = 30;
+  o.top_k = 3;
+  o.temperature = 2.0;
+  o.seed = 9;
+  const std::vector<int32_t> a = *Generate(*gpt, {4}, o);
+  EXPECT_EQ(*Generate(*gpt, {4}, o), a);
+  o.seed = 10;
+  EXPECT_NE(*Generate(*gpt, {4}, o), a);
+  for (size_t n = 1; n < a.size(); ++n) {
+    const size_t context = std::min<size_t>(n, 8);
+    const Tensor& logits = gpt->Logits(a.data() + n - context, 1, static_cast<int64_t>(context));
+    const float* last = logits.data() + (context - 1) * 11;
+    int above = 0;  // tokens strictly more likely than the one drawn
+    for (int32_t v = 0; v < 11; ++v) above += last[v] > last[a[n]];
+    EXPECT_LT(above, 3) << n;
+  }
+}
+
+TEST(GptGenerate, BadOptionsNameTheProblem) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
+  EXPECT_THAT(Generate(*gpt, {}, {}).status().message(), HasSubstr("empty"));
+  EXPECT_THAT(Generate(*gpt, {11}, {}).status().message(), HasSubstr("outside the vocabulary"));
+  SampleOptions o;
+  o.temperature = 0.0;
+  EXPECT_THAT(Generate(*gpt, {1}, o).status().message(), HasSubstr("temperature"));
+  o = SampleOptions();
+  o.top_k = -1;
+  EXPECT_THAT(Generate(*gpt, {1}, o).status().message(), HasSubstr("top_k"));
+}
+
 TEST(GptDeathTest, BackwardAfterLogitsAloneAborts) {
   std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
   const std::vector<int32_t> tokens = Tokens(8, 11, 1);
