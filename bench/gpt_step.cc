@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
         "RESULT {\"config\": \"%s\", \"threads\": %d, \"batch\": %d, \"seq\": %d, "
         "\"tokens_per_s\": %.1f, \"median_step_ms\": %.2f, \"model_gflops_per_s\": %.2f, "
         "\"cpu_s_per_step\": %.3f, \"final_loss\": %.4f, \"parameters\": %.0f}\n",
-        o.config.c_str(), o.threads, o.batch, o.seq, tokens_per_s, median_ms, gflops,
-        cpu / window, loss, params);
+        o.config.c_str(), o.threads, o.batch, o.seq, tokens_per_s, median_ms, gflops, cpu / window,
+        loss, params);
   } else {
     std::printf(
         "gpt_step %s threads %d batch %d seq %d | %d steps | %.1f ms median | %.0f tokens/s | "
