@@ -308,22 +308,6 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
   EnsureShape(&patt_, {seq_len, seq_len});
 }
 
-int64_t Gpt::ActivationFloats() const {
-  int64_t total = 0;
-  for (const Block& b : blocks_) {
-    for (const Tensor* t :
-         {&b.in, &b.ln1, &b.ln1_mean, &b.ln1_rstd, &b.qkv, &b.att, &b.att_mask, &b.y, &b.attn_mask,
-          &b.mid, &b.ln2, &b.ln2_mean, &b.ln2_rstd, &b.fc, &b.gelu, &b.mlp_mask}) {
-      total += t->numel();
-    }
-  }
-  for (const Tensor* t : {&emb_mask_, &out_, &lnf_, &lnf_mean_, &lnf_rstd_, &logits_, &grad_logits_,
-                          &dx_, &dtmp_, &dbranch_, &dbig_, &dqkv_, &datt_, &patt_}) {
-    total += t->numel();
-  }
-  return total;
-}
-
 void Gpt::AttentionForward(Block& b, bool drop) {
   const int64_t t_len = seq_len_;
   const int64_t c = config_.n_embd;
@@ -483,11 +467,22 @@ double Gpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch
   return SoftmaxCrossEntropy(logits_, targets_, &grad_logits_);
 }
 
+void Gpt::Ready(Parameter& weight, Parameter& bias) {
+  if (!grad_ready_) return;
+  grad_ready_(&weight);
+  if (config_.bias) grad_ready_(&bias);
+}
+
+const float* Gpt::BranchGrad(const Tensor& mask) {
+  if (!dropped_) return dx_.data();
+  cpu::MulKernel(dx_.data(), mask.data(), dbranch_.data(), dx_.numel());
+  return dbranch_.data();
+}
+
 void Gpt::Backward(double grad_scale) {
   const int64_t n = batch_ * seq_len_;
   const int64_t c = config_.n_embd;
   const int64_t vocab = config_.vocab_size;
-  const bool bias = config_.bias;
   AIDN_CHECK(static_cast<int64_t>(targets_.size()) == n) << "gpt: Backward without a Forward";
   float* dlogits = grad_logits_.data();
   if (grad_scale != 1.0) {
@@ -500,65 +495,45 @@ void Gpt::Backward(double grad_scale) {
   Sgemm(true, false, vocab, c, n, 1.0f, dlogits, vocab, lnf_.data(), c, 1.0f, wte_.grad.data(), c);
   dx_.Zero();
   LayerNormBackward(dtmp_.data(), out_.data(), lnf_w_.value.data(), lnf_mean_.data(),
-                    lnf_rstd_.data(), n, c, dx_.data(), lnf_w_.grad.data(),
-                    bias ? lnf_b_.grad.data() : nullptr);
-  Ready(&lnf_w_);
-  if (bias) Ready(&lnf_b_);
+                    lnf_rstd_.data(), n, c, dx_.data(), lnf_w_.grad.data(), BiasGrad(lnf_b_));
+  Ready(lnf_w_, lnf_b_);
 
   for (size_t l = blocks_.size(); l-- > 0;) {
     Block& b = blocks_[l];
     // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
-    const float* dbranch = dx_.data();
-    if (dropped_) {
-      cpu::MulKernel(dx_.data(), b.mlp_mask.data(), dbranch_.data(), n * c);
-      dbranch = dbranch_.data();
-    }
-    LinearBackward(dbranch, b.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c, dbig_.data(),
-                   b.fc_proj_w.grad.data(), bias ? b.fc_proj_b.grad.data() : nullptr);
+    LinearBackward(BranchGrad(b.mlp_mask), b.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c,
+                   dbig_.data(), b.fc_proj_w.grad.data(), BiasGrad(b.fc_proj_b));
     GeluBackward(b.fc.data(), dbig_.data(), n * 4 * c);
     LinearBackward(dbig_.data(), b.ln2.data(), b.fc_w.value.data(), n, c, 4 * c, dtmp_.data(),
-                   b.fc_w.grad.data(), bias ? b.fc_b.grad.data() : nullptr);
+                   b.fc_w.grad.data(), BiasGrad(b.fc_b));
     LayerNormBackward(dtmp_.data(), b.mid.data(), b.ln2_w.value.data(), b.ln2_mean.data(),
-                      b.ln2_rstd.data(), n, c, dx_.data(), b.ln2_w.grad.data(),
-                      bias ? b.ln2_b.grad.data() : nullptr);
-    Ready(&b.fc_proj_w);
-    if (bias) Ready(&b.fc_proj_b);
-    Ready(&b.fc_w);
-    if (bias) Ready(&b.fc_b);
-    Ready(&b.ln2_w);
-    if (bias) Ready(&b.ln2_b);
+                      b.ln2_rstd.data(), n, c, dx_.data(), b.ln2_w.grad.data(), BiasGrad(b.ln2_b));
+    Ready(b.fc_proj_w, b.fc_proj_b);
+    Ready(b.fc_w, b.fc_b);
+    Ready(b.ln2_w, b.ln2_b);
     // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
-    dbranch = dx_.data();
-    if (dropped_) {
-      cpu::MulKernel(dx_.data(), b.attn_mask.data(), dbranch_.data(), n * c);
-      dbranch = dbranch_.data();
-    }
-    LinearBackward(dbranch, b.y.data(), b.proj_w.value.data(), n, c, c, dtmp_.data(),
-                   b.proj_w.grad.data(), bias ? b.proj_b.grad.data() : nullptr);
+    LinearBackward(BranchGrad(b.attn_mask), b.y.data(), b.proj_w.value.data(), n, c, c,
+                   dtmp_.data(), b.proj_w.grad.data(), BiasGrad(b.proj_b));
     AttentionBackward(b, dtmp_.data(), dqkv_.data());
     LinearBackward(dqkv_.data(), b.ln1.data(), b.attn_w.value.data(), n, c, 3 * c, dtmp_.data(),
-                   b.attn_w.grad.data(), bias ? b.attn_b.grad.data() : nullptr);
+                   b.attn_w.grad.data(), BiasGrad(b.attn_b));
     LayerNormBackward(dtmp_.data(), b.in.data(), b.ln1_w.value.data(), b.ln1_mean.data(),
-                      b.ln1_rstd.data(), n, c, dx_.data(), b.ln1_w.grad.data(),
-                      bias ? b.ln1_b.grad.data() : nullptr);
-    Ready(&b.proj_w);
-    if (bias) Ready(&b.proj_b);
-    Ready(&b.attn_w);
-    if (bias) Ready(&b.attn_b);
-    Ready(&b.ln1_w);
-    if (bias) Ready(&b.ln1_b);
+                      b.ln1_rstd.data(), n, c, dx_.data(), b.ln1_w.grad.data(), BiasGrad(b.ln1_b));
+    Ready(b.proj_w, b.proj_b);
+    Ready(b.attn_w, b.attn_b);
+    Ready(b.ln1_w, b.ln1_b);
   }
   // The embeddings.
-  if (dropped_) {
-    for (int64_t i = 0; i < n * c; ++i) dx_[i] *= emb_mask_[i];
-  }
+  const float* demb = BranchGrad(emb_mask_);
   for (int64_t i = 0; i < n; ++i) {
-    const float* g = dx_.data() + i * c;
+    const float* g = demb + i * c;
     cpu::AccumulateKernel(g, wte_.grad.data() + int64_t{tokens_[static_cast<size_t>(i)]} * c, c);
     cpu::AccumulateKernel(g, wpe_.grad.data() + (i % seq_len_) * c, c);
   }
-  Ready(&wpe_);
-  Ready(&wte_);
+  if (grad_ready_) {
+    grad_ready_(&wpe_);
+    grad_ready_(&wte_);
+  }
 }
 
 absl::StatusOr<std::vector<int32_t>> Generate(Gpt& gpt, std::vector<int32_t> prompt,

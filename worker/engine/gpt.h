@@ -98,17 +98,12 @@ class Gpt {
 
   // In registration order: wte, wpe, each block's, ln_f.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
-  // Whether AdamW decays `p`: matrices and embeddings (2-D) yes, biases and
-  // LayerNorm parameters no, as nanoGPT groups them.
-  static bool Decays(const Parameter& p) { return p.value.rank() >= 2; }
   int64_t ParameterCount() const;
   // The same count from a configuration alone (without building the model).
   static int64_t ParameterCount(const GptConfig& config);
   // The logits of the last Forward, [batch * seq_len, vocab].
   const Tensor& logits() const { return logits_; }
   const GptConfig& config() const { return config_; }
-  // Floats held for activations and their gradients at the current shape.
-  int64_t ActivationFloats() const;
 
  private:
   struct Block {
@@ -141,9 +136,13 @@ class Gpt {
   void ForwardTrunk(const int32_t* tokens, bool training);
   void AttentionForward(Block& b, bool drop);
   void AttentionBackward(Block& b, const float* dy, float* dqkv);
-  void Ready(Parameter* p) {
-    if (grad_ready_) grad_ready_(p);
-  }
+  // Reports a layer's weight, then its bias when the model has biases.
+  void Ready(Parameter& weight, Parameter& bias);
+  // The gradient of a residual branch from the stream's (dx_): through the
+  // branch's dropout mask when the last Forward drew one.
+  const float* BranchGrad(const Tensor& mask);
+  // A bias's gradient, or null without biases.
+  float* BiasGrad(Parameter& bias) { return config_.bias ? bias.grad.data() : nullptr; }
 
   GptConfig config_;
   Parameter wte_, wpe_, lnf_w_, lnf_b_;

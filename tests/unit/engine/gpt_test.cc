@@ -86,8 +86,9 @@ TEST(Gpt, ParametersHaveHuggingFaceNamesAndLayouts) {
   EXPECT_THAT(shapes["transformer.h.0.mlp.c_proj.bias"], ElementsAre(16));
   EXPECT_THAT(shapes["transformer.ln_f.bias"], ElementsAre(16));
   EXPECT_EQ(gpt->Parameters().front()->name, "transformer.wte.weight");
-  EXPECT_FALSE(Gpt::Decays(*gpt->Parameters()[2]));  // h.0.ln_1.weight
-  EXPECT_TRUE(Gpt::Decays(*gpt->Parameters()[4]));   // h.0.attn.c_attn.weight
+  // decay_matrices_only decays by rank: c_attn's weight yes, ln_1's no.
+  EXPECT_EQ(gpt->Parameters()[2]->value.rank(), 1);  // h.0.ln_1.weight
+  EXPECT_EQ(gpt->Parameters()[4]->value.rank(), 2);  // h.0.attn.c_attn.weight
 
   std::unique_ptr<Gpt> no_bias = *Gpt::Create(Tiny(0.0, false), 1);
   EXPECT_EQ(no_bias->Parameters().size(), 2u + 2u * 6u + 1u);
