@@ -252,6 +252,11 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
       "job ", job_id, " has no committed, valid checkpoint: ", absl::StrJoin(why, "; ")));
 }
 
+absl::StatusOr<std::string> VerifiedWeights(const v1::Checkpoint& checkpoint) {
+  AIDN_RETURN_IF_ERROR(VerifyCheckpoint(checkpoint).status());
+  return absl::StrCat(checkpoint.path(), "/", kModelFile);
+}
+
 absl::Status RunExport(const CommandEnv& env, const ExportOptions& options) {
   AIDN_RETURN_IF_ERROR(CheckOutputPath(options));
 

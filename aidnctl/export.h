@@ -61,6 +61,11 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
     const google::protobuf::RepeatedPtrField<v1::Checkpoint>& checkpoints,
     const std::string& job_id, std::optional<int64_t> step);
 
+// The path of the weights (model.safetensors) of `checkpoint`, once its
+// directory is reachable from this machine and verifies against its
+// MANIFEST and the SHA-256 the coordinator recorded (errors as RunExport's).
+absl::StatusOr<std::string> VerifiedWeights(const v1::Checkpoint& checkpoint);
+
 }  // namespace aidn::ctl
 
 #endif  // AIDN_AIDNCTL_EXPORT_H_

@@ -23,6 +23,7 @@
 #include "aidnctl/commands.h"
 #include "aidnctl/config.h"
 #include "aidnctl/export.h"
+#include "aidnctl/generate.h"
 #include "aidnctl/logs.h"
 #include "aidnctl/metrics.h"
 #include "aidnctl/output.h"
@@ -99,6 +100,9 @@ struct CommandLine {
   ctl::EventsOptions events_options;
   ctl::ExportOptions export_options;
   int64_t export_step = 0;
+  ctl::GenerateOptions generate_options;
+  int64_t generate_step = 0;
+  CLI::Option* generate_step_flag = nullptr;
   CLI::Option* export_step_flag = nullptr;
   ctl::WatchOptions watch_options;
   ctl::MetricsOptions metrics_options;
@@ -117,6 +121,7 @@ struct CommandLine {
   CLI::App* events = nullptr;
   CLI::App* checkpoints = nullptr;
   CLI::App* export_command = nullptr;
+  CLI::App* generate = nullptr;
   CLI::App* watch = nullptr;
   CLI::App* metrics = nullptr;
   CLI::App* plot = nullptr;
@@ -207,6 +212,37 @@ void AddExport(CLI::App& app, CommandLine& cl) {
       ->required()
       ->type_name("FILE");
   cl.export_command->add_flag("--force", cl.export_options.force, "Replace the file if it exists");
+}
+
+void AddGenerate(CLI::App& app, CommandLine& cl) {
+  cl.generate = app.add_subcommand(
+      "generate",
+      "Continue a prompt with a language model (model gpt): from a job's checkpoint, read and "
+      "verified as export reads it, or from an exported safetensors file; runs on this "
+      "machine's CPU and prints the prompt and its continuation");
+  ctl::GenerateOptions& o = cl.generate_options;
+  cl.generate->add_option("job", o.job_id, "Job ID (or --file)");
+  cl.generate_step_flag =
+      cl.generate
+          ->add_option("--step", cl.generate_step,
+                       "The checkpoint of this step (default: the newest committed, valid one)")
+          ->check(kNotNegative);
+  cl.generate->add_option("--file", o.file, "A safetensors export instead of a job's checkpoint")
+      ->type_name("FILE");
+  cl.generate->add_option("--prompt", o.prompt, "The text to continue (default: a newline)");
+  cl.generate->add_option("--length", o.sample.length, "Bytes to add")
+      ->default_val(200)
+      ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}));
+  cl.generate->add_flag("--greedy", o.sample.greedy,
+                        "Always the most likely next byte (else a seeded draw)");
+  cl.generate->add_option("--top-k", o.sample.top_k, "Draw among the k most likely only (0: all)")
+      ->default_val(0)
+      ->check(CLI::Range(0, 1 << 24));
+  cl.generate->add_option("--temperature", o.sample.temperature, "Divides the logits; > 0")
+      ->default_val(1.0)
+      ->check(CLI::PositiveNumber);
+  cl.generate->add_option("--seed", o.sample.seed, "Seeds the draws (same seed, same text)")
+      ->default_val(0);
 }
 
 void AddWatch(CLI::App& app, CommandLine& cl) {
@@ -390,6 +426,10 @@ absl::Status RunCommand(const ctl::CommandEnv& env, CommandLine& cl) {
     if (cl.export_step_flag->count() > 0) cl.export_options.step = cl.export_step;
     return ctl::RunExport(env, cl.export_options);
   }
+  if (*cl.generate) {
+    if (cl.generate_step_flag->count() > 0) cl.generate_options.step = cl.generate_step;
+    return ctl::RunGenerate(env, cl.generate_options);
+  }
   if (*cl.watch) return ctl::RunWatch(env, cl.watch_options);
   if (*cl.metrics) return ctl::RunMetrics(env, cl.metrics_options);
   if (*cl.plot) return ctl::RunPlot(env, cl.plot_options);
@@ -423,6 +463,7 @@ int main(int argc, char** argv) {
   AddList(app, cl);
   AddJobRecords(app, cl);
   AddExport(app, cl);
+  AddGenerate(app, cl);
   AddWatch(app, cl);
   AddMetrics(app, cl);
   AddPlot(app, cl);
@@ -444,6 +485,17 @@ int main(int argc, char** argv) {
   }
   if (*cl.completion) {
     std::cout << CompletionScript(app);
+    return 0;
+  }
+
+  if (*cl.generate && !cl.generate_options.file.empty() && cl.generate_options.job_id.empty()) {
+    // A file alone needs no coordinator.
+    ctl::CommandEnv env;
+    env.options = options;
+    env.out = &std::cout;
+    if (absl::Status status = ctl::RunGenerate(env, cl.generate_options); !status.ok()) {
+      return Fail(std::string(status.message()), kExitFailure);
+    }
     return 0;
   }
 

@@ -8,15 +8,10 @@
 #include "absl/strings/string_view.h"
 #include "common/command_env.h"
 #include "common/status.h"
+#include "coordinator/spec_checks.h"
 
 namespace aidn::coordinator {
 namespace {
-
-absl::Status Invalid(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-std::string Quote(absl::string_view s) { return absl::StrCat("\"", absl::CHexEscape(s), "\""); }
 
 absl::Status CheckString(absl::string_view field, absl::string_view s) {
   if (s.size() > kMaxCommandStringBytes) {
@@ -107,6 +102,7 @@ absl::Status CheckBuiltInFieldsUnset(const v1::JobSpec& spec) {
       {"allow_tf32", spec.allow_tf32()},
       {"fast_convolutions", spec.fast_convolutions()},
       {"cuda_graphs", spec.cuda_graphs()},
+      {"eval_every_steps", spec.eval_every_steps() != 0},
   };
   for (const Field& f : fields) {
     if (f.set) {

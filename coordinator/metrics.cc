@@ -124,6 +124,14 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
       job_samples_per_second(r->AddGauge(
           "aidn_job_samples_per_second",
           "Samples of the newest step, summed over ranks, over the slowest rank's step time.")),
+      job_tokens_per_second(r->AddGauge(
+          "aidn_job_tokens_per_second",
+          "Tokens of the newest step, summed over ranks, over the slowest rank's step time "
+          "(language models).")),
+      job_peak_memory_bytes(
+          r->AddGauge("aidn_job_peak_memory_bytes",
+                      "The largest peak resident memory of the job's rank processes, as of the "
+                      "newest step.")),
       job_step_seconds(
           r->AddGauge("aidn_job_step_seconds", "The slowest rank's time for the newest step.")),
       job_allreduce_seconds(

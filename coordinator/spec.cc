@@ -13,6 +13,8 @@
 #include "common/job_spec_limits.h"
 #include "common/status.h"
 #include "coordinator/command_spec.h"
+#include "coordinator/gpt_spec.h"
+#include "coordinator/spec_checks.h"
 
 namespace aidn::coordinator {
 namespace {
@@ -54,33 +56,6 @@ google::protobuf::Duration ToDuration(std::chrono::milliseconds ms) {
   d.set_seconds(ms.count() / 1000);
   d.set_nanos(static_cast<int32_t>((ms.count() % 1000) * 1'000'000));
   return d;
-}
-
-absl::Status Invalid(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-// Quoted and escaped, so a control character in user input cannot garble
-// the message or a log line.
-std::string Quote(absl::string_view s) { return absl::StrCat("\"", absl::CHexEscape(s), "\""); }
-
-absl::Status CheckIntRange(absl::string_view field, int64_t v, int64_t lo, int64_t hi) {
-  if (v < lo || v > hi) {
-    return Invalid(field, absl::StrCat("must be between ", lo, " and ", hi, ", got ", v));
-  }
-  return absl::OkStatus();
-}
-
-// [lo, hi) or [lo, hi] for a finite double; NaN fails every comparison and so
-// every range.
-absl::Status CheckRealRange(absl::string_view field, double v, double lo, double hi,
-                            bool hi_inclusive) {
-  bool ok = std::isfinite(v) && v >= lo && (hi_inclusive ? v <= hi : v < hi);
-  if (!ok) {
-    return Invalid(field, absl::StrCat("must be a finite number in [", lo, ", ", hi,
-                                       hi_inclusive ? "]" : ")", ", got ", v));
-  }
-  return absl::OkStatus();
 }
 
 absl::Status CheckNonNegativeReal(absl::string_view field, double v) {
@@ -145,7 +120,8 @@ std::string EnumName(NameFn name_fn, int value) {
 }
 
 absl::Status ValidateModel(const v1::ModelSpec& model) {
-  if (model.name().empty()) return Invalid("model.name", "required (known: mlp, cnn)");
+  if (model.name().empty()) return Invalid("model.name", "required (known: mlp, cnn, gpt)");
+  if (model.name() == kGptModel) return absl::OkStatus();  // ValidateGptModel
   if (model.name() == kMlp) {
     int n = model.hidden_sizes_size();
     if (n < 1 || n > kMaxHiddenLayers) {
@@ -162,7 +138,7 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
     }
   } else {
     return Invalid("model.name",
-                   absl::StrCat("unknown model ", Quote(model.name()), " (known: mlp, cnn)"));
+                   absl::StrCat("unknown model ", Quote(model.name()), " (known: mlp, cnn, gpt)"));
   }
   return CheckRealRange("model.dropout", model.dropout(), 0, 1, /*hi_inclusive=*/false);
 }
@@ -193,11 +169,13 @@ absl::Status ValidateDataset(const v1::DatasetSpec& dataset) {
       if (f.value.empty()) return Invalid(f.field, "required when dataset.kind is \"idx\"");
       AIDN_RETURN_IF_ERROR(ValidateSpecPath(f.field, f.value));
     }
+  } else if (dataset.kind() == kTextDataset) {
+    return absl::OkStatus();  // ValidateTextDataset
   } else if (dataset.kind().empty()) {
-    return Invalid("dataset.kind", "required (known: fashion-mnist, idx)");
+    return Invalid("dataset.kind", "required (known: fashion-mnist, idx, text)");
   } else {
     return Invalid("dataset.kind", absl::StrCat("unknown dataset kind ", Quote(dataset.kind()),
-                                                " (known: fashion-mnist, idx)"));
+                                                " (known: fashion-mnist, idx, text)"));
   }
   return absl::OkStatus();
 }
@@ -391,6 +369,7 @@ absl::Status ValidateLength(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(CheckIntRange("batch_size", spec.batch_size(), 1, kMaxBatchSize));
   AIDN_RETURN_IF_ERROR(CheckIntRange("epochs", spec.epochs(), 0, kMaxEpochs));
   AIDN_RETURN_IF_ERROR(CheckIntRange("max_steps", spec.max_steps(), 0, kMaxSteps));
+  AIDN_RETURN_IF_ERROR(CheckIntRange("eval_every_steps", spec.eval_every_steps(), 0, kMaxSteps));
   if (spec.epochs() == 0 && spec.max_steps() == 0) {
     return Invalid("epochs", "one of epochs and max_steps must be > 0");
   }
@@ -491,6 +470,8 @@ absl::Status ValidateMaxRestarts(const v1::JobSpec& spec) {
 absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(ValidateModel(spec.model()));
   AIDN_RETURN_IF_ERROR(ValidateDataset(spec.dataset()));
+  AIDN_RETURN_IF_ERROR(ValidateGptModel(spec));
+  AIDN_RETURN_IF_ERROR(ValidateTextDataset(spec));
   AIDN_RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
   AIDN_RETURN_IF_ERROR(ValidateLrSchedule(spec.lr_schedule(), spec.optimizer().lr()));
   AIDN_RETURN_IF_ERROR(ValidateLength(spec));
@@ -502,6 +483,7 @@ absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
 
 void ApplyTrainerDefaults(v1::JobSpec* spec) {
   using v1::JobSpec;
+  ApplyGptDefaults(spec);
   v1::ModelSpec* model = spec->mutable_model();
   if (model->name() == kMlp && model->hidden_sizes_size() == 0) {
     model->add_hidden_sizes(256);

@@ -24,7 +24,7 @@ v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int
   }
 
   double loss = 0, allreduce = 0, test_loss = 0, test_accuracy = 0;
-  int64_t samples = 0;
+  int64_t samples = 0, tokens = 0, peak_memory = 0;
   double slowest = -1;
   for (const v1::MetricRecord& r : records) {
     loss += r.loss();
@@ -32,6 +32,8 @@ v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int
     test_loss += r.test_loss();
     test_accuracy += r.test_accuracy();
     samples += r.samples();
+    tokens += r.tokens();
+    peak_memory = std::max(peak_memory, r.peak_memory_bytes());
     if (train && r.rank() >= 0) {
       out.set_rank_step_seconds(r.rank(), r.step_seconds());
       out.set_rank_allreduce_seconds(r.rank(), r.allreduce_seconds());
@@ -54,9 +56,14 @@ v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int
   out.set_test_loss(test_loss / n);
   out.set_test_accuracy(test_accuracy / n);
   out.set_samples(samples);
+  out.set_tokens(tokens);
+  out.set_peak_memory_bytes(peak_memory);
   out.set_step_seconds(std::max(slowest, 0.0));
   // A step's samples are done when its slowest rank is: the job's rate.
-  if (slowest > 0) out.set_samples_per_second(static_cast<double>(samples) / slowest);
+  if (slowest > 0) {
+    out.set_samples_per_second(static_cast<double>(samples) / slowest);
+    out.set_tokens_per_second(static_cast<double>(tokens) / slowest);
+  }
   return out;
 }
 

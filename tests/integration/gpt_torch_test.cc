@@ -1,13 +1,15 @@
 // The GPT decoder against PyTorch (python3-torch 1.13): a GPT of the same
-// definition, written out below in plain torch (Hugging Face's [in, out]
-// Conv1D weights, tanh GELU, explicit causal attention), loads aidn's
-// initial weights through safetensors and runs the same batches of bytes.
-// On the first batch the logits, the loss and every gradient must agree
-// within 1e-4 relative (‖a − b‖ / ‖b‖ per tensor); after 20 steps of AdamW
-// (betas 0.9/0.95, weight decay 0.1 on matrices and embeddings only,
-// gradient clipping at 1.0, as nanoGPT trains) every weight must (but the
-// key bias, whose true gradient is zero: see below), and so must each
-// step's loss.
+// definition, written out in plain torch (gpt_torch.py: Hugging Face's
+// [in, out] Conv1D weights, tanh GELU, explicit causal attention), loads
+// aidn's initial weights through safetensors and runs the same batches of
+// bytes on one process. aidn trains them with 1, 2 and 3 ranks (threads,
+// DDP over Gloo, each rank a slice of every batch), through the trainer's
+// step (CpuSession over a LanguageModel). On the first batch the logits,
+// the loss and every (averaged) gradient must agree within 1e-4 relative
+// (‖a − b‖ / ‖b‖ per tensor); after 20 steps of AdamW (betas 0.9/0.95,
+// weight decay 0.1 on matrices and embeddings only, gradient clipping at
+// 1.0, as nanoGPT trains) every weight must (but the key bias, whose true
+// gradient is zero: see below), and so must each step's loss.
 //
 // Skips only when /usr/bin/python3 cannot import torch.
 
@@ -24,125 +26,30 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/cpu.h"
+#include "worker/engine/cpu_session.h"
 #include "worker/engine/gpt.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/safetensors.h"
+#include "worker/engine/trainable.h"
 
 namespace aidn::engine {
 namespace {
 
 constexpr char kPython[] = "/usr/bin/python3";
 constexpr int kSteps = 20;
-constexpr int kBatch = 4;
+// Sequences per step, split evenly over 1, 2 or 3 ranks.
+constexpr int kBatch = 6;
 constexpr int kSeqLen = 32;
 constexpr double kTolerance = 1e-4;
-
-constexpr char kTorchScript[] = R"PY(
-# The PyTorch side: usage  gpt_oracle.py DIR N_LAYER N_HEAD N_EMBD BLOCK VOCAB STEPS B T
-import json, math, struct, sys
-import torch
-import torch.nn.functional as F
-
-d = sys.argv[1]
-n_layer, n_head, n_embd, block, vocab, steps, B, T = map(int, sys.argv[2:10])
-torch.set_num_threads(1)
-
-
-def load(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = info["data_offsets"]
-        t = torch.frombuffer(bytearray(raw[8 + n + a:8 + n + b]), dtype=torch.float32)
-        out[name] = t.reshape(info["shape"]).clone()
-    return out
-
-
-def save(path, tensors):
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        b = t.detach().contiguous().to(torch.float32).numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    text = json.dumps(header).encode("utf-8")
-    text += b" " * ((8 - len(text) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
-P = {k: torch.nn.Parameter(v) for k, v in load(f"{d}/init.safetensors").items()}
-names = list(P)
-
-
-def ln(x, pre):
-    return F.layer_norm(x, (n_embd,), P[pre + ".weight"], P.get(pre + ".bias"), 1e-5)
-
-
-def lin(x, pre):
-    y = x @ P[pre + ".weight"]
-    return y + P[pre + ".bias"] if pre + ".bias" in P else y
-
-
-def forward(idx):
-    b, t = idx.shape
-    x = P["transformer.wte.weight"][idx] + P["transformer.wpe.weight"][:t]
-    mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
-    hd = n_embd // n_head
-    for l in range(n_layer):
-        h = f"transformer.h.{l}."
-        q, k, v = lin(ln(x, h + "ln_1"), h + "attn.c_attn").split(n_embd, dim=2)
-        q, k, v = (z.view(b, t, n_head, hd).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, n_embd)
-        x = x + lin(y, h + "attn.c_proj")
-        x = x + lin(F.gelu(lin(ln(x, h + "ln_2"), h + "mlp.c_fc"), approximate="tanh"),
-                    h + "mlp.c_proj")
-    x = ln(x, "transformer.ln_f")
-    return x @ P["transformer.wte.weight"].t()
-
-
-tokens = torch.frombuffer(bytearray(open(f"{d}/tokens.i32", "rb").read()), dtype=torch.int32)
-tokens = tokens.long().reshape(steps, B, T + 1)
-
-decay = [P[n] for n in names if P[n].dim() >= 2]
-no_decay = [P[n] for n in names if P[n].dim() < 2]
-opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                         {"params": no_decay, "weight_decay": 0.0}],
-                        lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-losses = []
-for s in range(steps):
-    x, y = tokens[s, :, :-1], tokens[s, :, 1:]
-    opt.zero_grad(set_to_none=True)
-    logits = forward(x)
-    loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-    loss.backward()
-    if s == 0:
-        first = {"logits": logits.reshape(-1, vocab), "loss": loss.reshape(1)}
-        for n in names:
-            first["grad." + n] = P[n].grad
-        save(f"{d}/first.safetensors", first)
-    torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
-    opt.step()
-    losses.append(loss.item())
-save(f"{d}/final.safetensors", {n: P[n] for n in names})
-with open(f"{d}/losses.txt", "w") as f:
-    f.write("\n".join(repr(v) for v in losses))
-print(f"torch: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps")
-)PY";
 
 double RelativeError(const float* a, const float* b, int64_t n) {
   double diff = 0.0, norm = 0.0;
@@ -153,65 +60,96 @@ double RelativeError(const float* a, const float* b, int64_t n) {
   return norm == 0.0 ? std::sqrt(diff) : std::sqrt(diff / norm);
 }
 
-class GptTorchTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const std::string probe = absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1");
-    if (std::system(probe.c_str()) != 0) GTEST_SKIP() << "no torch for " << kPython;
-    std::string tmpl = (std::filesystem::temp_directory_path() / "aidn_gpt_XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
-  }
-
-  // Writes the batches and the initial weights, runs torch over them.
-  void RunTorch(const GptConfig& c, Gpt& gpt, const std::vector<int32_t>& tokens) {
-    std::vector<const Parameter*> params(gpt.Parameters().begin(), gpt.Parameters().end());
-    ASSERT_TRUE(SaveSafetensors(dir_ + "/init.safetensors", params).ok());
-    std::ofstream(dir_ + "/tokens.i32", std::ios::binary)
-        .write(reinterpret_cast<const char*>(tokens.data()),
-               static_cast<std::streamsize>(tokens.size() * sizeof(int32_t)));
-    { std::ofstream(dir_ + "/gpt_oracle.py") << kTorchScript; }
-    const std::string command =
-        absl::StrCat(kPython, " ", dir_, "/gpt_oracle.py ", dir_, " ", c.n_layer, " ", c.n_head,
-                     " ", c.n_embd, " ", c.block_size, " ", c.vocab_size, " ", kSteps, " ", kBatch,
-                     " ", kSeqLen, " >", dir_, "/oracle.log 2>&1");
-    const int rc = std::system(command.c_str());
-    std::ifstream log(dir_ + "/oracle.log");
-    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-    ASSERT_EQ(rc, 0) << "the torch script failed:\n" << text;
-    std::printf("%s", text.c_str());
-  }
-
-  std::map<std::string, Tensor> Read(const std::string& name) {
-    auto tensors = ReadSafetensors(dir_ + "/" + name);
-    EXPECT_TRUE(tensors.ok()) << tensors.status();
-    return tensors.ok() ? std::move(*tensors) : std::map<std::string, Tensor>{};
-  }
-
-  std::string dir_;
-};
-
-TEST_F(GptTorchTest, FirstStepAndTwentyAdamWStepsMatchPyTorch) {
-  ConfigureCpu(1);
+GptConfig Config() {
   GptConfig c;
   c.n_layer = 2;
   c.n_head = 4;
   c.n_embd = 64;
   c.block_size = 64;
   c.vocab_size = 256;
-  std::unique_ptr<Gpt> gpt = *Gpt::Create(c, 5);
+  return c;
+}
+constexpr uint64_t kSeed = 5;
+
+// Torch's side, run once for every rank count: the batches, its first step
+// and its final weights.
+struct Oracle {
+  bool torch_available = false;
+  std::string failure;  // the script's output when it failed
+  std::vector<int32_t> tokens;
+  std::vector<double> losses;
+  std::map<std::string, Tensor> first, final_weights;
+};
+
+std::map<std::string, Tensor> Read(const std::string& path) {
+  auto tensors = ReadSafetensors(path);
+  EXPECT_TRUE(tensors.ok()) << tensors.status();
+  return tensors.ok() ? std::move(*tensors) : std::map<std::string, Tensor>{};
+}
+
+Oracle RunOracle() {
+  Oracle o;
+  const std::string probe = absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1");
+  if (std::system(probe.c_str()) != 0) return o;
+  o.torch_available = true;
+  std::string tmpl = (std::filesystem::temp_directory_path() / "aidn_gpt_XXXXXX").string();
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    o.failure = "mkdtemp failed";
+    return o;
+  }
+  const std::string dir = tmpl;
+  const GptConfig c = Config();
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(c, kSeed);
   // Bytes of text-like skew: mostly a small alphabet, some of everything.
   std::mt19937_64 rng(17);
-  std::vector<int32_t> tokens(static_cast<size_t>(kSteps * kBatch * (kSeqLen + 1)));
-  for (int32_t& t : tokens) {
+  o.tokens.resize(static_cast<size_t>(kSteps * kBatch * (kSeqLen + 1)));
+  for (int32_t& t : o.tokens) {
     t = static_cast<int32_t>(rng() % 4 == 0 ? rng() % 256 : 97 + rng() % 26);
   }
-  RunTorch(c, *gpt, tokens);
-  if (HasFatalFailure()) return;
+  std::vector<const Parameter*> params(gpt->Parameters().begin(), gpt->Parameters().end());
+  if (!SaveSafetensors(dir + "/init.safetensors", params).ok()) o.failure = "cannot write init";
+  std::ofstream(dir + "/tokens.i32", std::ios::binary)
+      .write(reinterpret_cast<const char*>(o.tokens.data()),
+             static_cast<std::streamsize>(o.tokens.size() * sizeof(int32_t)));
+  const std::string command = absl::StrCat(
+      kPython, " ", AIDN_SOURCE_DIR, "/tests/integration/gpt_torch.py oracle ", dir, " ", c.n_layer,
+      " ", c.n_head, " ", c.n_embd, " ", c.block_size, " ", c.vocab_size, " ", kSteps, " ", kBatch,
+      " ", kSeqLen, " >", dir, "/oracle.log 2>&1");
+  const int rc = std::system(command.c_str());
+  std::ifstream log(dir + "/oracle.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  std::printf("%s", text.c_str());
+  if (rc != 0) {
+    o.failure = absl::StrCat("the torch script failed:\n", text);
+  } else {
+    std::ifstream losses(dir + "/losses.txt");
+    for (double v; losses >> v;) o.losses.push_back(v);
+    o.first = Read(dir + "/first.safetensors");
+    o.final_weights = Read(dir + "/final.safetensors");
+  }
+  std::filesystem::remove_all(dir);
+  return o;
+}
 
+const Oracle& GetOracle() {
+  static const Oracle* oracle = new Oracle(RunOracle());
+  return *oracle;
+}
+
+// One rank's run: its steps' losses (the mean over the ranks), its logits
+// and gradients after the first step, and its final weights.
+struct RankRun {
+  absl::Status status;
+  std::vector<double> losses;
+  Tensor first_logits;
+  std::map<std::string, Tensor> first_grads;
+  std::map<std::string, Tensor> final_weights;
+};
+
+absl::Status TrainRank(int rank, int ranks, const std::vector<int32_t>& tokens, Communicator* comm,
+                       RankRun* run) {
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Config(), kSeed);
+  LanguageModel lm(gpt.get());
   OptimizerConfig oc;
   oc.name = "adamw";
   oc.lr = 1e-3;
@@ -220,61 +158,123 @@ TEST_F(GptTorchTest, FirstStepAndTwentyAdamWStepsMatchPyTorch) {
   oc.weight_decay = 0.1;
   oc.decay_matrices_only = true;
   oc.grad_clip_norm = 1.0;
-  auto optimizer = Optimizer::Create(oc, gpt->Parameters());
-  ASSERT_TRUE(optimizer.ok()) << optimizer.status();
-
-  std::ifstream losses_file(dir_ + "/losses.txt");
-  std::vector<double> torch_losses;
-  for (double v; losses_file >> v;) torch_losses.push_back(v);
-  ASSERT_EQ(torch_losses.size(), static_cast<size_t>(kSteps));
-
-  std::vector<int32_t> x(kBatch * kSeqLen), y(kBatch * kSeqLen);
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
+                        Optimizer::Create(oc, gpt->Parameters()));
+  AIDN_ASSIGN_OR_RETURN(
+      std::unique_ptr<CpuSession> session,
+      CpuSession::Create({.communicator = comm, .bucket_mb = 0.05}, &lm, optimizer.get()));
+  const int rows = kBatch / ranks;
+  std::vector<int32_t> x(static_cast<size_t>(rows * kSeqLen)), y(x.size());
   for (int s = 0; s < kSteps; ++s) {
-    for (int b = 0; b < kBatch; ++b) {
-      const int32_t* row = tokens.data() + (s * kBatch + b) * (kSeqLen + 1);
+    for (int b = 0; b < rows; ++b) {
+      const int32_t* row = tokens.data() + (s * kBatch + rank * rows + b) * (kSeqLen + 1);
       std::memcpy(x.data() + b * kSeqLen, row, kSeqLen * sizeof(int32_t));
       std::memcpy(y.data() + b * kSeqLen, row + 1, kSeqLen * sizeof(int32_t));
     }
-    gpt->ZeroGrad();
-    const double loss = gpt->Forward(x.data(), y.data(), kBatch, kSeqLen, /*training=*/true);
-    gpt->Backward();
-    EXPECT_NEAR(loss, torch_losses[static_cast<size_t>(s)],
-                kTolerance * std::abs(torch_losses[static_cast<size_t>(s)]))
-        << "step " << s;
+    MicroBatch batch;
+    batch.tokens = &x;
+    batch.labels = &y;
+    batch.seq_len = kSeqLen;
+    AIDN_ASSIGN_OR_RETURN(const double loss, session->Step({batch}, oc.lr));
+    run->losses.push_back(loss);
     if (s == 0) {
-      std::map<std::string, Tensor> first = Read("first.safetensors");
-      const Tensor& logits = first["logits"];
-      ASSERT_EQ(logits.numel(), gpt->logits().numel());
-      EXPECT_LT(RelativeError(gpt->logits().data(), logits.data(), logits.numel()), kTolerance);
-      for (const Parameter* p : gpt->Parameters()) {
-        const Tensor& g = first["grad." + p->name];
-        ASSERT_EQ(g.numel(), p->grad.numel()) << p->name;
-        const double err = RelativeError(p->grad.data(), g.data(), g.numel());
-        EXPECT_LT(err, kTolerance) << "gradient of " << p->name;
-      }
+      // The optimizer reads the averaged gradients and leaves them.
+      run->first_logits = gpt->logits().Clone();
+      for (const Parameter* p : gpt->Parameters()) run->first_grads[p->name] = p->grad.Clone();
     }
-    ASSERT_TRUE((*optimizer)->Step(oc.lr).ok());
+  }
+  for (const Parameter* p : gpt->Parameters()) run->final_weights[p->name] = p->value.Clone();
+  return absl::OkStatus();
+}
+
+class GptTorchTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(GptTorchTest, FirstStepAndTwentyAdamWStepsMatchPyTorch) {
+  const int ranks = GetParam();
+  const Oracle& oracle = GetOracle();
+  if (!oracle.torch_available) GTEST_SKIP() << "no torch for " << kPython;
+  ASSERT_TRUE(oracle.failure.empty()) << oracle.failure;
+  ASSERT_EQ(oracle.losses.size(), static_cast<size_t>(kSteps));
+  ConfigureCpu(1);
+
+  std::vector<RankRun> runs(static_cast<size_t>(ranks));
+  InMemoryKeyValueStore store;
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < ranks; ++rank) {
+    threads.emplace_back([&, rank] {
+      RankRun& run = runs[static_cast<size_t>(rank)];
+      if (ranks == 1) {
+        run.status = TrainRank(rank, ranks, oracle.tokens, nullptr, &run);
+        return;
+      }
+      GlooOptions options;
+      options.rank = rank;
+      options.world_size = ranks;
+      options.timeout = std::chrono::milliseconds(30'000);
+      options.prefix = "gpt-oracle";
+      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, &store);
+      run.status =
+          comm.ok() ? TrainRank(rank, ranks, oracle.tokens, comm->get(), &run) : comm.status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const RankRun& run : runs) ASSERT_TRUE(run.status.ok()) << run.status;
+
+  // Each step's loss: the mean over the ranks, torch's over the batch.
+  for (int s = 0; s < kSteps; ++s) {
+    const double want = oracle.losses[static_cast<size_t>(s)];
+    EXPECT_NEAR(runs[0].losses[static_cast<size_t>(s)], want, kTolerance * std::abs(want))
+        << "step " << s;
+  }
+  // First step: each rank's logits are its rows of torch's; the averaged
+  // gradients are torch's whole-batch ones, on every rank.
+  const Tensor& logits = oracle.first.at("logits");
+  const int64_t per_rank = logits.numel() / ranks;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const RankRun& run = runs[static_cast<size_t>(rank)];
+    ASSERT_EQ(run.first_logits.numel(), per_rank);
+    EXPECT_LT(RelativeError(run.first_logits.data(), logits.data() + rank * per_rank, per_rank),
+              kTolerance)
+        << "logits of rank " << rank;
+    for (const auto& [name, grad] : run.first_grads) {
+      const Tensor& g = oracle.first.at("grad." + name);
+      ASSERT_EQ(g.numel(), grad.numel()) << name;
+      EXPECT_LT(RelativeError(grad.data(), g.data(), g.numel()), kTolerance)
+          << "gradient of " << name << " on rank " << rank;
+    }
   }
   // The key part of each c_attn.bias is left out: it adds q·b_k to every
   // score of a row, which the softmax cancels, so its true gradient is 0
   // and each side's is float rounding noise (1e-10), which AdamW's m/sqrt(v)
   // turns into steps of about lr either way. The query and value parts
   // must match.
-  std::map<std::string, Tensor> final_weights = Read("final.safetensors");
-  const int64_t width = c.n_embd;
-  for (const Parameter* p : gpt->Parameters()) {
-    const Tensor& w = final_weights[p->name];
-    ASSERT_EQ(w.numel(), p->value.numel()) << p->name;
-    if (p->name.ends_with("attn.c_attn.bias")) {
-      EXPECT_LT(RelativeError(p->value.data(), w.data(), width), kTolerance) << p->name << " q";
-      EXPECT_LT(RelativeError(p->value.data() + 2 * width, w.data() + 2 * width, width), kTolerance)
-          << p->name << " v";
+  const int64_t width = Config().n_embd;
+  for (const auto& [name, value] : runs[0].final_weights) {
+    const Tensor& w = oracle.final_weights.at(name);
+    ASSERT_EQ(w.numel(), value.numel()) << name;
+    if (name.ends_with("attn.c_attn.bias")) {
+      EXPECT_LT(RelativeError(value.data(), w.data(), width), kTolerance) << name << " q";
+      EXPECT_LT(RelativeError(value.data() + 2 * width, w.data() + 2 * width, width), kTolerance)
+          << name << " v";
       continue;
     }
-    EXPECT_LT(RelativeError(p->value.data(), w.data(), w.numel()), kTolerance)
-        << "after " << kSteps << " steps: " << p->name;
+    EXPECT_LT(RelativeError(value.data(), w.data(), w.numel()), kTolerance)
+        << "after " << kSteps << " steps: " << name;
+  }
+  // DDP keeps the ranks' weights identical.
+  for (int rank = 1; rank < ranks; ++rank) {
+    for (const auto& [name, value] : runs[static_cast<size_t>(rank)].final_weights) {
+      const Tensor& w0 = runs[0].final_weights.at(name);
+      EXPECT_EQ(std::memcmp(value.data(), w0.data(), sizeof(float) * value.numel()), 0)
+          << name << " differs between rank 0 and rank " << rank;
+    }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GptTorchTest, ::testing::Values(1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat(info.param, "Ranks");
+                         });
 
 }  // namespace
 }  // namespace aidn::engine

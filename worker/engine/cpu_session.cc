@@ -3,12 +3,24 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "worker/engine/loss.h"
 
 namespace aidn::engine {
 
 absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
                                                                Sequential* model,
+                                                               Optimizer* optimizer) {
+  if (model == nullptr) {
+    return absl::InvalidArgumentError("cpu session: needs a model and an optimizer");
+  }
+  auto classifier = std::make_unique<Classifier>(model);
+  TrainableModel* borrowed = classifier.get();
+  absl::StatusOr<std::unique_ptr<CpuSession>> session = Create(options, borrowed, optimizer);
+  if (session.ok()) (*session)->owned_ = std::move(classifier);
+  return session;
+}
+
+absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
+                                                               TrainableModel* model,
                                                                Optimizer* optimizer) {
   if (model == nullptr || optimizer == nullptr) {
     return absl::InvalidArgumentError("cpu session: needs a model and an optimizer");
@@ -42,15 +54,13 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatch& batch = micro[static_cast<size_t>(m)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
-    model_->Forward(*batch.images, &logits_, /*training=*/true);
-    const double micro_loss = SoftmaxCrossEntropy(logits_, *batch.labels, &grad_logits_,
-                                                  1.0 / static_cast<double>(accum));
+    const double micro_loss = model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum));
     loss += micro_loss / static_cast<double>(accum);
     // Only the last micro-batch's backward communicates; the mean loss
     // rides in its last bucket.
     const bool last = m == accum - 1;
     if (reducer_ != nullptr) reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f);
-    model_->Backward(grad_logits_);
+    model_->BackwardLoss();
   }
   if (reducer_ != nullptr) {
     if (absl::Status s = reducer_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {

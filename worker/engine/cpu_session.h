@@ -2,7 +2,8 @@
 #define AIDN_WORKER_ENGINE_CPU_SESSION_H_
 
 // One rank's training step on the CPU, the counterpart of GpuSession
-// (gpu_session.h): a model, its optimizer and, with a communicator, a DDP
+// (gpu_session.h): a model (trainable.h: an image classifier or a language
+// model), its optimizer and, with a communicator, a DDP
 // reducer (ddp.h) that averages the gradients over the ranks in buckets
 // whose allreduce overlaps the rest of backward. A Step reads as llm.c's:
 //
@@ -32,6 +33,7 @@
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"
+#include "worker/engine/trainable.h"
 
 namespace aidn::engine {
 
@@ -67,13 +69,18 @@ class CpuSession {
   // (DdpReducer::BroadcastParameters). INVALID_ARGUMENT for a null model or
   // optimizer, or (with a communicator) a bad bucket size.
   static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
+                                                            TrainableModel* model,
+                                                            Optimizer* optimizer);
+  // An image classifier: `model`'s logits against the labels (Classifier).
+  static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
                                                             Sequential* model,
                                                             Optimizer* optimizer);
   ~CpuSession();
   CpuSession(const CpuSession&) = delete;
   CpuSession& operator=(const CpuSession&) = delete;
 
-  // One optimizer step over `micro` (at least one micro-batch; each with
+  // One optimizer step over `micro` (at least one micro-batch of the
+  // model's kind; each with
   // its dropout seed if it has one, else the model's current one) with
   // learning rate `lr`. Returns the loss, the mean over the micro-batches:
   // averaged over the ranks (rounded to float) with a communicator, this
@@ -91,18 +98,17 @@ class CpuSession {
   // The part of it backward did not hide (the step waited for it).
   double last_allreduce_wait_seconds() const { return wait_seconds_; }
 
-  Sequential& model() { return *model_; }
+  TrainableModel& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
 
  private:
-  CpuSession(Sequential* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
+  CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
 
-  Sequential* model_;
+  // The Sequential overload's adapter (model_ points at it); null otherwise.
+  std::unique_ptr<TrainableModel> owned_;
+  TrainableModel* model_;
   Optimizer* optimizer_;
   std::unique_ptr<DdpReducer> reducer_;
-  // Reused from step to step.
-  Tensor logits_;
-  Tensor grad_logits_;
   double allreduce_seconds_ = 0.0;
   double wait_seconds_ = 0.0;
 };

@@ -114,11 +114,15 @@ void GatherBatch(const Dataset& dataset, const std::vector<int64_t>& indices, si
 // One micro-batch of an optimizer step, as the GPU engine takes a step's
 // batches (gradient accumulation): borrowed images [N, C, H, W] and labels
 // [N], and the dropout seed of its forward (Sequential::SetSeed), where it
-// gets one of its own.
+// gets one of its own. A language model's micro-batch has no images: its
+// inputs are `tokens` and its targets `labels`, both [N, seq_len]
+// row-major.
 struct MicroBatch {
   const Tensor* images = nullptr;
   const std::vector<int32_t>* labels = nullptr;
   std::optional<uint64_t> seed;
+  const std::vector<int32_t>* tokens = nullptr;
+  int64_t seq_len = 0;
 };
 
 }  // namespace aidn::engine

@@ -6,14 +6,18 @@
 #include <numbers>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/gpt_shapes.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "worker/engine/cpu_kernels.h"
 #include "worker/engine/gemm.h"
 #include "worker/engine/layers.h"
 #include "worker/engine/loss.h"
 #include "worker/engine/model.h"
+#include "worker/engine/safetensors.h"
 
 namespace aidn::engine {
 namespace {
@@ -161,24 +165,66 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
 }
 
 absl::StatusOr<GptConfig> NamedGptConfig(const std::string& name) {
-  struct Named {
-    const char* name;
-    GptConfig config;
-  };
-  static const Named kNamed[] = {
-      {"gpt2", {12, 12, 768, 1024, 50257, 0.0, true}},
-      {"gpt2-medium", {24, 16, 1024, 1024, 50257, 0.0, true}},
-      {"gpt-char", {6, 6, 384, 256, 256, 0.0, true}},
-      {"gpt-mini", {4, 4, 128, 128, 256, 0.0, true}},
-      {"gpt-nano", {2, 2, 32, 32, 256, 0.0, true}},
-  };
-  std::vector<std::string> names;
-  for (const Named& n : kNamed) {
-    if (name == n.name) return n.config;
-    names.push_back(n.name);
+  const GptShape* shape = FindGptShape(name);
+  if (shape == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("no gpt configuration named \"", name, "\" (", kGptShapeNames, ")"));
   }
-  return absl::NotFoundError(
-      absl::StrCat("no gpt configuration named \"", name, "\" (", absl::StrJoin(names, ", "), ")"));
+  GptConfig config;
+  config.n_layer = shape->n_layer;
+  config.n_head = shape->n_head;
+  config.n_embd = shape->n_embd;
+  config.block_size = shape->block_size;
+  config.vocab_size = shape->vocab_size;
+  return config;
+}
+
+std::string FormatGptConfig(const GptConfig& c) {
+  return absl::StrCat("n_layer=", c.n_layer, ",n_head=", c.n_head, ",n_embd=", c.n_embd,
+                      ",block_size=", c.block_size, ",vocab_size=", c.vocab_size,
+                      ",bias=", c.bias ? 1 : 0);
+}
+
+absl::StatusOr<GptConfig> ParseGptConfig(const std::string& text) {
+  GptConfig config;
+  int bias = -1;
+  struct Field {
+    const char* name;
+    int* value;
+    bool seen = false;
+  };
+  Field fields[] = {{"n_layer", &config.n_layer},       {"n_head", &config.n_head},
+                    {"n_embd", &config.n_embd},         {"block_size", &config.block_size},
+                    {"vocab_size", &config.vocab_size}, {"bias", &bias}};
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, '=');
+    Field* field = nullptr;
+    for (Field& f : fields) {
+      if (kv.first == f.name) field = &f;
+    }
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gpt config \"", text, "\": unknown field \"", kv.first, "\""));
+    }
+    if (!absl::SimpleAtoi(kv.second, field->value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gpt config \"", text, "\": ", kv.first, " is not a number"));
+    }
+    field->seen = true;
+  }
+  for (const Field& f : fields) {
+    if (!f.seen) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gpt config \"", text, "\": ", f.name, " is missing"));
+    }
+  }
+  if (bias != 0 && bias != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpt config \"", text, "\": bias must be 0 or 1"));
+  }
+  config.bias = bias == 1;
+  if (absl::Status s = ValidateGptConfig(config); !s.ok()) return s;
+  return config;
 }
 
 Gpt::Gpt(const GptConfig& config) : config_(config) {}
@@ -590,6 +636,29 @@ absl::StatusOr<std::vector<int32_t>> Generate(Gpt& gpt, std::vector<int32_t> pro
     prompt.push_back(next);
   }
   return prompt;
+}
+
+}  // namespace aidn::engine
+
+namespace aidn::engine {
+
+absl::StatusOr<std::unique_ptr<Gpt>> LoadGpt(const std::string& path) {
+  std::map<std::string, std::string> metadata;
+  AIDN_ASSIGN_OR_RETURN(const auto tensors, ReadSafetensors(path, &metadata));
+  auto it = metadata.find("aidn.gpt");
+  if (it == metadata.end()) {
+    auto model = metadata.find("aidn.model");
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " holds no gpt model (its metadata has no aidn.gpt",
+        model != metadata.end() ? absl::StrCat("; aidn.model is ", model->second) : "", ")"));
+  }
+  absl::StatusOr<GptConfig> config = ParseGptConfig(it->second);
+  if (!config.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
+  }
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Gpt> gpt, Gpt::Create(*config, 0));
+  AIDN_RETURN_IF_ERROR(LoadSafetensors(path, gpt->Parameters()));
+  return gpt;
 }
 
 }  // namespace aidn::engine

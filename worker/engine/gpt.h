@@ -67,6 +67,14 @@ absl::Status ValidateGptConfig(const GptConfig& config);
 // (2, 2, 32, 32, bytes; for tests). NOT_FOUND lists the names otherwise.
 absl::StatusOr<GptConfig> NamedGptConfig(const std::string& name);
 
+// "n_layer=6,n_head=6,n_embd=384,block_size=256,vocab_size=256,bias=1":
+// the sizes that rebuild a model, as checkpoints and exports carry them in
+// their safetensors metadata ("aidn.gpt"; dropout is left out). Parse takes
+// the fields in any order, all of them; INVALID_ARGUMENT naming what is
+// missing, unknown or not a number, or a config ValidateGptConfig refuses.
+std::string FormatGptConfig(const GptConfig& config);
+absl::StatusOr<GptConfig> ParseGptConfig(const std::string& text);
+
 class Gpt {
  public:
   // Called during Backward for each parameter as soon as its gradient is
@@ -172,6 +180,13 @@ class Gpt {
   Tensor datt_;         // [T, T] one (sequence, head) at a time
   Tensor patt_;         // [T, T] probabilities after dropout, likewise
 };
+
+// A model from a safetensors file of its weights under GPT-2's names (a
+// checkpoint's model.safetensors or an export) whose metadata carries its
+// sizes ("aidn.gpt", FormatGptConfig). INVALID_ARGUMENT when the file holds
+// no GPT (no "aidn.gpt") or tensors that do not fit it; the reader's errors
+// otherwise.
+absl::StatusOr<std::unique_ptr<Gpt>> LoadGpt(const std::string& path);
 
 // How Generate picks each next token.
 struct SampleOptions {

@@ -1,5 +1,7 @@
 #include "worker/trainer/rank_training.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -18,7 +20,6 @@
 #include "worker/engine/cpu.h"
 #include "worker/engine/ddp.h"
 #include "worker/engine/device.h"
-#include "worker/engine/loss.h"
 #include "worker/trainer/engine_config.h"
 #include "worker/trainer/training_state.h"
 
@@ -73,6 +74,14 @@ absl::StatusOr<v1::JoinRendezvousResponse> Join(grpc::Channel* channel, Stub* st
                       << status.error_message();
     backoff.Sleep(deadline);
   }
+}
+
+// The rank process's peak resident set so far (ru_maxrss is in KiB on
+// Linux).
+int64_t PeakMemoryBytes() {
+  struct rusage usage {};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
 }
 
 // int64 values through a float collective: the bits travel unchanged
@@ -142,17 +151,19 @@ std::optional<Failure> RankTraining::Setup() {
     }
   }
   engine::ConfigureCpu(std::max(1, options_.threads));
-  if (absl::Status s = LoadData(spec_.dataset(), options_.cache_dir, &train_, &test_); !s.ok()) {
-    return Failure{kExitPermanent, absl::Status(s.code(), absl::StrCat("dataset: ", s.message()))};
+  absl::StatusOr<std::unique_ptr<TrainingTask>> task =
+      TrainingTask::Create(spec_, options_.cache_dir);
+  if (!task.ok()) return Failure{kExitPermanent, task.status()};
+  task_ = *std::move(task);
+  if (spec_.device() == v1::JobSpec::GPU && task_->sequential() == nullptr) {
+    return Failure{kExitPermanent,
+                   absl::InvalidArgumentError(absl::StrCat(
+                       "device: gpu: the GPU engine has no model ", spec_.model().name()))};
   }
-  absl::StatusOr<std::unique_ptr<engine::Sequential>> model =
-      engine::BuildModel(ModelConfigOf(spec_), spec_.seed());
-  if (!model.ok()) return Failure{kExitPermanent, model.status()};
-  model_ = *std::move(model);
   if (std::optional<Failure> f = Connect(); f.has_value()) return f;
   if (rendezvous_.rank() == 0 && !checkpoint_dir_.empty()) LoadNewestCheckpoint();
   // Rank 0's weights, loaded or fresh, become everyone's.
-  if (absl::Status s = engine::DdpReducer::BroadcastParameters(model_->Parameters(), comm_.get());
+  if (absl::Status s = engine::DdpReducer::BroadcastParameters(task_->Parameters(), comm_.get());
       !s.ok()) {
     return FailureFor(s, "initial weights");
   }
@@ -206,7 +217,7 @@ void RankTraining::LoadNewestCheckpoint() {
     const std::string path =
         absl::StrCat(checkpoint_dir_, "/", engine::CheckpointDirName(candidate.step()));
     absl::StatusOr<engine::LoadedCheckpoint> loaded =
-        engine::LoadCheckpoint(path, model_->Parameters());
+        engine::LoadCheckpoint(path, task_->Parameters());
     if (loaded.ok() && loaded->step != candidate.step()) {
       loaded = absl::DataLossError(absl::StrCat("MANIFEST: says step ", loaded->step));
     }
@@ -222,7 +233,7 @@ void RankTraining::LoadNewestCheckpoint() {
 
 std::optional<Failure> RankTraining::BuildSession() {
   absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
-      engine::Optimizer::Create(OptimizerConfigOf(spec_), model_->Parameters());
+      engine::Optimizer::Create(OptimizerConfigOf(spec_), task_->Parameters());
   if (!optimizer.ok()) return Failure{kExitPermanent, optimizer.status()};
   optimizer_ = *std::move(optimizer);
   if (spec_.device() == v1::JobSpec::GPU) return std::nullopt;  // SetupGpu, after the resume
@@ -230,7 +241,7 @@ std::optional<Failure> RankTraining::BuildSession() {
   o.communicator = comm_.get();
   o.bucket_mb = BucketMbOf(spec_);
   absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
-      engine::CpuSession::Create(o, model_.get(), optimizer_.get());
+      engine::CpuSession::Create(o, &task_->model(), optimizer_.get());
   if (!session.ok()) return Failure{kExitPermanent, session.status()};
   cpu_ = *std::move(session);
   return std::nullopt;
@@ -270,6 +281,7 @@ absl::StatusOr<RankTraining::Plan> RankTraining::MakePlan(
     const engine::DistributedSampler& sampler) const {
   Plan plan;
   plan.batch = spec_.batch_size();
+  plan.tokens_per_item = task_->tokens_per_item();
   plan.accum = std::max(1, spec_.grad_accum_steps());
   // Whole optimizer steps per epoch; the tail that does not fill one is
   // left out (every rank runs the same number of steps).
@@ -353,10 +365,11 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   const SteadyClock::time_point start = SteadyClock::now();
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
   engine::CheckpointContents contents;
-  for (const engine::Parameter* p : model_->Parameters()) contents.model.push_back(p);
+  for (const engine::Parameter* p : task_->Parameters()) contents.model.push_back(p);
   contents.model_metadata = {{"aidn.job", options_.job_id},
                              {"aidn.step", absl::StrCat(step)},
                              {"aidn.model", spec_.model().name()}};
+  for (auto& [key, value] : task_->Metadata()) contents.model_metadata[key] = value;
   for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
     contents.optimizer_state.emplace_back(e.first, e.second);
   }
@@ -402,7 +415,7 @@ std::optional<Failure> RankTraining::SetupGpu() {
     o.store = kv_.get();
   }
   absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
-      engine::GpuSession::Create(o, *model_, OptimizerConfigOf(spec_));
+      engine::GpuSession::Create(o, *task_->sequential(), OptimizerConfigOf(spec_));
   if (!session.ok()) {
     if (session.status().code() == absl::StatusCode::kUnimplemented ||
         session.status().code() == absl::StatusCode::kInvalidArgument) {
@@ -433,7 +446,7 @@ std::optional<Failure> RankTraining::SetupGpu() {
 
 std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
   if (gpu_ == nullptr) return std::nullopt;
-  if (absl::Status s = gpu_->CopyParametersTo(model_->Parameters()); !s.ok()) {
+  if (absl::Status s = gpu_->CopyParametersTo(task_->Parameters()); !s.ok()) {
     return Failure{kExitFailure, s};
   }
   if (!optimizer_state) return std::nullopt;
@@ -450,24 +463,10 @@ std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
 
 std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
-  // Each rank takes every world_size-th test sample; the sums are combined.
-  const int world = rendezvous_.world_size();
-  std::vector<int64_t> mine;
-  for (int64_t i = rendezvous_.rank(); i < test_.size; i += world) mine.push_back(i);
-  engine::Tensor images, logits, grad;
-  std::vector<int32_t> labels;
-  double loss_sum = 0;
-  int64_t correct = 0;
-  constexpr size_t kEvalBatch = 256;  // bounds the CNN's im2col buffers
-  for (size_t begin = 0; begin < mine.size(); begin += kEvalBatch) {
-    const size_t count = std::min(kEvalBatch, mine.size() - begin);
-    engine::GatherBatch(test_, mine, begin, count, &images, &labels);
-    model_->Forward(images, &logits, /*training=*/false);
-    loss_sum += engine::SoftmaxCrossEntropy(logits, labels, &grad) * static_cast<double>(count);
-    correct += engine::CountCorrect(logits, labels);
-  }
-  float sums[3] = {static_cast<float>(loss_sum), static_cast<float>(correct),
-                   static_cast<float>(mine.size())};
+  const TrainingTask::EvalSums mine = task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
+  // Summed over the ranks.
+  float sums[3] = {static_cast<float>(mine.loss_sum), static_cast<float>(mine.correct),
+                   static_cast<float>(mine.count)};
   if (absl::Status s = comm_->AllReduce(sums, 3, engine::ReduceOp::kSum); !s.ok()) {
     return FailureFor(s, "evaluation");
   }
@@ -479,8 +478,7 @@ std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
   record.set_test_accuracy(sums[1] / sums[2]);
   *record.mutable_time() = Now();
   if (rendezvous_.rank() == 0) {
-    std::printf("epoch %d | test loss %.4f | test accuracy %.4f\n", epoch, sums[0] / sums[2],
-                sums[1] / sums[2]);
+    std::printf("%s\n", task_->EvalLine(epoch, step, sums[0] / sums[2], sums[1] / sums[2]).c_str());
     std::fflush(stdout);
   }
   reporter_->Record(std::move(record));
@@ -495,17 +493,15 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
   // The step's micro-batches with their dropout seeds, the same on either
   // device.
   const int64_t first = (step % plan.steps_per_epoch) * plan.batch * plan.accum;
-  images_.resize(static_cast<size_t>(plan.accum));
-  labels_.resize(static_cast<size_t>(plan.accum));
+  const int64_t epoch = step / plan.steps_per_epoch;
   std::vector<engine::MicroBatch> micro;
   for (int64_t m = 0; m < plan.accum; ++m) {
-    const size_t at = static_cast<size_t>(m);
-    engine::GatherBatch(train_, indices, static_cast<size_t>(first + m * plan.batch),
-                        static_cast<size_t>(plan.batch), &images_[at], &labels_[at]);
-    micro.push_back(
-        engine::MicroBatch{&images_[at], &labels_[at],
-                           engine::DropoutSeed(spec_.seed(), step, plan.accum, m,
-                                               rendezvous_.world_size(), rendezvous_.rank())});
+    engine::MicroBatch batch =
+        task_->Gather(epoch, indices, static_cast<size_t>(first + m * plan.batch),
+                      static_cast<size_t>(plan.batch), static_cast<size_t>(m));
+    batch.seed = engine::DropoutSeed(spec_.seed(), step, plan.accum, m, rendezvous_.world_size(),
+                                     rendezvous_.rank());
+    micro.push_back(batch);
   }
   if (gpu_ != nullptr) {
     absl::StatusOr<double> loss = gpu_->Step(micro, result.lr);
@@ -546,24 +542,33 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_allreduce_seconds(result.allreduce_seconds);
   record.set_compute_seconds(std::max(0.0, result.seconds - result.wait_seconds));
   record.set_lr(result.lr);
+  record.set_tokens(plan.batch * plan.accum * plan.tokens_per_item);
+  record.set_peak_memory_bytes(PeakMemoryBytes());
   *record.mutable_time() = Now();
   reporter_->Record(std::move(record));
   reporter_->Progress(step + 1, epoch + 1, CollectiveSequence(), plan.total_steps);
   if (rendezvous_.rank() == 0 &&
       ((step + 1) % plan.log_every == 0 || step + 1 == plan.total_steps)) {
-    std::printf("step %lld/%lld | loss %.4f | %.1f ms | %.0f samples/s | allreduce %.1f ms\n",
+    // Samples (or tokens, for a language model) of every rank over the step.
+    const double items = static_cast<double>(plan.batch * plan.accum * rendezvous_.world_size() *
+                                             std::max<int64_t>(1, plan.tokens_per_item));
+    std::printf("step %lld/%lld | loss %.4f | %.1f ms | %.0f %s/s | allreduce %.1f ms\n",
                 static_cast<long long>(step + 1), static_cast<long long>(plan.total_steps),
-                result.loss, result.seconds * 1e3,
-                static_cast<double>(plan.batch * plan.accum * rendezvous_.world_size()) /
-                    std::max(result.seconds, 1e-9),
-                result.allreduce_seconds * 1e3);
+                result.loss, result.seconds * 1e3, items / std::max(result.seconds, 1e-9),
+                plan.tokens_per_item > 0 ? "tokens" : "samples", result.allreduce_seconds * 1e3);
     std::fflush(stdout);
   }
 }
 
+bool RankTraining::EvaluationDue(const Plan& plan, int64_t step) const {
+  const int64_t every = spec_.eval_every_steps();
+  return (step + 1) % plan.steps_per_epoch == 0 || step + 1 == plan.total_steps ||
+         (every > 0 && (step + 1) % every == 0);
+}
+
 std::optional<Failure> RankTraining::AfterStep(const Plan& plan, int64_t step, int32_t epoch) {
   const bool last = step + 1 == plan.total_steps;
-  if ((step + 1) % plan.steps_per_epoch == 0 || last) {
+  if (EvaluationDue(plan, step)) {
     if (std::optional<Failure> f = Evaluate(epoch + 1, step + 1); f.has_value()) return f;
   }
   const int64_t every = spec_.checkpoint().every_steps();
@@ -578,7 +583,7 @@ std::optional<Failure> RankTraining::AfterStep(const Plan& plan, int64_t step, i
 
 std::optional<Failure> RankTraining::Execute() {
   if (std::optional<Failure> f = Setup(); f.has_value()) return f;
-  const engine::DistributedSampler sampler(train_.size, rendezvous_.world_size(),
+  const engine::DistributedSampler sampler(task_->train_items(), rendezvous_.world_size(),
                                            rendezvous_.rank(), spec_.dataset().shuffle(),
                                            spec_.seed(), spec_.dataset().drop_last());
   absl::StatusOr<Plan> plan = MakePlan(sampler);

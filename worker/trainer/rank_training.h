@@ -22,16 +22,15 @@
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/cpu_session.h"
-#include "worker/engine/data.h"
 #include "worker/engine/gpu_session.h"
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/lr_schedule.h"
-#include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/trainer/coordinator_store.h"
 #include "worker/trainer/reporter.h"
 #include "worker/trainer/stop_signal.h"
 #include "worker/trainer/trainer.h"
+#include "worker/trainer/training_task.h"
 
 namespace aidn::trainer {
 
@@ -60,6 +59,8 @@ class RankTraining {
   // The job's length, fixed by the spec and this rank's share of the data.
   struct Plan {
     int64_t batch = 0;
+    // Tokens per item (language models; 0 otherwise).
+    int64_t tokens_per_item = 0;
     int64_t accum = 1;
     int64_t steps_per_epoch = 0;
     int64_t total_steps = 0;
@@ -102,6 +103,8 @@ class RankTraining {
   // Evaluation after an epoch (or the last step), checkpoint when due.
   std::optional<Failure> AfterStep(const Plan& plan, int64_t step, int32_t epoch);
   std::optional<Failure> Evaluate(int32_t epoch, int64_t step);
+  // Whether an evaluation is due after `step` (counted from 0).
+  bool EvaluationDue(const Plan& plan, int64_t step) const;
   // DDP: rank 0 writes the state after `step`, and commits it in the
   // background.
   std::optional<Failure> Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps);
@@ -116,8 +119,8 @@ class RankTraining {
   StopSignal* const stop_;
   v1::JoinRendezvousResponse rendezvous_;
   v1::JobSpec spec_;
-  engine::Dataset train_, test_;
-  std::unique_ptr<engine::Sequential> model_;
+  // The model and its data.
+  std::unique_ptr<TrainingTask> task_;
   std::unique_ptr<engine::Communicator> comm_;
   std::unique_ptr<engine::Optimizer> optimizer_;
   // device: cpu: the step runs here, over model_ and optimizer_.
@@ -125,7 +128,7 @@ class RankTraining {
   // Shared with the stop signal's flush.
   std::shared_ptr<Reporter> reporter_;
   std::shared_ptr<CoordinatorStore> kv_;
-  // device: gpu: the step runs here; model_ and optimizer_ stay the CPU
+  // device: gpu: the step runs here; task_'s model and optimizer_ stay the CPU
   // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
   std::unique_ptr<engine::GpuSession> gpu_;
   std::string checkpoint_dir_;
@@ -136,9 +139,6 @@ class RankTraining {
   // fp16: the resumed checkpoint's loss scaler, for SetupGpu.
   std::optional<engine::LossScaleState> resumed_loss_scale_;
   engine::LrScheduleConfig schedule_;
-  // A step's micro-batches, reused from step to step.
-  std::vector<engine::Tensor> images_;
-  std::vector<std::vector<int32_t>> labels_;
 };
 
 }  // namespace aidn::trainer

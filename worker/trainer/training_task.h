@@ -1,0 +1,83 @@
+#ifndef AIDN_WORKER_TRAINER_TRAINING_TASK_H_
+#define AIDN_WORKER_TRAINER_TRAINING_TASK_H_
+
+// What a built-in trainer's job trains: its model and its data, and how a
+// step's micro-batches and an evaluation come from them. Two kinds:
+//
+//   images  model mlp or cnn (a Sequential) on fashion-mnist / idx: items
+//           are images, evaluation is the test set's loss and accuracy.
+//   text    model gpt on text: items are windows of block_size + 1 bytes
+//           cut at the epoch's shift (text_data.h), evaluation is the
+//           validation text's loss per token (perplexity = e^loss) and
+//           next-token accuracy over eval_windows evenly spaced windows.
+//
+// Either way the DistributedSampler deals out item indices, so the sampler's
+// seed + epoch semantics, the ranks' shards and a resumed run's position
+// are the same for both.
+//
+// Not thread-safe: one per trainer, on its main thread.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "aidn/v1/job.pb.h"
+#include "worker/engine/data.h"
+#include "worker/engine/gpt.h"
+#include "worker/engine/model.h"
+#include "worker/engine/trainable.h"
+
+namespace aidn::trainer {
+
+// The spec's gpt sizes (after the coordinator's defaults).
+engine::GptConfig GptConfigOf(const v1::JobSpec& spec);
+
+class TrainingTask {
+ public:
+  // Loads the data the spec names (images through the worker's cache of
+  // inflated files, `cache_dir`; empty: none) and builds the model from
+  // spec.seed. Every error is permanent (a missing file, a corpus too
+  // short for one window), prefixed with the spec field at fault.
+  static absl::StatusOr<std::unique_ptr<TrainingTask>> Create(const v1::JobSpec& spec,
+                                                              const std::string& cache_dir);
+  virtual ~TrainingTask() = default;
+
+  virtual engine::TrainableModel& model() = 0;
+  const std::vector<engine::Parameter*>& Parameters() { return model().Parameters(); }
+  // The model the GPU engine mirrors; null for a model it does not have.
+  virtual const engine::Sequential* sequential() const { return nullptr; }
+
+  // Training items per epoch (images, or text windows).
+  virtual int64_t train_items() const = 0;
+  // Tokens per item: block_size for text, 0 for images.
+  virtual int64_t tokens_per_item() const = 0;
+
+  // Micro-batch `slot` of a step: items indices[begin, begin + count) of
+  // `epoch`, in buffers of the slot's own that stay valid until the next
+  // Gather into it. The seed is left for the caller.
+  virtual engine::MicroBatch Gather(int64_t epoch, const std::vector<int64_t>& indices,
+                                    size_t begin, size_t count, size_t slot) = 0;
+
+  // This rank's share of an evaluation (the ranks' sums add up to the
+  // whole): summed loss, correct predictions, and what they count (images
+  // or tokens).
+  struct EvalSums {
+    double loss_sum = 0;
+    double correct = 0;
+    double count = 0;
+  };
+  virtual EvalSums Evaluate(int rank, int world_size) = 0;
+  // The log line of an evaluation whose means are `loss` and `accuracy`.
+  virtual std::string EvalLine(int32_t epoch, int64_t step, double loss, double accuracy) const = 0;
+
+  // Safetensors metadata beside the weights (aidn.gpt: the sizes that
+  // rebuild the model from an export alone).
+  virtual std::vector<std::pair<std::string, std::string>> Metadata() const { return {}; }
+};
+
+}  // namespace aidn::trainer
+
+#endif  // AIDN_WORKER_TRAINER_TRAINING_TASK_H_
