@@ -138,19 +138,22 @@ absl::Status RunMetrics(const CommandEnv& env, const MetricsOptions& options) {
 
 std::string StepMetricsCsvHeader() {
   return "kind,step,epoch,generation,loss,samples,step_seconds,slowest_rank,allreduce_seconds,"
-         "samples_per_second,lr,test_loss,test_accuracy,ranks_reported,world_size,time\n";
+         "samples_per_second,lr,test_loss,test_accuracy,ranks_reported,world_size,time,tokens,"
+         "tokens_per_second,peak_memory_bytes\n";
 }
 
 std::string StepMetricsCsvRow(const v1::StepMetrics& step) {
   return absl::StrCat(
-      absl::StrJoin({KindName(step.kind()), absl::StrCat(step.step()), absl::StrCat(step.epoch()),
-                     absl::StrCat(step.generation()), Number(step.loss()),
-                     absl::StrCat(step.samples()), Number(step.step_seconds()),
-                     absl::StrCat(step.slowest_rank()), Number(step.allreduce_seconds()),
-                     Number(step.samples_per_second()), Number(step.lr()), Number(step.test_loss()),
-                     Number(step.test_accuracy()), absl::StrCat(step.ranks_reported()),
-                     absl::StrCat(step.world_size()), PreciseTime(step.time())},
-                    ","),
+      absl::StrJoin(
+          {KindName(step.kind()), absl::StrCat(step.step()), absl::StrCat(step.epoch()),
+           absl::StrCat(step.generation()), Number(step.loss()), absl::StrCat(step.samples()),
+           Number(step.step_seconds()), absl::StrCat(step.slowest_rank()),
+           Number(step.allreduce_seconds()), Number(step.samples_per_second()), Number(step.lr()),
+           Number(step.test_loss()), Number(step.test_accuracy()),
+           absl::StrCat(step.ranks_reported()), absl::StrCat(step.world_size()),
+           PreciseTime(step.time()), absl::StrCat(step.tokens()), Number(step.tokens_per_second()),
+           absl::StrCat(step.peak_memory_bytes())},
+          ","),
       "\n");
 }
 
@@ -172,6 +175,9 @@ nlohmann::ordered_json StepMetricsToJson(const v1::StepMetrics& step) {
       {"ranks_reported", step.ranks_reported()},
       {"world_size", step.world_size()},
       {"time", PreciseTime(step.time())},
+      {"tokens", step.tokens()},
+      {"tokens_per_second", step.tokens_per_second()},
+      {"peak_memory_bytes", step.peak_memory_bytes()},
       {"rank_step_seconds",
        std::vector<double>(step.rank_step_seconds().begin(), step.rank_step_seconds().end())},
       {"rank_allreduce_seconds", std::vector<double>(step.rank_allreduce_seconds().begin(),

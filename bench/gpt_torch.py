@@ -8,6 +8,11 @@ GPT-2's initialisation; AdamW (lr 1e-3, betas 0.9/0.95, decay 0.1 on
 matrices and embeddings only) after clipping at 1.0. Random bytes as
 tokens. Prints one line "RESULT {json}" with the fields gpt_step prints.
 
+With --world N (N > 1) each of N processes is one rank of DistributedDataParallel
+over gloo (MASTER_ADDR, MASTER_PORT and RANK from the environment; torch's
+default 25 MB buckets), each with --batch sequences per step; rank 0 prints
+the RESULT, its tokens/s counting every rank's tokens.
+
 Run it with /usr/bin/python3 and
 LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp (else torch runs
 on Debian's reference BLAS).
@@ -61,7 +66,8 @@ class Gpt(nn.Module):
         self.wpe = nn.Embedding(block, n_embd)
         self.blocks = nn.ModuleList(Block(n_head, n_embd) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
-        self.register_buffer("mask", torch.tril(torch.ones(block, block, dtype=torch.bool)))
+        # A plain attribute, not a buffer: DDP cannot broadcast bool tensors over gloo.
+        self.mask = torch.tril(torch.ones(block, block, dtype=torch.bool))
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
@@ -85,12 +91,21 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--world", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
     n_layer, n_head, n_embd, block, vocab = CONFIGS[args.config]
     model = Gpt(n_layer, n_head, n_embd, block, vocab)
     params = list(model.parameters())
+    rank = 0
+    if args.world > 1:
+        import os
+        import torch.distributed as dist
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo", rank=rank, world_size=args.world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        torch.manual_seed(100 + rank)  # each rank its own batches
     decay = [q for q in params if q.dim() >= 2]
     rest = [q for q in params if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -117,14 +132,18 @@ def main():
     wall = time.perf_counter() - window_start
     cpu = time.process_time() - cpu_start
     window = args.steps - args.warmup
-    tokens_per_s = args.batch * args.seq * window / wall
+    tokens_per_s = args.world * args.batch * args.seq * window / wall
     flops_per_token = 6 * n_params + 6 * n_layer * args.seq * n_embd
     print("RESULT " + json.dumps({
-        "config": args.config, "threads": args.threads, "batch": args.batch, "seq": args.seq,
+        "config": args.config, "threads": args.threads, "world": args.world,
+        "batch": args.batch, "seq": args.seq,
         "tokens_per_s": tokens_per_s, "median_step_ms": 1e3 * statistics.median(times),
         "model_gflops_per_s": flops_per_token * tokens_per_s / 1e9,
+        "flops_per_token": flops_per_token,
         "cpu_s_per_step": cpu / window, "final_loss": loss.item(), "parameters": n_params,
         "torch": torch.__version__}), flush=True)
+    if args.world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

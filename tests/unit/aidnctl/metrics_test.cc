@@ -54,15 +54,23 @@ std::vector<std::pair<std::string, int>> CsvKeys(const std::string& csv) {
 TEST(StepMetricsCsv, HasOneColumnPerHeaderName) {
   EXPECT_EQ(StepMetricsCsvHeader(),
             "kind,step,epoch,generation,loss,samples,step_seconds,slowest_rank,allreduce_seconds,"
-            "samples_per_second,lr,test_loss,test_accuracy,ranks_reported,world_size,time\n");
+            "samples_per_second,lr,test_loss,test_accuracy,ranks_reported,world_size,time,tokens,"
+            "tokens_per_second,peak_memory_bytes\n");
   v1::StepMetrics step = Train(12, 0.4312);
   step.mutable_time()->set_nanos(250'000'000);
+  EXPECT_EQ(
+      StepMetricsCsvRow(step),
+      "TRAIN,12,0,1,0.4312,128,0.04,1,0.01,3200,0.05,0,0,2,2,2027-01-15T08:00:06.250Z,0,0,0\n");
+  step.set_tokens(4096);
+  step.set_tokens_per_second(102400);
+  step.set_peak_memory_bytes(1 << 20);
   EXPECT_EQ(StepMetricsCsvRow(step),
-            "TRAIN,12,0,1,0.4312,128,0.04,1,0.01,3200,0.05,0,0,2,2,2027-01-15T08:00:06.250Z\n");
+            "TRAIN,12,0,1,0.4312,128,0.04,1,0.01,3200,0.05,0,0,2,2,2027-01-15T08:00:06.250Z,4096,"
+            "102400,1048576\n");
   EXPECT_EQ(StepMetricsCsvRow(Eval(14, 0.8125)),
-            "EVAL,14,1,1,0,0,0,0,0,0,0,0.45,0.8125,2,2,2027-01-15T08:00:07.200Z\n");
+            "EVAL,14,1,1,0,0,0,0,0,0,0,0.45,0.8125,2,2,2027-01-15T08:00:07.200Z,0,0,0\n");
   v1::StepMetrics bare;
-  EXPECT_EQ(StepMetricsCsvRow(bare), "TRAIN,0,0,0,0,0,0,0,0,0,0,0,0,0,0,\n");
+  EXPECT_EQ(StepMetricsCsvRow(bare), "TRAIN,0,0,0,0,0,0,0,0,0,0,0,0,0,0,,0,0,0\n");
 }
 
 TEST(Metrics, CsvPagesThroughEveryStepInOrderWithoutGapsOrRepeats) {

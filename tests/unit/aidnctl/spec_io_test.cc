@@ -1,6 +1,7 @@
 // Tests of aidnctl's job spec formats: specs in (ParseJobSpec) and messages out as JSON/YAML.
 
 #include "aidnctl/spec_io.h"
+#include "coordinator/spec.h"
 
 #include <filesystem>
 #include <sstream>
@@ -84,6 +85,24 @@ TEST(ParseJobSpec, ReadsTheCnnExample) {
   EXPECT_EQ(spec.world_size(), 2);
   EXPECT_EQ(spec.device(), v1::JobSpec::CPU);
   EXPECT_TRUE(spec.optimizer().has_lr());
+}
+
+// The language-model example parses, and the coordinator's rules accept it
+// as written.
+TEST(ParseJobSpec, ReadsTheGptExampleAndTheCoordinatorAcceptsIt) {
+  absl::StatusOr<std::string> text = ReadFileToString(ExamplePath("gpt-fortunes.yaml"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  v1::JobSpec spec = MustParse(*text, "gpt-fortunes.yaml");
+  EXPECT_EQ(spec.model().name(), "gpt");
+  EXPECT_EQ(spec.model().config(), "gpt-mini");
+  EXPECT_EQ(spec.dataset().kind(), "text");
+  EXPECT_THAT(spec.dataset().files(), ElementsAre("/usr/share/games/fortunes"));
+  EXPECT_EQ(spec.eval_every_steps(), 100);
+  coordinator::ApplyJobSpecDefaults(coordinator::SpecLimits{}, &spec);
+  EXPECT_TRUE(coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec).ok())
+      << coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec);
+  EXPECT_EQ(spec.model().n_layer(), 4);
+  EXPECT_EQ(spec.model().block_size(), 128);
 }
 
 constexpr char kRichYaml[] = R"(

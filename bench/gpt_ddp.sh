@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# GPT training on 2 ranks x 1 thread (DDP): an aidn job against PyTorch
+# 1.13's DistributedDataParallel over gloo, the same model and settings,
+# interleaved REPS times; prints every sample, the medians and the ratio.
+#
+#   bench/gpt_ddp.sh          # REPS=3 STEPS=10 BATCH=8: about 5 minutes
+#
+# Model: nanoGPT's character-level shape (CONFIG=gpt-char: 6 layers, 6
+# heads, 384 wide, context 256, bytes; 10.8M parameters), BATCH sequences
+# of 256 per rank per step, AdamW (lr 1e-3, decay 0.1 on matrices and
+# embeddings only, clipping at 1.0), fp32, one thread per rank.
+#
+# aidn: a real coordinator and one worker with 2 CPU slots on loopback; each
+#   sample is a job (model gpt on Debian's fortunes corpus) submitted with
+#   aidnctl and followed with `aidnctl watch`. Tokens/s is taken from the
+#   job's step records (`aidnctl metrics -o csv`): the tokens of the steps
+#   after WARMUP over the wall-clock time between the records of step
+#   WARMUP and the last step (everything between two steps counts: the
+#   batch's windows, the allreduce, the update, the records).
+# torch: bench/gpt_torch.py --world 2, two processes (DDP over gloo, 25 MB
+#   buckets), random bytes as tokens, the same window, OpenBLAS (OpenMP
+#   build) through LD_LIBRARY_PATH.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${AIDN_BUILD:-$ROOT/build}
+REPS=${REPS:-3}
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-2}
+BATCH=${BATCH:-8}
+CONFIG=${CONFIG:-gpt-char}
+TORCH_BLAS_DIR=${TORCH_BLAS_DIR:-/usr/lib/x86_64-linux-gnu/openblas-openmp}
+PY=/usr/bin/python3
+AIDNCTL=$BUILD/aidnctl/aidnctl
+for bin in "$BUILD/coordinator/aidn-coordinator" "$BUILD/worker/aidn-worker" "$AIDNCTL"; do
+  [[ -x $bin ]] || { echo "missing $bin (scripts/build.sh aidn-coordinator aidn-worker aidnctl)" >&2; exit 1; }
+done
+RUN=$(mktemp -d /tmp/aidn-gpt-ddp.XXXXXX)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]:1}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]:1}"; do wait "$pid" 2>/dev/null || true; done
+  [[ ${#PIDS[@]} -gt 0 ]] && { kill "${PIDS[0]}" 2>/dev/null || true; wait "${PIDS[0]}" 2>/dev/null || true; }
+  [[ ${KEEP:-0} == 1 ]] || rm -rf "$RUN"
+}
+trap cleanup EXIT
+
+env -u LD_LIBRARY_PATH "$BUILD/coordinator/aidn-coordinator" --listen=127.0.0.1:0 \
+  --state-dir="$RUN/state" --addr-file="$RUN/addr" >"$RUN/coordinator.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do [[ -s $RUN/addr && -s $RUN/state/admin.token ]] && break; sleep 0.1; done
+export AIDN_ADDR AIDN_TOKEN
+AIDN_ADDR=$(cat "$RUN/addr")
+AIDN_TOKEN=$(cat "$RUN/state/admin.token")
+env -u LD_LIBRARY_PATH "$BUILD/worker/aidn-worker" --coordinator="$AIDN_ADDR" \
+  --token-file="$RUN/state/worker.token" --worker-id=w1 --cpu-slots=2 --work-dir="$RUN/w1" \
+  >"$RUN/worker.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do "$AIDNCTL" workers 2>/dev/null | grep -q ALIVE && break; sleep 0.1; done
+
+cat >"$RUN/spec.yaml" <<YAML
+name: bench-gpt-ddp
+world_size: 2
+threads_per_rank: 1
+model: {name: gpt, config: $CONFIG}
+dataset: {kind: text, eval_windows: 1}
+optimizer: {name: adamw, lr: 0.001, weight_decay: 0.1, beta2: 0.95, grad_clip_norm: 1.0}
+batch_size: $BATCH
+max_steps: $STEPS
+seed: 1
+YAML
+
+aidn_sample() {
+  local job
+  job=$("$AIDNCTL" -o json submit -f "$RUN/spec.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
+  "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
+  "$AIDNCTL" metrics "$job" -o csv | $PY -c '
+import csv, datetime, sys
+warm, steps = int(sys.argv[1]), int(sys.argv[2])
+rows = {int(r["step"]): r for r in csv.DictReader(sys.stdin) if r["kind"] == "TRAIN"}
+t = lambda k: datetime.datetime.fromisoformat(rows[k]["time"].replace("Z", "+00:00")).timestamp()
+tokens = sum(int(rows[k]["tokens"]) for k in range(warm + 1, steps + 1))
+print("%.1f %d" % (tokens / (t(steps) - t(warm)), max(int(r["peak_memory_bytes"]) for r in rows.values())))
+' "$WARMUP" "$STEPS"
+}
+
+torch_sample() {
+  local port r
+  port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  local pids=()
+  for r in 0 1; do
+    LD_LIBRARY_PATH=$TORCH_BLAS_DIR OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r \
+      $PY "$ROOT/bench/gpt_torch.py" --config "$CONFIG" --world 2 --batch "$BATCH" \
+      --steps "$STEPS" --warmup "$WARMUP" --threads 1 >"$RUN/torch-rank$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for r in "${pids[@]}"; do wait "$r"; done
+  sed -n 's/^RESULT //p' "$RUN/torch-rank0.log" |
+    $PY -c 'import json, sys; r = json.load(sys.stdin); print("%.1f %.0f" % (r["tokens_per_s"], r["flops_per_token"]))'
+}
+
+echo "$CONFIG, 2 ranks x 1 thread, batch $BATCH x 256 per rank, steps $((WARMUP + 1))..$STEPS timed"
+A=(); T=()
+for rep in $(seq 1 "$REPS"); do
+  if ((rep % 2 == 1)); then read -r a mem < <(aidn_sample); read -r t FLOPS < <(torch_sample)
+  else read -r t FLOPS < <(torch_sample); read -r a mem < <(aidn_sample); fi
+  A+=("$a"); T+=("$t")
+  printf 'rep %d: aidn %.0f tokens/s (peak %.0f MiB a rank), torch DDP %.0f tokens/s\n' \
+    "$rep" "$a" "$(echo "$mem / 1048576" | bc -l)" "$t"
+done
+$PY - "${A[*]}" "${T[*]}" "$FLOPS" <<'PY'
+import re, statistics, sys
+a = statistics.median(float(x) for x in sys.argv[1].split())
+t = statistics.median(float(x) for x in sys.argv[2].split())
+flops = float(sys.argv[3])  # per token: 6 N + 6 n_layer T n_embd
+cpuinfo = open("/proc/cpuinfo").read()
+lanes = 16 if " avx512f" in cpuinfo else 8
+mhz = float(re.search(r"cpu MHz\s*:\s*([\d.]+)", cpuinfo).group(1))
+peak = 2 * lanes * 2 * 2 * mhz / 1e3  # two cores, 2 FMA units each
+print(f"median: aidn {a:.0f} tokens/s, torch DDP {t:.0f} tokens/s, aidn/torch {a / t:.2f}x "
+      f"(target >= 2.0: {'PASS' if a / t >= 2.0 else 'MISS'})")
+print(f"model FLOPs: aidn {a * flops / 1e9:.1f} GFLOP/s = MFU {100 * a * flops / 1e9 / peak:.1f} %, "
+      f"torch {t * flops / 1e9:.1f} GFLOP/s = MFU {100 * t * flops / 1e9 / peak:.1f} % "
+      f"(2 cores, {peak:.0f} GFLOP/s fp32 peak at {mhz:.0f} MHz)")
+PY
