@@ -238,7 +238,7 @@ class Watcher {
     dirty_ = true;
     if (step.kind() == v1::MetricRecord::EVAL) {
       view_.eval = step;
-      Print(EvalLine(step));
+      Print(EvalLine(step, view_.job.spec().model().name() == "gpt"));
       return;
     }
     view_.train = step;

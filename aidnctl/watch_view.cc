@@ -50,9 +50,15 @@ std::string AllreduceShare(const v1::StepMetrics& step) {
   return absl::StrFormat("%.0f%%", 100 * step.allreduce_seconds() / step.step_seconds());
 }
 
+// Samples/s, or tokens/s for a language model (its steps count tokens).
 std::string SamplesPerSecond(const WatchView& view) {
   const double rate =
       view.samples_per_second.value_or(view.train ? view.train->samples_per_second() : 0);
+  if (view.train && view.train->tokens() > 0 && view.train->samples() > 0) {
+    const double per_sample =
+        static_cast<double>(view.train->tokens()) / static_cast<double>(view.train->samples());
+    return absl::StrFormat("%.0f tokens/s", rate * per_sample);
+  }
   return absl::StrFormat("%.0f samples/s", rate);
 }
 
@@ -227,7 +233,13 @@ std::string ProgressLine(const WatchView& view) {
   return absl::StrJoin(parts, " | ");
 }
 
-std::string EvalLine(const v1::StepMetrics& eval) {
+std::string EvalLine(const v1::StepMetrics& eval, bool language_model) {
+  if (language_model) {
+    return absl::StrFormat(
+        "eval at step %d (epoch %d) | val loss %.4f | perplexity %.3f | next-token accuracy %s",
+        eval.step(), eval.epoch(), eval.test_loss(), std::exp(eval.test_loss()),
+        Accuracy(eval.test_accuracy()));
+  }
   return absl::StrFormat("eval at step %d (epoch %d) | test loss %.4f | test accuracy %s",
                          eval.step(), eval.epoch(), eval.test_loss(),
                          Accuracy(eval.test_accuracy()));

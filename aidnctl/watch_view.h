@@ -96,7 +96,9 @@ std::vector<std::string> StatusBlock(const WatchView& view, int width);
 //   allreduce 11% | ETA 1m05s
 std::string ProgressLine(const WatchView& view);
 //   eval at step 469 (epoch 1) | test loss 0.4123 | test accuracy 85.31%
-std::string EvalLine(const v1::StepMetrics& eval);
+// or, for a language model (model gpt: the validation text),
+//   eval at step 500 (epoch 1) | val loss 2.0513 | perplexity 7.778 | next-token accuracy 41.20%
+std::string EvalLine(const v1::StepMetrics& eval, bool language_model = false);
 //   2026-11-22T04:10:00Z  job.running  all 2 ranks joined
 std::string EventLine(const v1::Event& event);
 //   job job-1f3a RUNNING: all 2 ranks joined

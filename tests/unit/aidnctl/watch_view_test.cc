@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/aidnctl/fake_job_coordinator.h"
@@ -193,6 +194,14 @@ TEST(PlainLines, ReadAsOneLineEach) {
   EXPECT_EQ(ProgressLine(waiting), "step 7 | epoch 0");
   EXPECT_EQ(EvalLine(Eval(469, 0.85314)),
             "eval at step 469 (epoch 1) | test loss 0.4500 | test accuracy 85.31%");
+  // A language model's evaluation is of its validation text: e^0.45 = 1.568.
+  EXPECT_EQ(EvalLine(Eval(469, 0.85314), /*language_model=*/true),
+            "eval at step 469 (epoch 1) | val loss 0.4500 | perplexity 1.568 | next-token "
+            "accuracy 85.31%");
+  // Steps that count tokens show tokens/s: 5290 samples/s of 256 tokens.
+  WatchView lm = RunningView();
+  lm.train->set_tokens(lm.train->samples() * 256);
+  EXPECT_TRUE(absl::StrContains(ProgressLine(lm), "| 1354240 tokens/s |")) << ProgressLine(lm);
   v1::Event event = testing::MakeEvent(3, "job.running", "all 2\nranks joined");
   EXPECT_EQ(EventLine(event), "2027-01-15T08:00:03Z  job.running  all 2 ranks joined");
   v1::Job job;
