@@ -1,8 +1,11 @@
 #include "worker/engine/cpu_session.h"
 
+#include <chrono>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace aidn::engine {
 
@@ -21,7 +24,51 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
 
 absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
                                                                TrainableModel* model,
+                                                               const OptimizerConfig& config) {
+  if (model == nullptr) return absl::InvalidArgumentError("cpu session: needs a model");
+  if (options.shard_optimizer && options.communicator == nullptr) {
+    return absl::InvalidArgumentError("cpu session: shard_optimizer needs a communicator");
+  }
+  std::unique_ptr<CpuSession> session(new CpuSession(model, nullptr));
+  std::vector<Parameter*> params = model->Parameters();
+  if (options.communicator != nullptr) {
+    AIDN_ASSIGN_OR_RETURN(session->reducer_,
+                          DdpReducer::Create({.bucket_mb = options.bucket_mb,
+                                              .shard_optimizer = options.shard_optimizer},
+                                             model->Parameters(), options.communicator));
+    params = session->reducer_->ShardParameters();
+    DdpReducer* r = session->reducer_.get();
+    model->SetGradReadyCallback([r](Parameter* p) { r->OnGradReady(p); });
+  }
+  AIDN_ASSIGN_OR_RETURN(session->owned_optimizer_, Optimizer::Create(config, params));
+  session->optimizer_ = session->owned_optimizer_.get();
+  if (options.shard_optimizer && options.communicator->world_size() > 1) {
+    // The whole gradient's sum of squares: each rank's in two floats (high
+    // and low part), gathered and added in double in rank order, so every
+    // rank computes the same bits.
+    Communicator* comm = options.communicator;
+    session->optimizer_->SetSumOfSquaresReduction([comm](double local) -> absl::StatusOr<double> {
+      const float hi = static_cast<float>(local);
+      const float mine[2] = {hi, static_cast<float>(local - static_cast<double>(hi))};
+      std::vector<float> all(2 * static_cast<size_t>(comm->world_size()));
+      AIDN_RETURN_IF_ERROR(comm->AllGather(mine, 2, all.data()));
+      double sum = 0;
+      for (size_t i = 0; i < all.size(); i += 2) {
+        sum += static_cast<double>(all[i]) + static_cast<double>(all[i + 1]);
+      }
+      return sum;
+    });
+  }
+  return session;
+}
+
+absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
+                                                               TrainableModel* model,
                                                                Optimizer* optimizer) {
+  if (options.shard_optimizer) {
+    return absl::InvalidArgumentError(
+        "cpu session: shard_optimizer needs the session to make its optimizer");
+  }
   if (model == nullptr || optimizer == nullptr) {
     return absl::InvalidArgumentError("cpu session: needs a model and an optimizer");
   }
@@ -70,6 +117,17 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   }
   if (absl::Status s = optimizer_->Step(lr); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("optimizer: ", s.message()));
+  }
+  if (reducer_ != nullptr) {
+    const auto start = std::chrono::steady_clock::now();
+    if (absl::Status s = reducer_->GatherParameters(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("weights all-gather: ", s.message()));
+    }
+    // Nothing hides it: the step waits for all of it.
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    allreduce_seconds_ += took;
+    wait_seconds_ += took;
   }
   return loss;
 }

@@ -58,6 +58,12 @@ struct CpuSessionOptions {
   Communicator* communicator = nullptr;
   // DDP gradient bucket size in MB (spec bucket_mb).
   double bucket_mb = 25.0;
+  // ZeRO-1 (DdpOptions::shard_optimizer): gradients reduce-scattered, the
+  // optimizer over this rank's shards, weights all-gathered after the
+  // update. Needs a session that makes its optimizer (the Create taking an
+  // OptimizerConfig). The parameters' gradients are not the averaged ones
+  // after a Step (the shards' are).
+  bool shard_optimizer = false;
 };
 
 class CpuSession {
@@ -71,6 +77,12 @@ class CpuSession {
   static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
                                                             TrainableModel* model,
                                                             Optimizer* optimizer);
+  // The same with an optimizer of `config` made here and owned by the
+  // session: over the model's parameters, or with shard_optimizer over this
+  // rank's shards of them (clipping by the norm of the whole gradient).
+  static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
+                                                            TrainableModel* model,
+                                                            const OptimizerConfig& config);
   // An image classifier: `model`'s logits against the labels (Classifier).
   static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
                                                             Sequential* model,
@@ -106,6 +118,8 @@ class CpuSession {
 
   // The Sequential overload's adapter (model_ points at it); null otherwise.
   std::unique_ptr<TrainableModel> owned_;
+  // The optimizer a session made (optimizer_ points at it); null otherwise.
+  std::unique_ptr<Optimizer> owned_optimizer_;
   TrainableModel* model_;
   Optimizer* optimizer_;
   std::unique_ptr<DdpReducer> reducer_;

@@ -54,8 +54,16 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   for (const Parameter* p : parameters) numels.push_back(p->value.numel());
   // The extra value rides at the end of the last bucket to be launched.
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 1));
+  const int world = communicator->world_size();
+  if (options.shard_optimizer && world > 1) {
+    // Every bucket a multiple of 16 * world_size floats: each rank's slice
+    // starts at a 64-byte boundary.
+    const size_t unit = size_t{16} * static_cast<size_t>(world);
+    for (size_t& f : plan.floats) f = (f + unit - 1) / unit * unit;
+  }
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
-  reducer->single_ = communicator->world_size() == 1;
+  reducer->single_ = world == 1;
+  reducer->shard_ = options.shard_optimizer && world > 1;
   reducer->buckets_.resize(plan.buckets.size());
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     for (int k : plan.buckets[b]) {
@@ -75,8 +83,68 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
       p->grad = Tensor::View(at, p->grad.shape());
     }
   }
+  if (reducer->shard_) {
+    reducer->ShardBuckets(plan);
+  } else {
+    reducer->shard_view_ = parameters;
+  }
   reducer->thread_ = std::thread([r = reducer.get()]() { r->CommLoop(); });
   return reducer;
+}
+
+void DdpReducer::ShardBuckets(const BucketPlan& plan) {
+  const size_t world = static_cast<size_t>(communicator_->world_size());
+  const size_t rank = static_cast<size_t>(communicator_->rank());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    const size_t floats = plan.floats[b];
+    const size_t chunk = floats / world;
+    bucket.weights = Tensor({static_cast<int64_t>(floats)});
+    bucket.shard_grad = Tensor({static_cast<int64_t>(chunk)});
+    gather_scratch_.resize(std::max(gather_scratch_.size(), chunk));
+    size_t used = b + 1 == buckets_.size() ? 1 : 0;  // the extra slot
+    const size_t begin = rank * chunk, end = begin + chunk;
+    // In bucket order (reverse registration), as the plan laid them out.
+    for (Parameter* p : bucket.parameters) {
+      const size_t offset = slots_[p].offset;
+      const size_t n = static_cast<size_t>(p->value.numel());
+      used += n;
+      float* at = bucket.weights.data() + offset;
+      std::memcpy(at, p->value.data(), sizeof(float) * n);
+      p->value = Tensor::View(at, p->value.shape());
+      // This rank's piece of the parameter, if its slice covers any.
+      const size_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
+      if (lo >= hi) continue;
+      auto shard = std::make_unique<Parameter>();
+      shard->name = absl::StrCat(p->name, "[", lo - offset, ":", hi - offset, "]");
+      shard->value = Tensor::View(bucket.weights.data() + lo, {static_cast<int64_t>(hi - lo)});
+      shard->grad =
+          Tensor::View(bucket.shard_grad.data() + (lo - begin), {static_cast<int64_t>(hi - lo)});
+      shard->whole_shape = p->value.shape();
+      shards_.push_back(std::move(shard));
+    }
+    padding_floats_ += floats - used;
+  }
+  // The optimizer's order: registration order of the parameters they are
+  // pieces of (the buckets hold them in reverse).
+  std::reverse(shards_.begin(), shards_.end());
+  for (const auto& s : shards_) shard_view_.push_back(s.get());
+}
+
+absl::Status DdpReducer::GatherParameters() {
+  if (!shard_) return absl::OkStatus();
+  const size_t world = static_cast<size_t>(communicator_->world_size());
+  const size_t rank = static_cast<size_t>(communicator_->rank());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Tensor& weights = buckets_[b].weights;
+    const size_t chunk = static_cast<size_t>(weights.numel()) / world;
+    std::memcpy(gather_scratch_.data(), weights.data() + rank * chunk, sizeof(float) * chunk);
+    if (absl::Status s = communicator_->AllGather(gather_scratch_.data(), chunk, weights.data());
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("zero bucket ", b, " weights: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 DdpReducer::~DdpReducer() {
@@ -86,10 +154,12 @@ DdpReducer::~DdpReducer() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  // The buckets go; the gradients keep their values in storage of their own.
+  // The buckets go; the gradients (and, sharded, the weights) keep their
+  // values in storage of their own.
   for (Bucket& b : buckets_) {
     for (Parameter* p : b.parameters) {
       if (p->grad.is_view()) p->grad = p->grad.Clone();
+      if (shard_ && p->value.is_view()) p->value = p->value.Clone();
     }
   }
 }
@@ -106,8 +176,8 @@ std::vector<std::vector<std::string>> DdpReducer::BucketLayout() const {
 void DdpReducer::BeginBackward(bool communicate, float extra) {
   communicating_ = communicate;
   if (!communicate) return;
+  extra_ = extra;
   if (single_) {
-    extra_ = extra;
     single_pending_ = static_cast<int>(slots_.size());
     return;
   }
@@ -158,9 +228,16 @@ void DdpReducer::CommLoop() {
     absl::Status status;
     const Clock::time_point start = Clock::now();
     if (!skip) {
-      Tensor& buffer = buckets_[index].buffer;
-      status = communicator_->AllReduce(buffer.data(), static_cast<size_t>(buffer.numel()),
-                                        ReduceOp::kAvg);
+      Bucket& bucket = buckets_[index];
+      Tensor& buffer = bucket.buffer;
+      if (shard_) {
+        status = communicator_->ReduceScatter(buffer.data(),
+                                              static_cast<size_t>(bucket.shard_grad.numel()),
+                                              bucket.shard_grad.data(), ReduceOp::kAvg);
+      } else {
+        status = communicator_->AllReduce(buffer.data(), static_cast<size_t>(buffer.numel()),
+                                          ReduceOp::kAvg);
+      }
     }
     const double took = Seconds(Clock::now() - start);
     lock.lock();
@@ -200,6 +277,17 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   if (wait_seconds != nullptr) *wait_seconds = Seconds(Clock::now() - start);
   if (allreduce_seconds != nullptr) *allreduce_seconds = allreduce_seconds_;
   if (!error_.ok()) return error_;
+  if (shard_) {
+    // A reduce-scatter leaves the extra slot with one rank: average it
+    // alone.
+    float extra = extra_;
+    lock.unlock();
+    if (absl::Status s = communicator_->AllReduce(&extra, 1, ReduceOp::kAvg); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("zero: the step's loss: ", s.message()));
+    }
+    averaged_extra_ = extra;
+    return absl::OkStatus();
+  }
   const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
   averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
   return absl::OkStatus();

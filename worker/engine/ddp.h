@@ -46,6 +46,14 @@ namespace aidn::engine {
 struct DdpOptions {
   // Target bucket size in MB (10^6 bytes, as torch's bucket_cap_mb).
   double bucket_mb = 25.0;
+  // ZeRO-1: each bucket is reduce-scattered (averaged) instead of
+  // allreduced, so that every rank gets the averaged gradients of its
+  // shard, a 1/world_size slice of every bucket (ShardParameters). The
+  // optimizer steps the shards only (its state is 1/world_size of DDP's),
+  // and GatherParameters all-gathers the updated weights. The parameters'
+  // values become views into per-bucket buffers of the gradients' layout,
+  // each bucket padded to a multiple of 16 * world_size floats.
+  bool shard_optimizer = false;
 };
 
 // Where each gradient lives in the flat bucket buffers, for the CPU reducer
@@ -92,6 +100,20 @@ class DdpReducer {
   // `extra` averaged over the ranks (valid after a communicating Finish).
   float averaged_extra() const { return averaged_extra_; }
 
+  // shard_optimizer: this rank's shards, for the optimizer: one flat piece
+  // per parameter that its slice of a bucket covers, named
+  // "<parameter>[begin:end]" (flat element range), its value a view into
+  // the bucket's weights and its gradient a view into the averaged slice
+  // (valid after a communicating Finish); whole_shape is the parameter's.
+  // Without sharding, or with one rank: the parameters themselves.
+  const std::vector<Parameter*>& ShardParameters() const { return shard_view_; }
+  // shard_optimizer: after the optimizer stepped the shards, every rank's
+  // shards into every rank's weights (an all-gather per bucket). OK at once
+  // without sharding or with one rank.
+  absl::Status GatherParameters();
+  // Floats of the buckets' padding (shard_optimizer; 0 otherwise).
+  size_t padding_floats() const { return padding_floats_; }
+
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Parameter names per bucket, for logs and tests.
   std::vector<std::vector<std::string>> BucketLayout() const;
@@ -107,7 +129,13 @@ class DdpReducer {
     std::vector<Parameter*> parameters;
     Tensor buffer;    // the gradients' storage (+ the extra slot in the last)
     int pending = 0;  // gradients still to arrive this pass
+    // shard_optimizer: the weights' storage, laid out as `buffer`, and this
+    // rank's slice of the averaged gradients.
+    Tensor weights;
+    Tensor shard_grad;
   };
+  // shard_optimizer: lays out the weights and this rank's shards.
+  void ShardBuckets(const BucketPlan& plan);
 
   DdpReducer(Communicator* communicator) : communicator_(communicator) {}
   void CommLoop();
@@ -124,6 +152,14 @@ class DdpReducer {
   float extra_ = 0.0f;
   // One rank: gradients of this backward not yet reported ready.
   int single_pending_ = 0;
+  bool shard_ = false;
+  size_t padding_floats_ = 0;
+  // shard_optimizer: the shard Parameters (owned) and their pointers; else
+  // the parameters.
+  std::vector<std::unique_ptr<Parameter>> shards_;
+  std::vector<Parameter*> shard_view_;
+  // The all-gather's input (a bucket's slice, copied out).
+  std::vector<float> gather_scratch_;
 
   std::mutex mu_;
   std::condition_variable cv_;

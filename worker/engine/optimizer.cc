@@ -141,7 +141,7 @@ class Sgd final : public Optimizer {
 
   absl::Status Step(double lr) override {
     AIDN_RETURN_IF_ERROR(CheckStep(lr));
-    const float scale = ClipCoefficient();
+    AIDN_ASSIGN_OR_RETURN(const float scale, ClipCoefficient());
     const bool momentum = config_.momentum != 0.0;
     // torch creates the momentum buffer as a copy of the first gradient.
     const SgdFn decayed = PickSgd(config_.weight_decay != 0.0, momentum, config_.nesterov,
@@ -256,7 +256,7 @@ class AdamW final : public Optimizer {
   absl::Status Step(double lr) override {
     AIDN_RETURN_IF_ERROR(CheckStep(lr));
     AdamScalars s;
-    s.scale = ClipCoefficient();
+    AIDN_ASSIGN_OR_RETURN(s.scale, ClipCoefficient());
     const double t = static_cast<double>(steps_ + 1);
     const double b1 = config_.beta1;
     const double b2 = config_.beta2;
@@ -381,9 +381,20 @@ absl::Status Optimizer::CheckStep(double lr) const {
   return absl::OkStatus();
 }
 
-float Optimizer::ClipCoefficient() {
+absl::StatusOr<float> Optimizer::ClipCoefficient() {
   if (config_.grad_clip_norm <= 0) return 1.0f;
-  last_grad_norm_ = TotalGradNorm(params_);
+  if (reduce_) {
+    double sum = 0;
+    for (const Parameter* p : params_) sum += SumOfSquares(p->grad);
+    absl::StatusOr<double> total = reduce_(sum);
+    if (!total.ok()) {
+      return absl::Status(total.status().code(),
+                          absl::StrCat("gradient norm: ", total.status().message()));
+    }
+    last_grad_norm_ = std::sqrt(*total);
+  } else {
+    last_grad_norm_ = TotalGradNorm(params_);
+  }
   return ClipCoefficientFor(last_grad_norm_, config_.grad_clip_norm);
 }
 

@@ -23,6 +23,7 @@
 // cuda/gpu_optimizer.h).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -95,6 +96,12 @@ class Optimizer {
   double last_grad_norm() const { return last_grad_norm_; }
   const OptimizerConfig& config() const { return config_; }
 
+  // An optimizer over shards of the parameters (ZeRO) clips by the norm of
+  // the whole gradient: `reduce` turns this rank's sum of squares into the
+  // sum over every rank (an allreduce). Its error fails the Step.
+  using SumOfSquaresReduction = std::function<absl::StatusOr<double>(double)>;
+  void SetSumOfSquaresReduction(SumOfSquaresReduction reduce) { reduce_ = std::move(reduce); }
+
   // The state buffers, in parameter order; pointers stay valid for the
   // optimizer's lifetime. Empty for plain SGD.
   virtual std::vector<StateEntry> State() const = 0;
@@ -111,10 +118,13 @@ class Optimizer {
 
   // The coefficient Step() applies to the gradients: 1, or the clipping
   // factor when clipping is on and needed. Records last_grad_norm_.
-  float ClipCoefficient();
-  // Whether the weight decay applies to `p` (decay_matrices_only).
+  absl::StatusOr<float> ClipCoefficient();
+  // Whether the weight decay applies to `p` (decay_matrices_only; a shard
+  // as its whole parameter).
   bool Decays(const Parameter& p) const {
-    return !config_.decay_matrices_only || p.value.rank() >= 2;
+    const size_t rank =
+        p.whole_shape.empty() ? static_cast<size_t>(p.value.rank()) : p.whole_shape.size();
+    return !config_.decay_matrices_only || rank >= 2;
   }
   absl::Status CheckStep(double lr) const;
 
@@ -124,6 +134,7 @@ class Optimizer {
   std::vector<std::vector<int64_t>> shapes_;
   int64_t steps_ = 0;
   double last_grad_norm_ = 0.0;
+  SumOfSquaresReduction reduce_;
 
  private:
   virtual std::vector<Tensor*> MutableState() = 0;

@@ -79,6 +79,10 @@ struct Parameter {
   std::string name;
   Tensor value;
   Tensor grad;
+  // A shard of a parameter (ZeRO, ddp.h) holds a flat piece of it; this is
+  // the whole parameter's shape (empty: not a shard), which decides, as the
+  // whole's would, whether weight decay applies.
+  std::vector<int64_t> whole_shape;
 };
 
 }  // namespace aidn::engine
