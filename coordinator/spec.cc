@@ -383,15 +383,20 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
     case JobSpec::DDP:
       break;
     case JobSpec::ZERO1:
+      if (spec.device() == JobSpec::GPU) {
+        return Invalid("strategy", "ZERO1 runs on device: cpu for now (use ddp on a GPU)");
+      }
+      break;
     case JobSpec::ZERO2:
     case JobSpec::FSDP:
       return Invalid("strategy", absl::StrCat(JobSpec::Strategy_Name(spec.strategy()),
-                                              " is reserved and not supported yet (use ddp)"));
+                                              " is reserved and not supported yet (use ddp "
+                                              "or zero1)"));
     case JobSpec::STRATEGY_UNSPECIFIED:
       return Invalid("strategy", "not set (defaults were not applied)");
     default:
       return Invalid("strategy", absl::StrCat("unknown value ", static_cast<int>(spec.strategy()),
-                                              " (known: ddp)"));
+                                              " (known: ddp, zero1)"));
   }
   if (!spec.has_bucket_mb()) return Invalid("bucket_mb", "not set (defaults were not applied)");
   if (!std::isfinite(spec.bucket_mb()) || spec.bucket_mb() <= 0 ||

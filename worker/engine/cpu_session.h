@@ -112,6 +112,10 @@ class CpuSession {
 
   TrainableModel& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
+  // The gradient reducer (null without a communicator): with
+  // shard_optimizer, what turns the shards' optimizer state into the whole
+  // parameters' and back (checkpoints).
+  DdpReducer* reducer() { return reducer_.get(); }
 
  private:
   CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}

@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     for (size_t& f : plan.floats) f = (f + unit - 1) / unit * unit;
   }
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
+  reducer->parameters_ = parameters;
   reducer->single_ = world == 1;
   reducer->shard_ = options.shard_optimizer && world > 1;
   reducer->buckets_.resize(plan.buckets.size());
@@ -122,13 +123,133 @@ void DdpReducer::ShardBuckets(const BucketPlan& plan) {
           Tensor::View(bucket.shard_grad.data() + (lo - begin), {static_cast<int64_t>(hi - lo)});
       shard->whole_shape = p->value.shape();
       shards_.push_back(std::move(shard));
+      shard_places_.push_back({p, static_cast<int>(b), lo, hi});
     }
     padding_floats_ += floats - used;
   }
   // The optimizer's order: registration order of the parameters they are
   // pieces of (the buckets hold them in reverse).
   std::reverse(shards_.begin(), shards_.end());
+  std::reverse(shard_places_.begin(), shard_places_.end());
   for (const auto& s : shards_) shard_view_.push_back(s.get());
+}
+
+namespace {
+
+// "exp_avg", "exp_avg_sq", ...: the buffers of the first shard's entries.
+std::vector<std::string> BufferKinds(const std::vector<DdpReducer::StateEntry>& state,
+                                     const std::string& first_shard) {
+  std::vector<std::string> kinds;
+  const std::string prefix = first_shard + ".";
+  for (const auto& [name, tensor] : state) {
+    if (name.starts_with(prefix)) kinds.push_back(name.substr(prefix.size()));
+  }
+  return kinds;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> DdpReducer::WholeStateLayout(
+    const std::vector<StateEntry>& shard_state) const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> layout;
+  if (shard_view_.empty()) return layout;
+  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
+  const std::vector<Parameter*>& params = shard_ ? parameters_ : shard_view_;
+  for (const Parameter* p : params) {
+    for (const std::string& kind : kinds) {
+      layout.emplace_back(absl::StrCat(p->name, ".", kind), p->value.shape());
+    }
+  }
+  return layout;
+}
+
+absl::StatusOr<std::vector<DdpReducer::OwnedStateEntry>> DdpReducer::GatherState(
+    const std::vector<StateEntry>& shard_state) {
+  std::vector<OwnedStateEntry> whole;
+  if (!shard_) {
+    for (const auto& [name, tensor] : shard_state) whole.emplace_back(name, tensor->Clone());
+    return whole;
+  }
+  std::unordered_map<std::string, const Tensor*> by_name(shard_state.begin(), shard_state.end());
+  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
+  const size_t world = static_cast<size_t>(communicator_->world_size());
+  const size_t rank = static_cast<size_t>(communicator_->rank());
+  // Whole tensors by "<parameter>.<kind>", filled bucket by bucket.
+  std::unordered_map<std::string, Tensor> result;
+  for (const Parameter* p : parameters_) {
+    for (const std::string& kind : kinds) {
+      result.emplace(absl::StrCat(p->name, ".", kind), Tensor(p->value.shape()));
+    }
+  }
+  for (const std::string& kind : kinds) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const size_t floats = static_cast<size_t>(buckets_[b].weights.numel());
+      const size_t chunk = floats / world;
+      std::vector<float> mine(chunk, 0.0f), all(floats);
+      for (size_t k = 0; k < shards_.size(); ++k) {
+        const ShardPlace& place = shard_places_[k];
+        if (place.bucket != static_cast<int>(b)) continue;
+        auto it = by_name.find(absl::StrCat(shards_[k]->name, ".", kind));
+        if (it == by_name.end() ||
+            it->second->numel() != static_cast<int64_t>(place.hi - place.lo)) {
+          return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", shards_[k]->name,
+                                                         ".", kind, " is missing or misshapen"));
+        }
+        std::memcpy(mine.data() + (place.lo - rank * chunk), it->second->data(),
+                    sizeof(float) * (place.hi - place.lo));
+      }
+      if (absl::Status s = communicator_->AllGather(mine.data(), chunk, all.data()); !s.ok()) {
+        return absl::Status(s.code(),
+                            absl::StrCat("zero: gathering the optimizer state: ", s.message()));
+      }
+      for (Parameter* p : buckets_[b].parameters) {
+        Tensor& t = result.at(absl::StrCat(p->name, ".", kind));
+        std::memcpy(t.data(), all.data() + slots_.at(p).offset,
+                    sizeof(float) * static_cast<size_t>(t.numel()));
+      }
+    }
+  }
+  for (const Parameter* p : parameters_) {
+    for (const std::string& kind : kinds) {
+      const std::string name = absl::StrCat(p->name, ".", kind);
+      whole.emplace_back(name, std::move(result.at(name)));
+    }
+  }
+  return whole;
+}
+
+absl::Status DdpReducer::SliceWholeState(const std::string& name, const Tensor& whole,
+                                         std::vector<OwnedStateEntry>* out) const {
+  if (!shard_) {
+    out->emplace_back(name, whole.Clone());
+    return absl::OkStatus();
+  }
+  bool known = false;
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    const ShardPlace& place = shard_places_[k];
+    const std::string prefix = place.whole->name + ".";
+    if (!name.starts_with(prefix)) continue;
+    known = true;
+    if (whole.numel() != place.whole->value.numel()) {
+      return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", name, " has ",
+                                                     whole.numel(), " elements, want ",
+                                                     place.whole->value.numel()));
+    }
+    const size_t offset = slots_.at(place.whole).offset;
+    Tensor piece({static_cast<int64_t>(place.hi - place.lo)});
+    std::memcpy(piece.data(), whole.data() + (place.lo - offset),
+                sizeof(float) * (place.hi - place.lo));
+    out->emplace_back(absl::StrCat(shards_[k]->name, ".", name.substr(prefix.size())),
+                      std::move(piece));
+  }
+  if (!known) {
+    for (const Parameter* p : parameters_) {
+      if (name.starts_with(p->name + ".")) return absl::OkStatus();  // no piece here
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("zero: no parameter for optimizer state ", name));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status DdpReducer::GatherParameters() {

@@ -32,8 +32,10 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -114,6 +116,26 @@ class DdpReducer {
   // Floats of the buckets' padding (shard_optimizer; 0 otherwise).
   size_t padding_floats() const { return padding_floats_; }
 
+  // shard_optimizer: the optimizer state of the shards (as
+  // Optimizer::State() lists it over ShardParameters(): "<shard>.<buffer>")
+  // and the whole parameters' state it stands for ("<parameter>.<buffer>",
+  // in the order an optimizer over the whole parameters lists it).
+  using StateEntry = std::pair<std::string, const Tensor*>;
+  using OwnedStateEntry = std::pair<std::string, Tensor>;
+  // The whole entries' names and shapes.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> WholeStateLayout(
+      const std::vector<StateEntry>& shard_state) const;
+  // The whole state on every rank, from every rank's shards: an all-gather
+  // per buffer and bucket, so every rank calls it at the same point.
+  absl::StatusOr<std::vector<OwnedStateEntry>> GatherState(
+      const std::vector<StateEntry>& shard_state);
+  // This rank's pieces of whole entry `name` (a tensor of its parameter's
+  // shape) as shard entries, appended to `out` (none when this rank holds
+  // no piece of the parameter). INVALID_ARGUMENT for an unknown name or a
+  // wrong size.
+  absl::Status SliceWholeState(const std::string& name, const Tensor& whole,
+                               std::vector<OwnedStateEntry>* out) const;
+
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Parameter names per bucket, for logs and tests.
   std::vector<std::vector<std::string>> BucketLayout() const;
@@ -156,7 +178,15 @@ class DdpReducer {
   size_t padding_floats_ = 0;
   // shard_optimizer: the shard Parameters (owned) and their pointers; else
   // the parameters.
+  struct ShardPlace {
+    Parameter* whole;
+    int bucket;
+    size_t lo, hi;  // floats of the bucket
+  };
   std::vector<std::unique_ptr<Parameter>> shards_;
+  std::vector<ShardPlace> shard_places_;  // by shard, as shards_
+  // The parameters in registration order.
+  std::vector<Parameter*> parameters_;
   std::vector<Parameter*> shard_view_;
   // The all-gather's input (a bucket's slice, copied out).
   std::vector<float> gather_scratch_;

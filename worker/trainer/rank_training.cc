@@ -232,16 +232,30 @@ void RankTraining::LoadNewestCheckpoint() {
 }
 
 std::optional<Failure> RankTraining::BuildSession() {
-  absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
-      engine::Optimizer::Create(OptimizerConfigOf(spec_), task_->Parameters());
-  if (!optimizer.ok()) return Failure{kExitPermanent, optimizer.status()};
-  optimizer_ = *std::move(optimizer);
-  if (spec_.device() == v1::JobSpec::GPU) return std::nullopt;  // SetupGpu, after the resume
   engine::CpuSessionOptions o;
   o.communicator = comm_.get();
   o.bucket_mb = BucketMbOf(spec_);
+  if (Sharded() && spec_.device() == v1::JobSpec::CPU) {
+    // ZeRO-1: the session makes the optimizer, over this rank's shards.
+    o.shard_optimizer = true;
+    absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
+        engine::CpuSession::Create(o, &task_->model(), OptimizerConfigOf(spec_));
+    if (!session.ok()) return Failure{kExitPermanent, session.status()};
+    cpu_ = *std::move(session);
+    optimizer_ = &cpu_->optimizer();
+    AIDN_LOG(INFO) << "zero-1: optimizer state sharded"
+                   << Kv("shards", cpu_->reducer()->ShardParameters().size())
+                   << Kv("padding_floats", cpu_->reducer()->padding_floats());
+    return std::nullopt;
+  }
+  absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
+      engine::Optimizer::Create(OptimizerConfigOf(spec_), task_->Parameters());
+  if (!optimizer.ok()) return Failure{kExitPermanent, optimizer.status()};
+  owned_optimizer_ = *std::move(optimizer);
+  optimizer_ = owned_optimizer_.get();
+  if (spec_.device() == v1::JobSpec::GPU) return std::nullopt;  // SetupGpu, after the resume
   absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
-      engine::CpuSession::Create(o, &task_->model(), optimizer_.get());
+      engine::CpuSession::Create(o, &task_->model(), optimizer_);
   if (!session.ok()) return Failure{kExitPermanent, session.status()};
   cpu_ = *std::move(session);
   return std::nullopt;
@@ -329,7 +343,40 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
   return std::nullopt;
 }
 
+std::optional<Failure> RankTraining::ResumeShardedOptimizerState(int64_t step,
+                                                                 int64_t optimizer_steps) {
+  engine::DdpReducer* reducer = cpu_->reducer();
+  std::vector<engine::DdpReducer::OwnedStateEntry> pieces;
+  for (const auto& [name, shape] : reducer->WholeStateLayout(optimizer_->State())) {
+    engine::Tensor whole(shape);
+    if (loaded_.has_value()) {
+      auto it = loaded_->optimizer_state.find(name);
+      if (it == loaded_->optimizer_state.end() || it->second.numel() != whole.numel()) {
+        return Failure{kExitFailure, absl::DataLossError(absl::StrCat(
+                                         "checkpoint of step ", step, ": optimizer state \"", name,
+                                         "\" is missing or has the wrong size"))};
+      }
+      std::memcpy(whole.data(), it->second.data(),
+                  static_cast<size_t>(whole.numel()) * sizeof(float));
+    }
+    if (absl::Status s = comm_->Broadcast(whole.data(), static_cast<size_t>(whole.numel()), 0);
+        !s.ok()) {
+      return FailureFor(s, "resume");
+    }
+    if (absl::Status s = reducer->SliceWholeState(name, whole, &pieces); !s.ok()) {
+      return Failure{kExitFailure, s};
+    }
+  }
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (const auto& [name, tensor] : pieces) entries.emplace_back(name, &tensor);
+  if (absl::Status s = optimizer_->LoadState(entries, optimizer_steps); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
+  return std::nullopt;
+}
+
 std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t step, int64_t optimizer_steps) {
+  if (Sharded() && cpu_ != nullptr) return ResumeShardedOptimizerState(step, optimizer_steps);
   // Rank 0's loaded buffers, broadcast entry by entry in the order State()
   // lists them (the same on every rank).
   std::vector<engine::Tensor> buffers;
@@ -361,8 +408,17 @@ std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t step, int64_t 
 
 std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_epoch,
                                                 int64_t total_steps) {
-  if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
   const SteadyClock::time_point start = SteadyClock::now();
+  // ZeRO-1: every rank holds a shard of the optimizer state; rank 0 writes
+  // it put together (every rank takes part in that).
+  std::vector<engine::DdpReducer::OwnedStateEntry> gathered;
+  if (Sharded() && cpu_ != nullptr) {
+    absl::StatusOr<std::vector<engine::DdpReducer::OwnedStateEntry>> whole =
+        cpu_->reducer()->GatherState(optimizer_->State());
+    if (!whole.ok()) return FailureFor(whole.status(), "checkpoint");
+    gathered = *std::move(whole);
+  }
+  if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
   engine::CheckpointContents contents;
   for (const engine::Parameter* p : task_->Parameters()) contents.model.push_back(p);
@@ -370,8 +426,13 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
                              {"aidn.step", absl::StrCat(step)},
                              {"aidn.model", spec_.model().name()}};
   for (auto& [key, value] : task_->Metadata()) contents.model_metadata[key] = value;
-  for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
-    contents.optimizer_state.emplace_back(e.first, e.second);
+  if (Sharded() && cpu_ != nullptr) {
+    for (const auto& [name, tensor] : gathered)
+      contents.optimizer_state.emplace_back(name, &tensor);
+  } else {
+    for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
+      contents.optimizer_state.emplace_back(e.first, e.second);
+    }
   }
   const int64_t accum = std::max(1, spec_.grad_accum_steps());
   TrainingState state = TrainingState::At(step, steps_per_epoch, spec_.batch_size() * accum);

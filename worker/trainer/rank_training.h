@@ -89,6 +89,10 @@ class RankTraining {
   // only rank 0's node needs the files.
   std::optional<Failure> Resume(int64_t steps_per_epoch);
   std::optional<Failure> ResumeOptimizerState(int64_t step, int64_t optimizer_steps);
+  // ZeRO-1: the whole state from rank 0's checkpoint, entry by entry, each
+  // rank keeping its shards' pieces.
+  std::optional<Failure> ResumeShardedOptimizerState(int64_t step, int64_t optimizer_steps);
+  bool Sharded() const { return spec_.strategy() == v1::JobSpec::ZERO1; }
   // device: gpu: mirrors the CPU model (weights after the broadcast or the
   // resume) and the resumed optimizer state onto the GPU.
   std::optional<Failure> SetupGpu();
@@ -122,7 +126,10 @@ class RankTraining {
   // The model and its data.
   std::unique_ptr<TrainingTask> task_;
   std::unique_ptr<engine::Communicator> comm_;
-  std::unique_ptr<engine::Optimizer> optimizer_;
+  // The optimizer: owned here (DDP), or the session's (ZeRO-1: over this
+  // rank's shards).
+  std::unique_ptr<engine::Optimizer> owned_optimizer_;
+  engine::Optimizer* optimizer_ = nullptr;
   // device: cpu: the step runs here, over model_ and optimizer_.
   std::unique_ptr<engine::CpuSession> cpu_;
   // Shared with the stop signal's flush.

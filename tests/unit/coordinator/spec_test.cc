@@ -93,8 +93,13 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
          s->mutable_dataset()->set_train_images("../etc/passwd");
        },
        "dataset.train_images: path must not contain \"..\""},
-      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); },
-       "strategy: ZERO1 is reserved and not supported yet (use ddp)"},
+      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); },
+       "strategy: ZERO2 is reserved and not supported yet (use ddp or zero1)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_strategy(JobSpec::ZERO1);
+       },
+       "strategy: ZERO1 runs on device: cpu for now (use ddp on a GPU)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::BF16); },
        "precision: BF16 is for device: gpu (CPU jobs compute in fp32)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::FP16); },
@@ -416,7 +421,12 @@ const BadCase kBadCases[] = {
     {"MaxStepsTooMany", [](JobSpec* s) { s->set_max_steps(1'000'000'000'001); }, "max_steps"},
     {"NeitherEpochsNorMaxSteps", [](JobSpec* s) { s->set_epochs(0); }, "epochs"},
     // strategy, buckets, precision
-    {"StrategyZero1", [](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); }, "strategy"},
+    {"StrategyZero1OnGpu",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_strategy(JobSpec::ZERO1);
+     },
+     "strategy"},
     {"StrategyZero2", [](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); }, "strategy"},
     {"StrategyFsdp", [](JobSpec* s) { s->set_strategy(JobSpec::FSDP); }, "strategy"},
     {"StrategyUnknown", [](JobSpec* s) { s->set_strategy(static_cast<JobSpec::Strategy>(99)); },
@@ -552,6 +562,7 @@ const GoodCase kGoodCases[] = {
     {"WorldSizeAtLimit", [](JobSpec* s) { s->set_world_size(1024); }},
     {"ThreadsPerRank256", [](JobSpec* s) { s->set_threads_per_rank(256); }},
     {"Gpu", [](JobSpec* s) { s->set_device(JobSpec::GPU); }},
+    {"Zero1OnCpu", [](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); }},
     {"GpuBf16",
      [](JobSpec* s) {
        s->set_device(JobSpec::GPU);

@@ -6,6 +6,7 @@
 // optimizer state is its share of DDP's.
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -98,6 +99,11 @@ OptimizerConfig Adam() {
 }
 
 struct RankRun {
+  // The optimizer state of the whole parameters (gathered from the shards
+  // with ZeRO), and whether slicing it back gives the shards' state bit for
+  // bit.
+  std::vector<std::pair<std::string, Tensor>> whole_state;
+  bool state_round_trip = true;
   std::vector<std::string> names;
   std::vector<Tensor> weights;
   std::vector<double> losses;
@@ -150,9 +156,23 @@ std::vector<RankRun> Train(bool gpt, int world, bool shard) {
         run.names.push_back(p->name);
         run.weights.push_back(p->value.Clone());
       }
-      for (const Optimizer::StateEntry& e : (*session)->optimizer().State()) {
-        run.state_floats += e.second->numel();
+      const std::vector<Optimizer::StateEntry> state = (*session)->optimizer().State();
+      for (const Optimizer::StateEntry& e : state) run.state_floats += e.second->numel();
+      DdpReducer* reducer = (*session)->reducer();
+      absl::StatusOr<std::vector<DdpReducer::OwnedStateEntry>> whole = reducer->GatherState(state);
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      std::vector<DdpReducer::OwnedStateEntry> pieces;
+      for (const auto& [name, tensor] : *whole) {
+        ASSERT_TRUE(reducer->SliceWholeState(name, tensor, &pieces).ok()) << name;
       }
+      run.state_round_trip = pieces.size() == state.size();
+      for (size_t i = 0; run.state_round_trip && i < pieces.size(); ++i) {
+        run.state_round_trip = pieces[i].first == state[i].first &&
+                               pieces[i].second.numel() == state[i].second->numel() &&
+                               std::memcmp(pieces[i].second.data(), state[i].second->data(),
+                                           sizeof(float) * pieces[i].second.numel()) == 0;
+      }
+      run.whole_state = *std::move(whole);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -211,6 +231,21 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
   }
   // The shards cover every parameter element exactly once.
   EXPECT_EQ(state, 2 * total);
+  // Put together, the shards' state is DDP's optimizer state (the key third
+  // of c_attn.bias aside, as above), and slices back into the shards'.
+  for (int r = 0; r < world; ++r) {
+    const RankRun& run = zero[static_cast<size_t>(r)];
+    EXPECT_TRUE(run.state_round_trip) << "rank " << r;
+    ASSERT_EQ(run.whole_state.size(), ddp[0].whole_state.size());
+    for (size_t i = 0; i < run.whole_state.size(); ++i) {
+      const auto& [name, tensor] = run.whole_state[i];
+      EXPECT_EQ(name, ddp[0].whole_state[i].first);
+      ASSERT_EQ(tensor.numel(), ddp[0].whole_state[i].second.numel()) << name;
+      if (name.find("attn.c_attn.bias") != std::string::npos) continue;
+      EXPECT_LT(Relative(tensor.data(), ddp[0].whole_state[i].second.data(), tensor.numel()), 1e-5)
+          << "rank " << r << " " << name;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(ModelsAndWorlds, ZeroTest,
