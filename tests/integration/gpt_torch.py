@@ -9,6 +9,12 @@
 #       int32) with nanoGPT's AdamW (decay on matrices and embeddings only,
 #       clipping at 1.0); writes first.safetensors (logits, loss, every
 #       gradient of step 1), final.safetensors and losses.txt.
+#   gpt_torch.py zero DIR N_LAYER N_HEAD N_EMBD BLOCK VOCAB STEPS B T
+#       the same training as one rank (RANK, WORLD_SIZE, MASTER_ADDR and
+#       MASTER_PORT from the environment) of a gloo group: each rank a slice
+#       of every batch, gradients averaged with all_reduce, the AdamW step
+#       through torch.distributed.optim.ZeroRedundancyOptimizer (each rank
+#       updates its shard of the parameters); rank 0 writes zero.safetensors.
 #   gpt_torch.py generate FILE PROMPT LENGTH
 #       greedy continuation of PROMPT's bytes by the model in FILE (an aidn
 #       export: sizes from its "aidn.gpt" metadata); prints the bytes.
@@ -108,6 +114,39 @@ def oracle(d, n_layer, n_head, n_embd, block, vocab, steps, B, T):
     print(f"torch: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps")
 
 
+def zero(d, n_layer, n_head, n_embd, block, vocab, steps, B, T):
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    init, _ = load(f"{d}/init.safetensors")
+    P = {k: torch.nn.Parameter(v) for k, v in init.items()}
+    names = list(P)
+    tokens = torch.frombuffer(bytearray(open(f"{d}/tokens.i32", "rb").read()), dtype=torch.int32)
+    tokens = tokens.long().reshape(steps, B, T + 1)
+    rows = B // world
+    decay = [P[n] for n in names if P[n].dim() >= 2]
+    no_decay = [P[n] for n in names if P[n].dim() < 2]
+    opt = ZeroRedundancyOptimizer([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  optimizer_class=torch.optim.AdamW,
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    for s in range(steps):
+        batch = tokens[s, rank * rows:(rank + 1) * rows]
+        x, y = batch[:, :-1], batch[:, 1:]
+        opt.zero_grad(set_to_none=True)
+        logits = forward(P, n_layer, n_head, n_embd, x)
+        F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)).backward()
+        for n in names:
+            dist.all_reduce(P[n].grad)
+            P[n].grad /= world
+        torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
+        opt.step()
+    if rank == 0:
+        save(f"{d}/zero.safetensors", {n: P[n] for n in names})
+    dist.destroy_process_group()
+
+
 def generate(path, prompt, length):
     P, meta = load(path)
     sizes = dict(kv.split("=") for kv in meta["aidn.gpt"].split(","))
@@ -126,6 +165,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "oracle":
         oracle(sys.argv[2], *map(int, sys.argv[3:11]))
+    elif sys.argv[1] == "zero":
+        zero(sys.argv[2], *map(int, sys.argv[3:11]))
     elif sys.argv[1] == "generate":
         generate(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
