@@ -3,7 +3,11 @@
 # 1.13's DistributedDataParallel over gloo, the same model and settings,
 # interleaved REPS times; prints every sample, the medians and the ratio.
 #
-#   bench/gpt_ddp.sh          # REPS=3 STEPS=10 BATCH=8: about 5 minutes
+#   bench/gpt_ddp.sh          # REPS=3 STEPS=10 BATCH=8: about 8 minutes
+#
+# Each rep also runs the aidn job with `strategy: zero1` (ZeRO-1: optimizer
+# state sharded, gradients reduce-scattered, weights all-gathered), and the
+# summary gives its throughput against aidn's DDP (ZERO=0 leaves it out).
 #
 # Model: nanoGPT's character-level shape (CONFIG=gpt-char: 6 layers, 6
 # heads, 384 wide, context 256, bytes; 10.8M parameters), BATCH sequences
@@ -28,6 +32,7 @@ STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-2}
 BATCH=${BATCH:-8}
 CONFIG=${CONFIG:-gpt-char}
+ZERO=${ZERO:-1}
 TORCH_BLAS_DIR=${TORCH_BLAS_DIR:-/usr/lib/x86_64-linux-gnu/openblas-openmp}
 PY=/usr/bin/python3
 AIDNCTL=$BUILD/aidnctl/aidnctl
@@ -59,6 +64,7 @@ for _ in $(seq 100); do "$AIDNCTL" workers 2>/dev/null | grep -q ALIVE && break;
 
 cat >"$RUN/spec.yaml" <<YAML
 name: bench-gpt-ddp
+strategy: STRATEGY
 world_size: 2
 threads_per_rank: 1
 model: {name: gpt, config: $CONFIG}
@@ -69,9 +75,10 @@ max_steps: $STEPS
 seed: 1
 YAML
 
-aidn_sample() {
+aidn_sample() {  # strategy
   local job
-  job=$("$AIDNCTL" -o json submit -f "$RUN/spec.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
+  sed "s/STRATEGY/$1/" "$RUN/spec.yaml" >"$RUN/spec-$1.yaml"
+  job=$("$AIDNCTL" -o json submit -f "$RUN/spec-$1.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
   "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
   "$AIDNCTL" metrics "$job" -o csv | $PY -c '
 import csv, datetime, sys
@@ -99,19 +106,29 @@ torch_sample() {
 }
 
 echo "$CONFIG, 2 ranks x 1 thread, batch $BATCH x 256 per rank, steps $((WARMUP + 1))..$STEPS timed"
-A=(); T=()
+A=(); T=(); Z=()
 for rep in $(seq 1 "$REPS"); do
-  if ((rep % 2 == 1)); then read -r a mem < <(aidn_sample); read -r t FLOPS < <(torch_sample)
-  else read -r t FLOPS < <(torch_sample); read -r a mem < <(aidn_sample); fi
+  if ((rep % 2 == 1)); then read -r a mem < <(aidn_sample ddp); read -r t FLOPS < <(torch_sample)
+  else read -r t FLOPS < <(torch_sample); read -r a mem < <(aidn_sample ddp); fi
   A+=("$a"); T+=("$t")
   printf 'rep %d: aidn %.0f tokens/s (peak %.0f MiB a rank), torch DDP %.0f tokens/s\n' \
     "$rep" "$a" "$(echo "$mem / 1048576" | bc -l)" "$t"
+  if [[ $ZERO == 1 ]]; then
+    read -r z zmem < <(aidn_sample zero1)
+    Z+=("$z")
+    printf 'rep %d: aidn zero1 %.0f tokens/s (peak %.0f MiB a rank)\n' \
+      "$rep" "$z" "$(echo "$zmem / 1048576" | bc -l)"
+  fi
 done
-$PY - "${A[*]}" "${T[*]}" "$FLOPS" <<'PY'
+$PY - "${A[*]}" "${T[*]}" "$FLOPS" "${Z[*]:-}" <<'PY'
 import re, statistics, sys
 a = statistics.median(float(x) for x in sys.argv[1].split())
 t = statistics.median(float(x) for x in sys.argv[2].split())
 flops = float(sys.argv[3])  # per token: 6 N + 6 n_layer T n_embd
+if sys.argv[4].strip():
+    z = statistics.median(float(x) for x in sys.argv[4].split())
+    print(f"median: aidn zero1 {z:.0f} tokens/s, aidn/ddp {z / a:.2f}x "
+          f"(target >= 0.9: {'PASS' if z / a >= 0.9 else 'MISS'})")
 cpuinfo = open("/proc/cpuinfo").read()
 lanes = 16 if " avx512f" in cpuinfo else 8
 mhz = float(re.search(r"cpu MHz\s*:\s*([\d.]+)", cpuinfo).group(1))

@@ -34,6 +34,10 @@ v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int
     samples += r.samples();
     tokens += r.tokens();
     peak_memory = std::max(peak_memory, r.peak_memory_bytes());
+    out.set_parameter_bytes(std::max(out.parameter_bytes(), r.parameter_bytes()));
+    out.set_gradient_bytes(std::max(out.gradient_bytes(), r.gradient_bytes()));
+    out.set_optimizer_state_bytes(std::max(out.optimizer_state_bytes(), r.optimizer_state_bytes()));
+    out.set_buffer_bytes(std::max(out.buffer_bytes(), r.buffer_bytes()));
     if (train && r.rank() >= 0) {
       out.set_rank_step_seconds(r.rank(), r.step_seconds());
       out.set_rank_allreduce_seconds(r.rank(), r.allreduce_seconds());

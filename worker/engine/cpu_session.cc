@@ -87,6 +87,19 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   return session;
 }
 
+CpuSession::Memory CpuSession::memory() const {
+  Memory m;
+  int64_t weights = 0;
+  for (const Parameter* p : model_->Parameters()) weights += 4 * p->value.numel();
+  const DdpReducer::Memory r = reducer_ != nullptr ? reducer_->memory() : DdpReducer::Memory{};
+  m.parameters = r.weight_buffers > 0 ? r.weight_buffers : weights;
+  m.gradients = r.gradient_buckets > 0 ? r.gradient_buckets : weights;
+  m.buffers = r.shard_buffers;
+  for (const Optimizer::StateEntry& e : optimizer_->State())
+    m.optimizer_state += 4 * e.second->numel();
+  return m;
+}
+
 CpuSession::~CpuSession() {
   if (reducer_ != nullptr) model_->SetGradReadyCallback(nullptr);
 }

@@ -117,6 +117,19 @@ class CpuSession {
   // parameters' and back (checkpoints).
   DdpReducer* reducer() { return reducer_.get(); }
 
+  // Bytes held for the model's state, by what they hold: the weights, the
+  // gradients (DDP's buckets, where they live with more than one rank), the
+  // optimizer's state (ZeRO-1: this rank's shards' only) and other buffers
+  // (ZeRO-1: the averaged slice and the all-gather's scratch). Activations
+  // and the data are not counted (the peak memory metric has them).
+  struct Memory {
+    int64_t parameters = 0;
+    int64_t gradients = 0;
+    int64_t optimizer_state = 0;
+    int64_t buffers = 0;
+  };
+  Memory memory() const;
+
  private:
   CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
 

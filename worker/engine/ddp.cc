@@ -76,8 +76,9 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   reducer->extra_bucket_ = static_cast<int>(reducer->buckets_.size()) - 1;
   for (size_t i = 0; i < plan.floats.size(); ++i) {
     Bucket& bucket = reducer->buckets_[i];
-    bucket.buffer = Tensor({static_cast<int64_t>(plan.floats[i])});
+    // One rank: the gradients stay where they are, no bucket is needed.
     if (reducer->single_) continue;
+    bucket.buffer = Tensor({static_cast<int64_t>(plan.floats[i])});
     for (Parameter* p : bucket.parameters) {
       float* at = bucket.buffer.data() + reducer->slots_[p].offset;
       std::memcpy(at, p->grad.data(), sizeof(float) * static_cast<size_t>(p->grad.numel()));
@@ -250,6 +251,17 @@ absl::Status DdpReducer::SliceWholeState(const std::string& name, const Tensor& 
         absl::StrCat("zero: no parameter for optimizer state ", name));
   }
   return absl::OkStatus();
+}
+
+DdpReducer::Memory DdpReducer::memory() const {
+  Memory m;
+  for (const Bucket& b : buckets_) {
+    m.gradient_buckets += 4 * b.buffer.numel();
+    m.weight_buffers += 4 * b.weights.numel();
+    m.shard_buffers += 4 * b.shard_grad.numel();
+  }
+  m.shard_buffers += static_cast<int64_t>(4 * gather_scratch_.size());
+  return m;
 }
 
 absl::Status DdpReducer::GatherParameters() {

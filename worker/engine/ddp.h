@@ -113,6 +113,15 @@ class DdpReducer {
   // shards into every rank's weights (an all-gather per bucket). OK at once
   // without sharding or with one rank.
   absl::Status GatherParameters();
+  // Bytes the reducer holds: the gradient buckets (none with one rank),
+  // the weights' buffers (shard_optimizer: the parameters' storage) and the
+  // shards' averaged gradients with the all-gather's scratch.
+  struct Memory {
+    int64_t gradient_buckets = 0;
+    int64_t weight_buffers = 0;
+    int64_t shard_buffers = 0;
+  };
+  Memory memory() const;
   // Floats of the buckets' padding (shard_optimizer; 0 otherwise).
   size_t padding_floats() const { return padding_floats_; }
 

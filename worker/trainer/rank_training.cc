@@ -605,6 +605,12 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_lr(result.lr);
   record.set_tokens(plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
+  if (cpu_ != nullptr) {
+    record.set_parameter_bytes(memory_.parameters);
+    record.set_gradient_bytes(memory_.gradients);
+    record.set_optimizer_state_bytes(memory_.optimizer_state);
+    record.set_buffer_bytes(memory_.buffers);
+  }
   *record.mutable_time() = Now();
   reporter_->Record(std::move(record));
   reporter_->Progress(step + 1, epoch + 1, CollectiveSequence(), plan.total_steps);
@@ -653,6 +659,16 @@ std::optional<Failure> RankTraining::Execute() {
   if (std::optional<Failure> f = Resume(plan->steps_per_epoch); f.has_value()) return f;
   if (spec_.device() == v1::JobSpec::GPU) {
     if (std::optional<Failure> f = SetupGpu(); f.has_value()) return f;
+  }
+  if (cpu_ != nullptr) {
+    memory_ = cpu_->memory();
+    constexpr double kMiB = 1024.0 * 1024.0;
+    AIDN_LOG(INFO) << "model state memory"
+                   << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
+                   << Kv("parameters_mib", memory_.parameters / kMiB)
+                   << Kv("gradients_mib", memory_.gradients / kMiB)
+                   << Kv("optimizer_state_mib", memory_.optimizer_state / kMiB)
+                   << Kv("buffers_mib", memory_.buffers / kMiB);
   }
   std::vector<int64_t> indices;
   int32_t epoch = -1;

@@ -146,6 +146,8 @@ class RankTraining {
   // fp16: the resumed checkpoint's loss scaler, for SetupGpu.
   std::optional<engine::LossScaleState> resumed_loss_scale_;
   engine::LrScheduleConfig schedule_;
+  // The session's model-state bytes, reported with every step.
+  engine::CpuSession::Memory memory_;
 };
 
 }  // namespace aidn::trainer

@@ -109,6 +109,7 @@ struct RankRun {
   std::vector<double> losses;
   int64_t state_floats = 0;
   size_t padding = 0;
+  CpuSession::Memory memory;
 };
 
 // Every rank's run of kSteps steps.
@@ -159,6 +160,8 @@ std::vector<RankRun> Train(bool gpt, int world, bool shard) {
       const std::vector<Optimizer::StateEntry> state = (*session)->optimizer().State();
       for (const Optimizer::StateEntry& e : state) run.state_floats += e.second->numel();
       DdpReducer* reducer = (*session)->reducer();
+      run.memory = (*session)->memory();
+      run.padding = reducer->padding_floats();
       absl::StatusOr<std::vector<DdpReducer::OwnedStateEntry>> whole = reducer->GatherState(state);
       ASSERT_TRUE(whole.ok()) << whole.status();
       std::vector<DdpReducer::OwnedStateEntry> pieces;
@@ -231,6 +234,25 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
   }
   // The shards cover every parameter element exactly once.
   EXPECT_EQ(state, 2 * total);
+  // Memory, in bytes (psi = total parameters): DDP holds 4 psi of weights,
+  // 4 psi of gradients (in buckets, aligned, with more than one rank) and 8
+  // psi of AdamW state; ZeRO-1 the weights and gradients in buckets of the
+  // same padded layout (the loss slot too), and 8 psi / N of state summed to
+  // 8 psi over the ranks.
+  const CpuSession::Memory& d = ddp[0].memory;
+  EXPECT_EQ(d.parameters, 4 * total);
+  EXPECT_EQ(d.optimizer_state, 8 * total);
+  if (world == 1) EXPECT_EQ(d.gradients, 4 * total);
+  int64_t zero_state = 0;
+  for (int r = 0; r < world; ++r) {
+    const RankRun& run = zero[static_cast<size_t>(r)];
+    zero_state += run.memory.optimizer_state;
+    if (world == 1) continue;
+    EXPECT_EQ(run.memory.parameters, 4 * (total + 1 + static_cast<int64_t>(run.padding))) << r;
+    EXPECT_EQ(run.memory.gradients, run.memory.parameters) << r;
+    EXPECT_GT(run.memory.buffers, 0) << r;
+  }
+  EXPECT_EQ(zero_state, 8 * total);
   // Put together, the shards' state is DDP's optimizer state (the key third
   // of c_attn.bias aside, as above), and slices back into the shards'.
   for (int r = 0; r < world; ++r) {
