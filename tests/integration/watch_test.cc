@@ -172,7 +172,7 @@ TEST_F(WatchTest, SubmitWatchDrawsAnAdvancingBarAndTheRestReadsTheSameJob) {
   int evals = 0;
   for (size_t i = 1; i < rows.size(); ++i) {
     const std::vector<std::string> cells = absl::StrSplit(rows[i], ',');
-    ASSERT_EQ(cells.size(), 16u) << rows[i];
+    ASSERT_EQ(cells.size(), 19u) << rows[i];
     if (cells[0] == "EVAL") {
       ++evals;
       continue;

@@ -94,7 +94,6 @@ CpuSession::Memory CpuSession::memory() const {
   const DdpReducer::Memory r = reducer_ != nullptr ? reducer_->memory() : DdpReducer::Memory{};
   m.parameters = r.weight_buffers > 0 ? r.weight_buffers : weights;
   m.gradients = r.gradient_buckets > 0 ? r.gradient_buckets : weights;
-  m.buffers = r.shard_buffers;
   for (const Optimizer::StateEntry& e : optimizer_->State())
     m.optimizer_state += 4 * e.second->numel();
   return m;

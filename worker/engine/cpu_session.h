@@ -120,8 +120,9 @@ class CpuSession {
   // Bytes held for the model's state, by what they hold: the weights, the
   // gradients (DDP's buckets, where they live with more than one rank), the
   // optimizer's state (ZeRO-1: this rank's shards' only) and other buffers
-  // (ZeRO-1: the averaged slice and the all-gather's scratch). Activations
-  // and the data are not counted (the peak memory metric has them).
+  // of the strategy (none yet: ZeRO-1's collectives run in place).
+  // Activations and the data are not counted (the peak memory metric has
+  // them).
   struct Memory {
     int64_t parameters = 0;
     int64_t gradients = 0;

@@ -102,8 +102,10 @@ void DdpReducer::ShardBuckets(const BucketPlan& plan) {
     const size_t floats = plan.floats[b];
     const size_t chunk = floats / world;
     bucket.weights = Tensor({static_cast<int64_t>(floats)});
-    bucket.shard_grad = Tensor({static_cast<int64_t>(chunk)});
-    gather_scratch_.resize(std::max(gather_scratch_.size(), chunk));
+    // The reduce-scatter runs in place: the rank's averaged slice lands in
+    // its own slice of the bucket.
+    bucket.shard_grad =
+        Tensor::View(bucket.buffer.data() + rank * chunk, {static_cast<int64_t>(chunk)});
     size_t used = b + 1 == buckets_.size() ? 1 : 0;  // the extra slot
     const size_t begin = rank * chunk, end = begin + chunk;
     // In bucket order (reverse registration), as the plan laid them out.
@@ -258,9 +260,7 @@ DdpReducer::Memory DdpReducer::memory() const {
   for (const Bucket& b : buckets_) {
     m.gradient_buckets += 4 * b.buffer.numel();
     m.weight_buffers += 4 * b.weights.numel();
-    m.shard_buffers += 4 * b.shard_grad.numel();
   }
-  m.shard_buffers += static_cast<int64_t>(4 * gather_scratch_.size());
   return m;
 }
 
@@ -271,8 +271,9 @@ absl::Status DdpReducer::GatherParameters() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Tensor& weights = buckets_[b].weights;
     const size_t chunk = static_cast<size_t>(weights.numel()) / world;
-    std::memcpy(gather_scratch_.data(), weights.data() + rank * chunk, sizeof(float) * chunk);
-    if (absl::Status s = communicator_->AllGather(gather_scratch_.data(), chunk, weights.data());
+    // In place: the rank's slice is already where the output wants it.
+    if (absl::Status s =
+            communicator_->AllGather(weights.data() + rank * chunk, chunk, weights.data());
         !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("zero bucket ", b, " weights: ", s.message()));
     }

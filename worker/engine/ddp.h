@@ -106,20 +106,21 @@ class DdpReducer {
   // per parameter that its slice of a bucket covers, named
   // "<parameter>[begin:end]" (flat element range), its value a view into
   // the bucket's weights and its gradient a view into the averaged slice
-  // (valid after a communicating Finish); whole_shape is the parameter's.
+  // (valid after a communicating Finish, until the next backward writes
+  // the bucket); whole_shape is the parameter's.
   // Without sharding, or with one rank: the parameters themselves.
   const std::vector<Parameter*>& ShardParameters() const { return shard_view_; }
   // shard_optimizer: after the optimizer stepped the shards, every rank's
   // shards into every rank's weights (an all-gather per bucket). OK at once
   // without sharding or with one rank.
   absl::Status GatherParameters();
-  // Bytes the reducer holds: the gradient buckets (none with one rank),
-  // the weights' buffers (shard_optimizer: the parameters' storage) and the
-  // shards' averaged gradients with the all-gather's scratch.
+  // Bytes the reducer holds: the gradient buckets (none with one rank) and
+  // the weights' buffers (shard_optimizer: the parameters' storage). The
+  // reduce-scatter and the all-gather run in place and hold nothing more
+  // (the Gloo communicator stages a bucket of its own; see its header).
   struct Memory {
     int64_t gradient_buckets = 0;
     int64_t weight_buffers = 0;
-    int64_t shard_buffers = 0;
   };
   Memory memory() const;
   // Floats of the buckets' padding (shard_optimizer; 0 otherwise).
@@ -161,7 +162,7 @@ class DdpReducer {
     Tensor buffer;    // the gradients' storage (+ the extra slot in the last)
     int pending = 0;  // gradients still to arrive this pass
     // shard_optimizer: the weights' storage, laid out as `buffer`, and this
-    // rank's slice of the averaged gradients.
+    // rank's slice of the averaged gradients (a view into `buffer`).
     Tensor weights;
     Tensor shard_grad;
   };
@@ -197,8 +198,6 @@ class DdpReducer {
   // The parameters in registration order.
   std::vector<Parameter*> parameters_;
   std::vector<Parameter*> shard_view_;
-  // The all-gather's input (a bucket's slice, copied out).
-  std::vector<float> gather_scratch_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <numbers>
 
 #include "absl/strings/str_cat.h"
@@ -69,8 +70,10 @@ class ImageTask final : public TrainingTask {
   const engine::Dataset train_, test_;
   std::unique_ptr<engine::Sequential> model_;
   engine::Classifier classifier_;
-  std::vector<engine::Tensor> images_;
-  std::vector<std::vector<int32_t>> labels_;
+  // A deque: growing it keeps the earlier slots (which the step's earlier
+  // micro-batches point into) where they are.
+  std::deque<engine::Tensor> images_;
+  std::deque<std::vector<int32_t>> labels_;
 };
 
 class TextTask final : public TrainingTask {
@@ -153,7 +156,8 @@ class TextTask final : public TrainingTask {
   const engine::TextSplit text_;
   std::unique_ptr<engine::Gpt> model_;
   engine::LanguageModel lm_;
-  std::vector<std::vector<int32_t>> x_, y_;
+  // A deque, as ImageTask's.
+  std::deque<std::vector<int32_t>> x_, y_;
 };
 
 absl::StatusOr<std::unique_ptr<TrainingTask>> CreateTextTask(const v1::JobSpec& spec) {

@@ -197,6 +197,46 @@ TEST_P(CommunicatorConformanceTest, ReduceScatterGivesEachRankItsReducedBlock) {
   })));
 }
 
+// In place, as ZeRO uses them: the rank's block of the output is the
+// all-gather's input, and the reduce-scatter's output is the rank's block of
+// its input.
+TEST_P(CommunicatorConformanceTest, AllGatherInPlaceTakesTheRanksBlockFromTheOutput) {
+  const CommBackend& backend = this->backend();
+  const int n = world();
+  const size_t count = per_rank_elements();
+  EXPECT_TRUE(testing::AllOk(OnRanks(backend, n, [&](int rank, Communicator& comm) {
+    std::vector<float> initial(count * n, -1.0f);
+    for (size_t i = 0; i < count; ++i) initial[rank * count + i] = static_cast<float>(i * n + rank);
+    Buffer out(backend, initial);
+    AIDN_RETURN_IF_ERROR(comm.AllGather(out.data() + rank * count, count, out.data()));
+    EXPECT_TRUE(Matches(
+        out.Read(), [&](size_t j) { return static_cast<float>((j % count) * n + j / count); },
+        rank));
+    return absl::OkStatus();
+  })));
+}
+
+TEST_P(CommunicatorConformanceTest, ReduceScatterInPlaceReducesTheRanksBlock) {
+  const CommBackend& backend = this->backend();
+  const int n = world();
+  const size_t count = per_rank_elements();
+  EXPECT_TRUE(testing::AllOk(OnRanks(backend, n, [&](int rank, Communicator& comm) {
+    Buffer data(backend, Iota(count * n, rank, 1));
+    AIDN_RETURN_IF_ERROR(
+        comm.ReduceScatter(data.data(), count, data.data() + rank * count, ReduceOp::kAvg));
+    const std::vector<float> got = data.Read();
+    const std::vector<float> block(got.begin() + rank * count, got.begin() + (rank + 1) * count);
+    EXPECT_TRUE(Matches(
+        block,
+        [&](size_t i) {
+          return (TriangularSum(n) + static_cast<float>(n * (rank * count + i))) /
+                 static_cast<float>(n);
+        },
+        rank));
+    return absl::OkStatus();
+  })));
+}
+
 TEST_P(CommunicatorConformanceTest, SequenceCountsEveryCompletedCollective) {
   const CommBackend& backend = this->backend();
   const int n = world();

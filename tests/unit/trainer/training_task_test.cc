@@ -79,6 +79,19 @@ TEST_F(TextTaskTest, ItemsAreWindowsOfTheTrainingText) {
   EXPECT_NEAR(loss, std::log(256.0), 0.5);
 }
 
+// A step's micro-batches (gradient accumulation) are gathered one slot
+// after the other; each stays valid while the later ones are gathered.
+TEST_F(TextTaskTest, EarlierSlotsOfAStepStayValid) {
+  auto task = TrainingTask::Create(Spec(8000), "");
+  ASSERT_TRUE(task.ok()) << task.status();
+  const std::vector<int64_t> indices = {1, 2, 3, 4, 5, 6, 7, 8};
+  const engine::MicroBatch first = (*task)->Gather(0, indices, 0, 2, 0);
+  const std::vector<int32_t> copy = *first.tokens;
+  for (size_t slot = 1; slot < 8; ++slot) (*task)->Gather(0, indices, slot, 1, slot);
+  EXPECT_EQ(*first.tokens, copy);
+  EXPECT_EQ(first.tokens->size(), 32u);
+}
+
 TEST_F(TextTaskTest, TheRanksEvaluateDisjointSharesOfTheSameWindows) {
   auto task = TrainingTask::Create(Spec(8000), "");
   ASSERT_TRUE(task.ok()) << task.status();

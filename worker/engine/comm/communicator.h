@@ -34,8 +34,11 @@ class Communicator {
   // In place: every rank ends with root's data.
   virtual absl::Status Broadcast(float* data, size_t count, int root) = 0;
   // `out` holds world_size * count: rank r's `in` at [r * count, (r+1) * count).
+  // In place when `in` is out + rank * count.
   virtual absl::Status AllGather(const float* in, size_t count, float* out) = 0;
-  // `in` holds world_size * count; rank r gets the reduction of block r.
+  // `in` holds world_size * count; rank r gets the reduction of block r. In
+  // place when `out` is in + rank * count (the rest of `in` is then left
+  // unspecified); otherwise `in` is left as it was.
   virtual absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp op) = 0;
   virtual absl::Status Barrier() = 0;
   // Collectives completed so far (the progress beat's collective_seq).
