@@ -35,32 +35,7 @@ CONFIG=${CONFIG:-gpt-char}
 ZERO=${ZERO:-1}
 TORCH_BLAS_DIR=${TORCH_BLAS_DIR:-/usr/lib/x86_64-linux-gnu/openblas-openmp}
 PY=/usr/bin/python3
-AIDNCTL=$BUILD/aidnctl/aidnctl
-for bin in "$BUILD/coordinator/aidn-coordinator" "$BUILD/worker/aidn-worker" "$AIDNCTL"; do
-  [[ -x $bin ]] || { echo "missing $bin (scripts/build.sh aidn-coordinator aidn-worker aidnctl)" >&2; exit 1; }
-done
-RUN=$(mktemp -d /tmp/aidn-gpt-ddp.XXXXXX)
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]:1}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]:1}"; do wait "$pid" 2>/dev/null || true; done
-  [[ ${#PIDS[@]} -gt 0 ]] && { kill "${PIDS[0]}" 2>/dev/null || true; wait "${PIDS[0]}" 2>/dev/null || true; }
-  [[ ${KEEP:-0} == 1 ]] || rm -rf "$RUN"
-}
-trap cleanup EXIT
-
-env -u LD_LIBRARY_PATH "$BUILD/coordinator/aidn-coordinator" --listen=127.0.0.1:0 \
-  --state-dir="$RUN/state" --addr-file="$RUN/addr" >"$RUN/coordinator.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do [[ -s $RUN/addr && -s $RUN/state/admin.token ]] && break; sleep 0.1; done
-export AIDN_ADDR AIDN_TOKEN
-AIDN_ADDR=$(cat "$RUN/addr")
-AIDN_TOKEN=$(cat "$RUN/state/admin.token")
-env -u LD_LIBRARY_PATH "$BUILD/worker/aidn-worker" --coordinator="$AIDN_ADDR" \
-  --token-file="$RUN/state/worker.token" --worker-id=w1 --cpu-slots=2 --work-dir="$RUN/w1" \
-  >"$RUN/worker.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 100); do "$AIDNCTL" workers 2>/dev/null | grep -q ALIVE && break; sleep 0.1; done
+SLOTS=2 source "$ROOT/bench/local_cluster.sh" aidn-gpt-ddp
 
 cat >"$RUN/spec.yaml" <<YAML
 name: bench-gpt-ddp
