@@ -160,7 +160,9 @@ TEST(CpuSession, WithOneRankTheReducerChangesNothingButTheLossRounding) {
 
 TEST(CpuSession, RefusesAnEmptyStepAndMissingParts) {
   Net net = Net::Make();
-  EXPECT_EQ(CpuSession::Create({}, static_cast<Sequential*>(nullptr), net.optimizer.get()).status().code(),
+  EXPECT_EQ(CpuSession::Create({}, static_cast<Sequential*>(nullptr), net.optimizer.get())
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
   OneRank comm;
   EXPECT_EQ(CpuSession::Create({.communicator = &comm, .bucket_mb = 0}, net.model.get(),
