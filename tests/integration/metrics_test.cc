@@ -150,7 +150,11 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   ASSERT_TRUE(WaitFor(
       [&] {
         text = HttpGet(metrics_address(), "/metrics");
-        return Sample(text, absl::StrCat("aidn_job_loss{", job, "}")) > 0;
+        // An RPC is counted when it completes, and a StreamMetrics call
+        // completes after the coordinator took its records in: the loss
+        // can show before the call does.
+        return Sample(text, absl::StrCat("aidn_job_loss{", job, "}")) > 0 &&
+               absl::StrContains(text, "method=\"StreamMetrics\"");
       },
       std::chrono::seconds(30)))
       << text;
