@@ -257,19 +257,22 @@ absl::StatusOr<std::string> VerifiedWeights(const v1::Checkpoint& checkpoint) {
   return absl::StrCat(checkpoint.path(), "/", kModelFile);
 }
 
-absl::Status RunExport(const CommandEnv& env, const ExportOptions& options) {
-  AIDN_RETURN_IF_ERROR(CheckOutputPath(options));
-
+absl::StatusOr<v1::Checkpoint> FetchCheckpoint(const CommandEnv& env, const std::string& job_id,
+                                               std::optional<int64_t> step) {
   v1::ListCheckpointsRequest request;
-  request.set_job_id(options.job_id);
+  request.set_job_id(job_id);
   v1::ListCheckpointsResponse response;
   grpc::ClientContext context;
   rpc::PrepareContext(&context, env.options.connection.token, env.options.timeout);
   const grpc::Status status = env.stub->ListCheckpoints(&context, request, &response);
   if (!status.ok()) return RpcError(status, env.options.connection.address, env.options.timeout);
+  return ChooseCheckpoint(response.checkpoints(), job_id, step);
+}
 
+absl::Status RunExport(const CommandEnv& env, const ExportOptions& options) {
+  AIDN_RETURN_IF_ERROR(CheckOutputPath(options));
   AIDN_ASSIGN_OR_RETURN(const v1::Checkpoint checkpoint,
-                        ChooseCheckpoint(response.checkpoints(), options.job_id, options.step));
+                        FetchCheckpoint(env, options.job_id, options.step));
   AIDN_ASSIGN_OR_RETURN(const ManifestEntry model, VerifyCheckpoint(checkpoint));
   const std::string source = absl::StrCat(checkpoint.path(), "/", kModelFile);
   std::error_code error;

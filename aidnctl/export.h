@@ -61,6 +61,11 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
     const google::protobuf::RepeatedPtrField<v1::Checkpoint>& checkpoints,
     const std::string& job_id, std::optional<int64_t> step);
 
+// ChooseCheckpoint over the coordinator's list for `job_id` (errors: the
+// call's, as RpcError words them, or ChooseCheckpoint's).
+absl::StatusOr<v1::Checkpoint> FetchCheckpoint(const CommandEnv& env, const std::string& job_id,
+                                               std::optional<int64_t> step);
+
 // The path of the weights (model.safetensors) of `checkpoint`, once its
 // directory is reachable from this machine and verifies against its
 // MANIFEST and the SHA-256 the coordinator recorded (errors as RunExport's).

@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "aidnctl/export.h"
-#include "common/rpc/client.h"
 #include "common/status.h"
 
 namespace aidn::ctl {
@@ -20,15 +19,8 @@ absl::Status RunGenerate(const CommandEnv& env, const GenerateOptions& options) 
   }
   std::string path = options.file;
   if (!options.job_id.empty()) {
-    v1::ListCheckpointsRequest request;
-    request.set_job_id(options.job_id);
-    v1::ListCheckpointsResponse response;
-    grpc::ClientContext context;
-    rpc::PrepareContext(&context, env.options.connection.token, env.options.timeout);
-    const grpc::Status status = env.stub->ListCheckpoints(&context, request, &response);
-    if (!status.ok()) return RpcError(status, env.options.connection.address, env.options.timeout);
     AIDN_ASSIGN_OR_RETURN(const v1::Checkpoint checkpoint,
-                          ChooseCheckpoint(response.checkpoints(), options.job_id, options.step));
+                          FetchCheckpoint(env, options.job_id, options.step));
     AIDN_ASSIGN_OR_RETURN(path, VerifiedWeights(checkpoint));
   }
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<engine::Gpt> gpt, engine::LoadGpt(path));

@@ -60,9 +60,9 @@ struct CpuSessionOptions {
   double bucket_mb = 25.0;
   // ZeRO-1 (DdpOptions::shard_optimizer): gradients reduce-scattered, the
   // optimizer over this rank's shards, weights all-gathered after the
-  // update. Needs a session that makes its optimizer (the Create taking an
-  // OptimizerConfig). The parameters' gradients are not the averaged ones
-  // after a Step (the shards' are).
+  // update. Only with the Create that takes an OptimizerConfig (the
+  // optimizer is made here, over the shards). The parameters' gradients
+  // are not the averaged ones after a Step (the shards' are).
   bool shard_optimizer = false;
 };
 
@@ -136,7 +136,8 @@ class CpuSession {
 
   // The Sequential overload's adapter (model_ points at it); null otherwise.
   std::unique_ptr<TrainableModel> owned_;
-  // The optimizer a session made (optimizer_ points at it); null otherwise.
+  // The optimizer Create made from a config (optimizer_ points at it); null
+  // otherwise.
   std::unique_ptr<Optimizer> owned_optimizer_;
   TrainableModel* model_;
   Optimizer* optimizer_;
