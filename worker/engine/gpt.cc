@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numbers>
 #include <utility>
 
@@ -657,7 +658,17 @@ absl::StatusOr<std::unique_ptr<Gpt>> LoadGpt(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
   }
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Gpt> gpt, Gpt::Create(*config, 0));
-  AIDN_RETURN_IF_ERROR(LoadSafetensors(path, gpt->Parameters()));
+  // The tensors already read, by name (one pass over the file).
+  for (Parameter* p : gpt->Parameters()) {
+    auto t = tensors.find(p->name);
+    if (t == tensors.end() || t->second.shape() != p->value.shape()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor ", p->name, t == tensors.end() ? " is missing" : " has shape ",
+          t == tensors.end() ? "" : t->second.ShapeString(), " for a model of ", it->second));
+    }
+    std::memcpy(p->value.data(), t->second.data(),
+                sizeof(float) * static_cast<size_t>(p->value.numel()));
+  }
   return gpt;
 }
 

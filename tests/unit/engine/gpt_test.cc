@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <random>
 #include <string>
@@ -16,6 +17,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "worker/engine/safetensors.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -284,6 +286,36 @@ TEST(GptGenerate, BadOptionsNameTheProblem) {
   o = SampleOptions();
   o.top_k = -1;
   EXPECT_THAT(Generate(*gpt, {1}, o).status().message(), HasSubstr("top_k"));
+}
+
+// A model saved with its sizes in the metadata loads back whole: the same
+// logits; files without the sizes, or with tensors of another model, are
+// refused naming the problem.
+TEST(GptFiles, FormatAndLoadGiveTheSameModelBack) {
+  const GptConfig c = Tiny();
+  EXPECT_EQ(FormatGptConfig(*ParseGptConfig(FormatGptConfig(c))), FormatGptConfig(c));
+  EXPECT_FALSE(ParseGptConfig("n_layer=2").ok());
+  EXPECT_FALSE(ParseGptConfig(FormatGptConfig(c) + ",colour=3").ok());
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(c, 11);
+  const std::string dir = ::testing::TempDir();
+  const std::string path = dir + "/gpt_files_test.safetensors";
+  std::vector<const Parameter*> params(gpt->Parameters().begin(), gpt->Parameters().end());
+  ASSERT_TRUE(SaveSafetensors(path, params, {{"aidn.gpt", FormatGptConfig(c)}}).ok());
+  absl::StatusOr<std::unique_ptr<Gpt>> loaded = LoadGpt(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
+  const Tensor& logits = gpt->Logits(tokens.data(), 1, 5);
+  const std::vector<float> want(logits.data(), logits.data() + logits.numel());
+  const Tensor& got = (*loaded)->Logits(tokens.data(), 1, 5);
+  EXPECT_EQ(std::vector<float>(got.data(), got.data() + got.numel()), want);
+
+  ASSERT_TRUE(SaveSafetensors(path, params, {{"aidn.model", "mlp"}}).ok());
+  EXPECT_THAT(LoadGpt(path).status().message(), ::testing::HasSubstr("holds no gpt model"));
+  GptConfig wider = c;
+  wider.n_embd *= 2;
+  ASSERT_TRUE(SaveSafetensors(path, params, {{"aidn.gpt", FormatGptConfig(wider)}}).ok());
+  EXPECT_THAT(LoadGpt(path).status().message(), ::testing::HasSubstr("has shape"));
+  std::remove(path.c_str());
 }
 
 TEST(GptDeathTest, BackwardAfterLogitsAloneAborts) {
