@@ -47,6 +47,25 @@ void* operator new(std::size_t size) { return CountedAlloc(size, alignof(std::ma
 void* operator new(std::size_t size, std::align_val_t a) {
   return CountedAlloc(size, static_cast<std::size_t>(a));
 }
+// The nothrow forms too (std::stable_sort's temporary buffer uses them):
+// under ASan they would otherwise come from its allocator and reach the
+// free() below.
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  try {
+    return CountedAlloc(size, alignof(std::max_align_t));
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new(std::size_t size, std::align_val_t a, const std::nothrow_t&) noexcept {
+  try {
+    return CountedAlloc(size, static_cast<std::size_t>(a));
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
