@@ -18,6 +18,19 @@ engine::ModelConfig ModelConfigOf(const v1::JobSpec& spec) {
   return config;
 }
 
+engine::GptConfig GptConfigOf(const v1::JobSpec& spec) {
+  const v1::ModelSpec& m = spec.model();
+  engine::GptConfig config;
+  config.n_layer = m.n_layer();
+  config.n_head = m.n_head();
+  config.n_embd = m.n_embd();
+  config.block_size = m.block_size();
+  config.vocab_size = m.vocab_size();
+  config.dropout = m.dropout();
+  config.bias = !m.has_bias() || m.bias();
+  return config;
+}
+
 engine::OptimizerConfig OptimizerConfigOf(const v1::JobSpec& spec) {
   const v1::OptimizerSpec& o = spec.optimizer();
   engine::OptimizerConfig config;

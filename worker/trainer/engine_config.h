@@ -12,6 +12,7 @@
 #include "aidn/v1/job.pb.h"
 #include "worker/engine/comm/cpu_communicator.h"
 #include "worker/engine/data.h"
+#include "worker/engine/gpt.h"
 #include "worker/engine/gpu_session.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/model.h"
@@ -21,6 +22,9 @@
 namespace aidn::trainer {
 
 engine::ModelConfig ModelConfigOf(const v1::JobSpec& spec);
+// model gpt: the spec's sizes (after the coordinator's defaults), dropout
+// and bias.
+engine::GptConfig GptConfigOf(const v1::JobSpec& spec);
 engine::OptimizerConfig OptimizerConfigOf(const v1::JobSpec& spec);
 engine::LrScheduleConfig ScheduleOf(const v1::JobSpec& spec);
 

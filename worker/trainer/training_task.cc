@@ -191,19 +191,6 @@ absl::StatusOr<std::unique_ptr<TrainingTask>> CreateTextTask(const v1::JobSpec& 
 
 }  // namespace
 
-engine::GptConfig GptConfigOf(const v1::JobSpec& spec) {
-  const v1::ModelSpec& m = spec.model();
-  engine::GptConfig config;
-  config.n_layer = m.n_layer();
-  config.n_head = m.n_head();
-  config.n_embd = m.n_embd();
-  config.block_size = m.block_size();
-  config.vocab_size = m.vocab_size();
-  config.dropout = m.dropout();
-  config.bias = !m.has_bias() || m.bias();
-  return config;
-}
-
 absl::StatusOr<std::unique_ptr<TrainingTask>> TrainingTask::Create(const v1::JobSpec& spec,
                                                                    const std::string& cache_dir) {
   if (spec.model().name() == "gpt") return CreateTextTask(spec);

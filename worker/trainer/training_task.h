@@ -32,9 +32,6 @@
 
 namespace aidn::trainer {
 
-// The spec's gpt sizes (after the coordinator's defaults).
-engine::GptConfig GptConfigOf(const v1::JobSpec& spec);
-
 class TrainingTask {
  public:
   // Loads the data the spec names (images through the worker's cache of

@@ -156,3 +156,27 @@ TEST(EngineConfig, LoadsFashionMnistWhenInstalled) {
 
 }  // namespace
 }  // namespace aidn::trainer
+
+namespace aidn::trainer {
+namespace {
+
+TEST(GptConfigOf, TakesTheSizesDropoutAndBias) {
+  v1::JobSpec spec;
+  v1::ModelSpec* m = spec.mutable_model();
+  m->set_name("gpt");
+  m->set_n_layer(3);
+  m->set_n_head(2);
+  m->set_n_embd(48);
+  m->set_block_size(64);
+  m->set_vocab_size(256);
+  m->set_dropout(0.1);
+  engine::GptConfig c = GptConfigOf(spec);
+  EXPECT_EQ(engine::FormatGptConfig(c),
+            "n_layer=3,n_head=2,n_embd=48,block_size=64,vocab_size=256,bias=1");
+  EXPECT_DOUBLE_EQ(c.dropout, 0.1);
+  m->set_bias(false);
+  EXPECT_FALSE(GptConfigOf(spec).bias);
+}
+
+}  // namespace
+}  // namespace aidn::trainer
