@@ -95,6 +95,7 @@ absl::Status CheckBuiltInFieldsUnset(const v1::JobSpec& spec) {
       {"max_steps", spec.max_steps() != 0},
       {"seed", spec.seed() != 0},
       {"strategy", spec.strategy() != v1::JobSpec::STRATEGY_UNSPECIFIED},
+      {"fsdp", spec.has_fsdp()},
       {"bucket_mb", spec.has_bucket_mb()},
       {"grad_accum_steps", spec.grad_accum_steps() != 0},
       {"precision", spec.precision() != v1::JobSpec::PRECISION_UNSPECIFIED},

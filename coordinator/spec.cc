@@ -383,20 +383,29 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
     case JobSpec::DDP:
       break;
     case JobSpec::ZERO1:
-      if (spec.device() == JobSpec::GPU) {
-        return Invalid("strategy", "ZERO1 runs on device: cpu for now (use ddp on a GPU)");
-      }
-      break;
     case JobSpec::ZERO2:
     case JobSpec::FSDP:
-      return Invalid("strategy", absl::StrCat(JobSpec::Strategy_Name(spec.strategy()),
-                                              " is reserved and not supported yet (use ddp "
-                                              "or zero1)"));
+      if (spec.device() == JobSpec::GPU) {
+        return Invalid("strategy", absl::StrCat(JobSpec::Strategy_Name(spec.strategy()),
+                                                " runs on device: cpu for now (use ddp on a GPU)"));
+      }
+      break;
     case JobSpec::STRATEGY_UNSPECIFIED:
       return Invalid("strategy", "not set (defaults were not applied)");
     default:
       return Invalid("strategy", absl::StrCat("unknown value ", static_cast<int>(spec.strategy()),
-                                              " (known: ddp, zero1)"));
+                                              " (known: ddp, zero1, zero2, fsdp)"));
+  }
+  if (spec.has_fsdp() && spec.strategy() != JobSpec::FSDP) {
+    return Invalid("fsdp", absl::StrCat("applies to strategy: fsdp only (this job's is ",
+                                        JobSpec::Strategy_Name(spec.strategy()), ")"));
+  }
+  if (spec.strategy() == JobSpec::FSDP) {
+    const v1::FsdpSpec::Sharding sharding = spec.fsdp().sharding();
+    if (sharding != v1::FsdpSpec::FULL_SHARD && sharding != v1::FsdpSpec::SHARD_GRAD_OP) {
+      return Invalid("fsdp.sharding", absl::StrCat("unknown value ", static_cast<int>(sharding),
+                                                   " (known: full_shard, shard_grad_op)"));
+    }
   }
   if (!spec.has_bucket_mb()) return Invalid("bucket_mb", "not set (defaults were not applied)");
   if (!std::isfinite(spec.bucket_mb()) || spec.bucket_mb() <= 0 ||
@@ -527,6 +536,10 @@ void ApplyTrainerDefaults(v1::JobSpec* spec) {
   if (spec->batch_size() == 0) spec->set_batch_size(64);
   if (spec->epochs() == 0 && spec->max_steps() == 0) spec->set_epochs(1);
   if (spec->strategy() == JobSpec::STRATEGY_UNSPECIFIED) spec->set_strategy(JobSpec::DDP);
+  if (spec->strategy() == JobSpec::FSDP &&
+      spec->fsdp().sharding() == v1::FsdpSpec::SHARDING_UNSPECIFIED) {
+    spec->mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+  }
   if (!spec->has_bucket_mb()) spec->set_bucket_mb(25.0);
   if (spec->grad_accum_steps() == 0) spec->set_grad_accum_steps(1);
   if (spec->precision() == JobSpec::PRECISION_UNSPECIFIED) spec->set_precision(JobSpec::FP32);

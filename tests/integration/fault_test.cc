@@ -695,53 +695,76 @@ TEST_F(FaultTest, AGptJobResumesBitwiseAndItsCheckpointGeneratesText) {
   EXPECT_TRUE(absl::StrContains(mlp.err, "missing.st")) << mlp.err;
 }
 
-// 10. ZeRO-1: a rank killed with SIGKILL resumes from a checkpoint holding
-// the whole optimizer state (gathered from the shards, sliced again on
-// resume) to weights bitwise equal to an uninterrupted ZeRO-1 run, and
+// 10. ZeRO-1, ZeRO-2 and FSDP (full_shard and shard_grad_op): a rank
+// killed with SIGKILL resumes from a checkpoint holding the whole weights
+// and optimizer state (gathered from the shards, sliced again on resume) to
+// weights bitwise equal to an uninterrupted run of the same strategy, and
 // those end where DDP's end (float rounding of the reduce-scatter and the
 // clipping norm apart).
-TEST_F(FaultTest, AZero1JobResumesBitwiseAndEndsWhereDdpEnds) {
+struct ShardedCase {
+  const char* name;
+  v1::JobSpec::Strategy strategy;
+  v1::FsdpSpec::Sharding sharding;
+};
+
+class ShardedFaultTest : public FaultTest, public ::testing::WithParamInterface<ShardedCase> {};
+
+TEST_P(ShardedFaultTest, ResumesBitwiseAndEndsWhereDdpEnds) {
   StartWorkers({"w1", "w2"});
   constexpr int64_t kSteps = 2000;
   auto spec = [&](v1::JobSpec::Strategy strategy) {
     v1::JobSpec s = Spec(2, kSteps);
     s.set_strategy(strategy);
+    if (strategy == v1::JobSpec::FSDP) s.mutable_fsdp()->set_sharding(GetParam().sharding);
     s.set_bucket_mb(0.05);  // several buckets, parameters split between the ranks' shards
     s.mutable_optimizer()->set_grad_clip_norm(1.0);
     return s;
   };
+  const v1::JobSpec::Strategy strategy = GetParam().strategy;
   const std::string ddp = Submit(spec(v1::JobSpec::DDP));
-  const std::string reference = Submit(spec(v1::JobSpec::ZERO1));
+  const std::string reference = Submit(spec(strategy));
   for (const std::string& id : {ddp, reference}) {
     const v1::Job job = WaitForEnd(id);
     ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
   }
-  const std::string id = Submit(spec(v1::JobSpec::ZERO1));
+  const std::string id = Submit(spec(strategy));
   ASSERT_TRUE(WaitForCommitted(id, 100));
   KillTrainer(id, 1, 1, SIGKILL);
   const v1::Job job = WaitForEnd(id);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
   EXPECT_EQ(job.restarts(), 1);
-  const std::string zero = FinalWeights(reference, kSteps);
-  ASSERT_FALSE(zero.empty());
-  EXPECT_TRUE(zero == FinalWeights(id, kSteps))
+  const std::string sharded = FinalWeights(reference, kSteps);
+  ASSERT_FALSE(sharded.empty());
+  EXPECT_TRUE(sharded == FinalWeights(id, kSteps))
       << "final weights differ from the uninterrupted run's";
   std::string log;
   for (const char* w : {"w1", "w2"}) log += TrainerLog(w, id, 1, 0) + TrainerLog(w, id, 1, 1);
-  EXPECT_TRUE(absl::StrContains(log, "zero-1: optimizer state sharded")) << log;
+  EXPECT_TRUE(absl::StrContains(
+      log, absl::StrCat("model state sharded strategy=", v1::JobSpec::Strategy_Name(strategy))))
+      << log;
 
   const std::string with_ddp = FinalWeights(ddp, kSteps);
-  ASSERT_EQ(with_ddp.size(), zero.size());
+  ASSERT_EQ(with_ddp.size(), sharded.size());
   double diff = 0, norm = 0;
-  for (size_t i = 0; i + 4 <= zero.size(); i += 4) {
+  for (size_t i = 0; i + 4 <= sharded.size(); i += 4) {
     float a = 0, b = 0;
-    std::memcpy(&a, zero.data() + i, 4);
+    std::memcpy(&a, sharded.data() + i, 4);
     std::memcpy(&b, with_ddp.data() + i, 4);
     diff += (static_cast<double>(a) - b) * (static_cast<double>(a) - b);
     norm += static_cast<double>(b) * b;
   }
-  EXPECT_LT(std::sqrt(diff / norm), 1e-5) << "ZeRO-1 against DDP after " << kSteps << " steps";
+  EXPECT_LT(std::sqrt(diff / norm), 1e-5)
+      << GetParam().name << " against DDP after " << kSteps << " steps";
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, ShardedFaultTest,
+    ::testing::Values(ShardedCase{"Zero1", v1::JobSpec::ZERO1, v1::FsdpSpec::SHARDING_UNSPECIFIED},
+                      ShardedCase{"Zero2", v1::JobSpec::ZERO2, v1::FsdpSpec::SHARDING_UNSPECIFIED},
+                      ShardedCase{"FsdpFullShard", v1::JobSpec::FSDP, v1::FsdpSpec::FULL_SHARD},
+                      ShardedCase{"FsdpShardGradOp", v1::JobSpec::FSDP,
+                                  v1::FsdpSpec::SHARD_GRAD_OP}),
+    [](const ::testing::TestParamInfo<ShardedCase>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace aidn::testing

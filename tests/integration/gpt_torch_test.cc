@@ -181,8 +181,10 @@ absl::Status TrainRank(int rank, int ranks, const std::vector<int32_t>& tokens, 
   // The session makes the optimizer (over this rank's shards with ZeRO-1).
   AIDN_ASSIGN_OR_RETURN(
       std::unique_ptr<CpuSession> session,
-      CpuSession::Create({.communicator = comm, .bucket_mb = 0.05, .shard_optimizer = zero}, &lm,
-                         oc));
+      CpuSession::Create({.communicator = comm,
+                          .bucket_mb = 0.05,
+                          .sharding = zero ? Sharding::kOptimizer : Sharding::kNone},
+                         &lm, oc));
   const int rows = kBatch / ranks;
   std::vector<int32_t> x(static_cast<size_t>(rows * kSeqLen)), y(x.size());
   for (int s = 0; s < kSteps; ++s) {

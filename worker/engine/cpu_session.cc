@@ -22,42 +22,59 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   return session;
 }
 
+namespace {
+
+// The whole gradient's sum of squares from every rank's shards: each rank's
+// in two floats (high and low part), gathered and added in double in rank
+// order, so every rank computes the same bits.
+Optimizer::SumOfSquaresReduction ShardedSumOfSquares(Communicator* comm) {
+  return [comm](double local) -> absl::StatusOr<double> {
+    const float hi = static_cast<float>(local);
+    const float mine[2] = {hi, static_cast<float>(local - static_cast<double>(hi))};
+    std::vector<float> all(2 * static_cast<size_t>(comm->world_size()));
+    AIDN_RETURN_IF_ERROR(comm->AllGather(mine, 2, all.data()));
+    double sum = 0;
+    for (size_t i = 0; i < all.size(); i += 2) {
+      sum += static_cast<double>(all[i]) + static_cast<double>(all[i + 1]);
+    }
+    return sum;
+  };
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
                                                                TrainableModel* model,
                                                                const OptimizerConfig& config) {
   if (model == nullptr) return absl::InvalidArgumentError("cpu session: needs a model");
-  if (options.shard_optimizer && options.communicator == nullptr) {
-    return absl::InvalidArgumentError("cpu session: shard_optimizer needs a communicator");
+  const bool sharded = options.sharding != Sharding::kNone;
+  if (sharded && options.communicator == nullptr) {
+    return absl::InvalidArgumentError("cpu session: sharding needs a communicator");
   }
   std::unique_ptr<CpuSession> session(new CpuSession(model, nullptr));
+  session->communicator_ = options.communicator;
   std::vector<Parameter*> params = model->Parameters();
-  if (options.communicator != nullptr) {
-    AIDN_ASSIGN_OR_RETURN(session->reducer_,
-                          DdpReducer::Create({.bucket_mb = options.bucket_mb,
-                                              .shard_optimizer = options.shard_optimizer},
-                                             model->Parameters(), options.communicator));
+  if (options.sharding == Sharding::kGradients || options.sharding == Sharding::kShardGradOp ||
+      options.sharding == Sharding::kFullShard) {
+    AIDN_ASSIGN_OR_RETURN(session->fsdp_,
+                          FsdpReducer::Create({.sharding = options.sharding}, model->Units(),
+                                              model->Parameters(), options.communicator));
+    params = session->fsdp_->ShardParameters();
+    model->SetUnitHooks(session->fsdp_.get());
+  } else if (options.communicator != nullptr) {
+    AIDN_ASSIGN_OR_RETURN(
+        session->reducer_,
+        DdpReducer::Create({.bucket_mb = options.bucket_mb,
+                            .shard_optimizer = options.sharding == Sharding::kOptimizer},
+                           model->Parameters(), options.communicator));
     params = session->reducer_->ShardParameters();
     DdpReducer* r = session->reducer_.get();
     model->SetGradReadyCallback([r](Parameter* p) { r->OnGradReady(p); });
   }
   AIDN_ASSIGN_OR_RETURN(session->owned_optimizer_, Optimizer::Create(config, params));
   session->optimizer_ = session->owned_optimizer_.get();
-  if (options.shard_optimizer && options.communicator->world_size() > 1) {
-    // The whole gradient's sum of squares: each rank's in two floats (high
-    // and low part), gathered and added in double in rank order, so every
-    // rank computes the same bits.
-    Communicator* comm = options.communicator;
-    session->optimizer_->SetSumOfSquaresReduction([comm](double local) -> absl::StatusOr<double> {
-      const float hi = static_cast<float>(local);
-      const float mine[2] = {hi, static_cast<float>(local - static_cast<double>(hi))};
-      std::vector<float> all(2 * static_cast<size_t>(comm->world_size()));
-      AIDN_RETURN_IF_ERROR(comm->AllGather(mine, 2, all.data()));
-      double sum = 0;
-      for (size_t i = 0; i < all.size(); i += 2) {
-        sum += static_cast<double>(all[i]) + static_cast<double>(all[i + 1]);
-      }
-      return sum;
-    });
+  if (sharded && options.communicator->world_size() > 1) {
+    session->optimizer_->SetSumOfSquaresReduction(ShardedSumOfSquares(options.communicator));
   }
   return session;
 }
@@ -65,14 +82,15 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
 absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
                                                                TrainableModel* model,
                                                                Optimizer* optimizer) {
-  if (options.shard_optimizer) {
+  if (options.sharding != Sharding::kNone) {
     return absl::InvalidArgumentError(
-        "cpu session: shard_optimizer needs the session to make its optimizer");
+        "cpu session: sharding needs the session to make its optimizer");
   }
   if (model == nullptr || optimizer == nullptr) {
     return absl::InvalidArgumentError("cpu session: needs a model and an optimizer");
   }
   std::unique_ptr<CpuSession> session(new CpuSession(model, optimizer));
+  session->communicator_ = options.communicator;
   if (options.communicator != nullptr) {
     // After the optimizer, as the trainer has always made them: with more
     // than one rank the reducer turns every gradient into a view of its
@@ -89,24 +107,73 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
 
 CpuSession::Memory CpuSession::memory() const {
   Memory m;
+  for (const Optimizer::StateEntry& e : optimizer_->State())
+    m.optimizer_state += 4 * e.second->numel();
+  if (fsdp_ != nullptr) {
+    const FsdpReducer::Memory f = fsdp_->memory();
+    m.parameters = f.weights;
+    m.gradients = f.gradients;
+    m.buffers = f.buffers;
+    return m;
+  }
   int64_t weights = 0;
   for (const Parameter* p : model_->Parameters()) weights += 4 * p->value.numel();
   const DdpReducer::Memory r = reducer_ != nullptr ? reducer_->memory() : DdpReducer::Memory{};
   m.parameters = r.weight_buffers > 0 ? r.weight_buffers : weights;
   m.gradients = r.gradient_buckets > 0 ? r.gradient_buckets : weights;
-  for (const Optimizer::StateEntry& e : optimizer_->State())
-    m.optimizer_state += 4 * e.second->numel();
   return m;
+}
+
+const ShardMap* CpuSession::shard_map() const {
+  if (fsdp_ != nullptr) return &fsdp_->map();
+  return reducer_ != nullptr ? reducer_->shard_map() : nullptr;
+}
+
+absl::Status CpuSession::GatherFullParameters() {
+  return fsdp_ != nullptr ? fsdp_->GatherFullParameters() : absl::OkStatus();
+}
+
+void CpuSession::ReleaseFullParameters() {
+  if (fsdp_ != nullptr) fsdp_->ReleaseFullParameters();
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> CpuSession::WholeStateLayout() const {
+  const std::vector<StateEntry> state = optimizer_->State();
+  if (const ShardMap* map = shard_map(); map != nullptr) return map->WholeStateLayout(state);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> layout;
+  for (const auto& [name, tensor] : state) layout.emplace_back(name, tensor->shape());
+  return layout;
+}
+
+absl::StatusOr<std::vector<CpuSession::OwnedStateEntry>> CpuSession::GatherState() const {
+  const std::vector<StateEntry> state = optimizer_->State();
+  if (const ShardMap* map = shard_map(); map != nullptr) {
+    return map->GatherState(state, communicator_);
+  }
+  std::vector<OwnedStateEntry> whole;
+  for (const auto& [name, tensor] : state) whole.emplace_back(name, tensor->Clone());
+  return whole;
+}
+
+absl::Status CpuSession::SliceWholeState(const std::string& name, const Tensor& whole,
+                                         std::vector<OwnedStateEntry>* out) const {
+  if (const ShardMap* map = shard_map(); map != nullptr) {
+    return map->SliceWholeState(name, whole, out);
+  }
+  out->emplace_back(name, whole.Clone());
+  return absl::OkStatus();
 }
 
 CpuSession::~CpuSession() {
   if (reducer_ != nullptr) model_->SetGradReadyCallback(nullptr);
+  if (fsdp_ != nullptr) model_->SetUnitHooks(nullptr);
 }
 
 absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, double lr) {
   if (micro.empty()) return absl::InvalidArgumentError("cpu session: a step needs a micro-batch");
   allreduce_seconds_ = 0.0;
   wait_seconds_ = 0.0;
+  if (fsdp_ != nullptr) return ShardedStep(micro, lr);
   const int64_t accum = static_cast<int64_t>(micro.size());
   double loss = 0;
   model_->ZeroGrad();
@@ -142,6 +209,33 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
     wait_seconds_ += took;
   }
   return loss;
+}
+
+absl::StatusOr<double> CpuSession::ShardedStep(const std::vector<MicroBatch>& micro, double lr) {
+  const int64_t accum = static_cast<int64_t>(micro.size());
+  double loss = 0;
+  // The hooks gather the units' weights and reduce-scatter their gradients
+  // (into the zeroed shards) as forward and backward reach them.
+  fsdp_->BeginStep();
+  for (int64_t m = 0; m < accum; ++m) {
+    const MicroBatch& batch = micro[static_cast<size_t>(m)];
+    if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
+    loss +=
+        model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum)) / static_cast<double>(accum);
+    model_->BackwardLoss();
+  }
+  if (absl::Status s = fsdp_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("sharded step: ", s.message()));
+  }
+  float mean = static_cast<float>(loss);
+  if (absl::Status s = communicator_->AllReduce(&mean, 1, ReduceOp::kAvg); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("the step's loss: ", s.message()));
+  }
+  if (absl::Status s = optimizer_->Step(lr); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("optimizer: ", s.message()));
+  }
+  fsdp_->AfterUpdate();
+  return static_cast<double>(mean);
 }
 
 }  // namespace aidn::engine

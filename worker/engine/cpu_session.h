@@ -23,6 +23,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,6 +32,7 @@
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/data.h"
 #include "worker/engine/ddp.h"
+#include "worker/engine/fsdp.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"
@@ -58,12 +61,15 @@ struct CpuSessionOptions {
   Communicator* communicator = nullptr;
   // DDP gradient bucket size in MB (spec bucket_mb).
   double bucket_mb = 25.0;
-  // ZeRO-1 (DdpOptions::shard_optimizer): gradients reduce-scattered, the
-  // optimizer over this rank's shards, weights all-gathered after the
-  // update. Only with the Create that takes an OptimizerConfig (the
-  // optimizer is made here, over the shards). The parameters' gradients
-  // are not the averaged ones after a Step (the shards' are).
-  bool shard_optimizer = false;
+  // How the ranks share the model's state (shard_map.h): kNone is DDP;
+  // kOptimizer ZeRO-1 (ddp.h); kGradients ZeRO-2 and kShardGradOp,
+  // kFullShard FSDP (fsdp.h, over the model's units). Any sharding needs a
+  // communicator and the Create that takes an OptimizerConfig (the
+  // optimizer is made here, over this rank's shards). The parameters'
+  // gradients are not the averaged ones after a Step (the shards' are),
+  // and under ZeRO-2 and FSDP the weights are to be read only between
+  // GatherFullParameters and ReleaseFullParameters.
+  Sharding sharding = Sharding::kNone;
 };
 
 class CpuSession {
@@ -78,7 +84,7 @@ class CpuSession {
                                                             TrainableModel* model,
                                                             Optimizer* optimizer);
   // The same with an optimizer of `config` made here and owned by the
-  // session: over the model's parameters, or with shard_optimizer over this
+  // session: over the model's parameters, or with sharding over this
   // rank's shards of them (clipping by the norm of the whole gradient).
   static absl::StatusOr<std::unique_ptr<CpuSession>> Create(const CpuSessionOptions& options,
                                                             TrainableModel* model,
@@ -112,15 +118,35 @@ class CpuSession {
 
   TrainableModel& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
-  // The gradient reducer (null without a communicator): with
-  // shard_optimizer, what turns the shards' optimizer state into the whole
-  // parameters' and back (checkpoints).
+  // The DDP/ZeRO-1 gradient reducer (null without a communicator, or
+  // under ZeRO-2 and FSDP).
   DdpReducer* reducer() { return reducer_.get(); }
+  // Where this rank's shards lie (null without sharding, or with ZeRO-1 on
+  // one rank).
+  const ShardMap* shard_map() const;
+
+  // The whole parameters' weights, current, in the model's parameters: a
+  // collective under ZeRO-2 and FSDP (every rank calls it at the same
+  // point; no Step until ReleaseFullParameters), nothing otherwise.
+  absl::Status GatherFullParameters();
+  void ReleaseFullParameters();
+
+  // The optimizer's state as a whole-parameter optimizer lists it
+  // ("<parameter>.<buffer>"), for checkpoints: with sharding every rank's
+  // shards put together (a collective) and, on resume, this rank's pieces
+  // of each whole entry (ShardMap's); without, the optimizer's own.
+  using StateEntry = ShardMap::StateEntry;
+  using OwnedStateEntry = ShardMap::OwnedStateEntry;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> WholeStateLayout() const;
+  absl::StatusOr<std::vector<OwnedStateEntry>> GatherState() const;
+  absl::Status SliceWholeState(const std::string& name, const Tensor& whole,
+                               std::vector<OwnedStateEntry>* out) const;
 
   // Bytes held for the model's state, by what they hold: the weights, the
   // gradients (DDP's buckets, where they live with more than one rank), the
-  // optimizer's state (ZeRO-1: this rank's shards' only) and other buffers
-  // of the strategy (none yet: ZeRO-1's collectives run in place).
+  // optimizer's state (sharded: this rank's shards' only) and other buffers
+  // of the strategy (ZeRO-2 and FSDP: the gathered units' and gradients'
+  // buffers at their most; ZeRO-1's collectives run in place).
   // Activations and the data are not counted (the peak memory metric has
   // them).
   struct Memory {
@@ -133,6 +159,8 @@ class CpuSession {
 
  private:
   CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
+  // ZeRO-2 and FSDP: the step the unit hooks drive.
+  absl::StatusOr<double> ShardedStep(const std::vector<MicroBatch>& micro, double lr);
 
   // The Sequential overload's adapter (model_ points at it); null otherwise.
   std::unique_ptr<TrainableModel> owned_;
@@ -142,6 +170,8 @@ class CpuSession {
   TrainableModel* model_;
   Optimizer* optimizer_;
   std::unique_ptr<DdpReducer> reducer_;
+  std::unique_ptr<FsdpReducer> fsdp_;
+  Communicator* communicator_ = nullptr;
   double allreduce_seconds_ = 0.0;
   double wait_seconds_ = 0.0;
 };

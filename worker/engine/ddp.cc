@@ -95,164 +95,39 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
 }
 
 void DdpReducer::ShardBuckets(const BucketPlan& plan) {
-  const size_t world = static_cast<size_t>(communicator_->world_size());
+  const int world = communicator_->world_size();
   const size_t rank = static_cast<size_t>(communicator_->rank());
+  std::vector<ShardMap::Group> groups;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     const size_t floats = plan.floats[b];
-    const size_t chunk = floats / world;
+    const size_t chunk = floats / static_cast<size_t>(world);
     bucket.weights = Tensor({static_cast<int64_t>(floats)});
     // The reduce-scatter runs in place: the rank's averaged slice lands in
     // its own slice of the bucket.
     bucket.shard_grad =
         Tensor::View(bucket.buffer.data() + rank * chunk, {static_cast<int64_t>(chunk)});
-    size_t used = b + 1 == buckets_.size() ? 1 : 0;  // the extra slot
-    const size_t begin = rank * chunk, end = begin + chunk;
+    ShardMap::Group& group = groups.emplace_back();
+    group.floats = floats;
     // In bucket order (reverse registration), as the plan laid them out.
     for (Parameter* p : bucket.parameters) {
       const size_t offset = slots_[p].offset;
-      const size_t n = static_cast<size_t>(p->value.numel());
-      used += n;
       float* at = bucket.weights.data() + offset;
-      std::memcpy(at, p->value.data(), sizeof(float) * n);
+      std::memcpy(at, p->value.data(), sizeof(float) * static_cast<size_t>(p->value.numel()));
       p->value = Tensor::View(at, p->value.shape());
-      // This rank's piece of the parameter, if its slice covers any.
-      const size_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
-      if (lo >= hi) continue;
-      auto shard = std::make_unique<Parameter>();
-      shard->name = absl::StrCat(p->name, "[", lo - offset, ":", hi - offset, "]");
-      shard->value = Tensor::View(bucket.weights.data() + lo, {static_cast<int64_t>(hi - lo)});
-      shard->grad =
-          Tensor::View(bucket.shard_grad.data() + (lo - begin), {static_cast<int64_t>(hi - lo)});
-      shard->whole_shape = p->value.shape();
-      shards_.push_back(std::move(shard));
-      shard_places_.push_back({p, static_cast<int>(b), lo, hi});
-    }
-    padding_floats_ += floats - used;
-  }
-  // The optimizer's order: registration order of the parameters they are
-  // pieces of (the buckets hold them in reverse).
-  std::reverse(shards_.begin(), shards_.end());
-  std::reverse(shard_places_.begin(), shard_places_.end());
-  for (const auto& s : shards_) shard_view_.push_back(s.get());
-}
-
-namespace {
-
-// "exp_avg", "exp_avg_sq", ...: the buffers of the first shard's entries.
-std::vector<std::string> BufferKinds(const std::vector<DdpReducer::StateEntry>& state,
-                                     const std::string& first_shard) {
-  std::vector<std::string> kinds;
-  const std::string prefix = first_shard + ".";
-  for (const auto& [name, tensor] : state) {
-    if (name.starts_with(prefix)) kinds.push_back(name.substr(prefix.size()));
-  }
-  return kinds;
-}
-
-}  // namespace
-
-std::vector<std::pair<std::string, std::vector<int64_t>>> DdpReducer::WholeStateLayout(
-    const std::vector<StateEntry>& shard_state) const {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> layout;
-  if (shard_view_.empty()) return layout;
-  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
-  const std::vector<Parameter*>& params = shard_ ? parameters_ : shard_view_;
-  for (const Parameter* p : params) {
-    for (const std::string& kind : kinds) {
-      layout.emplace_back(absl::StrCat(p->name, ".", kind), p->value.shape());
+      group.parameters.push_back(p);
+      group.offsets.push_back(offset);
     }
   }
-  return layout;
-}
-
-absl::StatusOr<std::vector<DdpReducer::OwnedStateEntry>> DdpReducer::GatherState(
-    const std::vector<StateEntry>& shard_state) {
-  std::vector<OwnedStateEntry> whole;
-  if (!shard_) {
-    for (const auto& [name, tensor] : shard_state) whole.emplace_back(name, tensor->Clone());
-    return whole;
-  }
-  std::unordered_map<std::string, const Tensor*> by_name(shard_state.begin(), shard_state.end());
-  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
-  const size_t world = static_cast<size_t>(communicator_->world_size());
-  const size_t rank = static_cast<size_t>(communicator_->rank());
-  // Whole tensors by "<parameter>.<kind>", filled bucket by bucket.
-  std::unordered_map<std::string, Tensor> result;
-  for (const Parameter* p : parameters_) {
-    for (const std::string& kind : kinds) {
-      result.emplace(absl::StrCat(p->name, ".", kind), Tensor(p->value.shape()));
-    }
-  }
-  for (const std::string& kind : kinds) {
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      const size_t floats = static_cast<size_t>(buckets_[b].weights.numel());
-      const size_t chunk = floats / world;
-      std::vector<float> mine(chunk, 0.0f), all(floats);
-      for (size_t k = 0; k < shards_.size(); ++k) {
-        const ShardPlace& place = shard_places_[k];
-        if (place.bucket != static_cast<int>(b)) continue;
-        auto it = by_name.find(absl::StrCat(shards_[k]->name, ".", kind));
-        if (it == by_name.end() ||
-            it->second->numel() != static_cast<int64_t>(place.hi - place.lo)) {
-          return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", shards_[k]->name,
-                                                         ".", kind, " is missing or misshapen"));
-        }
-        std::memcpy(mine.data() + (place.lo - rank * chunk), it->second->data(),
-                    sizeof(float) * (place.hi - place.lo));
-      }
-      if (absl::Status s = communicator_->AllGather(mine.data(), chunk, all.data()); !s.ok()) {
-        return absl::Status(s.code(),
-                            absl::StrCat("zero: gathering the optimizer state: ", s.message()));
-      }
-      for (Parameter* p : buckets_[b].parameters) {
-        Tensor& t = result.at(absl::StrCat(p->name, ".", kind));
-        std::memcpy(t.data(), all.data() + slots_.at(p).offset,
-                    sizeof(float) * static_cast<size_t>(t.numel()));
-      }
-    }
-  }
-  for (const Parameter* p : parameters_) {
-    for (const std::string& kind : kinds) {
-      const std::string name = absl::StrCat(p->name, ".", kind);
-      whole.emplace_back(name, std::move(result.at(name)));
-    }
-  }
-  return whole;
-}
-
-absl::Status DdpReducer::SliceWholeState(const std::string& name, const Tensor& whole,
-                                         std::vector<OwnedStateEntry>* out) const {
-  if (!shard_) {
-    out->emplace_back(name, whole.Clone());
-    return absl::OkStatus();
-  }
-  bool known = false;
-  for (size_t k = 0; k < shards_.size(); ++k) {
-    const ShardPlace& place = shard_places_[k];
-    const std::string prefix = place.whole->name + ".";
-    if (!name.starts_with(prefix)) continue;
-    known = true;
-    if (whole.numel() != place.whole->value.numel()) {
-      return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", name, " has ",
-                                                     whole.numel(), " elements, want ",
-                                                     place.whole->value.numel()));
-    }
-    const size_t offset = slots_.at(place.whole).offset;
-    Tensor piece({static_cast<int64_t>(place.hi - place.lo)});
-    std::memcpy(piece.data(), whole.data() + (place.lo - offset),
-                sizeof(float) * (place.hi - place.lo));
-    out->emplace_back(absl::StrCat(shards_[k]->name, ".", name.substr(prefix.size())),
-                      std::move(piece));
-  }
-  if (!known) {
-    for (const Parameter* p : parameters_) {
-      if (name.starts_with(p->name + ".")) return absl::OkStatus();  // no piece here
-    }
-    return absl::InvalidArgumentError(
-        absl::StrCat("zero: no parameter for optimizer state ", name));
-  }
-  return absl::OkStatus();
+  map_ = std::make_unique<ShardMap>(std::move(groups), parameters_, static_cast<int>(rank), world);
+  map_->MakeShards(
+      [&](int b) {
+        Bucket& bucket = buckets_[static_cast<size_t>(b)];
+        return bucket.weights.data() + rank * static_cast<size_t>(bucket.shard_grad.numel());
+      },
+      [&](int b) { return buckets_[static_cast<size_t>(b)].shard_grad.data(); });
+  padding_floats_ = map_->padding_floats(1);  // the extra slot is used
+  shard_view_ = map_->shards();
 }
 
 DdpReducer::Memory DdpReducer::memory() const {

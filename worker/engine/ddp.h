@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/communicator.h"
+#include "worker/engine/shard_map.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -126,25 +127,9 @@ class DdpReducer {
   // Floats of the buckets' padding (shard_optimizer; 0 otherwise).
   size_t padding_floats() const { return padding_floats_; }
 
-  // shard_optimizer: the optimizer state of the shards (as
-  // Optimizer::State() lists it over ShardParameters(): "<shard>.<buffer>")
-  // and the whole parameters' state it stands for ("<parameter>.<buffer>",
-  // in the order an optimizer over the whole parameters lists it).
-  using StateEntry = std::pair<std::string, const Tensor*>;
-  using OwnedStateEntry = std::pair<std::string, Tensor>;
-  // The whole entries' names and shapes.
-  std::vector<std::pair<std::string, std::vector<int64_t>>> WholeStateLayout(
-      const std::vector<StateEntry>& shard_state) const;
-  // The whole state on every rank, from every rank's shards: an all-gather
-  // per buffer and bucket, so every rank calls it at the same point.
-  absl::StatusOr<std::vector<OwnedStateEntry>> GatherState(
-      const std::vector<StateEntry>& shard_state);
-  // This rank's pieces of whole entry `name` (a tensor of its parameter's
-  // shape) as shard entries, appended to `out` (none when this rank holds
-  // no piece of the parameter). INVALID_ARGUMENT for an unknown name or a
-  // wrong size.
-  absl::Status SliceWholeState(const std::string& name, const Tensor& whole,
-                               std::vector<OwnedStateEntry>* out) const;
+  // shard_optimizer with more than one rank: where this rank's shards lie
+  // (shard_map.h; the groups are the buckets); null otherwise.
+  const ShardMap* shard_map() const { return map_.get(); }
 
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Parameter names per bucket, for logs and tests.
@@ -186,17 +171,11 @@ class DdpReducer {
   int single_pending_ = 0;
   bool shard_ = false;
   size_t padding_floats_ = 0;
-  // shard_optimizer: the shard Parameters (owned) and their pointers; else
-  // the parameters.
-  struct ShardPlace {
-    Parameter* whole;
-    int bucket;
-    size_t lo, hi;  // floats of the bucket
-  };
-  std::vector<std::unique_ptr<Parameter>> shards_;
-  std::vector<ShardPlace> shard_places_;  // by shard, as shards_
+  // shard_optimizer: the buckets' shards (shard_map.h).
+  std::unique_ptr<ShardMap> map_;
   // The parameters in registration order.
   std::vector<Parameter*> parameters_;
+  // The shards, or (not sharded) the parameters.
   std::vector<Parameter*> shard_view_;
 
   std::mutex mu_;

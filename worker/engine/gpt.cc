@@ -305,6 +305,21 @@ int64_t Gpt::ParameterCount(const GptConfig& config) {
          int64_t{config.n_layer} * block + (c + b * c);
 }
 
+std::vector<std::vector<Parameter*>> Gpt::Units() {
+  std::vector<std::vector<Parameter*>> units;
+  std::vector<Parameter*>& root = units.emplace_back();
+  root = {&wte_, &wpe_, &lnf_w_};
+  if (config_.bias) root.push_back(&lnf_b_);
+  for (Block& b : blocks_) {
+    std::vector<Parameter*>& unit = units.emplace_back();
+    for (Parameter* p : {&b.ln1_w, &b.ln1_b, &b.attn_w, &b.attn_b, &b.proj_w, &b.proj_b, &b.ln2_w,
+                         &b.ln2_b, &b.fc_w, &b.fc_b, &b.fc_proj_w, &b.fc_proj_b}) {
+      if (p->value.numel() > 0) unit.push_back(p);
+    }
+  }
+  return units;
+}
+
 void Gpt::ZeroGrad() {
   for (Parameter* p : parameters_) p->grad.Zero();
 }
@@ -447,6 +462,7 @@ void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
   const bool drop = training && config_.dropout > 0.0;
   dropped_ = drop;
   tokens_.assign(tokens, tokens + n);
+  if (hooks_ != nullptr) hooks_->BeforeForward(0);
   // Embeddings into the first block's input (or out_ without blocks).
   float* x = blocks_.empty() ? out_.data() : blocks_[0].in.data();
   for (int64_t i = 0; i < n; ++i) {
@@ -463,6 +479,8 @@ void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
   for (size_t l = 0; l < blocks_.size(); ++l) {
     Block& b = blocks_[l];
     float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
+    const int unit = static_cast<int>(l) + 1;
+    if (hooks_ != nullptr) hooks_->BeforeForward(unit);
     LayerNormForward(b.in.data(), b.ln1_w.value.data(), bias ? b.ln1_b.value.data() : nullptr, n, c,
                      b.ln1.data(), b.ln1_mean.data(), b.ln1_rstd.data());
     LinearForward(b.ln1.data(), b.attn_w.value.data(), bias ? b.attn_b.value.data() : nullptr, n, c,
@@ -488,12 +506,14 @@ void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
       for (int64_t i = 0; i < n * c; ++i) next[i] *= b.mlp_mask[i];
     }
     cpu::AccumulateKernel(b.mid.data(), next, n * c);
+    if (hooks_ != nullptr) hooks_->AfterForward(unit);
   }
   LayerNormForward(out_.data(), lnf_w_.value.data(), bias ? lnf_b_.value.data() : nullptr, n, c,
                    lnf_.data(), lnf_mean_.data(), lnf_rstd_.data());
   // logits = ln_f(x) wte^T.
   Sgemm(false, true, n, config_.vocab_size, c, 1.0f, lnf_.data(), c, wte_.value.data(), c, 0.0f,
         logits_.data(), config_.vocab_size);
+  if (hooks_ != nullptr) hooks_->AfterForward(0);
 }
 
 const Tensor& Gpt::Logits(const int32_t* tokens, int64_t batch, int64_t seq_len) {
@@ -532,6 +552,7 @@ void Gpt::Backward(double grad_scale) {
   const int64_t vocab = config_.vocab_size;
   AIDN_CHECK(static_cast<int64_t>(targets_.size()) == n) << "gpt: Backward without a Forward";
   float* dlogits = grad_logits_.data();
+  if (hooks_ != nullptr) hooks_->BeforeBackward(0);
   if (grad_scale != 1.0) {
     const float s = static_cast<float>(grad_scale);
     for (int64_t i = 0; i < n * vocab; ++i) dlogits[i] *= s;
@@ -547,6 +568,8 @@ void Gpt::Backward(double grad_scale) {
 
   for (size_t l = blocks_.size(); l-- > 0;) {
     Block& b = blocks_[l];
+    const int unit = static_cast<int>(l) + 1;
+    if (hooks_ != nullptr) hooks_->BeforeBackward(unit);
     // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
     LinearBackward(BranchGrad(b.mlp_mask), b.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c,
                    dbig_.data(), b.fc_proj_w.grad.data(), BiasGrad(b.fc_proj_b));
@@ -569,6 +592,7 @@ void Gpt::Backward(double grad_scale) {
     Ready(b.proj_w, b.proj_b);
     Ready(b.attn_w, b.attn_b);
     Ready(b.ln1_w, b.ln1_b);
+    if (hooks_ != nullptr) hooks_->AfterBackward(unit);
   }
   // The embeddings.
   const float* demb = BranchGrad(emb_mask_);
@@ -581,6 +605,7 @@ void Gpt::Backward(double grad_scale) {
     grad_ready_(&wpe_);
     grad_ready_(&wte_);
   }
+  if (hooks_ != nullptr) hooks_->AfterBackward(0);
 }
 
 absl::StatusOr<std::vector<int32_t>> Generate(Gpt& gpt, std::vector<int32_t> prompt,

@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/engine/tensor.h"
+#include "worker/engine/units.h"
 
 namespace aidn::engine {
 
@@ -100,6 +101,10 @@ class Gpt {
   void Backward(double grad_scale = 1.0);
 
   void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
+  // units.h: the root (wte, wpe, ln_f), then one unit per block.
+  std::vector<std::vector<Parameter*>> Units();
+  // Not owned; null: none.
+  void SetUnitHooks(UnitHooks* hooks) { hooks_ = hooks; }
   void ZeroGrad();
   // Reseeds the dropout stream for the next Forward.
   void SetSeed(uint64_t seed) { rng_.seed(seed); }
@@ -157,6 +162,7 @@ class Gpt {
   std::vector<Block> blocks_;
   std::vector<Parameter*> parameters_;
   GradReadyCallback grad_ready_;
+  UnitHooks* hooks_ = nullptr;
   std::mt19937_64 rng_{0};
 
   int64_t batch_ = 0;

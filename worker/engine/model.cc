@@ -30,6 +30,7 @@ void Sequential::Add(std::unique_ptr<Layer> layer) {
       params.empty() && last_run_ >= 0 && layers_[static_cast<size_t>(last_run_)]->Fuse(*layer);
   fused_.push_back(fused);
   if (!fused) last_run_ = static_cast<int>(index);
+  unit_.push_back(params.empty() ? 0 : num_units_++);
   layer_parameters_.push_back(std::move(params));
   layers_.push_back(std::move(layer));
   activations_.resize(layers_.size());
@@ -40,15 +41,20 @@ void Sequential::Forward(const Tensor& input, Tensor* logits, bool training) {
   AIDN_CHECK(!layers_.empty()) << "Forward on an empty Sequential";
   const Tensor* x = &input;
   const size_t last = layers_.size() - 1;
+  if (hooks_ != nullptr) hooks_->BeforeForward(0);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (fused_[i]) continue;
     // The last layer writes straight into the caller's tensor; the others
     // into activations_ that stay alive until Backward (layers keep pointers
     // to their inputs, fused ones to their outputs).
     Tensor* y = i == last ? logits : &activations_[i];
+    const int unit = hooks_ != nullptr ? unit_[i] : 0;
+    if (unit > 0) hooks_->BeforeForward(unit);
     layers_[i]->Forward(*x, y, training);
+    if (unit > 0) hooks_->AfterForward(unit);
     x = y;
   }
+  if (hooks_ != nullptr) hooks_->AfterForward(0);
   // The last layers were fused into an earlier one, which wrote into its
   // own activation (it needs that until Backward).
   if (x != logits) {
@@ -59,13 +65,17 @@ void Sequential::Forward(const Tensor& input, Tensor* logits, bool training) {
 
 void Sequential::Backward(const Tensor& grad_logits) {
   const Tensor* g = &grad_logits;
+  if (hooks_ != nullptr) hooks_->BeforeBackward(0);
   for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
     if (fused_[static_cast<size_t>(i)]) continue;
     // The input of the model needs no gradient, and neither does anything
     // before the first layer with parameters (as torch's autograd skips the
     // first Linear's dx GEMM).
     Tensor* grad_input = i > first_trainable_ && first_trainable_ >= 0 ? &grads_[i] : nullptr;
+    const int unit = hooks_ != nullptr ? unit_[static_cast<size_t>(i)] : 0;
+    if (unit > 0) hooks_->BeforeBackward(unit);
     layers_[i]->Backward(*g, grad_input);
+    if (unit > 0) hooks_->AfterBackward(unit);
     if (grad_ready_) {
       const std::vector<Parameter*>& params = layer_parameters_[static_cast<size_t>(i)];
       for (auto it = params.rbegin(); it != params.rend(); ++it) grad_ready_(*it);
@@ -73,6 +83,15 @@ void Sequential::Backward(const Tensor& grad_logits) {
     if (grad_input == nullptr) break;
     g = grad_input;
   }
+  if (hooks_ != nullptr) hooks_->AfterBackward(0);
+}
+
+std::vector<std::vector<Parameter*>> Sequential::Units() const {
+  std::vector<std::vector<Parameter*>> units(static_cast<size_t>(num_units_));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (unit_[i] > 0) units[static_cast<size_t>(unit_[i])] = layer_parameters_[i];
+  }
+  return units;
 }
 
 void Sequential::ZeroGrad() {

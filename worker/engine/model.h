@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/engine/tensor.h"
+#include "worker/engine/units.h"
 
 namespace aidn::engine {
 
@@ -76,6 +77,10 @@ class Sequential {
   void ZeroGrad();
   // Reseeds every layer with LayerSeed(seed, index).
   void SetSeed(uint64_t seed);
+  // units.h: an empty root, then one unit per layer with parameters.
+  std::vector<std::vector<Parameter*>> Units() const;
+  // Not owned; null: none.
+  void SetUnitHooks(UnitHooks* hooks) { hooks_ = hooks; }
 
   // The layers in order, fused ones included (the GPU engine mirrors them).
   size_t size() const { return layers_.size(); }
@@ -101,6 +106,10 @@ class Sequential {
   std::vector<Tensor> activations_;
   std::vector<Tensor> grads_;
   GradReadyCallback grad_ready_;
+  // layers_[i]'s unit (units.h), 0 for a layer without parameters.
+  std::vector<int> unit_;
+  int num_units_ = 1;
+  UnitHooks* hooks_ = nullptr;
 };
 
 // The mlp or cnn of the spec, initialised as PyTorch initialises nn.Linear

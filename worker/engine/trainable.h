@@ -32,6 +32,10 @@ class TrainableModel {
   // In registration order (checkpoints, the optimizer, DDP buckets).
   virtual const std::vector<Parameter*>& Parameters() const = 0;
   virtual void SetGradReadyCallback(GradReadyCallback callback) = 0;
+  // units.h: the groups fully sharded strategies gather and free together,
+  // and the hooks the model calls around them (not owned; null: none).
+  virtual std::vector<std::vector<Parameter*>> Units() = 0;
+  virtual void SetUnitHooks(UnitHooks* hooks) = 0;
   virtual void ZeroGrad() = 0;
   // Reseeds dropout for the next forward.
   virtual void SetSeed(uint64_t seed) = 0;
@@ -53,6 +57,8 @@ class Classifier final : public TrainableModel {
   void SetGradReadyCallback(GradReadyCallback callback) override {
     model_->SetGradReadyCallback(std::move(callback));
   }
+  std::vector<std::vector<Parameter*>> Units() override { return model_->Units(); }
+  void SetUnitHooks(UnitHooks* hooks) override { model_->SetUnitHooks(hooks); }
   void ZeroGrad() override { model_->ZeroGrad(); }
   void SetSeed(uint64_t seed) override { model_->SetSeed(seed); }
   double ForwardLoss(const MicroBatch& batch, double grad_scale) override;
@@ -75,6 +81,8 @@ class LanguageModel final : public TrainableModel {
   void SetGradReadyCallback(GradReadyCallback callback) override {
     model_->SetGradReadyCallback(std::move(callback));
   }
+  std::vector<std::vector<Parameter*>> Units() override { return model_->Units(); }
+  void SetUnitHooks(UnitHooks* hooks) override { model_->SetUnitHooks(hooks); }
   void ZeroGrad() override { model_->ZeroGrad(); }
   void SetSeed(uint64_t seed) override { model_->SetSeed(seed); }
   double ForwardLoss(const MicroBatch& batch, double grad_scale) override;

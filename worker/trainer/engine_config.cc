@@ -70,6 +70,20 @@ double BucketMbOf(const v1::JobSpec& spec) {
   return spec.has_bucket_mb() ? spec.bucket_mb() : 25.0;
 }
 
+engine::Sharding ShardingOf(const v1::JobSpec& spec) {
+  switch (spec.strategy()) {
+    case v1::JobSpec::ZERO1:
+      return engine::Sharding::kOptimizer;
+    case v1::JobSpec::ZERO2:
+      return engine::Sharding::kGradients;
+    case v1::JobSpec::FSDP:
+      return spec.fsdp().sharding() == v1::FsdpSpec::SHARD_GRAD_OP ? engine::Sharding::kShardGradOp
+                                                                   : engine::Sharding::kFullShard;
+    default:
+      return engine::Sharding::kNone;
+  }
+}
+
 milliseconds PeerTimeoutOf(const v1::JobSpec& spec) {
   const google::protobuf::Duration& d = spec.timeouts().rendezvous();
   return std::max(milliseconds(30'000), milliseconds(d.seconds() * 1000 + d.nanos() / 1'000'000));

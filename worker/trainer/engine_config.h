@@ -17,6 +17,7 @@
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/shard_map.h"
 #include "worker/trainer/trainer.h"
 
 namespace aidn::trainer {
@@ -30,6 +31,8 @@ engine::LrScheduleConfig ScheduleOf(const v1::JobSpec& spec);
 
 // The DDP bucket size: spec bucket_mb, 25 MB when unset (torch's default).
 double BucketMbOf(const v1::JobSpec& spec);
+// The spec's strategy (and fsdp.sharding) as the CPU session's sharding.
+engine::Sharding ShardingOf(const v1::JobSpec& spec);
 // How long the rank waits for its peers (communicator rendezvous, NCCL
 // initialisation): the spec's rendezvous timeout, at least 30 s.
 std::chrono::milliseconds PeerTimeoutOf(const v1::JobSpec& spec);

@@ -94,6 +94,26 @@ absl::Status BroadcastInts(engine::Communicator* comm, int64_t* values, size_t c
   return absl::OkStatus();
 }
 
+// The whole, current weights in the model's parameters for a scope: ZeRO-2
+// and FSDP hold slices (or stale copies) of them between steps. Every rank
+// enters the scope at the same point (a collective).
+class FullParameters {
+ public:
+  explicit FullParameters(engine::CpuSession* session) : session_(session) {
+    if (session_ != nullptr) status_ = session_->GatherFullParameters();
+  }
+  ~FullParameters() {
+    if (session_ != nullptr) session_->ReleaseFullParameters();
+  }
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  engine::CpuSession* session_;
+  absl::Status status_;
+};
+
 }  // namespace
 
 Failure FailureFor(const absl::Status& status, const char* what) {
@@ -236,16 +256,19 @@ std::optional<Failure> RankTraining::BuildSession() {
   o.communicator = comm_.get();
   o.bucket_mb = BucketMbOf(spec_);
   if (Sharded() && spec_.device() == v1::JobSpec::CPU) {
-    // ZeRO-1: the session makes the optimizer, over this rank's shards.
-    o.shard_optimizer = true;
+    // The session makes the optimizer, over this rank's shards.
+    o.sharding = ShardingOf(spec_);
     absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
         engine::CpuSession::Create(o, &task_->model(), OptimizerConfigOf(spec_));
     if (!session.ok()) return Failure{kExitPermanent, session.status()};
     cpu_ = *std::move(session);
     optimizer_ = &cpu_->optimizer();
-    AIDN_LOG(INFO) << "zero-1: optimizer state sharded"
-                   << Kv("shards", cpu_->reducer()->ShardParameters().size())
-                   << Kv("padding_floats", cpu_->reducer()->padding_floats());
+    if (const engine::ShardMap* map = cpu_->shard_map(); map != nullptr) {
+      AIDN_LOG(INFO) << "model state sharded"
+                     << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
+                     << Kv("groups", map->num_groups()) << Kv("shards", map->shards().size())
+                     << Kv("padding_floats", map->padding_floats());
+    }
     return std::nullopt;
   }
   absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
@@ -345,9 +368,8 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
 
 std::optional<Failure> RankTraining::ResumeShardedOptimizerState(int64_t step,
                                                                  int64_t optimizer_steps) {
-  engine::DdpReducer* reducer = cpu_->reducer();
-  std::vector<engine::DdpReducer::OwnedStateEntry> pieces;
-  for (const auto& [name, shape] : reducer->WholeStateLayout(optimizer_->State())) {
+  std::vector<engine::CpuSession::OwnedStateEntry> pieces;
+  for (const auto& [name, shape] : cpu_->WholeStateLayout()) {
     engine::Tensor whole(shape);
     if (loaded_.has_value()) {
       auto it = loaded_->optimizer_state.find(name);
@@ -363,7 +385,7 @@ std::optional<Failure> RankTraining::ResumeShardedOptimizerState(int64_t step,
         !s.ok()) {
       return FailureFor(s, "resume");
     }
-    if (absl::Status s = reducer->SliceWholeState(name, whole, &pieces); !s.ok()) {
+    if (absl::Status s = cpu_->SliceWholeState(name, whole, &pieces); !s.ok()) {
       return Failure{kExitFailure, s};
     }
   }
@@ -409,15 +431,17 @@ std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t step, int64_t 
 std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_epoch,
                                                 int64_t total_steps) {
   const SteadyClock::time_point start = SteadyClock::now();
-  // ZeRO-1: every rank holds a shard of the optimizer state; rank 0 writes
-  // it put together (every rank takes part in that).
-  std::vector<engine::DdpReducer::OwnedStateEntry> gathered;
+  // Sharded: every rank holds a shard of the optimizer state (and, with
+  // ZeRO-2 and FSDP, of the weights); rank 0 writes them put together,
+  // and every rank takes part in that.
+  std::vector<engine::CpuSession::OwnedStateEntry> gathered;
   if (Sharded() && cpu_ != nullptr) {
-    absl::StatusOr<std::vector<engine::DdpReducer::OwnedStateEntry>> whole =
-        cpu_->reducer()->GatherState(optimizer_->State());
+    absl::StatusOr<std::vector<engine::CpuSession::OwnedStateEntry>> whole = cpu_->GatherState();
     if (!whole.ok()) return FailureFor(whole.status(), "checkpoint");
     gathered = *std::move(whole);
   }
+  FullParameters full(cpu_.get());
+  if (!full.status().ok()) return FailureFor(full.status(), "checkpoint");
   if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
   engine::CheckpointContents contents;
@@ -524,6 +548,8 @@ std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
 
 std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
+  FullParameters full(cpu_.get());
+  if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
   const TrainingTask::EvalSums mine = task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
   // Summed over the ranks.
   float sums[3] = {static_cast<float>(mine.loss_sum), static_cast<float>(mine.correct),
@@ -606,6 +632,17 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_tokens(plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
   if (cpu_ != nullptr) {
+    // ZeRO-2's and FSDP's buffers grow to their size in the first step.
+    memory_ = cpu_->memory();
+    if (step == start_step_) {
+      constexpr double kMiB = 1024.0 * 1024.0;
+      AIDN_LOG(INFO) << "model state memory"
+                     << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
+                     << Kv("parameters_mib", memory_.parameters / kMiB)
+                     << Kv("gradients_mib", memory_.gradients / kMiB)
+                     << Kv("optimizer_state_mib", memory_.optimizer_state / kMiB)
+                     << Kv("buffers_mib", memory_.buffers / kMiB);
+    }
     record.set_parameter_bytes(memory_.parameters);
     record.set_gradient_bytes(memory_.gradients);
     record.set_optimizer_state_bytes(memory_.optimizer_state);
@@ -659,16 +696,6 @@ std::optional<Failure> RankTraining::Execute() {
   if (std::optional<Failure> f = Resume(plan->steps_per_epoch); f.has_value()) return f;
   if (spec_.device() == v1::JobSpec::GPU) {
     if (std::optional<Failure> f = SetupGpu(); f.has_value()) return f;
-  }
-  if (cpu_ != nullptr) {
-    memory_ = cpu_->memory();
-    constexpr double kMiB = 1024.0 * 1024.0;
-    AIDN_LOG(INFO) << "model state memory"
-                   << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
-                   << Kv("parameters_mib", memory_.parameters / kMiB)
-                   << Kv("gradients_mib", memory_.gradients / kMiB)
-                   << Kv("optimizer_state_mib", memory_.optimizer_state / kMiB)
-                   << Kv("buffers_mib", memory_.buffers / kMiB);
   }
   std::vector<int64_t> indices;
   int32_t epoch = -1;

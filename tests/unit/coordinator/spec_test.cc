@@ -93,8 +93,18 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
          s->mutable_dataset()->set_train_images("../etc/passwd");
        },
        "dataset.train_images: path must not contain \"..\""},
-      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); },
-       "strategy: ZERO2 is reserved and not supported yet (use ddp or zero1)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_strategy(JobSpec::FSDP);
+       },
+       "strategy: FSDP runs on device: cpu for now (use ddp on a GPU)"},
+      {[](JobSpec* s) { s->mutable_fsdp()->set_sharding(v1::FsdpSpec::SHARD_GRAD_OP); },
+       "fsdp: applies to strategy: fsdp only (this job's is DDP)"},
+      {[](JobSpec* s) {
+         s->set_strategy(JobSpec::FSDP);
+         s->mutable_fsdp()->set_sharding(static_cast<v1::FsdpSpec::Sharding>(7));
+       },
+       "fsdp.sharding: unknown value 7 (known: full_shard, shard_grad_op)"},
       {[](JobSpec* s) {
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::ZERO1);
@@ -427,8 +437,18 @@ const BadCase kBadCases[] = {
        s->set_strategy(JobSpec::ZERO1);
      },
      "strategy"},
-    {"StrategyZero2", [](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); }, "strategy"},
-    {"StrategyFsdp", [](JobSpec* s) { s->set_strategy(JobSpec::FSDP); }, "strategy"},
+    {"StrategyZero2OnGpu",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_strategy(JobSpec::ZERO2);
+     },
+     "strategy"},
+    {"FsdpOptionsWithZero1",
+     [](JobSpec* s) {
+       s->set_strategy(JobSpec::ZERO1);
+       s->mutable_fsdp();
+     },
+     "fsdp"},
     {"StrategyUnknown", [](JobSpec* s) { s->set_strategy(static_cast<JobSpec::Strategy>(99)); },
      "strategy"},
     {"BucketMbZero", [](JobSpec* s) { s->set_bucket_mb(0); }, "bucket_mb"},
@@ -563,6 +583,17 @@ const GoodCase kGoodCases[] = {
     {"ThreadsPerRank256", [](JobSpec* s) { s->set_threads_per_rank(256); }},
     {"Gpu", [](JobSpec* s) { s->set_device(JobSpec::GPU); }},
     {"Zero1OnCpu", [](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); }},
+    {"Zero2OnCpu", [](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); }},
+    {"FsdpFullShard",
+     [](JobSpec* s) {
+       s->set_strategy(JobSpec::FSDP);
+       s->mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+     }},
+    {"FsdpShardGradOp",
+     [](JobSpec* s) {
+       s->set_strategy(JobSpec::FSDP);
+       s->mutable_fsdp()->set_sharding(v1::FsdpSpec::SHARD_GRAD_OP);
+     }},
     {"GpuBf16",
      [](JobSpec* s) {
        s->set_device(JobSpec::GPU);
@@ -746,6 +777,19 @@ TEST(ApplyJobSpecDefaults, GivesStepScheduleItsGamma) {
   ApplyJobSpecDefaults(SpecLimits(), &spec);
   EXPECT_DOUBLE_EQ(spec.lr_schedule().gamma(), 0.1);
   EXPECT_TRUE(ValidateJobSpec(SpecLimits(), spec).ok());
+}
+
+TEST(ApplyJobSpecDefaults, GivesFsdpFullShardAndOtherStrategiesNoFsdpOptions) {
+  JobSpec spec = MinimalSpec();
+  spec.set_strategy(JobSpec::FSDP);
+  ApplyJobSpecDefaults(SpecLimits(), &spec);
+  EXPECT_EQ(spec.fsdp().sharding(), v1::FsdpSpec::FULL_SHARD);
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits(), spec).ok());
+  JobSpec zero2 = MinimalSpec();
+  zero2.set_strategy(JobSpec::ZERO2);
+  ApplyJobSpecDefaults(SpecLimits(), &zero2);
+  EXPECT_FALSE(zero2.has_fsdp());
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits(), zero2).ok());
 }
 
 TEST(ApplyJobSpecDefaults, LeavesCnnAndIdxWithoutMlpOrFashionMnistDefaults) {

@@ -1,12 +1,15 @@
-// ZeRO-1 (CpuSessionOptions::shard_optimizer): with 1 to 4 ranks in threads
-// (Gloo over an in-memory store), an MLP whose parameter count divides by
-// no world size and a small GPT, gradient accumulation, clipping and AdamW
+// The sharded strategies (CpuSessionOptions::sharding: ZeRO-1, ZeRO-2 and
+// FSDP's shard_grad_op and full_shard): with 1 to 4 ranks in threads (Gloo
+// over an in-memory store), an MLP whose parameter count divides by no
+// world size and a small GPT, gradient accumulation, clipping and AdamW
 // with decay on matrices only, 20 steps end with the weights of DDP's run
 // on the same batches within 1e-6 relative, on every rank; each rank's
-// optimizer state is its share of DDP's.
+// optimizer state is its share of DDP's, and the bytes each rank holds are
+// the strategy's formula plus the padding and the buffers it names.
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -109,11 +112,13 @@ struct RankRun {
   std::vector<double> losses;
   int64_t state_floats = 0;
   size_t padding = 0;
+  // The shards' groups' floats (ZeRO-2, FSDP: the units').
+  std::vector<size_t> group_floats;
   CpuSession::Memory memory;
 };
 
 // Every rank's run of kSteps steps.
-std::vector<RankRun> Train(bool gpt, int world, bool shard) {
+std::vector<RankRun> Train(bool gpt, int world, Sharding sharding) {
   std::vector<RankRun> runs(static_cast<size_t>(world));
   InMemoryKeyValueStore store;
   std::vector<std::thread> threads;
@@ -129,9 +134,9 @@ std::vector<RankRun> Train(bool gpt, int world, bool shard) {
       ASSERT_TRUE(comm.ok()) << comm.status();
       RankModel model = RankModel::Make(gpt);
       // Small buckets: several of them, parameters split across slices.
-      absl::StatusOr<std::unique_ptr<CpuSession>> session = CpuSession::Create(
-          {.communicator = comm->get(), .bucket_mb = 0.02, .shard_optimizer = shard},
-          model.trainable.get(), Adam());
+      absl::StatusOr<std::unique_ptr<CpuSession>> session =
+          CpuSession::Create({.communicator = comm->get(), .bucket_mb = 0.02, .sharding = sharding},
+                             model.trainable.get(), Adam());
       ASSERT_TRUE(session.ok()) << session.status();
       RankRun& run = runs[static_cast<size_t>(r)];
       for (int step = 0; step < kSteps; ++step) {
@@ -153,20 +158,26 @@ std::vector<RankRun> Train(bool gpt, int world, bool shard) {
         ASSERT_TRUE(loss.ok()) << loss.status();
         run.losses.push_back(*loss);
       }
+      ASSERT_TRUE((*session)->GatherFullParameters().ok());
       for (const Parameter* p : model.trainable->Parameters()) {
         run.names.push_back(p->name);
         run.weights.push_back(p->value.Clone());
       }
+      (*session)->ReleaseFullParameters();
       const std::vector<Optimizer::StateEntry> state = (*session)->optimizer().State();
       for (const Optimizer::StateEntry& e : state) run.state_floats += e.second->numel();
-      DdpReducer* reducer = (*session)->reducer();
       run.memory = (*session)->memory();
-      run.padding = reducer->padding_floats();
-      absl::StatusOr<std::vector<DdpReducer::OwnedStateEntry>> whole = reducer->GatherState(state);
+      if (const ShardMap* map = (*session)->shard_map(); map != nullptr) {
+        // ZeRO-1's last bucket holds the loss slot.
+        run.padding = map->padding_floats(sharding == Sharding::kOptimizer ? 1 : 0);
+        for (int g = 0; g < map->num_groups(); ++g)
+          run.group_floats.push_back(map->group(g).floats);
+      }
+      absl::StatusOr<std::vector<CpuSession::OwnedStateEntry>> whole = (*session)->GatherState();
       ASSERT_TRUE(whole.ok()) << whole.status();
-      std::vector<DdpReducer::OwnedStateEntry> pieces;
+      std::vector<CpuSession::OwnedStateEntry> pieces;
       for (const auto& [name, tensor] : *whole) {
-        ASSERT_TRUE(reducer->SliceWholeState(name, tensor, &pieces).ok()) << name;
+        ASSERT_TRUE((*session)->SliceWholeState(name, tensor, &pieces).ok()) << name;
       }
       run.state_round_trip = pieces.size() == state.size();
       for (size_t i = 0; run.state_round_trip && i < pieces.size(); ++i) {
@@ -191,12 +202,37 @@ double Relative(const float* a, const float* b, int64_t n) {
   return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
-class ZeroTest : public ::testing::TestWithParam<std::tuple<bool, int>> {};
+// DDP's runs, by model and world size, shared by the strategies' tests.
+const std::vector<RankRun>& DdpRun(bool gpt, int world) {
+  static auto* runs = new std::map<std::pair<bool, int>, std::vector<RankRun>>();
+  auto it = runs->find({gpt, world});
+  if (it == runs->end())
+    it = runs->emplace(std::pair{gpt, world}, Train(gpt, world, Sharding::kNone)).first;
+  return it->second;
+}
+
+const char* NameOf(Sharding s) {
+  switch (s) {
+    case Sharding::kNone:
+      return "Ddp";
+    case Sharding::kOptimizer:
+      return "Zero1";
+    case Sharding::kGradients:
+      return "Zero2";
+    case Sharding::kShardGradOp:
+      return "ShardGradOp";
+    case Sharding::kFullShard:
+      return "FullShard";
+  }
+  return "?";
+}
+
+class ZeroTest : public ::testing::TestWithParam<std::tuple<Sharding, bool, int>> {};
 
 TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
-  const auto [gpt, world] = GetParam();
-  const std::vector<RankRun> ddp = Train(gpt, world, /*shard=*/false);
-  const std::vector<RankRun> zero = Train(gpt, world, /*shard=*/true);
+  const auto [sharding, gpt, world] = GetParam();
+  const std::vector<RankRun>& ddp = DdpRun(gpt, world);
+  const std::vector<RankRun> zero = Train(gpt, world, sharding);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   int64_t total = 0;
   for (const Tensor& w : ddp[0].weights) total += w.numel();
@@ -234,11 +270,9 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
   }
   // The shards cover every parameter element exactly once.
   EXPECT_EQ(state, 2 * total);
-  // Memory, in bytes (psi = total parameters): DDP holds 4 psi of weights,
+  // Memory, in bytes (psi = total parameters). DDP holds 4 psi of weights,
   // 4 psi of gradients (in buckets, aligned, with more than one rank) and 8
-  // psi of AdamW state; ZeRO-1 the weights and gradients in buckets of the
-  // same padded layout (the loss slot too), and 8 psi / N of state summed to
-  // 8 psi over the ranks: 8 psi + 8 psi / N and the padding, nothing else.
+  // psi of AdamW state.
   const CpuSession::Memory& d = ddp[0].memory;
   EXPECT_EQ(d.parameters, 4 * total);
   EXPECT_EQ(d.optimizer_state, 8 * total);
@@ -246,12 +280,48 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
   int64_t zero_state = 0;
   for (int r = 0; r < world; ++r) {
     const RankRun& run = zero[static_cast<size_t>(r)];
-    zero_state += run.memory.optimizer_state;
-    if (world == 1) continue;
-    EXPECT_EQ(run.memory.parameters, 4 * (total + 1 + static_cast<int64_t>(run.padding))) << r;
-    EXPECT_EQ(run.memory.gradients, run.memory.parameters) << r;
-    // The reduce-scatter and the all-gather run in place.
-    EXPECT_EQ(run.memory.buffers, 0) << r;
+    const CpuSession::Memory& m = run.memory;
+    zero_state += m.optimizer_state;
+    const int64_t padded = total + static_cast<int64_t>(run.padding);
+    size_t root = 0, largest = 0;
+    for (size_t g = 0; g < run.group_floats.size(); ++g) {
+      (g == 0 ? root : largest) = std::max(g == 0 ? root : largest, run.group_floats[g]);
+    }
+    switch (sharding) {
+      case Sharding::kOptimizer:
+        // Weights and gradients in buckets of the same padded layout (the
+        // loss slot too); the collectives run in place.
+        if (world == 1) break;
+        EXPECT_EQ(m.parameters, 4 * (padded + 1)) << r;
+        EXPECT_EQ(m.gradients, m.parameters) << r;
+        EXPECT_EQ(m.buffers, 0) << r;
+        break;
+      case Sharding::kGradients:
+        // Whole weights, a 1/N slice of the gradients; the gradient
+        // buffers of the root and of at most two other units.
+        EXPECT_EQ(m.parameters, 4 * padded) << r;
+        EXPECT_EQ(m.gradients * world, 4 * padded) << r;
+        EXPECT_GT(m.buffers, 0) << r;
+        EXPECT_LE(m.buffers, static_cast<int64_t>(4 * (root + 2 * largest))) << r;
+        break;
+      case Sharding::kShardGradOp:
+        // Slices of the weights and gradients; every unit gathered from
+        // its forward to its backward, and the gradient buffers.
+        EXPECT_EQ(m.parameters * world, 4 * padded) << r;
+        EXPECT_EQ(m.gradients, m.parameters) << r;
+        EXPECT_LE(m.buffers, 4 * padded + static_cast<int64_t>(4 * (root + 2 * largest))) << r;
+        break;
+      case Sharding::kFullShard:
+        // Slices; the root and at most two other units gathered at once,
+        // and the gradient buffers.
+        EXPECT_EQ(m.parameters * world, 4 * padded) << r;
+        EXPECT_EQ(m.gradients, m.parameters) << r;
+        EXPECT_GT(m.buffers, 0) << r;
+        EXPECT_LE(m.buffers, static_cast<int64_t>(8 * (root + 2 * largest))) << r;
+        break;
+      case Sharding::kNone:
+        break;
+    }
   }
   EXPECT_EQ(zero_state, 8 * total);
   // Put together, the shards' state is DDP's optimizer state (the key third
@@ -271,24 +341,28 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(ModelsAndWorlds, ZeroTest,
-                         ::testing::Combine(::testing::Bool(), ::testing::Values(1, 2, 3, 4)),
-                         [](const ::testing::TestParamInfo<std::tuple<bool, int>>& info) {
-                           return absl::StrCat(std::get<0>(info.param) ? "Gpt" : "Mlp",
-                                               std::get<1>(info.param), "Ranks");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    StrategiesModelsAndWorlds, ZeroTest,
+    ::testing::Combine(::testing::Values(Sharding::kOptimizer, Sharding::kGradients,
+                                         Sharding::kShardGradOp, Sharding::kFullShard),
+                       ::testing::Bool(), ::testing::Values(1, 2, 3, 4)),
+    [](const ::testing::TestParamInfo<std::tuple<Sharding, bool, int>>& info) {
+      return absl::StrCat(NameOf(std::get<0>(info.param)), std::get<1>(info.param) ? "Gpt" : "Mlp",
+                          std::get<2>(info.param), "Ranks");
+    });
 
 TEST(ZeroSession, ShardingNeedsACommunicatorAndItsOwnOptimizer) {
   RankModel model = RankModel::Make(false);
-  EXPECT_EQ(
-      CpuSession::Create({.shard_optimizer = true}, model.trainable.get(), Adam()).status().code(),
-      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuSession::Create({.sharding = Sharding::kFullShard}, model.trainable.get(), Adam())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   auto optimizer = *Optimizer::Create(Adam(), model.trainable->Parameters());
   InMemoryKeyValueStore store;
   GlooOptions options;
   options.prefix = "zero-one";
   auto comm = *CreateGlooCommunicator(options, &store);
-  EXPECT_EQ(CpuSession::Create({.communicator = comm.get(), .shard_optimizer = true},
+  EXPECT_EQ(CpuSession::Create({.communicator = comm.get(), .sharding = Sharding::kOptimizer},
                                model.trainable.get(), optimizer.get())
                 .status()
                 .code(),

@@ -1,0 +1,191 @@
+#include "worker/engine/shard_map.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+
+namespace aidn::engine {
+namespace {
+
+// "exp_avg", "exp_avg_sq", ...: the buffers of the first shard's entries.
+std::vector<std::string> BufferKinds(const std::vector<ShardMap::StateEntry>& state,
+                                     const std::string& first_shard) {
+  std::vector<std::string> kinds;
+  const std::string prefix = first_shard + ".";
+  for (const auto& [name, tensor] : state) {
+    if (name.starts_with(prefix)) kinds.push_back(name.substr(prefix.size()));
+  }
+  return kinds;
+}
+
+}  // namespace
+
+ShardMap::Group ShardMap::Lay(const std::vector<Parameter*>& parameters, int world_size,
+                              size_t extra_floats) {
+  Group group;
+  group.parameters = parameters;
+  for (const Parameter* p : parameters) {
+    group.offsets.push_back(group.floats);
+    group.floats += (static_cast<size_t>(p->value.numel()) + 15) / 16 * 16;
+  }
+  group.floats += extra_floats;
+  const size_t unit = size_t{16} * static_cast<size_t>(world_size);
+  group.floats = (group.floats + unit - 1) / unit * unit;
+  return group;
+}
+
+ShardMap::ShardMap(std::vector<Group> groups, std::vector<Parameter*> parameters, int rank,
+                   int world_size)
+    : groups_(std::move(groups)),
+      parameters_(std::move(parameters)),
+      rank_(rank),
+      world_(world_size) {}
+
+size_t ShardMap::padding_floats(size_t extra) const {
+  size_t padding = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    size_t used = g + 1 == groups_.size() ? extra : 0;
+    for (const Parameter* p : groups_[g].parameters) used += static_cast<size_t>(p->value.numel());
+    padding += groups_[g].floats - used;
+  }
+  return padding;
+}
+
+void ShardMap::MakeShards(const std::function<float*(int)>& value_slice,
+                          const std::function<float*(int)>& grad_slice) {
+  for (int g = 0; g < num_groups(); ++g) {
+    const Group& group = groups_[static_cast<size_t>(g)];
+    const size_t begin = static_cast<size_t>(rank_) * chunk(g), end = begin + chunk(g);
+    float* values = value_slice(g);
+    float* grads = grad_slice(g);
+    for (size_t i = 0; i < group.parameters.size(); ++i) {
+      Parameter* p = group.parameters[i];
+      const size_t offset = group.offsets[i];
+      const size_t n = static_cast<size_t>(p->value.numel());
+      // This rank's piece of the parameter, if its slice covers any.
+      const size_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
+      if (lo >= hi) continue;
+      auto shard = std::make_unique<Parameter>();
+      shard->name = absl::StrCat(p->name, "[", lo - offset, ":", hi - offset, "]");
+      shard->value = Tensor::View(values + (lo - begin), {static_cast<int64_t>(hi - lo)});
+      shard->grad = Tensor::View(grads + (lo - begin), {static_cast<int64_t>(hi - lo)});
+      shard->whole_shape = p->value.shape();
+      shards_.push_back(std::move(shard));
+      places_.push_back({p, g, offset, lo, hi});
+    }
+  }
+  // The optimizer's order: registration order of the parameters they are
+  // pieces of (a parameter has at most one piece per rank).
+  std::unordered_map<const Parameter*, size_t> order;
+  for (size_t i = 0; i < parameters_.size(); ++i) order[parameters_[i]] = i;
+  std::vector<size_t> index(shards_.size());
+  for (size_t i = 0; i < index.size(); ++i) index[i] = i;
+  std::sort(index.begin(), index.end(), [&](size_t a, size_t b) {
+    return order.at(places_[a].whole) < order.at(places_[b].whole);
+  });
+  std::vector<std::unique_ptr<Parameter>> shards;
+  std::vector<Place> places;
+  for (size_t i : index) {
+    shards.push_back(std::move(shards_[i]));
+    places.push_back(places_[i]);
+  }
+  shards_ = std::move(shards);
+  places_ = std::move(places);
+  for (const auto& s : shards_) shard_view_.push_back(s.get());
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ShardMap::WholeStateLayout(
+    const std::vector<StateEntry>& shard_state) const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> layout;
+  if (shard_view_.empty()) return layout;
+  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
+  for (const Parameter* p : parameters_) {
+    for (const std::string& kind : kinds) {
+      layout.emplace_back(absl::StrCat(p->name, ".", kind), p->value.shape());
+    }
+  }
+  return layout;
+}
+
+absl::StatusOr<std::vector<ShardMap::OwnedStateEntry>> ShardMap::GatherState(
+    const std::vector<StateEntry>& shard_state, Communicator* communicator) const {
+  std::vector<OwnedStateEntry> whole;
+  if (shard_view_.empty()) return whole;
+  std::unordered_map<std::string, const Tensor*> by_name(shard_state.begin(), shard_state.end());
+  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
+  // Whole tensors by "<parameter>.<kind>", filled group by group.
+  std::unordered_map<std::string, Tensor> result;
+  for (const Parameter* p : parameters_) {
+    for (const std::string& kind : kinds) {
+      result.emplace(absl::StrCat(p->name, ".", kind), Tensor(p->value.shape()));
+    }
+  }
+  for (const std::string& kind : kinds) {
+    for (int g = 0; g < num_groups(); ++g) {
+      const size_t n = chunk(g);
+      std::vector<float> mine(n, 0.0f), all(group(g).floats);
+      for (size_t k = 0; k < shards_.size(); ++k) {
+        const Place& place = places_[k];
+        if (place.group != g) continue;
+        auto it = by_name.find(absl::StrCat(shards_[k]->name, ".", kind));
+        if (it == by_name.end() ||
+            it->second->numel() != static_cast<int64_t>(place.hi - place.lo)) {
+          return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", shards_[k]->name,
+                                                         ".", kind, " is missing or misshapen"));
+        }
+        std::memcpy(mine.data() + (place.lo - static_cast<size_t>(rank_) * n), it->second->data(),
+                    sizeof(float) * (place.hi - place.lo));
+      }
+      if (absl::Status s = communicator->AllGather(mine.data(), n, all.data()); !s.ok()) {
+        return absl::Status(s.code(),
+                            absl::StrCat("zero: gathering the optimizer state: ", s.message()));
+      }
+      const Group& gr = group(g);
+      for (size_t i = 0; i < gr.parameters.size(); ++i) {
+        Tensor& t = result.at(absl::StrCat(gr.parameters[i]->name, ".", kind));
+        std::memcpy(t.data(), all.data() + gr.offsets[i],
+                    sizeof(float) * static_cast<size_t>(t.numel()));
+      }
+    }
+  }
+  for (const Parameter* p : parameters_) {
+    for (const std::string& kind : kinds) {
+      const std::string name = absl::StrCat(p->name, ".", kind);
+      whole.emplace_back(name, std::move(result.at(name)));
+    }
+  }
+  return whole;
+}
+
+absl::Status ShardMap::SliceWholeState(const std::string& name, const Tensor& whole,
+                                       std::vector<OwnedStateEntry>* out) const {
+  bool known = false;
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    const Place& place = places_[k];
+    const std::string prefix = place.whole->name + ".";
+    if (!name.starts_with(prefix)) continue;
+    known = true;
+    if (whole.numel() != place.whole->value.numel()) {
+      return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", name, " has ",
+                                                     whole.numel(), " elements, want ",
+                                                     place.whole->value.numel()));
+    }
+    Tensor piece({static_cast<int64_t>(place.hi - place.lo)});
+    std::memcpy(piece.data(), whole.data() + (place.lo - place.offset),
+                sizeof(float) * (place.hi - place.lo));
+    out->emplace_back(absl::StrCat(shards_[k]->name, ".", name.substr(prefix.size())),
+                      std::move(piece));
+  }
+  if (!known) {
+    for (const Parameter* p : parameters_) {
+      if (name.starts_with(p->name + ".")) return absl::OkStatus();  // no piece here
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("zero: no parameter for optimizer state ", name));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::engine
