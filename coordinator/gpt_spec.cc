@@ -25,7 +25,8 @@ constexpr int kDefaultEvalWindows = 64;
 
 bool HasGptFields(const v1::ModelSpec& m) {
   return !m.config().empty() || m.n_layer() != 0 || m.n_head() != 0 || m.n_embd() != 0 ||
-         m.block_size() != 0 || m.vocab_size() != 0 || m.has_bias();
+         m.block_size() != 0 || m.vocab_size() != 0 || m.has_bias() ||
+         m.activation_checkpointing();
 }
 
 // The first gpt field set, for the message.
@@ -36,7 +37,8 @@ const char* FirstGptField(const v1::ModelSpec& m) {
   if (m.n_embd() != 0) return "model.n_embd";
   if (m.block_size() != 0) return "model.block_size";
   if (m.vocab_size() != 0) return "model.vocab_size";
-  return "model.bias";
+  if (m.has_bias()) return "model.bias";
+  return "model.activation_checkpointing";
 }
 
 }  // namespace

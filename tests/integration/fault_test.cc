@@ -705,15 +705,33 @@ struct ShardedCase {
   const char* name;
   v1::JobSpec::Strategy strategy;
   v1::FsdpSpec::Sharding sharding;
+  // A GPT on text, the sharded runs with activation checkpointing, instead
+  // of the MLP.
+  bool gpt = false;
 };
 
 class ShardedFaultTest : public FaultTest, public ::testing::WithParamInterface<ShardedCase> {};
 
 TEST_P(ShardedFaultTest, ResumesBitwiseAndEndsWhereDdpEnds) {
   StartWorkers({"w1", "w2"});
-  constexpr int64_t kSteps = 2000;
+  const bool gpt = GetParam().gpt;
+  const int64_t kSteps = gpt ? 600 : 2000;
+  const std::string corpus = cluster().Path("corpus.txt");
+  if (gpt) std::ofstream(corpus) << MadeUpCorpus(60'000);
   auto spec = [&](v1::JobSpec::Strategy strategy) {
     v1::JobSpec s = Spec(2, kSteps);
+    if (gpt) {
+      s.mutable_model()->Clear();
+      s.mutable_model()->set_name("gpt");
+      s.mutable_model()->set_config("gpt-nano");
+      s.mutable_model()->set_dropout(0.1);
+      s.mutable_model()->set_activation_checkpointing(strategy != v1::JobSpec::DDP);
+      s.mutable_dataset()->set_kind("text");
+      s.mutable_dataset()->add_files(corpus);
+      s.mutable_dataset()->set_eval_windows(8);
+      s.set_batch_size(4);
+      s.set_eval_every_steps(200);
+    }
     s.set_strategy(strategy);
     if (strategy == v1::JobSpec::FSDP) s.mutable_fsdp()->set_sharding(GetParam().sharding);
     s.set_bucket_mb(0.05);  // several buckets, parameters split between the ranks' shards
@@ -763,7 +781,9 @@ INSTANTIATE_TEST_SUITE_P(
                       ShardedCase{"Zero2", v1::JobSpec::ZERO2, v1::FsdpSpec::SHARDING_UNSPECIFIED},
                       ShardedCase{"FsdpFullShard", v1::JobSpec::FSDP, v1::FsdpSpec::FULL_SHARD},
                       ShardedCase{"FsdpShardGradOp", v1::JobSpec::FSDP,
-                                  v1::FsdpSpec::SHARD_GRAD_OP}),
+                                  v1::FsdpSpec::SHARD_GRAD_OP},
+                      ShardedCase{"FsdpGptActivationCheckpointing", v1::JobSpec::FSDP,
+                                  v1::FsdpSpec::FULL_SHARD, /*gpt=*/true}),
     [](const ::testing::TestParamInfo<ShardedCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -334,25 +334,32 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
   const int64_t n = batch * seq_len;
   const int64_t c = config_.n_embd;
   const int64_t h = config_.n_head;
+  auto shape_acts = [&](Activations& a) {
+    EnsureShape(&a.ln1, {n, c});
+    EnsureShape(&a.ln1_mean, {n});
+    EnsureShape(&a.ln1_rstd, {n});
+    EnsureShape(&a.qkv, {n, 3 * c});
+    EnsureShape(&a.att, {batch, h, seq_len, seq_len});
+    EnsureShape(&a.y, {n, c});
+    EnsureShape(&a.mid, {n, c});
+    EnsureShape(&a.ln2, {n, c});
+    EnsureShape(&a.ln2_mean, {n});
+    EnsureShape(&a.ln2_rstd, {n});
+    EnsureShape(&a.fc, {n, 4 * c});
+    EnsureShape(&a.gelu, {n, 4 * c});
+    if (config_.dropout > 0.0) {
+      EnsureShape(&a.att_mask, {batch, h, seq_len, seq_len});
+      EnsureShape(&a.attn_mask, {n, c});
+      EnsureShape(&a.mlp_mask, {n, c});
+    }
+  };
   for (Block& b : blocks_) {
     EnsureShape(&b.in, {n, c});
-    EnsureShape(&b.ln1, {n, c});
-    EnsureShape(&b.ln1_mean, {n});
-    EnsureShape(&b.ln1_rstd, {n});
-    EnsureShape(&b.qkv, {n, 3 * c});
-    EnsureShape(&b.att, {batch, h, seq_len, seq_len});
-    EnsureShape(&b.y, {n, c});
-    EnsureShape(&b.mid, {n, c});
-    EnsureShape(&b.ln2, {n, c});
-    EnsureShape(&b.ln2_mean, {n});
-    EnsureShape(&b.ln2_rstd, {n});
-    EnsureShape(&b.fc, {n, 4 * c});
-    EnsureShape(&b.gelu, {n, 4 * c});
-    if (config_.dropout > 0.0) {
-      EnsureShape(&b.att_mask, {batch, h, seq_len, seq_len});
-      EnsureShape(&b.attn_mask, {n, c});
-      EnsureShape(&b.mlp_mask, {n, c});
-    }
+    if (!checkpointing_) shape_acts(b.acts);
+  }
+  if (checkpointing_) {
+    shape_acts(shared_);
+    EnsureShape(&recomputed_, {n, c});
   }
   if (config_.dropout > 0.0) EnsureShape(&emb_mask_, {n, c});
   EnsureShape(&out_, {n, c});
@@ -370,7 +377,7 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
   EnsureShape(&patt_, {seq_len, seq_len});
 }
 
-void Gpt::AttentionForward(Block& b, bool drop) {
+void Gpt::AttentionForward(Activations& a, bool drop) {
   const int64_t t_len = seq_len_;
   const int64_t c = config_.n_embd;
   const int64_t heads = config_.n_head;
@@ -378,10 +385,10 @@ void Gpt::AttentionForward(Block& b, bool drop) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t s = 0; s < batch_; ++s) {
     for (int64_t h = 0; h < heads; ++h) {
-      const float* q = b.qkv.data() + s * t_len * 3 * c + h * hd;
+      const float* q = a.qkv.data() + s * t_len * 3 * c + h * hd;
       const float* k = q + c;
       const float* v = q + 2 * c;
-      float* att = b.att.data() + (s * heads + h) * t_len * t_len;
+      float* att = a.att.data() + (s * heads + h) * t_len * t_len;
       Sgemm(false, true, t_len, t_len, hd, scale, q, 3 * c, k, 3 * c, 0.0f, att, t_len);
       for (int64_t t = 0; t < t_len; ++t) {
         float* row = att + t * t_len;
@@ -398,18 +405,18 @@ void Gpt::AttentionForward(Block& b, bool drop) {
       }
       const float* p = att;
       if (drop) {
-        float* mask = b.att_mask.data() + (s * heads + h) * t_len * t_len;
+        float* mask = a.att_mask.data() + (s * heads + h) * t_len * t_len;
         cpu::DropoutMask(rng_, config_.dropout, mask, t_len * t_len);
         cpu::MulKernel(att, mask, patt_.data(), t_len * t_len);
         p = patt_.data();
       }
       Sgemm(false, false, t_len, hd, t_len, 1.0f, p, t_len, v, 3 * c, 0.0f,
-            b.y.data() + s * t_len * c + h * hd, c);
+            a.y.data() + s * t_len * c + h * hd, c);
     }
   }
 }
 
-void Gpt::AttentionBackward(Block& b, const float* dy, float* dqkv) {
+void Gpt::AttentionBackward(Activations& a, const float* dy, float* dqkv) {
   const int64_t t_len = seq_len_;
   const int64_t c = config_.n_embd;
   const int64_t heads = config_.n_head;
@@ -418,15 +425,15 @@ void Gpt::AttentionBackward(Block& b, const float* dy, float* dqkv) {
   for (int64_t s = 0; s < batch_; ++s) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = s * t_len * 3 * c + h * hd;
-      const float* q = b.qkv.data() + offset;
+      const float* q = a.qkv.data() + offset;
       const float* k = q + c;
       const float* v = q + 2 * c;
       float* dq = dqkv + offset;
       float* dk = dq + c;
       float* dv = dq + 2 * c;
       const float* g = dy + s * t_len * c + h * hd;
-      const float* att = b.att.data() + (s * heads + h) * t_len * t_len;
-      const float* mask = dropped_ ? b.att_mask.data() + (s * heads + h) * t_len * t_len : nullptr;
+      const float* att = a.att.data() + (s * heads + h) * t_len * t_len;
+      const float* mask = dropped_ ? a.att_mask.data() + (s * heads + h) * t_len * t_len : nullptr;
       const float* p = att;
       if (mask != nullptr) {
         cpu::MulKernel(att, mask, patt_.data(), t_len * t_len);
@@ -455,6 +462,37 @@ void Gpt::AttentionBackward(Block& b, const float* dy, float* dqkv) {
   }
 }
 
+void Gpt::BlockForward(Block& b, Activations& a, float* out, bool drop) {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  const bool bias = config_.bias;
+  LayerNormForward(b.in.data(), b.ln1_w.value.data(), bias ? b.ln1_b.value.data() : nullptr, n, c,
+                   a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data());
+  LinearForward(a.ln1.data(), b.attn_w.value.data(), bias ? b.attn_b.value.data() : nullptr, n, c,
+                3 * c, a.qkv.data());
+  AttentionForward(a, drop);
+  // mid = in + drop(y Wproj + b).
+  LinearForward(a.y.data(), b.proj_w.value.data(), bias ? b.proj_b.value.data() : nullptr, n, c, c,
+                a.mid.data());
+  if (drop) {
+    cpu::DropoutMask(rng_, config_.dropout, a.attn_mask.data(), n * c);
+    for (int64_t i = 0; i < n * c; ++i) a.mid[i] *= a.attn_mask[i];
+  }
+  cpu::AccumulateKernel(b.in.data(), a.mid.data(), n * c);
+  LayerNormForward(a.mid.data(), b.ln2_w.value.data(), bias ? b.ln2_b.value.data() : nullptr, n, c,
+                   a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data());
+  LinearForward(a.ln2.data(), b.fc_w.value.data(), bias ? b.fc_b.value.data() : nullptr, n, c,
+                4 * c, a.fc.data());
+  GeluForward(a.fc.data(), a.gelu.data(), n * 4 * c);
+  LinearForward(a.gelu.data(), b.fc_proj_w.value.data(), bias ? b.fc_proj_b.value.data() : nullptr,
+                n, 4 * c, c, out);
+  if (drop) {
+    cpu::DropoutMask(rng_, config_.dropout, a.mlp_mask.data(), n * c);
+    for (int64_t i = 0; i < n * c; ++i) out[i] *= a.mlp_mask[i];
+  }
+  cpu::AccumulateKernel(a.mid.data(), out, n * c);
+}
+
 void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
   const int64_t n = batch_ * seq_len_;
   const int64_t c = config_.n_embd;
@@ -481,31 +519,8 @@ void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
     float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeForward(unit);
-    LayerNormForward(b.in.data(), b.ln1_w.value.data(), bias ? b.ln1_b.value.data() : nullptr, n, c,
-                     b.ln1.data(), b.ln1_mean.data(), b.ln1_rstd.data());
-    LinearForward(b.ln1.data(), b.attn_w.value.data(), bias ? b.attn_b.value.data() : nullptr, n, c,
-                  3 * c, b.qkv.data());
-    AttentionForward(b, drop);
-    // mid = in + drop(y Wproj + b).
-    LinearForward(b.y.data(), b.proj_w.value.data(), bias ? b.proj_b.value.data() : nullptr, n, c,
-                  c, b.mid.data());
-    if (drop) {
-      cpu::DropoutMask(rng_, config_.dropout, b.attn_mask.data(), n * c);
-      for (int64_t i = 0; i < n * c; ++i) b.mid[i] *= b.attn_mask[i];
-    }
-    cpu::AccumulateKernel(b.in.data(), b.mid.data(), n * c);
-    LayerNormForward(b.mid.data(), b.ln2_w.value.data(), bias ? b.ln2_b.value.data() : nullptr, n,
-                     c, b.ln2.data(), b.ln2_mean.data(), b.ln2_rstd.data());
-    LinearForward(b.ln2.data(), b.fc_w.value.data(), bias ? b.fc_b.value.data() : nullptr, n, c,
-                  4 * c, b.fc.data());
-    GeluForward(b.fc.data(), b.gelu.data(), n * 4 * c);
-    LinearForward(b.gelu.data(), b.fc_proj_w.value.data(),
-                  bias ? b.fc_proj_b.value.data() : nullptr, n, 4 * c, c, next);
-    if (drop) {
-      cpu::DropoutMask(rng_, config_.dropout, b.mlp_mask.data(), n * c);
-      for (int64_t i = 0; i < n * c; ++i) next[i] *= b.mlp_mask[i];
-    }
-    cpu::AccumulateKernel(b.mid.data(), next, n * c);
+    if (checkpointing_) b.rng = rng_;
+    BlockForward(b, ActsOf(b), next, drop);
     if (hooks_ != nullptr) hooks_->AfterForward(unit);
   }
   LayerNormForward(out_.data(), lnf_w_.value.data(), bias ? lnf_b_.value.data() : nullptr, n, c,
@@ -551,6 +566,8 @@ void Gpt::Backward(double grad_scale) {
   const int64_t c = config_.n_embd;
   const int64_t vocab = config_.vocab_size;
   AIDN_CHECK(static_cast<int64_t>(targets_.size()) == n) << "gpt: Backward without a Forward";
+  // The dropout stream as Forward left it (recomputations rewind it).
+  const std::mt19937_64 after_forward = rng_;
   float* dlogits = grad_logits_.data();
   if (hooks_ != nullptr) hooks_->BeforeBackward(0);
   if (grad_scale != 1.0) {
@@ -570,25 +587,32 @@ void Gpt::Backward(double grad_scale) {
     Block& b = blocks_[l];
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeBackward(unit);
+    Activations& a = ActsOf(b);
+    if (checkpointing_) {
+      // The block's forward again, from its kept input and with the masks
+      // its first run drew.
+      rng_ = b.rng;
+      BlockForward(b, a, recomputed_.data(), dropped_);
+    }
     // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
-    LinearBackward(BranchGrad(b.mlp_mask), b.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c,
+    LinearBackward(BranchGrad(a.mlp_mask), a.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c,
                    dbig_.data(), b.fc_proj_w.grad.data(), BiasGrad(b.fc_proj_b));
-    GeluBackward(b.fc.data(), dbig_.data(), n * 4 * c);
-    LinearBackward(dbig_.data(), b.ln2.data(), b.fc_w.value.data(), n, c, 4 * c, dtmp_.data(),
+    GeluBackward(a.fc.data(), dbig_.data(), n * 4 * c);
+    LinearBackward(dbig_.data(), a.ln2.data(), b.fc_w.value.data(), n, c, 4 * c, dtmp_.data(),
                    b.fc_w.grad.data(), BiasGrad(b.fc_b));
-    LayerNormBackward(dtmp_.data(), b.mid.data(), b.ln2_w.value.data(), b.ln2_mean.data(),
-                      b.ln2_rstd.data(), n, c, dx_.data(), b.ln2_w.grad.data(), BiasGrad(b.ln2_b));
+    LayerNormBackward(dtmp_.data(), a.mid.data(), b.ln2_w.value.data(), a.ln2_mean.data(),
+                      a.ln2_rstd.data(), n, c, dx_.data(), b.ln2_w.grad.data(), BiasGrad(b.ln2_b));
     Ready(b.fc_proj_w, b.fc_proj_b);
     Ready(b.fc_w, b.fc_b);
     Ready(b.ln2_w, b.ln2_b);
     // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
-    LinearBackward(BranchGrad(b.attn_mask), b.y.data(), b.proj_w.value.data(), n, c, c,
+    LinearBackward(BranchGrad(a.attn_mask), a.y.data(), b.proj_w.value.data(), n, c, c,
                    dtmp_.data(), b.proj_w.grad.data(), BiasGrad(b.proj_b));
-    AttentionBackward(b, dtmp_.data(), dqkv_.data());
-    LinearBackward(dqkv_.data(), b.ln1.data(), b.attn_w.value.data(), n, c, 3 * c, dtmp_.data(),
+    AttentionBackward(a, dtmp_.data(), dqkv_.data());
+    LinearBackward(dqkv_.data(), a.ln1.data(), b.attn_w.value.data(), n, c, 3 * c, dtmp_.data(),
                    b.attn_w.grad.data(), BiasGrad(b.attn_b));
-    LayerNormBackward(dtmp_.data(), b.in.data(), b.ln1_w.value.data(), b.ln1_mean.data(),
-                      b.ln1_rstd.data(), n, c, dx_.data(), b.ln1_w.grad.data(), BiasGrad(b.ln1_b));
+    LayerNormBackward(dtmp_.data(), b.in.data(), b.ln1_w.value.data(), a.ln1_mean.data(),
+                      a.ln1_rstd.data(), n, c, dx_.data(), b.ln1_w.grad.data(), BiasGrad(b.ln1_b));
     Ready(b.proj_w, b.proj_b);
     Ready(b.attn_w, b.attn_b);
     Ready(b.ln1_w, b.ln1_b);
@@ -606,6 +630,18 @@ void Gpt::Backward(double grad_scale) {
     grad_ready_(&wte_);
   }
   if (hooks_ != nullptr) hooks_->AfterBackward(0);
+  rng_ = after_forward;
+}
+
+void Gpt::SetActivationCheckpointing(bool on) {
+  if (on == checkpointing_) return;
+  checkpointing_ = on;
+  // The next Forward sizes what the mode keeps; the other mode's buffers go.
+  batch_ = 0;
+  seq_len_ = 0;
+  shared_ = Activations();
+  recomputed_ = Tensor();
+  for (Block& b : blocks_) b.acts = Activations();
 }
 
 absl::StatusOr<std::vector<int32_t>> Generate(Gpt& gpt, std::vector<int32_t> prompt,

@@ -108,6 +108,14 @@ class Gpt {
   void ZeroGrad();
   // Reseeds the dropout stream for the next Forward.
   void SetSeed(uint64_t seed) { rng_.seed(seed); }
+  // Activation checkpointing: Forward keeps only each block's input, and
+  // Backward runs each block's forward again (with the same dropout masks)
+  // just before the block's backward, trading that compute for the
+  // activations' memory ([B, n_head, T, T] attention probabilities and
+  // ~17 [N, n_embd] tensors a block). The gradients are bitwise those
+  // without it.
+  void SetActivationCheckpointing(bool on);
+  bool activation_checkpointing() const { return checkpointing_; }
 
   // In registration order: wte, wpe, each block's, ln_f.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
@@ -119,11 +127,8 @@ class Gpt {
   const GptConfig& config() const { return config_; }
 
  private:
-  struct Block {
-    Parameter ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b;
-    Parameter ln2_w, ln2_b, fc_w, fc_b, fc_proj_w, fc_proj_b;
-    // Activations of the last Forward.
-    Tensor in;         // [N, C] the block's input (the residual stream)
+  // What a block's Backward needs from its Forward besides its input.
+  struct Activations {
     Tensor ln1;        // [N, C]
     Tensor ln1_mean;   // [N]
     Tensor ln1_rstd;   // [N]
@@ -140,6 +145,17 @@ class Gpt {
     Tensor gelu;       // [N, 4C]
     Tensor mlp_mask;   // [N, C] dropout mask of the MLP branch
   };
+  struct Block {
+    Parameter ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b;
+    Parameter ln2_w, ln2_b, fc_w, fc_b, fc_proj_w, fc_proj_b;
+    Tensor in;  // [N, C] the block's input (the residual stream) in the last Forward
+    // The rest of the last Forward's activations (unused with activation
+    // checkpointing, which keeps them in shared_ while the block runs).
+    Activations acts;
+    // Activation checkpointing: the dropout stream as the block's Forward
+    // found it, so that the recomputation draws the same masks.
+    std::mt19937_64 rng;
+  };
 
   explicit Gpt(const GptConfig& config);
   void Init(uint64_t seed);
@@ -147,8 +163,12 @@ class Gpt {
   // Sizes the activation buffers for [batch, seq_len].
   void Shape(int64_t batch, int64_t seq_len);
   void ForwardTrunk(const int32_t* tokens, bool training);
-  void AttentionForward(Block& b, bool drop);
-  void AttentionBackward(Block& b, const float* dy, float* dqkv);
+  // A block's forward from b.in into `out` ([N, C]), keeping its
+  // activations in `a`.
+  void BlockForward(Block& b, Activations& a, float* out, bool drop);
+  Activations& ActsOf(Block& b) { return checkpointing_ ? shared_ : b.acts; }
+  void AttentionForward(Activations& a, bool drop);
+  void AttentionBackward(Activations& a, const float* dy, float* dqkv);
   // Reports a layer's weight, then its bias when the model has biases.
   void Ready(Parameter& weight, Parameter& bias);
   // The gradient of a residual branch from the stream's (dx_): through the
@@ -164,6 +184,10 @@ class Gpt {
   GradReadyCallback grad_ready_;
   UnitHooks* hooks_ = nullptr;
   std::mt19937_64 rng_{0};
+
+  bool checkpointing_ = false;
+  Activations shared_;  // activation checkpointing: the running block's
+  Tensor recomputed_;   // activation checkpointing: a recomputed block's output
 
   int64_t batch_ = 0;
   int64_t seq_len_ = 0;

@@ -186,6 +186,7 @@ absl::StatusOr<std::unique_ptr<TrainingTask>> CreateTextTask(const v1::JobSpec& 
   absl::StatusOr<std::unique_ptr<engine::Gpt>> model =
       engine::Gpt::Create(GptConfigOf(spec), spec.seed());
   if (!model.ok()) return Prefixed("model", model.status());
+  (*model)->SetActivationCheckpointing(spec.model().activation_checkpointing());
   return std::make_unique<TextTask>(spec, std::move(split), *std::move(model));
 }
 

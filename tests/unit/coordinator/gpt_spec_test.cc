@@ -121,6 +121,14 @@ TEST(GptSpec, TextFieldsAndGptFieldsBelongTogether) {
   EXPECT_EQ(ValidateJobSpec(SpecLimits{}, mlp).message(),
             "model.n_layer: only applies to model gpt");
 
+  JobSpec checkpointed;
+  checkpointed.set_world_size(1);
+  checkpointed.mutable_model()->set_name("cnn");
+  checkpointed.mutable_model()->set_activation_checkpointing(true);
+  ApplyJobSpecDefaults(SpecLimits{}, &checkpointed);
+  EXPECT_EQ(ValidateJobSpec(SpecLimits{}, checkpointed).message(),
+            "model.activation_checkpointing: only applies to model gpt");
+
   JobSpec files;
   files.set_world_size(1);
   files.mutable_model()->set_name("mlp");
