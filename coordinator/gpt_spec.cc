@@ -25,8 +25,7 @@ constexpr int kDefaultEvalWindows = 64;
 
 bool HasGptFields(const v1::ModelSpec& m) {
   return !m.config().empty() || m.n_layer() != 0 || m.n_head() != 0 || m.n_embd() != 0 ||
-         m.block_size() != 0 || m.vocab_size() != 0 || m.has_bias() ||
-         m.activation_checkpointing();
+         m.block_size() != 0 || m.vocab_size() != 0 || m.has_bias() || m.activation_checkpointing();
 }
 
 // The first gpt field set, for the message.
