@@ -3,11 +3,11 @@
 # 1.13's DistributedDataParallel over gloo, the same model and settings,
 # interleaved REPS times; prints every sample, the medians and the ratio.
 #
-#   bench/gpt_ddp.sh          # REPS=3 STEPS=10 BATCH=8: about 8 minutes
+#   bench/gpt_ddp.sh          # REPS=3 STEPS=10 BATCH=8: about 12 minutes
 #
-# Each rep also runs the aidn job with `strategy: zero1` (ZeRO-1: optimizer
-# state sharded, gradients reduce-scattered, weights all-gathered), and the
-# summary gives its throughput against aidn's DDP (ZERO=0 leaves it out).
+# Each rep also runs the aidn job under `strategy: zero1`, `zero2` and
+# `fsdp` (full_shard; docs/strategies.md), and the summary gives their
+# throughput against aidn's DDP (ZERO=0 leaves them out).
 #
 # Model: nanoGPT's character-level shape (CONFIG=gpt-char: 6 layers, 6
 # heads, 384 wide, context 256, bytes; 10.8M parameters), BATCH sequences
@@ -81,7 +81,7 @@ torch_sample() {
 }
 
 echo "$CONFIG, 2 ranks x 1 thread, batch $BATCH x 256 per rank, steps $((WARMUP + 1))..$STEPS timed"
-A=(); T=(); Z=()
+A=(); T=(); Z1=(); Z2=(); F=()
 for rep in $(seq 1 "$REPS"); do
   if ((rep % 2 == 1)); then read -r a mem < <(aidn_sample ddp); read -r t FLOPS < <(torch_sample)
   else read -r t FLOPS < <(torch_sample); read -r a mem < <(aidn_sample ddp); fi
@@ -89,21 +89,25 @@ for rep in $(seq 1 "$REPS"); do
   printf 'rep %d: aidn %.0f tokens/s (peak %.0f MiB a rank), torch DDP %.0f tokens/s\n' \
     "$rep" "$a" "$(echo "$mem / 1048576" | bc -l)" "$t"
   if [[ $ZERO == 1 ]]; then
-    read -r z zmem < <(aidn_sample zero1)
-    Z+=("$z")
-    printf 'rep %d: aidn zero1 %.0f tokens/s (peak %.0f MiB a rank)\n' \
-      "$rep" "$z" "$(echo "$zmem / 1048576" | bc -l)"
+    for strategy in zero1 zero2 fsdp; do
+      read -r z zmem < <(aidn_sample $strategy)
+      case $strategy in zero1) Z1+=("$z") ;; zero2) Z2+=("$z") ;; fsdp) F+=("$z") ;; esac
+      printf 'rep %d: aidn %s %.0f tokens/s (peak %.0f MiB a rank)\n' \
+        "$rep" "$strategy" "$z" "$(echo "$zmem / 1048576" | bc -l)"
+    done
   fi
 done
-$PY - "${A[*]}" "${T[*]}" "$FLOPS" "${Z[*]:-}" <<'PY'
+$PY - "${A[*]}" "${T[*]}" "$FLOPS" "${Z1[*]:-}" "${Z2[*]:-}" "${F[*]:-}" <<'PY'
 import re, statistics, sys
 a = statistics.median(float(x) for x in sys.argv[1].split())
 t = statistics.median(float(x) for x in sys.argv[2].split())
 flops = float(sys.argv[3])  # per token: 6 N + 6 n_layer T n_embd
-if sys.argv[4].strip():
-    z = statistics.median(float(x) for x in sys.argv[4].split())
-    print(f"median: aidn zero1 {z:.0f} tokens/s, aidn/ddp {z / a:.2f}x "
-          f"(target >= 0.9: {'PASS' if z / a >= 0.9 else 'MISS'})")
+for name, arg, target in (("zero1", 4, 0.9), ("zero2", 5, 0.9), ("fsdp", 6, None)):
+    if not sys.argv[arg].strip():
+        continue
+    z = statistics.median(float(x) for x in sys.argv[arg].split())
+    verdict = f" (target >= {target}: {'PASS' if z / a >= target else 'MISS'})" if target else ""
+    print(f"median: aidn {name} {z:.0f} tokens/s, aidn/ddp {z / a:.2f}x{verdict}")
 cpuinfo = open("/proc/cpuinfo").read()
 lanes = 16 if " avx512f" in cpuinfo else 8
 mhz = float(re.search(r"cpu MHz\s*:\s*([\d.]+)", cpuinfo).group(1))

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Model-state memory per rank, measured, against ZeRO's formulas: a GPT job
-# under DDP and under ZeRO-1 at 1, 2 and 4 ranks (fp32 weights, gradients
-# and AdamW's two buffers; Ψ parameters, N ranks):
-#   DDP 16Ψ        ZeRO-1 8Ψ + 8Ψ/N
+# Model-state memory per rank, measured, against the sharded strategies'
+# formulas: a GPT job under DDP, ZeRO-1, ZeRO-2 and FSDP (full_shard) at 1,
+# 2 and 4 ranks (fp32 weights, gradients and AdamW's two buffers; Ψ
+# parameters, N ranks):
+#   DDP 16Ψ    ZeRO-1 8Ψ + 8Ψ/N    ZeRO-2 4Ψ + 12Ψ/N    FSDP 16Ψ/N
+# plus, for ZeRO-2 and FSDP, the buffers of whole units a step holds for a
+# while (named below).
 # "Measured" is the trainer's own count of the bytes it holds for the
 # model's state (its log line "model state memory" and the step records'
 # parameter_bytes, gradient_bytes, optimizer_state_bytes and buffer_bytes;
-# the largest rank's), with the buckets' padding; beside it, the rank
+# the largest rank's), with the layout's padding; beside it, the rank
 # processes' peak resident memory (activations, data and libraries
 # included).
 #
-#   bench/zero_memory.sh          # CONFIG=gpt-char: about 2 minutes
+#   bench/zero_memory.sh          # CONFIG=gpt-char: about 4 minutes
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${AIDN_BUILD:-$ROOT/build}
@@ -19,10 +22,10 @@ PY=/usr/bin/python3
 SLOTS=4 source "$ROOT/bench/local_cluster.sh" aidn-zero-memory
 
 echo "$CONFIG: model-state bytes per rank (the largest rank's), against the formula"
-printf '%-8s %2s %12s %12s %12s %8s %14s %14s %10s %9s\n' strategy N weights gradients \
-  optimizer buffers measured formula "+padding" "peak RSS"
+printf '%-8s %2s %11s %11s %11s %14s %14s %9s %11s %9s\n' strategy N weights gradients \
+  optimizer persistent formula "+padding" buffers "peak RSS"
 PSI=""
-for strategy in ddp zero1; do
+for strategy in ddp zero1 zero2 fsdp; do
   for n in 1 2 4; do
     cat >"$RUN/spec-$strategy-$n.yaml" <<YAML
 name: bench-zero-memory-$strategy-$n
@@ -48,12 +51,28 @@ print(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_state_bytes"], s["
 import sys
 strategy, n = sys.argv[1], int(sys.argv[2])
 w, g, o, b, peak, psi = map(int, sys.argv[3:9])
-formula = 16 * psi if strategy == "ddp" else 8 * psi + 8 * psi // n
-measured = w + g + o + b
+formula = {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi // n, "zero2": 4 * psi + 12 * psi // n,
+           "fsdp": 16 * psi // n}[strategy]
+measured = w + g + o
 mib = lambda x: f"{x / 2**20:.2f} MiB"
-print(f"{strategy:<8} {n:2d} {mib(w):>12} {mib(g):>12} {mib(o):>12} {mib(b):>8} "
-      f"{mib(measured):>14} {mib(formula):>14} {measured - formula:>10} {peak / 2**20:>5.0f} MiB")
+print(f"{strategy:<8} {n:2d} {mib(w):>11} {mib(g):>11} {mib(o):>11} "
+      f"{mib(measured):>14} {mib(formula):>14} {measured - formula:>9} {mib(b):>11} "
+      f"{peak / 2**20:>5.0f} MiB")
 PY
   done
 done
-echo "Ψ = $PSI parameters; +padding is measured - formula in bytes (bucket alignment, the loss slot)"
+$PY - "$CONFIG" <<'PY'
+import sys
+names = {"gpt-char": (6, 384, 256, 256), "gpt-mini": (4, 128, 128, 256), "gpt-nano": (2, 32, 32, 256)}
+layers, c, t, v = names.get(sys.argv[1], (0, 0, 0, 0))
+pad = lambda x: (x + 15) // 16 * 16
+root = pad(v * c) + pad(t * c) + 2 * pad(c)
+block = sum(pad(x) for x in (c, c, 3 * c * c, 3 * c, c * c, c, c, c, 4 * c * c, 4 * c, 4 * c * c, c))
+psi = v * c + t * c + 2 * c + layers * (12 * c * c + 13 * c)
+print(f"Ψ = {psi} parameters; "
+      f"+padding is persistent - formula in bytes (16-float alignment of every tensor, each bucket or "
+      f"unit a multiple of 16 N floats; ZeRO-1's loss slot)")
+print(f"buffers: ZeRO-2 the gradients of the root unit (embeddings and ln_f, {4 * root / 2**20:.2f} MiB) "
+      f"and of at most two blocks ({4 * block / 2**20:.2f} MiB each) while their reduce-scatter runs; "
+      f"FSDP those and the gathered weights of the root and at most two blocks")
+PY

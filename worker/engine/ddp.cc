@@ -81,7 +81,10 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     bucket.buffer = Tensor({static_cast<int64_t>(plan.floats[i])});
     for (Parameter* p : bucket.parameters) {
       float* at = bucket.buffer.data() + reducer->slots_[p].offset;
-      std::memcpy(at, p->grad.data(), sizeof(float) * static_cast<size_t>(p->grad.numel()));
+      // (A gradient without storage yet is zero, as the bucket is.)
+      if (p->grad.data() != nullptr) {
+        std::memcpy(at, p->grad.data(), sizeof(float) * static_cast<size_t>(p->grad.numel()));
+      }
       p->grad = Tensor::View(at, p->grad.shape());
     }
   }

@@ -240,8 +240,17 @@ absl::StatusOr<std::unique_ptr<Gpt>> Gpt::Create(const GptConfig& config, uint64
 void Gpt::Register(Parameter* p, std::string name, std::vector<int64_t> shape) {
   p->name = std::move(name);
   p->value = Tensor(shape);
-  p->grad = Tensor(std::move(shape));
+  // Storage comes with the first ZeroGrad or Backward (EnsureGrads), or
+  // from a sharded strategy's buffers: a model built only to be sharded
+  // never holds all its gradients at once.
+  p->grad = Tensor::View(nullptr, std::move(shape));
   parameters_.push_back(p);
+}
+
+void Gpt::EnsureGrads() {
+  for (Parameter* p : parameters_) {
+    if (p->grad.data() == nullptr && p->grad.numel() > 0) p->grad = Tensor(p->grad.shape());
+  }
 }
 
 void Gpt::Init(uint64_t seed) {
@@ -321,6 +330,7 @@ std::vector<std::vector<Parameter*>> Gpt::Units() {
 }
 
 void Gpt::ZeroGrad() {
+  EnsureGrads();
   for (Parameter* p : parameters_) p->grad.Zero();
 }
 
@@ -566,6 +576,8 @@ void Gpt::Backward(double grad_scale) {
   const int64_t c = config_.n_embd;
   const int64_t vocab = config_.vocab_size;
   AIDN_CHECK(static_cast<int64_t>(targets_.size()) == n) << "gpt: Backward without a Forward";
+  // With unit hooks the strategy gives each unit its gradients' memory.
+  if (hooks_ == nullptr) EnsureGrads();
   // The dropout stream as Forward left it (recomputations rewind it).
   const std::mt19937_64 after_forward = rng_;
   float* dlogits = grad_logits_.data();

@@ -97,7 +97,9 @@ class Gpt {
   // evaluation; Backward must not follow.
   const Tensor& Logits(const int32_t* tokens, int64_t batch, int64_t seq_len);
   // Accumulates (+=) every parameter's gradient of the last Forward's loss,
-  // scaled by `grad_scale` (1/k with k micro-batches a step).
+  // scaled by `grad_scale` (1/k with k micro-batches a step). Gradients have
+  // no storage until the first ZeroGrad or Backward gives it (zeroed) to
+  // them, unless unit hooks are set: the strategy behind them provides it.
   void Backward(double grad_scale = 1.0);
 
   void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
@@ -169,6 +171,8 @@ class Gpt {
   Activations& ActsOf(Block& b) { return checkpointing_ ? shared_ : b.acts; }
   void AttentionForward(Activations& a, bool drop);
   void AttentionBackward(Activations& a, const float* dy, float* dqkv);
+  // Gives every gradient without storage zeroed storage of its own.
+  void EnsureGrads();
   // Reports a layer's weight, then its bias when the model has biases.
   void Ready(Parameter& weight, Parameter& bias);
   // The gradient of a residual branch from the stream's (dx_): through the
