@@ -60,6 +60,15 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     // starts at a 64-byte boundary.
     const size_t unit = size_t{16} * static_cast<size_t>(world);
     for (size_t& f : plan.floats) f = (f + unit - 1) / unit * unit;
+    std::vector<ShardMap::Group> groups(plan.buckets.size());
+    for (size_t b = 0; b < plan.buckets.size(); ++b) {
+      groups[b].floats = plan.floats[b];
+      for (int k : plan.buckets[b]) {
+        groups[b].parameters.push_back(parameters[static_cast<size_t>(k)]);
+        groups[b].offsets.push_back(plan.slots[static_cast<size_t>(k)].offset);
+      }
+    }
+    AIDN_RETURN_IF_ERROR(ShardMap::CheckEveryRankOwnsSome(groups, world));
   }
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
   reducer->parameters_ = parameters;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "worker/engine/cpu_kernels.h"
 
 namespace aidn::engine {
@@ -80,9 +81,10 @@ absl::StatusOr<std::unique_ptr<FsdpReducer>> FsdpReducer::Create(
   }
   const int world = communicator->world_size();
   const size_t rank = static_cast<size_t>(communicator->rank());
-  std::unique_ptr<FsdpReducer> r(new FsdpReducer(options, communicator));
   std::vector<ShardMap::Group> groups;
   for (const auto& unit : units) groups.push_back(ShardMap::Lay(unit, world));
+  AIDN_RETURN_IF_ERROR(ShardMap::CheckEveryRankOwnsSome(groups, world));
+  std::unique_ptr<FsdpReducer> r(new FsdpReducer(options, communicator));
   r->map_ =
       std::make_unique<ShardMap>(std::move(groups), parameters, static_cast<int>(rank), world);
   r->units_.resize(units.size());
@@ -130,6 +132,7 @@ FsdpReducer::~FsdpReducer() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (map_ == nullptr) return;
   // Storage of their own: the weights where they are whole and current,
   // zeros elsewhere; zeroed gradients.
   for (int u = 0; u < map_->num_groups(); ++u) {

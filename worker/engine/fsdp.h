@@ -48,7 +48,9 @@
 // Not thread-safe apart from the hand-off to the communication thread;
 // the communicator must not be used by anyone else during a step. The
 // parameters must outlive the reducer, which gives them storage of their
-// own again (whole, current weights) when destroyed.
+// own again when destroyed: the weights of the units gathered then (after
+// GatherFullParameters, all of them, whole and current), zeros for the
+// others, zeroed gradients.
 
 #include <condition_variable>
 #include <cstdint>

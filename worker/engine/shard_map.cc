@@ -43,6 +43,32 @@ ShardMap::ShardMap(std::vector<Group> groups, std::vector<Parameter*> parameters
       rank_(rank),
       world_(world_size) {}
 
+absl::Status ShardMap::CheckEveryRankOwnsSome(const std::vector<Group>& groups, int world_size) {
+  const size_t world = static_cast<size_t>(world_size);
+  size_t elements = 0;
+  for (const Group& g : groups) {
+    for (const Parameter* p : g.parameters) elements += static_cast<size_t>(p->value.numel());
+  }
+  for (size_t r = 0; r < world; ++r) {
+    bool owns = false;
+    for (size_t k = 0; k < groups.size() && !owns; ++k) {
+      const Group& g = groups[k];
+      const size_t chunk = g.floats / world, begin = r * chunk, end = begin + chunk;
+      for (size_t i = 0; i < g.parameters.size() && !owns; ++i) {
+        const size_t n = static_cast<size_t>(g.parameters[i]->value.numel());
+        owns = n > 0 && g.offsets[i] < end && g.offsets[i] + n > begin;
+      }
+    }
+    if (!owns) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sharding: rank ", r, " of ", world_size,
+                       " would own no parameter element, only padding (the model has ", elements,
+                       " elements in ", groups.size(), " groups); use fewer ranks or ddp"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 size_t ShardMap::padding_floats(size_t extra) const {
   size_t padding = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {

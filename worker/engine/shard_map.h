@@ -54,6 +54,10 @@ class ShardMap {
   // `groups` as laid out (offsets and padded sizes); `parameters` in
   // registration order (the order of the whole optimizer state).
   ShardMap(std::vector<Group> groups, std::vector<Parameter*> parameters, int rank, int world_size);
+  // INVALID_ARGUMENT when some rank's slices hold only padding (a model too
+  // small for world_size ranks): that rank would have nothing to optimize.
+  // The same answer on every rank, so all of them refuse together.
+  static absl::Status CheckEveryRankOwnsSome(const std::vector<Group>& groups, int world_size);
   ShardMap(const ShardMap&) = delete;
   ShardMap& operator=(const ShardMap&) = delete;
 

@@ -91,6 +91,8 @@ void Tensor::Resize(std::vector<int64_t> shape) {
 
 void Tensor::Fill(float value) {
   if (numel_ == 0) return;
+  AIDN_CHECK(data_ != nullptr) << "Fill of a tensor " << ShapeString()
+                               << " without storage (a sharded parameter outside its unit?)";
   if (value == 0.0f && !std::signbit(value)) {
     // ZeroGrad's path: memset is several times faster than a scalar loop.
     std::memset(data_, 0, static_cast<size_t>(numel_) * sizeof(float));

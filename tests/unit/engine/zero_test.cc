@@ -355,6 +355,63 @@ INSTANTIATE_TEST_SUITE_P(
                           std::get<2>(info.param), "Ranks");
     });
 
+// A rank and world size only: the sessions below refuse before any
+// collective.
+class NoCollectives final : public Communicator {
+ public:
+  NoCollectives(int rank, int world) : rank_(rank), world_(world) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  absl::Status AllReduce(float*, size_t, ReduceOp) override { return Refused(); }
+  absl::Status Broadcast(float*, size_t, int) override { return Refused(); }
+  absl::Status AllGather(const float*, size_t, float*) override { return Refused(); }
+  absl::Status ReduceScatter(const float*, size_t, float*, ReduceOp) override { return Refused(); }
+  absl::Status Barrier() override { return Refused(); }
+  int64_t sequence() const override { return 0; }
+
+ private:
+  static absl::Status Refused() { return absl::FailedPreconditionError("no collectives here"); }
+  int rank_, world_;
+};
+
+// Linear(4, 3) is 32 floats laid out (12 -> 16, 3 -> 16): over 3 ranks each
+// owns 16, and rank 2's are all padding. Every rank refuses the same way,
+// before any collective, rather than rank 2 alone failing and the others
+// waiting for it.
+TEST(ZeroSession, AModelTooSmallForTheRanksIsRefusedOnEveryRank) {
+  ModelConfig config;
+  config.hidden_sizes = {};
+  config.height = 2;
+  config.width = 2;
+  config.classes = 3;
+  for (Sharding sharding : {Sharding::kOptimizer, Sharding::kGradients, Sharding::kFullShard}) {
+    for (int rank = 0; rank < 3; ++rank) {
+      std::unique_ptr<Sequential> mlp = *BuildModel(config, 1);
+      Classifier classifier(mlp.get());
+      NoCollectives comm(rank, 3);
+      absl::StatusOr<std::unique_ptr<CpuSession>> session = CpuSession::Create(
+          {.communicator = &comm, .bucket_mb = 25, .sharding = sharding}, &classifier, Adam());
+      ASSERT_FALSE(session.ok()) << NameOf(sharding) << " rank " << rank;
+      EXPECT_EQ(session.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(session.status().message(),
+                "sharding: rank 2 of 3 would own no parameter element, only padding (the model "
+                "has 15 elements in " +
+                    std::string(sharding == Sharding::kOptimizer ? "1" : "2") +
+                    " groups); use fewer ranks or ddp");
+    }
+    // Over two ranks each unit's 32 floats give each rank 16, elements on
+    // both. ZeRO-1's bucket also holds the loss slot (33 floats, padded to
+    // 64): rank 1's 32 start past the parameters, and it is refused too.
+    std::unique_ptr<Sequential> mlp = *BuildModel(config, 1);
+    Classifier classifier(mlp.get());
+    NoCollectives comm(1, 2);
+    EXPECT_EQ(
+        CpuSession::Create({.communicator = &comm, .sharding = sharding}, &classifier, Adam()).ok(),
+        sharding != Sharding::kOptimizer)
+        << NameOf(sharding);
+  }
+}
+
 TEST(ZeroSession, ShardingNeedsACommunicatorAndItsOwnOptimizer) {
   RankModel model = RankModel::Make(false);
   EXPECT_EQ(CpuSession::Create({.sharding = Sharding::kFullShard}, model.trainable.get(), Adam())
