@@ -325,7 +325,8 @@ TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
        "checkpoint.dir"},
       // 0 would mean "default 64" (job.proto), so a negative size is the bad one.
       {"negative_batch_size", with([](SpecText& s) { s.batch_size = "-1"; }), "batch_size"},
-      {"zero2_reserved", with([](SpecText& s) { s.strategy = "zero2"; }), "strategy"},
+      {"fsdp_options_under_ddp",
+       with([](SpecText& s) { s.extra = "fsdp: {sharding: shard_grad_op}\n"; }), "fsdp"},
       {"unknown_field", with([](SpecText& s) { s.extra = "bogus_field: 1\n"; }), "bogus_field"},
   };
   for (const Case& bad : cases) {
@@ -366,7 +367,7 @@ TEST_F(Cli, RefusesBadSpecsNamingTheFieldAndStoresNothing) {
       {"dataset.dir", [](v1::JobSpec& s) { s.mutable_dataset()->set_dir("a/../../etc"); }},
       {"checkpoint.dir", [](v1::JobSpec& s) { s.mutable_checkpoint()->set_dir("../x"); }},
       {"batch_size", [](v1::JobSpec& s) { s.set_batch_size(-1); }},
-      {"strategy", [](v1::JobSpec& s) { s.set_strategy(v1::JobSpec::FSDP); }},
+      {"strategy", [](v1::JobSpec& s) { s.set_strategy(static_cast<v1::JobSpec::Strategy>(99)); }},
   };
   auto stub = CoordinatorStub(c.address);
   for (const auto& [field, mutate] : api_cases) {
