@@ -105,6 +105,20 @@ TEST(ParseJobSpec, ReadsTheGptExampleAndTheCoordinatorAcceptsIt) {
   EXPECT_EQ(spec.model().block_size(), 128);
 }
 
+// The sharded example: strategy fsdp with its options and activation
+// checkpointing, accepted as written.
+TEST(ParseJobSpec, ReadsTheFsdpExampleAndTheCoordinatorAcceptsIt) {
+  absl::StatusOr<std::string> text = ReadFileToString(ExamplePath("gpt-fsdp.yaml"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  v1::JobSpec spec = MustParse(*text, "gpt-fsdp.yaml");
+  EXPECT_EQ(spec.strategy(), v1::JobSpec::FSDP);
+  EXPECT_EQ(spec.fsdp().sharding(), v1::FsdpSpec::FULL_SHARD);
+  EXPECT_TRUE(spec.model().activation_checkpointing());
+  coordinator::ApplyJobSpecDefaults(coordinator::SpecLimits{}, &spec);
+  EXPECT_TRUE(coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec).ok())
+      << coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec);
+}
+
 constexpr char kRichYaml[] = R"(
 name: fmnist   # a comment
 world_size: 4
