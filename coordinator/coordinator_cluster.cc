@@ -58,6 +58,25 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(
   if (info.gpus_size() > 64) return absl::InvalidArgumentError("info.gpus: at most 64");
   Deferred deferred;
   absl::MutexLock lock(&mu_);
+  if (auto live = workers_.find(info.id()); live != workers_.end()) {
+    const v1::Worker& other = live->second.worker;
+    if (other.state() == v1::Worker::ALIVE && !other.info().instance().empty() &&
+        !info.instance().empty() && other.info().instance() != info.instance()) {
+      const int64_t silent_ms =
+          std::chrono::duration_cast<milliseconds>(clock_->Now() - live->second.last_seen).count();
+      Emit("worker.refused", "", info.id(), 0,
+           absl::StrCat("a second worker (host ", info.hostname(), ", instance ", info.instance(),
+                        ") asked for the id of a live one (host ", other.info().hostname(), ")"),
+           &deferred);
+      return absl::AlreadyExistsError(
+          absl::StrCat("info.id: worker id \"", info.id(), "\" belongs to a live worker (host ",
+                       other.info().hostname(), ", instance ", other.info().instance(),
+                       ", last heard ", silent_ms,
+                       " ms ago); start this one with another --worker-id, or stop the other: "
+                       "its id is free once it has been silent for the worker timeout (",
+                       options_.worker_timeout.count(), " ms)"));
+    }
+  }
   auto [it, inserted] = workers_.try_emplace(info.id());
   WorkerEntry& w = it->second;
   const bool was_lost = !inserted && w.worker.state() == v1::Worker::LOST;
@@ -118,6 +137,15 @@ void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallba
                                                         "; register again")));
   }
   WorkerEntry& w = it->second;
+  if (!request.instance().empty() && !w.worker.info().instance().empty() &&
+      request.instance() != w.worker.info().instance()) {
+    // Another worker registered under this id while this one was silent:
+    // this one must register again (and is refused while the other lives).
+    return AnswerLater(&deferred, std::move(done),
+                       absl::NotFoundError(absl::StrCat(
+                           "worker ", request.worker_id(), " is registered by another instance (",
+                           w.worker.info().instance(), "); register again")));
+  }
   w.last_seen = clock_->Now();
   *w.worker.mutable_last_heartbeat() = ToProto(clock_->WallNow());
   if (w.worker.state() != v1::Worker::ALIVE) {

@@ -128,8 +128,17 @@ bool CoordinatorLink::RetryAfter(const char* call, const grpc::Status& status) {
     options_.metrics->coordinator_up.Set(0);
     options_.metrics->coordinator_call_failures.Add({{"call", call}}).Increment();
   }
-  const std::string problem = absl::StrCat(call, " ", Describe(status));
-  if (problem != heartbeat_problem_) {
+  // A refused registration (another live worker holds this id) says how
+  // long ago that worker was heard: logged once, not at every try.
+  const bool taken = status.error_code() == grpc::StatusCode::ALREADY_EXISTS;
+  const std::string problem =
+      taken ? absl::StrCat(call, " ALREADY_EXISTS") : absl::StrCat(call, " ", Describe(status));
+  if (problem != heartbeat_problem_ && taken) {
+    AIDN_LOG(ERROR) << "the coordinator refused this worker: its id is taken; retrying until it "
+                       "is free"
+                    << Kv("worker_id", options_.info.id()) << Kv("error", status.error_message());
+    heartbeat_problem_ = problem;
+  } else if (problem != heartbeat_problem_) {
     AIDN_LOG(WARNING) << "coordinator call failed; retrying with backoff" << Kv("call", call)
                       << Kv("coordinator", options_.coordinator)
                       << Kv("code", static_cast<int>(status.error_code()))
@@ -180,6 +189,7 @@ grpc::Status CoordinatorLink::Heartbeat(milliseconds interval, int64_t* version,
                                         milliseconds* next_interval) {
   v1::HeartbeatRequest request;
   request.set_worker_id(options_.info.id());
+  request.set_instance(options_.info.instance());
   for (v1::TrainerStatus& t : callbacks_.trainers()) *request.add_trainers() = std::move(t);
   *request.mutable_max_wait() = TimeUtil::MillisecondsToDuration(interval.count());
   request.set_assignments_version(*version);

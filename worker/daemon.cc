@@ -40,9 +40,10 @@ std::string KeyText(const std::string& job_id, int64_t generation, int32_t rank)
   return absl::StrCat(job_id, "/gen-", generation, "/rank-", rank);
 }
 
-v1::WorkerInfo WorkerInfoOf(const DaemonOptions& o) {
+v1::WorkerInfo WorkerInfoOf(const DaemonOptions& o, const std::string& instance) {
   v1::WorkerInfo info;
   info.set_id(o.worker_id);
+  info.set_instance(instance);
   info.set_hostname(o.hostname);
   info.set_address(o.address);
   info.set_cpu_slots(o.cpu_slots);
@@ -152,6 +153,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   if (error) {
     return absl::InternalError(absl::StrCat("mkdir ", resolved.work_dir, ": ", error.message()));
   }
+  // Before anything is written there: one worker a directory.
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<WorkDirClaim> claim, WorkDirClaim::Take(resolved.work_dir));
   resolved.checkpoint_root =
       options.checkpoint_root.empty()
           ? absl::StrCat(resolved.work_dir, "/checkpoints")
@@ -166,7 +169,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
   if (!resolved.start_store) resolved.start_store = StartC10dStore;
-  std::unique_ptr<Daemon> daemon(new Daemon(resolved));
+  std::unique_ptr<Daemon> daemon(new Daemon(resolved, std::move(claim)));
   if (options.registry != nullptr) {
     Daemon* raw = daemon.get();
     options.registry->AddCollectHook([raw] { raw->CollectMetrics(); });
@@ -174,8 +177,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   return daemon;
 }
 
-Daemon::Daemon(const DaemonOptions& options)
+Daemon::Daemon(const DaemonOptions& options, std::unique_ptr<WorkDirClaim> claim)
     : options_(options),
+      claim_(std::move(claim)),
       launch_options_(LaunchOptionsOf(options)),
       metrics_(options.registry != nullptr ? std::make_unique<WorkerMetrics>(options.registry)
                                            : nullptr) {
@@ -183,7 +187,7 @@ Daemon::Daemon(const DaemonOptions& options)
       CoordinatorLinkOptions{
           .coordinator = options_.coordinator,
           .token = options_.token,
-          .info = WorkerInfoOf(options_),
+          .info = WorkerInfoOf(options_, claim_->instance()),
           .heartbeat_interval = options_.heartbeat_interval,
           .rpc_timeout = options_.rpc_timeout,
           .backoff = {.initial = options_.backoff_initial, .max = options_.backoff_max},
@@ -224,7 +228,8 @@ absl::Status Daemon::Start() {
     }
     started_ = true;
     AIDN_LOG(INFO) << "worker daemon starting" << Kv("worker_id", options_.worker_id)
-                   << Kv("coordinator", options_.coordinator) << Kv("work_dir", options_.work_dir);
+                   << Kv("instance", claim_->instance()) << Kv("coordinator", options_.coordinator)
+                   << Kv("work_dir", options_.work_dir);
     supervise_thread_ = std::thread([this] { SuperviseLoop(); });
   }
   link_->Start();

@@ -39,6 +39,7 @@
 #include "worker/log_shipper.h"
 #include "worker/metrics.h"
 #include "worker/supervisor.h"
+#include "worker/work_dir_claim.h"
 
 namespace aidn::worker {
 
@@ -174,7 +175,7 @@ class Daemon {
     uid_t error_file_owner = 0;
   };
 
-  explicit Daemon(const DaemonOptions& options);
+  Daemon(const DaemonOptions& options, std::unique_ptr<WorkDirClaim> claim);
 
   // Link callbacks (its heartbeat thread).
   std::vector<v1::TrainerStatus> TrainerStatuses() ABSL_LOCKS_EXCLUDED(mu_);
@@ -204,6 +205,9 @@ class Daemon {
   void CollectMetrics() ABSL_LOCKS_EXCLUDED(mu_);
 
   const DaemonOptions options_;
+  // The work directory's lock and this worker's instance id, held for the
+  // daemon's life.
+  const std::unique_ptr<WorkDirClaim> claim_;
   const LaunchOptions launch_options_;
   // Null without options.registry.
   std::unique_ptr<WorkerMetrics> metrics_;

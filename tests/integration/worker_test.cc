@@ -242,6 +242,50 @@ TEST_F(WorkerTest, TwoWorkersRegisterAndStayAlive) {
   EXPECT_THAT(Log("w1"), HasSubstr("trainer_binary"));
 }
 
+// A second worker daemon under a live worker's id (its own directory) is
+// refused by the coordinator and says so in its log, while the first keeps
+// its registration; once the first is gone (kill -9, then silent past the
+// worker timeout) the second, still trying, takes the id. A daemon started
+// on a directory another daemon holds does not start, naming the holder.
+TEST_F(WorkerTest, ASecondWorkerUnderALiveWorkersIdOrDirectoryIsRefused) {
+  StartDefaultCoordinator();
+  const std::string script = WriteScript("exit0", kExitZero);
+  Process* first = StartWorker("w1", script);
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string instance = Workers()["w1"].info().instance();
+  EXPECT_EQ(instance.size(), 32u);
+
+  StartWorker("twin", script, {"--worker-id=w1", "--address=127.0.0.2"});
+  ASSERT_TRUE(
+      WaitFor([&] { return absl::StrContains(Log("twin"), "belongs to a live worker"); }, kLong))
+      << Log("twin");
+  std::map<std::string, v1::Worker> workers = Workers();
+  EXPECT_EQ(workers.size(), 1u);
+  EXPECT_EQ(workers["w1"].info().instance(), instance);
+  EXPECT_EQ(workers["w1"].info().address(), "127.0.0.1");
+  EXPECT_TRUE(WorkerIs("w1", v1::Worker::ALIVE));
+
+  // The same directory as w1's: refused before it registers anything.
+  StartWorker("same-dir", script, {"--work-dir=" + cluster().WorkDir("w1")});
+  absl::StatusOr<int> code = cluster().worker("same-dir")->Wait(kLong);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT(Log("same-dir"), HasSubstr(absl::StrCat("work_dir ", cluster().WorkDir("w1"),
+                                                      " is in use by another aidn-worker (pid ",
+                                                      first->pid(), ")")));
+
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(kLong).ok());
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        const v1::Worker w = Workers()["w1"];
+        return w.state() == v1::Worker::ALIVE && w.info().instance() != instance;
+      },
+      kLong))
+      << Log("twin");
+  EXPECT_EQ(Workers()["w1"].info().address(), "127.0.0.2");
+}
+
 TEST_F(WorkerTest, ATwoRankJobWhoseTrainersExitZeroSucceeds) {
   StartDefaultCoordinator();
   const std::string script = WriteScript("exit0", kExitZero);

@@ -121,6 +121,58 @@ TEST_F(CoordinatorTest, RegisterWorkerValidatesAndAnswersTheIntervals) {
   EXPECT_THAT(Events(""), Contains("worker.registered"));
 }
 
+// One live worker per id: a registration under a live worker's id from
+// another instance is refused, naming the holder, and changes nothing; the
+// same instance (a restarted worker on its directory) comes back at once;
+// once the holder is lost the id is free, and the lost instance's
+// heartbeats are no longer taken (it must register, and is refused).
+TEST_F(CoordinatorTest, ASecondInstanceUnderALiveWorkersIdIsRefused) {
+  auto request = [](const std::string& instance, const std::string& host) {
+    v1::RegisterWorkerRequest r;
+    r.mutable_info()->set_id("w1");
+    r.mutable_info()->set_hostname(host);
+    r.mutable_info()->set_cpu_slots(2);
+    r.mutable_info()->set_instance(instance);
+    return r;
+  };
+  auto beat = [&](const std::string& instance) {
+    v1::HeartbeatRequest r;
+    r.set_worker_id("w1");
+    r.set_instance(instance);
+    Async<v1::HeartbeatResponse> answer;
+    c().Heartbeat(r, answer.Callback());
+    return answer.get().status();
+  };
+  const std::string a(32, 'a'), b(32, 'b');
+  ASSERT_TRUE(c().RegisterWorker(request(a, "first")).ok());
+  absl::StatusOr<v1::RegisterWorkerResponse> twin = c().RegisterWorker(request(b, "second"));
+  ASSERT_EQ(twin.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(
+      std::string(twin.status().message()),
+      StartsWith("info.id: worker id \"w1\" belongs to a live worker (host first, instance " + a));
+  EXPECT_THAT(std::string(twin.status().message()), HasSubstr("--worker-id"));
+  EXPECT_EQ(WorkerNamed("w1").info().hostname(), "first");
+  EXPECT_EQ(WorkerNamed("w1").info().instance(), a);
+  EXPECT_THAT(Events(""), Contains("worker.refused"));
+  // The first, restarted on its directory: the same instance.
+  EXPECT_TRUE(c().RegisterWorker(request(a, "first")).ok());
+  EXPECT_TRUE(beat(a).ok());
+  // Silent past the worker timeout: lost, and its id is free.
+  clock_.Advance(kWorkerTimeout + milliseconds(1));
+  c().Tick();
+  ASSERT_EQ(WorkerNamed("w1").state(), v1::Worker::LOST);
+  ASSERT_TRUE(c().RegisterWorker(request(b, "second")).ok());
+  EXPECT_EQ(WorkerNamed("w1").info().hostname(), "second");
+  // The lost one wakes up: its heartbeat is not this worker's any more,
+  // and its registration is refused while the second lives.
+  EXPECT_EQ(beat(a).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c().RegisterWorker(request(a, "first")).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(beat(b).ok());
+  // A worker that sends no instance is not checked.
+  EXPECT_TRUE(c().RegisterWorker(request("", "old")).ok());
+}
+
 TEST_F(CoordinatorTest, HeartbeatFromAnUnknownWorkerIsNotFound) {
   EXPECT_EQ(Beat("ghost").status().code(), absl::StatusCode::kNotFound);
 }
