@@ -138,7 +138,6 @@ void DdpReducer::ShardBuckets(const BucketPlan& plan) {
         return bucket.weights.data() + rank * static_cast<size_t>(bucket.shard_grad.numel());
       },
       [&](int b) { return buckets_[static_cast<size_t>(b)].shard_grad.data(); });
-  padding_floats_ = map_->padding_floats(1);  // the extra slot is used
   shard_view_ = map_->shards();
 }
 

@@ -124,8 +124,6 @@ class DdpReducer {
     int64_t weight_buffers = 0;
   };
   Memory memory() const;
-  // Floats of the buckets' padding (shard_optimizer; 0 otherwise).
-  size_t padding_floats() const { return padding_floats_; }
 
   // shard_optimizer with more than one rank: where this rank's shards lie
   // (shard_map.h; the groups are the buckets); null otherwise.
@@ -170,7 +168,6 @@ class DdpReducer {
   // One rank: gradients of this backward not yet reported ready.
   int single_pending_ = 0;
   bool shard_ = false;
-  size_t padding_floats_ = 0;
   // shard_optimizer: the buckets' shards (shard_map.h).
   std::unique_ptr<ShardMap> map_;
   // The parameters in registration order.

@@ -267,7 +267,9 @@ std::optional<Failure> RankTraining::BuildSession() {
       AIDN_LOG(INFO) << "model state sharded"
                      << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
                      << Kv("groups", map->num_groups()) << Kv("shards", map->shards().size())
-                     << Kv("padding_floats", map->padding_floats());
+                     << Kv("padding_floats",
+                           // ZeRO-1's last bucket holds the loss slot.
+                           map->padding_floats(spec_.strategy() == v1::JobSpec::ZERO1 ? 1 : 0));
     }
     return std::nullopt;
   }
