@@ -173,22 +173,37 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   if (micro.empty()) return absl::InvalidArgumentError("cpu session: a step needs a micro-batch");
   allreduce_seconds_ = 0.0;
   wait_seconds_ = 0.0;
-  if (fsdp_ != nullptr) return ShardedStep(micro, lr);
   const int64_t accum = static_cast<int64_t>(micro.size());
   double loss = 0;
-  model_->ZeroGrad();
+  // ZeRO-2 and FSDP: the hooks gather the units' weights and reduce-scatter
+  // their gradients (into the zeroed shards) as forward and backward reach
+  // them; the model's own gradients have no storage to zero.
+  if (fsdp_ != nullptr) {
+    fsdp_->BeginStep();
+  } else {
+    model_->ZeroGrad();
+  }
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatch& batch = micro[static_cast<size_t>(m)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
     const double micro_loss = model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum));
     loss += micro_loss / static_cast<double>(accum);
-    // Only the last micro-batch's backward communicates; the mean loss
+    // DDP: only the last micro-batch's backward communicates; the mean loss
     // rides in its last bucket.
     const bool last = m == accum - 1;
     if (reducer_ != nullptr) reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f);
     model_->BackwardLoss();
   }
-  if (reducer_ != nullptr) {
+  if (fsdp_ != nullptr) {
+    if (absl::Status s = fsdp_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("sharded step: ", s.message()));
+    }
+    float mean = static_cast<float>(loss);
+    if (absl::Status s = communicator_->AllReduce(&mean, 1, ReduceOp::kAvg); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("the step's loss: ", s.message()));
+    }
+    loss = mean;
+  } else if (reducer_ != nullptr) {
     if (absl::Status s = reducer_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("gradient allreduce: ", s.message()));
     }
@@ -197,7 +212,10 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   if (absl::Status s = optimizer_->Step(lr); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("optimizer: ", s.message()));
   }
-  if (reducer_ != nullptr) {
+  if (fsdp_ != nullptr) {
+    // The next forward gathers the updated weights, one unit ahead.
+    fsdp_->AfterUpdate();
+  } else if (reducer_ != nullptr) {
     const auto start = std::chrono::steady_clock::now();
     if (absl::Status s = reducer_->GatherParameters(); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("weights all-gather: ", s.message()));
@@ -209,33 +227,6 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
     wait_seconds_ += took;
   }
   return loss;
-}
-
-absl::StatusOr<double> CpuSession::ShardedStep(const std::vector<MicroBatch>& micro, double lr) {
-  const int64_t accum = static_cast<int64_t>(micro.size());
-  double loss = 0;
-  // The hooks gather the units' weights and reduce-scatter their gradients
-  // (into the zeroed shards) as forward and backward reach them.
-  fsdp_->BeginStep();
-  for (int64_t m = 0; m < accum; ++m) {
-    const MicroBatch& batch = micro[static_cast<size_t>(m)];
-    if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
-    loss +=
-        model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum)) / static_cast<double>(accum);
-    model_->BackwardLoss();
-  }
-  if (absl::Status s = fsdp_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("sharded step: ", s.message()));
-  }
-  float mean = static_cast<float>(loss);
-  if (absl::Status s = communicator_->AllReduce(&mean, 1, ReduceOp::kAvg); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("the step's loss: ", s.message()));
-  }
-  if (absl::Status s = optimizer_->Step(lr); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("optimizer: ", s.message()));
-  }
-  fsdp_->AfterUpdate();
-  return static_cast<double>(mean);
 }
 
 }  // namespace aidn::engine

@@ -159,8 +159,6 @@ class CpuSession {
 
  private:
   CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
-  // ZeRO-2 and FSDP: the step the unit hooks drive.
-  absl::StatusOr<double> ShardedStep(const std::vector<MicroBatch>& micro, double lr);
 
   // The Sequential overload's adapter (model_ points at it); null otherwise.
   std::unique_ptr<TrainableModel> owned_;

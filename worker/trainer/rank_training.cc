@@ -251,6 +251,8 @@ void RankTraining::LoadNewestCheckpoint() {
   }
 }
 
+bool RankTraining::Sharded() const { return ShardingOf(spec_) != engine::Sharding::kNone; }
+
 std::optional<Failure> RankTraining::BuildSession() {
   engine::CpuSessionOptions o;
   o.communicator = comm_.get();

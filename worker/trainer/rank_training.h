@@ -92,10 +92,7 @@ class RankTraining {
   // ZeRO and FSDP: the whole state from rank 0's checkpoint, entry by
   // entry, each rank keeping its shards' pieces.
   std::optional<Failure> ResumeShardedOptimizerState(int64_t step, int64_t optimizer_steps);
-  bool Sharded() const {
-    return spec_.strategy() == v1::JobSpec::ZERO1 || spec_.strategy() == v1::JobSpec::ZERO2 ||
-           spec_.strategy() == v1::JobSpec::FSDP;
-  }
+  bool Sharded() const;
   // device: gpu: mirrors the CPU model (weights after the broadcast or the
   // resume) and the resumed optimizer state onto the GPU.
   std::optional<Failure> SetupGpu();
