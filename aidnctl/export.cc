@@ -24,13 +24,13 @@
 #include "common/rpc/client.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
+#include "worker/engine/checkpoint.h"
+#include "worker/engine/checkpoint_reader.h"
 
 namespace aidn::ctl {
 namespace {
 
-// The weights file of a checkpoint directory (worker/engine/checkpoint.h's
-// kModelFile; aidnctl does not link the engine).
-constexpr char kModelFile[] = "model.safetensors";
+using engine::kModelFile;
 constexpr char kSuffix[] = ".safetensors";
 constexpr size_t kCopyChunk = 1 << 20;
 // Longest invalid_reason quoted in an error.
@@ -99,8 +99,9 @@ absl::Status CheckOutputPath(const ExportOptions& options) {
 }
 
 // The checkpoint directory, reachable and verified; returns the manifest
-// entry of the weights.
-absl::StatusOr<ManifestEntry> VerifyCheckpoint(const v1::Checkpoint& checkpoint) {
+// entry of the weights, or none for a sharded checkpoint (whose weights are
+// in one file per rank).
+absl::StatusOr<std::optional<ManifestEntry>> VerifyCheckpoint(const v1::Checkpoint& checkpoint) {
   const std::string& dir = checkpoint.path();
   const std::string what = absl::StrCat("checkpoint of step ", checkpoint.step());
   if (dir.empty() || dir[0] != '/') {
@@ -145,9 +146,14 @@ absl::StatusOr<ManifestEntry> VerifyCheckpoint(const v1::Checkpoint& checkpoint)
   for (const ManifestEntry& entry : manifest->files) {
     if (entry.name == kModelFile) return entry;
   }
-  return absl::DataLossError(
-      absl::StrCat(kManifestName, " in ", dir, " names no ", kModelFile, "; nothing written"));
+  return std::nullopt;
 }
+
+// The weights of sharded checkpoint `dir` put together into `to`, through
+// a temporary file renamed as CopyVerified's is.
+absl::StatusOr<int64_t> Consolidate(const std::string& dir, const std::string& to, bool replace);
+
+absl::Status Publish(const std::string& temp, const std::string& to, bool replace);
 
 // Copies `from` to `to` through `to`.tmp, checking the bytes against
 // `expected` as they pass (the file may change after it was verified), then
@@ -194,7 +200,14 @@ absl::Status CopyVerified(const std::string& from, const ManifestEntry& expected
   }
   if (::fsync(out.get()) != 0) return PosixError(absl::StrCat("cannot sync ", temp), errno);
   if (out.Close() != 0) return PosixError(absl::StrCat("cannot write ", temp), errno);
+  AIDN_RETURN_IF_ERROR(Publish(temp, to, replace));
+  renamed = true;
+  return absl::OkStatus();
+}
 
+// Renames the complete, synced `temp` to `to` (over it only with `replace`)
+// and syncs the directory.
+absl::Status Publish(const std::string& temp, const std::string& to, bool replace) {
   if (replace) {
     if (::rename(temp.c_str(), to.c_str()) != 0) {
       return PosixError(absl::StrCat("cannot rename ", temp, " to ", to), errno);
@@ -209,7 +222,6 @@ absl::Status CopyVerified(const std::string& from, const ManifestEntry& expected
       return PosixError(absl::StrCat("cannot rename ", temp, " to ", to), errno);
     }
   }
-  renamed = true;
   // The rename itself is durable once the directory is synced. The file is
   // complete either way, so a directory that cannot be synced (some file
   // systems refuse) is no reason to report failure.
@@ -218,6 +230,26 @@ absl::Status CopyVerified(const std::string& from, const ManifestEntry& expected
       ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir.get() >= 0) ::fsync(dir.get());
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Consolidate(const std::string& dir, const std::string& to, bool replace) {
+  // SaveSafetensors writes <temp>.tmp and renames it to <temp>; <temp> then
+  // goes to `to` as a copy would.
+  const std::string temp = absl::StrCat(to, ".consolidated");
+  struct RemoveTemp {
+    const std::string& path;
+    ~RemoveTemp() {
+      ::unlink(path.c_str());
+      ::unlink(absl::StrCat(path, ".tmp").c_str());
+    }
+  } remove_temp{temp};
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<engine::CheckpointReader> reader,
+                        engine::CheckpointReader::Open(dir));
+  AIDN_RETURN_IF_ERROR(reader->Consolidate(temp));
+  struct stat st;
+  if (::stat(temp.c_str(), &st) != 0) return PosixError(temp, errno);
+  AIDN_RETURN_IF_ERROR(Publish(temp, to, replace));
+  return static_cast<int64_t>(st.st_size);
 }
 
 }  // namespace
@@ -252,9 +284,23 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
       "job ", job_id, " has no committed, valid checkpoint: ", absl::StrJoin(why, "; ")));
 }
 
-absl::StatusOr<std::string> VerifiedWeights(const v1::Checkpoint& checkpoint) {
-  AIDN_RETURN_IF_ERROR(VerifyCheckpoint(checkpoint).status());
-  return absl::StrCat(checkpoint.path(), "/", kModelFile);
+WeightsFile::~WeightsFile() {
+  if (temporary_) {
+    std::error_code ignored;
+    std::filesystem::remove_all(std::filesystem::path(path_).parent_path(), ignored);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<WeightsFile>> VerifiedWeights(const v1::Checkpoint& checkpoint) {
+  AIDN_ASSIGN_OR_RETURN(const std::optional<ManifestEntry> model, VerifyCheckpoint(checkpoint));
+  if (model.has_value()) {
+    return std::make_unique<WeightsFile>(absl::StrCat(checkpoint.path(), "/", kModelFile), false);
+  }
+  std::string scratch = (std::filesystem::temp_directory_path() / "aidnctl-XXXXXX").string();
+  if (::mkdtemp(scratch.data()) == nullptr) return PosixError("mkdtemp", errno);
+  auto file = std::make_unique<WeightsFile>(absl::StrCat(scratch, "/", kModelFile), true);
+  AIDN_RETURN_IF_ERROR(Consolidate(checkpoint.path(), file->path(), /*replace=*/true).status());
+  return file;
 }
 
 absl::StatusOr<v1::Checkpoint> FetchCheckpoint(const CommandEnv& env, const std::string& job_id,
@@ -273,17 +319,25 @@ absl::Status RunExport(const CommandEnv& env, const ExportOptions& options) {
   AIDN_RETURN_IF_ERROR(CheckOutputPath(options));
   AIDN_ASSIGN_OR_RETURN(const v1::Checkpoint checkpoint,
                         FetchCheckpoint(env, options.job_id, options.step));
-  AIDN_ASSIGN_OR_RETURN(const ManifestEntry model, VerifyCheckpoint(checkpoint));
-  const std::string source = absl::StrCat(checkpoint.path(), "/", kModelFile);
-  std::error_code error;
-  if (std::filesystem::equivalent(source, options.output_path, error)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(options.output_path, " is the checkpoint's own ", kModelFile));
+  AIDN_ASSIGN_OR_RETURN(const std::optional<ManifestEntry> model, VerifyCheckpoint(checkpoint));
+  int64_t bytes = 0;
+  if (model.has_value()) {
+    const std::string source = absl::StrCat(checkpoint.path(), "/", kModelFile);
+    std::error_code error;
+    if (std::filesystem::equivalent(source, options.output_path, error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(options.output_path, " is the checkpoint's own ", kModelFile));
+    }
+    AIDN_RETURN_IF_ERROR(CopyVerified(source, *model, options.output_path, options.force));
+    bytes = model->bytes;
+  } else {
+    // Sharded: every rank's pieces of the weights, put together.
+    AIDN_ASSIGN_OR_RETURN(bytes,
+                          Consolidate(checkpoint.path(), options.output_path, options.force));
   }
-  AIDN_RETURN_IF_ERROR(CopyVerified(source, model, options.output_path, options.force));
 
   *env.out << "exported step " << checkpoint.step() << " of " << options.job_id << " (generation "
-           << checkpoint.generation() << ", " << FormatBytes(model.bytes) << ") to "
+           << checkpoint.generation() << ", " << FormatBytes(bytes) << ") to "
            << options.output_path << "\n";
   env.out->flush();
   return absl::OkStatus();

@@ -2,7 +2,9 @@
 #define AIDN_AIDNCTL_EXPORT_H_
 
 // `aidnctl export JOB [--step N] -o model.safetensors`: a checkpoint's
-// weights as one Hugging Face safetensors file, for PyTorch users.
+// weights as one Hugging Face safetensors file, for PyTorch users: a copy
+// of a whole checkpoint's model.safetensors, or a sharded checkpoint's
+// pieces put together (engine::CheckpointReader::Consolidate).
 //
 // The coordinator only knows where a checkpoint is (the absolute directory
 // the writing rank reported); the files live on the workers' checkpoint
@@ -19,6 +21,7 @@
 // whole verified file.
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -66,10 +69,24 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
 absl::StatusOr<v1::Checkpoint> FetchCheckpoint(const CommandEnv& env, const std::string& job_id,
                                                std::optional<int64_t> step);
 
-// The path of the weights (model.safetensors) of `checkpoint`, once its
-// directory is reachable from this machine and verifies against its
-// MANIFEST and the SHA-256 the coordinator recorded (errors as RunExport's).
-absl::StatusOr<std::string> VerifiedWeights(const v1::Checkpoint& checkpoint);
+// The weights of `checkpoint` as one safetensors file, once its directory
+// is reachable from this machine and verifies against its MANIFEST and the
+// SHA-256 the coordinator recorded (errors as RunExport's): its
+// model.safetensors, or for a sharded checkpoint the ranks' pieces put
+// together in a temporary file, removed with the WeightsFile.
+class WeightsFile {
+ public:
+  WeightsFile(std::string path, bool temporary) : path_(std::move(path)), temporary_(temporary) {}
+  ~WeightsFile();
+  WeightsFile(const WeightsFile&) = delete;
+  WeightsFile& operator=(const WeightsFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  bool temporary_;
+};
+absl::StatusOr<std::unique_ptr<WeightsFile>> VerifiedWeights(const v1::Checkpoint& checkpoint);
 
 }  // namespace aidn::ctl
 

@@ -18,10 +18,12 @@ absl::Status RunGenerate(const CommandEnv& env, const GenerateOptions& options) 
     return absl::InvalidArgumentError("generate: --prompt must not be empty");
   }
   std::string path = options.file;
+  std::unique_ptr<WeightsFile> weights;
   if (!options.job_id.empty()) {
     AIDN_ASSIGN_OR_RETURN(const v1::Checkpoint checkpoint,
                           FetchCheckpoint(env, options.job_id, options.step));
-    AIDN_ASSIGN_OR_RETURN(path, VerifiedWeights(checkpoint));
+    AIDN_ASSIGN_OR_RETURN(weights, VerifiedWeights(checkpoint));
+    path = weights->path();
   }
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<engine::Gpt> gpt, engine::LoadGpt(path));
   std::vector<int32_t> prompt;

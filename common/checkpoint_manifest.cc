@@ -84,7 +84,7 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text) {
   return manifest;
 }
 
-absl::StatusOr<Manifest> VerifyCheckpointDir(const std::string& dir) {
+absl::StatusOr<Manifest> ReadManifest(const std::string& dir) {
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0) return PosixError(dir, errno);
   if (!S_ISDIR(st.st_mode)) return absl::DataLossError(absl::StrCat(dir, ": not a directory"));
@@ -97,24 +97,31 @@ absl::StatusOr<Manifest> VerifyCheckpointDir(const std::string& dir) {
   if (text.size() > kMaxManifestBytes) {
     return absl::DataLossError(absl::StrCat(kManifestName, ": over 1 MiB"));
   }
-  AIDN_ASSIGN_OR_RETURN(Manifest manifest, ParseManifest(text));
-  for (const ManifestEntry& f : manifest.files) {
-    absl::StatusOr<FileChecksum> sum = ChecksumFile(absl::StrCat(dir, "/", f.name));
-    if (!sum.ok()) {
-      if (absl::IsNotFound(sum.status())) {
-        return absl::DataLossError(absl::StrCat(f.name, ": missing"));
-      }
-      return absl::DataLossError(absl::StrCat(f.name, ": ", sum.status().message()));
+  return ParseManifest(text);
+}
+
+absl::Status VerifyManifestFile(const std::string& dir, const ManifestEntry& f) {
+  absl::StatusOr<FileChecksum> sum = ChecksumFile(absl::StrCat(dir, "/", f.name));
+  if (!sum.ok()) {
+    if (absl::IsNotFound(sum.status())) {
+      return absl::DataLossError(absl::StrCat(f.name, ": missing"));
     }
-    if (sum->bytes != f.bytes) {
-      return absl::DataLossError(
-          absl::StrCat(f.name, ": ", sum->bytes, " bytes, the manifest says ", f.bytes));
-    }
-    if (sum->crc32c != f.crc32c) {
-      return absl::DataLossError(absl::StrFormat("%s: CRC-32C %08x, the manifest says %08x", f.name,
-                                                 sum->crc32c, f.crc32c));
-    }
+    return absl::DataLossError(absl::StrCat(f.name, ": ", sum.status().message()));
   }
+  if (sum->bytes != f.bytes) {
+    return absl::DataLossError(
+        absl::StrCat(f.name, ": ", sum->bytes, " bytes, the manifest says ", f.bytes));
+  }
+  if (sum->crc32c != f.crc32c) {
+    return absl::DataLossError(absl::StrFormat("%s: CRC-32C %08x, the manifest says %08x", f.name,
+                                               sum->crc32c, f.crc32c));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Manifest> VerifyCheckpointDir(const std::string& dir) {
+  AIDN_ASSIGN_OR_RETURN(Manifest manifest, ReadManifest(dir));
+  for (const ManifestEntry& f : manifest.files) AIDN_RETURN_IF_ERROR(VerifyManifestFile(dir, f));
   return manifest;
 }
 

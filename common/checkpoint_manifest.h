@@ -42,6 +42,14 @@ std::string FormatManifest(const Manifest& manifest);
 // file names (no '/', no leading '.'), no duplicates. DATA_LOSS otherwise.
 absl::StatusOr<Manifest> ParseManifest(absl::string_view text);
 
+// Reads and parses `dir`/MANIFEST: NOT_FOUND when the directory or the
+// manifest is missing, DATA_LOSS when it is malformed.
+absl::StatusOr<Manifest> ReadManifest(const std::string& dir);
+
+// Checks one file of `dir` against its manifest line: DATA_LOSS naming the
+// file when it is missing, of another size or another CRC-32C.
+absl::Status VerifyManifestFile(const std::string& dir, const ManifestEntry& entry);
+
 // Reads `dir`/MANIFEST and checks every file it names: present, the size
 // recorded, the CRC-32C recorded. DATA_LOSS naming the file and what is
 // wrong ("model.safetensors: 1024 bytes, the manifest says 1086784"), or

@@ -136,8 +136,18 @@ class FaultTest : public ClusterFixture {
 
   std::string JobDir(const std::string& id) const { return absl::StrCat(ckpt_root_, "/runs/", id); }
 
-  std::string FinalWeights(const std::string& id, int64_t steps) const {
-    return TensorBytes(absl::StrFormat("%s/step-%08d/model.safetensors", JobDir(id), steps));
+  // The tensor data of the job's checkpoint of `steps` as aidnctl exports
+  // it (a whole checkpoint's model.safetensors, or a sharded one's pieces
+  // put together).
+  std::string FinalWeights(const std::string& id, int64_t steps) {
+    const std::string out = cluster().Path(absl::StrCat(id, "-", steps, ".safetensors"));
+    CommandResult exported = cluster().Aidnctl(
+        {"export", id, "--step", absl::StrCat(steps), "-o", out, "--force"});
+    if (exported.exit_code != 0) {
+      ADD_FAILURE() << "aidnctl export " << id << ": " << exported.err;
+      return "";
+    }
+    return TensorBytes(out);
   }
 
   // Waits until a checkpoint of `step` or later is committed.
@@ -696,11 +706,10 @@ TEST_F(FaultTest, AGptJobResumesBitwiseAndItsCheckpointGeneratesText) {
 }
 
 // 10. ZeRO-1, ZeRO-2 and FSDP (full_shard and shard_grad_op): a rank
-// killed with SIGKILL resumes from a checkpoint holding the whole weights
-// and optimizer state (gathered from the shards, sliced again on resume) to
-// weights bitwise equal to an uninterrupted run of the same strategy, and
-// those end where DDP's end (float rounding of the reduce-scatter and the
-// clipping norm apart).
+// killed with SIGKILL resumes from a sharded checkpoint (every rank wrote
+// its pieces, every rank reads its own back) to weights bitwise equal to an
+// uninterrupted run of the same strategy, and those end where DDP's end
+// (float rounding of the reduce-scatter and the clipping norm apart).
 struct ShardedCase {
   const char* name;
   v1::JobSpec::Strategy strategy;
@@ -751,6 +760,14 @@ TEST_P(ShardedFaultTest, ResumesBitwiseAndEndsWhereDdpEnds) {
   const v1::Job job = WaitForEnd(id);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
   EXPECT_EQ(job.restarts(), 1);
+  // Each rank wrote its own files; rank 0's manifest names them all.
+  const std::string last = absl::StrFormat("%s/step-%08d", JobDir(id), kSteps);
+  for (const char* file : {"model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors",
+                           "optimizer-00000-of-00002.safetensors",
+                           "optimizer-00001-of-00002.safetensors"}) {
+    EXPECT_TRUE(absl::StrContains(ReadFileOrEmpty(last + "/MANIFEST"), file)) << file;
+  }
+  EXPECT_FALSE(std::filesystem::exists(last + "/model.safetensors"));
   const std::string sharded = FinalWeights(reference, kSteps);
   ASSERT_FALSE(sharded.empty());
   EXPECT_TRUE(sharded == FinalWeights(id, kSteps))

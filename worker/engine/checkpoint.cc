@@ -3,8 +3,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <string_view>
 #include <fstream>
 #include <system_error>
 
@@ -12,10 +15,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/checkpoint_manifest.h"
 #include "common/crc32c.h"
 #include "common/status.h"
+#include "worker/engine/checkpoint_reader.h"
 
 namespace aidn::engine {
 namespace {
@@ -71,21 +76,37 @@ absl::Status CheckState(const std::map<std::string, std::string>& state) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::map<std::string, std::string>> ReadState(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return PosixError(absl::StrCat("open ", path), errno);
-  std::map<std::string, std::string> state;
-  std::string line;
-  int n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    const size_t space = line.find(' ');
-    if (space == std::string::npos || space == 0) {
-      return absl::DataLossError(absl::StrCat(kStateFile, " line ", n, ": expected \"key value\""));
-    }
-    state[line.substr(0, space)] = line.substr(space + 1);
+absl::Status WriteState(const std::string& dir, const std::map<std::string, std::string>& state) {
+  std::string text;
+  for (const auto& [key, value] : state) absl::StrAppend(&text, key, " ", value, "\n");
+  return WriteDurably(absl::StrCat(dir, "/", kStateFile), text);
+}
+
+
+// Writes `manifest` into `tmp` (the checkpoint's other files are there,
+// durable), then makes `tmp` the step's directory: fsync, an older
+// directory of the step out of the way, rename, fsync of `dir`.
+absl::Status Publish(const std::string& dir, const std::string& tmp, int64_t step,
+                     const Manifest& manifest, WrittenCheckpoint* written) {
+  written->manifest = FormatManifest(manifest);
+  written->bytes += static_cast<int64_t>(written->manifest.size());
+  AIDN_RETURN_IF_ERROR(WriteDurably(absl::StrCat(tmp, "/", kManifestName), written->manifest));
+  AIDN_RETURN_IF_ERROR(Fsync(tmp, /*directory=*/true));
+  // A directory of the same step from an earlier, failed generation goes
+  // first: rename() does not replace a non-empty directory.
+  const std::string final_path = absl::StrCat(dir, "/", CheckpointDirName(step));
+  std::error_code error;
+  if (fs::exists(final_path, error)) {
+    const std::string old = absl::StrCat(tmp, ".old");
+    fs::rename(final_path, old, error);
+    if (error) return FsError(absl::StrCat("rename ", final_path), error);
+    fs::remove_all(old, error);
   }
-  return state;
+  fs::rename(tmp, final_path, error);
+  if (error) return FsError(absl::StrCat("rename ", tmp, " to ", final_path), error);
+  AIDN_RETURN_IF_ERROR(Fsync(dir, /*directory=*/true));
+  written->path = final_path;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -99,7 +120,6 @@ absl::StatusOr<WrittenCheckpoint> WriteCheckpoint(const std::string& dir, int64_
   std::error_code error;
   fs::create_directories(dir, error);
   if (error) return FsError(absl::StrCat("mkdir ", dir), error);
-  const std::string final_path = absl::StrCat(dir, "/", CheckpointDirName(step));
   const std::string tmp =
       absl::StrCat(dir, "/.tmp-", CheckpointDirName(step), "-", static_cast<int64_t>(::getpid()));
   fs::remove_all(tmp, error);
@@ -124,12 +144,7 @@ absl::StatusOr<WrittenCheckpoint> WriteCheckpoint(const std::string& dir, int64_
       !s.ok()) {
     return fail(s);
   }
-  std::string state_text;
-  for (const auto& [key, value] : contents.state)
-    absl::StrAppend(&state_text, key, " ", value, "\n");
-  if (absl::Status s = WriteDurably(absl::StrCat(tmp, "/", kStateFile), state_text); !s.ok()) {
-    return fail(s);
-  }
+  if (absl::Status s = WriteState(tmp, contents.state); !s.ok()) return fail(s);
 
   Manifest manifest;
   manifest.step = step;
@@ -140,38 +155,148 @@ absl::StatusOr<WrittenCheckpoint> WriteCheckpoint(const std::string& dir, int64_
     manifest.files.push_back({name, sum->bytes, sum->crc32c});
     written.bytes += sum->bytes;
   }
-  written.manifest = FormatManifest(manifest);
-  written.bytes += static_cast<int64_t>(written.manifest.size());
-  if (absl::Status s = WriteDurably(absl::StrCat(tmp, "/", kManifestName), written.manifest);
-      !s.ok()) {
-    return fail(s);
-  }
-  if (absl::Status s = Fsync(tmp, /*directory=*/true); !s.ok()) return fail(s);
+  if (absl::Status s = Publish(dir, tmp, step, manifest, &written); !s.ok()) return fail(s);
+  return written;
+}
 
-  // A directory of the same step from an earlier, failed generation goes
-  // first: rename() does not replace a non-empty directory.
-  if (fs::exists(final_path, error)) {
-    const std::string old = absl::StrCat(tmp, ".old");
-    fs::rename(final_path, old, error);
-    if (error) return fail(FsError(absl::StrCat("rename ", final_path), error));
-    fs::remove_all(old, error);
+std::string ShardFileName(const char* part, int rank, int world_size) {
+  return absl::StrFormat("%s-%05d-of-%05d.safetensors", part, rank, world_size);
+}
+
+namespace {
+
+// One rank's pieces as a safetensors file: tensors "<whole>[begin:end]",
+// and "shape:<whole>" metadata for each whole tensor.
+absl::Status SavePieces(const std::string& path, const std::vector<ShardMap::Piece>& pieces,
+                        std::map<std::string, std::string> metadata) {
+  std::vector<NamedTensor> tensors;
+  for (const ShardMap::Piece& p : pieces) {
+    if (p.tensor == nullptr || p.tensor->numel() != static_cast<int64_t>(p.end - p.begin)) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint: piece ", p.whole, "[", p.begin,
+                                                     ":", p.end, "] has no or misshapen values"));
+    }
+    tensors.emplace_back(absl::StrCat(p.whole, "[", p.begin, ":", p.end, "]"), p.tensor);
+    metadata[absl::StrCat(kShapeKeyPrefix, p.whole)] = absl::StrJoin(p.whole_shape, ",");
   }
-  fs::rename(tmp, final_path, error);
-  if (error) return fail(FsError(absl::StrCat("rename ", tmp, " to ", final_path), error));
-  AIDN_RETURN_IF_ERROR(Fsync(dir, /*directory=*/true));
-  written.path = final_path;
+  return SaveTensorsSafetensors(path, tensors, metadata);
+}
+
+// What a rank tells rank 0 of its two files: bytes and CRC-32C of each, or
+// bytes -1 when it could not write them. int64s through a float all-gather:
+// the bits travel unchanged (it copies, never adds).
+constexpr size_t kRecordInts = 4;
+constexpr size_t kRecordFloats = kRecordInts * 2;
+
+}  // namespace
+
+absl::StatusOr<WrittenCheckpoint> WriteShardedCheckpoint(const std::string& dir, int64_t step,
+                                                         const std::string& tag,
+                                                         const ShardContents& contents,
+                                                         Communicator* communicator) {
+  const int rank = communicator->rank(), world = communicator->world_size();
+  const std::string tmp = absl::StrCat(dir, "/.tmp-", CheckpointDirName(step), "-", tag);
+  const std::string model_file = ShardFileName("model", rank, world);
+  const std::string optimizer_file = ShardFileName("optimizer", rank, world);
+  std::array<int64_t, kRecordInts> mine = {-1, 0, -1, 0};
+  absl::Status own = [&]() -> absl::Status {
+    if (step < 0) return absl::InvalidArgumentError("step: must be >= 0");
+    if (rank == 0) AIDN_RETURN_IF_ERROR(CheckState(contents.state));
+    std::error_code error;
+    fs::create_directories(tmp, error);
+    if (error) return FsError(absl::StrCat("mkdir ", tmp), error);
+    std::map<std::string, std::string> metadata = contents.model_metadata;
+    metadata["format"] = "pt";
+    metadata[kParametersKey] = absl::StrJoin(contents.parameters, ",");
+    AIDN_RETURN_IF_ERROR(
+        SavePieces(absl::StrCat(tmp, "/", model_file), contents.weights, std::move(metadata)));
+    AIDN_RETURN_IF_ERROR(
+        SavePieces(absl::StrCat(tmp, "/", optimizer_file), contents.optimizer_state, {}));
+    size_t i = 0;
+    for (const std::string& name : {model_file, optimizer_file}) {
+      AIDN_ASSIGN_OR_RETURN(const FileChecksum sum, ChecksumFile(absl::StrCat(tmp, "/", name)));
+      mine[i++] = sum.bytes;
+      mine[i++] = sum.crc32c;
+    }
+    return absl::OkStatus();
+  }();
+  if (!own.ok()) mine = {-1, 0, -1, 0};
+  std::vector<float> records(kRecordFloats * static_cast<size_t>(world));
+  std::memcpy(records.data() + kRecordFloats * static_cast<size_t>(rank), mine.data(),
+              sizeof(mine));
+  if (absl::Status s = communicator->AllGather(
+          records.data() + kRecordFloats * static_cast<size_t>(rank), kRecordFloats,
+          records.data());
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("checkpoint: gathering the shards' checksums: ",
+                                               s.message()));
+  }
+  std::vector<std::array<int64_t, kRecordInts>> all(static_cast<size_t>(world));
+  std::memcpy(all.data(), records.data(), records.size() * sizeof(float));
+  std::vector<int> failed;
+  for (int r = 0; r < world; ++r) {
+    if (all[static_cast<size_t>(r)][0] < 0 || all[static_cast<size_t>(r)][2] < 0) failed.push_back(r);
+  }
+  auto fail = [&](const absl::Status& status) {
+    if (rank == 0) {
+      std::error_code ignored;
+      fs::remove_all(tmp, ignored);
+    }
+    return status;
+  };
+  if (!own.ok()) return fail(own);
+  if (!failed.empty()) {
+    return fail(absl::AbortedError(absl::StrCat("checkpoint: rank(s) ", absl::StrJoin(failed, ", "),
+                                                " could not write their shards")));
+  }
+  WrittenCheckpoint written;
+  written.bytes = mine[0] + mine[2];
+  if (rank != 0) {
+    written.path = absl::StrCat(dir, "/", CheckpointDirName(step));
+    return written;
+  }
+  Manifest manifest;
+  manifest.step = step;
+  for (const char* part : {"model", "optimizer"}) {
+    const size_t at = std::string_view(part) == "model" ? 0 : 2;
+    for (int r = 0; r < world; ++r) {
+      const std::string name = ShardFileName(part, r, world);
+      const auto& record = all[static_cast<size_t>(r)];
+      // Each rank wrote into its own view of `dir`: rank 0 sees the file
+      // only where they share storage.
+      std::error_code error;
+      const uintmax_t size = fs::file_size(absl::StrCat(tmp, "/", name), error);
+      if (error || static_cast<int64_t>(size) != record[at]) {
+        return fail(absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint: rank ", r, " wrote ", name, " (", record[at], " bytes), but rank 0 ",
+            error ? absl::StrCat("cannot see it (", error.message(), ")")
+                  : absl::StrCat("sees ", size, " bytes"),
+            " in ", tmp, ": a sharded checkpoint needs a checkpoint directory every rank shares")));
+      }
+      manifest.files.push_back({name, record[at], static_cast<uint32_t>(record[at + 1])});
+    }
+  }
+  if (absl::Status s = WriteState(tmp, contents.state); !s.ok()) return fail(s);
+  absl::StatusOr<FileChecksum> sum = ChecksumFile(absl::StrCat(tmp, "/", kStateFile));
+  if (!sum.ok()) return fail(sum.status());
+  manifest.files.push_back({kStateFile, sum->bytes, sum->crc32c});
+  written.bytes += sum->bytes;
+  if (absl::Status s = Publish(dir, tmp, step, manifest, &written); !s.ok()) return fail(s);
   return written;
 }
 
 absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& path,
                                                 const std::vector<Parameter*>& model) {
-  AIDN_ASSIGN_OR_RETURN(Manifest manifest, VerifyCheckpointDir(path));
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(path));
   LoadedCheckpoint loaded;
-  loaded.step = manifest.step;
-  AIDN_ASSIGN_OR_RETURN(loaded.state, ReadState(absl::StrCat(path, "/", kStateFile)));
-  AIDN_ASSIGN_OR_RETURN(loaded.optimizer_state,
-                        ReadSafetensors(absl::StrCat(path, "/", kOptimizerFile)));
-  AIDN_RETURN_IF_ERROR(LoadSafetensors(absl::StrCat(path, "/", kModelFile), model));
+  loaded.step = reader->step();
+  loaded.state = reader->state();
+  for (const auto& [name, shape] : reader->Tensors(CheckpointReader::Part::kOptimizer)) {
+    Tensor t(shape);
+    AIDN_RETURN_IF_ERROR(reader->Read(CheckpointReader::Part::kOptimizer, name, 0,
+                                      static_cast<size_t>(t.numel()), t.data()));
+    loaded.optimizer_state.emplace(name, std::move(t));
+  }
+  AIDN_RETURN_IF_ERROR(reader->ReadParameters(model));
   return loaded;
 }
 

@@ -1,8 +1,9 @@
 #ifndef AIDN_WORKER_ENGINE_CHECKPOINT_H_
 #define AIDN_WORKER_ENGINE_CHECKPOINT_H_
 
-// Checkpoint directories: what a rank that owns state writes every
+// Checkpoint directories: what the ranks that own state write every
 // checkpoint.every_steps steps, and what a new generation resumes from.
+// Two layouts. Whole (DDP: rank 0 holds everything and writes it):
 //
 //   <dir>/step-00000040/
 //     model.safetensors      the weights, Hugging Face layout, torch's names
@@ -16,6 +17,27 @@
 // manifest that verifies sees the whole checkpoint; anything else is not
 // one. A writer killed half way leaves only a .tmp-* directory, which
 // RemoveTemporaries() clears.
+//
+// Sharded (ZeRO and FSDP: every rank writes the pieces it holds, so no rank
+// ever holds the whole state):
+//
+//   <dir>/step-00000040/
+//     model-00000-of-00002.safetensors      rank 0's pieces of the weights,
+//                                           "fc1.weight[0:96]": flat elements
+//     optimizer-00000-of-00002.safetensors  its pieces of the optimizer state,
+//                                           "fc1.weight.exp_avg[0:96]"
+//     model-00001-of-00002.safetensors      rank 1's, ...
+//     optimizer-00001-of-00002.safetensors
+//     state.txt, MANIFEST                   rank 0's; the manifest names every
+//                                           rank's files
+//
+// Each file's metadata gives the whole shape of every tensor it holds a
+// piece of ("shape:fc1.weight": "128,784"), and each model file the
+// model's parameter names in order ("aidn.parameters": "fc1.weight,..."),
+// which a consolidated file keeps. The ranks write into one
+// .tmp-step-00000040-<tag> directory; rank 0 writes the manifest once every
+// rank's files are durable, and renames. checkpoint_reader.h reads both
+// layouts, at any world size.
 
 #include <cstdint>
 #include <map>
@@ -24,7 +46,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
 #include "worker/engine/safetensors.h"
+#include "worker/engine/shard_map.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -35,6 +59,13 @@ inline constexpr char kStateFile[] = "state.txt";
 
 // "step-00000040".
 std::string CheckpointDirName(int64_t step);
+// "model-00001-of-00004.safetensors" (part "model" or "optimizer").
+std::string ShardFileName(const char* part, int rank, int world_size);
+// The metadata key of a whole tensor's shape in a sharded file, before its
+// name.
+inline constexpr char kShapeKeyPrefix[] = "shape:";
+// The metadata key of the parameters' order in a sharded model file.
+inline constexpr char kParametersKey[] = "aidn.parameters";
 
 struct CheckpointContents {
   std::vector<const Parameter*> model;
@@ -60,15 +91,47 @@ struct WrittenCheckpoint {
 absl::StatusOr<WrittenCheckpoint> WriteCheckpoint(const std::string& dir, int64_t step,
                                                   const CheckpointContents& contents);
 
+struct ShardContents {
+  // This rank's pieces (ShardMap::Piece: whole name, element range, values).
+  std::vector<ShardMap::Piece> weights;
+  std::vector<ShardMap::Piece> optimizer_state;
+  // Every whole parameter's name in the model's order: the order a
+  // consolidated file lists them in.
+  std::vector<std::string> parameters;
+  // Safetensors metadata of the rank's model file ("format": "pt" and the
+  // shapes are added).
+  std::map<std::string, std::string> model_metadata;
+  // Rank 0's becomes state.txt; the others' is not used.
+  std::map<std::string, std::string> state;
+};
+
+// Writes this rank's part of the sharded checkpoint of `step` under `dir`.
+// A collective: every rank calls it at the same point, with the same `tag`
+// (new for every writer of the step: the generation). Each rank writes its
+// two files durably and sends their sizes and checksums to rank 0 (an
+// all-gather), which checks that it sees them (FAILED_PRECONDITION naming
+// the rank when not: `dir` must be storage every rank shares), writes
+// state.txt and the manifest, and publishes the directory as
+// WriteCheckpoint does. A rank that fails to write fails the call on every
+// rank (ABORTED on the others, naming it). Every rank gets the path and the
+// bytes it wrote; rank 0 also the manifest. A call that fails on rank 0
+// after the all-gather leaves the other ranks' calls succeeded: the
+// checkpoint is not there until rank 0 commits it.
+absl::StatusOr<WrittenCheckpoint> WriteShardedCheckpoint(const std::string& dir, int64_t step,
+                                                         const std::string& tag,
+                                                         const ShardContents& contents,
+                                                         Communicator* communicator);
+
 struct LoadedCheckpoint {
   int64_t step = 0;
   std::map<std::string, std::string> state;
   std::map<std::string, Tensor> optimizer_state;
 };
 
-// Verifies `path` against its manifest (DATA_LOSS naming the bad file, or
-// NOT_FOUND), then fills the model's parameters from model.safetensors and
-// returns the rest. All or nothing for the parameters.
+// Reads `path`, of either layout, whole (checkpoint_reader.h): the model's
+// parameters from its weights, and the rest returned. Every file is checked
+// against the manifest (DATA_LOSS naming the bad file, or NOT_FOUND). All
+// or nothing for the parameters.
 absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& path,
                                                 const std::vector<Parameter*>& model);
 

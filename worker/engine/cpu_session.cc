@@ -137,31 +137,24 @@ void CpuSession::ReleaseFullParameters() {
   if (fsdp_ != nullptr) fsdp_->ReleaseFullParameters();
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> CpuSession::WholeStateLayout() const {
-  const std::vector<StateEntry> state = optimizer_->State();
-  if (const ShardMap* map = shard_map(); map != nullptr) return map->WholeStateLayout(state);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> layout;
-  for (const auto& [name, tensor] : state) layout.emplace_back(name, tensor->shape());
-  return layout;
+std::vector<CpuSession::Piece> CpuSession::WeightPieces() const {
+  if (const ShardMap* map = shard_map(); map != nullptr) return map->WeightPieces();
+  std::vector<Piece> pieces;
+  for (const Parameter* p : model_->Parameters()) {
+    pieces.push_back({p->name, p->name, p->value.shape(), 0, static_cast<size_t>(p->value.numel()),
+                      &p->value});
+  }
+  return pieces;
 }
 
-absl::StatusOr<std::vector<CpuSession::OwnedStateEntry>> CpuSession::GatherState() const {
-  const std::vector<StateEntry> state = optimizer_->State();
-  if (const ShardMap* map = shard_map(); map != nullptr) {
-    return map->GatherState(state, communicator_);
+absl::StatusOr<std::vector<CpuSession::Piece>> CpuSession::StatePieces() const {
+  const std::vector<Optimizer::StateEntry> state = optimizer_->State();
+  if (const ShardMap* map = shard_map(); map != nullptr) return map->StatePieces(state);
+  std::vector<Piece> pieces;
+  for (const auto& [name, tensor] : state) {
+    pieces.push_back({name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
   }
-  std::vector<OwnedStateEntry> whole;
-  for (const auto& [name, tensor] : state) whole.emplace_back(name, tensor->Clone());
-  return whole;
-}
-
-absl::Status CpuSession::SliceWholeState(const std::string& name, const Tensor& whole,
-                                         std::vector<OwnedStateEntry>* out) const {
-  if (const ShardMap* map = shard_map(); map != nullptr) {
-    return map->SliceWholeState(name, whole, out);
-  }
-  out->emplace_back(name, whole.Clone());
-  return absl::OkStatus();
+  return pieces;
 }
 
 CpuSession::~CpuSession() {

@@ -131,16 +131,13 @@ class CpuSession {
   absl::Status GatherFullParameters();
   void ReleaseFullParameters();
 
-  // The optimizer's state as a whole-parameter optimizer lists it
-  // ("<parameter>.<buffer>"), for checkpoints: with sharding every rank's
-  // shards put together (a collective) and, on resume, this rank's pieces
-  // of each whole entry (ShardMap's); without, the optimizer's own.
-  using StateEntry = ShardMap::StateEntry;
-  using OwnedStateEntry = ShardMap::OwnedStateEntry;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> WholeStateLayout() const;
-  absl::StatusOr<std::vector<OwnedStateEntry>> GatherState() const;
-  absl::Status SliceWholeState(const std::string& name, const Tensor& whole,
-                               std::vector<OwnedStateEntry>* out) const;
+  // This rank's weights and optimizer state as pieces of the whole ones
+  // (shard_map.h), for checkpoints: with sharding its shards' (current
+  // between steps, which under ZeRO-2 and FSDP the model's parameters are
+  // not), without the whole tensors, one piece each.
+  using Piece = ShardMap::Piece;
+  std::vector<Piece> WeightPieces() const;
+  absl::StatusOr<std::vector<Piece>> StatePieces() const;
 
   // Bytes held for the model's state, by what they hold: the weights, the
   // gradients (DDP's buckets, where they live with more than one rank), the

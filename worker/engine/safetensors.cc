@@ -548,4 +548,44 @@ absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensors(
   return tensors;
 }
 
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  absl::StatusOr<OpenFile> file = OpenAndParse(path);
+  if (!file.ok()) return InFile(path, file.status());
+  std::unique_ptr<SafetensorsFile> out(new SafetensorsFile());
+  out->path_ = path;
+  out->fd_ = std::move(file->fd);
+  out->metadata_ = std::move(file->header.metadata);
+  for (const TensorEntry& t : file->header.tensors) {
+    Entry e{t.name, t.dtype, t.shape, 1};
+    for (const int64_t d : t.shape) e.numel *= d;
+    out->offsets_[t.name] = file->header.data_start + t.begin;
+    out->tensors_.push_back(std::move(e));
+  }
+  return out;
+}
+
+SafetensorsFile::~SafetensorsFile() = default;
+
+absl::Status SafetensorsFile::ReadFloats(const std::string& name, size_t first, size_t count,
+                                         float* out) const {
+  const auto it = std::find_if(tensors_.begin(), tensors_.end(),
+                               [&](const Entry& e) { return e.name == name; });
+  if (it == tensors_.end()) {
+    return InFile(path_, absl::InvalidArgumentError(absl::StrCat("no tensor ", Quote(name))));
+  }
+  if (it->dtype != "F32") {
+    return InFile(path_, absl::InvalidArgumentError(absl::StrCat(
+                             "tensor ", Quote(name), " has dtype ", it->dtype,
+                             "; aidn reads F32 only")));
+  }
+  if (first > static_cast<size_t>(it->numel) || count > static_cast<size_t>(it->numel) - first) {
+    return InFile(path_, absl::InvalidArgumentError(absl::StrCat(
+                             "elements [", first, ", ", first + count, ") of tensor ", Quote(name),
+                             ", which has ", it->numel)));
+  }
+  if (count == 0) return absl::OkStatus();
+  return InFile(path_, PreadAll(fd_->get(), out, count * sizeof(float),
+                                offsets_.at(name) + first * sizeof(float)));
+}
+
 }  // namespace aidn::engine

@@ -25,7 +25,10 @@
 // Thread-compatible: the functions keep no state; callers must not write a
 // parameter while it is being saved or loaded.
 
+#include <cstddef>
+#include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +36,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/engine/tensor.h"
+
+namespace aidn {
+class ScopedFd;
+}
 
 namespace aidn::engine {
 
@@ -60,6 +67,41 @@ absl::Status LoadSafetensors(const std::string& path, const std::vector<Paramete
 // "__metadata__" into *metadata when that is not null (empty if absent).
 absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensors(
     const std::string& path, std::map<std::string, std::string>* metadata = nullptr);
+
+// An open safetensors file read piece by piece: the header validated at
+// Open (as above), then any range of elements of any F32 tensor read with
+// pread, so a reader of one slice of a large file reads that slice only.
+// Thread-compatible.
+class SafetensorsFile {
+ public:
+  struct Entry {
+    std::string name;
+    std::string dtype;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+  };
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // In header order.
+  const std::vector<Entry>& tensors() const { return tensors_; }
+  // Elements [first, first + count) of F32 tensor `name`, flat, into `out`.
+  // INVALID_ARGUMENT for an unknown name, another dtype or a range outside
+  // the tensor; the file's path is in every error.
+  absl::Status ReadFloats(const std::string& name, size_t first, size_t count, float* out) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  std::unique_ptr<ScopedFd> fd_;
+  std::map<std::string, std::string> metadata_;
+  std::vector<Entry> tensors_;
+  std::map<std::string, uint64_t> offsets_;  // by name: the data's file offset
+};
 
 }  // namespace aidn::engine
 

@@ -7,20 +7,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace aidn::engine {
-namespace {
-
-// "exp_avg", "exp_avg_sq", ...: the buffers of the first shard's entries.
-std::vector<std::string> BufferKinds(const std::vector<ShardMap::StateEntry>& state,
-                                     const std::string& first_shard) {
-  std::vector<std::string> kinds;
-  const std::string prefix = first_shard + ".";
-  for (const auto& [name, tensor] : state) {
-    if (name.starts_with(prefix)) kinds.push_back(name.substr(prefix.size()));
-  }
-  return kinds;
-}
-
-}  // namespace
 
 ShardMap::Group ShardMap::Lay(const std::vector<Parameter*>& parameters, int world_size,
                               size_t extra_floats) {
@@ -122,96 +108,39 @@ void ShardMap::MakeShards(const std::function<float*(int)>& value_slice,
   for (const auto& s : shards_) shard_view_.push_back(s.get());
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> ShardMap::WholeStateLayout(
-    const std::vector<StateEntry>& shard_state) const {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> layout;
-  if (shard_view_.empty()) return layout;
-  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
-  for (const Parameter* p : parameters_) {
-    for (const std::string& kind : kinds) {
-      layout.emplace_back(absl::StrCat(p->name, ".", kind), p->value.shape());
-    }
-  }
-  return layout;
-}
-
-absl::StatusOr<std::vector<ShardMap::OwnedStateEntry>> ShardMap::GatherState(
-    const std::vector<StateEntry>& shard_state, Communicator* communicator) const {
-  std::vector<OwnedStateEntry> whole;
-  if (shard_view_.empty()) return whole;
-  std::unordered_map<std::string, const Tensor*> by_name(shard_state.begin(), shard_state.end());
-  const std::vector<std::string> kinds = BufferKinds(shard_state, shard_view_.front()->name);
-  // Whole tensors by "<parameter>.<kind>", filled group by group.
-  std::unordered_map<std::string, Tensor> result;
-  for (const Parameter* p : parameters_) {
-    for (const std::string& kind : kinds) {
-      result.emplace(absl::StrCat(p->name, ".", kind), Tensor(p->value.shape()));
-    }
-  }
-  for (const std::string& kind : kinds) {
-    for (int g = 0; g < num_groups(); ++g) {
-      const size_t n = chunk(g);
-      std::vector<float> mine(n, 0.0f), all(group(g).floats);
-      for (size_t k = 0; k < shards_.size(); ++k) {
-        const Place& place = places_[k];
-        if (place.group != g) continue;
-        auto it = by_name.find(absl::StrCat(shards_[k]->name, ".", kind));
-        if (it == by_name.end() ||
-            it->second->numel() != static_cast<int64_t>(place.hi - place.lo)) {
-          return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", shards_[k]->name,
-                                                         ".", kind, " is missing or misshapen"));
-        }
-        std::memcpy(mine.data() + (place.lo - static_cast<size_t>(rank_) * n), it->second->data(),
-                    sizeof(float) * (place.hi - place.lo));
-      }
-      if (absl::Status s = communicator->AllGather(mine.data(), n, all.data()); !s.ok()) {
-        return absl::Status(s.code(),
-                            absl::StrCat("zero: gathering the optimizer state: ", s.message()));
-      }
-      const Group& gr = group(g);
-      for (size_t i = 0; i < gr.parameters.size(); ++i) {
-        Tensor& t = result.at(absl::StrCat(gr.parameters[i]->name, ".", kind));
-        std::memcpy(t.data(), all.data() + gr.offsets[i],
-                    sizeof(float) * static_cast<size_t>(t.numel()));
-      }
-    }
-  }
-  for (const Parameter* p : parameters_) {
-    for (const std::string& kind : kinds) {
-      const std::string name = absl::StrCat(p->name, ".", kind);
-      whole.emplace_back(name, std::move(result.at(name)));
-    }
-  }
-  return whole;
-}
-
-absl::Status ShardMap::SliceWholeState(const std::string& name, const Tensor& whole,
-                                       std::vector<OwnedStateEntry>* out) const {
-  bool known = false;
+std::vector<ShardMap::Piece> ShardMap::WeightPieces() const {
+  std::vector<Piece> pieces;
   for (size_t k = 0; k < shards_.size(); ++k) {
     const Place& place = places_[k];
-    const std::string prefix = place.whole->name + ".";
-    if (!name.starts_with(prefix)) continue;
-    known = true;
-    if (whole.numel() != place.whole->value.numel()) {
-      return absl::InvalidArgumentError(absl::StrCat("zero: optimizer state ", name, " has ",
-                                                     whole.numel(), " elements, want ",
-                                                     place.whole->value.numel()));
-    }
-    Tensor piece({static_cast<int64_t>(place.hi - place.lo)});
-    std::memcpy(piece.data(), whole.data() + (place.lo - place.offset),
-                sizeof(float) * (place.hi - place.lo));
-    out->emplace_back(absl::StrCat(shards_[k]->name, ".", name.substr(prefix.size())),
-                      std::move(piece));
+    pieces.push_back({shards_[k]->name, place.whole->name, place.whole->value.shape(),
+                      place.lo - place.offset, place.hi - place.offset, &shards_[k]->value});
   }
-  if (!known) {
-    for (const Parameter* p : parameters_) {
-      if (name.starts_with(p->name + ".")) return absl::OkStatus();  // no piece here
+  return pieces;
+}
+
+absl::StatusOr<std::vector<ShardMap::Piece>> ShardMap::StatePieces(
+    const std::vector<StateEntry>& shard_state) const {
+  std::unordered_map<std::string, size_t> shard_index;
+  for (size_t k = 0; k < shards_.size(); ++k) shard_index[shards_[k]->name] = k;
+  std::vector<Piece> pieces;
+  for (const auto& [name, tensor] : shard_state) {
+    // "<parameter>[a:b].<buffer>": the shard's name ends at the "].".
+    const size_t cut = name.rfind("].");
+    auto it = cut == std::string::npos ? shard_index.end() : shard_index.find(name.substr(0, cut + 1));
+    if (it == shard_index.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sharding: optimizer state ", name, " belongs to no shard"));
     }
-    return absl::InvalidArgumentError(
-        absl::StrCat("zero: no parameter for optimizer state ", name));
+    const Place& place = places_[it->second];
+    if (tensor == nullptr || tensor->numel() != static_cast<int64_t>(place.hi - place.lo)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sharding: optimizer state ", name, " is missing or misshapen"));
+    }
+    pieces.push_back({name, absl::StrCat(place.whole->name, name.substr(cut + 1)),
+                      place.whole->value.shape(), place.lo - place.offset,
+                      place.hi - place.offset, tensor});
   }
-  return absl::OkStatus();
+  return pieces;
 }
 
 }  // namespace aidn::engine

@@ -78,25 +78,27 @@ class ShardMap {
   // In the registration order of the parameters they are pieces of.
   const std::vector<Parameter*>& shards() const { return shard_view_; }
 
-  // The shards' optimizer state (as Optimizer::State() lists it over
-  // shards(): "<shard>.<buffer>") and the whole parameters' state it stands
-  // for ("<parameter>.<buffer>", in the order an optimizer over the whole
-  // parameters lists it).
+  // A piece of a whole tensor that this rank holds: flat elements [begin,
+  // end) of `whole`, a parameter ("fc1.weight") or a whole-parameter
+  // optimizer entry ("fc1.weight.exp_avg"), whose shape is whole_shape.
+  // `name` is the piece's own name where it is a shard ("fc1.weight[0:96]",
+  // "fc1.weight[0:96].exp_avg", as Optimizer::State() lists it over the
+  // shards), `tensor` its values. Sharded checkpoints are made of these.
   using StateEntry = std::pair<std::string, const Tensor*>;
-  using OwnedStateEntry = std::pair<std::string, Tensor>;
-  // The whole entries' names and shapes.
-  std::vector<std::pair<std::string, std::vector<int64_t>>> WholeStateLayout(
-      const std::vector<StateEntry>& shard_state) const;
-  // The whole state on every rank, from every rank's shards: an all-gather
-  // per buffer and group, so every rank calls it at the same point.
-  absl::StatusOr<std::vector<OwnedStateEntry>> GatherState(
-      const std::vector<StateEntry>& shard_state, Communicator* communicator) const;
-  // This rank's pieces of whole entry `name` (a tensor of its parameter's
-  // shape) as shard entries, appended to `out` (none when this rank holds
-  // no piece of the parameter). INVALID_ARGUMENT for an unknown name or a
-  // wrong size.
-  absl::Status SliceWholeState(const std::string& name, const Tensor& whole,
-                               std::vector<OwnedStateEntry>* out) const;
+  struct Piece {
+    std::string name;
+    std::string whole;
+    std::vector<int64_t> whole_shape;
+    size_t begin = 0;
+    size_t end = 0;
+    const Tensor* tensor = nullptr;
+  };
+  // The shards' weights, in shards() order.
+  std::vector<Piece> WeightPieces() const;
+  // The shards' optimizer state (Optimizer::State() over shards(): entries
+  // "<shard>.<buffer>"), in its order. INVALID_ARGUMENT for an entry of no
+  // shard, or one whose size is not its shard's.
+  absl::StatusOr<std::vector<Piece>> StatePieces(const std::vector<StateEntry>& shard_state) const;
 
  private:
   struct Place {

@@ -20,6 +20,7 @@
 #include "worker/engine/cpu.h"
 #include "worker/engine/ddp.h"
 #include "worker/engine/device.h"
+#include "worker/trainer/checkpoint_loader.h"
 #include "worker/trainer/engine_config.h"
 #include "worker/trainer/training_state.h"
 
@@ -181,7 +182,7 @@ std::optional<Failure> RankTraining::Setup() {
                        "device: gpu: the GPU engine has no model ", spec_.model().name()))};
   }
   if (std::optional<Failure> f = Connect(); f.has_value()) return f;
-  if (rendezvous_.rank() == 0 && !checkpoint_dir_.empty()) LoadNewestCheckpoint();
+  if (std::optional<Failure> f = LoadNewestCheckpoint(); f.has_value()) return f;
   // Rank 0's weights, loaded or fresh, become everyone's.
   if (absl::Status s = engine::DdpReducer::BroadcastParameters(task_->Parameters(), comm_.get());
       !s.ok()) {
@@ -232,23 +233,33 @@ std::optional<Failure> RankTraining::Connect() {
   return std::nullopt;
 }
 
-void RankTraining::LoadNewestCheckpoint() {
-  for (const v1::Checkpoint& candidate : rendezvous_.resume_candidates()) {
-    const std::string path =
-        absl::StrCat(checkpoint_dir_, "/", engine::CheckpointDirName(candidate.step()));
-    absl::StatusOr<engine::LoadedCheckpoint> loaded =
-        engine::LoadCheckpoint(path, task_->Parameters());
-    if (loaded.ok() && loaded->step != candidate.step()) {
-      loaded = absl::DataLossError(absl::StrCat("MANIFEST: says step ", loaded->step));
+std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
+  // ZeRO and FSDP: every rank writes and reads its own shard.
+  const bool every_rank = Sharded() && spec_.device() == v1::JobSpec::CPU;
+  if (every_rank && !checkpoint_dir_.empty()) {
+    if (absl::Status s = CheckSharedDirectory(
+            checkpoint_dir_, absl::StrCat(options_.job_id, "-g", options_.generation), comm_.get());
+        !s.ok()) {
+      if (absl::IsFailedPrecondition(s)) return Failure{kExitPermanent, s};
+      return FailureFor(s, "checkpoint.dir");
     }
-    if (loaded.ok()) {
-      AIDN_LOG(INFO) << "resuming from a checkpoint" << Kv("step", candidate.step())
-                     << Kv("path", path);
-      loaded_ = *std::move(loaded);
-      return;
-    }
-    ReportInvalid(candidate, path, loaded.status());
   }
+  CheckpointLoader::Options o;
+  o.dir = checkpoint_dir_;
+  o.job_id = options_.job_id;
+  o.every_rank = every_rank;
+  o.comm = comm_.get();
+  o.report_invalid = [this](const v1::Checkpoint& c, const std::string& path,
+                            const absl::Status& why) { ReportInvalid(c, path, why); };
+  loader_ = std::make_unique<CheckpointLoader>(std::move(o));
+  const std::vector<v1::Checkpoint> candidates(rendezvous_.resume_candidates().begin(),
+                                               rendezvous_.resume_candidates().end());
+  if (absl::Status s = loader_->LoadNewest(candidates, task_->Parameters()); !s.ok()) {
+    // Another job's checkpoint the spec names that cannot be read.
+    if (absl::IsFailedPrecondition(s)) return Failure{kExitPermanent, s};
+    return FailureFor(s, "resume");
+  }
+  return std::nullopt;
 }
 
 bool RankTraining::Sharded() const { return ShardingOf(spec_) != engine::Sharding::kNone; }
@@ -340,11 +351,12 @@ absl::StatusOr<RankTraining::Plan> RankTraining::MakePlan(
 
 std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
   TrainingState::Broadcast header = TrainingState::EncodeNone();
-  if (loaded_.has_value()) {
-    absl::StatusOr<TrainingState> state = TrainingState::Decode(loaded_->state);
+  if (const engine::CheckpointReader* reader = loader_->reader();
+      reader != nullptr && rendezvous_.rank() == 0) {
+    absl::StatusOr<TrainingState> state = TrainingState::Decode(reader->state());
     if (!state.ok()) return Failure{kExitFailure, state.status()};
     // The manifest's step, which LoadNewestCheckpoint checked.
-    state->step = loaded_->step;
+    state->step = reader->step();
     header = state->EncodeBroadcast();
   }
   if (absl::Status s = BroadcastInts(comm_.get(), header.data(), header.size()); !s.ok()) {
@@ -361,73 +373,29 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
                                        " steps per epoch; this job has ", rendezvous_.world_size(),
                                        " and ", steps_per_epoch))};
   }
-  if (std::optional<Failure> f = ResumeOptimizerState(resumed->step, resumed->optimizer_steps);
+  if (std::optional<Failure> f = ResumeOptimizerState(resumed->optimizer_steps);
       f.has_value()) {
     return f;
   }
   start_step_ = resumed->step;
-  loaded_.reset();
+  loader_->Close();
   return std::nullopt;
 }
 
-std::optional<Failure> RankTraining::ResumeShardedOptimizerState(int64_t step,
-                                                                 int64_t optimizer_steps) {
-  std::vector<engine::CpuSession::OwnedStateEntry> pieces;
-  for (const auto& [name, shape] : cpu_->WholeStateLayout()) {
-    engine::Tensor whole(shape);
-    if (loaded_.has_value()) {
-      auto it = loaded_->optimizer_state.find(name);
-      if (it == loaded_->optimizer_state.end() || it->second.numel() != whole.numel()) {
-        return Failure{kExitFailure, absl::DataLossError(absl::StrCat(
-                                         "checkpoint of step ", step, ": optimizer state \"", name,
-                                         "\" is missing or has the wrong size"))};
-      }
-      std::memcpy(whole.data(), it->second.data(),
-                  static_cast<size_t>(whole.numel()) * sizeof(float));
-    }
-    if (absl::Status s = comm_->Broadcast(whole.data(), static_cast<size_t>(whole.numel()), 0);
-        !s.ok()) {
-      return FailureFor(s, "resume");
-    }
-    if (absl::Status s = cpu_->SliceWholeState(name, whole, &pieces); !s.ok()) {
-      return Failure{kExitFailure, s};
+std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t optimizer_steps) {
+  // Sharded: this rank's pieces (its shards'); otherwise the whole entries.
+  std::vector<engine::ShardMap::Piece> pieces;
+  if (Sharded() && cpu_ != nullptr) {
+    absl::StatusOr<std::vector<engine::ShardMap::Piece>> mine = cpu_->StatePieces();
+    if (!mine.ok()) return Failure{kExitFailure, mine.status()};
+    pieces = *std::move(mine);
+  } else {
+    for (const auto& [name, tensor] : optimizer_->State()) {
+      pieces.push_back({name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
     }
   }
-  std::vector<engine::Optimizer::StateEntry> entries;
-  for (const auto& [name, tensor] : pieces) entries.emplace_back(name, &tensor);
-  if (absl::Status s = optimizer_->LoadState(entries, optimizer_steps); !s.ok()) {
-    return Failure{kExitFailure, s};
-  }
-  return std::nullopt;
-}
-
-std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t step, int64_t optimizer_steps) {
-  if (Sharded() && cpu_ != nullptr) return ResumeShardedOptimizerState(step, optimizer_steps);
-  // Rank 0's loaded buffers, broadcast entry by entry in the order State()
-  // lists them (the same on every rank).
-  std::vector<engine::Tensor> buffers;
-  std::vector<engine::Optimizer::StateEntry> entries;
-  for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
-    engine::Tensor t = e.second->Clone();
-    if (loaded_.has_value()) {
-      auto it = loaded_->optimizer_state.find(e.first);
-      if (it == loaded_->optimizer_state.end() || it->second.numel() != t.numel()) {
-        return Failure{kExitFailure, absl::DataLossError(absl::StrCat(
-                                         "checkpoint of step ", step, ": optimizer state \"",
-                                         e.first, "\" is missing or has the wrong size"))};
-      }
-      std::memcpy(t.data(), it->second.data(), static_cast<size_t>(t.numel()) * sizeof(float));
-    }
-    if (absl::Status s = comm_->Broadcast(t.data(), static_cast<size_t>(t.numel()), 0); !s.ok()) {
-      return FailureFor(s, "resume");
-    }
-    buffers.push_back(std::move(t));
-  }
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    entries.emplace_back(optimizer_->State()[i].first, &buffers[i]);
-  }
-  if (absl::Status s = optimizer_->LoadState(entries, optimizer_steps); !s.ok()) {
-    return Failure{kExitFailure, s};
+  if (absl::Status s = loader_->LoadOptimizerState(pieces, optimizer_steps, optimizer_); !s.ok()) {
+    return FailureFor(s, "resume");
   }
   return std::nullopt;
 }
@@ -435,33 +403,15 @@ std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t step, int64_t 
 std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_epoch,
                                                 int64_t total_steps) {
   const SteadyClock::time_point start = SteadyClock::now();
-  // Sharded: every rank holds a shard of the optimizer state (and, with
-  // ZeRO-2 and FSDP, of the weights); rank 0 writes them put together,
-  // and every rank takes part in that.
-  std::vector<engine::CpuSession::OwnedStateEntry> gathered;
-  if (Sharded() && cpu_ != nullptr) {
-    absl::StatusOr<std::vector<engine::CpuSession::OwnedStateEntry>> whole = cpu_->GatherState();
-    if (!whole.ok()) return FailureFor(whole.status(), "checkpoint");
-    gathered = *std::move(whole);
-  }
-  FullParameters full(cpu_.get());
-  if (!full.status().ok()) return FailureFor(full.status(), "checkpoint");
-  if (rendezvous_.rank() != 0) return std::nullopt;  // DDP: rank 0 owns the state
+  // ZeRO and FSDP: every rank writes the pieces it holds; DDP: rank 0
+  // holds everything and writes it.
+  const bool sharded = Sharded() && cpu_ != nullptr;
+  if (!sharded && rendezvous_.rank() != 0) return std::nullopt;
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
-  engine::CheckpointContents contents;
-  for (const engine::Parameter* p : task_->Parameters()) contents.model.push_back(p);
-  contents.model_metadata = {{"aidn.job", options_.job_id},
-                             {"aidn.step", absl::StrCat(step)},
-                             {"aidn.model", spec_.model().name()}};
-  for (auto& [key, value] : task_->Metadata()) contents.model_metadata[key] = value;
-  if (Sharded() && cpu_ != nullptr) {
-    for (const auto& [name, tensor] : gathered)
-      contents.optimizer_state.emplace_back(name, &tensor);
-  } else {
-    for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
-      contents.optimizer_state.emplace_back(e.first, e.second);
-    }
-  }
+  std::map<std::string, std::string> metadata = {{"aidn.job", options_.job_id},
+                                                 {"aidn.step", absl::StrCat(step)},
+                                                 {"aidn.model", spec_.model().name()}};
+  for (auto& [key, value] : task_->Metadata()) metadata[key] = value;
   const int64_t accum = std::max(1, spec_.grad_accum_steps());
   TrainingState state = TrainingState::At(step, steps_per_epoch, spec_.batch_size() * accum);
   state.total_steps = total_steps;
@@ -475,9 +425,34 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   // fp16: the scale the next step would use, so that a resume does not
   // start again at 2^16 and overflow its way back down.
   if (gpu_ != nullptr) state.loss_scale = gpu_->loss_scale_state();
-  contents.state = state.Encode();
-  absl::StatusOr<engine::WrittenCheckpoint> written =
-      engine::WriteCheckpoint(checkpoint_dir_, step, contents);
+
+  absl::StatusOr<engine::WrittenCheckpoint> written;
+  if (sharded) {
+    engine::ShardContents contents;
+    contents.weights = cpu_->WeightPieces();
+    absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces = cpu_->StatePieces();
+    if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
+    contents.optimizer_state = *std::move(pieces);
+    for (const engine::Parameter* p : task_->Parameters()) contents.parameters.push_back(p->name);
+    contents.model_metadata = std::move(metadata);
+    contents.state = state.Encode();
+    written = engine::WriteShardedCheckpoint(checkpoint_dir_, step,
+                                             absl::StrCat("g", options_.generation), contents,
+                                             comm_.get());
+    // Rank 0 does not see the other ranks' files: no passing trouble.
+    if (absl::IsFailedPrecondition(written.status())) {
+      return Failure{kExitPermanent, written.status()};
+    }
+  } else {
+    engine::CheckpointContents contents;
+    for (const engine::Parameter* p : task_->Parameters()) contents.model.push_back(p);
+    contents.model_metadata = std::move(metadata);
+    for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
+      contents.optimizer_state.emplace_back(e.first, e.second);
+    }
+    contents.state = state.Encode();
+    written = engine::WriteCheckpoint(checkpoint_dir_, step, contents);
+  }
   if (!written.ok()) return FailureFor(written.status(), "checkpoint");
   AIDN_LOG(INFO) << "checkpoint written" << Kv("step", step) << Kv("path", written->path)
                  << Kv("bytes", written->bytes)
@@ -489,8 +464,9 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   request.set_step(step);
   request.set_path(written->path);
   request.set_bytes(written->bytes);
-  request.set_manifest_sha256(Sha256Hex(written->manifest));
-  request.add_writer_ranks(0);
+  // Rank 0's manifest names every rank's files.
+  if (!written->manifest.empty()) request.set_manifest_sha256(Sha256Hex(written->manifest));
+  for (int r = 0; r < (sharded ? rendezvous_.world_size() : 1); ++r) request.add_writer_ranks(r);
   // After the step's records (ReportStep): the reporter sends those first.
   reporter_->Commit(std::move(request));
   return std::nullopt;

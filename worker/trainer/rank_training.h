@@ -6,7 +6,7 @@
 // over the coordinator's KV store), loads the data, resumes from the newest
 // checkpoint that verifies, then steps (engine::CpuSession or
 // engine::GpuSession), reports each step (reporter.h), evaluates after each
-// epoch and writes checkpoints (rank 0).
+// epoch and writes checkpoints.
 //
 // Not thread-safe: Execute runs once, on the trainer's main thread.
 
@@ -26,6 +26,7 @@
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/optimizer.h"
+#include "worker/trainer/checkpoint_loader.h"
 #include "worker/trainer/coordinator_store.h"
 #include "worker/trainer/reporter.h"
 #include "worker/trainer/stop_signal.h"
@@ -78,20 +79,18 @@ class RankTraining {
   std::optional<Failure> Setup();
   std::optional<Failure> PrepareCheckpointDir();
   std::optional<Failure> Connect();
-  // Rank 0: the newest resume candidate that verifies, into the model and
-  // loaded_ (reporting each one that does not).
-  void LoadNewestCheckpoint();
+  // The newest resume candidate that verifies, into the model (rank 0's,
+  // or every rank's under ZeRO and FSDP), reporting each one that does not.
+  std::optional<Failure> LoadNewestCheckpoint();
   std::optional<Failure> BuildSession();
   void ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
                      const absl::Status& why);
   absl::StatusOr<Plan> MakePlan(const engine::DistributedSampler& sampler) const;
-  // Every rank gets rank 0's resumed step, weights and optimizer state, so
-  // only rank 0's node needs the files.
+  // Every rank gets rank 0's resumed step, and the optimizer state it
+  // holds: rank 0's whole one (DDP), or its own pieces read from the
+  // checkpoint (ZeRO, FSDP).
   std::optional<Failure> Resume(int64_t steps_per_epoch);
-  std::optional<Failure> ResumeOptimizerState(int64_t step, int64_t optimizer_steps);
-  // ZeRO and FSDP: the whole state from rank 0's checkpoint, entry by
-  // entry, each rank keeping its shards' pieces.
-  std::optional<Failure> ResumeShardedOptimizerState(int64_t step, int64_t optimizer_steps);
+  std::optional<Failure> ResumeOptimizerState(int64_t optimizer_steps);
   bool Sharded() const;
   // device: gpu: mirrors the CPU model (weights after the broadcast or the
   // resume) and the resumed optimizer state onto the GPU.
@@ -109,8 +108,8 @@ class RankTraining {
   std::optional<Failure> Evaluate(int32_t epoch, int64_t step);
   // Whether an evaluation is due after `step` (counted from 0).
   bool EvaluationDue(const Plan& plan, int64_t step) const;
-  // DDP: rank 0 writes the state after `step`, and commits it in the
-  // background.
+  // The state after `step`: rank 0's whole (DDP), or every rank's shard
+  // (ZeRO, FSDP); committed in the background.
   std::optional<Failure> Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps);
   // Collectives completed, CPU and GPU ones together.
   int64_t CollectiveSequence() const {
@@ -141,8 +140,9 @@ class RankTraining {
   std::string checkpoint_dir_;
   // The step training starts after: 0, or the resumed checkpoint's.
   int64_t start_step_ = 0;
-  // Loaded by rank 0 in Setup, handed to the optimizer in Resume.
-  std::optional<engine::LoadedCheckpoint> loaded_;
+  // The checkpoint Setup loaded the weights from, until Resume has the
+  // optimizer state from it.
+  std::unique_ptr<CheckpointLoader> loader_;
   // fp16: the resumed checkpoint's loss scaler, for SetupGpu.
   std::optional<engine::LossScaleState> resumed_loss_scale_;
   engine::LrScheduleConfig schedule_;

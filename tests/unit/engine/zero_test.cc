@@ -103,11 +103,14 @@ OptimizerConfig Adam() {
 }
 
 struct RankRun {
-  // The optimizer state of the whole parameters (gathered from the shards
-  // with ZeRO), and whether slicing it back gives the shards' state bit for
-  // bit.
-  std::vector<std::pair<std::string, Tensor>> whole_state;
-  bool state_round_trip = true;
+  // The rank's pieces of the whole parameters' optimizer state (DDP: the
+  // whole entries), as checkpoints hold them.
+  struct StatePiece {
+    std::string whole;
+    size_t begin = 0, end = 0;
+    Tensor values;
+  };
+  std::vector<StatePiece> state_pieces;
   std::vector<std::string> names;
   std::vector<Tensor> weights;
   std::vector<double> losses;
@@ -177,20 +180,15 @@ std::vector<RankRun> Train(bool gpt, int world, Sharding sharding) {
         for (int g = 0; g < map->num_groups(); ++g)
           run.group_floats.push_back(map->group(g).floats);
       }
-      absl::StatusOr<std::vector<CpuSession::OwnedStateEntry>> whole = (*session)->GatherState();
-      ASSERT_TRUE(whole.ok()) << whole.status();
-      std::vector<CpuSession::OwnedStateEntry> pieces;
-      for (const auto& [name, tensor] : *whole) {
-        ASSERT_TRUE((*session)->SliceWholeState(name, tensor, &pieces).ok()) << name;
+      absl::StatusOr<std::vector<CpuSession::Piece>> pieces = (*session)->StatePieces();
+      ASSERT_TRUE(pieces.ok()) << pieces.status();
+      ASSERT_EQ(pieces->size(), state.size());
+      for (size_t i = 0; i < pieces->size(); ++i) {
+        const CpuSession::Piece& p = (*pieces)[i];
+        EXPECT_EQ(p.name, state[i].first);
+        EXPECT_EQ(p.tensor, state[i].second);
+        run.state_pieces.push_back({p.whole, p.begin, p.end, p.tensor->Clone()});
       }
-      run.state_round_trip = pieces.size() == state.size();
-      for (size_t i = 0; run.state_round_trip && i < pieces.size(); ++i) {
-        run.state_round_trip = pieces[i].first == state[i].first &&
-                               pieces[i].second.numel() == state[i].second->numel() &&
-                               std::memcmp(pieces[i].second.data(), state[i].second->data(),
-                                           sizeof(float) * pieces[i].second.numel()) == 0;
-      }
-      run.whole_state = *std::move(whole);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -328,20 +326,30 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
     }
   }
   EXPECT_EQ(zero_state, 8 * total);
-  // Put together, the shards' state is DDP's optimizer state (the key third
-  // of c_attn.bias aside, as above), and slices back into the shards'.
+  // Put together, the ranks' pieces of the state cover DDP's optimizer
+  // state once and equal it (the key third of c_attn.bias aside, as
+  // above).
+  std::map<std::string, const Tensor*> ddp_state;
+  for (const RankRun::StatePiece& p : ddp[0].state_pieces) ddp_state[p.whole] = &p.values;
+  std::map<std::string, std::vector<int>> covered;
+  for (const auto& [name, tensor] : ddp_state) covered[name].assign(tensor->numel(), 0);
   for (int r = 0; r < world; ++r) {
-    const RankRun& run = zero[static_cast<size_t>(r)];
-    EXPECT_TRUE(run.state_round_trip) << "rank " << r;
-    ASSERT_EQ(run.whole_state.size(), ddp[0].whole_state.size());
-    for (size_t i = 0; i < run.whole_state.size(); ++i) {
-      const auto& [name, tensor] = run.whole_state[i];
-      EXPECT_EQ(name, ddp[0].whole_state[i].first);
-      ASSERT_EQ(tensor.numel(), ddp[0].whole_state[i].second.numel()) << name;
-      if (name.find("attn.c_attn.bias") != std::string::npos) continue;
-      EXPECT_LT(Relative(tensor.data(), ddp[0].whole_state[i].second.data(), tensor.numel()), 1e-5)
-          << "rank " << r << " " << name;
+    for (const RankRun::StatePiece& p : zero[static_cast<size_t>(r)].state_pieces) {
+      auto it = ddp_state.find(p.whole);
+      ASSERT_NE(it, ddp_state.end()) << p.whole;
+      ASSERT_LE(p.end, static_cast<size_t>(it->second->numel())) << p.whole;
+      ASSERT_EQ(p.values.numel(), static_cast<int64_t>(p.end - p.begin)) << p.whole;
+      for (size_t i = p.begin; i < p.end; ++i) ++covered[p.whole][i];
+      if (p.whole.find("attn.c_attn.bias") != std::string::npos) continue;
+      EXPECT_LT(Relative(p.values.data(), it->second->data() + p.begin,
+                         static_cast<int64_t>(p.end - p.begin)),
+                1e-5)
+          << "rank " << r << " " << p.whole << "[" << p.begin << ":" << p.end << "]";
     }
+  }
+  for (const auto& [name, counts] : covered) {
+    EXPECT_EQ(std::count(counts.begin(), counts.end(), 1), static_cast<int64_t>(counts.size()))
+        << name << " is not covered exactly once";
   }
 }
 
