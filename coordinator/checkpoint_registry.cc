@@ -229,12 +229,28 @@ void CheckpointRegistry::FillResume(const v1::Job& job, JobCheckpoints* state,
     if (!Valid(*it) || it->generation() >= job.generation()) continue;
     *response->add_resume_candidates() = *it;
   }
-  if (response->resume_candidates().empty()) {
-    response->clear_resume_from();
+  if (!response->resume_candidates().empty()) {
+    *response->mutable_resume_from() = response->resume_candidates(0);
+    state->resumed_from_step = response->resume_from().step();
     return;
   }
-  *response->mutable_resume_from() = response->resume_candidates(0);
-  state->resumed_from_step = response->resume_from().step();
+  response->clear_resume_from();
+  if (!job.spec().checkpoint().has_resume_from()) return;
+  // Nothing of its own yet: the checkpoint of another job the spec names
+  // (pinned at submission). One that is gone still goes to the ranks, without
+  // a path, so that they fail saying so rather than start afresh.
+  const v1::CheckpointSource& source = job.spec().checkpoint().resume_from();
+  v1::Checkpoint candidate;
+  candidate.set_job_id(source.job());
+  candidate.set_step(source.step());
+  absl::StatusOr<std::vector<v1::Checkpoint>> theirs = store_->ListCheckpoints(source.job());
+  if (theirs.ok()) {
+    for (const v1::Checkpoint& c : *theirs) {
+      if (c.step() == source.step() && Valid(c)) candidate = c;
+    }
+  }
+  *response->add_resume_candidates() = candidate;
+  *response->mutable_resume_from() = candidate;
 }
 
 int64_t CheckpointRegistry::NewestValidStep(const std::vector<v1::Checkpoint>& checkpoints) {

@@ -117,7 +117,8 @@ class CheckpointRegistry {
 
   // Fills resume_from and resume_candidates from the checkpoints of
   // generations before the job's current one, and remembers what it
-  // resumes from.
+  // resumes from; without any, from the spec's checkpoint.resume_from
+  // (another job's).
   void FillResume(const v1::Job& job, JobCheckpoints* state, v1::JoinRendezvousResponse* response);
 
   // Every writer reported it.

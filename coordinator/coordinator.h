@@ -242,6 +242,10 @@ class Coordinator {
   absl::StatusOr<JobEntry*> FencedJobToWaitOn(const std::string& job_id, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<JobEntry*> FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // checkpoint.resume_from: the job and its checkpoint exist, committed and
+  // valid, and fit `spec` (model, optimizer, global batch); step 0 becomes
+  // the newest one's. INVALID_ARGUMENT or NOT_FOUND saying what does not.
+  absl::Status ResolveResumeFrom(v1::JobSpec* spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // State changes; each persists the job and records an event.
   absl::Status SetState(JobEntry* entry, v1::Job::State state, const std::string& message,

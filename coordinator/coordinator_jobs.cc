@@ -6,6 +6,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/token.h"
@@ -28,6 +30,7 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
 
   Deferred deferred;
   absl::MutexLock lock(&mu_);
+  if (spec.checkpoint().has_resume_from()) AIDN_RETURN_IF_ERROR(ResolveResumeFrom(&spec));
   auto entry = std::make_unique<JobEntry>();
   entry->stored.number = next_job_number_;
   entry->stored.trainer_token = token;
@@ -50,6 +53,68 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
   jobs_[id] = std::move(entry);
   Schedule(&deferred);
   return jobs_[id]->stored.job;
+}
+
+absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
+  v1::CheckpointSource* source = spec->mutable_checkpoint()->mutable_resume_from();
+  const std::string field = "checkpoint.resume_from";
+  absl::StatusOr<JobEntry*> found = FindJob(source->job());
+  if (!found.ok()) {
+    return absl::NotFoundError(absl::StrCat(field, ": there is no job ", source->job()));
+  }
+  const v1::JobSpec& theirs = (*found)->stored.job.spec();
+  if (theirs.has_command()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": job ", source->job(), " runs a command; its checkpoints are its program's own"));
+  }
+  // The weights must fit: the same model, whatever activation
+  // checkpointing does to its memory.
+  v1::ModelSpec mine = spec->model(), other = theirs.model();
+  mine.clear_activation_checkpointing();
+  other.clear_activation_checkpointing();
+  if (!google::protobuf::util::MessageDifferencer::Equals(mine, other)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": job ", source->job(), " trained another model (",
+                     theirs.model().ShortDebugString(), "); this job's is ",
+                     spec->model().ShortDebugString()));
+  }
+  if (spec->optimizer().name() != theirs.optimizer().name()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": job ", source->job(), " used optimizer ",
+                                                   theirs.optimizer().name(), ", this job ",
+                                                   spec->optimizer().name()));
+  }
+  // The same samples per step, so that the step goes on where it stopped.
+  auto global_batch = [](const v1::JobSpec& s) {
+    return int64_t{s.batch_size()} * std::max(1, s.grad_accum_steps()) * s.world_size();
+  };
+  if (global_batch(*spec) != global_batch(theirs)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": job ", source->job(), " trained with a global batch of ", global_batch(theirs),
+        " (batch_size ", theirs.batch_size(), " x grad_accum_steps ",
+        std::max(1, theirs.grad_accum_steps()), " x world_size ", theirs.world_size(),
+        "); this job's is ", global_batch(*spec), ": set batch_size or grad_accum_steps so that "
+        "they match"));
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints,
+                        store_->ListCheckpoints(source->job()));
+  const v1::Checkpoint* chosen = nullptr;
+  std::vector<std::string> valid;
+  for (const v1::Checkpoint& c : checkpoints) {
+    if (!CheckpointRegistry::Valid(c)) continue;
+    valid.push_back(absl::StrCat(c.step()));
+    if (source->step() == 0 ? (chosen == nullptr || c.step() > chosen->step())
+                            : c.step() == source->step()) {
+      chosen = &c;
+    }
+  }
+  if (chosen == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        field, ": job ", source->job(), " has no committed, valid checkpoint",
+        source->step() == 0 ? "" : absl::StrCat(" of step ", source->step()),
+        valid.empty() ? "" : absl::StrCat(" (it has steps ", absl::StrJoin(valid, ", "), ")")));
+  }
+  source->set_step(chosen->step());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {

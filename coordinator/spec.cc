@@ -279,6 +279,16 @@ absl::Status ValidateCheckpoint(const v1::CheckpointSpec& c) {
   if (c.every_steps() > 0 && c.dir().empty()) {
     return Invalid("checkpoint.every_steps", "needs checkpoint.dir (empty: no checkpoints)");
   }
+  if (c.has_resume_from()) {
+    if (c.resume_from().job().empty()) {
+      return Invalid("checkpoint.resume_from.job", "must name the job whose checkpoint to start from");
+    }
+    AIDN_RETURN_IF_ERROR(CheckText("checkpoint.resume_from.job", c.resume_from().job(), kMaxNameBytes));
+    if (c.resume_from().step() < 0) {
+      return Invalid("checkpoint.resume_from.step",
+                     absl::StrCat("must be >= 0 (0: the newest), got ", c.resume_from().step()));
+    }
+  }
   return CheckIntRange("checkpoint.keep_last", c.keep_last(), 1, kMaxKeepLast);
 }
 
@@ -581,6 +591,10 @@ absl::Status ValidateJobSpec(const SpecLimits& limits, const v1::JobSpec& spec) 
   AIDN_RETURN_IF_ERROR(ValidatePlacement(limits, spec));
   if (spec.has_command()) {
     AIDN_RETURN_IF_ERROR(ValidateCommandSpec(spec));
+    if (spec.checkpoint().has_resume_from()) {
+      return Invalid("checkpoint.resume_from",
+                     "applies to model jobs; a command job's program loads its own checkpoints");
+    }
   } else {
     AIDN_RETURN_IF_ERROR(ValidateTrainerFields(spec));
   }

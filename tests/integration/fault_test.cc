@@ -31,11 +31,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/cluster_fixture.h"
 
 namespace aidn::testing {
 namespace {
+
+using ::testing::HasSubstr;
 
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
@@ -56,6 +59,19 @@ std::string TensorBytes(const std::string& path) {
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(all[i]);
   if (8 + n > all.size()) return "";
   return all.substr(8 + n);
+}
+
+// ||a - b|| / ||b|| over two tensor data sections of float32s.
+double RelativeDiff(const std::string& a, const std::string& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i + 4 <= a.size() && i + 4 <= b.size(); i += 4) {
+    float x = 0, y = 0;
+    std::memcpy(&x, a.data() + i, 4);
+    std::memcpy(&y, b.data() + i, 4);
+    diff += (static_cast<double>(x) - y) * (static_cast<double>(x) - y);
+    norm += static_cast<double>(y) * y;
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
 class FaultTest : public ClusterFixture {
@@ -780,15 +796,7 @@ TEST_P(ShardedFaultTest, ResumesBitwiseAndEndsWhereDdpEnds) {
 
   const std::string with_ddp = FinalWeights(ddp, kSteps);
   ASSERT_EQ(with_ddp.size(), sharded.size());
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i + 4 <= sharded.size(); i += 4) {
-    float a = 0, b = 0;
-    std::memcpy(&a, sharded.data() + i, 4);
-    std::memcpy(&b, with_ddp.data() + i, 4);
-    diff += (static_cast<double>(a) - b) * (static_cast<double>(a) - b);
-    norm += static_cast<double>(b) * b;
-  }
-  EXPECT_LT(std::sqrt(diff / norm), 1e-5)
+  EXPECT_LT(RelativeDiff(sharded, with_ddp), 1e-5)
       << GetParam().name << " against DDP after " << kSteps << " steps";
 }
 
@@ -802,6 +810,78 @@ INSTANTIATE_TEST_SUITE_P(
                       ShardedCase{"FsdpGptActivationCheckpointing", v1::JobSpec::FSDP,
                                   v1::FsdpSpec::FULL_SHARD, /*gpt=*/true}),
     [](const ::testing::TestParamInfo<ShardedCase>& info) { return info.param.name; });
+
+// 11. A job checkpointed by 4 ZeRO-2 ranks goes on at 2 ranks under FSDP
+// and at 3 under ZeRO-1 (checkpoint.resume_from, the global batch kept at
+// 24): the checkpoint is resharded on load, and both end where the 4 ranks'
+// uninterrupted run ends (float rounding of the reductions apart). A
+// reference that does not fit is refused at submission, saying why.
+TEST_F(FaultTest, AJobCheckpointedAtFourRanksGoesOnAtTwoOrThree) {
+  StartWorkers({"w1", "w2", "w3", "w4"});
+  constexpr int64_t kHalf = 150, kSteps = 300;
+  auto spec = [&](int world, v1::JobSpec::Strategy strategy, int64_t steps) {
+    v1::JobSpec s = Spec(world, steps);
+    s.mutable_model()->set_dropout(0);  // each rank's draws depend on the world size
+    s.set_batch_size(24 / world);
+    s.set_strategy(strategy);
+    s.set_bucket_mb(0.05);
+    return s;
+  };
+  const std::string first = Submit(spec(4, v1::JobSpec::ZERO2, kHalf));
+  const std::string reference = Submit(spec(4, v1::JobSpec::ZERO2, kSteps));
+  for (const std::string& id : {first, reference}) {
+    const v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+  }
+  v1::JobSpec at2 = spec(2, v1::JobSpec::FSDP, kSteps);
+  at2.mutable_checkpoint()->mutable_resume_from()->set_job(first);  // its newest
+  v1::JobSpec at3 = spec(3, v1::JobSpec::ZERO1, kSteps);
+  at3.mutable_checkpoint()->mutable_resume_from()->set_job(first);
+  at3.mutable_checkpoint()->mutable_resume_from()->set_step(kHalf);
+  const std::string two = Submit(at2);
+  const std::string three = Submit(at3);
+  EXPECT_EQ(Get(two).spec().checkpoint().resume_from().step(), kHalf);
+  const std::string want = FinalWeights(reference, kSteps);
+  ASSERT_FALSE(want.empty());
+  for (const auto& [id, world] : {std::pair{two, 2}, std::pair{three, 3}}) {
+    const v1::Job job = WaitForEnd(id);
+    ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+    EXPECT_EQ(job.restarts(), 0);
+    const std::string got = FinalWeights(id, kSteps);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_LT(RelativeDiff(got, want), 1e-5) << world << " ranks against 4";
+    // It went on from step kHalf: its first record is the step after.
+    const std::vector<v1::StepMetrics> metrics = cluster().Metrics(id);
+    ASSERT_FALSE(metrics.empty());
+    EXPECT_EQ(metrics.front().step(), kHalf + 1);
+    std::string log;
+    for (const char* w : {"w1", "w2", "w3", "w4"}) log += TrainerLog(w, id, 1, 0);
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("job=", first, " step=", kHalf))) << log;
+    EXPECT_TRUE(absl::StrContains(
+        log, absl::StrCat("resharding a checkpoint written_by=4 world_size=", world)))
+        << log;
+  }
+
+  // What does not fit is refused, and says why.
+  auto refused = [&](v1::JobSpec s) {
+    absl::StatusOr<std::string> id = cluster().Submit(s);
+    return id.ok() ? std::string("accepted") : std::string(id.status().message());
+  };
+  v1::JobSpec bad = at2;
+  bad.mutable_checkpoint()->mutable_resume_from()->set_job("job-999");
+  EXPECT_THAT(refused(bad), HasSubstr("there is no job job-999"));
+  bad = at2;
+  bad.set_batch_size(8);
+  EXPECT_THAT(refused(bad), HasSubstr("global batch of 24"));
+  bad = at2;
+  bad.mutable_checkpoint()->mutable_resume_from()->set_step(7);
+  EXPECT_THAT(refused(bad), HasSubstr("no committed, valid checkpoint of step 7 (it has steps 50, "
+                                      "100, 150)"));
+  bad = at2;
+  bad.mutable_model()->clear_hidden_sizes();
+  bad.mutable_model()->add_hidden_sizes(64);
+  EXPECT_THAT(refused(bad), HasSubstr("trained another model"));
+}
 
 }  // namespace
 }  // namespace aidn::testing

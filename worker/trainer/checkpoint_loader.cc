@@ -95,6 +95,9 @@ absl::Status CheckpointLoader::LoadNewest(const std::vector<v1::Checkpoint>& can
     const bool foreign = Foreign(c, options_.job_id);
     const std::string path =
         foreign ? c.path() : absl::StrCat(options_.dir, "/", engine::CheckpointDirName(c.step()));
+    if (foreign && path.empty()) {
+      return ForeignFailed(c, "it is no longer registered (its job's keep_last retired it?)");
+    }
     absl::Status status = reads ? TryLoad(path, c.step(), targets) : absl::OkStatus();
     bool everywhere = status.ok();
     if (options_.every_rank) {

@@ -365,13 +365,19 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
   std::optional<TrainingState> resumed = TrainingState::DecodeBroadcast(header);
   if (!resumed.has_value()) return std::nullopt;
   resumed_loss_scale_ = resumed->loss_scale;
-  if (resumed->steps_per_epoch != steps_per_epoch ||
-      resumed->world_size != rendezvous_.world_size()) {
+  // Another world size (checkpoint.resume_from, whose global batch the
+  // coordinator checked) reads the same samples per step: the step goes on
+  // where it stopped as long as the epochs have as many steps.
+  if (resumed->steps_per_epoch != steps_per_epoch) {
     return Failure{kExitPermanent, absl::FailedPreconditionError(absl::StrCat(
                                        "the checkpoint of step ", resumed->step, " was made with ",
                                        resumed->world_size, " ranks and ", resumed->steps_per_epoch,
                                        " steps per epoch; this job has ", rendezvous_.world_size(),
                                        " and ", steps_per_epoch))};
+  }
+  if (resumed->world_size != rendezvous_.world_size()) {
+    AIDN_LOG(INFO) << "resharding a checkpoint" << Kv("written_by", resumed->world_size)
+                   << Kv("world_size", rendezvous_.world_size());
   }
   if (std::optional<Failure> f = ResumeOptimizerState(resumed->optimizer_steps);
       f.has_value()) {

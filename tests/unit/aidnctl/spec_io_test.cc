@@ -119,6 +119,26 @@ TEST(ParseJobSpec, ReadsTheFsdpExampleAndTheCoordinatorAcceptsIt) {
       << coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec);
 }
 
+// Going on at 2 ranks from the 4-rank job: checkpoint.resume_from parses
+// and passes the static checks (the coordinator checks the job at
+// submission).
+TEST(ParseJobSpec, ReadsTheResumeAtTwoRanksExample) {
+  absl::StatusOr<std::string> text = ReadFileToString(ExamplePath("gpt-fsdp-2-ranks.yaml"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  v1::JobSpec spec = MustParse(*text, "gpt-fsdp-2-ranks.yaml");
+  EXPECT_EQ(spec.checkpoint().resume_from().job(), "job-1");
+  EXPECT_EQ(spec.checkpoint().resume_from().step(), 0);
+  // The global batch of the job it goes on from.
+  absl::StatusOr<std::string> first = ReadFileToString(ExamplePath("gpt-fsdp.yaml"));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const v1::JobSpec four = MustParse(*first, "gpt-fsdp.yaml");
+  EXPECT_EQ(spec.world_size() * spec.batch_size(), four.world_size() * four.batch_size());
+  EXPECT_EQ(spec.model().config(), four.model().config());
+  coordinator::ApplyJobSpecDefaults(coordinator::SpecLimits{}, &spec);
+  EXPECT_TRUE(coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec).ok())
+      << coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec);
+}
+
 constexpr char kRichYaml[] = R"(
 name: fmnist   # a comment
 world_size: 4

@@ -123,6 +123,9 @@ TEST(CommandSpec, RefusesTheBuiltInTrainersFields) {
   spec = CommandJob();
   spec.set_precision(JobSpec::BF16);
   ExpectInvalid(spec, "precision:");
+  spec = CommandJob();
+  spec.mutable_checkpoint()->mutable_resume_from()->set_job("job-1");
+  ExpectInvalid(spec, "checkpoint.resume_from:", "its own checkpoints");
 }
 
 TEST(CommandSpec, StoreModeMustBeKnown) {

@@ -491,6 +491,15 @@ const BadCase kBadCases[] = {
      "checkpoint.keep_last"},
     {"KeepLastTooMany", [](JobSpec* s) { s->mutable_checkpoint()->set_keep_last(1001); },
      "checkpoint.keep_last"},
+    {"ResumeFromWithoutJob",
+     [](JobSpec* s) { s->mutable_checkpoint()->mutable_resume_from()->set_step(40); },
+     "checkpoint.resume_from.job"},
+    {"ResumeFromNegativeStep",
+     [](JobSpec* s) {
+       s->mutable_checkpoint()->mutable_resume_from()->set_job("job-1");
+       s->mutable_checkpoint()->mutable_resume_from()->set_step(-1);
+     },
+     "checkpoint.resume_from.step"},
     // restarts and priority
     {"MaxRestartsNegative", [](JobSpec* s) { s->set_max_restarts(-1); }, "max_restarts"},
     {"MaxRestartsTooMany", [](JobSpec* s) { s->set_max_restarts(101); }, "max_restarts"},
