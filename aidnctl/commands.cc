@@ -59,6 +59,8 @@ std::unique_ptr<v1::CoordinatorService::Stub> NewCoordinatorStub(
     const ConnectionSettings& connection) {
   rpc::ChannelOptions options;
   options.address = connection.address;
+  options.tls_ca_file = connection.tls_ca_file;
+  options.insecure = connection.insecure;
   return v1::CoordinatorService::NewStub(rpc::MakeChannel(options));
 }
 

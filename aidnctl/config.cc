@@ -22,6 +22,8 @@ struct ConfigFile {
   std::optional<std::string> address;
   std::optional<std::string> token;
   std::optional<std::string> token_file;
+  std::optional<std::string> tls_ca;
+  std::optional<std::string> insecure;
 };
 
 absl::StatusOr<ConfigFile> ParseConfigFile(const std::string& text, const std::string& path) {
@@ -36,7 +38,8 @@ absl::StatusOr<ConfigFile> ParseConfigFile(const std::string& text, const std::s
   if (!root || root.IsNull()) return config;  // an empty file
   if (!root.IsMap()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": expected a mapping with the keys addr, token, token_file"));
+        absl::StrCat(path, ": expected a mapping with the keys addr, token, token_file, tls_ca, "
+                     "insecure"));
   }
   for (const auto& entry : root) {
     const std::string key = entry.first.IsScalar() ? entry.first.Scalar() : "";
@@ -48,9 +51,14 @@ absl::StatusOr<ConfigFile> ParseConfigFile(const std::string& text, const std::s
       slot = &config.token;
     } else if (key == "token_file") {
       slot = &config.token_file;
+    } else if (key == "tls_ca") {
+      slot = &config.tls_ca;
+    } else if (key == "insecure") {
+      slot = &config.insecure;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": line ", line, ": unknown key \"", key,
-                                                     "\" (known: addr, token, token_file)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": line ", line, ": unknown key \"", key,
+                       "\" (known: addr, token, token_file, tls_ca, insecure)"));
     }
     if (slot->has_value()) {
       return absl::InvalidArgumentError(
@@ -62,6 +70,10 @@ absl::StatusOr<ConfigFile> ParseConfigFile(const std::string& text, const std::s
           absl::StrCat(path, ": line ", line, ": ", key, " must be a string"));
     }
     *slot = entry.second.Scalar();
+  }
+  if (config.insecure.has_value() && *config.insecure != "true" && *config.insecure != "false") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": insecure must be true or false, got \"", *config.insecure, "\""));
   }
   if (config.token.has_value() && config.token_file.has_value()) {
     return absl::InvalidArgumentError(
@@ -76,7 +88,7 @@ std::string Lookup(const std::map<std::string, std::string>& env, const std::str
 }
 
 // "~/x" under HOME; a relative path beside the config file.
-std::string TokenFilePath(const std::string& token_file, const std::string& config_path,
+std::string ConfigRelativePath(const std::string& token_file, const std::string& config_path,
                           const std::map<std::string, std::string>& env) {
   if (token_file == "~" || absl::StartsWith(token_file, "~/")) {
     return Lookup(env, "HOME") + token_file.substr(1);
@@ -148,7 +160,7 @@ absl::StatusOr<ConnectionSettings> ResolveConnection(const ConnectionFlags& flag
   } else if (config.token.has_value()) {
     settings.token = *config.token;
   } else if (config.token_file.has_value() && !config.token_file->empty()) {
-    const std::string path = TokenFilePath(*config.token_file, config_path, env);
+    const std::string path = ConfigRelativePath(*config.token_file, config_path, env);
     absl::StatusOr<std::string> contents = read_file(path);
     if (!contents.ok()) {
       return absl::InvalidArgumentError(
@@ -160,6 +172,25 @@ absl::StatusOr<ConnectionSettings> ResolveConnection(const ConnectionFlags& flag
           absl::StrCat(config_path, ": token_file: ", path, " is empty"));
     }
   }
+
+  const std::string env_ca = Lookup(env, "AIDN_TLS_CA");
+  const std::string env_insecure = Lookup(env, "AIDN_INSECURE");
+  if (flags.insecure || flags.tls_ca.has_value()) {
+    settings.insecure = flags.insecure;
+    settings.tls_ca_file = flags.tls_ca.value_or("");
+  } else if (!env_insecure.empty() || !env_ca.empty()) {
+    settings.insecure = env_insecure == "1" || env_insecure == "true";
+    settings.tls_ca_file = env_ca;
+  } else {
+    settings.insecure = config.insecure.value_or("false") == "true";
+    if (config.tls_ca.has_value() && !config.tls_ca->empty()) {
+      settings.tls_ca_file = ConfigRelativePath(*config.tls_ca, config_path, env);
+    }
+  }
+  if (settings.insecure && !settings.tls_ca_file.empty() && flags.insecure) {
+    return absl::InvalidArgumentError("--insecure and --tls-ca: pick one");
+  }
+  if (settings.insecure) settings.tls_ca_file.clear();
   return settings;
 }
 
@@ -171,7 +202,7 @@ std::string DefaultConfigPath(const std::map<std::string, std::string>& env) {
 
 absl::StatusOr<ConnectionSettings> LoadConnection(const ConnectionFlags& flags) {
   std::map<std::string, std::string> env;
-  for (const char* name : {"AIDN_ADDR", "AIDN_TOKEN", "HOME"}) {
+  for (const char* name : {"AIDN_ADDR", "AIDN_TOKEN", "AIDN_TLS_CA", "AIDN_INSECURE", "HOME"}) {
     if (const char* value = std::getenv(name)) env[name] = value;
   }
   const std::string path = DefaultConfigPath(env);

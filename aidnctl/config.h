@@ -1,17 +1,23 @@
 #ifndef AIDN_AIDNCTL_CONFIG_H_
 #define AIDN_AIDNCTL_CONFIG_H_
 
-// Where aidnctl finds the coordinator and its bearer token.
+// Where aidnctl finds the coordinator, how it verifies it, and its bearer
+// token.
 //
 // Each setting comes from the first of these that has it:
-//   1. the flag (--addr, --token);
-//   2. the environment (AIDN_ADDR, AIDN_TOKEN; an empty variable counts as unset);
+//   1. the flag (--addr, --token, --tls-ca, --insecure);
+//   2. the environment (AIDN_ADDR, AIDN_TOKEN, AIDN_TLS_CA, AIDN_INSECURE=1;
+//      an empty variable counts as unset);
 //   3. the config file, $HOME/.config/aidn/config, YAML with the keys
 //        addr: coordinator.example.com:7070
 //        token: 3f9a...            # or:
 //        token_file: ~/.aidn-token # its contents, trimmed, are the token
-//      (a relative token_file is taken relative to the config file's directory);
-//   4. the default address 127.0.0.1:7070 and no token.
+//        tls_ca: ~/.aidn-ca.pem    # the coordinator's <state-dir>/tls/ca.pem
+//        insecure: true            # plaintext, to a coordinator run with --insecure
+//      (a relative token_file or tls_ca is taken relative to the config
+//      file's directory);
+//   4. the default address 127.0.0.1:7070, no token, TLS verified with the
+//      system's roots.
 // An address without a port gets :7070.
 
 #include <functional>
@@ -30,6 +36,8 @@ inline constexpr char kDefaultPort[] = "7070";
 struct ConnectionFlags {
   std::optional<std::string> address;
   std::optional<std::string> token;
+  std::optional<std::string> tls_ca;
+  bool insecure = false;
 };
 
 struct ConnectionSettings {
@@ -37,6 +45,10 @@ struct ConnectionSettings {
   std::string address = kDefaultAddress;
   // Bearer token; empty: none is sent.
   std::string token;
+  // The CA file that verifies the coordinator (empty: the system's roots),
+  // or plaintext.
+  std::string tls_ca_file;
+  bool insecure = false;
 };
 
 // Reads a whole file; NOT_FOUND if it does not exist.

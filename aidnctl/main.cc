@@ -23,6 +23,8 @@
 #include "aidnctl/commands.h"
 #include "aidnctl/config.h"
 #include "aidnctl/export.h"
+#include "common/rpc/client.h"
+#include "common/tls.h"
 #include "aidnctl/generate.h"
 #include "aidnctl/logs.h"
 #include "aidnctl/metrics.h"
@@ -89,6 +91,9 @@ struct CommandLine {
   std::string address, token, output = "table", timeout = "30s";
   CLI::Option* address_flag = nullptr;
   CLI::Option* token_flag = nullptr;
+  std::string tls_ca;
+  CLI::Option* tls_ca_flag = nullptr;
+  bool insecure = false;
   // submit and watch.
   std::string spec_path, reconnect_timeout = "5m";
   bool submit_watch = false;
@@ -136,6 +141,13 @@ void AddGlobalOptions(CLI::App& app, CommandLine& cl) {
                      "Coordinator HOST:PORT (else $AIDN_ADDR, the config file, 127.0.0.1:7070)");
   cl.token_flag =
       app.add_option("--token", cl.token, "Bearer token (else $AIDN_TOKEN, the config file)");
+  cl.tls_ca_flag = app.add_option(
+      "--tls-ca", cl.tls_ca,
+      "CA file verifying the coordinator: its <state-dir>/tls/ca.pem (else $AIDN_TLS_CA, the "
+      "config file's tls_ca, the system's roots)");
+  app.add_flag("--insecure", cl.insecure,
+               "Plaintext, to a coordinator run with --insecure (else $AIDN_INSECURE=1, the "
+               "config file's insecure: true)");
   app.add_option("-o,--output", cl.output, "Output format: table, json or yaml (metrics: csv too)")
       ->check(Check(ctl::ParseOutputFormat, "FORMAT"))
       ->capture_default_str();
@@ -502,9 +514,16 @@ int main(int argc, char** argv) {
   ctl::ConnectionFlags flags;
   if (cl.address_flag->count() > 0) flags.address = cl.address;
   if (cl.token_flag->count() > 0) flags.token = cl.token;
+  if (cl.tls_ca_flag->count() > 0) flags.tls_ca = cl.tls_ca;
+  flags.insecure = cl.insecure;
   absl::StatusOr<ctl::ConnectionSettings> connection = ctl::LoadConnection(flags);
   if (!connection.ok()) return Fail(std::string(connection.status().message()), kExitFailure);
   options.connection = *connection;
+  if (absl::Status s = aidn::rpc::CheckChannelOptions({.tls_ca_file = connection->tls_ca_file,
+                                                       .insecure = connection->insecure});
+      !s.ok()) {
+    return Fail(std::string(s.message()), kExitFailure);
+  }
 
   auto stub = ctl::NewCoordinatorStub(options.connection);
   ctl::CommandEnv env;
@@ -513,7 +532,15 @@ int main(int argc, char** argv) {
   env.out = &std::cout;
   env.in = &std::cin;
   if (absl::Status status = RunCommand(env, cl); !status.ok()) {
-    return Fail(std::string(status.message()), kExitFailure);
+    std::string message(status.message());
+    // gRPC says only that the handshake failed: a handshake of our own says why.
+    if (absl::IsUnavailable(status)) {
+      const std::string why = aidn::DiagnoseTls(connection->address, connection->tls_ca_file,
+                                                connection->insecure);
+      if (!why.empty()) absl::StrAppend(&message, "\nTLS: the coordinator at ", connection->address,
+                                        ": ", why);
+    }
+    return Fail(message, kExitFailure);
   }
   return 0;
 }

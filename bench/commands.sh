@@ -46,6 +46,8 @@ PIDS+=($!)
 for _ in $(seq 100); do [[ -s $RUN_DIR/addr ]] && break; sleep 0.1; done
 export AIDN_ADDR; AIDN_ADDR=$(cat "$RUN_DIR/addr")
 export AIDN_TOKEN; AIDN_TOKEN=$(cat "$STATE/admin.token")
+# TLS: the worker and aidnctl verify the coordinator with the CA it made.
+export AIDN_TLS_CA=$STATE/tls/ca.pem
 for w in 1 2; do
   "$BUILD/worker/aidn-worker" --coordinator="$AIDN_ADDR" --token-file="$STATE/worker.token" \
     --worker-id="w$w" --cpu-slots=1 --work-dir="$RUN_DIR/w$w" --metrics-addr= "${USER_FLAG[@]}" \

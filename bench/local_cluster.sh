@@ -24,6 +24,8 @@ for _ in $(seq 100); do [[ -s $RUN/addr && -s $RUN/state/admin.token ]] && break
 export AIDN_ADDR AIDN_TOKEN
 AIDN_ADDR=$(cat "$RUN/addr")
 AIDN_TOKEN=$(cat "$RUN/state/admin.token")
+# TLS: the worker and aidnctl verify the coordinator with the CA it made.
+export AIDN_TLS_CA=$RUN/state/tls/ca.pem
 env -u LD_LIBRARY_PATH "$BUILD/worker/aidn-worker" --coordinator="$AIDN_ADDR" \
   --token-file="$RUN/state/worker.token" --worker-id=w1 --cpu-slots="${SLOTS:-2}" \
   --work-dir="$RUN/w1" >"$RUN/worker.log" 2>&1 &

@@ -104,6 +104,8 @@ for _ in $(seq 100); do [[ -s $RUN_DIR/addr ]] && break; sleep 0.1; done
   FAILURES=1; echo "coordinator did not start; see $RUN_DIR/coordinator.log" >&2; exit 1; }
 AIDN_ADDR=$(cat "$RUN_DIR/addr")
 AIDN_TOKEN=$(cat "$STATE/admin.token")
+# TLS: the worker and aidnctl verify the coordinator with the CA it made.
+export AIDN_TLS_CA=$STATE/tls/ca.pem
 export AIDN_ADDR AIDN_TOKEN
 # One worker with both CPU slots: it runs a 1-rank x 2-thread job as well
 # as both ranks of a 2-rank job.

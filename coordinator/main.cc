@@ -30,10 +30,21 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/server.h"
 #include "coordinator/store.h"
+#include "common/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "host:port to serve on; port 0 picks one");
 ABSL_FLAG(std::string, state_dir, "./aidn-state", "directory for the SQLite state and tokens");
 ABSL_FLAG(std::string, addr_file, "", "write the bound host:port to this file once serving");
+ABSL_FLAG(std::string, tls_cert, "",
+          "the server certificate (PEM, chain after it); default: one made at every start, signed "
+          "by a CA made in <state-dir>/tls at first start (clients verify with its ca.pem)");
+ABSL_FLAG(std::string, tls_key, "", "the key of --tls-cert (PEM)");
+ABSL_FLAG(std::vector<std::string>, tls_san, {},
+          "more host names or IPs the made server certificate covers (comma-separated); it "
+          "always covers localhost, 127.0.0.1, ::1, this host's name and the listen host");
+ABSL_FLAG(bool, insecure, false,
+          "serve plaintext gRPC: tokens travel in the clear (logged loudly unless the listen "
+          "address is loopback)");
 ABSL_FLAG(std::string, token_file, "",
           "extra tokens, one per line: <token> <admin|user|worker> [<name>]");
 ABSL_FLAG(int32_t, max_world_size, 1024, "largest world_size a job may ask for");
@@ -121,6 +132,11 @@ struct Config {
   std::string metrics_addr;       // empty: no /metrics
   std::string metrics_addr_file;  // empty: not written
   std::string log_level;
+  // TLS: --tls-cert/--tls-key, or made in <state-dir>/tls; or plaintext.
+  std::string tls_cert;
+  std::string tls_key;
+  std::vector<std::string> tls_san;
+  bool insecure = false;
   std::chrono::milliseconds tick{0};
   aidn::coordinator::CoordinatorOptions coordinator;
   aidn::coordinator::ServerOptions server;
@@ -134,6 +150,16 @@ absl::StatusOr<Config> ConfigFromFlags() {
   config.metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
   config.metrics_addr_file = absl::GetFlag(FLAGS_metrics_addr_file);
   config.log_level = absl::GetFlag(FLAGS_log_level);
+  config.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  config.tls_key = absl::GetFlag(FLAGS_tls_key);
+  config.tls_san = absl::GetFlag(FLAGS_tls_san);
+  config.insecure = absl::GetFlag(FLAGS_insecure);
+  if (config.tls_cert.empty() != config.tls_key.empty()) {
+    return absl::InvalidArgumentError("flags: --tls-cert and --tls-key go together");
+  }
+  if (config.insecure && !config.tls_cert.empty()) {
+    return absl::InvalidArgumentError("flags: --insecure serves plaintext; drop --tls-cert");
+  }
   config.tick = Millis(absl::GetFlag(FLAGS_tick_interval));
   aidn::coordinator::CoordinatorOptions& options = config.coordinator;
   options.spec_limits.max_world_size = absl::GetFlag(FLAGS_max_world_size);
@@ -172,6 +198,10 @@ void LogConfiguration(const Config& config) {
        {"state_dir", config.state_dir},
        {"addr_file", config.addr_file},
        {"token_file", config.token_file},
+       {"tls", config.insecure ? "off (--insecure)"
+               : config.tls_cert.empty()
+                   ? absl::StrCat("made in ", config.state_dir, "/tls")
+                   : absl::StrCat(config.tls_cert, ", ", config.tls_key)},
        {"max_world_size", absl::StrCat(options.spec_limits.max_world_size)},
        {"heartbeat_interval", Format(options.heartbeat_interval)},
        {"stop_grace", Format(options.stop_grace)},
@@ -187,6 +217,43 @@ void LogConfiguration(const Config& config) {
        {"log_level", config.log_level}});
 }
 
+// The server's TLS material into config->server: --tls-cert's, or a
+// certificate made for this start by the state directory's CA. Returns the
+// CA file clients verify with ("" when not known: --tls-cert's issuer, or
+// --insecure).
+absl::StatusOr<std::string> SetUpTls(Config* config) {
+  const std::string& listen = config->server.listen;
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  if (config->insecure) {
+    if (aidn::IsLoopbackHost(host)) {
+      AIDN_LOG(INFO) << "serving plaintext on loopback (--insecure)";
+    } else {
+      for (int i = 0; i < 3; ++i) {
+        AIDN_LOG(WARNING) << "--insecure: serving PLAINTEXT gRPC on " << listen
+                          << ": bearer tokens cross the network in the clear, and a stolen "
+                             "token runs commands on every worker";
+      }
+    }
+    return std::string();
+  }
+  absl::StatusOr<aidn::ServerTls> tls;
+  if (!config->tls_cert.empty()) {
+    tls = aidn::LoadServerTls(config->tls_cert, config->tls_key);
+  } else {
+    std::vector<std::string> names = config->tls_san;
+    names.push_back(host.size() >= 2 && host.front() == '[' ? host.substr(1, host.size() - 2)
+                                                              : host);
+    tls = aidn::EnsureAutoTls({.dir = config->state_dir + "/tls", .names = names});
+  }
+  if (!tls.ok()) return tls.status();
+  config->server.tls_cert_pem = tls->cert_pem;
+  config->server.tls_key_pem = tls->key_pem;
+  AIDN_LOG(INFO) << "TLS on"
+                 << Kv("certificate_expires",
+                       absl::FormatTime("%Y-%m-%d", tls->not_after, absl::UTCTimeZone()));
+  return tls->ca_file;
+}
+
 // Opens the state, starts serving, and runs until one of `signals` arrives.
 int Serve(Config config, const sigset_t& signals) {
   aidn::metrics::Registry registry;
@@ -194,6 +261,8 @@ int Serve(Config config, const sigset_t& signals) {
   config.coordinator.registry = &registry;
 
   if (absl::Status s = MakeDirs(config.state_dir); !s.ok()) return Fail(s);
+  absl::StatusOr<std::string> ca_file = SetUpTls(&config);
+  if (!ca_file.ok()) return Fail(ca_file.status());
   auto auth = aidn::coordinator::Authenticator::Create(
       {.state_dir = config.state_dir, .token_file = config.token_file});
   if (!auth.ok()) return Fail(auth.status());
@@ -216,6 +285,8 @@ int Serve(Config config, const sigset_t& signals) {
     }
   }
   AIDN_LOG(INFO) << "serving" << Kv("address", address)
+                 << Kv("tls", config.insecure ? "off" : "on")
+                 << Kv("tls_ca_file", *ca_file)
                  << Kv("admin_token_file", (*auth)->admin_token_path())
                  << Kv("worker_token_file", (*auth)->worker_token_path());
 

@@ -29,6 +29,10 @@ struct ServerOptions {
   // Requests larger than this are refused by gRPC before they are read
   // into memory (RESOURCE_EXHAUSTED).
   int max_message_bytes = 4 * 1024 * 1024;
+  // The server's certificate and key (PEM); both empty: plaintext (the
+  // caller decides when that is allowed: --insecure).
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
 };
 
 class Server {

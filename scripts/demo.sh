@@ -29,6 +29,9 @@ for _ in $(seq 1 200); do [ -s "$DEMO/addr" ] && break; sleep 0.1; done
 [ -s "$DEMO/addr" ] || { echo "coordinator did not start"; cat "$DEMO/coordinator.log"; exit 1; }
 export AIDN_ADDR; AIDN_ADDR=$(cat "$DEMO/addr")
 export AIDN_TOKEN; AIDN_TOKEN=$(cat "$DEMO/state/admin.token")
+# TLS by default: the coordinator made a CA in its state directory, and the
+# workers and aidnctl verify it with that CA.
+export AIDN_TLS_CA=$DEMO/state/tls/ca.pem
 
 for w in w1 w2; do
   echo "==> starting aidn-worker $w, 1 CPU slot (log: $DEMO/$w/worker.log)"

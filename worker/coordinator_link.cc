@@ -39,8 +39,11 @@ bool ExitReportRetryable(grpc::StatusCode code) {
 CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options, CoordinatorLinkCallbacks callbacks)
     : options_(std::move(options)),
       callbacks_(std::move(callbacks)),
-      channel_(rpc::MakeChannel(
-          {.address = options_.coordinator, .max_message_bytes = options_.max_message_bytes})),
+      channel_(rpc::MakeChannel([this] {
+        rpc::ChannelOptions channel = options_.coordinator;
+        channel.max_message_bytes = options_.max_message_bytes;
+        return channel;
+      }())),
       stub_(v1::ClusterService::NewStub(channel_)),
       heartbeat_backoff_(options_.backoff) {}
 
@@ -140,7 +143,7 @@ bool CoordinatorLink::RetryAfter(const char* call, const grpc::Status& status) {
     heartbeat_problem_ = problem;
   } else if (problem != heartbeat_problem_) {
     AIDN_LOG(WARNING) << "coordinator call failed; retrying with backoff" << Kv("call", call)
-                      << Kv("coordinator", options_.coordinator)
+                      << Kv("coordinator", options_.coordinator.address)
                       << Kv("code", static_cast<int>(status.error_code()))
                       << Kv("error", status.error_message());
     heartbeat_problem_ = problem;
@@ -152,7 +155,7 @@ bool CoordinatorLink::RetryAfter(const char* call, const grpc::Status& status) {
 void CoordinatorLink::Succeeded() {
   if (options_.metrics != nullptr) options_.metrics->coordinator_up.Set(1);
   if (!heartbeat_problem_.empty()) {
-    AIDN_LOG(INFO) << "coordinator reachable again" << Kv("coordinator", options_.coordinator);
+    AIDN_LOG(INFO) << "coordinator reachable again" << Kv("coordinator", options_.coordinator.address);
     heartbeat_problem_.clear();
   }
   heartbeat_backoff_.Reset();
@@ -178,7 +181,7 @@ grpc::Status CoordinatorLink::Register(milliseconds* interval) {
     *interval = FromProto(response.heartbeat_interval());
   }
   AIDN_LOG(INFO) << "registered with the coordinator" << Kv("worker_id", response.worker_id())
-                 << Kv("coordinator", options_.coordinator)
+                 << Kv("coordinator", options_.coordinator.address)
                  << Kv("heartbeat_interval_ms", interval->count())
                  << Kv("worker_timeout_ms", FromProto(response.worker_timeout()).count())
                  << Kv("trainers", request.trainers_size());

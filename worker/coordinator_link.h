@@ -29,6 +29,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "aidn/v1/cluster.grpc.pb.h"
+#include "common/rpc/client.h"
 #include "common/rpc/retry.h"
 #include "worker/metrics.h"
 
@@ -39,8 +40,9 @@ class ClientContext;
 namespace aidn::worker {
 
 struct CoordinatorLinkOptions {
-  // host:port of the coordinator.
-  std::string coordinator = "127.0.0.1:7070";
+  // The coordinator: its address and how to verify it (its
+  // max_message_bytes is this struct's).
+  rpc::ChannelOptions coordinator;
   // The worker join token (role worker).
   std::string token;
   // This worker as RegisterWorker describes it (id, hostname, address,

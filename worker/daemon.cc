@@ -12,6 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "common/file.h"
+#include "common/tls.h"
 #include "common/metrics/process_stats.h"
 #include "common/rpc/client.h"
 #include "common/status.h"
@@ -59,8 +61,17 @@ v1::WorkerInfo WorkerInfoOf(const DaemonOptions& o, const std::string& instance)
   return info;
 }
 
+rpc::ChannelOptions ChannelOf(const DaemonOptions& o) {
+  return {.address = o.coordinator,
+          .max_message_bytes = o.max_message_bytes,
+          .tls_ca_file = o.tls_ca_file,
+          .insecure = o.insecure};
+}
+
 LaunchOptions LaunchOptionsOf(const DaemonOptions& o) {
   return {.coordinator = o.coordinator,
+          .tls_ca_file = o.rank_tls_ca_file,
+          .insecure = o.insecure,
           .worker_id = o.worker_id,
           .address = o.address,
           .work_dir = o.work_dir,
@@ -144,6 +155,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
   AIDN_RETURN_IF_ERROR(ValidateDaemonOptions(options));
   DaemonOptions resolved = options;
   std::error_code error;
+  if (!options.tls_ca_file.empty()) {
+    // Trainers and command ranks run elsewhere: they get the absolute path.
+    resolved.tls_ca_file = std::filesystem::absolute(options.tls_ca_file, error).lexically_normal();
+  }
+  AIDN_RETURN_IF_ERROR(rpc::CheckChannelOptions(ChannelOf(resolved)));
   resolved.work_dir = std::filesystem::absolute(options.work_dir, error).lexically_normal();
   if (error) {
     return absl::InvalidArgumentError(absl::StrCat("work_dir: ", error.message()));
@@ -169,6 +185,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
   if (!resolved.start_store) resolved.start_store = StartC10dStore;
+  if (!resolved.insecure && !resolved.tls_ca_file.empty()) {
+    AIDN_ASSIGN_OR_RETURN(const std::string ca, ReadCaFile(resolved.tls_ca_file));
+    resolved.rank_tls_ca_file = absl::StrCat(resolved.work_dir, "/coordinator-ca.pem");
+    AIDN_RETURN_IF_ERROR(WriteFileAtomically(resolved.rank_tls_ca_file, ca));
+    ::chmod(resolved.rank_tls_ca_file.c_str(), 0644);
+  }
   std::unique_ptr<Daemon> daemon(new Daemon(resolved, std::move(claim)));
   if (options.registry != nullptr) {
     Daemon* raw = daemon.get();
@@ -185,7 +207,7 @@ Daemon::Daemon(const DaemonOptions& options, std::unique_ptr<WorkDirClaim> claim
                                            : nullptr) {
   link_ = std::make_unique<CoordinatorLink>(
       CoordinatorLinkOptions{
-          .coordinator = options_.coordinator,
+          .coordinator = ChannelOf(options_),
           .token = options_.token,
           .info = WorkerInfoOf(options_, claim_->instance()),
           .heartbeat_interval = options_.heartbeat_interval,
@@ -200,8 +222,7 @@ Daemon::Daemon(const DaemonOptions& options, std::unique_ptr<WorkDirClaim> claim
                                           std::vector<v1::StopOrder> stops) {
                                      SetAssignments(std::move(assignments), std::move(stops));
                                    }});
-  agent_channel_ = rpc::MakeChannel(
-      {.address = options_.coordinator, .max_message_bytes = options_.max_message_bytes});
+  agent_channel_ = rpc::MakeChannel(ChannelOf(options_));
   agent_stub_ = v1::ClusterService::NewStub(agent_channel_);
   agent_ = std::make_unique<CommandAgent>(CommandAgentOptions{.worker_id = options_.worker_id,
                                                               .address = options_.address,
@@ -214,8 +235,7 @@ Daemon::Daemon(const DaemonOptions& options, std::unique_ptr<WorkDirClaim> claim
                                           agent_channel_.get(), agent_stub_.get());
   log_shipper_ = std::make_unique<LogShipper>(
       LogShipperOptions{.worker_id = options_.worker_id},
-      MakeGrpcLogSink(options_.coordinator, options_.token, options_.rpc_timeout,
-                      options_.max_message_bytes));
+      MakeGrpcLogSink(ChannelOf(options_), options_.token, options_.rpc_timeout));
 }
 
 Daemon::~Daemon() { Shutdown(); }

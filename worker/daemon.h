@@ -46,6 +46,15 @@ namespace aidn::worker {
 struct DaemonOptions {
   // host:port of the coordinator.
   std::string coordinator = "127.0.0.1:7070";
+  // TLS: the CA file that verifies the coordinator (empty: the system's
+  // roots), or plaintext with insecure; passed on to trainers and command
+  // ranks. Made absolute by Create().
+  std::string tls_ca_file;
+  bool insecure = false;
+  // The copy of tls_ca_file the ranks read, <work_dir>/coordinator-ca.pem
+  // (world-readable: a command job's ranks run as another user, who may
+  // not reach the original). Set by Create().
+  std::string rank_tls_ca_file;
   // The worker join token (role worker).
   std::string token;
   // This worker's id, stable across restarts: [a-zA-Z0-9._-]{1,63}.

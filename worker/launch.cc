@@ -60,6 +60,11 @@ absl::StatusOr<LaunchSpec> LaunchSpecFor(const v1::TrainerAssignment& a, const L
                  // Datasets are inflated once per worker, not once per trainer.
                  "--cache-dir=" + o.work_dir + "/cache"};
   if (!o.trainer_log_level.empty()) launch.argv.push_back("--log-level=" + o.trainer_log_level);
+  if (o.insecure) {
+    launch.argv.push_back("--insecure");
+  } else if (!o.tls_ca_file.empty()) {
+    launch.argv.push_back("--tls-ca=" + o.tls_ca_file);
+  }
 
   launch.env = o.trainer_env;
   if (a.spec().device() == v1::JobSpec::GPU) {

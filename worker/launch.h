@@ -33,8 +33,12 @@ inline constexpr char kTrainerTokenVariable[] = "AIDN_TRAINER_TOKEN";
 
 // The daemon's settings that shape every launch (see DaemonOptions).
 struct LaunchOptions {
-  // host:port of the coordinator, passed as --coordinator.
+  // host:port of the coordinator, passed as --coordinator; with the CA
+  // file that verifies it (--tls-ca; AIDN_TLS_CA for command ranks) or
+  // plaintext (--insecure; AIDN_INSECURE=1).
   std::string coordinator;
+  std::string tls_ca_file;
+  bool insecure = false;
   // This worker's id, passed as --worker-id.
   std::string worker_id;
   // The address peers use to reach trainers on this node, passed as --host.

@@ -28,10 +28,8 @@ constexpr size_t kReadBytes = 64 * 1024;
 
 class GrpcLogSink final : public LogSink {
  public:
-  GrpcLogSink(const std::string& coordinator, std::string token, milliseconds rpc_timeout,
-              int max_message_bytes)
-      : channel_(
-            rpc::MakeChannel({.address = coordinator, .max_message_bytes = max_message_bytes})),
+  GrpcLogSink(const rpc::ChannelOptions& coordinator, std::string token, milliseconds rpc_timeout)
+      : channel_(rpc::MakeChannel(coordinator)),
         stub_(v1::ClusterService::NewStub(channel_)),
         token_(std::move(token)),
         rpc_timeout_(rpc_timeout) {}
@@ -123,9 +121,9 @@ size_t LineSplitter::Resync(bool at_line_start) {
 // ---------------------------------------------------------------------------
 // LogShipper
 
-std::unique_ptr<LogSink> MakeGrpcLogSink(const std::string& coordinator, const std::string& token,
-                                         milliseconds rpc_timeout, int max_message_bytes) {
-  return std::make_unique<GrpcLogSink>(coordinator, token, rpc_timeout, max_message_bytes);
+std::unique_ptr<LogSink> MakeGrpcLogSink(const rpc::ChannelOptions& coordinator,
+                                         const std::string& token, milliseconds rpc_timeout) {
+  return std::make_unique<GrpcLogSink>(coordinator, token, rpc_timeout);
 }
 
 LogShipper::Stream::~Stream() {

@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "aidn/v1/cluster.pb.h"
+#include "common/rpc/client.h"
 #include "common/rpc/retry.h"
 
 namespace aidn::worker {
@@ -85,9 +86,9 @@ class LogSink {
 };
 
 // ShipLogs over gRPC with the worker token; each call has `rpc_timeout`.
-std::unique_ptr<LogSink> MakeGrpcLogSink(const std::string& coordinator, const std::string& token,
-                                         std::chrono::milliseconds rpc_timeout,
-                                         int max_message_bytes);
+std::unique_ptr<LogSink> MakeGrpcLogSink(const rpc::ChannelOptions& coordinator,
+                                         const std::string& token,
+                                         std::chrono::milliseconds rpc_timeout);
 
 struct LogShipperOptions {
   // Sent as ShipLogsRequest.worker_id.

@@ -53,6 +53,11 @@
 
 // Both modes.
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "host:port of the coordinator");
+ABSL_FLAG(std::string, tls_ca, "",
+          "CA file (PEM) that verifies the coordinator's certificate (its <state-dir>/tls/ca.pem); "
+          "default: $AIDN_TLS_CA, else the system's roots");
+ABSL_FLAG(bool, insecure, false,
+          "talk plaintext gRPC to a coordinator started with --insecure (no TLS)");
 ABSL_FLAG(std::string, work_dir, "./aidn-work",
           "daemon: its directory (trainer logs, job directories); train: the job's directory");
 ABSL_FLAG(std::string, checkpoint_root, "",
@@ -127,9 +132,18 @@ std::chrono::milliseconds Millis(absl::Duration d) {
   return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
 }
 
+// --tls-ca, else $AIDN_TLS_CA.
+std::string TlsCaFromFlags() {
+  std::string path = absl::GetFlag(FLAGS_tls_ca);
+  if (const char* env = std::getenv("AIDN_TLS_CA"); path.empty() && env != nullptr) path = env;
+  return path;
+}
+
 int RunTrainMode() {
   aidn::trainer::TrainerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.tls_ca_file = TlsCaFromFlags();
+  options.insecure = absl::GetFlag(FLAGS_insecure);
   options.job_id = absl::GetFlag(FLAGS_job);
   options.generation = absl::GetFlag(FLAGS_generation);
   options.rank = absl::GetFlag(FLAGS_rank);
@@ -278,6 +292,8 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags(const std::string& log_level)
   DaemonConfig config;
   aidn::worker::DaemonOptions& options = config.options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.tls_ca_file = TlsCaFromFlags();
+  options.insecure = absl::GetFlag(FLAGS_insecure);
   options.hostname = Hostname();
   options.worker_id = absl::GetFlag(FLAGS_worker_id);
   if (options.worker_id.empty()) options.worker_id = options.hostname;
@@ -319,6 +335,10 @@ void LogDaemonConfiguration(const DaemonConfig& config,
   aidn::LogConfigTable(
       absl::StrCat("aidn-worker ", AIDN_VERSION, " configuration:"),
       {{"coordinator", resolved.coordinator},
+       {"tls", resolved.insecure ? "off (--insecure)"
+               : resolved.tls_ca_file.empty()
+                   ? "verifying with the system's roots"
+                   : absl::StrCat("verifying with ", resolved.tls_ca_file)},
        {"token", config.token_file.empty() ? (resolved.token.empty() ? "(none)" : "(from --token)")
                                            : absl::StrCat("(from ", config.token_file, ")")},
        {"worker_id", resolved.worker_id},

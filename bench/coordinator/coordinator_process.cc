@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/metrics/process_stats.h"
+#include "common/tls.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -45,8 +46,15 @@ void MakeStubs(const std::string& address, int count, Load* load) {
     // arguments share one subchannel, i.e. one TCP connection.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt("aidn.bench.channel", i);
-    std::shared_ptr<grpc::Channel> channel =
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    // TLS as the coordinator serves it by default, verified with its CA.
+    const rpc::ChannelOptions to = testing::ChannelTo(address);
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+    if (!to.insecure) {
+      grpc::SslCredentialsOptions tls;
+      tls.pem_root_certs = ReadCaFile(to.tls_ca_file).value_or("");
+      credentials = grpc::SslCredentials(tls);
+    }
+    std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(address, credentials, args);
     load->stubs.push_back(v1::ClusterService::NewStub(channel));
     load->generic_stubs.push_back(std::make_unique<grpc::GenericStub>(channel));
   }

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 
+#include "common/log.h"
+#include "common/tls.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -24,7 +26,27 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
   // gRPC's default backoff (up to 120 s).
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  return grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.insecure) {
+    credentials = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions tls;
+    if (!options.tls_ca_file.empty()) {
+      absl::StatusOr<std::string> pem = ReadCaFile(options.tls_ca_file);
+      if (pem.ok()) {
+        tls.pem_root_certs = *pem;
+      } else {
+        AIDN_LOG(ERROR) << pem.status();
+      }
+    }
+    credentials = grpc::SslCredentials(tls);
+  }
+  return grpc::CreateCustomChannel(options.address, credentials, args);
+}
+
+absl::Status CheckChannelOptions(const ChannelOptions& options) {
+  if (options.insecure || options.tls_ca_file.empty()) return absl::OkStatus();
+  return ReadCaFile(options.tls_ca_file).status();
 }
 
 void ResetBackoffAfter(const grpc::Status& status, grpc::Channel* channel) {

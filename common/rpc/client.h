@@ -2,13 +2,14 @@
 #define AIDN_COMMON_RPC_CLIENT_H_
 
 // Client-side plumbing shared by aidnctl, the worker and the trainer: one
-// place that builds channels (TLS will plug in here) and attaches the bearer
-// token.
+// place that builds channels (TLS, verifying the coordinator) and attaches
+// the bearer token.
 
 #include <chrono>
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 
@@ -19,8 +20,20 @@ struct ChannelOptions {
   std::string address = "127.0.0.1:7070";
   // Largest message the client accepts or sends.
   int max_message_bytes = 4 * 1024 * 1024;
+  // TLS, verifying the coordinator's certificate against this CA file
+  // (PEM; empty: the system's roots) and its name against the address's
+  // host. Or, with insecure, plaintext.
+  std::string tls_ca_file;
+  bool insecure = false;
 };
 
+// The options' CA file read and checked (INVALID_ARGUMENT naming it): for
+// the programs to refuse a bad one at start. MakeChannel reads it again.
+absl::Status CheckChannelOptions(const ChannelOptions& options);
+
+// A channel that connects lazily. A CA file that cannot be read then is
+// logged and the system's roots used, which verify nothing of ours: the
+// calls fail (UNAVAILABLE), never go out unverified.
 std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options);
 
 // After a failed call that our own loop retries with its own backoff: makes

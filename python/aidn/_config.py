@@ -2,14 +2,19 @@
 places, in the same order, as aidnctl (aidnctl/config.h).
 
 Each setting comes from the first of these that has it:
-  1. the argument (address=, token=);
-  2. the environment (AIDN_ADDR, AIDN_TOKEN; an empty variable counts as unset);
+  1. the argument (address=, token=, tls_ca=, insecure=);
+  2. the environment (AIDN_ADDR, AIDN_TOKEN, AIDN_TLS_CA, AIDN_INSECURE=1; an
+     empty variable counts as unset);
   3. the config file, $HOME/.config/aidn/config, YAML with the keys
        addr: coordinator.example.com:7070
        token: 3f9a...            # or:
        token_file: ~/.aidn-token # its contents, trimmed, are the token
-     (a relative token_file is taken relative to the config file's directory);
-  4. the default address 127.0.0.1:7070 and no token.
+       tls_ca: ~/.aidn-ca.pem    # the coordinator's <state-dir>/tls/ca.pem
+       insecure: true            # plaintext, to a coordinator run with --insecure
+     (a relative token_file or tls_ca is taken relative to the config file's
+     directory);
+  4. the default address 127.0.0.1:7070, no token, TLS verified with the
+     system's roots.
 An address without a port gets :7070.
 """
 
@@ -19,13 +24,15 @@ from typing import Mapping, Optional
 
 DEFAULT_ADDRESS = "127.0.0.1:7070"
 DEFAULT_PORT = "7070"
-_KEYS = ("addr", "token", "token_file")
+_KEYS = ("addr", "token", "token_file", "tls_ca", "insecure")
 
 
 @dataclasses.dataclass(frozen=True)
 class Connection:
     address: str = DEFAULT_ADDRESS
     token: str = ""
+    tls_ca: str = ""
+    insecure: bool = False
 
 
 def default_config_path(environ: Mapping[str, str]) -> str:
@@ -97,7 +104,8 @@ def _token_file_path(token_file: str, config_path: str, environ: Mapping[str, st
 
 def resolve(address: Optional[str] = None, token: Optional[str] = None,
             environ: Mapping[str, str] = os.environ,
-            config_path: Optional[str] = None) -> Connection:
+            config_path: Optional[str] = None, tls_ca: Optional[str] = None,
+            insecure: Optional[bool] = None) -> Connection:
     """The connection settings (see the module doc); `config_path` defaults to
     $HOME/.config/aidn/config, which may be missing."""
     if config_path is None:
@@ -138,4 +146,17 @@ def resolve(address: Optional[str] = None, token: Optional[str] = None,
             raise ValueError(f"{config_path}: token_file: {path} is empty")
     else:
         resolved_token = ""
-    return Connection(_with_default_port(resolved_address), resolved_token)
+
+    if tls_ca is not None or insecure is not None:
+        resolved_ca, resolved_insecure = tls_ca or "", bool(insecure)
+    elif environ.get("AIDN_TLS_CA") or environ.get("AIDN_INSECURE"):
+        resolved_ca = environ.get("AIDN_TLS_CA", "")
+        resolved_insecure = environ.get("AIDN_INSECURE", "") in ("1", "true")
+    else:
+        resolved_insecure = config.get("insecure", "false").lower() == "true"
+        resolved_ca = (_token_file_path(config["tls_ca"], config_path, environ)
+                       if config.get("tls_ca") else "")
+    if resolved_insecure:
+        resolved_ca = ""
+    return Connection(_with_default_port(resolved_address), resolved_token, resolved_ca,
+                      resolved_insecure)

@@ -16,6 +16,8 @@ class JobEnv:
     rank: int
     world_size: int
     worker_id: str
+    tls_ca: str = ""  # the CA file that verifies the coordinator
+    insecure: bool = False  # plaintext: the coordinator runs with --insecure
 
 
 def _int(environ: Mapping[str, str], name: str, default: Optional[int] = None) -> int:
@@ -47,6 +49,8 @@ def job_env(environ: Mapping[str, str] = os.environ) -> Optional[JobEnv]:
         rank=rank,
         world_size=_int(environ, "AIDN_WORLD_SIZE", _int(environ, "WORLD_SIZE", 1)),
         worker_id=environ.get("AIDN_WORKER_ID", ""),
+        tls_ca=environ.get("AIDN_TLS_CA", ""),
+        insecure=environ.get("AIDN_INSECURE", "") in ("1", "true"),
     )
 
 

@@ -49,7 +49,8 @@ class Job:
             if self._stub is None:
                 from . import _rpc
                 from .v1 import cluster_pb2_grpc
-                self._channel = _rpc.make_channel(self.env.coordinator)
+                self._channel = _rpc.make_channel(self.env.coordinator, self.env.tls_ca,
+                                                  self.env.insecure)
                 self._stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
             return self._stub
 

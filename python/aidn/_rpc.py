@@ -25,15 +25,26 @@ TRANSIENT = frozenset({
 })
 
 
-def make_channel(address: str) -> grpc.Channel:
-    """A plaintext channel to the coordinator at host:port that reconnects
-    quickly after a coordinator restart."""
-    return grpc.insecure_channel(address, options=[
+def make_channel(address: str, tls_ca: str = "", insecure: bool = False) -> grpc.Channel:
+    """A channel to the coordinator at host:port that reconnects quickly
+    after a coordinator restart: TLS, verifying the coordinator with the CA
+    file `tls_ca` (its <state-dir>/tls/ca.pem; empty: the system's roots),
+    or plaintext with `insecure`. OSError for a CA file that cannot be
+    read."""
+    options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
-    ])
+    ]
+    if insecure:
+        return grpc.insecure_channel(address, options=options)
+    roots = None
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            roots = f.read()
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots),
+                               options=options)
 
 
 def metadata(token: str):

@@ -120,15 +120,18 @@ class Client:
     gRPC channels are; close() it, or use it as a context manager."""
 
     def __init__(self, address: Optional[str] = None, token: Optional[str] = None,
-                 timeout: float = 30.0):
-        """`address` (host:port) and `token` default to AIDN_ADDR and
-        AIDN_TOKEN, then aidnctl's config file, then 127.0.0.1:7070 and no
-        token. `timeout`: each call's deadline in seconds."""
-        connection = _config.resolve(address, token)
+                 timeout: float = 30.0, tls_ca: Optional[str] = None,
+                 insecure: Optional[bool] = None):
+        """`address` (host:port), `token`, `tls_ca` (the CA file verifying the
+        coordinator: its <state-dir>/tls/ca.pem) and `insecure` (plaintext)
+        default to AIDN_ADDR, AIDN_TOKEN, AIDN_TLS_CA and AIDN_INSECURE, then
+        aidnctl's config file, then 127.0.0.1:7070, no token and TLS verified
+        with the system's roots. `timeout`: each call's deadline in seconds."""
+        connection = _config.resolve(address, token, tls_ca=tls_ca, insecure=insecure)
         self.address = connection.address
         self._metadata = _rpc.metadata(connection.token)
         self._timeout = timeout
-        self._channel = _rpc.make_channel(self.address)
+        self._channel = _rpc.make_channel(self.address, connection.tls_ca, connection.insecure)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def close(self) -> None:

@@ -17,12 +17,14 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/tls.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/create_channel.h"
@@ -430,6 +432,84 @@ TEST_F(Cli, RefusesMissingAndWrongTokensAndHonoursRoles) {
   EXPECT_EQ(StringField(AidnctlJson(c, user_token, {"describe", "job-1"}), "owner"), "alice");
 }
 
+// TLS is on by default: the coordinator makes a CA in its state directory
+// and a server certificate at every start; aidnctl verifies with the CA
+// file, and is told in words why it cannot when it cannot.
+TEST_F(Cli, ServesTlsByDefaultAndSaysWhyAClientCannotVerifyIt) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith());
+  const CoordinatorHandle& c = cluster().coordinator();
+  ASSERT_FALSE(c.ca_file.empty());
+  EXPECT_EQ(Aidnctl(c, c.admin_token, {"list"}).exit_code, 0);
+  EXPECT_THAT(ReadFileOrEmpty(c.state_dir + "/coordinator.1.log"), HasSubstr("tls=on"));
+
+  auto run = [&](std::vector<std::string> argv) {
+    argv.insert(argv.begin(), {AIDNCTL_BIN, "--addr=" + c.address, "--token=" + c.admin_token});
+    return RunCommand(argv, {"HOME=" + cluster().Path("home"), "AIDN_ADDR=", "AIDN_TOKEN=",
+                             "AIDN_TLS_CA=", "AIDN_INSECURE="},
+                      std::chrono::seconds(30));
+  };
+  CommandResult plain = run({"--insecure", "list"});
+  EXPECT_EQ(plain.exit_code, 1) << Describe(plain);
+  EXPECT_THAT(plain.err, HasSubstr("it serves TLS: drop --insecure")) << Describe(plain);
+  CommandResult roots = run({"list"});
+  EXPECT_EQ(roots.exit_code, 1) << Describe(roots);
+  EXPECT_THAT(roots.err, HasSubstr("not signed by a CA this system trusts")) << Describe(roots);
+  CommandResult missing = run({"--tls-ca=" + cluster().Path("nope.pem"), "list"});
+  EXPECT_EQ(missing.exit_code, 1) << Describe(missing);
+  EXPECT_THAT(missing.err, HasSubstr("TLS CA file " + cluster().Path("nope.pem")))
+      << Describe(missing);
+  // The CA file from the environment, as the worker and the Python client
+  // read it too.
+  CommandResult from_env =
+      RunCommand({AIDNCTL_BIN, "--addr=" + c.address, "--token=" + c.admin_token, "list"},
+                 {"HOME=" + cluster().Path("home"), "AIDN_TLS_CA=" + c.ca_file},
+                 std::chrono::seconds(30));
+  EXPECT_EQ(from_env.exit_code, 0) << Describe(from_env);
+
+  // A restart makes a new server certificate signed by the same CA: the
+  // same CA file still verifies it.
+  const std::string ca = ReadFileOrEmpty(c.ca_file);
+  const std::string cert = ReadFileOrEmpty(c.state_dir + "/tls/server.pem");
+  ASSERT_TRUE(cluster().RestartCoordinator(/*same_address=*/true).ok());
+  EXPECT_EQ(ReadFileOrEmpty(cluster().coordinator().ca_file), ca);
+  EXPECT_NE(ReadFileOrEmpty(c.state_dir + "/tls/server.pem"), cert);
+  EXPECT_EQ(Aidnctl(cluster().coordinator(), c.admin_token, {"list"}).exit_code, 0);
+}
+
+// Plaintext only when asked for (--insecure); an expired or mismatched
+// certificate keeps the coordinator from starting, saying so.
+TEST_F(Cli, PlaintextIsExplicitAndABadCertificateIsRefusedAtStart) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith({"--insecure"}));
+  const CoordinatorHandle& c = cluster().coordinator();
+  EXPECT_TRUE(c.ca_file.empty());
+  EXPECT_EQ(Aidnctl(c, c.admin_token, {"list"}).exit_code, 0);  // with --insecure
+  EXPECT_THAT(ReadFileOrEmpty(c.state_dir + "/coordinator.1.log"),
+              HasSubstr("serving plaintext on loopback (--insecure)"));
+  absl::StatusOr<ServerTls> theirs = EnsureAutoTls({.dir = cluster().Path("theirs")});
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  CommandResult tls = RunCommand({AIDNCTL_BIN, "--addr=" + c.address, "--token=" + c.admin_token,
+                                  "--tls-ca=" + theirs->ca_file, "list"},
+                                 {"HOME=" + cluster().Path("home")}, std::chrono::seconds(30));
+  EXPECT_EQ(tls.exit_code, 1) << Describe(tls);
+  EXPECT_THAT(tls.err, HasSubstr("serves plaintext")) << Describe(tls);
+
+  absl::StatusOr<ServerTls> expired =
+      EnsureAutoTls({.dir = cluster().Path("expired"), .validity = absl::Minutes(-30)});
+  ASSERT_TRUE(expired.ok()) << expired.status();
+  const std::string dir = cluster().Path("expired");
+  for (const auto& [cert, key, says] :
+       {std::tuple{dir + "/server.pem", dir + "/server.key", "the certificate expired on"},
+        std::tuple{dir + "/server.pem", cluster().Path("theirs") + "/server.key",
+                   "is not the key of the certificate"}}) {
+    CommandResult refused = RunCommand(
+        {AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--metrics-addr=",
+         "--state-dir=" + cluster().Path("state-refused"), "--tls-cert=" + cert, "--tls-key=" + key},
+        {}, std::chrono::seconds(30));
+    EXPECT_EQ(refused.exit_code, 1) << Describe(refused);
+    EXPECT_THAT(refused.err + refused.out, HasSubstr(says)) << Describe(refused);
+  }
+}
+
 TEST_F(Cli, ReportsAnUnreachableCoordinatorQuickly) {
   CoordinatorHandle nowhere;
   nowhere.address = absl::StrCat("127.0.0.1:", UnusedPort());
@@ -455,11 +535,9 @@ TEST_F(Cli, RefusesAnOversizedRequestAndStaysUp) {
   const std::vector<v1::Job> jobs_before = ApiJobs(c);
 
   // A client that allows itself to send 80 MB; the coordinator accepts 4 MB.
-  grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(80 << 20);
-  args.SetMaxReceiveMessageSize(80 << 20);
-  auto big_stub = v1::CoordinatorService::NewStub(
-      grpc::CreateCustomChannel(c.address, grpc::InsecureChannelCredentials(), args));
+  rpc::ChannelOptions big = ChannelTo(c.address);
+  big.max_message_bytes = 80 << 20;
+  auto big_stub = v1::CoordinatorService::NewStub(rpc::MakeChannel(big));
   v1::SubmitJobRequest request;
   request.mutable_spec()->set_name(std::string(64 << 20, 'x'));
   request.mutable_spec()->set_world_size(1);

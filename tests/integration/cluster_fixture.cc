@@ -11,6 +11,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_join.h"
 #include "aidn/v1/job.pb.h"
 #include "common/rpc/client.h"
@@ -100,6 +101,8 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   CoordinatorHandle handle;
   handle.state_dir = state_dir;
+  const bool insecure = std::find(argv.begin(), argv.end(), "--insecure") != argv.end();
+  handle.ca_file = insecure ? "" : state_dir + "/tls/ca.pem";
   {
     auto process = Process::Start(argv, {}, log_path, log_path);
     if (!process.ok()) return process.status();
@@ -145,7 +148,8 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
                                 kStartTimeout.count(), " ms"));
   }
 
-  grpc::GenericStub stub(rpc::MakeChannel({.address = handle.address}));
+  RememberCaFile(handle.address, handle.ca_file);
+  grpc::GenericStub stub(rpc::MakeChannel(ChannelTo(handle.address)));
   absl::Status health = absl::UnavailableError("not checked");
   WaitFor(
       [&] {
@@ -167,6 +171,7 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
   // from the environment either.
   const std::string home = MakeTempDir("aidnctl-home");
   std::vector<std::string> argv = {AIDNCTL_BIN, "--addr=" + coordinator.address};
+  argv.push_back(coordinator.ca_file.empty() ? "--insecure" : "--tls-ca=" + coordinator.ca_file);
   if (!token.empty()) argv.push_back("--token=" + token);
   argv.insert(argv.end(), args.begin(), args.end());
   CommandResult result =
@@ -176,11 +181,32 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
 }
 
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address) {
-  return v1::CoordinatorService::NewStub(rpc::MakeChannel({.address = address}));
+  return v1::CoordinatorService::NewStub(rpc::MakeChannel(ChannelTo(address)));
 }
 
 std::unique_ptr<v1::ClusterService::Stub> ClusterStub(const std::string& address) {
-  return v1::ClusterService::NewStub(rpc::MakeChannel({.address = address}));
+  return v1::ClusterService::NewStub(rpc::MakeChannel(ChannelTo(address)));
+}
+
+namespace {
+absl::Mutex ca_mu;
+std::map<std::string, std::string>& CaFiles() {
+  static auto* files = new std::map<std::string, std::string>();
+  return *files;
+}
+}  // namespace
+
+void RememberCaFile(const std::string& address, const std::string& ca_file) {
+  absl::MutexLock lock(&ca_mu);
+  CaFiles()[address] = ca_file;
+}
+
+rpc::ChannelOptions ChannelTo(const std::string& address) {
+  absl::MutexLock lock(&ca_mu);
+  auto it = CaFiles().find(address);
+  // A coordinator these helpers did not start: TLS with the system's roots.
+  if (it == CaFiles().end()) return {.address = address};
+  return {.address = address, .tls_ca_file = it->second, .insecure = it->second.empty()};
 }
 
 std::unique_ptr<grpc::ClientContext> Context(const std::string& token,
@@ -305,7 +331,10 @@ absl::Status TestCluster::StartWorker(const std::string& id, const WorkerOptions
                                    "--worker-id=" + id,
                                    absl::StrCat("--cpu-slots=", options.cpu_slots),
                                    "--work-dir=" + work_dir,
-                                   "--metrics-addr="};
+                                   "--metrics-addr=",
+                                   coordinator_.ca_file.empty()
+                                       ? std::string("--insecure")
+                                       : "--tls-ca=" + coordinator_.ca_file};
   argv.insert(argv.end(), options.args.begin(), options.args.end());
   const std::string log = work_dir + "/worker.log";
   absl::StatusOr<std::unique_ptr<Process>> process = Process::Start(argv, {}, log, log);

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "aidn/v1/coordinator.grpc.pb.h"
+#include "common/rpc/client.h"
 #include "gtest/gtest.h"
 #include "tests/support/files.h"
 #include "tests/support/process.h"
@@ -38,6 +39,9 @@ struct CoordinatorHandle {
   std::string state_dir;
   std::string admin_token;   // read from <state_dir>/admin.token
   std::string worker_token;  // read from <state_dir>/worker.token
+  // The CA the coordinator made in <state_dir>/tls (TLS is on by default);
+  // empty when it was started with --insecure.
+  std::string ca_file;
 };
 
 // Starts AIDN_COORDINATOR_BIN with --listen=127.0.0.1:0
@@ -58,6 +62,11 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
 
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address);
 std::unique_ptr<v1::ClusterService::Stub> ClusterStub(const std::string& address);
+// How to reach the coordinator at `address`: TLS verified with the CA it made
+// (StartCoordinator remembers it by address), or plaintext if it was started
+// with --insecure.
+rpc::ChannelOptions ChannelTo(const std::string& address);
+void RememberCaFile(const std::string& address, const std::string& ca_file);
 
 // A ClientContext with "authorization: Bearer <token>" and a deadline.
 std::unique_ptr<grpc::ClientContext> Context(

@@ -561,7 +561,7 @@ TEST_F(FaultTest, ALateTrainerOfAnOldGenerationIsRefused) {
   absl::StatusOr<std::unique_ptr<Process>> late = Process::Start(
       {AIDN_WORKER_BIN, "train", "--coordinator=" + cluster().address(), "--job=" + id,
        "--generation=1", "--rank=1", "--world-size=2", "--worker-id=w2", "--work-dir=" + work,
-       "--checkpoint-root=" + ckpt_root_},
+       "--checkpoint-root=" + ckpt_root_, "--tls-ca=" + cluster().coordinator().ca_file},
       {"AIDN_TRAINER_TOKEN=" + cluster().worker_token()}, work + "/out", work + "/err");
   ASSERT_TRUE(late.ok()) << late.status();
   absl::StatusOr<int> code = (*late)->Wait(seconds(30));

@@ -104,6 +104,7 @@ class WatchTest : public ClusterFixture {
   // pseudo-terminal of `script`.
   CommandResult AidnctlInTerminal(const std::vector<std::string>& args) {
     std::string command = absl::StrCat(ShellQuoted(AIDNCTL_BIN), " --addr=", cluster().address(),
+                                       " --tls-ca=", ShellQuoted(cluster().coordinator().ca_file),
                                        " --token=", ShellQuoted(admin()));
     for (const std::string& arg : args) absl::StrAppend(&command, " ", ShellQuoted(arg));
     return RunCommand({kScript, "-qfec", command, "/dev/null"},
@@ -208,7 +209,8 @@ TEST_F(WatchTest, AWatchSurvivesACoordinatorRestartMissingNothing) {
 
   const std::string out = cluster().Path("watch.out"), err = cluster().Path("watch.err");
   absl::StatusOr<std::unique_ptr<Process>> watch =
-      Process::Start({AIDNCTL_BIN, "--addr=" + cluster().address(), "--token=" + admin(), "watch",
+      Process::Start({AIDNCTL_BIN, "--addr=" + cluster().address(),
+                      "--tls-ca=" + cluster().coordinator().ca_file, "--token=" + admin(), "watch",
                       id, "--reconnect-timeout=60s"},
                      {"HOME=" + home_, "AIDN_ADDR=", "AIDN_TOKEN="}, out, err);
   ASSERT_TRUE(watch.ok()) << watch.status();

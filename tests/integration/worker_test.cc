@@ -486,6 +486,9 @@ TEST_F(WorkerTest, AWorkerRegistersAgainWithACoordinatorThatForgotIt) {
   ASSERT_TRUE(cluster().KillCoordinator().ok());
   std::vector<std::string> fresh_args = args;
   fresh_args.push_back("--listen=" + address);
+  // Its database is new, its CA the old one's (which the worker trusts).
+  std::filesystem::create_directories(cluster().Path("state-b"));
+  std::filesystem::copy(cluster().Path("state-a/tls"), cluster().Path("state-b/tls"));
   StartCoordinatorWith(fresh_args, "state-b");
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   EXPECT_THAT(Log("w1"), HasSubstr("registering again"));

@@ -91,7 +91,7 @@ class Coordinator:
             return True
 
         wait_for(ready, START_TIMEOUT, "the coordinator's address file")
-        channel = _rpc.make_channel(self.address)
+        channel = _rpc.make_channel(self.address, self.ca_file)
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
         def serving():
@@ -104,6 +104,11 @@ class Coordinator:
 
         wait_for(serving, START_TIMEOUT, "the coordinator to answer")
         channel.close()
+
+    @property
+    def ca_file(self):
+        """The CA the coordinator made in its state directory (TLS)."""
+        return os.path.join(self.state_dir, "tls", "ca.pem")
 
     def kill(self):
         if self.process is not None and self.process.poll() is None:
@@ -139,11 +144,11 @@ class FakeWorker:
     thread, re-registers on NOT_FOUND, keeps the assignments of its last
     heartbeat, and reports as running every assigned rank not marked exited."""
 
-    def __init__(self, address, token, worker_id="pyworker", cpu_slots=4):
+    def __init__(self, address, token, tls_ca, worker_id="pyworker", cpu_slots=4):
         self.id = worker_id
         self._token = token
         self._slots = cpu_slots
-        self._channel = _rpc.make_channel(address)
+        self._channel = _rpc.make_channel(address, tls_ca)
         self.stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
         self._lock = threading.Lock()
         self._assignments = []
@@ -251,6 +256,7 @@ class Generation:
         a = self.assignments[rank]
         env = {
             "AIDN_COORDINATOR": self.coordinator.address,
+            "AIDN_TLS_CA": self.coordinator.ca_file,
             "AIDN_TRAINER_TOKEN": a.trainer_token,
             "AIDN_JOB_ID": a.job_id,
             "AIDN_GENERATION": str(a.generation),
@@ -339,10 +345,12 @@ class ClusterTestCase(unittest.TestCase):
         self.dir = tempfile.mkdtemp(prefix="aidn-pytest-")
         self.coordinator = Coordinator(os.path.join(self.dir, "state"), self.coordinator_args)
         self.coordinator.start()
-        self.worker = FakeWorker(self.coordinator.address, self.coordinator.worker_token)
+        self.worker = FakeWorker(self.coordinator.address, self.coordinator.worker_token,
+                                 self.coordinator.ca_file)
         self.worker.start()
         from aidn import Client
-        self.client = Client(self.coordinator.address, self.coordinator.admin_token)
+        self.client = Client(self.coordinator.address, self.coordinator.admin_token,
+                             tls_ca=self.coordinator.ca_file)
 
     def tearDown(self):
         self.client.close()

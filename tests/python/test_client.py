@@ -59,7 +59,8 @@ class ClientTest(ClusterTestCase):
         with self.assertRaises(aidn.ClientError) as missing:
             self.client.get("no-such-job")
         self.assertEqual(missing.exception.code, grpc.StatusCode.NOT_FOUND)
-        with aidn.Client(self.coordinator.address, token="wrong") as stranger:
+        with aidn.Client(self.coordinator.address, token="wrong",
+                         tls_ca=self.coordinator.ca_file) as stranger:
             with self.assertRaises(aidn.ClientError) as denied:
                 stranger.list()
         self.assertEqual(denied.exception.code, grpc.StatusCode.UNAUTHENTICATED)
@@ -227,6 +228,21 @@ class ConnectionTest(unittest.TestCase):
                          _config.Connection("arg-host:1", "from-arg"))
         env.update(AIDN_ADDR="", AIDN_TOKEN="")  # empty counts as unset
         self.assertEqual(_config.resolve(environ=env).token, "from-file")
+
+    def test_tls_settings_follow_aidnctls_rules(self):
+        env = {"HOME": self.home}
+        self.assertEqual(_config.resolve(environ=env).tls_ca, "")
+        self.assertFalse(_config.resolve(environ=env).insecure)
+        self.write("tls_ca: ca.pem\n")
+        self.assertEqual(_config.resolve(environ=env).tls_ca,
+                         os.path.join(os.path.dirname(self.config), "ca.pem"))
+        self.write("insecure: true\n")
+        self.assertTrue(_config.resolve(environ=env).insecure)
+        env.update(AIDN_TLS_CA="/etc/aidn/ca.pem")
+        self.assertEqual(_config.resolve(environ=env).tls_ca, "/etc/aidn/ca.pem")
+        self.assertFalse(_config.resolve(environ=env).insecure)
+        self.assertTrue(_config.resolve(environ=env, insecure=True).insecure)
+        self.assertEqual(_config.resolve(environ=env, insecure=True).tls_ca, "")
 
     def test_token_file_beside_the_config(self):
         with open(os.path.join(os.path.dirname(self.config), "token"), "w") as f:

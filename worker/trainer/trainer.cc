@@ -13,6 +13,8 @@ int RunTrainer(const TrainerOptions& options) {
   StopSignal stop;
   rpc::ChannelOptions channel;
   channel.address = options.coordinator;
+  channel.tls_ca_file = options.tls_ca_file;
+  channel.insecure = options.insecure;
   RankTraining training(options, rpc::MakeChannel(channel), &stop);
   std::optional<Failure> failure = training.Execute();
   // Stopped: the reporter's flush runs, then the process dies of the

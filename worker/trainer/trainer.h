@@ -29,8 +29,10 @@ inline constexpr int kExitPermanent = 78;
 inline constexpr int kExitSuperseded = 75;
 
 struct TrainerOptions {
-  // host:port of the coordinator.
+  // host:port of the coordinator, and how to verify it (rpc::ChannelOptions).
   std::string coordinator;
+  std::string tls_ca_file;
+  bool insecure = false;
   // The job-scoped trainer token (passed in the environment, never argv).
   std::string token;
   std::string job_id;

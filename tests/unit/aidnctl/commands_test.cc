@@ -148,6 +148,7 @@ class CommandsTest : public testing::Test {
     ASSERT_NE(server_, nullptr);
     env_.options.connection.address = absl::StrCat("127.0.0.1:", port);
     env_.options.connection.token = "t0ken";
+    env_.options.connection.insecure = true;  // the fake serves plaintext
     env_.options.timeout = std::chrono::seconds(10);
     stub_ = NewCoordinatorStub(env_.options.connection);
     env_.stub = stub_.get();

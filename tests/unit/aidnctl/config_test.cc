@@ -44,7 +44,9 @@ ConnectionSettings MustResolve(const ConnectionFlags& flags, const Env& env,
   absl::StatusOr<ConnectionSettings> settings =
       ResolveConnection(flags, env, config, "/home/u/.config/aidn/config", files);
   EXPECT_TRUE(settings.ok()) << settings.status();
-  return settings.ok() ? *settings : ConnectionSettings{"<error>", "<error>"};
+  ConnectionSettings failed;
+  failed.address = failed.token = "<error>";
+  return settings.ok() ? *settings : failed;
 }
 
 std::string ResolveError(const std::optional<std::string>& config,
@@ -142,6 +144,33 @@ TEST(ResolveConnection, AMalformedConfigFileIsAnErrorNamingTheFile) {
   EXPECT_THAT(ResolveError("addr: x\nadress: y\n"),
               HasSubstr("/home/u/.config/aidn/config: line 2: unknown key \"adress\""));
   EXPECT_THAT(ResolveError("addr: {host: x}\n"), HasSubstr("addr must be a string"));
+}
+
+TEST(ResolveConnection, TlsSettingsComeFromTheFlagTheEnvironmentOrTheConfigFile) {
+  // Default: TLS verified with the system's roots.
+  ConnectionSettings s = MustResolve({}, {}, std::nullopt);
+  EXPECT_EQ(s.tls_ca_file, "");
+  EXPECT_FALSE(s.insecure);
+  // The config file: tls_ca beside it, or insecure.
+  EXPECT_EQ(MustResolve({}, {}, "tls_ca: ca.pem\n").tls_ca_file, "/home/u/.config/aidn/ca.pem");
+  EXPECT_EQ(MustResolve({}, {{"HOME", "/home/u"}}, "tls_ca: ~/ca.pem\n").tls_ca_file,
+            "/home/u/ca.pem");
+  EXPECT_TRUE(MustResolve({}, {}, "insecure: true\n").insecure);
+  EXPECT_THAT(ResolveError("insecure: maybe\n"), HasSubstr("insecure must be true or false"));
+  // The environment over the file, the flags over both.
+  s = MustResolve({}, {{"AIDN_TLS_CA", "/etc/aidn/ca.pem"}}, "insecure: true\n");
+  EXPECT_EQ(s.tls_ca_file, "/etc/aidn/ca.pem");
+  EXPECT_FALSE(s.insecure);
+  ConnectionFlags insecure;
+  insecure.insecure = true;
+  s = MustResolve(insecure, {{"AIDN_TLS_CA", "/etc/aidn/ca.pem"}}, std::nullopt);
+  EXPECT_TRUE(s.insecure);
+  EXPECT_EQ(s.tls_ca_file, "");
+  ConnectionFlags ca;
+  ca.tls_ca = "/x.pem";
+  s = MustResolve(ca, {{"AIDN_INSECURE", "1"}}, std::nullopt);
+  EXPECT_EQ(s.tls_ca_file, "/x.pem");
+  EXPECT_FALSE(s.insecure);
 }
 
 TEST(ResolveConnection, AnEmptyConfigFileIsNoError) {

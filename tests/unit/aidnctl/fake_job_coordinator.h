@@ -213,6 +213,7 @@ class FakeServer {
     builder.RegisterService(&fake);
     server_ = builder.BuildAndStart();
     env.options.connection.address = absl::StrCat("127.0.0.1:", port);
+    env.options.connection.insecure = true;  // this fake serves plaintext
     env.options.timeout = std::chrono::seconds(10);
     stub_ = NewCoordinatorStub(env.options.connection);
     env.stub = stub_.get();

@@ -26,6 +26,7 @@ using ::testing::Not;
 LaunchOptions Options() {
   LaunchOptions o;
   o.coordinator = "10.0.0.1:7070";
+  o.tls_ca_file = "/var/lib/aidn/coordinator-ca.pem";
   o.worker_id = "w2";
   o.address = "10.0.0.2";
   o.work_dir = "/var/lib/aidn";
@@ -138,6 +139,8 @@ TEST(CommandLaunchSpecFor, GivesEveryRankTorchrunsContract) {
       {"OMP_NUM_THREADS", "4"},
       {"PYTHONUNBUFFERED", "1"},
       {"AIDN_COORDINATOR", "10.0.0.1:7070"},
+      {"AIDN_TLS_CA", "/var/lib/aidn/coordinator-ca.pem"},
+      {"AIDN_INSECURE", ""},
       {"AIDN_JOB_ID", "job-3"},
       {"AIDN_GENERATION", "2"},
       {"AIDN_RANK", "3"},

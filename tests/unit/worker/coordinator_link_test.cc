@@ -104,7 +104,8 @@ class CoordinatorLinkTest : public ::testing::Test {
     builder.RegisterService(&fake_);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    options_.coordinator = absl::StrCat("127.0.0.1:", port);
+    options_.coordinator.address = absl::StrCat("127.0.0.1:", port);
+    options_.coordinator.insecure = true;  // the fake serves plaintext
     options_.token = "worker-token-0123456789";
     options_.info.set_id("w1");
     options_.heartbeat_interval = milliseconds(20);

@@ -75,6 +75,18 @@ TEST(LaunchSpecFor, PassesTheLogLevelWhenSet) {
   EXPECT_EQ(launch->argv.back(), "--log-level=debug");
 }
 
+TEST(LaunchSpecFor, TellsTheTrainerHowToVerifyTheCoordinator) {
+  LaunchOptions o = Options();
+  o.tls_ca_file = "/var/lib/aidn/coordinator-ca.pem";
+  absl::StatusOr<LaunchSpec> launch = LaunchSpecFor(Assignment(), o);
+  ASSERT_TRUE(launch.ok()) << launch.status();
+  EXPECT_EQ(launch->argv.back(), "--tls-ca=/var/lib/aidn/coordinator-ca.pem");
+  o.insecure = true;
+  launch = LaunchSpecFor(Assignment(), o);
+  ASSERT_TRUE(launch.ok()) << launch.status();
+  EXPECT_EQ(launch->argv.back(), "--insecure");
+}
+
 TEST(LaunchSpecFor, PutsTheTokenInTheEnvironmentAndNeverInArgv) {
   LaunchOptions o = Options();
   o.trainer_env = {"OPENBLAS_CORETYPE=SKYLAKEX"};
