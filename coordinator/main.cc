@@ -61,6 +61,10 @@ ABSL_FLAG(absl::Duration, tick_interval, absl::Milliseconds(100), "how often tim
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 ABSL_FLAG(std::string, metrics_addr, "127.0.0.1:9464",
           "host:port for Prometheus /metrics (port 0 picks one); empty turns it off");
+ABSL_FLAG(bool, metrics_tls, false,
+          "serve /metrics over HTTPS with the gRPC port's certificate (the made one or --tls-cert)");
+ABSL_FLAG(std::string, metrics_token_file, "",
+          "answer /metrics only to requests with this file's token as a bearer token");
 ABSL_FLAG(std::string, metrics_addr_file, "",
           "write the host:port /metrics is served on to this file once serving");
 ABSL_FLAG(absl::Duration, metrics_retention, absl::Minutes(10),
@@ -131,6 +135,9 @@ struct Config {
   std::string token_file;
   std::string metrics_addr;       // empty: no /metrics
   std::string metrics_addr_file;  // empty: not written
+  bool metrics_tls = false;
+  std::string metrics_token_file;
+  aidn::metrics::HttpServerOptions metrics;  // filled in by Serve
   std::string log_level;
   // TLS: --tls-cert/--tls-key, or made in <state-dir>/tls; or plaintext.
   std::string tls_cert;
@@ -149,6 +156,11 @@ absl::StatusOr<Config> ConfigFromFlags() {
   config.token_file = absl::GetFlag(FLAGS_token_file);
   config.metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
   config.metrics_addr_file = absl::GetFlag(FLAGS_metrics_addr_file);
+  config.metrics_tls = absl::GetFlag(FLAGS_metrics_tls);
+  config.metrics_token_file = absl::GetFlag(FLAGS_metrics_token_file);
+  config.metrics.address = config.metrics_addr;
+  AIDN_ASSIGN_OR_RETURN(config.metrics.bearer_token,
+                        aidn::metrics::ReadMetricsToken(config.metrics_token_file));
   config.log_level = absl::GetFlag(FLAGS_log_level);
   config.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   config.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -159,6 +171,10 @@ absl::StatusOr<Config> ConfigFromFlags() {
   }
   if (config.insecure && !config.tls_cert.empty()) {
     return absl::InvalidArgumentError("flags: --insecure serves plaintext; drop --tls-cert");
+  }
+  if (config.insecure && config.metrics_tls) {
+    return absl::InvalidArgumentError(
+        "flags: --metrics-tls serves /metrics with the gRPC certificate, which --insecure has not");
   }
   config.tick = Millis(absl::GetFlag(FLAGS_tick_interval));
   aidn::coordinator::CoordinatorOptions& options = config.coordinator;
@@ -248,6 +264,12 @@ absl::StatusOr<std::string> SetUpTls(Config* config) {
   if (!tls.ok()) return tls.status();
   config->server.tls_cert_pem = tls->cert_pem;
   config->server.tls_key_pem = tls->key_pem;
+  if (config->metrics_tls) {
+    config->metrics.tls_cert_file =
+        config->tls_cert.empty() ? config->state_dir + "/tls/server.pem" : config->tls_cert;
+    config->metrics.tls_key_file =
+        config->tls_key.empty() ? config->state_dir + "/tls/server.key" : config->tls_key;
+  }
   AIDN_LOG(INFO) << "TLS on"
                  << Kv("certificate_expires",
                        absl::FormatTime("%Y-%m-%d", tls->not_after, absl::UTCTimeZone()));
@@ -275,7 +297,7 @@ int Serve(Config config, const sigset_t& signals) {
   if (!server.ok()) return Fail(server.status());
   (*coordinator)->StartTicker(config.tick);
   auto metrics_server =
-      aidn::metrics::StartMetricsEndpoint(config.metrics_addr, config.metrics_addr_file, &registry);
+      aidn::metrics::StartMetricsEndpoint(config.metrics, config.metrics_addr_file, &registry);
   if (!metrics_server.ok()) return Fail(metrics_server.status());
 
   const std::string& address = (*server)->address();

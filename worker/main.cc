@@ -76,6 +76,11 @@ ABSL_FLAG(std::string, address, "127.0.0.1", "address (no port) peers use to rea
 ABSL_FLAG(int32_t, cpu_slots, 1, "CPU slots this worker offers");
 ABSL_FLAG(std::string, metrics_addr, "127.0.0.1:9465",
           "host:port for Prometheus /metrics (port 0 picks one); empty turns it off");
+ABSL_FLAG(std::string, metrics_tls_cert, "",
+          "serve /metrics over HTTPS with this certificate (PEM; --metrics-tls-key its key)");
+ABSL_FLAG(std::string, metrics_tls_key, "", "the key of --metrics-tls-cert (PEM)");
+ABSL_FLAG(std::string, metrics_token_file, "",
+          "answer /metrics only to requests with this file's token as a bearer token");
 ABSL_FLAG(std::string, metrics_addr_file, "",
           "write the host:port /metrics is served on to this file once serving");
 ABSL_FLAG(std::string, trainer_binary, "/proc/self/exe",
@@ -194,6 +199,7 @@ struct DaemonConfig {
   std::string gpus_line;          // the GPUs found, and whether they are offered
   std::string blas_override;      // what trainers get for their GEMM kernels; empty: none
   std::string metrics_addr;       // empty: no /metrics
+  aidn::metrics::HttpServerOptions metrics;  // address, HTTPS, bearer token
   std::string metrics_addr_file;  // empty: not written
   std::string log_level;
   std::string command_jobs_line;  // whether and as whom command jobs run
@@ -307,6 +313,11 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags(const std::string& log_level)
   options.version = AIDN_VERSION;
   config.metrics_addr = absl::GetFlag(FLAGS_metrics_addr);
   config.metrics_addr_file = absl::GetFlag(FLAGS_metrics_addr_file);
+  config.metrics.address = config.metrics_addr;
+  config.metrics.tls_cert_file = absl::GetFlag(FLAGS_metrics_tls_cert);
+  config.metrics.tls_key_file = absl::GetFlag(FLAGS_metrics_tls_key);
+  AIDN_ASSIGN_OR_RETURN(config.metrics.bearer_token,
+                        aidn::metrics::ReadMetricsToken(absl::GetFlag(FLAGS_metrics_token_file)));
   config.log_level = log_level;
 
   config.token_file = absl::GetFlag(FLAGS_token_file);
@@ -363,7 +374,7 @@ void LogDaemonConfiguration(const DaemonConfig& config,
 int ServeDaemon(aidn::worker::Daemon& daemon, const DaemonConfig& config,
                 aidn::metrics::Registry* registry, const sigset_t& signals) {
   auto metrics_server =
-      aidn::metrics::StartMetricsEndpoint(config.metrics_addr, config.metrics_addr_file, registry);
+      aidn::metrics::StartMetricsEndpoint(config.metrics, config.metrics_addr_file, registry);
   if (!metrics_server.ok()) return Fail("aidn-worker", metrics_server.status());
   if (absl::Status s = daemon.Start(); !s.ok()) return Fail("aidn-worker", s);
 

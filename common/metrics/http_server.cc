@@ -5,10 +5,13 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <fstream>
+#include <iterator>
 #include <chrono>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/file.h"
@@ -74,7 +77,8 @@ void MethodNotAllowed(const httplib::Request&, httplib::Response& res) {
 }  // namespace
 
 struct HttpServer::Impl {
-  httplib::Server server;
+  std::unique_ptr<httplib::Server> owned;
+  httplib::Server& server() { return *owned; }
   std::thread thread;
   // Set by the thread when listen_after_bind returns.
   std::atomic<bool> listener_done{false};
@@ -86,7 +90,22 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
                                                               Registry* registry) {
   AIDN_ASSIGN_OR_RETURN(const HostPort host_port, ParseAddress(options.address));
   auto impl = std::make_unique<Impl>();
-  httplib::Server& server = impl->server;
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("metrics HTTPS needs both a certificate and a key");
+  }
+  if (!options.tls_cert_file.empty()) {
+    auto https = std::make_unique<httplib::SSLServer>(options.tls_cert_file.c_str(),
+                                                      options.tls_key_file.c_str());
+    if (!https->is_valid()) {
+      return absl::InvalidArgumentError(absl::StrCat("metrics HTTPS: cannot use the certificate ",
+                                                     options.tls_cert_file, " and key ",
+                                                     options.tls_key_file));
+    }
+    impl->owned = std::move(https);
+  } else {
+    impl->owned = std::make_unique<httplib::Server>();
+  }
+  httplib::Server& server = impl->server();
 
   // A scrape every few seconds needs no more than this.
   server.new_task_queue = [] { return new httplib::ThreadPool(2); };
@@ -107,7 +126,14 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
 
-  server.Get("/metrics", [registry](const httplib::Request&, httplib::Response& res) {
+  server.Get("/metrics", [registry, token = options.bearer_token](const httplib::Request& req,
+                                                                  httplib::Response& res) {
+    if (!token.empty() && req.get_header_value("Authorization") != "Bearer " + token) {
+      res.status = 401;
+      res.set_header("WWW-Authenticate", "Bearer realm=\"aidn metrics\"");
+      res.set_content("a bearer token is required\n", "text/plain; charset=utf-8");
+      return;
+    }
     res.set_content(registry->Serialize(), kMetricsContentType);
   });
   server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
@@ -137,7 +163,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
 
   Impl* raw = impl.get();
   raw->thread = std::thread([raw] {
-    if (!raw->server.listen_after_bind()) {
+    if (!raw->server().listen_after_bind()) {
       AIDN_LOG(WARNING) << "metrics HTTP server stopped accepting"
                         << Kv("address", JoinHostPort(raw->host, raw->port));
     }
@@ -156,8 +182,8 @@ HttpServer::~HttpServer() {
   // after Start could miss the listener and join forever. Wait for it to be
   // running (or to have failed) first; this takes microseconds.
   while (!impl_->listener_done.load()) {
-    if (impl_->server.is_running()) {
-      impl_->server.stop();
+    if (impl_->server().is_running()) {
+      impl_->server().stop();
       break;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -169,17 +195,30 @@ int HttpServer::port() const { return impl_->port; }
 
 std::string HttpServer::address() const { return JoinHostPort(impl_->host, impl_->port); }
 
-absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const std::string& address,
+absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const HttpServerOptions& options,
                                                                  const std::string& address_file,
                                                                  Registry* registry) {
-  if (address.empty()) return nullptr;
-  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<HttpServer> server,
-                        HttpServer::Start({.address = address}, registry));
-  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address());
+  if (options.address.empty()) return nullptr;
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<HttpServer> server, HttpServer::Start(options, registry));
+  AIDN_LOG(INFO) << "serving /metrics" << Kv("address", server->address())
+                 << Kv("https", options.tls_cert_file.empty() ? "off" : "on")
+                 << Kv("bearer_token", options.bearer_token.empty() ? "off" : "required");
   if (!address_file.empty()) {
     AIDN_RETURN_IF_ERROR(WriteFileAtomically(address_file, server->address() + "\n"));
   }
   return server;
+}
+
+absl::StatusOr<std::string> ReadMetricsToken(const std::string& path) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("metrics token file ", path, ": cannot read it"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string token(absl::StripAsciiWhitespace(text));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics token file ", path, ": empty"));
+  }
+  return token;
 }
 
 }  // namespace aidn::metrics

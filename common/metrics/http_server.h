@@ -4,7 +4,10 @@
 // The HTTP endpoint Prometheus scrapes: GET /metrics answers the registry's
 // text exposition (Content-Type text/plain; version=0.0.4), GET /healthz
 // answers "ok", anything else 404 (and non-GET methods 405). Built on
-// cpp-httplib, serving on a thread pool of its own.
+// cpp-httplib, serving on a thread pool of its own. Optionally HTTPS (a
+// certificate and key), and /metrics only to requests that carry a bearer
+// token (401 otherwise; /healthz stays open), as Prometheus's tls_config
+// and authorization send them.
 
 #include <memory>
 #include <string>
@@ -17,6 +20,11 @@ namespace aidn::metrics {
 struct HttpServerOptions {
   // "host:port"; port 0 picks a free one (see port()).
   std::string address = "127.0.0.1:9464";
+  // Both set: HTTPS with this certificate (PEM, chain after it) and key.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Not empty: /metrics answers only "Authorization: Bearer <token>".
+  std::string bearer_token;
 };
 
 class HttpServer {
@@ -45,9 +53,13 @@ class HttpServer {
 // writes the address it got there ("host:port\n", atomically: tests and
 // scripts read it to find an ephemeral port). Null when `address` is empty
 // (/metrics off).
-absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const std::string& address,
+absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const HttpServerOptions& options,
                                                                  const std::string& address_file,
                                                                  Registry* registry);
+
+// The bearer token in `path` (its contents, trimmed): INVALID_ARGUMENT
+// naming the file when it cannot be read or is empty. "" for no path.
+absl::StatusOr<std::string> ReadMetricsToken(const std::string& path);
 
 }  // namespace aidn::metrics
 

@@ -263,6 +263,91 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
   EXPECT_TRUE(cluster().Cancel(id).ok());
 }
 
+// --metrics-tls and --metrics-token-file: /metrics over HTTPS with the
+// coordinator's certificate, and only with the bearer token; a real
+// Prometheus server scrapes it with the shipped configuration's commented
+// TLS and authorization lines switched on.
+TEST_F(MetricsTest, ServedOverHttpsWithABearerTokenAndScrapedSoByPrometheus) {
+  if (!std::filesystem::exists(kPrometheus)) GTEST_SKIP() << "no " << kPrometheus;
+  const std::string token_file = cluster().Path("metrics.token");
+  WriteFileOrDie(token_file, "scrape-token-0123456789\n");
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster({"--metrics-tls", "--metrics-token-file=" + token_file}));
+  const std::string ca = cluster().coordinator().ca_file;
+  const std::string url = absl::StrCat("https://", metrics_address(), "/metrics");
+  auto curl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {"/usr/bin/curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}"});
+    return RunCommand(args);
+  };
+  // Plain HTTP gets nothing; HTTPS without the token 401; with it 200.
+  EXPECT_NE(curl({absl::StrCat("http://", metrics_address(), "/metrics")}).out, "200");
+  EXPECT_EQ(curl({"--cacert", ca, url}).out, "401");
+  EXPECT_EQ(curl({"--cacert", ca, "-H", "Authorization: Bearer wrong", url}).out, "401");
+  EXPECT_EQ(curl({"--cacert", ca, "-H", "Authorization: Bearer scrape-token-0123456789", url}).out,
+            "200");
+  EXPECT_EQ(curl({"--cacert", ca, absl::StrCat("https://", metrics_address(), "/healthz")}).out,
+            "200");
+  // A worker's /metrics the same way, with a certificate of its own.
+  const std::string tls = cluster().coordinator().state_dir + "/tls";
+  const std::string w2_file = cluster().Path("w2.metrics.addr");
+  ASSERT_TRUE(cluster()
+                  .StartWorker("w2", {.args = {"--metrics-addr=127.0.0.1:0",
+                                               "--metrics-addr-file=" + w2_file,
+                                               "--metrics-tls-cert=" + tls + "/server.pem",
+                                               "--metrics-tls-key=" + tls + "/server.key",
+                                               "--metrics-token-file=" + token_file}})
+                  .ok());
+  std::string w2;
+  ASSERT_TRUE(WaitFor(
+      [&] { return !(w2 = std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(w2_file)))).empty(); },
+      TestCluster::kStartTimeout, "w2's metrics address file"));
+  const std::string w2_url = absl::StrCat("https://", w2, "/metrics");
+  EXPECT_EQ(curl({"--cacert", ca, w2_url}).out, "401");
+  EXPECT_EQ(
+      curl({"--cacert", ca, "-H", "Authorization: Bearer scrape-token-0123456789", w2_url}).out,
+      "200");
+
+  std::string config =
+      ReadFileOrEmpty(std::string(AIDN_SOURCE_DIR) + "/deploy/prometheus/prometheus.yml");
+  for (const char* line : {"    # scheme: https\n", "    # tls_config:\n",
+                           "    #   ca_file: /var/lib/aidn/tls/ca.pem\n", "    # authorization:\n",
+                           "    #   credentials_file: /etc/prometheus/aidn-metrics.token\n"}) {
+    ASSERT_THAT(config, HasSubstr(line));
+  }
+  config = absl::StrReplaceAll(
+      config, {{"    # scheme: https", "    scheme: https"},
+               {"    # tls_config:", "    tls_config:"},
+               {"    #   ca_file: /var/lib/aidn/tls/ca.pem", "      ca_file: " + ca},
+               {"    # authorization:", "    authorization:"},
+               {"    #   credentials_file: /etc/prometheus/aidn-metrics.token",
+                "      credentials_file: " + token_file},
+               {"\"127.0.0.1:9464\"", absl::StrCat("\"", metrics_address(), "\"")},
+               {"\"127.0.0.1:9465\"", absl::StrCat("\"", worker_metrics_, "\"")},
+               {"scrape_interval: 15s", "scrape_interval: 1s"},
+               {"scrape_timeout: 10s", "scrape_timeout: 1s"}});
+  WriteFileOrDie(cluster().Path("prometheus.yml"), config);
+  const std::string web = absl::StrCat("127.0.0.1:", FreePort());
+  absl::StatusOr<std::unique_ptr<Process>> p =
+      Process::Start({kPrometheus, "--config.file=" + cluster().Path("prometheus.yml"),
+                      "--storage.tsdb.path=" + cluster().Path("tsdb"),
+                      "--web.listen-address=" + web, "--log.level=warn"},
+                     {}, cluster().Path("prometheus.log"), cluster().Path("prometheus.log"));
+  ASSERT_TRUE(p.ok()) << p.status();
+  prometheus_ = std::move(*p);
+  std::string targets;
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        targets = HttpGet(web, "/api/v1/targets?state=active");
+        return absl::StrContains(targets, "\"scrapeUrl\":\"https://") &&
+               absl::StrContains(targets, "\"job\":\"aidn-coordinator\"") &&
+               targets.find("\"health\":\"up\"") != std::string::npos &&
+               std::string(HttpGet(web, "/api/v1/query?query=up%7Bjob%3D%22aidn-coordinator%22%7D"))
+                       .find("\"1\"]") != std::string::npos;
+      },
+      std::chrono::seconds(30)))
+      << targets << "\n" << ReadFileOrEmpty(cluster().Path("prometheus.log"));
+}
+
 TEST_F(MetricsTest, AFinishedJobsSeriesGoAfterTheRetentionPeriod) {
   ASSERT_NO_FATAL_FAILURE(StartCluster({"--metrics-retention=2s"}));
   const std::string id = Submit(50);
