@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
 #include <sstream>
@@ -11,6 +12,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -112,9 +114,17 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
       std::vector<std::string> fields =
           absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
       const std::string where = absl::StrCat(options.token_file, ":", line_no);
+      std::vector<std::string> projects;
+      if (fields.size() >= 3 && absl::StartsWith(fields.back(), "projects=")) {
+        projects = absl::StrSplit(fields.back().substr(9), ',', absl::SkipEmpty());
+        fields.pop_back();
+        if (projects.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": projects= names none"));
+        }
+      }
       if (fields.size() < 2 || fields.size() > 3) {
         return absl::InvalidArgumentError(
-            absl::StrCat(where, ": expected \"<token> <role> [<name>]\""));
+            absl::StrCat(where, ": expected \"<token> <role> [<name>] [projects=<p>,...]\""));
       }
       if (fields[0].size() < kMinTokenLength) {
         return absl::InvalidArgumentError(
@@ -122,7 +132,7 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
       }
       absl::StatusOr<Role> role = ParseRole(fields[1]);
       if (!role.ok()) return Annotate(role.status(), where);
-      Principal p{*role, fields.size() == 3 ? fields[2] : fields[1], ""};
+      Principal p{*role, fields.size() == 3 ? fields[2] : fields[1], "", projects};
       auth->AddToken(fields[0], p);
     }
   }
@@ -152,6 +162,26 @@ void Authenticator::AddToken(const std::string& token, const Principal& principa
 void Authenticator::RemoveToken(const std::string& token) {
   absl::MutexLock lock(&mu_);
   tokens_.erase(token);
+}
+
+bool MayAccess(const Principal& p, const v1::Job& job) {
+  if (p.role == Role::kAdmin) return true;
+  if (p.role != Role::kUser) return false;
+  if (job.owner() == p.name) return true;
+  auto project = job.spec().labels().find(kProjectLabel);
+  return project != job.spec().labels().end() &&
+         std::find(p.projects.begin(), p.projects.end(), project->second) != p.projects.end();
+}
+
+absl::Status RequireAccess(const Principal& p, const v1::Job& job) {
+  if (MayAccess(p, job)) return absl::OkStatus();
+  auto project = job.spec().labels().find(kProjectLabel);
+  return absl::PermissionDeniedError(absl::StrCat(
+      job.id(), " belongs to ", job.owner().empty() ? "another user" : job.owner(),
+      project == job.spec().labels().end() ? ""
+                                          : absl::StrCat(" (project ", project->second, ")"),
+      "; ", p.name, " may use its own jobs",
+      p.projects.empty() ? "" : absl::StrCat(" and those of projects ", absl::StrJoin(p.projects, ", "))));
 }
 
 absl::Status RequireUser(const Principal& p) {

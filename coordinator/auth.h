@@ -3,17 +3,22 @@
 
 // Bearer-token authentication and role checks.
 //
-// Roles: admin (everything), user (CoordinatorService), worker
-// (ClusterService), trainer (a token scoped to one job, for that job's
-// trainer calls only). At first start the state dir gets an admin token and a
-// worker join token (files admin.token and worker.token, mode 0600); later
-// starts reuse them. A token file adds more, one per line:
-//   <token> <admin|user|worker> [<name>]
+// Roles: admin (everything), user (CoordinatorService, for its own jobs
+// and its projects'), worker (ClusterService), trainer (a token scoped to one
+// job, for that job's trainer calls only). At first start the state dir gets
+// an admin token and a worker join token (files admin.token and
+// worker.token, mode 0600); later starts reuse them. A token file adds more,
+// one per line:
+//   <token> <admin|user|worker> [<name>] [projects=<p>,<q>,...]
+// A job belongs to the name of the token that submitted it (Job.owner). A
+// user sees and changes its own jobs, and those whose spec has the label
+// project=<p> for one of its projects; admins every job.
 //
 // Thread-safe.
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -21,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "aidn/v1/job.pb.h"
 
 namespace aidn::coordinator {
 
@@ -34,7 +40,17 @@ struct Principal {
   std::string name;
   // kTrainer only: the job the token belongs to.
   std::string job_id;
+  // kUser: the projects whose jobs it shares (the job label "project").
+  std::vector<std::string> projects;
 };
+
+// The job label that shares a job with a project's users.
+inline constexpr char kProjectLabel[] = "project";
+
+// Whether `p` may see and change `job` (see above).
+bool MayAccess(const Principal& p, const v1::Job& job);
+// PERMISSION_DENIED naming the job's owner unless MayAccess.
+absl::Status RequireAccess(const Principal& p, const v1::Job& job);
 
 struct AuthOptions {
   // Where admin.token and worker.token live (created if missing).

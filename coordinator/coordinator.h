@@ -142,8 +142,13 @@ class Coordinator {
   // --- CoordinatorService ---
   absl::StatusOr<v1::Job> SubmitJob(v1::JobSpec spec, const std::string& owner);
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
-  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request);
-  absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason);
+  // `visible` (when set) leaves out the jobs it refuses, before paging.
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(
+      const v1::ListJobsRequest& request,
+      const std::function<bool(const v1::Job&)>& visible = nullptr);
+  // `by`: who asked, for the job's message and event.
+  absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason,
+                                    const std::string& by = "");
   v1::ListWorkersResponse ListWorkers();
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id);
   absl::StatusOr<v1::ListEventsResponse> ListEvents(const v1::ListEventsRequest& request);

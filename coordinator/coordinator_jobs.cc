@@ -123,7 +123,8 @@ absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
   return entry->stored.job;
 }
 
-absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsRequest& request) {
+absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(
+    const v1::ListJobsRequest& request, const std::function<bool(const v1::Job&)>& visible) {
   int page_size = request.page_size() <= 0 ? 100 : std::min(request.page_size(), 1000);
   int64_t below = INT64_MAX;
   if (!request.page_token().empty() &&
@@ -144,6 +145,7 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsReq
     const Job& job = entry->stored.job;
     if (entry->stored.number >= below) continue;
     if (!states.empty() && !states.contains(job.state())) continue;
+    if (visible != nullptr && !visible(job)) continue;
     if (labels_match(job)) matching.push_back(entry.get());
   }
   std::sort(matching.begin(), matching.end(), [](const JobEntry* a, const JobEntry* b) {
@@ -159,7 +161,8 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const v1::ListJobsReq
   return response;
 }
 
-absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& reason) {
+absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& reason,
+                                           const std::string& by) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
@@ -168,7 +171,10 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std:
     return absl::FailedPreconditionError(
         absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
   }
-  const std::string message = reason.empty() ? "cancelled by user" : "cancelled: " + reason;
+  const std::string who = by.empty() ? "" : " by " + by;
+  const std::string message =
+      reason.empty() ? absl::StrCat("cancelled", by.empty() ? " by user" : who)
+                     : absl::StrCat("cancelled", who, ": ", reason);
   if (HoldsSlots(job.state())) {
     ReleaseGeneration(entry, message,
                       absl::FailedPreconditionError(absl::StrCat(job_id, " was cancelled")),

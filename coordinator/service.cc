@@ -207,12 +207,29 @@ class MetricsReader final : public grpc::ServerReadReactor<v1::StreamMetricsRequ
 // ---------------------------------------------------------------------------
 // CoordinatorService
 
+absl::Status CoordinatorServiceImpl::RequireAccessTo(const Principal& p,
+                                                     const std::string& job_id) const {
+  if (p.role == Role::kAdmin) return absl::OkStatus();
+  AIDN_ASSIGN_OR_RETURN(const v1::Job job, coordinator_->GetJob(job_id));
+  return RequireAccess(p, job);
+}
+
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::SubmitJob(grpc::CallbackServerContext* context,
                                                             const v1::SubmitJobRequest* request,
                                                             v1::SubmitJobResponse* response) {
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
+    // Another job's checkpoint only where its owner's jobs may be used.
+    if (const std::string& source = request->spec().checkpoint().resume_from().job();
+        !source.empty()) {
+      if (absl::StatusOr<v1::Job> theirs = coordinator_->GetJob(source); theirs.ok()) {
+        if (absl::Status s = RequireAccess(p, *theirs); !s.ok()) {
+          return absl::PermissionDeniedError(
+              absl::StrCat("checkpoint.resume_from: ", s.message()));
+        }
+      }
+    }
     AIDN_ASSIGN_OR_RETURN(*response->mutable_job(),
                           coordinator_->SubmitJob(request->spec(), p.name));
     return absl::OkStatus();
@@ -226,6 +243,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::GetJob(grpc::CallbackServerCon
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
     AIDN_ASSIGN_OR_RETURN(*response, coordinator_->GetJob(request->job_id()));
+    AIDN_RETURN_IF_ERROR(RequireAccess(p, *response));
     return absl::OkStatus();
   });
 }
@@ -236,7 +254,10 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ListJobs(grpc::CallbackServerC
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
-    AIDN_ASSIGN_OR_RETURN(*response, coordinator_->ListJobs(*request));
+    AIDN_ASSIGN_OR_RETURN(*response,
+                          coordinator_->ListJobs(*request, [&p](const v1::Job& job) {
+                            return MayAccess(p, job);
+                          }));
     return absl::OkStatus();
   });
 }
@@ -247,7 +268,9 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::CancelJob(grpc::CallbackServer
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
-    AIDN_ASSIGN_OR_RETURN(*response, coordinator_->CancelJob(request->job_id(), request->reason()));
+    AIDN_RETURN_IF_ERROR(RequireAccessTo(p, request->job_id()));
+    AIDN_ASSIGN_OR_RETURN(*response,
+                          coordinator_->CancelJob(request->job_id(), request->reason(), p.name));
     return absl::OkStatus();
   });
 }
@@ -256,8 +279,10 @@ grpc::ServerWriteReactor<v1::WatchJobResponse>* CoordinatorServiceImpl::WatchJob
     grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
   auto* reactor = new WatchJobReactor(coordinator_, *request);
   absl::StatusOr<Principal> p = Authenticate(*auth_, context);
+  absl::Status allowed = p.ok() ? RequireUser(*p) : p.status();
+  if (allowed.ok()) allowed = RequireAccessTo(*p, request->job_id());
   // The reactor deletes itself in OnDone, also when it finishes at once.
-  reactor->Start(p.ok() ? RequireUser(*p) : p.status());
+  reactor->Start(allowed);
   return reactor;
 }
 
@@ -278,6 +303,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ListCheckpoints(
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
+    AIDN_RETURN_IF_ERROR(RequireAccessTo(p, request->job_id()));
     AIDN_ASSIGN_OR_RETURN(*response, coordinator_->ListCheckpoints(request->job_id()));
     return absl::OkStatus();
   });
@@ -289,7 +315,21 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ListEvents(grpc::CallbackServe
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
+    if (!request->job_id().empty()) AIDN_RETURN_IF_ERROR(RequireAccessTo(p, request->job_id()));
     AIDN_ASSIGN_OR_RETURN(*response, coordinator_->ListEvents(*request));
+    if (p.role != Role::kAdmin && request->job_id().empty()) {
+      // The cluster's own events, and those of the jobs this user may use.
+      std::map<std::string, bool> may;
+      auto* events = response->mutable_events();
+      events->erase(std::remove_if(events->begin(), events->end(),
+                                   [&](const v1::Event& e) {
+                                     if (e.job_id().empty()) return false;
+                                     auto [it, added] = may.try_emplace(e.job_id(), false);
+                                     if (added) it->second = RequireAccessTo(p, e.job_id()).ok();
+                                     return !it->second;
+                                   }),
+                    events->end());
+    }
     return absl::OkStatus();
   });
 }
@@ -300,6 +340,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::GetMetrics(grpc::CallbackServe
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
+    AIDN_RETURN_IF_ERROR(RequireAccessTo(p, request->job_id()));
     AIDN_ASSIGN_OR_RETURN(*response, coordinator_->GetMetrics(*request));
     return absl::OkStatus();
   });

@@ -48,6 +48,10 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::CallbackServ
       grpc::CallbackServerContext* context, const v1::ReadLogsRequest* request) override;
 
  private:
+  // Admins any job; a user the jobs MayAccess lets it (NOT_FOUND for no such
+  // job, PERMISSION_DENIED naming the owner for another's).
+  absl::Status RequireAccessTo(const Principal& p, const std::string& job_id) const;
+
   Coordinator* const coordinator_;
   const Authenticator* const auth_;
 };

@@ -144,8 +144,10 @@ grpc::ServerWriteReactor<v1::ReadLogsResponse>* CoordinatorServiceImpl::ReadLogs
     grpc::CallbackServerContext* context, const v1::ReadLogsRequest* request) {
   auto* reactor = new ReadLogsReactor(coordinator_, *request);
   absl::StatusOr<Principal> p = Authenticate(*auth_, context);
+  absl::Status allowed = p.ok() ? RequireUser(*p) : p.status();
+  if (allowed.ok()) allowed = RequireAccessTo(*p, request->job_id());
   // The reactor deletes itself in OnDone, also when it finishes at once.
-  reactor->Start(p.ok() ? RequireUser(*p) : p.status());
+  reactor->Start(allowed);
   return reactor;
 }
 

@@ -39,6 +39,7 @@ namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 using Json = nlohmann::json;
 
@@ -430,6 +431,55 @@ TEST_F(Cli, RefusesMissingAndWrongTokensAndHonoursRoles) {
   EXPECT_EQ(SubmittedId(r), "job-1") << Describe(r);
   EXPECT_EQ(JobStates(c, user_token), (std::map<std::string, std::string>{{"job-1", "PENDING"}}));
   EXPECT_EQ(StringField(AidnctlJson(c, user_token, {"describe", "job-1"}), "owner"), "alice");
+}
+
+// Jobs belong to the token that submitted them: a user sees and changes its
+// own, and those labelled with one of its projects; admins all. Every
+// refusal names the owner, and a cancel says who cancelled.
+TEST_F(Cli, UsersSeeAndChangeTheirOwnJobsAndTheirProjectsOnly) {
+  const std::string alice = "alice-token-0123456789abcdef", bob = "bob-token-0123456789abcdef",
+                    carol = "carol-token-0123456789abcdef";
+  const std::string token_file = cluster().Path("tokens");
+  WriteFileOrDie(token_file, absl::StrCat(alice, " user alice projects=vision\n", bob,
+                                          " user bob\n", carol, " user carol projects=vision,nlp\n"));
+  ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith({"--token-file=" + token_file}));
+  const CoordinatorHandle& c = cluster().coordinator();
+  ASSERT_EQ(Aidnctl(c, alice, {"submit", "-f", kExampleSpec}).exit_code, 0);  // job-1: hers
+  const std::string shared = cluster().Path("shared.yaml");
+  const std::string example = ReadFileOrEmpty(kExampleSpec);
+  ASSERT_THAT(example, HasSubstr("labels:\n  team: demo\n"));
+  WriteFileOrDie(shared, absl::StrReplaceAll(example, {{"labels:\n  team: demo\n",
+                                                        "labels:\n  team: demo\n  project: vision\n"}}));
+  ASSERT_EQ(Aidnctl(c, alice, {"submit", "-f", shared}).exit_code, 0);  // job-2: the project's
+
+  EXPECT_EQ(JobStates(c, alice).size(), 2u);
+  EXPECT_TRUE(JobStates(c, bob).empty());
+  EXPECT_EQ(JobStates(c, carol), (std::map<std::string, std::string>{{"job-2", "PENDING"}}));
+  EXPECT_EQ(JobStates(c, c.admin_token).size(), 2u);
+
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"describe", "job-1"},
+                                             {"cancel", "job-1"},
+                                             {"events", "job-1"},
+                                             {"metrics", "job-1"},
+                                             {"checkpoints", "job-1"},
+                                             {"logs", "job-1"}}) {
+    SCOPED_TRACE(args.front());
+    const CommandResult r = Aidnctl(c, bob, args);
+    EXPECT_EQ(r.exit_code, 1) << Describe(r);
+    EXPECT_THAT(r.err, HasSubstr("job-1 belongs to alice")) << Describe(r);
+  }
+  EXPECT_EQ(JobStates(c, alice).at("job-1"), "PENDING");  // the refused cancel did nothing
+  // Bob's event list leaves out alice's jobs.
+  const CommandResult events = Aidnctl(c, bob, {"events"});
+  EXPECT_EQ(events.exit_code, 0) << Describe(events);
+  EXPECT_THAT(events.out, Not(HasSubstr("job-1"))) << Describe(events);
+
+  // Carol shares the project: she may cancel job-2, and the event says so.
+  const CommandResult cancelled = Aidnctl(c, carol, {"cancel", "job-2"});
+  EXPECT_EQ(cancelled.exit_code, 0) << Describe(cancelled);
+  EXPECT_EQ(Aidnctl(c, carol, {"cancel", "job-1"}).exit_code, 1);
+  EXPECT_THAT(Aidnctl(c, alice, {"events", "job-2"}).out, HasSubstr("cancelled by carol"));
 }
 
 // TLS is on by default: the coordinator makes a CA in its state directory

@@ -179,6 +179,43 @@ TEST(Authenticator, TokenFileLineWithoutARoleOrWithTooManyFieldsIsRefused) {
   EXPECT_THAT(auth.status().message(), HasSubstr(file + ":1"));
 }
 
+TEST(Authenticator, TokenFileNamesAUsersProjects) {
+  TempDir dir;
+  const std::string file = dir.path() + "/tokens";
+  WriteFile(file, absl::StrCat(kUserToken, " user alice projects=vision,nlp\n"));
+  auto auth = Authenticator::Create({dir.path(), file});
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  absl::StatusOr<Principal> p = (*auth)->Authenticate(Bearer(kUserToken));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->name, "alice");
+  EXPECT_EQ(p->projects, (std::vector<std::string>{"vision", "nlp"}));
+
+  WriteFile(file, absl::StrCat(kUserToken, " user alice projects=\n"));
+  auth = Authenticator::Create({dir.path(), file});
+  ASSERT_FALSE(auth.ok());
+  EXPECT_THAT(auth.status().message(), HasSubstr("projects= names none"));
+}
+
+TEST(MayAccess, OwnersTheirProjectsAndAdminsOnly) {
+  v1::Job job;
+  job.set_id("job-7");
+  job.set_owner("alice");
+  const Principal alice{Role::kUser, "alice", "", {}};
+  const Principal bob{Role::kUser, "bob", "", {"nlp"}};
+  const Principal admin{Role::kAdmin, "admin", "", {}};
+  const Principal worker{Role::kWorker, "worker", "", {}};
+  EXPECT_TRUE(MayAccess(alice, job));
+  EXPECT_FALSE(MayAccess(bob, job));
+  EXPECT_TRUE(MayAccess(admin, job));
+  EXPECT_FALSE(MayAccess(worker, job));
+  EXPECT_THAT(RequireAccess(bob, job).message(), HasSubstr("job-7 belongs to alice"));
+  (*job.mutable_spec()->mutable_labels())["project"] = "nlp";
+  EXPECT_TRUE(MayAccess(bob, job));
+  (*job.mutable_spec()->mutable_labels())["project"] = "vision";
+  EXPECT_FALSE(MayAccess(bob, job));
+  EXPECT_THAT(RequireAccess(bob, job).message(), HasSubstr("(project vision)"));
+}
+
 TEST(Authenticator, MissingTokenFileIsAnError) {
   TempDir dir;
   auto auth = Authenticator::Create({dir.path(), dir.path() + "/no-such-file"});
