@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "google/protobuf/util/time_util.h"
 #include "worker/c10d/store_server.h"
+#include "worker/path_policy.h"
 
 namespace aidn::worker {
 namespace {
@@ -185,6 +186,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& opti
     return Annotate(PosixError(resolved.trainer_binary, errno), "trainer_binary");
   }
   if (!resolved.start_store) resolved.start_store = StartC10dStore;
+  std::vector<std::string> roots = options.allowed_paths;
+  roots.push_back(resolved.work_dir);
+  roots.push_back(resolved.checkpoint_root);
+  AIDN_ASSIGN_OR_RETURN(resolved.path_roots, ResolveRoots(roots));
   if (!resolved.insecure && !resolved.tls_ca_file.empty()) {
     AIDN_ASSIGN_OR_RETURN(const std::string ca, ReadCaFile(resolved.tls_ca_file));
     resolved.rank_tls_ca_file = absl::StrCat(resolved.work_dir, "/coordinator-ca.pem");
@@ -484,6 +489,10 @@ void Daemon::NotStarted(const v1::TrainerAssignment& a, const absl::Status& why,
 }
 
 void Daemon::StartTrainer(const v1::TrainerAssignment& a) {
+  // Before anything of the job is read or made here.
+  if (absl::Status s = CheckJobPaths(a.spec(), options_.path_roots); !s.ok()) {
+    return NotStarted(a, s, /*permanent=*/true);
+  }
   if (a.spec().has_command()) {
     if (!options_.command_jobs) {
       return NotStarted(

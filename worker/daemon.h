@@ -51,6 +51,12 @@ struct DaemonOptions {
   // ranks. Made absolute by Create().
   std::string tls_ca_file;
   bool insecure = false;
+  // Absolute directories whose paths a job may name (checkpoint.dir, its
+  // dataset, a command's working directory), besides work_dir and
+  // checkpoint_root (path_policy.h).
+  std::vector<std::string> allowed_paths = {"/usr/share"};
+  // allowed_paths, work_dir and checkpoint_root resolved. Set by Create().
+  std::vector<std::string> path_roots;
   // The copy of tls_ca_file the ranks read, <work_dir>/coordinator-ca.pem
   // (world-readable: a command job's ranks run as another user, who may
   // not reach the original). Set by Create().

@@ -56,6 +56,10 @@ ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "host:port of the coordina
 ABSL_FLAG(std::string, tls_ca, "",
           "CA file (PEM) that verifies the coordinator's certificate (its <state-dir>/tls/ca.pem); "
           "default: $AIDN_TLS_CA, else the system's roots");
+ABSL_FLAG(std::vector<std::string>, allowed_paths, {"/usr/share"},
+          "absolute directories whose paths a job may name (checkpoint.dir, dataset files, a "
+          "command's working directory), besides the work dir and checkpoint root; "
+          "comma-separated");
 ABSL_FLAG(bool, insecure, false,
           "talk plaintext gRPC to a coordinator started with --insecure (no TLS)");
 ABSL_FLAG(std::string, work_dir, "./aidn-work",
@@ -300,6 +304,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags(const std::string& log_level)
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.tls_ca_file = TlsCaFromFlags();
   options.insecure = absl::GetFlag(FLAGS_insecure);
+  options.allowed_paths = absl::GetFlag(FLAGS_allowed_paths);
   options.hostname = Hostname();
   options.worker_id = absl::GetFlag(FLAGS_worker_id);
   if (options.worker_id.empty()) options.worker_id = options.hostname;
@@ -353,6 +358,9 @@ void LogDaemonConfiguration(const DaemonConfig& config,
        {"token", config.token_file.empty() ? (resolved.token.empty() ? "(none)" : "(from --token)")
                                            : absl::StrCat("(from ", config.token_file, ")")},
        {"worker_id", resolved.worker_id},
+       {"allowed_paths", absl::StrJoin(resolved.path_roots.empty() ? resolved.allowed_paths
+                                                                   : resolved.path_roots,
+                                       ", ")},
        {"hostname", resolved.hostname},
        {"address", resolved.address},
        {"cpu_slots", absl::StrCat(resolved.cpu_slots)},

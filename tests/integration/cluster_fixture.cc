@@ -332,6 +332,8 @@ absl::Status TestCluster::StartWorker(const std::string& id, const WorkerOptions
                                    absl::StrCat("--cpu-slots=", options.cpu_slots),
                                    "--work-dir=" + work_dir,
                                    "--metrics-addr=",
+                                   // Corpora and checkpoints the tests make live here.
+                                   "--allowed-paths=/usr/share," + dir(),
                                    coordinator_.ca_file.empty()
                                        ? std::string("--insecure")
                                        : "--tls-ca=" + coordinator_.ca_file};

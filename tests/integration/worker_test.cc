@@ -362,6 +362,22 @@ TEST_F(WorkerTest, ATrainerExitingWithCode78FailsTheJobAtOnce) {
   EXPECT_THAT(GetJob(job).message(), HasSubstr("dataset missing"));
 }
 
+// A job naming a path outside the roots its worker allows fails at once,
+// naming the field, and the worker makes nothing there.
+TEST_F(WorkerTest, APathOutsideTheWorkersAllowedRootsFailsTheJobAndIsNeverMade) {
+  StartDefaultCoordinator();
+  StartWorker("w1", WriteScript("exit0", kExitZero));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string outside = absl::StrCat("/tmp/aidn-outside-", getpid());
+  v1::JobSpec spec = Spec(1, /*max_restarts=*/3);
+  spec.mutable_checkpoint()->set_dir(outside + "/ckpt");
+  const std::string job = Submit(spec);
+  ASSERT_TRUE(WaitForJobState(job, v1::Job::FAILED));
+  EXPECT_EQ(GetJob(job).restarts(), 0);
+  EXPECT_THAT(GetJob(job).message(), HasSubstr("checkpoint.dir: " + outside + "/ckpt is outside"));
+  EXPECT_FALSE(std::filesystem::exists(outside));
+}
+
 TEST_F(WorkerTest, CancellingAJobStopsEveryTrainerWithinSeconds) {
   StartDefaultCoordinator();
   const std::string script = WriteScript("sleep", kSleepWithChild);
