@@ -18,8 +18,11 @@ PACKAGES=(
   libopenblas-dev libdnnl-dev libgloo-dev dataset-fashion-mnist
   # a text corpus for the GPT (plain-text fortune files, about 2.5 MB)
   fortunes
-  # the metrics tests scrape with a real Prometheus server and promtool
-  prometheus
+  # the metrics tests scrape with a real Prometheus server and promtool, and
+  # fetch /metrics over HTTPS with curl
+  prometheus curl
+  # fuzzing (scripts/fuzz.sh): clang with libFuzzer and the sanitizers
+  clang
   # the numerical oracle and speed peer (tests skip their torch checks only without it)
   python3-torch libopenblas0-openmp
   # the Python client (python/aidn): gRPC and protobuf matching the C++ ones, CRC-32C at

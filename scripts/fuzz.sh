@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (tests/fuzz: safetensors, checkpoint manifests,
+# IDX files, text corpora) with clang, ASan and UBSan in build-fuzz/, and runs
+# each for SECONDS (default 30) from its seed corpus. Fails on any crash,
+# sanitizer report, leak or timeout; prints each target's executions.
+#   ./scripts/fuzz.sh          # 30 s a target (what CI runs)
+#   ./scripts/fuzz.sh 3600     # a long run; new inputs stay in build-fuzz/corpus/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_EACH=${1:-30}
+BUILD=${AIDN_FUZZ_BUILD_DIR:-build-fuzz}
+
+./scripts/setup.sh
+if [ ! -f "$BUILD/build.ninja" ]; then
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAIDN_ENABLE_CUDA=OFF \
+    -DAIDN_ENGINE_ONLY=ON -DAIDN_BUILD_TESTS=OFF -DAIDN_SANITIZE=ON -DAIDN_FUZZ=ON >/dev/null
+fi
+targets=(safetensors manifest idx text)
+ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >/dev/null
+
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+failed=0
+for t in "${targets[@]}"; do
+  corpus=$BUILD/corpus/$t
+  mkdir -p "$corpus" "$BUILD/crashes/$t"
+  log=$BUILD/$t.log
+  if "$BUILD/tests/fuzz/${t}_fuzz" -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=2048 \
+      -max_len=65536 -artifact_prefix="$BUILD/crashes/$t/" -print_final_stats=1 \
+      "$corpus" "tests/fuzz/corpus/$t" >"$log" 2>&1; then
+    runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")
+    echo "fuzz $t: ${SECONDS_EACH}s, $runs executions, no failures"
+  else
+    failed=1
+    echo "fuzz $t: FAILED (input in $BUILD/crashes/$t/); the end of $log:" >&2
+    tail -40 "$log" >&2
+  fi
+done
+exit $failed
