@@ -38,7 +38,8 @@ absl::StatusOr<ConfigFile> ParseConfigFile(const std::string& text, const std::s
   if (!root || root.IsNull()) return config;  // an empty file
   if (!root.IsMap()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": expected a mapping with the keys addr, token, token_file, tls_ca, "
+        absl::StrCat(path,
+                     ": expected a mapping with the keys addr, token, token_file, tls_ca, "
                      "insecure"));
   }
   for (const auto& entry : root) {
@@ -89,7 +90,7 @@ std::string Lookup(const std::map<std::string, std::string>& env, const std::str
 
 // "~/x" under HOME; a relative path beside the config file.
 std::string ConfigRelativePath(const std::string& token_file, const std::string& config_path,
-                          const std::map<std::string, std::string>& env) {
+                               const std::map<std::string, std::string>& env) {
   if (token_file == "~" || absl::StartsWith(token_file, "~/")) {
     return Lookup(env, "HOME") + token_file.substr(1);
   }

@@ -23,14 +23,14 @@
 #include "aidnctl/commands.h"
 #include "aidnctl/config.h"
 #include "aidnctl/export.h"
-#include "common/rpc/client.h"
-#include "common/tls.h"
 #include "aidnctl/generate.h"
 #include "aidnctl/logs.h"
 #include "aidnctl/metrics.h"
 #include "aidnctl/output.h"
 #include "aidnctl/plot.h"
 #include "aidnctl/watch.h"
+#include "common/rpc/client.h"
+#include "common/tls.h"
 
 namespace {
 
@@ -519,8 +519,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<ctl::ConnectionSettings> connection = ctl::LoadConnection(flags);
   if (!connection.ok()) return Fail(std::string(connection.status().message()), kExitFailure);
   options.connection = *connection;
-  if (absl::Status s = aidn::rpc::CheckChannelOptions({.tls_ca_file = connection->tls_ca_file,
-                                                       .insecure = connection->insecure});
+  if (absl::Status s = aidn::rpc::CheckChannelOptions(
+          {.tls_ca_file = connection->tls_ca_file, .insecure = connection->insecure});
       !s.ok()) {
     return Fail(std::string(s.message()), kExitFailure);
   }
@@ -535,10 +535,10 @@ int main(int argc, char** argv) {
     std::string message(status.message());
     // gRPC says only that the handshake failed: a handshake of our own says why.
     if (absl::IsUnavailable(status)) {
-      const std::string why = aidn::DiagnoseTls(connection->address, connection->tls_ca_file,
-                                                connection->insecure);
-      if (!why.empty()) absl::StrAppend(&message, "\nTLS: the coordinator at ", connection->address,
-                                        ": ", why);
+      const std::string why =
+          aidn::DiagnoseTls(connection->address, connection->tls_ca_file, connection->insecure);
+      if (!why.empty())
+        absl::StrAppend(&message, "\nTLS: the coordinator at ", connection->address, ": ", why);
     }
     return Fail(message, kExitFailure);
   }

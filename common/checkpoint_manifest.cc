@@ -113,8 +113,8 @@ absl::Status VerifyManifestFile(const std::string& dir, const ManifestEntry& f) 
         absl::StrCat(f.name, ": ", sum->bytes, " bytes, the manifest says ", f.bytes));
   }
   if (sum->crc32c != f.crc32c) {
-    return absl::DataLossError(absl::StrFormat("%s: CRC-32C %08x, the manifest says %08x", f.name,
-                                               sum->crc32c, f.crc32c));
+    return absl::DataLossError(
+        absl::StrFormat("%s: CRC-32C %08x, the manifest says %08x", f.name, sum->crc32c, f.crc32c));
   }
   return absl::OkStatus();
 }

@@ -2,13 +2,13 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <openssl/bio.h>
 #include <openssl/bn.h>
 #include <openssl/ec.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
-#include <netdb.h>
 #include <openssl/rand.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
@@ -145,8 +145,7 @@ absl::Status AddExtension(X509* cert, X509* issuer, int nid, const std::string& 
   X509V3_CTX ctx;
   X509V3_set_ctx_nodb(&ctx);
   X509V3_set_ctx(&ctx, issuer, cert, nullptr, nullptr, 0);
-  std::unique_ptr<X509_EXTENSION, Free> ext(
-      X509V3_EXT_conf_nid(nullptr, &ctx, nid, value.c_str()));
+  std::unique_ptr<X509_EXTENSION, Free> ext(X509V3_EXT_conf_nid(nullptr, &ctx, nid, value.c_str()));
   if (ext == nullptr || !X509_add_ext(cert, ext.get(), -1)) {
     return SslError(absl::StrCat("certificate extension ", OBJ_nid2sn(nid), " = ", value));
   }
@@ -177,8 +176,7 @@ absl::StatusOr<Cert> MakeCert(EVP_PKEY* key, const std::string& cn, X509* issuer
                              reinterpret_cast<const unsigned char*>("aidn"), -1, -1, 0);
   X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
                              reinterpret_cast<const unsigned char*>(cn.c_str()), -1, -1, 0);
-  X509_set_issuer_name(cert.get(),
-                       issuer != nullptr ? X509_get_subject_name(issuer) : name);
+  X509_set_issuer_name(cert.get(), issuer != nullptr ? X509_get_subject_name(issuer) : name);
   if (!X509_set_pubkey(cert.get(), key)) return SslError("X509_set_pubkey");
   for (const auto& [nid, value] : extensions) {
     AIDN_RETURN_IF_ERROR(
@@ -208,7 +206,8 @@ absl::StatusOr<ServerTls> EnsureAutoTls(const AutoTlsOptions& options) {
   ::chmod(options.dir.c_str(), 0700);
   const std::string ca_file = absl::StrCat(options.dir, "/ca.pem");
   const std::string ca_key_file = absl::StrCat(options.dir, "/ca.key");
-  const bool have_cert = std::filesystem::exists(ca_file), have_key = std::filesystem::exists(ca_key_file);
+  const bool have_cert = std::filesystem::exists(ca_file),
+             have_key = std::filesystem::exists(ca_key_file);
   if (have_cert != have_key) {
     return absl::FailedPreconditionError(absl::StrCat(
         options.dir, " holds ", have_cert ? "ca.pem but no ca.key" : "ca.key but no ca.pem",
@@ -219,12 +218,11 @@ absl::StatusOr<ServerTls> EnsureAutoTls(const AutoTlsOptions& options) {
   Key ca_key;
   if (!have_cert) {
     AIDN_ASSIGN_OR_RETURN(ca_key, NewKey());
-    AIDN_ASSIGN_OR_RETURN(
-        ca, MakeCert(ca_key.get(), "aidn coordinator CA", nullptr, ca_key.get(),
-                     absl::Hours(24 * 365 * 10),
-                     {{NID_basic_constraints, "critical,CA:TRUE,pathlen:0"},
-                      {NID_key_usage, "critical,keyCertSign,cRLSign"},
-                      {NID_subject_key_identifier, "hash"}}));
+    AIDN_ASSIGN_OR_RETURN(ca, MakeCert(ca_key.get(), "aidn coordinator CA", nullptr, ca_key.get(),
+                                       absl::Hours(24 * 365 * 10),
+                                       {{NID_basic_constraints, "critical,CA:TRUE,pathlen:0"},
+                                        {NID_key_usage, "critical,keyCertSign,cRLSign"},
+                                        {NID_subject_key_identifier, "hash"}}));
     AIDN_ASSIGN_OR_RETURN(const std::string key_pem, KeyPem(ca_key.get()));
     AIDN_ASSIGN_OR_RETURN(const std::string cert_pem, CertPem(ca.get()));
     AIDN_RETURN_IF_ERROR(WriteFile(ca_key_file, key_pem, 0600));
@@ -288,9 +286,9 @@ absl::StatusOr<ServerTls> LoadServerTls(const std::string& cert_file, const std:
         absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", tls.not_after, absl::UTCTimeZone())));
   }
   if (not_before > now) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        cert_file, ": the certificate is not valid before ",
-        absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", not_before, absl::UTCTimeZone())));
+    return absl::InvalidArgumentError(
+        absl::StrCat(cert_file, ": the certificate is not valid before ",
+                     absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", not_before, absl::UTCTimeZone())));
   }
   return tls;
 }

@@ -178,10 +178,11 @@ absl::Status RequireAccess(const Principal& p, const v1::Job& job) {
   auto project = job.spec().labels().find(kProjectLabel);
   return absl::PermissionDeniedError(absl::StrCat(
       job.id(), " belongs to ", job.owner().empty() ? "another user" : job.owner(),
-      project == job.spec().labels().end() ? ""
-                                          : absl::StrCat(" (project ", project->second, ")"),
+      project == job.spec().labels().end() ? "" : absl::StrCat(" (project ", project->second, ")"),
       "; ", p.name, " may use its own jobs",
-      p.projects.empty() ? "" : absl::StrCat(" and those of projects ", absl::StrJoin(p.projects, ", "))));
+      p.projects.empty()
+          ? ""
+          : absl::StrCat(" and those of projects ", absl::StrJoin(p.projects, ", "))));
 }
 
 absl::Status RequireUser(const Principal& p) {

@@ -7,7 +7,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/token.h"
@@ -15,6 +14,7 @@
 #include "coordinator/job_entry.h"
 #include "coordinator/job_state.h"
 #include "coordinator/time_util.h"
+#include "google/protobuf/util/message_differencer.h"
 
 namespace aidn::coordinator {
 
@@ -73,15 +73,14 @@ absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
   mine.clear_activation_checkpointing();
   other.clear_activation_checkpointing();
   if (!google::protobuf::util::MessageDifferencer::Equals(mine, other)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": job ", source->job(), " trained another model (",
-                     theirs.model().ShortDebugString(), "); this job's is ",
-                     spec->model().ShortDebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": job ", source->job(), " trained another model (",
+        theirs.model().ShortDebugString(), "); this job's is ", spec->model().ShortDebugString()));
   }
   if (spec->optimizer().name() != theirs.optimizer().name()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": job ", source->job(), " used optimizer ",
-                                                   theirs.optimizer().name(), ", this job ",
-                                                   spec->optimizer().name()));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": job ", source->job(),
+                                                   " used optimizer ", theirs.optimizer().name(),
+                                                   ", this job ", spec->optimizer().name()));
   }
   // The same samples per step, so that the step goes on where it stopped.
   auto global_batch = [](const v1::JobSpec& s) {
@@ -92,7 +91,8 @@ absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
         field, ": job ", source->job(), " trained with a global batch of ", global_batch(theirs),
         " (batch_size ", theirs.batch_size(), " x grad_accum_steps ",
         std::max(1, theirs.grad_accum_steps()), " x world_size ", theirs.world_size(),
-        "); this job's is ", global_batch(*spec), ": set batch_size or grad_accum_steps so that "
+        "); this job's is ", global_batch(*spec),
+        ": set batch_size or grad_accum_steps so that "
         "they match"));
   }
   AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints,
@@ -172,9 +172,9 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std:
         absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
   }
   const std::string who = by.empty() ? "" : " by " + by;
-  const std::string message =
-      reason.empty() ? absl::StrCat("cancelled", by.empty() ? " by user" : who)
-                     : absl::StrCat("cancelled", who, ": ", reason);
+  const std::string message = reason.empty()
+                                  ? absl::StrCat("cancelled", by.empty() ? " by user" : who)
+                                  : absl::StrCat("cancelled", who, ": ", reason);
   if (HoldsSlots(job.state())) {
     ReleaseGeneration(entry, message,
                       absl::FailedPreconditionError(absl::StrCat(job_id, " was cancelled")),

@@ -26,11 +26,11 @@
 #include "common/metrics/registry.h"
 #include "common/status.h"
 #include "common/stop_signals.h"
+#include "common/tls.h"
 #include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/server.h"
 #include "coordinator/store.h"
-#include "common/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "host:port to serve on; port 0 picks one");
 ABSL_FLAG(std::string, state_dir, "./aidn-state", "directory for the SQLite state and tokens");
@@ -61,8 +61,9 @@ ABSL_FLAG(absl::Duration, tick_interval, absl::Milliseconds(100), "how often tim
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 ABSL_FLAG(std::string, metrics_addr, "127.0.0.1:9464",
           "host:port for Prometheus /metrics (port 0 picks one); empty turns it off");
-ABSL_FLAG(bool, metrics_tls, false,
-          "serve /metrics over HTTPS with the gRPC port's certificate (the made one or --tls-cert)");
+ABSL_FLAG(
+    bool, metrics_tls, false,
+    "serve /metrics over HTTPS with the gRPC port's certificate (the made one or --tls-cert)");
 ABSL_FLAG(std::string, metrics_token_file, "",
           "answer /metrics only to requests with this file's token as a bearer token");
 ABSL_FLAG(std::string, metrics_addr_file, "",
@@ -214,10 +215,9 @@ void LogConfiguration(const Config& config) {
        {"state_dir", config.state_dir},
        {"addr_file", config.addr_file},
        {"token_file", config.token_file},
-       {"tls", config.insecure ? "off (--insecure)"
-               : config.tls_cert.empty()
-                   ? absl::StrCat("made in ", config.state_dir, "/tls")
-                   : absl::StrCat(config.tls_cert, ", ", config.tls_key)},
+       {"tls", config.insecure           ? "off (--insecure)"
+               : config.tls_cert.empty() ? absl::StrCat("made in ", config.state_dir, "/tls")
+                                         : absl::StrCat(config.tls_cert, ", ", config.tls_key)},
        {"max_world_size", absl::StrCat(options.spec_limits.max_world_size)},
        {"heartbeat_interval", Format(options.heartbeat_interval)},
        {"stop_grace", Format(options.stop_grace)},
@@ -258,7 +258,7 @@ absl::StatusOr<std::string> SetUpTls(Config* config) {
   } else {
     std::vector<std::string> names = config->tls_san;
     names.push_back(host.size() >= 2 && host.front() == '[' ? host.substr(1, host.size() - 2)
-                                                              : host);
+                                                            : host);
     tls = aidn::EnsureAutoTls({.dir = config->state_dir + "/tls", .names = names});
   }
   if (!tls.ok()) return tls.status();
@@ -306,8 +306,7 @@ int Serve(Config config, const sigset_t& signals) {
       return Fail(s);
     }
   }
-  AIDN_LOG(INFO) << "serving" << Kv("address", address)
-                 << Kv("tls", config.insecure ? "off" : "on")
+  AIDN_LOG(INFO) << "serving" << Kv("address", address) << Kv("tls", config.insecure ? "off" : "on")
                  << Kv("tls_ca_file", *ca_file)
                  << Kv("admin_token_file", (*auth)->admin_token_path())
                  << Kv("worker_token_file", (*auth)->worker_token_path());

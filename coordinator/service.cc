@@ -225,8 +225,7 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::SubmitJob(grpc::CallbackServer
         !source.empty()) {
       if (absl::StatusOr<v1::Job> theirs = coordinator_->GetJob(source); theirs.ok()) {
         if (absl::Status s = RequireAccess(p, *theirs); !s.ok()) {
-          return absl::PermissionDeniedError(
-              absl::StrCat("checkpoint.resume_from: ", s.message()));
+          return absl::PermissionDeniedError(absl::StrCat("checkpoint.resume_from: ", s.message()));
         }
       }
     }
@@ -254,10 +253,9 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ListJobs(grpc::CallbackServerC
   return Unary(context, [&]() -> absl::Status {
     AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireUser(p));
-    AIDN_ASSIGN_OR_RETURN(*response,
-                          coordinator_->ListJobs(*request, [&p](const v1::Job& job) {
-                            return MayAccess(p, job);
-                          }));
+    AIDN_ASSIGN_OR_RETURN(*response, coordinator_->ListJobs(*request, [&p](const v1::Job& job) {
+      return MayAccess(p, job);
+    }));
     return absl::OkStatus();
   });
 }

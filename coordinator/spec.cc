@@ -281,9 +281,11 @@ absl::Status ValidateCheckpoint(const v1::CheckpointSpec& c) {
   }
   if (c.has_resume_from()) {
     if (c.resume_from().job().empty()) {
-      return Invalid("checkpoint.resume_from.job", "must name the job whose checkpoint to start from");
+      return Invalid("checkpoint.resume_from.job",
+                     "must name the job whose checkpoint to start from");
     }
-    AIDN_RETURN_IF_ERROR(CheckText("checkpoint.resume_from.job", c.resume_from().job(), kMaxNameBytes));
+    AIDN_RETURN_IF_ERROR(
+        CheckText("checkpoint.resume_from.job", c.resume_from().job(), kMaxNameBytes));
     if (c.resume_from().step() < 0) {
       return Invalid("checkpoint.resume_from.step",
                      absl::StrCat("must be >= 0 (0: the newest), got ", c.resume_from().step()));

@@ -155,7 +155,8 @@ bool CoordinatorLink::RetryAfter(const char* call, const grpc::Status& status) {
 void CoordinatorLink::Succeeded() {
   if (options_.metrics != nullptr) options_.metrics->coordinator_up.Set(1);
   if (!heartbeat_problem_.empty()) {
-    AIDN_LOG(INFO) << "coordinator reachable again" << Kv("coordinator", options_.coordinator.address);
+    AIDN_LOG(INFO) << "coordinator reachable again"
+                   << Kv("coordinator", options_.coordinator.address);
     heartbeat_problem_.clear();
   }
   heartbeat_backoff_.Reset();

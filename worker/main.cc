@@ -199,12 +199,12 @@ int RunTrainMode() {
 // the options. options.registry is set by RunDaemonMode.
 struct DaemonConfig {
   aidn::worker::DaemonOptions options;
-  std::string token_file;         // where options.token came from; empty: --token
-  std::string gpus_line;          // the GPUs found, and whether they are offered
-  std::string blas_override;      // what trainers get for their GEMM kernels; empty: none
-  std::string metrics_addr;       // empty: no /metrics
+  std::string token_file;     // where options.token came from; empty: --token
+  std::string gpus_line;      // the GPUs found, and whether they are offered
+  std::string blas_override;  // what trainers get for their GEMM kernels; empty: none
+  std::string metrics_addr;   // empty: no /metrics
   aidn::metrics::HttpServerOptions metrics;  // address, HTTPS, bearer token
-  std::string metrics_addr_file;  // empty: not written
+  std::string metrics_addr_file;             // empty: not written
   std::string log_level;
   std::string command_jobs_line;  // whether and as whom command jobs run
 };
@@ -358,9 +358,9 @@ void LogDaemonConfiguration(const DaemonConfig& config,
        {"token", config.token_file.empty() ? (resolved.token.empty() ? "(none)" : "(from --token)")
                                            : absl::StrCat("(from ", config.token_file, ")")},
        {"worker_id", resolved.worker_id},
-       {"allowed_paths", absl::StrJoin(resolved.path_roots.empty() ? resolved.allowed_paths
-                                                                   : resolved.path_roots,
-                                       ", ")},
+       {"allowed_paths",
+        absl::StrJoin(resolved.path_roots.empty() ? resolved.allowed_paths : resolved.path_roots,
+                      ", ")},
        {"hostname", resolved.hostname},
        {"address", resolved.address},
        {"cpu_slots", absl::StrCat(resolved.cpu_slots)},

@@ -61,10 +61,10 @@ absl::Status CheckJobPaths(const v1::JobSpec& spec, const std::vector<std::strin
     bool inside = false;
     for (const std::string& root : roots) inside = inside || Under(resolved, root);
     if (inside) continue;
-    return absl::PermissionDeniedError(absl::StrCat(
-        field, ": ", path, resolved == path ? "" : absl::StrCat(" (", resolved, ")"),
-        " is outside the paths this worker allows (", absl::StrJoin(roots, ", "),
-        "); its operator can add a root with --allowed-paths"));
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": ", path, resolved == path ? "" : absl::StrCat(" (", resolved, ")"),
+                     " is outside the paths this worker allows (", absl::StrJoin(roots, ", "),
+                     "); its operator can add a root with --allowed-paths"));
   }
   return absl::OkStatus();
 }

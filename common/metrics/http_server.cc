@@ -5,9 +5,9 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
 #include <fstream>
 #include <iterator>
-#include <chrono>
 #include <thread>
 #include <utility>
 
@@ -212,7 +212,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const HttpServe
 absl::StatusOr<std::string> ReadMetricsToken(const std::string& path) {
   if (path.empty()) return std::string();
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("metrics token file ", path, ": cannot read it"));
+  if (!in)
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics token file ", path, ": cannot read it"));
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::string token(absl::StripAsciiWhitespace(text));
   if (token.empty()) {

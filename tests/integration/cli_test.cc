@@ -440,16 +440,18 @@ TEST_F(Cli, UsersSeeAndChangeTheirOwnJobsAndTheirProjectsOnly) {
   const std::string alice = "alice-token-0123456789abcdef", bob = "bob-token-0123456789abcdef",
                     carol = "carol-token-0123456789abcdef";
   const std::string token_file = cluster().Path("tokens");
-  WriteFileOrDie(token_file, absl::StrCat(alice, " user alice projects=vision\n", bob,
-                                          " user bob\n", carol, " user carol projects=vision,nlp\n"));
+  WriteFileOrDie(token_file,
+                 absl::StrCat(alice, " user alice projects=vision\n", bob, " user bob\n", carol,
+                              " user carol projects=vision,nlp\n"));
   ASSERT_NO_FATAL_FAILURE(StartCoordinatorWith({"--token-file=" + token_file}));
   const CoordinatorHandle& c = cluster().coordinator();
   ASSERT_EQ(Aidnctl(c, alice, {"submit", "-f", kExampleSpec}).exit_code, 0);  // job-1: hers
   const std::string shared = cluster().Path("shared.yaml");
   const std::string example = ReadFileOrEmpty(kExampleSpec);
   ASSERT_THAT(example, HasSubstr("labels:\n  team: demo\n"));
-  WriteFileOrDie(shared, absl::StrReplaceAll(example, {{"labels:\n  team: demo\n",
-                                                        "labels:\n  team: demo\n  project: vision\n"}}));
+  WriteFileOrDie(shared,
+                 absl::StrReplaceAll(example, {{"labels:\n  team: demo\n",
+                                                "labels:\n  team: demo\n  project: vision\n"}}));
   ASSERT_EQ(Aidnctl(c, alice, {"submit", "-f", shared}).exit_code, 0);  // job-2: the project's
 
   EXPECT_EQ(JobStates(c, alice).size(), 2u);
@@ -494,8 +496,9 @@ TEST_F(Cli, ServesTlsByDefaultAndSaysWhyAClientCannotVerifyIt) {
 
   auto run = [&](std::vector<std::string> argv) {
     argv.insert(argv.begin(), {AIDNCTL_BIN, "--addr=" + c.address, "--token=" + c.admin_token});
-    return RunCommand(argv, {"HOME=" + cluster().Path("home"), "AIDN_ADDR=", "AIDN_TOKEN=",
-                             "AIDN_TLS_CA=", "AIDN_INSECURE="},
+    return RunCommand(argv,
+                      {"HOME=" + cluster().Path("home"),
+                       "AIDN_ADDR=", "AIDN_TOKEN=", "AIDN_TLS_CA=", "AIDN_INSECURE="},
                       std::chrono::seconds(30));
   };
   CommandResult plain = run({"--insecure", "list"});
@@ -510,10 +513,9 @@ TEST_F(Cli, ServesTlsByDefaultAndSaysWhyAClientCannotVerifyIt) {
       << Describe(missing);
   // The CA file from the environment, as the worker and the Python client
   // read it too.
-  CommandResult from_env =
-      RunCommand({AIDNCTL_BIN, "--addr=" + c.address, "--token=" + c.admin_token, "list"},
-                 {"HOME=" + cluster().Path("home"), "AIDN_TLS_CA=" + c.ca_file},
-                 std::chrono::seconds(30));
+  CommandResult from_env = RunCommand(
+      {AIDNCTL_BIN, "--addr=" + c.address, "--token=" + c.admin_token, "list"},
+      {"HOME=" + cluster().Path("home"), "AIDN_TLS_CA=" + c.ca_file}, std::chrono::seconds(30));
   EXPECT_EQ(from_env.exit_code, 0) << Describe(from_env);
 
   // A restart makes a new server certificate signed by the same CA: the
@@ -551,10 +553,11 @@ TEST_F(Cli, PlaintextIsExplicitAndABadCertificateIsRefusedAtStart) {
        {std::tuple{dir + "/server.pem", dir + "/server.key", "the certificate expired on"},
         std::tuple{dir + "/server.pem", cluster().Path("theirs") + "/server.key",
                    "is not the key of the certificate"}}) {
-    CommandResult refused = RunCommand(
-        {AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--metrics-addr=",
-         "--state-dir=" + cluster().Path("state-refused"), "--tls-cert=" + cert, "--tls-key=" + key},
-        {}, std::chrono::seconds(30));
+    CommandResult refused =
+        RunCommand({AIDN_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                    "--metrics-addr=", "--state-dir=" + cluster().Path("state-refused"),
+                    "--tls-cert=" + cert, "--tls-key=" + key},
+                   {}, std::chrono::seconds(30));
     EXPECT_EQ(refused.exit_code, 1) << Describe(refused);
     EXPECT_THAT(refused.err + refused.out, HasSubstr(says)) << Describe(refused);
   }

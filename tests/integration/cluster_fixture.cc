@@ -11,8 +11,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "aidn/v1/job.pb.h"
 #include "common/rpc/client.h"
 #include "common/status.h"
@@ -325,18 +325,14 @@ absl::Status TestCluster::StartWorker(const std::string& id, const WorkerOptions
   std::error_code error;
   std::filesystem::create_directories(work_dir, error);
   if (error) return absl::InternalError(absl::StrCat("mkdir ", work_dir, ": ", error.message()));
-  std::vector<std::string> argv = {options.binary,
-                                   "--coordinator=" + coordinator_.address,
-                                   "--token-file=" + coordinator_.state_dir + "/worker.token",
-                                   "--worker-id=" + id,
-                                   absl::StrCat("--cpu-slots=", options.cpu_slots),
-                                   "--work-dir=" + work_dir,
-                                   "--metrics-addr=",
-                                   // Corpora and checkpoints the tests make live here.
-                                   "--allowed-paths=/usr/share," + dir(),
-                                   coordinator_.ca_file.empty()
-                                       ? std::string("--insecure")
-                                       : "--tls-ca=" + coordinator_.ca_file};
+  std::vector<std::string> argv = {
+      options.binary, "--coordinator=" + coordinator_.address,
+      "--token-file=" + coordinator_.state_dir + "/worker.token", "--worker-id=" + id,
+      absl::StrCat("--cpu-slots=", options.cpu_slots), "--work-dir=" + work_dir, "--metrics-addr=",
+      // Corpora and checkpoints the tests make live here.
+      "--allowed-paths=/usr/share," + dir(),
+      coordinator_.ca_file.empty() ? std::string("--insecure")
+                                   : "--tls-ca=" + coordinator_.ca_file};
   argv.insert(argv.end(), options.args.begin(), options.args.end());
   const std::string log = work_dir + "/worker.log";
   absl::StatusOr<std::unique_ptr<Process>> process = Process::Start(argv, {}, log, log);

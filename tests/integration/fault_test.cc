@@ -157,8 +157,8 @@ class FaultTest : public ClusterFixture {
   // put together).
   std::string FinalWeights(const std::string& id, int64_t steps) {
     const std::string out = cluster().Path(absl::StrCat(id, "-", steps, ".safetensors"));
-    CommandResult exported = cluster().Aidnctl(
-        {"export", id, "--step", absl::StrCat(steps), "-o", out, "--force"});
+    CommandResult exported =
+        cluster().Aidnctl({"export", id, "--step", absl::StrCat(steps), "-o", out, "--force"});
     if (exported.exit_code != 0) {
       ADD_FAILURE() << "aidnctl export " << id << ": " << exported.err;
       return "";
@@ -778,9 +778,9 @@ TEST_P(ShardedFaultTest, ResumesBitwiseAndEndsWhereDdpEnds) {
   EXPECT_EQ(job.restarts(), 1);
   // Each rank wrote its own files; rank 0's manifest names them all.
   const std::string last = absl::StrFormat("%s/step-%08d", JobDir(id), kSteps);
-  for (const char* file : {"model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors",
-                           "optimizer-00000-of-00002.safetensors",
-                           "optimizer-00001-of-00002.safetensors"}) {
+  for (const char* file :
+       {"model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors",
+        "optimizer-00000-of-00002.safetensors", "optimizer-00001-of-00002.safetensors"}) {
     EXPECT_TRUE(absl::StrContains(ReadFileOrEmpty(last + "/MANIFEST"), file)) << file;
   }
   EXPECT_FALSE(std::filesystem::exists(last + "/model.safetensors"));

@@ -271,8 +271,7 @@ TEST_F(MetricsTest, ServedOverHttpsWithABearerTokenAndScrapedSoByPrometheus) {
   if (!std::filesystem::exists(kPrometheus)) GTEST_SKIP() << "no " << kPrometheus;
   const std::string token_file = cluster().Path("metrics.token");
   WriteFileOrDie(token_file, "scrape-token-0123456789\n");
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster({"--metrics-tls", "--metrics-token-file=" + token_file}));
+  ASSERT_NO_FATAL_FAILURE(StartCluster({"--metrics-tls", "--metrics-token-file=" + token_file}));
   const std::string ca = cluster().coordinator().ca_file;
   const std::string url = absl::StrCat("https://", metrics_address(), "/metrics");
   auto curl = [&](std::vector<std::string> args) {
@@ -299,7 +298,9 @@ TEST_F(MetricsTest, ServedOverHttpsWithABearerTokenAndScrapedSoByPrometheus) {
                   .ok());
   std::string w2;
   ASSERT_TRUE(WaitFor(
-      [&] { return !(w2 = std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(w2_file)))).empty(); },
+      [&] {
+        return !(w2 = std::string(absl::StripAsciiWhitespace(ReadFileOrEmpty(w2_file)))).empty();
+      },
       TestCluster::kStartTimeout, "w2's metrics address file"));
   const std::string w2_url = absl::StrCat("https://", w2, "/metrics");
   EXPECT_EQ(curl({"--cacert", ca, w2_url}).out, "401");
@@ -345,7 +346,8 @@ TEST_F(MetricsTest, ServedOverHttpsWithABearerTokenAndScrapedSoByPrometheus) {
                        .find("\"1\"]") != std::string::npos;
       },
       std::chrono::seconds(30)))
-      << targets << "\n" << ReadFileOrEmpty(cluster().Path("prometheus.log"));
+      << targets << "\n"
+      << ReadFileOrEmpty(cluster().Path("prometheus.log"));
 }
 
 TEST_F(MetricsTest, AFinishedJobsSeriesGoAfterTheRetentionPeriod) {

@@ -208,11 +208,10 @@ TEST_F(WatchTest, AWatchSurvivesACoordinatorRestartMissingNothing) {
       absl::StripAsciiWhitespace(absl::StripPrefix(absl::string_view(submit.out), "submitted ")));
 
   const std::string out = cluster().Path("watch.out"), err = cluster().Path("watch.err");
-  absl::StatusOr<std::unique_ptr<Process>> watch =
-      Process::Start({AIDNCTL_BIN, "--addr=" + cluster().address(),
-                      "--tls-ca=" + cluster().coordinator().ca_file, "--token=" + admin(), "watch",
-                      id, "--reconnect-timeout=60s"},
-                     {"HOME=" + home_, "AIDN_ADDR=", "AIDN_TOKEN="}, out, err);
+  absl::StatusOr<std::unique_ptr<Process>> watch = Process::Start(
+      {AIDNCTL_BIN, "--addr=" + cluster().address(), "--tls-ca=" + cluster().coordinator().ca_file,
+       "--token=" + admin(), "watch", id, "--reconnect-timeout=60s"},
+      {"HOME=" + home_, "AIDN_ADDR=", "AIDN_TOKEN="}, out, err);
   ASSERT_TRUE(watch.ok()) << watch.status();
   ASSERT_TRUE(WaitFor([&] { return absl::StrContains(ReadFileOrEmpty(out), "\nstep "); },
                       std::chrono::seconds(60)))

@@ -7,8 +7,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <string_view>
 #include <fstream>
+#include <string_view>
 #include <system_error>
 
 #include "absl/strings/ascii.h"
@@ -81,7 +81,6 @@ absl::Status WriteState(const std::string& dir, const std::map<std::string, std:
   for (const auto& [key, value] : state) absl::StrAppend(&text, key, " ", value, "\n");
   return WriteDurably(absl::StrCat(dir, "/", kStateFile), text);
 }
-
 
 // Writes `manifest` into `tmp` (the checkpoint's other files are there,
 // durable), then makes `tmp` the step's directory: fsync, an older
@@ -223,18 +222,19 @@ absl::StatusOr<WrittenCheckpoint> WriteShardedCheckpoint(const std::string& dir,
   std::vector<float> records(kRecordFloats * static_cast<size_t>(world));
   std::memcpy(records.data() + kRecordFloats * static_cast<size_t>(rank), mine.data(),
               sizeof(mine));
-  if (absl::Status s = communicator->AllGather(
-          records.data() + kRecordFloats * static_cast<size_t>(rank), kRecordFloats,
-          records.data());
+  if (absl::Status s =
+          communicator->AllGather(records.data() + kRecordFloats * static_cast<size_t>(rank),
+                                  kRecordFloats, records.data());
       !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("checkpoint: gathering the shards' checksums: ",
-                                               s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat("checkpoint: gathering the shards' checksums: ", s.message()));
   }
   std::vector<std::array<int64_t, kRecordInts>> all(static_cast<size_t>(world));
   std::memcpy(all.data(), records.data(), records.size() * sizeof(float));
   std::vector<int> failed;
   for (int r = 0; r < world; ++r) {
-    if (all[static_cast<size_t>(r)][0] < 0 || all[static_cast<size_t>(r)][2] < 0) failed.push_back(r);
+    if (all[static_cast<size_t>(r)][0] < 0 || all[static_cast<size_t>(r)][2] < 0)
+      failed.push_back(r);
   }
   auto fail = [&](const absl::Status& status) {
     if (rank == 0) {

@@ -110,8 +110,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
                                               " and no model-00000-of-N.safetensors"));
     }
     for (int r = 0; r < world; ++r) {
-      for (auto [part, prefix] : {std::pair{Part::kModel, "model"},
-                                  std::pair{Part::kOptimizer, "optimizer"}}) {
+      for (auto [part, prefix] :
+           {std::pair{Part::kModel, "model"}, std::pair{Part::kOptimizer, "optimizer"}}) {
         const std::string name = ShardFileName(prefix, r, world);
         if (!files.contains(name)) {
           return absl::DataLossError(absl::StrCat(kManifestName, " names no ", name, " (", world,
@@ -215,8 +215,8 @@ absl::Status CheckpointReader::CheckCoverage() {
         at = p.end;
       }
       if (at != w.numel) {
-        return absl::DataLossError(absl::StrCat("the pieces of ", name, " end at element ", at,
-                                                " of ", w.numel));
+        return absl::DataLossError(
+            absl::StrCat("the pieces of ", name, " end at element ", at, " of ", w.numel));
       }
     }
   }
@@ -235,20 +235,21 @@ absl::Status CheckpointReader::Read(Part part, const std::string& name, size_t b
   const Index& index = index_[static_cast<int>(part)];
   auto it = index.by_name.find(name);
   if (it == index.by_name.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "the checkpoint holds no ", part == Part::kModel ? "parameter " : "optimizer state ",
-        name));
+    return absl::NotFoundError(
+        absl::StrCat("the checkpoint holds no ",
+                     part == Part::kModel ? "parameter " : "optimizer state ", name));
   }
   const Whole& w = it->second;
   if (end < begin || end > w.numel) {
-    return absl::InvalidArgumentError(absl::StrCat("elements [", begin, ", ", end, ") of ", name,
-                                                   ", which has ", w.numel));
+    return absl::InvalidArgumentError(
+        absl::StrCat("elements [", begin, ", ", end, ") of ", name, ", which has ", w.numel));
   }
   for (const Piece& p : w.pieces) {
     const size_t lo = std::max(begin, p.begin), hi = std::min(end, p.end);
     if (lo >= hi) continue;
     AIDN_RETURN_IF_ERROR(Verify(p.file));
-    AIDN_RETURN_IF_ERROR(files_[p.file]->ReadFloats(p.name, lo - p.begin, hi - lo, out + (lo - begin)));
+    AIDN_RETURN_IF_ERROR(
+        files_[p.file]->ReadFloats(p.name, lo - p.begin, hi - lo, out + (lo - begin)));
   }
   return absl::OkStatus();
 }
@@ -262,18 +263,17 @@ absl::Status CheckpointReader::ReadParameters(const std::vector<Parameter*>& par
           absl::StrCat("the checkpoint holds no parameter ", p->name));
     }
     if (it->second.shape != p->value.shape()) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter ", p->name, " has shape ",
-                                                     ShapeText(it->second.shape),
-                                                     " in the checkpoint, ",
-                                                     ShapeText(p->value.shape()), " here"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", p->name, " has shape ", ShapeText(it->second.shape),
+                       " in the checkpoint, ", ShapeText(p->value.shape()), " here"));
     }
   }
   std::vector<Tensor> staged;
   staged.reserve(params.size());
   for (const Parameter* p : params) {
     staged.emplace_back(p->value.shape());
-    AIDN_RETURN_IF_ERROR(
-        Read(Part::kModel, p->name, 0, static_cast<size_t>(p->value.numel()), staged.back().data()));
+    AIDN_RETURN_IF_ERROR(Read(Part::kModel, p->name, 0, static_cast<size_t>(p->value.numel()),
+                              staged.back().data()));
   }
   for (size_t i = 0; i < params.size(); ++i) {
     if (staged[i].numel() == 0) continue;

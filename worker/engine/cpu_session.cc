@@ -141,8 +141,8 @@ std::vector<CpuSession::Piece> CpuSession::WeightPieces() const {
   if (const ShardMap* map = shard_map(); map != nullptr) return map->WeightPieces();
   std::vector<Piece> pieces;
   for (const Parameter* p : model_->Parameters()) {
-    pieces.push_back({p->name, p->name, p->value.shape(), 0, static_cast<size_t>(p->value.numel()),
-                      &p->value});
+    pieces.push_back(
+        {p->name, p->name, p->value.shape(), 0, static_cast<size_t>(p->value.numel()), &p->value});
   }
   return pieces;
 }
@@ -152,7 +152,8 @@ absl::StatusOr<std::vector<CpuSession::Piece>> CpuSession::StatePieces() const {
   if (const ShardMap* map = shard_map(); map != nullptr) return map->StatePieces(state);
   std::vector<Piece> pieces;
   for (const auto& [name, tensor] : state) {
-    pieces.push_back({name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
+    pieces.push_back(
+        {name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
   }
   return pieces;
 }

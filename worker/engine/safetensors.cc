@@ -574,14 +574,14 @@ absl::Status SafetensorsFile::ReadFloats(const std::string& name, size_t first, 
     return InFile(path_, absl::InvalidArgumentError(absl::StrCat("no tensor ", Quote(name))));
   }
   if (it->dtype != "F32") {
-    return InFile(path_, absl::InvalidArgumentError(absl::StrCat(
-                             "tensor ", Quote(name), " has dtype ", it->dtype,
-                             "; aidn reads F32 only")));
+    return InFile(path_,
+                  absl::InvalidArgumentError(absl::StrCat("tensor ", Quote(name), " has dtype ",
+                                                          it->dtype, "; aidn reads F32 only")));
   }
   if (first > static_cast<size_t>(it->numel) || count > static_cast<size_t>(it->numel) - first) {
-    return InFile(path_, absl::InvalidArgumentError(absl::StrCat(
-                             "elements [", first, ", ", first + count, ") of tensor ", Quote(name),
-                             ", which has ", it->numel)));
+    return InFile(path_, absl::InvalidArgumentError(
+                             absl::StrCat("elements [", first, ", ", first + count, ") of tensor ",
+                                          Quote(name), ", which has ", it->numel)));
   }
   if (count == 0) return absl::OkStatus();
   return InFile(path_, PreadAll(fd_->get(), out, count * sizeof(float),

@@ -126,7 +126,8 @@ absl::StatusOr<std::vector<ShardMap::Piece>> ShardMap::StatePieces(
   for (const auto& [name, tensor] : shard_state) {
     // "<parameter>[a:b].<buffer>": the shard's name ends at the "].".
     const size_t cut = name.rfind("].");
-    auto it = cut == std::string::npos ? shard_index.end() : shard_index.find(name.substr(0, cut + 1));
+    auto it =
+        cut == std::string::npos ? shard_index.end() : shard_index.find(name.substr(0, cut + 1));
     if (it == shard_index.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat("sharding: optimizer state ", name, " belongs to no shard"));
@@ -137,8 +138,8 @@ absl::StatusOr<std::vector<ShardMap::Piece>> ShardMap::StatePieces(
           absl::StrCat("sharding: optimizer state ", name, " is missing or misshapen"));
     }
     pieces.push_back({name, absl::StrCat(place.whole->name, name.substr(cut + 1)),
-                      place.whole->value.shape(), place.lo - place.offset,
-                      place.hi - place.offset, tensor});
+                      place.whole->value.shape(), place.lo - place.offset, place.hi - place.offset,
+                      tensor});
   }
   return pieces;
 }

@@ -20,9 +20,9 @@ bool Foreign(const v1::Checkpoint& c, const std::string& job_id) {
 }
 
 absl::Status ForeignFailed(const v1::Checkpoint& c, const std::string& why) {
-  return absl::FailedPreconditionError(absl::StrCat("checkpoint.resume_from: the checkpoint of step ",
-                                                    c.step(), " of job ", c.job_id(), " at ",
-                                                    c.path(), ": ", why));
+  return absl::FailedPreconditionError(
+      absl::StrCat("checkpoint.resume_from: the checkpoint of step ", c.step(), " of job ",
+                   c.job_id(), " at ", c.path(), ": ", why));
 }
 
 }  // namespace

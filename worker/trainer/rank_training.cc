@@ -379,8 +379,7 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
     AIDN_LOG(INFO) << "resharding a checkpoint" << Kv("written_by", resumed->world_size)
                    << Kv("world_size", rendezvous_.world_size());
   }
-  if (std::optional<Failure> f = ResumeOptimizerState(resumed->optimizer_steps);
-      f.has_value()) {
+  if (std::optional<Failure> f = ResumeOptimizerState(resumed->optimizer_steps); f.has_value()) {
     return f;
   }
   start_step_ = resumed->step;
@@ -397,7 +396,8 @@ std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t optimizer_step
     pieces = *std::move(mine);
   } else {
     for (const auto& [name, tensor] : optimizer_->State()) {
-      pieces.push_back({name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
+      pieces.push_back(
+          {name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
     }
   }
   if (absl::Status s = loader_->LoadOptimizerState(pieces, optimizer_steps, optimizer_); !s.ok()) {
@@ -442,9 +442,8 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
     for (const engine::Parameter* p : task_->Parameters()) contents.parameters.push_back(p->name);
     contents.model_metadata = std::move(metadata);
     contents.state = state.Encode();
-    written = engine::WriteShardedCheckpoint(checkpoint_dir_, step,
-                                             absl::StrCat("g", options_.generation), contents,
-                                             comm_.get());
+    written = engine::WriteShardedCheckpoint(
+        checkpoint_dir_, step, absl::StrCat("g", options_.generation), contents, comm_.get());
     // Rank 0 does not see the other ranks' files: no passing trouble.
     if (absl::IsFailedPrecondition(written.status())) {
       return Failure{kExitPermanent, written.status()};

@@ -17,9 +17,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "aidn/v1/cluster.grpc.pb.h"
 #include "common/rpc/client.h"
 #include "gmock/gmock.h"
-#include "aidn/v1/cluster.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/security/server_credentials.h"
 #include "gtest/gtest.h"
@@ -104,9 +104,11 @@ TEST_F(TlsTest, TheCaIsMadeOnceAndEveryStartsCertificateVerifiesWithIt) {
   // A client connected to this start's server ...
   auto server = std::make_unique<Server>(&*first);
   const int port = server->port();
-  const rpc::ChannelOptions verified = {.address = server->address(), .tls_ca_file = first->ca_file};
+  const rpc::ChannelOptions verified = {.address = server->address(),
+                                        .tls_ca_file = first->ca_file};
   std::shared_ptr<grpc::Channel> channel = rpc::MakeChannel(verified);
-  ASSERT_TRUE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(3)));
+  ASSERT_TRUE(
+      channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(3)));
   EXPECT_EQ(DiagnoseTls(server->address(), first->ca_file, false), "");
 
   // ... reconnects to the next start's, whose certificate is new but signed
@@ -118,10 +120,11 @@ TEST_F(TlsTest, TheCaIsMadeOnceAndEveryStartsCertificateVerifiesWithIt) {
   server.reset();
   server = std::make_unique<Server>(&*second, port);
   ASSERT_EQ(server->port(), port);
-  EXPECT_TRUE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5)));
-  EXPECT_TRUE(Connects(
-      {.address = "localhost:" + std::to_string(port), .tls_ca_file = second->ca_file},
-      std::chrono::seconds(5)));
+  EXPECT_TRUE(
+      channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5)));
+  EXPECT_TRUE(
+      Connects({.address = "localhost:" + std::to_string(port), .tls_ca_file = second->ca_file},
+               std::chrono::seconds(5)));
 
   // Half a CA is refused, saying what to do.
   fs::remove(dir_ + "/tls/ca.key");
@@ -177,7 +180,8 @@ TEST_F(TlsTest, AnExpiredCertificateIsRefusedByTheServerAndByClients) {
   // A key that is not the certificate's.
   absl::StatusOr<ServerTls> other = EnsureAutoTls({.dir = dir_ + "/other"});
   ASSERT_TRUE(other.ok()) << other.status();
-  absl::Status mismatched = LoadServerTls(dir_ + "/other/server.pem", dir_ + "/tls/server.key").status();
+  absl::Status mismatched =
+      LoadServerTls(dir_ + "/other/server.pem", dir_ + "/tls/server.key").status();
   EXPECT_THAT(std::string(mismatched.message()), HasSubstr("is not the key of the certificate"));
 }
 

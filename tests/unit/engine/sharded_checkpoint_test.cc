@@ -235,7 +235,8 @@ TEST_F(ShardedCheckpointTest, ACorruptOrMissingShardIsNamedAndOnlyItsReadersFail
   fs::remove(absl::StrCat(path, "/", ShardFileName("model", 1, kWriters)));
   absl::Status missing = CheckpointReader::Open(path).status();
   EXPECT_EQ(missing.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(std::string(missing.message()), HasSubstr("model-00001-of-00004.safetensors: missing"));
+  EXPECT_THAT(std::string(missing.message()),
+              HasSubstr("model-00001-of-00004.safetensors: missing"));
 }
 
 TEST_F(ShardedCheckpointTest, ARankThatCannotWriteOrIsNotSeenFailsTheCheckpointEverywhere) {
@@ -245,8 +246,12 @@ TEST_F(ShardedCheckpointTest, ARankThatCannotWriteOrIsNotSeenFailsTheCheckpointE
   OnRanks(2, "fail", [&](int r, Communicator* comm) {
     Tensor values({4});
     ShardContents contents;
-    contents.weights = {{"w[0:4]", "w", {r == 1 ? 5 : 8}, r == 1 ? size_t{0} : size_t{4},
-                         r == 1 ? size_t{5} : size_t{8}, &values}};
+    contents.weights = {{"w[0:4]",
+                         "w",
+                         {r == 1 ? 5 : 8},
+                         r == 1 ? size_t{0} : size_t{4},
+                         r == 1 ? size_t{5} : size_t{8},
+                         &values}};
     contents.state = {{"step", "1"}};
     got[static_cast<size_t>(r)] = WriteShardedCheckpoint(dir_, 1, "g1", contents, comm).status();
   });

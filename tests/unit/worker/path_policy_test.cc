@@ -61,8 +61,7 @@ TEST_F(PathPolicyTest, AnythingElseIsRefusedNamingTheFieldAndNothingIsMade) {
   // ".." that climbs out, once normalised.
   spec.Clear();
   spec.mutable_command()->set_working_dir(dir_ + "/work/../../..");
-  EXPECT_THAT(std::string(CheckJobPaths(spec, roots_).message()),
-              HasSubstr("command.working_dir"));
+  EXPECT_THAT(std::string(CheckJobPaths(spec, roots_).message()), HasSubstr("command.working_dir"));
   // A link inside a root that points out of it.
   fs::create_symlink("/etc", dir_ + "/data/etc");
   spec.Clear();
