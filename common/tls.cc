@@ -266,6 +266,28 @@ absl::StatusOr<ServerTls> EnsureAutoTls(const AutoTlsOptions& options) {
   return tls;
 }
 
+absl::Status IssueClientCertificate(const std::string& ca_dir, const std::string& name,
+                                    const std::string& cert_file, const std::string& key_file) {
+  const std::string ca_file = absl::StrCat(ca_dir, "/ca.pem");
+  const std::string ca_key_file = absl::StrCat(ca_dir, "/ca.key");
+  AIDN_ASSIGN_OR_RETURN(const std::string ca_pem, ReadWhole(ca_file));
+  AIDN_ASSIGN_OR_RETURN(const std::string ca_key_pem, ReadWhole(ca_key_file));
+  AIDN_ASSIGN_OR_RETURN(Cert ca, ParseCert(ca_pem, ca_file));
+  AIDN_ASSIGN_OR_RETURN(Key ca_key, ParseKey(ca_key_pem, ca_key_file));
+  AIDN_ASSIGN_OR_RETURN(Key key, NewKey());
+  AIDN_ASSIGN_OR_RETURN(Cert cert,
+                        MakeCert(key.get(), name, ca.get(), ca_key.get(), absl::Hours(24 * 365),
+                                 {{NID_basic_constraints, "critical,CA:FALSE"},
+                                  {NID_key_usage, "critical,digitalSignature"},
+                                  {NID_ext_key_usage, "clientAuth"},
+                                  {NID_subject_key_identifier, "hash"},
+                                  {NID_authority_key_identifier, "keyid:always"}}));
+  AIDN_ASSIGN_OR_RETURN(const std::string cert_pem, CertPem(cert.get()));
+  AIDN_ASSIGN_OR_RETURN(const std::string key_pem, KeyPem(key.get()));
+  AIDN_RETURN_IF_ERROR(WriteFile(key_file, key_pem, 0600));
+  return WriteFile(cert_file, cert_pem, 0644);
+}
+
 absl::StatusOr<ServerTls> LoadServerTls(const std::string& cert_file, const std::string& key_file) {
   ServerTls tls;
   AIDN_ASSIGN_OR_RETURN(tls.cert_pem, ReadWhole(cert_file));

@@ -43,6 +43,14 @@ struct AutoTlsOptions {
 // ca.key is there, or they do not belong together.
 absl::StatusOr<ServerTls> EnsureAutoTls(const AutoTlsOptions& options);
 
+// A client certificate for `name` (its common name; extended key usage
+// clientAuth, 1 year) and its key, signed by the CA in `ca_dir` (ca.pem and
+// ca.key, as EnsureAutoTls makes them), written to `cert_file` and
+// `key_file` (0600): what a worker presents to a coordinator started with
+// --tls-client-ca.
+absl::Status IssueClientCertificate(const std::string& ca_dir, const std::string& name,
+                                    const std::string& cert_file, const std::string& key_file);
+
 // --tls-cert and --tls-key: read and checked (the key is the certificate's,
 // the certificate is in its validity period). INVALID_ARGUMENT naming the
 // file and what is wrong ("the certificate expired on ...").

@@ -70,6 +70,10 @@ class Authenticator {
   absl::StatusOr<Principal> Authenticate(absl::string_view authorization) const;
 
   void AddToken(const std::string& token, const Principal& principal);
+  // Mutual TLS (--tls-client-ca): a worker token counts only over a
+  // connection whose client certificate the server verified.
+  void set_worker_certificates_required(bool required) { worker_certificates_required_ = required; }
+  bool worker_certificates_required() const { return worker_certificates_required_; }
   void RemoveToken(const std::string& token);
 
   // Paths of the generated token files.
@@ -82,6 +86,7 @@ class Authenticator {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Principal> tokens_ ABSL_GUARDED_BY(mu_);
   std::string admin_token_path_;
+  bool worker_certificates_required_ = false;
   std::string worker_token_path_;
 };
 

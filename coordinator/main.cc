@@ -42,6 +42,9 @@ ABSL_FLAG(std::string, tls_key, "", "the key of --tls-cert (PEM)");
 ABSL_FLAG(std::vector<std::string>, tls_san, {},
           "more host names or IPs the made server certificate covers (comma-separated); it "
           "always covers localhost, 127.0.0.1, ::1, this host's name and the listen host");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "mutual TLS for workers: a worker token counts only with a client certificate signed "
+          "by a CA in this file (PEM)");
 ABSL_FLAG(bool, insecure, false,
           "serve plaintext gRPC: tokens travel in the clear (logged loudly unless the listen "
           "address is loopback)");
@@ -145,6 +148,7 @@ struct Config {
   std::string tls_key;
   std::vector<std::string> tls_san;
   bool insecure = false;
+  std::string tls_client_ca;
   std::chrono::milliseconds tick{0};
   aidn::coordinator::CoordinatorOptions coordinator;
   aidn::coordinator::ServerOptions server;
@@ -167,6 +171,10 @@ absl::StatusOr<Config> ConfigFromFlags() {
   config.tls_key = absl::GetFlag(FLAGS_tls_key);
   config.tls_san = absl::GetFlag(FLAGS_tls_san);
   config.insecure = absl::GetFlag(FLAGS_insecure);
+  config.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (config.insecure && !config.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError("flags: --tls-client-ca needs TLS; drop --insecure");
+  }
   if (config.tls_cert.empty() != config.tls_key.empty()) {
     return absl::InvalidArgumentError("flags: --tls-cert and --tls-key go together");
   }
@@ -264,6 +272,10 @@ absl::StatusOr<std::string> SetUpTls(Config* config) {
   if (!tls.ok()) return tls.status();
   config->server.tls_cert_pem = tls->cert_pem;
   config->server.tls_key_pem = tls->key_pem;
+  if (!config->tls_client_ca.empty()) {
+    AIDN_ASSIGN_OR_RETURN(config->server.tls_client_ca_pem,
+                          aidn::ReadCaFile(config->tls_client_ca));
+  }
   if (config->metrics_tls) {
     config->metrics.tls_cert_file =
         config->tls_cert.empty() ? config->state_dir + "/tls/server.pem" : config->tls_cert;
@@ -288,6 +300,7 @@ int Serve(Config config, const sigset_t& signals) {
   auto auth = aidn::coordinator::Authenticator::Create(
       {.state_dir = config.state_dir, .token_file = config.token_file});
   if (!auth.ok()) return Fail(auth.status());
+  (*auth)->set_worker_certificates_required(!config.server.tls_client_ca_pem.empty());
   auto store = aidn::coordinator::Store::Open({.path = config.state_dir + "/coordinator.db"});
   if (!store.ok()) return Fail(store.status());
   auto coordinator =

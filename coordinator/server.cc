@@ -33,6 +33,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!options.tls_cert_pem.empty()) {
     grpc::SslServerCredentialsOptions tls;
     tls.pem_key_cert_pairs.push_back({options.tls_key_pem, options.tls_cert_pem});
+    if (!options.tls_client_ca_pem.empty()) {
+      // Asked for and verified when presented: aidnctl and trainers present
+      // none; worker tokens need one (AuthenticateCall).
+      tls.pem_root_certs = options.tls_client_ca_pem;
+      tls.client_certificate_request = GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
     credentials = grpc::SslServerCredentials(tls);
   }
   builder.AddListeningPort(options.listen, credentials, &port);

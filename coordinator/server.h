@@ -33,6 +33,9 @@ struct ServerOptions {
   // caller decides when that is allowed: --insecure).
   std::string tls_cert_pem;
   std::string tls_key_pem;
+  // Mutual TLS: request client certificates and verify those presented
+  // against these CA certificates (PEM); empty: none asked for.
+  std::string tls_client_ca_pem;
 };
 
 class Server {

@@ -14,10 +14,7 @@ namespace {
 
 absl::StatusOr<Principal> Authenticate(const Authenticator& auth,
                                        grpc::CallbackServerContext* context) {
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  if (it == metadata.end()) return auth.Authenticate("");
-  return auth.Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  return AuthenticateCall(auth, context);
 }
 
 grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
@@ -203,6 +200,25 @@ class MetricsReader final : public grpc::ServerReadReactor<v1::StreamMetricsRequ
 };
 
 }  // namespace
+
+absl::StatusOr<Principal> AuthenticateCall(const Authenticator& auth,
+                                           grpc::CallbackServerContext* context) {
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  absl::StatusOr<Principal> p =
+      it == metadata.end()
+          ? auth.Authenticate("")
+          : auth.Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  if (p.ok() && p->role == Role::kWorker && auth.worker_certificates_required()) {
+    const std::shared_ptr<const grpc::AuthContext> tls = context->auth_context();
+    if (tls == nullptr || !tls->IsPeerAuthenticated()) {
+      return absl::PermissionDeniedError(
+          "a worker must present a client certificate signed by the coordinator's "
+          "--tls-client-ca (the worker's --tls-cert and --tls-key)");
+    }
+  }
+  return p;
+}
 
 // ---------------------------------------------------------------------------
 // CoordinatorService

@@ -56,6 +56,12 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::CallbackServ
   const Authenticator* const auth_;
 };
 
+// The call's principal, from its bearer token. With worker certificates
+// required (Authenticator), a worker token only over a connection whose
+// client certificate the server verified: PERMISSION_DENIED saying so.
+absl::StatusOr<Principal> AuthenticateCall(const Authenticator& auth,
+                                           grpc::CallbackServerContext* context);
+
 class ClusterServiceImpl final : public v1::ClusterService::CallbackService {
  public:
   ClusterServiceImpl(Coordinator* coordinator, const Authenticator* auth)

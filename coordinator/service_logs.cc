@@ -15,10 +15,7 @@ namespace {
 
 absl::StatusOr<Principal> Authenticate(const Authenticator& auth,
                                        grpc::CallbackServerContext* context) {
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  if (it == metadata.end()) return auth.Authenticate("");
-  return auth.Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  return AuthenticateCall(auth, context);
 }
 
 // ReadLogs: pulls from the coordinator whenever it says there is something

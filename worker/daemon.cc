@@ -66,7 +66,9 @@ rpc::ChannelOptions ChannelOf(const DaemonOptions& o) {
   return {.address = o.coordinator,
           .max_message_bytes = o.max_message_bytes,
           .tls_ca_file = o.tls_ca_file,
-          .insecure = o.insecure};
+          .insecure = o.insecure,
+          .tls_cert_file = o.tls_cert_file,
+          .tls_key_file = o.tls_key_file};
 }
 
 LaunchOptions LaunchOptionsOf(const DaemonOptions& o) {

@@ -51,6 +51,10 @@ struct DaemonOptions {
   // ranks. Made absolute by Create().
   std::string tls_ca_file;
   bool insecure = false;
+  // Mutual TLS: the client certificate and key the daemon presents (a
+  // coordinator run with --tls-client-ca asks for them); trainers do not.
+  std::string tls_cert_file;
+  std::string tls_key_file;
   // Absolute directories whose paths a job may name (checkpoint.dir, its
   // dataset, a command's working directory), besides work_dir and
   // checkpoint_root (path_policy.h).

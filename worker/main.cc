@@ -60,6 +60,10 @@ ABSL_FLAG(std::vector<std::string>, allowed_paths, {"/usr/share"},
           "absolute directories whose paths a job may name (checkpoint.dir, dataset files, a "
           "command's working directory), besides the work dir and checkpoint root; "
           "comma-separated");
+ABSL_FLAG(std::string, tls_cert, "",
+          "mutual TLS: the client certificate (PEM) this worker presents to a coordinator run "
+          "with --tls-client-ca");
+ABSL_FLAG(std::string, tls_key, "", "the key of --tls-cert (PEM)");
 ABSL_FLAG(bool, insecure, false,
           "talk plaintext gRPC to a coordinator started with --insecure (no TLS)");
 ABSL_FLAG(std::string, work_dir, "./aidn-work",
@@ -305,6 +309,8 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags(const std::string& log_level)
   options.tls_ca_file = TlsCaFromFlags();
   options.insecure = absl::GetFlag(FLAGS_insecure);
   options.allowed_paths = absl::GetFlag(FLAGS_allowed_paths);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.hostname = Hostname();
   options.worker_id = absl::GetFlag(FLAGS_worker_id);
   if (options.worker_id.empty()) options.worker_id = options.hostname;

@@ -1,14 +1,35 @@
 #include "common/rpc/client.h"
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 
+#include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "common/tls.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 
 namespace aidn::rpc {
+
+namespace {
+
+// A PEM file's text; INVALID_ARGUMENT naming it when it cannot be read.
+absl::StatusOr<std::string> ReadPem(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS file ", path, ": cannot read it"));
+  }
+  if (text.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS file ", path, ": no PEM in it"));
+  }
+  return text;
+}
+
+}  // namespace
 
 std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
   // A synchronous client polls its sockets only inside calls, and a call
@@ -39,13 +60,31 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
         AIDN_LOG(ERROR) << pem.status();
       }
     }
+    if (!options.tls_cert_file.empty()) {
+      absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file);
+      absl::StatusOr<std::string> key = ReadPem(options.tls_key_file);
+      if (cert.ok() && key.ok()) {
+        tls.pem_cert_chain = *cert;
+        tls.pem_private_key = *key;
+      } else {
+        AIDN_LOG(ERROR) << (cert.ok() ? key.status() : cert.status());
+      }
+    }
     credentials = grpc::SslCredentials(tls);
   }
   return grpc::CreateCustomChannel(options.address, credentials, args);
 }
 
 absl::Status CheckChannelOptions(const ChannelOptions& options) {
-  if (options.insecure || options.tls_ca_file.empty()) return absl::OkStatus();
+  if (options.insecure) return absl::OkStatus();
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("a TLS client certificate and its key go together");
+  }
+  if (!options.tls_cert_file.empty()) {
+    AIDN_RETURN_IF_ERROR(ReadPem(options.tls_cert_file).status());
+    AIDN_RETURN_IF_ERROR(ReadPem(options.tls_key_file).status());
+  }
+  if (options.tls_ca_file.empty()) return absl::OkStatus();
   return ReadCaFile(options.tls_ca_file).status();
 }
 

@@ -25,6 +25,10 @@ struct ChannelOptions {
   // host. Or, with insecure, plaintext.
   std::string tls_ca_file;
   bool insecure = false;
+  // Mutual TLS: the client certificate (PEM) and key this client presents
+  // (a worker's, for a coordinator run with --tls-client-ca); both or none.
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
 
 // The options' CA file read and checked (INVALID_ARGUMENT naming it): for

@@ -25,6 +25,7 @@
 #include "aidn/v1/cluster.grpc.pb.h"
 #include "aidn/v1/coordinator.grpc.pb.h"
 #include "aidn/v1/job.pb.h"
+#include "common/tls.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
@@ -360,6 +361,27 @@ TEST_F(WorkerTest, ATrainerExitingWithCode78FailsTheJobAtOnce) {
   ASSERT_TRUE(WaitForJobState(job, v1::Job::FAILED));
   EXPECT_EQ(GetJob(job).restarts(), 0);
   EXPECT_THAT(GetJob(job).message(), HasSubstr("dataset missing"));
+}
+
+// Mutual TLS: with --tls-client-ca the coordinator takes a worker token only
+// over a connection with a client certificate from that CA; users' and
+// trainers' calls need none.
+TEST_F(WorkerTest, WithATlsClientCaAWorkerNeedsACertificateFromIt) {
+  const std::string clients = cluster().Path("clients");
+  ASSERT_TRUE(EnsureAutoTls({.dir = clients}).ok());  // a CA for the workers' certificates
+  ASSERT_TRUE(IssueClientCertificate(clients, "w1", clients + "/w1.pem", clients + "/w1.key").ok());
+  StartCoordinatorWith({"--worker-timeout=2s", "--heartbeat-interval=300ms", "--tick-interval=50ms",
+                        "--tls-client-ca=" + clients + "/ca.pem"});
+  StartWorker("w2", WriteScript("exit0", kExitZero));  // no certificate
+  StartWorker("w1", WriteScript("exit0", kExitZero),
+              {"--tls-cert=" + clients + "/w1.pem", "--tls-key=" + clients + "/w1.key"});
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(Log("w2"), "client certificate signed by"); },
+                      kLong, "w2 told it needs a certificate"));
+  EXPECT_FALSE(Workers().contains("w2"));
+  // Work still flows to the worker that has one.
+  const std::string job = Submit(Spec(1));
+  EXPECT_TRUE(WaitForJobState(job, v1::Job::SUCCEEDED));
 }
 
 // A job naming a path outside the roots its worker allows fails at once,
