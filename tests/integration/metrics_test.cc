@@ -126,6 +126,23 @@ class MetricsTest : public ClusterFixture {
     return id.ok() ? *id : "";
   }
 
+  // A real Prometheus server with `config` (the shipped one, edited),
+  // answering on *web once ready.
+  void StartPrometheus(const std::string& config, std::string* web) {
+    WriteFileOrDie(cluster().Path("prometheus.yml"), config);
+    *web = absl::StrCat("127.0.0.1:", FreePort());
+    absl::StatusOr<std::unique_ptr<Process>> p =
+        Process::Start({kPrometheus, "--config.file=" + cluster().Path("prometheus.yml"),
+                        "--storage.tsdb.path=" + cluster().Path("tsdb"),
+                        "--web.listen-address=" + *web, "--log.level=warn"},
+                       {}, cluster().Path("prometheus.log"), cluster().Path("prometheus.log"));
+    ASSERT_TRUE(p.ok()) << p.status();
+    prometheus_ = std::move(*p);
+    ASSERT_TRUE(
+        WaitFor([&] { return !HttpGet(*web, "/-/ready").empty(); }, std::chrono::seconds(30)))
+        << ReadFileOrEmpty(cluster().Path("prometheus.log"));
+  }
+
   std::string worker_metrics_;
   std::unique_ptr<Process> prometheus_;
 };
@@ -219,17 +236,8 @@ TEST_F(MetricsTest, ScrapesPassPromtoolAndAPrometheusServerQueriesTheRunningJob)
                                 {"scrape_interval: 15s", "scrape_interval: 1s"},
                                 {"evaluation_interval: 15s", "evaluation_interval: 1s"},
                                 {"scrape_timeout: 10s", "scrape_timeout: 1s"}});
-  WriteFileOrDie(cluster().Path("prometheus.yml"), config);
-  const std::string web = absl::StrCat("127.0.0.1:", FreePort());
-  absl::StatusOr<std::unique_ptr<Process>> p =
-      Process::Start({kPrometheus, "--config.file=" + cluster().Path("prometheus.yml"),
-                      "--storage.tsdb.path=" + cluster().Path("tsdb"),
-                      "--web.listen-address=" + web, "--log.level=warn"},
-                     {}, cluster().Path("prometheus.log"), cluster().Path("prometheus.log"));
-  ASSERT_TRUE(p.ok()) << p.status();
-  prometheus_ = std::move(*p);
-  ASSERT_TRUE(WaitFor([&] { return !HttpGet(web, "/-/ready").empty(); }, std::chrono::seconds(30)))
-      << ReadFileOrEmpty(cluster().Path("prometheus.log"));
+  std::string web;
+  ASSERT_NO_FATAL_FAILURE(StartPrometheus(config, &web));
 
   const std::regex value(R"re("value":\[[0-9.]+,"([0-9.e+-]+)"\])re");
   for (const std::string metric : {"aidn_job_step", "aidn_job_loss"}) {
@@ -326,15 +334,8 @@ TEST_F(MetricsTest, ServedOverHttpsWithABearerTokenAndScrapedSoByPrometheus) {
                {"\"127.0.0.1:9465\"", absl::StrCat("\"", worker_metrics_, "\"")},
                {"scrape_interval: 15s", "scrape_interval: 1s"},
                {"scrape_timeout: 10s", "scrape_timeout: 1s"}});
-  WriteFileOrDie(cluster().Path("prometheus.yml"), config);
-  const std::string web = absl::StrCat("127.0.0.1:", FreePort());
-  absl::StatusOr<std::unique_ptr<Process>> p =
-      Process::Start({kPrometheus, "--config.file=" + cluster().Path("prometheus.yml"),
-                      "--storage.tsdb.path=" + cluster().Path("tsdb"),
-                      "--web.listen-address=" + web, "--log.level=warn"},
-                     {}, cluster().Path("prometheus.log"), cluster().Path("prometheus.log"));
-  ASSERT_TRUE(p.ok()) << p.status();
-  prometheus_ = std::move(*p);
+  std::string web;
+  ASSERT_NO_FATAL_FAILURE(StartPrometheus(config, &web));
   std::string targets;
   EXPECT_TRUE(WaitFor(
       [&] {

@@ -10,12 +10,13 @@
 #include <mutex>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/run_ranks.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/checkpoint_reader.h"
 #include "worker/engine/comm/gloo_communicator.h"
@@ -51,22 +52,19 @@ OptimizerConfig Adam() {
 // Runs `body(rank, communicator)` on `world` threads joined over Gloo.
 template <typename Body>
 void OnRanks(int world, const std::string& prefix, Body body) {
-  InMemoryKeyValueStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      ConfigureCpu(1);
-      GlooOptions options;
-      options.rank = r;
-      options.world_size = world;
-      options.timeout = std::chrono::seconds(30);
-      options.prefix = prefix;
-      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, &store);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      body(r, comm->get());
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  EXPECT_TRUE(
+      testing::AllOk(testing::RunRanks(world, [&](int r, KeyValueStore& store) -> absl::Status {
+        ConfigureCpu(1);
+        GlooOptions options;
+        options.rank = r;
+        options.world_size = world;
+        options.timeout = std::chrono::seconds(30);
+        options.prefix = prefix;
+        AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
+                              CreateGlooCommunicator(options, &store));
+        body(r, comm.get());
+        return absl::OkStatus();
+      })));
 }
 
 class ShardedCheckpointTest : public ::testing::Test {
