@@ -109,26 +109,6 @@ std::string WithDefaultPort(const std::string& address) {
 
 }  // namespace
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return PosixError(path, errno);
-  std::string contents;
-  char buffer[1 << 14];
-  while (true) {
-    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
-    if (n == 0) break;
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int error = errno;
-      ::close(fd);
-      return PosixError(path, error);
-    }
-    contents.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return contents;
-}
-
 absl::StatusOr<ConnectionSettings> ResolveConnection(const ConnectionFlags& flags,
                                                      const std::map<std::string, std::string>& env,
                                                      const std::optional<std::string>& config_text,

@@ -26,6 +26,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/file.h"
 
 namespace aidn::ctl {
 
@@ -53,7 +54,7 @@ struct ConnectionSettings {
 
 // Reads a whole file; NOT_FOUND if it does not exist.
 using FileReader = std::function<absl::StatusOr<std::string>(const std::string& path)>;
-absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+using ::aidn::ReadFileToString;
 
 // Resolves the settings without touching the process: `env` holds the
 // environment (AIDN_ADDR, AIDN_TOKEN, HOME are read), `config_text` the config

@@ -58,14 +58,6 @@ std::string WhyNot(const v1::Checkpoint& c) {
                       " ranks reported)");
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return PosixError(path, errno);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return PosixError(path, errno);
-  return text;
-}
-
 // Checked before asking the coordinator anything, so a typo costs no call.
 absl::Status CheckOutputPath(const ExportOptions& options) {
   const std::string& path = options.output_path;
@@ -134,7 +126,8 @@ absl::StatusOr<std::optional<ManifestEntry>> VerifyCheckpoint(const v1::Checkpoi
   // than the one the coordinator committed (a later generation's, or
   // another job's sharing the directory): the digest tells.
   if (!checkpoint.manifest_sha256().empty()) {
-    AIDN_ASSIGN_OR_RETURN(const std::string text, ReadFile(absl::StrCat(dir, "/", kManifestName)));
+    AIDN_ASSIGN_OR_RETURN(const std::string text,
+                          ReadFileToString(absl::StrCat(dir, "/", kManifestName)));
     const std::string digest = Sha256Hex(text);
     if (digest != checkpoint.manifest_sha256()) {
       return absl::DataLossError(absl::StrCat(

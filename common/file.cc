@@ -1,5 +1,6 @@
 #include "common/file.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -35,6 +36,26 @@ int ScopedFd::Close() {
   const int rc = ::close(fd_);
   fd_ = -1;
   return rc;
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return PosixError(path, errno);
+  std::string contents;
+  char buffer[1 << 14];
+  while (true) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int error = errno;
+      ::close(fd);
+      return PosixError(path, error);
+    }
+    contents.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return contents;
 }
 
 }  // namespace aidn

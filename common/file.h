@@ -4,8 +4,13 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace aidn {
+
+// The whole file; the errno's code (NOT_FOUND, ...) naming `path` when it
+// cannot be read.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
 // Writes `contents` to `path` through `path`.tmp and a rename, so a reader
 // sees the old file or the whole new one, never a part.

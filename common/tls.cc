@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/file.h"
 #include "common/status.h"
 
 namespace aidn {
@@ -56,16 +57,6 @@ std::string SslErrors() {
 
 absl::Status SslError(const std::string& what) {
   return absl::InternalError(absl::StrCat(what, ": ", SslErrors()));
-}
-
-absl::StatusOr<std::string> ReadWhole(const std::string& path) {
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (f == nullptr) return PosixError(path, errno);
-  std::string text;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f.get())) > 0;) text.append(buf, n);
-  if (std::ferror(f.get())) return PosixError(path, EIO);
-  return text;
 }
 
 // Through <path>.tmp and a rename, with `mode` from the start.
@@ -228,8 +219,8 @@ absl::StatusOr<ServerTls> EnsureAutoTls(const AutoTlsOptions& options) {
     AIDN_RETURN_IF_ERROR(WriteFile(ca_key_file, key_pem, 0600));
     AIDN_RETURN_IF_ERROR(WriteFile(ca_file, cert_pem, 0644));
   } else {
-    AIDN_ASSIGN_OR_RETURN(const std::string cert_pem, ReadWhole(ca_file));
-    AIDN_ASSIGN_OR_RETURN(const std::string key_pem, ReadWhole(ca_key_file));
+    AIDN_ASSIGN_OR_RETURN(const std::string cert_pem, ReadFileToString(ca_file));
+    AIDN_ASSIGN_OR_RETURN(const std::string key_pem, ReadFileToString(ca_key_file));
     AIDN_ASSIGN_OR_RETURN(ca, ParseCert(cert_pem, ca_file));
     AIDN_ASSIGN_OR_RETURN(ca_key, ParseKey(key_pem, ca_key_file));
     if (X509_check_private_key(ca.get(), ca_key.get()) != 1) {
@@ -270,8 +261,8 @@ absl::Status IssueClientCertificate(const std::string& ca_dir, const std::string
                                     const std::string& cert_file, const std::string& key_file) {
   const std::string ca_file = absl::StrCat(ca_dir, "/ca.pem");
   const std::string ca_key_file = absl::StrCat(ca_dir, "/ca.key");
-  AIDN_ASSIGN_OR_RETURN(const std::string ca_pem, ReadWhole(ca_file));
-  AIDN_ASSIGN_OR_RETURN(const std::string ca_key_pem, ReadWhole(ca_key_file));
+  AIDN_ASSIGN_OR_RETURN(const std::string ca_pem, ReadFileToString(ca_file));
+  AIDN_ASSIGN_OR_RETURN(const std::string ca_key_pem, ReadFileToString(ca_key_file));
   AIDN_ASSIGN_OR_RETURN(Cert ca, ParseCert(ca_pem, ca_file));
   AIDN_ASSIGN_OR_RETURN(Key ca_key, ParseKey(ca_key_pem, ca_key_file));
   AIDN_ASSIGN_OR_RETURN(Key key, NewKey());
@@ -290,8 +281,8 @@ absl::Status IssueClientCertificate(const std::string& ca_dir, const std::string
 
 absl::StatusOr<ServerTls> LoadServerTls(const std::string& cert_file, const std::string& key_file) {
   ServerTls tls;
-  AIDN_ASSIGN_OR_RETURN(tls.cert_pem, ReadWhole(cert_file));
-  AIDN_ASSIGN_OR_RETURN(tls.key_pem, ReadWhole(key_file));
+  AIDN_ASSIGN_OR_RETURN(tls.cert_pem, ReadFileToString(cert_file));
+  AIDN_ASSIGN_OR_RETURN(tls.key_pem, ReadFileToString(key_file));
   AIDN_ASSIGN_OR_RETURN(Cert cert, ParseCert(tls.cert_pem, cert_file));
   AIDN_ASSIGN_OR_RETURN(Key key, ParseKey(tls.key_pem, key_file));
   if (X509_check_private_key(cert.get(), key.get()) != 1) {
@@ -446,7 +437,7 @@ std::string DiagnoseTls(const std::string& address, const std::string& ca_file, 
 }
 
 absl::StatusOr<std::string> ReadCaFile(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadWhole(path);
+  absl::StatusOr<std::string> text = ReadFileToString(path);
   if (!text.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("TLS CA file ", path, ": ", text.status().message()));

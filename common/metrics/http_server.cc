@@ -6,8 +6,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <fstream>
-#include <iterator>
 #include <thread>
 #include <utility>
 
@@ -211,12 +209,12 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsEndpoint(const HttpServe
 
 absl::StatusOr<std::string> ReadMetricsToken(const std::string& path) {
   if (path.empty()) return std::string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("metrics token file ", path, ": cannot read it"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::string token(absl::StripAsciiWhitespace(text));
+        absl::StrCat("metrics token file: ", text.status().message()));
+  }
+  std::string token(absl::StripAsciiWhitespace(*text));
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("metrics token file ", path, ": empty"));
   }

@@ -1,10 +1,9 @@
 #include "common/rpc/client.h"
 
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/tls.h"
@@ -18,12 +17,11 @@ namespace {
 
 // A PEM file's text; INVALID_ARGUMENT naming it when it cannot be read.
 absl::StatusOr<std::string> ReadPem(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) {
-    return absl::InvalidArgumentError(absl::StrCat("TLS file ", path, ": cannot read it"));
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS file ", text.status().message()));
   }
-  if (text.find("-----BEGIN ") == std::string::npos) {
+  if (text->find("-----BEGIN ") == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("TLS file ", path, ": no PEM in it"));
   }
   return text;
