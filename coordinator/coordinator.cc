@@ -79,7 +79,12 @@ Coordinator::~Coordinator() { StopTicker(); }
 
 absl::Status Coordinator::Load() {
   const Clock::TimePoint now = clock_->Now();
-  AIDN_ASSIGN_OR_RETURN(std::vector<StoredJob> jobs, store_->LoadJobs());
+  // Jobs that finished longer ago stay in the store (JobRecord).
+  const absl::Time archived_before = clock_->WallNow() - absl::FromChrono(ArchiveAfter());
+  AIDN_ASSIGN_OR_RETURN(std::vector<StoredJob> jobs, store_->LoadJobs(archived_before));
+  AIDN_ASSIGN_OR_RETURN(archived_by_state_, store_->CountJobsFinishedBefore(archived_before));
+  AIDN_ASSIGN_OR_RETURN(const int64_t max_number, store_->MaxJobNumber());
+  next_job_number_ = max_number + 1;
   Deferred deferred;  // answers no one: nobody waits yet
   for (StoredJob& stored : jobs) LoadJob(std::move(stored), now, &deferred);
   AIDN_ASSIGN_OR_RETURN(std::vector<v1::Worker> workers, store_->LoadWorkers());
@@ -102,7 +107,7 @@ void Coordinator::LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* defe
   next_job_number_ = std::max(next_job_number_, entry->stored.number + 1);
   if (!IsTerminal(job.state())) {
     auth_->AddToken(entry->stored.trainer_token,
-                    Principal{Role::kTrainer, "trainer:" + job.id(), job.id()});
+                    Principal{Role::kTrainer, "trainer:" + job.id(), job.id(), {}});
   }
   if (HoldsSlots(job.state())) {
     entry->rendezvous = std::make_unique<Rendezvous>(
@@ -247,6 +252,7 @@ void Coordinator::Tick() {
       CompleteCheckpoints(entry.get(), DurableInMemory(entry.get()), &deferred);
     }
   }
+  ArchiveFinishedJobs();
   metrics_.tick_seconds.Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   // `deferred` runs after the lock is released (declared first, destroyed last).
@@ -311,6 +317,36 @@ absl::StatusOr<JobEntry*> Coordinator::FindJob(const std::string& job_id) {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no such job: ", job_id));
   return it->second.get();
+}
+
+absl::StatusOr<Job> Coordinator::JobRecord(const std::string& job_id) {
+  if (auto it = jobs_.find(job_id); it != jobs_.end()) return it->second->stored.job;
+  AIDN_ASSIGN_OR_RETURN(std::optional<StoredJob> stored, store_->GetJob(job_id));
+  if (!stored.has_value()) return absl::NotFoundError(absl::StrCat("no such job: ", job_id));
+  return std::move(stored->job);
+}
+
+std::chrono::milliseconds Coordinator::ArchiveAfter() const {
+  return std::max(options_.job_retention, options_.metrics_retention);
+}
+
+void Coordinator::ArchiveFinishedJobs() {
+  const absl::Time before = clock_->WallNow() - absl::FromChrono(ArchiveAfter());
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    JobEntry& entry = *it->second;
+    const Job& job = entry.stored.job;
+    // Its steps left memory once all were stored (MetricIngest::Expire),
+    // and no checkpoint waits for them.
+    if (!IsTerminal(job.state()) || FromProto(job.finished_at()) > before ||
+        entry.metrics.steps != nullptr || !entry.checkpoints.awaiting_metrics.empty()) {
+      ++it;
+      continue;
+    }
+    if (!entry.metrics.series_removed) ingest_.RemoveJobSeries(job, &entry.metrics);
+    logs_deleted_.erase(it->first);
+    ++archived_by_state_[job.state()];
+    it = jobs_.erase(it);
+  }
 }
 
 absl::StatusOr<JobEntry*> Coordinator::FencedJob(const std::string& job_id, int64_t generation) {

@@ -88,6 +88,12 @@ struct CoordinatorOptions {
   // A finished job's series leave /metrics, and its recent steps leave
   // memory, this long after it ended.
   std::chrono::milliseconds metrics_retention{600'000};
+  // A finished job leaves memory this long after it ended (and not before
+  // its metrics_retention): from then on it lives in the store only, still
+  // listed, described, watched and exported, so that memory does not grow
+  // with the number of jobs ever run. A restarted coordinator loads only
+  // the jobs that have not finished or finished within it.
+  std::chrono::milliseconds job_retention{std::chrono::hours(1)};
   // Per job: how many combined steps stay in memory, how long a step waits
   // for missing ranks.
   StepLogOptions step_log;
@@ -247,6 +253,14 @@ class Coordinator {
   absl::StatusOr<JobEntry*> FencedJobToWaitOn(const std::string& job_id, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<JobEntry*> FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's record: from memory, or from the store once it left memory
+  // (ArchiveFinishedJobs). NOT_FOUND for a job there is no record of.
+  absl::StatusOr<v1::Job> JobRecord(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How long after it ended a finished job leaves memory.
+  std::chrono::milliseconds ArchiveAfter() const;
+  // Takes the finished jobs past ArchiveAfter() whose steps are all stored
+  // out of memory (their series off /metrics); the store keeps them.
+  void ArchiveFinishedJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // checkpoint.resume_from: the job and its checkpoint exist, committed and
   // valid, and fit `spec` (model, optimizer, global batch); step 0 becomes
   // the newest one's. INVALID_ARGUMENT or NOT_FOUND saying what does not.
@@ -408,6 +422,9 @@ class Coordinator {
   // looks at its own jobs rather than at every placement of every job.
   std::map<std::string, std::vector<JobRef>> jobs_by_worker_ ABSL_GUARDED_BY(mu_);
   bool jobs_by_worker_stale_ ABSL_GUARDED_BY(mu_) = true;
+  // How many jobs of each state left memory (ArchiveFinishedJobs), for
+  // the per-state gauge.
+  std::map<int, int64_t> archived_by_state_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t assignments_version_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

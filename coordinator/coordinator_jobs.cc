@@ -3,6 +3,10 @@
 
 #include <algorithm>
 #include <utility>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -45,7 +49,7 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
   AIDN_RETURN_IF_ERROR(store_->PutJob(entry->stored));
   next_job_number_++;
   const std::string id = job.id();
-  auth_->AddToken(token, Principal{Role::kTrainer, "trainer:" + id, id});
+  auth_->AddToken(token, Principal{Role::kTrainer, "trainer:" + id, id, {}});
   Emit("job.submitted", id, "", 0,
        absl::StrCat("world_size ", job.spec().world_size(), ", model ", job.spec().model().name(),
                     owner.empty() ? "" : ", by " + owner),
@@ -58,11 +62,12 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
 absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
   v1::CheckpointSource* source = spec->mutable_checkpoint()->mutable_resume_from();
   const std::string field = "checkpoint.resume_from";
-  absl::StatusOr<JobEntry*> found = FindJob(source->job());
-  if (!found.ok()) {
+  absl::StatusOr<Job> found = JobRecord(source->job());
+  if (absl::IsNotFound(found.status())) {
     return absl::NotFoundError(absl::StrCat(field, ": there is no job ", source->job()));
   }
-  const v1::JobSpec& theirs = (*found)->stored.job.spec();
+  AIDN_RETURN_IF_ERROR(found.status());
+  const v1::JobSpec& theirs = found->spec();
   if (theirs.has_command()) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": job ", source->job(), " runs a command; its checkpoints are its program's own"));
@@ -119,8 +124,7 @@ absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
 
 absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
-  return entry->stored.job;
+  return JobRecord(job_id);
 }
 
 absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(
@@ -139,24 +143,44 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(
     }
     return true;
   };
-  absl::MutexLock lock(&mu_);
-  std::vector<const JobEntry*> matching;
-  for (const auto& [id, entry] : jobs_) {
-    const Job& job = entry->stored.job;
-    if (entry->stored.number >= below) continue;
-    if (!states.empty() && !states.contains(job.state())) continue;
-    if (visible != nullptr && !visible(job)) continue;
-    if (labels_match(job)) matching.push_back(entry.get());
+  const auto matches = [&](const Job& job) {
+    return (states.empty() || states.contains(job.state())) &&
+           (visible == nullptr || visible(job)) && labels_match(job);
+  };
+  // The jobs in memory, and those only in the store (finished, archived),
+  // merged by number, newest first. One past the page says whether there
+  // is a next one.
+  const size_t wanted = static_cast<size_t>(page_size) + 1;
+  std::map<int64_t, Job, std::greater<>> page;
+  std::set<int64_t> in_memory;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, entry] : jobs_) {
+      if (entry->stored.number >= below) continue;
+      in_memory.insert(entry->stored.number);
+      if (matches(entry->stored.job)) page.emplace(entry->stored.number, entry->stored.job);
+    }
   }
-  std::sort(matching.begin(), matching.end(), [](const JobEntry* a, const JobEntry* b) {
-    return a->stored.number > b->stored.number;
-  });
+  while (page.size() > wanted) page.erase(std::prev(page.end()));
+  // A job archived after the copy above is in the store as it was in memory.
+  const std::vector<int> wanted_states(states.begin(), states.end());
+  AIDN_RETURN_IF_ERROR(store_->ScanJobs(below, wanted_states, [&](StoredJob stored) {
+    if (page.size() == wanted && stored.number < page.rbegin()->first) return false;
+    if (!in_memory.contains(stored.number) && matches(stored.job)) {
+      page.emplace(stored.number, std::move(stored.job));
+      if (page.size() > wanted) page.erase(std::prev(page.end()));
+    }
+    return true;
+  }));
   v1::ListJobsResponse response;
-  for (size_t i = 0; i < matching.size() && static_cast<int>(i) < page_size; ++i) {
-    *response.add_jobs() = matching[i]->stored.job;
-  }
-  if (static_cast<int>(matching.size()) > page_size) {
-    response.set_next_page_token(absl::StrCat(matching[page_size - 1]->stored.number));
+  int64_t last = 0;
+  for (auto& [number, job] : page) {
+    if (response.jobs_size() == page_size) {
+      response.set_next_page_token(absl::StrCat(last));
+      break;
+    }
+    *response.add_jobs() = std::move(job);
+    last = number;
   }
   return response;
 }
@@ -165,7 +189,14 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std:
                                            const std::string& by) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(job_id));
+  absl::StatusOr<JobEntry*> found = FindJob(job_id);
+  if (!found.ok()) {
+    // Only finished jobs leave memory.
+    AIDN_ASSIGN_OR_RETURN(const Job archived, JobRecord(job_id));
+    return absl::FailedPreconditionError(
+        absl::StrCat(job_id, " has already ended (", StateName(archived.state()), ")"));
+  }
+  JobEntry* entry = *found;
   Job& job = entry->stored.job;
   if (IsTerminal(job.state())) {
     return absl::FailedPreconditionError(
@@ -215,7 +246,7 @@ v1::Worker Coordinator::WorkerView(const std::string& id, const WorkerEntry& w) 
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
     const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+  AIDN_RETURN_IF_ERROR(JobRecord(job_id).status());
   AIDN_ASSIGN_OR_RETURN(std::vector<v1::Checkpoint> checkpoints, store_->ListCheckpoints(job_id));
   v1::ListCheckpointsResponse response;
   for (v1::Checkpoint& c : checkpoints) *response.add_checkpoints() = std::move(c);
@@ -226,7 +257,7 @@ absl::StatusOr<v1::ListEventsResponse> Coordinator::ListEvents(
     const v1::ListEventsRequest& request) {
   const int limit = request.limit() <= 0 ? 1000 : std::min(request.limit(), 10000);
   absl::MutexLock lock(&mu_);
-  if (!request.job_id().empty()) AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  if (!request.job_id().empty()) AIDN_RETURN_IF_ERROR(JobRecord(request.job_id()).status());
   AIDN_ASSIGN_OR_RETURN(std::vector<v1::Event> events,
                         store_->ListEvents(request.job_id(), request.after_seq(), limit));
   v1::ListEventsResponse response;
@@ -242,7 +273,7 @@ absl::StatusOr<v1::GetMetricsResponse> Coordinator::GetMetrics(
   }
   {
     absl::MutexLock lock(&mu_);
-    AIDN_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+    AIDN_RETURN_IF_ERROR(JobRecord(request.job_id()).status());
   }
   FlushSteps();
   AIDN_ASSIGN_OR_RETURN(
@@ -256,7 +287,7 @@ absl::StatusOr<v1::GetMetricsResponse> Coordinator::GetMetrics(
 absl::Status Coordinator::Subscribe(const std::string& job_id, WatchSubscriber* subscriber) {
   {
     absl::MutexLock lock(&mu_);
-    AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+    AIDN_RETURN_IF_ERROR(JobRecord(job_id).status());
   }
   watchers_.Add(job_id, subscriber);
   return absl::OkStatus();
@@ -275,12 +306,24 @@ absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& req
   {
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return ShuttingDownError();
-    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
-    const StepLog* steps = entry->metrics.steps.get();
-    AIDN_ASSIGN_OR_RETURN(bool added, watch_.PollMemory(request, entry->stored.job, entry->version,
-                                                        steps, cursor, &batch));
-    if (added) quiet = false;
-    terminal = IsTerminal(entry->stored.job.state()) && (steps == nullptr || steps->pending() == 0);
+    absl::StatusOr<JobEntry*> found = FindJob(request.job_id());
+    if (found.ok()) {
+      JobEntry* entry = *found;
+      const StepLog* steps = entry->metrics.steps.get();
+      AIDN_ASSIGN_OR_RETURN(bool added, watch_.PollMemory(request, entry->stored.job,
+                                                          entry->version, steps, cursor, &batch));
+      if (added) quiet = false;
+      terminal =
+          IsTerminal(entry->stored.job.state()) && (steps == nullptr || steps->pending() == 0);
+    } else {
+      // Finished and out of memory: the record and every step are stored,
+      // and it changes no more (the newest version).
+      AIDN_ASSIGN_OR_RETURN(const Job job, JobRecord(request.job_id()));
+      AIDN_ASSIGN_OR_RETURN(bool added, watch_.PollMemory(request, job, INT64_MAX, nullptr,
+                                                          cursor, &batch));
+      if (added) quiet = false;
+      terminal = true;
+    }
   }
   if (request.include_metrics() && cursor->catching_up) {
     const size_t before = batch.items.size();
@@ -301,9 +344,13 @@ absl::Status Coordinator::CatchUpFromStore(const v1::WatchJobRequest& request, W
   AIDN_ASSIGN_OR_RETURN(bool done, watch_.ReadStored(request, cursor, batch));
   if (done) {
     absl::MutexLock lock(&mu_);
-    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
     cursor->catching_up = false;
-    cursor->metrics_seq = entry->metrics.stored_seq;
+    // A job out of memory has no steps there to follow.
+    if (absl::StatusOr<JobEntry*> entry = FindJob(request.job_id()); entry.ok()) {
+      cursor->metrics_seq = (*entry)->metrics.stored_seq;
+    } else {
+      AIDN_RETURN_IF_ERROR(JobRecord(request.job_id()).status());
+    }
   }
   return absl::OkStatus();
 }
@@ -314,15 +361,19 @@ absl::Status Coordinator::CatchUpFromStore(const v1::WatchJobRequest& request, W
 void Coordinator::CollectMetrics() {
   absl::MutexLock lock(&mu_);
   const Clock::TimePoint now = clock_->Now();
-  std::map<Job::State, int> by_state;
+  std::map<Job::State, int64_t> by_state;
   for (int s = Job::PENDING; s <= Job::CANCELLED; ++s) by_state[static_cast<Job::State>(s)] = 0;
+  for (const auto& [state, count] : archived_by_state_) {
+    by_state[static_cast<Job::State>(state)] += count;
+  }
   for (auto& [id, entry] : jobs_) {
     ++by_state[entry->stored.job.state()];
     ingest_.CollectJob(entry->stored.job, &entry->metrics, entry->health, now);
   }
   for (const auto& [state, count] : by_state) {
-    metrics_.jobs.Add({{"state", StateName(state)}}).Set(count);
+    metrics_.jobs.Add({{"state", StateName(state)}}).Set(static_cast<double>(count));
   }
+  metrics_.jobs_in_memory.Set(static_cast<double>(jobs_.size()));
   CollectWorkerSeries(now);
 }
 

@@ -53,7 +53,7 @@ absl::Status Coordinator::SubscribeLogs(const std::string& job_id, WatchSubscrib
   {
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return ShuttingDownError();
-    AIDN_RETURN_IF_ERROR(FindJob(job_id).status());
+    AIDN_RETURN_IF_ERROR(JobRecord(job_id).status());
   }
   log_followers_.Add(job_id, subscriber);
   return absl::OkStatus();
@@ -70,8 +70,7 @@ absl::StatusOr<LogBatch> Coordinator::PollLogs(const v1::ReadLogsRequest& reques
   {
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return ShuttingDownError();
-    AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
-    job = entry->stored.job;
+    AIDN_ASSIGN_OR_RETURN(job, JobRecord(request.job_id()));
   }
   return logs_.Poll(request, job, clock_->WallNow(), cursor);
 }
@@ -84,17 +83,14 @@ void Coordinator::TickLogs() {
   }
   if (options_.logs.retention.count() <= 0 || now - logs_pruned_ < kPruneEvery) return;
   logs_pruned_ = now;
-  std::vector<std::string> due;
-  {
-    absl::MutexLock lock(&mu_);
-    const absl::Time wall = clock_->WallNow();
-    for (const auto& [id, entry] : jobs_) {
-      if (!logs_deleted_.contains(id) && logs_.PastRetention(entry->stored.job, wall)) {
-        due.push_back(id);
-      }
-    }
+  // From the store: finished jobs leave memory before their lines do.
+  absl::StatusOr<std::vector<std::string>> due = store_->JobsWithLogsFinishedBefore(
+      clock_->WallNow() - absl::FromChrono(options_.logs.retention));
+  if (!due.ok()) {
+    AIDN_LOG(WARNING) << "could not find finished jobs' log lines" << Kv("error", due.status());
+    return;
   }
-  for (const std::string& id : due) {
+  for (const std::string& id : *due) {
     absl::Status s = store_->DeleteLogs(id);
     if (!s.ok()) {
       AIDN_LOG(WARNING) << "could not delete a finished job's log lines" << Kv("job", id)

@@ -133,13 +133,4 @@ absl::StatusOr<LogBatch> JobLogs::Poll(const v1::ReadLogsRequest& request, const
   return batch;
 }
 
-bool JobLogs::PastRetention(const v1::Job& job, absl::Time now) const {
-  if (options_.retention.count() <= 0 || !IsTerminal(job.state()) || !job.has_finished_at()) {
-    return false;
-  }
-  const absl::Time finished = absl::FromUnixMicros(
-      google::protobuf::util::TimeUtil::TimestampToMicroseconds(job.finished_at()));
-  return now - finished >= absl::FromChrono(options_.retention);
-}
-
 }  // namespace aidn::coordinator

@@ -88,9 +88,6 @@ class JobLogs {
   absl::StatusOr<LogBatch> Poll(const v1::ReadLogsRequest& request, const v1::Job& job,
                                 absl::Time now, LogCursor* cursor, int max_responses = 4);
 
-  // Whether the finished job's lines are past their retention at `now`.
-  bool PastRetention(const v1::Job& job, absl::Time now) const;
-
  private:
   // Whether a follower of `cursor->generation` has all it will get.
   absl::StatusOr<bool> GenerationDone(const v1::Job& job, absl::Time now, LogCursor* cursor);

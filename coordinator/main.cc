@@ -73,6 +73,9 @@ ABSL_FLAG(std::string, metrics_addr_file, "",
           "write the host:port /metrics is served on to this file once serving");
 ABSL_FLAG(absl::Duration, metrics_retention, absl::Minutes(10),
           "how long a finished job's series stay on /metrics (and its steps in memory)");
+ABSL_FLAG(absl::Duration, job_retention, absl::Hours(1),
+          "how long a finished job stays in memory (at least --metrics_retention); after it the "
+          "job is read from the state database, still listed, described and watched");
 ABSL_FLAG(int64_t, max_log_bytes_per_job, int64_t{64} << 20,
           "a job's output lines kept at most (bytes); past it the oldest are dropped and counted; "
           "0: no bound");
@@ -195,6 +198,7 @@ absl::StatusOr<Config> ConfigFromFlags() {
   options.worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
   options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
   options.metrics_retention = Millis(absl::GetFlag(FLAGS_metrics_retention));
+  options.job_retention = Millis(absl::GetFlag(FLAGS_job_retention));
   options.logs.max_bytes_per_job = absl::GetFlag(FLAGS_max_log_bytes_per_job);
   options.logs.retention = Millis(absl::GetFlag(FLAGS_log_retention));
   config.server.listen = absl::GetFlag(FLAGS_listen);
@@ -204,12 +208,12 @@ absl::StatusOr<Config> ConfigFromFlags() {
       options.worker_timeout <= options.heartbeat_interval || config.tick.count() <= 0 ||
       options.stop_grace.count() < 0 || config.server.max_message_bytes < 1024 ||
       options.metrics_retention.count() < 0 || options.logs.max_bytes_per_job < 0 ||
-      options.logs.retention.count() < 0) {
+      options.logs.retention.count() < 0 || options.job_retention.count() < 0) {
     return absl::InvalidArgumentError(
         "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
         "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024, "
         "--metrics_retention >= 0, --stop_grace >= 0, --max_log_bytes_per_job >= 0, "
-        "--log_retention >= 0");
+        "--log_retention >= 0, --job_retention >= 0");
   }
   return config;
 }
@@ -236,6 +240,7 @@ void LogConfiguration(const Config& config) {
        {"tick_interval", Format(config.tick)},
        {"metrics_addr", config.metrics_addr},
        {"metrics_retention", Format(options.metrics_retention)},
+       {"job_retention", Format(options.job_retention)},
        {"max_log_bytes_per_job", absl::StrCat(options.logs.max_bytes_per_job)},
        {"log_retention", Format(options.logs.retention)},
        {"log_level", config.log_level}});

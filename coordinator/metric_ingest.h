@@ -144,10 +144,11 @@ class MetricIngest {
   static metrics::Labels JobLabels(const v1::Job& job);
   // Whether the job ended longer than the retention period ago.
   bool PastRetention(const v1::Job& job) const;
+  // Takes the job's series off /metrics.
+  void RemoveJobSeries(const v1::Job& job, JobMetrics* m);
 
  private:
   void EnsureRankSeries(const v1::Job& job, JobMetrics* m);
-  void RemoveJobSeries(const v1::Job& job, JobMetrics* m);
 
   const MetricIngestOptions options_;
   CoordinatorMetrics* const metrics_;

@@ -114,6 +114,11 @@ class RpcMetricsInterceptorFactory final
 CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
     : registry(r),
       jobs(r->AddGauge("aidn_jobs", "Jobs known to the coordinator, by state.")),
+      jobs_in_memory(r->AddGauge("aidn_jobs_in_memory",
+                                 "Jobs the coordinator holds in memory: those not finished and "
+                                 "those finished within --job_retention; the others are read "
+                                 "from its database.")
+                         .Add({})),
       job_state(
           r->AddGauge("aidn_job_state", "1 for the state the job is in (label state), per job.")),
       job_step(r->AddGauge("aidn_job_step", "Newest step any rank of the job completed.")),

@@ -20,6 +20,8 @@ struct CoordinatorMetrics {
 
   // Jobs by state (every state, zeros included).
   metrics::Family<metrics::Gauge>& jobs;
+  // Jobs held in memory: the unfinished and the recently finished ones.
+  metrics::Gauge& jobs_in_memory;
   // Per job (labels job_id, name, owner), for jobs running or ended within
   // the retention period.
   metrics::Family<metrics::Gauge>& job_state;  // 1, with a state label

@@ -108,8 +108,17 @@ constexpr const char* kMigrations[] = {
         dropped_lines INTEGER NOT NULL,
         dropped_bytes INTEGER NOT NULL) WITHOUT ROWID;
     )sql",
+    // v5: when each job finished (microseconds since the epoch; 0 while it
+    // runs), so that a coordinator loads only the jobs that have not
+    // finished or finished recently, and finds finished jobs' lines by age.
+    // Migrate fills it in for the jobs already there (FillFinishedTimes).
+    R"sql(
+      ALTER TABLE jobs ADD COLUMN finished_us INTEGER NOT NULL DEFAULT 0;
+      CREATE INDEX jobs_finished_us ON jobs(finished_us);
+    )sql",
 };
 constexpr int kStepsSchemaVersion = 3;
+constexpr int kFinishedTimesSchemaVersion = 5;
 constexpr int kSchemaVersion = static_cast<int>(std::size(kMigrations));
 
 constexpr int kDefaultEventLimit = 1000;
@@ -204,6 +213,7 @@ absl::Status Store::Migrate() {
       AIDN_RETURN_IF_ERROR(CombineOldMetrics(step_context));
       AIDN_RETURN_IF_ERROR(Exec(db_, "DROP TABLE metrics", step_context));
     }
+    if (v == kFinishedTimesSchemaVersion) AIDN_RETURN_IF_ERROR(FillFinishedTimes(step_context));
     AIDN_ASSIGN_OR_RETURN(
         Statement insert,
         Statement::Prepare(db_, "INSERT INTO schema_version(version) VALUES(?)", step_context));
@@ -224,55 +234,6 @@ int Store::SchemaVersion() {
   // The table was read when the store opened; failing now means the
   // connection is broken, and every other call will say how.
   return version.ok() ? *version : 0;
-}
-
-absl::Status Store::PutJob(const StoredJob& job) {
-  const std::string& id = job.job.id();
-  const std::string context = absl::StrCat("put job ", id);
-  if (id.empty()) return absl::InvalidArgumentError("store: put job: the job has no id");
-  AIDN_ASSIGN_OR_RETURN(std::string blob, Serialize(job.job, context));
-  absl::MutexLock lock(&mu_);
-  // An upsert rather than INSERT OR REPLACE: REPLACE would silently delete a
-  // different job holding the same number; this refuses with ALREADY_EXISTS.
-  AIDN_ASSIGN_OR_RETURN(Statement upsert, Statement::Prepare(db_, R"sql(
-      INSERT INTO jobs(id, number, state, trainer_token, job) VALUES(?, ?, ?, ?, ?)
-      ON CONFLICT(id) DO UPDATE SET
-        number = excluded.number, state = excluded.state,
-        trainer_token = excluded.trainer_token, job = excluded.job)sql",
-                                                             context));
-  upsert.BindText(1, id);
-  upsert.BindInt64(2, job.number);
-  upsert.BindInt64(3, job.job.state());
-  upsert.BindText(4, job.trainer_token);
-  upsert.BindBlob(5, blob);
-  return upsert.Run();
-}
-
-absl::StatusOr<std::vector<StoredJob>> Store::LoadJobs() {
-  absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(
-      Statement select,
-      Statement::Prepare(db_, "SELECT id, number, trainer_token, job FROM jobs ORDER BY number",
-                         "load jobs"));
-  std::vector<StoredJob> jobs;
-  while (true) {
-    AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
-    if (!row) break;
-    StoredJob& job = jobs.emplace_back();
-    job.number = select.ColumnInt64(1);
-    job.trainer_token = select.ColumnText(2);
-    AIDN_RETURN_IF_ERROR(Parse(select.ColumnBytes(3), "jobs", select.ColumnBytes(0), &job.job));
-  }
-  return jobs;
-}
-
-absl::StatusOr<int64_t> Store::MaxJobNumber() {
-  absl::MutexLock lock(&mu_);
-  AIDN_ASSIGN_OR_RETURN(Statement select,
-                        Statement::Prepare(db_, "SELECT COALESCE(MAX(number), 0) FROM jobs",
-                                           "read largest job number"));
-  AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
-  return row ? select.ColumnInt64(0) : 0;
 }
 
 absl::Status Store::PutWorker(const v1::Worker& worker) {

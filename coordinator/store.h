@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "aidn/v1/cluster.pb.h"
 #include "aidn/v1/coordinator.pb.h"
 #include "aidn/v1/job.pb.h"
@@ -64,9 +66,24 @@ class Store {
   // The version this binary creates and migrates to.
   static int CurrentSchemaVersion();
 
-  // Jobs. PutJob inserts or replaces by id.
+  // Jobs (store_jobs.cc). PutJob inserts or replaces by id; a job with
+  // finished_at set counts as finished then.
   absl::Status PutJob(const StoredJob& job);
-  absl::StatusOr<std::vector<StoredJob>> LoadJobs();
+  // The jobs that have not finished, and those that finished at or after
+  // `finished_since`, by number.
+  absl::StatusOr<std::vector<StoredJob>> LoadJobs(absl::Time finished_since = absl::InfinitePast());
+  // One job; nullopt if there is none of that id.
+  absl::StatusOr<std::optional<StoredJob>> GetJob(const std::string& id);
+  // The jobs numbered below `below`, newest first, in one of `states` (all
+  // when empty), handed to `take` one by one until it returns false or none
+  // is left. `take` must not call the store.
+  absl::Status ScanJobs(int64_t below, const std::vector<int>& states,
+                        const std::function<bool(StoredJob)>& take);
+  // How many jobs finished before `before`, by state.
+  absl::StatusOr<std::map<int, int64_t>> CountJobsFinishedBefore(absl::Time before);
+  // The finished jobs that finished before `before` and still have output
+  // lines stored.
+  absl::StatusOr<std::vector<std::string>> JobsWithLogsFinishedBefore(absl::Time before);
   // The largest job number stored, 0 if none.
   absl::StatusOr<int64_t> MaxJobNumber();
 
@@ -158,6 +175,8 @@ class Store {
   // Schema v3: the per-rank records of the old metrics table, combined into
   // steps. Runs inside Migrate's transaction.
   absl::Status CombineOldMetrics(const std::string& context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Schema v5: finished_us of the jobs stored before it, from their records.
+  absl::Status FillFinishedTimes(const std::string& context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // For error messages of Open and Migrate.
   const std::string path_;

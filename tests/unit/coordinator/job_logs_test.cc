@@ -188,12 +188,23 @@ TEST_F(JobLogsTest, ValidationNamesTheField) {
 }
 
 TEST_F(JobLogsTest, RetentionCountsFromTheJobsEnd) {
-  job_.set_state(v1::Job::SUCCEEDED);
-  job_.mutable_finished_at()->set_seconds(1000);
-  EXPECT_FALSE(logs_->PastRetention(job_, absl::FromUnixSeconds(1000 + 3599)));
-  EXPECT_TRUE(logs_->PastRetention(job_, absl::FromUnixSeconds(1000 + 3600)));
-  job_.set_state(v1::Job::RUNNING);
-  EXPECT_FALSE(logs_->PastRetention(job_, absl::FromUnixSeconds(1000 + 9999)));
+  // The coordinator finds the jobs whose lines are due in the store, by
+  // when they finished; a job that runs has none due.
+  Ship(0, {"a"});
+  StoredJob stored{.job = job_, .trainer_token = "t", .number = 1};
+  ASSERT_TRUE(store_->PutJob(stored).ok());
+  EXPECT_THAT(*store_->JobsWithLogsFinishedBefore(absl::FromUnixSeconds(1000 + 9999)),
+              ::testing::IsEmpty());
+  stored.job.set_state(v1::Job::SUCCEEDED);
+  stored.job.mutable_finished_at()->set_seconds(1000);
+  ASSERT_TRUE(store_->PutJob(stored).ok());
+  EXPECT_THAT(*store_->JobsWithLogsFinishedBefore(absl::FromUnixSeconds(1000)),
+              ::testing::IsEmpty());
+  EXPECT_THAT(*store_->JobsWithLogsFinishedBefore(absl::FromUnixSeconds(1001)),
+              ElementsAre("job-1"));
+  ASSERT_TRUE(store_->DeleteLogs("job-1").ok());
+  EXPECT_THAT(*store_->JobsWithLogsFinishedBefore(absl::FromUnixSeconds(1001)),
+              ::testing::IsEmpty());
 }
 
 }  // namespace

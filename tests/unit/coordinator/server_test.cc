@@ -64,7 +64,9 @@ class ServerTest : public ::testing::Test {
     auto coordinator = Coordinator::Create(CoordinatorOptions(), *std::move(store), auth_.get());
     ASSERT_TRUE(coordinator.ok()) << coordinator.status();
     coordinator_ = *std::move(coordinator);
-    auto server = Server::Start({.listen = "127.0.0.1:0"}, coordinator_.get(), auth_.get());
+    ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    auto server = Server::Start(options, coordinator_.get(), auth_.get());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     stub_ = std::make_unique<grpc::GenericStub>(

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -26,6 +28,7 @@ namespace {
 using ::google::protobuf::util::MessageDifferencer;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::ElementsAre;
 
 // Compares with MessageDifferencer and prints both sides when they differ.
 MATCHER_P(ProtoEquals, expected, "") {
@@ -355,6 +358,62 @@ TEST_F(StoreTest, LoadJobsOrdersByNumberNotById) {
   }
   EXPECT_THAT(ids, ::testing::ElementsAre("d", "c", "b", "a"));
   EXPECT_THAT(numbers, ::testing::ElementsAre(0, 1, 2, 10));
+}
+
+// Job n finished at second 1000 + n when `finished`, else it runs.
+StoredJob JobFinishedAt(int64_t number, bool finished, v1::Job::State state = v1::Job::SUCCEEDED) {
+  StoredJob job = MakeJob(number);
+  if (finished) {
+    job.job.set_state(state);
+    SetTime(job.job.mutable_finished_at(), 1000 + number, 0);
+  }
+  return job;
+}
+
+TEST_F(StoreTest, FinishedJobsAreLoadedOnlyWhenRecentButStayListedAndFound) {
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  // 1 and 2 finished long ago, 3 runs, 4 finished recently, 5 was cancelled.
+  for (auto [number, finished] : std::vector<std::pair<int64_t, bool>>{
+           {1, true}, {2, true}, {3, false}, {4, true}}) {
+    ASSERT_TRUE(store->PutJob(JobFinishedAt(number, finished)).ok());
+  }
+  ASSERT_TRUE(store->PutJob(JobFinishedAt(5, true, v1::Job::CANCELLED)).ok());
+  absl::StatusOr<std::vector<StoredJob>> loaded = store->LoadJobs(absl::FromUnixSeconds(1004));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  std::vector<int64_t> numbers;
+  for (const StoredJob& job : *loaded) numbers.push_back(job.number);
+  EXPECT_THAT(numbers, ElementsAre(3, 4, 5));
+  EXPECT_EQ(store->LoadJobs()->size(), 5u);
+
+  absl::StatusOr<std::map<int, int64_t>> counts =
+      store->CountJobsFinishedBefore(absl::FromUnixSeconds(1006));
+  ASSERT_TRUE(counts.ok()) << counts.status();
+  EXPECT_THAT(*counts, ElementsAre(std::pair<const int, int64_t>(v1::Job::SUCCEEDED, 3),
+                                   std::pair<const int, int64_t>(v1::Job::CANCELLED, 1)));
+
+  absl::StatusOr<std::optional<StoredJob>> one = store->GetJob("job-2");
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_TRUE(one->has_value());
+  EXPECT_EQ((*one)->number, 2);
+  EXPECT_EQ((*one)->job.state(), v1::Job::SUCCEEDED);
+  EXPECT_FALSE(store->GetJob("job-9")->has_value());
+
+  // Newest first, below a number, in some states, as long as take wants.
+  std::vector<int64_t> scanned;
+  auto take = [&](StoredJob job) {
+    scanned.push_back(job.number);
+    return scanned.size() < 2;
+  };
+  ASSERT_TRUE(store->ScanJobs(5, {}, take).ok());
+  EXPECT_THAT(scanned, ElementsAre(4, 3));
+  scanned.clear();
+  ASSERT_TRUE(store->ScanJobs(INT64_MAX, {v1::Job::RUNNING, v1::Job::CANCELLED}, take).ok());
+  EXPECT_THAT(scanned, ElementsAre(5, 3));
+
+  // A job that finishes after all is no longer loaded once old enough.
+  ASSERT_TRUE(store->PutJob(JobFinishedAt(3, true)).ok());
+  EXPECT_EQ(store->LoadJobs(absl::FromUnixSeconds(1004))->size(), 2u);
 }
 
 TEST_F(StoreTest, MaxJobNumberIsZeroWhenEmptyAndTheLargestOtherwise) {
@@ -754,6 +813,8 @@ void MakeOldMetricsFile(const std::string& path, int version,
       DROP TABLE log_lines;
       DROP TABLE log_streams;
       DROP TABLE log_jobs;
+      DROP INDEX jobs_finished_us;
+      ALTER TABLE jobs DROP COLUMN finished_us;
       CREATE TABLE metrics(job_id TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL,
                            kind INTEGER NOT NULL, record BLOB NOT NULL);
       CREATE INDEX metrics_job_id_step_rank ON metrics(job_id, step, rank);)sql";
@@ -812,6 +873,29 @@ TEST_F(StoreTest, OpenCombinesTheRanksRecordsOfAnOlderFileIntoSteps) {
     sqlite3_finalize(select);
     sqlite3_close(db);
   }
+}
+
+TEST_F(StoreTest, OpenFillsInWhenTheJobsOfAnOlderFileFinished) {
+  {
+    std::unique_ptr<Store> store = OpenStore();
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(store->PutJob(JobFinishedAt(1, true)).ok());
+    ASSERT_TRUE(store->PutJob(JobFinishedAt(2, false)).ok());
+    ASSERT_TRUE(store->PutJob(JobFinishedAt(7, true, v1::Job::FAILED)).ok());
+  }
+  // Schema version 4: no finished_us.
+  RawExec(path_, R"sql(
+      DROP INDEX jobs_finished_us;
+      ALTER TABLE jobs DROP COLUMN finished_us;
+      DELETE FROM schema_version WHERE version > 4;)sql");
+  std::unique_ptr<Store> store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->SchemaVersion(), Store::CurrentSchemaVersion());
+  absl::StatusOr<std::vector<StoredJob>> loaded = store->LoadJobs(absl::FromUnixSeconds(1005));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->size(), 2u);
+  EXPECT_EQ((*loaded)[0].number, 2);
+  EXPECT_EQ((*loaded)[1].number, 7);
 }
 
 TEST_F(StoreTest, OpenRefusesAFileThatIsNotADatabase) {
