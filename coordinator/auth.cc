@@ -99,8 +99,8 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
   if (created) {
     AIDN_LOG(INFO) << "wrote a new worker join token" << Kv("path", auth->worker_token_path_);
   }
-  auth->AddToken(admin, Principal{Role::kAdmin, "admin", ""});
-  auth->AddToken(worker, Principal{Role::kWorker, "worker", ""});
+  auth->AddToken(admin, Principal{Role::kAdmin, "admin", "", {}});
+  auth->AddToken(worker, Principal{Role::kWorker, "worker", "", {}});
 
   if (!options.token_file.empty()) {
     std::ifstream in(options.token_file);

@@ -6,6 +6,8 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <set>
+#include <string>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -132,6 +134,7 @@ void Coordinator::LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* defe
   if (!IsTerminal(job.state()) || (job.state() == Job::SUCCEEDED && !ingest_.PastRetention(job))) {
     LoadAwaitingCheckpoints(entry.get(), deferred);
   }
+  if (!IsTerminal(job.state())) unfinished_[entry->stored.number] = entry.get();
   jobs_[job.id()] = std::move(entry);
 }
 
@@ -332,6 +335,7 @@ std::chrono::milliseconds Coordinator::ArchiveAfter() const {
 
 void Coordinator::ArchiveFinishedJobs() {
   const absl::Time before = clock_->WallNow() - absl::FromChrono(ArchiveAfter());
+  std::set<std::string> series_left;
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     JobEntry& entry = *it->second;
     const Job& job = entry.stored.job;
@@ -342,11 +346,13 @@ void Coordinator::ArchiveFinishedJobs() {
       ++it;
       continue;
     }
-    if (!entry.metrics.series_removed) ingest_.RemoveJobSeries(job, &entry.metrics);
+    // Series that no scrape took off yet.
+    if (!entry.metrics.series_removed) series_left.insert(it->first);
     logs_deleted_.erase(it->first);
     ++archived_by_state_[job.state()];
     it = jobs_.erase(it);
   }
+  ingest_.RemoveSeriesOfJobs(series_left);
 }
 
 absl::StatusOr<JobEntry*> Coordinator::FencedJob(const std::string& job_id, int64_t generation) {
@@ -434,6 +440,7 @@ absl::Status Coordinator::SetState(JobEntry* entry, Job::State state, const std:
   if (IsTerminal(state)) {
     *job.mutable_finished_at() = ToProto(clock_->WallNow());
     auth_->RemoveToken(entry->stored.trainer_token);
+    unfinished_.erase(entry->stored.number);
   }
   absl::Status s = PersistJob(entry, deferred);
   Emit("job." + Lower(StateName(state)), job.id(), "", job.generation(), message, deferred);
@@ -545,14 +552,12 @@ void Coordinator::Schedule(Deferred* deferred) {
   // Nothing waits for slots (the usual case on a tick): the workers need not
   // be looked at. Building their free-slot table costs O(workers) under mu_,
   // every tick and on every registration (10,000 registrations: O(n^2)).
-  const bool any_waiting = std::any_of(
-      jobs_.begin(), jobs_.end(), [](const auto& job) { return Waiting(job.second->stored.job); });
-  if (!any_waiting) return;
-  SlotTable slots = FreeSlots();
   std::vector<JobEntry*> queue;
-  for (auto& [id, entry] : jobs_) {
-    if (Waiting(entry->stored.job)) queue.push_back(entry.get());
+  for (const auto& [number, entry] : unfinished_) {
+    if (Waiting(entry->stored.job)) queue.push_back(entry);
   }
+  if (queue.empty()) return;
+  SlotTable slots = FreeSlots();
   std::sort(queue.begin(), queue.end(), [](const JobEntry* a, const JobEntry* b) {
     if (a->stored.job.spec().priority() != b->stored.job.spec().priority()) {
       return a->stored.job.spec().priority() > b->stored.job.spec().priority();
@@ -570,7 +575,7 @@ SlotTable Coordinator::FreeSlots() {
     if (w.worker.state() != v1::Worker::ALIVE) continue;
     slots.AddWorker(id, w.worker.info().cpu_slots(), w.worker.info().gpus_size());
   }
-  for (const auto& [id, entry] : jobs_) {
+  for (const auto& [number, entry] : unfinished_) {
     if (HoldsSlots(entry->stored.job.state())) slots.MarkUsed(entry->stored.job);
   }
   return slots;

@@ -399,6 +399,9 @@ class Coordinator {
 
   absl::Mutex mu_;
   JobMap jobs_ ABSL_GUARDED_BY(mu_);
+  // The jobs of jobs_ that have not finished, by number: scheduling looks
+  // at these on every submission and exit, not at every job in memory.
+  std::map<int64_t, JobEntry*> unfinished_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
   // The components, each guarded by mu_ (WatchStreams::ReadStored by
   // flush_mu_: it only reads the store).

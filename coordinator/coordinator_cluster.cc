@@ -603,7 +603,18 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   AIDN_RETURN_IF_ERROR(CheckpointRegistry::ValidateCommit(request));
   v1::CommitCheckpointResponse response;
   AIDN_ASSIGN_OR_RETURN(const bool steps_in_memory, CommitCheckpointLocked(request, &response));
-  if (!steps_in_memory) return response;
+  // What the registry holds once this call is done: rank 0 deletes what it
+  // does not (below this step).
+  const auto add_held = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<std::vector<v1::Checkpoint>> held = store_->ListCheckpoints(request.job_id());
+    if (!held.ok()) return;  // without the list, nothing is deleted
+    for (const v1::Checkpoint& c : *held) response.add_held_steps(c.step());
+  };
+  if (!steps_in_memory) {
+    absl::MutexLock lock(&mu_);
+    add_held();
+    return response;
+  }
   // Written, and its steps are combined but not yet stored (a trainer
   // sends its records before the commit): store them now, so that this
   // call commits it rather than a later tick. Once per checkpoint.
@@ -623,6 +634,7 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   std::sort(retired.begin(), retired.end());
   response.clear_retired_steps();
   for (int64_t step : retired) response.add_retired_steps(step);
+  add_held();
   return response;
 }
 

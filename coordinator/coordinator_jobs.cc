@@ -54,6 +54,7 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
        absl::StrCat("world_size ", job.spec().world_size(), ", model ", job.spec().model().name(),
                     owner.empty() ? "" : ", by " + owner),
        &deferred);
+  unfinished_[entry->stored.number] = entry.get();
   jobs_[id] = std::move(entry);
   Schedule(&deferred);
   return jobs_[id]->stored.job;
@@ -155,23 +156,32 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(
   std::set<int64_t> in_memory;
   {
     absl::MutexLock lock(&mu_);
+    std::vector<std::pair<int64_t, const Job*>> matching;
     for (const auto& [id, entry] : jobs_) {
       if (entry->stored.number >= below) continue;
       in_memory.insert(entry->stored.number);
-      if (matches(entry->stored.job)) page.emplace(entry->stored.number, entry->stored.job);
+      if (matches(entry->stored.job)) matching.emplace_back(entry->stored.number, &entry->stored.job);
     }
+    const size_t keep = std::min(wanted, matching.size());
+    std::partial_sort(matching.begin(), matching.begin() + static_cast<ptrdiff_t>(keep),
+                      matching.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (size_t i = 0; i < keep; ++i) page.emplace(matching[i].first, *matching[i].second);
   }
-  while (page.size() > wanted) page.erase(std::prev(page.end()));
   // A job archived after the copy above is in the store as it was in memory.
   const std::vector<int> wanted_states(states.begin(), states.end());
-  AIDN_RETURN_IF_ERROR(store_->ScanJobs(below, wanted_states, [&](StoredJob stored) {
-    if (page.size() == wanted && stored.number < page.rbegin()->first) return false;
-    if (!in_memory.contains(stored.number) && matches(stored.job)) {
-      page.emplace(stored.number, std::move(stored.job));
-      if (page.size() > wanted) page.erase(std::prev(page.end()));
-    }
-    return true;
-  }));
+  AIDN_RETURN_IF_ERROR(store_->ScanJobs(
+      below, wanted_states,
+      [&](int64_t number) {
+        // Done once the page is full of newer jobs; those in memory are in it already.
+        if (page.size() == wanted && number < page.rbegin()->first) return Store::ScanNext::kStop;
+        return in_memory.contains(number) ? Store::ScanNext::kSkip : Store::ScanNext::kRead;
+      },
+      [&](StoredJob stored) {
+        if (matches(stored.job)) {
+          page.emplace(stored.number, std::move(stored.job));
+          if (page.size() > wanted) page.erase(std::prev(page.end()));
+        }
+      }));
   v1::ListJobsResponse response;
   int64_t last = 0;
   for (auto& [number, job] : page) {

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -146,9 +147,16 @@ class MetricIngest {
   bool PastRetention(const v1::Job& job) const;
   // Takes the job's series off /metrics.
   void RemoveJobSeries(const v1::Job& job, JobMetrics* m);
+  // Takes the series of every job in `job_ids` off /metrics, one pass over
+  // each family (jobs leaving memory by the thousand).
+  void RemoveSeriesOfJobs(const std::set<std::string>& job_ids);
 
  private:
   void EnsureRankSeries(const v1::Job& job, JobMetrics* m);
+  // Calls `fn` for every family with per-job series (label job_id).
+  void ForEachJobFamily(const std::function<void(metrics::Family<metrics::Counter>*)>& counters,
+                        const std::function<void(metrics::Family<metrics::Gauge>*)>& gauges,
+                        const std::function<void(metrics::Family<metrics::Histogram>*)>& histograms);
 
   const MetricIngestOptions options_;
   CoordinatorMetrics* const metrics_;

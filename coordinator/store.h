@@ -75,10 +75,13 @@ class Store {
   // One job; nullopt if there is none of that id.
   absl::StatusOr<std::optional<StoredJob>> GetJob(const std::string& id);
   // The jobs numbered below `below`, newest first, in one of `states` (all
-  // when empty), handed to `take` one by one until it returns false or none
-  // is left. `take` must not call the store.
+  // when empty): `next` is asked about each number first, and `take` gets
+  // the job if it says kRead, until it says kStop or none is left. Neither
+  // may call the store.
+  enum class ScanNext { kRead, kSkip, kStop };
   absl::Status ScanJobs(int64_t below, const std::vector<int>& states,
-                        const std::function<bool(StoredJob)>& take);
+                        const std::function<ScanNext(int64_t number)>& next,
+                        const std::function<void(StoredJob)>& take);
   // How many jobs finished before `before`, by state.
   absl::StatusOr<std::map<int, int64_t>> CountJobsFinishedBefore(absl::Time before);
   // The finished jobs that finished before `before` and still have output

@@ -96,7 +96,8 @@ absl::StatusOr<std::optional<StoredJob>> Store::GetJob(const std::string& id) {
 }
 
 absl::Status Store::ScanJobs(int64_t below, const std::vector<int>& states,
-                             const std::function<bool(StoredJob)>& take) {
+                             const std::function<ScanNext(int64_t number)>& next,
+                             const std::function<void(StoredJob)>& take) {
   // The states are enum numbers the caller checked; written into the SQL
   // so that the number index serves the order and the filter alike.
   std::string sql = "SELECT id, number, trainer_token, job FROM jobs WHERE number < ?";
@@ -108,9 +109,12 @@ absl::Status Store::ScanJobs(int64_t below, const std::vector<int>& states,
   while (true) {
     AIDN_ASSIGN_OR_RETURN(bool row, select.Step());
     if (!row) return absl::OkStatus();
+    const ScanNext what = next(select.ColumnInt64(1));
+    if (what == ScanNext::kStop) return absl::OkStatus();
+    if (what == ScanNext::kSkip) continue;
     StoredJob job;
     AIDN_RETURN_IF_ERROR(ReadJob(select, 0, &job));
-    if (!take(std::move(job))) return absl::OkStatus();
+    take(std::move(job));
   }
 }
 

@@ -240,6 +240,23 @@ int Family<T>::RemoveMatching(const Labels& match) {
 }
 
 template <typename T>
+int Family<T>::RemoveWhere(const std::string& name,
+                           const std::function<bool(const std::string&)>& doomed) {
+  absl::MutexLock lock(&mu_);
+  int removed = 0;
+  for (auto it = series_.begin(); it != series_.end();) {
+    const auto found = it->first.find(name);
+    if (found != it->first.end() && doomed(found->second)) {
+      it = series_.erase(it);
+      ++removed;
+    } else {
+      ++it;
+    }
+  }
+  return removed;
+}
+
+template <typename T>
 int Family<T>::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(series_.size());

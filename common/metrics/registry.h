@@ -101,6 +101,9 @@ class Family {
   // Removes every series whose labels include all of `match`; returns how
   // many went.
   int RemoveMatching(const Labels& match);
+  // Removes every series with label `name` whose value `doomed` accepts
+  // (one pass, however many values it accepts); returns how many went.
+  int RemoveWhere(const std::string& name, const std::function<bool(const std::string&)>& doomed);
   // Number of series.
   int size() const;
 

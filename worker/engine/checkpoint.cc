@@ -3,16 +3,19 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string_view>
 #include <system_error>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -319,6 +322,33 @@ absl::Status RemoveCheckpoint(const std::string& dir, int64_t step) {
   fs::remove_all(absl::StrCat(dir, "/", CheckpointDirName(step)), error);
   if (error) return FsError(absl::StrCat("remove checkpoint of step ", step, " in ", dir), error);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int64_t>> RemoveCheckpointsNotHeld(const std::string& dir,
+                                                              int64_t below,
+                                                              const std::vector<int64_t>& held) {
+  std::error_code error;
+  std::vector<int64_t> removed;
+  if (!fs::exists(dir, error)) return removed;
+  const std::set<int64_t> keep(held.begin(), held.end());
+  std::vector<int64_t> doomed;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, error)) {
+    const std::string name = e.path().filename().string();
+    int64_t step = 0;
+    // Exactly the names CheckpointDirName makes.
+    if (!absl::StartsWith(name, "step-") || !absl::SimpleAtoi(name.substr(5), &step) ||
+        CheckpointDirName(step) != name) {
+      continue;
+    }
+    if (step < below && !keep.contains(step)) doomed.push_back(step);
+  }
+  if (error) return FsError(absl::StrCat("list ", dir), error);
+  std::sort(doomed.begin(), doomed.end());
+  for (int64_t step : doomed) {
+    AIDN_RETURN_IF_ERROR(RemoveCheckpoint(dir, step));
+    removed.push_back(step);
+  }
+  return removed;
 }
 
 }  // namespace aidn::engine

@@ -142,6 +142,15 @@ absl::Status RemoveTemporaries(const std::string& dir);
 // Removes <dir>/step-NNNNNNNN, if present.
 absl::Status RemoveCheckpoint(const std::string& dir, int64_t step);
 
+// Removes the step-N directories of `dir` with N below `below` that are not
+// in `held` (the steps the coordinator's registry holds for the job):
+// retired ones whose removal was never asked for, or never reported. Later
+// steps are left alone (a writer may be at work on one). Returns the steps
+// removed, ascending; a missing `dir` is fine.
+absl::StatusOr<std::vector<int64_t>> RemoveCheckpointsNotHeld(const std::string& dir,
+                                                              int64_t below,
+                                                              const std::vector<int64_t>& held);
+
 }  // namespace aidn::engine
 
 #endif  // AIDN_WORKER_ENGINE_CHECKPOINT_H_

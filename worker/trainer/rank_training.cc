@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/digest.h"
 #include "common/log.h"
@@ -115,6 +116,32 @@ class FullParameters {
   absl::Status status_;
 };
 
+
+// The directories the coordinator's answer to a commit says are no longer
+// wanted: the steps retention retired, and on rank 0 (the one rank that
+// reports every checkpoint) any other below it the registry does not hold.
+void RemoveRetiredCheckpoints(const std::string& dir, int rank,
+                              const v1::CommitCheckpointRequest& request,
+                              const v1::CommitCheckpointResponse& response) {
+  for (int64_t step : response.retired_steps()) {
+    if (absl::Status s = engine::RemoveCheckpoint(dir, step); !s.ok()) {
+      AIDN_LOG(WARNING) << "retention: " << s;
+    } else {
+      AIDN_LOG(INFO) << "retention removed a checkpoint" << Kv("step", step);
+    }
+  }
+  if (rank != 0 || response.held_steps().empty()) return;
+  absl::StatusOr<std::vector<int64_t>> removed = engine::RemoveCheckpointsNotHeld(
+      dir, request.step(), {response.held_steps().begin(), response.held_steps().end()});
+  if (!removed.ok()) {
+    AIDN_LOG(WARNING) << "could not remove checkpoints the registry does not hold: "
+                      << removed.status();
+  } else if (!removed->empty()) {
+    AIDN_LOG(INFO) << "removed checkpoints the registry does not hold"
+                   << Kv("steps", absl::StrJoin(*removed, ","));
+  }
+}
+
 }  // namespace
 
 Failure FailureFor(const absl::Status& status, const char* what) {
@@ -137,6 +164,7 @@ RankTraining::~RankTraining() {
   if (reporter_ != nullptr) reporter_->Close(milliseconds(5000));
 }
 
+
 std::optional<Failure> RankTraining::Setup() {
   absl::StatusOr<v1::JoinRendezvousResponse> joined = Join(channel_.get(), stub_.get(), options_);
   if (!joined.ok()) return FailureFor(joined.status(), "rendezvous");
@@ -152,13 +180,11 @@ std::optional<Failure> RankTraining::Setup() {
   reporting.job_id = options_.job_id;
   reporting.generation = options_.generation;
   reporting.rank = options_.rank;
-  reporter_ = std::make_shared<Reporter>(channel_, stub_, reporting, [dir](int64_t step) {
-    if (absl::Status s = engine::RemoveCheckpoint(dir, step); !s.ok()) {
-      AIDN_LOG(WARNING) << "retention: " << s;
-    } else {
-      AIDN_LOG(INFO) << "retention removed a checkpoint" << Kv("step", step);
-    }
-  });
+  reporter_ = std::make_shared<Reporter>(channel_, stub_, reporting,
+                                         [dir, rank = options_.rank](const auto& request,
+                                                                     const auto& response) {
+                                           RemoveRetiredCheckpoints(dir, rank, request, response);
+                                         });
   if (stop_ != nullptr) {
     stop_->SetFlush([reporter = reporter_](milliseconds timeout) { reporter->Close(timeout); });
   }

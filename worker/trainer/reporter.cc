@@ -309,9 +309,7 @@ bool Reporter::SendCommit(const v1::CommitCheckpointRequest& request, millisecon
   }
   AIDN_LOG(INFO) << "checkpoint reported" << Kv("step", request.step())
                  << Kv("committed", response.committed() ? "yes" : "no");
-  for (int64_t step : response.retired_steps()) {
-    if (retire_) retire_(step);
-  }
+  if (retire_) retire_(request, response);
   return true;
 }
 

@@ -67,9 +67,11 @@ struct ReporterOptions {
 
 class Reporter {
  public:
-  // Called (on the reporter's thread) with the step of each checkpoint
-  // whose directory retention dropped.
-  using RetireFn = std::function<void(int64_t step)>;
+  // Called (on the reporter's thread) with each commit the coordinator
+  // answered: its retired_steps' directories are to go, and held_steps says
+  // what the registry holds.
+  using RetireFn = std::function<void(const v1::CommitCheckpointRequest& request,
+                                      const v1::CommitCheckpointResponse& response)>;
 
   Reporter(std::shared_ptr<grpc::Channel> channel,
            std::shared_ptr<v1::ClusterService::StubInterface> stub, const ReporterOptions& options,

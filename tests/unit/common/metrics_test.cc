@@ -12,6 +12,7 @@
 #include <ctime>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -335,6 +336,18 @@ TEST(Family, RemoveMatchingDropsEverySeriesWithTheGivenLabels) {
   const std::string text = registry.Serialize();
   EXPECT_THAT(text, Not(HasSubstr("job-1")));
   EXPECT_THAT(text, HasSubstr("step_seconds_count{job_id=\"job-2\",rank=\"0\"} 1\n"));
+}
+
+TEST(Family, RemoveWhereDropsTheSeriesOfManyValuesInOnePass) {
+  Registry registry;
+  auto& step = registry.AddGauge("step", "Step.");
+  for (const char* job : {"job-1", "job-2", "job-3"}) step.Add({{"job_id", job}}).Set(1);
+  step.Add({{"worker_id", "w1"}}).Set(1);
+  const std::set<std::string> doomed{"job-1", "job-3", "job-9"};
+  EXPECT_EQ(step.RemoveWhere("job_id", [&](const std::string& v) { return doomed.contains(v); }),
+            2);
+  EXPECT_EQ(step.size(), 2);
+  EXPECT_THAT(registry.Serialize(), HasSubstr("step{job_id=\"job-2\"} 1\n"));
 }
 
 TEST(Family, MergesConstantLabelsIntoEverySeries) {

@@ -388,7 +388,7 @@ TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps
   spec.mutable_checkpoint()->set_every_steps(10);
   spec.mutable_checkpoint()->set_keep_last(2);
   const std::string id = RunningJobOnTwoWorkers(spec);
-  std::vector<std::vector<int64_t>> retired;
+  std::vector<std::vector<int64_t>> retired, held;
   for (int64_t step : {10, 20, 30, 40}) {
     // Rank 1's report completes each one: it is told what to delete.
     absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 1, 0, step, {0, 1}));
@@ -398,8 +398,13 @@ TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_TRUE(r->committed());
     retired.emplace_back(r->retired_steps().begin(), r->retired_steps().end());
+    held.emplace_back(r->held_steps().begin(), r->held_steps().end());
   }
   EXPECT_THAT(retired, ElementsAre(IsEmpty(), IsEmpty(), ElementsAre(10), ElementsAre(20)));
+  // What the registry holds after each: rank 0 deletes any other directory
+  // below the step (a retirement whose answer was lost).
+  EXPECT_THAT(held, ElementsAre(ElementsAre(10), ElementsAre(10, 20), ElementsAre(20, 30),
+                                ElementsAre(30, 40)));
   absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
   ASSERT_TRUE(list.ok()) << list.status();
   std::vector<int64_t> kept;

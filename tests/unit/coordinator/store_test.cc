@@ -401,14 +401,18 @@ TEST_F(StoreTest, FinishedJobsAreLoadedOnlyWhenRecentButStayListedAndFound) {
 
   // Newest first, below a number, in some states, as long as take wants.
   std::vector<int64_t> scanned;
-  auto take = [&](StoredJob job) {
-    scanned.push_back(job.number);
-    return scanned.size() < 2;
+  auto next = [&](int64_t number) {
+    if (scanned.size() == 2) return Store::ScanNext::kStop;
+    return number == 2 ? Store::ScanNext::kSkip : Store::ScanNext::kRead;
   };
-  ASSERT_TRUE(store->ScanJobs(5, {}, take).ok());
+  auto take = [&](StoredJob job) { scanned.push_back(job.number); };
+  ASSERT_TRUE(store->ScanJobs(5, {}, next, take).ok());
   EXPECT_THAT(scanned, ElementsAre(4, 3));
   scanned.clear();
-  ASSERT_TRUE(store->ScanJobs(INT64_MAX, {v1::Job::RUNNING, v1::Job::CANCELLED}, take).ok());
+  ASSERT_TRUE(store->ScanJobs(4, {}, next, take).ok());
+  EXPECT_THAT(scanned, ElementsAre(3, 1));
+  scanned.clear();
+  ASSERT_TRUE(store->ScanJobs(INT64_MAX, {v1::Job::RUNNING, v1::Job::CANCELLED}, next, take).ok());
   EXPECT_THAT(scanned, ElementsAre(5, 3));
 
   // A job that finishes after all is no longer loaded once old enough.

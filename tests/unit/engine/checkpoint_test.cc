@@ -190,6 +190,28 @@ TEST_F(CheckpointTest, RemovesLeftoverTemporariesAndRetiredCheckpoints) {
   EXPECT_TRUE(RemoveTemporaries(dir_ + "/missing").ok());
 }
 
+TEST_F(CheckpointTest, RemovesTheStepsBelowACommitThatTheRegistryDoesNotHold) {
+  for (const char* name : {"step-00000010", "step-00000020", "step-00000030", "step-00000040",
+                           "step-00000050", "step-1", "notes", ".tmp-step-00000060-g2"}) {
+    fs::create_directories(dir_ + "/" + name);
+  }
+  // Held: 30 and 40 (retention kept them) and 50 (this commit); 10 and 20
+  // were retired by answers that never arrived. At or above the commit,
+  // and names that are not step directories, stay.
+  absl::StatusOr<std::vector<int64_t>> removed = RemoveCheckpointsNotHeld(dir_, 50, {30, 40, 50});
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_THAT(*removed, ::testing::ElementsAre(10, 20));
+  for (const char* name : {"step-00000030", "step-00000040", "step-00000050", "step-1", "notes",
+                           ".tmp-step-00000060-g2"}) {
+    EXPECT_TRUE(fs::exists(dir_ + "/" + name)) << name;
+  }
+  EXPECT_FALSE(fs::exists(dir_ + "/step-00000010"));
+  removed = RemoveCheckpointsNotHeld(dir_, 40, {});
+  ASSERT_TRUE(removed.ok());
+  EXPECT_THAT(*removed, ::testing::ElementsAre(30));
+  EXPECT_TRUE(RemoveCheckpointsNotHeld(dir_ + "/missing", 10, {}).ok());
+}
+
 TEST_F(CheckpointTest, RefusesBadStateKeys) {
   Trainer t = Trainer::Make(1);
   CheckpointContents c = t.Contents(1);
