@@ -376,10 +376,15 @@ void Coordinator::CollectMetrics() {
   for (const auto& [state, count] : archived_by_state_) {
     by_state[static_cast<Job::State>(state)] += count;
   }
+  std::set<std::string> past_retention;
   for (auto& [id, entry] : jobs_) {
     ++by_state[entry->stored.job.state()];
-    ingest_.CollectJob(entry->stored.job, &entry->metrics, entry->health, now);
+    if (!ingest_.CollectJob(entry->stored.job, &entry->metrics, entry->health, now)) {
+      past_retention.insert(id);
+    }
   }
+  ingest_.RemoveSeriesOfJobs(past_retention);
+  for (const std::string& id : past_retention) MetricIngest::SeriesRemoved(&jobs_[id]->metrics);
   for (const auto& [state, count] : by_state) {
     metrics_.jobs.Add({{"state", StateName(state)}}).Set(static_cast<double>(count));
   }

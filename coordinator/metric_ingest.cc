@@ -186,14 +186,12 @@ void MetricIngest::ForEachJobFamily(
   histograms(&cm.rank_allreduce_seconds);
 }
 
-void MetricIngest::RemoveJobSeries(const Job& job, JobMetrics* m) {
-  const metrics::Labels match{{"job_id", job.id()}};
-  ForEachJobFamily([&](auto* f) { f->RemoveMatching(match); },
-                   [&](auto* f) { f->RemoveMatching(match); },
-                   [&](auto* f) { f->RemoveMatching(match); });
+void MetricIngest::SeriesRemoved(JobMetrics* m) {
   m->rank_step_seconds.clear();
   m->rank_allreduce_seconds.clear();
   m->series_removed = true;
+  m->state_in_series = -1;
+  m->rank_series_present = false;
 }
 
 void MetricIngest::RemoveSeriesOfJobs(const std::set<std::string>& job_ids) {
@@ -204,18 +202,19 @@ void MetricIngest::RemoveSeriesOfJobs(const std::set<std::string>& job_ids) {
                    [&](auto* f) { f->RemoveWhere("job_id", doomed); });
 }
 
-void MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& health,
+bool MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& health,
                               Clock::TimePoint now) {
-  if (m->series_removed) return;
-  if (PastRetention(job)) {
-    RemoveJobSeries(job, m);
-    return;
-  }
+  if (m->series_removed) return true;
+  if (PastRetention(job)) return false;
   CoordinatorMetrics& cm = *metrics_;
   const std::string& id = job.id();
   const metrics::Labels labels = JobLabels(job);
-  // One series per job: the old state's goes when the state changes.
-  cm.job_state.RemoveMatching({{"job_id", id}});
+  // One series per job: the old state's goes when the state changes. Each
+  // RemoveMatching looks at every series of its family: only when needed.
+  if (m->state_in_series != job.state()) {
+    cm.job_state.RemoveMatching({{"job_id", id}});
+    m->state_in_series = job.state();
+  }
   metrics::Labels with_state = labels;
   with_state.emplace("state", StateName(job.state()));
   cm.job_state.Add(with_state).Set(1);
@@ -249,10 +248,14 @@ void MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& he
     }
   }
   // Progress of the ranks of a generation that holds slots; none after.
-  const metrics::Labels job_match{{"job_id", id}};
-  cm.rank_step.RemoveMatching(job_match);
-  cm.rank_last_progress_age_seconds.RemoveMatching(job_match);
-  cm.rank_straggler.RemoveMatching(job_match);
+  const bool has_ranks = !health.beats.empty() || job.state() == Job::RUNNING;
+  if (has_ranks || m->rank_series_present) {
+    const metrics::Labels job_match{{"job_id", id}};
+    cm.rank_step.RemoveMatching(job_match);
+    cm.rank_last_progress_age_seconds.RemoveMatching(job_match);
+    cm.rank_straggler.RemoveMatching(job_match);
+  }
+  m->rank_series_present = has_ranks;
   for (const auto& [rank, beat] : health.beats) {
     const metrics::Labels rank_labels{{"job_id", id}, {"rank", absl::StrCat(rank)}};
     cm.rank_step.Add(rank_labels).Set(static_cast<double>(beat.step));
@@ -265,6 +268,7 @@ void MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& he
           .Set(health.stragglers.contains(rank) ? 1 : 0);
     }
   }
+  return true;
 }
 
 }  // namespace aidn::coordinator

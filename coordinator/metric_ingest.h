@@ -47,6 +47,10 @@ struct JobMetrics {
   std::vector<metrics::Histogram*> rank_step_seconds;
   std::vector<metrics::Histogram*> rank_allreduce_seconds;
   bool series_removed = false;
+  // The state whose aidn_job_state series is set (-1: none), and whether
+  // per-rank series may be there: what CollectJob must take off first.
+  int state_in_series = -1;
+  bool rank_series_present = false;
   // The highest (step, kind) of generation `stored_generation` known to be
   // in the store (for durable_step).
   int64_t stored_generation = 0;
@@ -139,16 +143,19 @@ class MetricIngest {
   int64_t DurableStep(const v1::Job& job, const JobMetrics& m) const;
 
   // The job's series as /metrics shows them (`health` gives the ranks'
-  // progress); a finished job's leave once its retention ran out.
-  void CollectJob(const v1::Job& job, JobMetrics* m, const JobHealth& health, Clock::TimePoint now);
+  // progress). False for a finished job past its retention, whose series
+  // are to go: the caller takes those of every such job off at once
+  // (RemoveSeriesOfJobs), then calls SeriesRemoved for each.
+  bool CollectJob(const v1::Job& job, JobMetrics* m, const JobHealth& health, Clock::TimePoint now);
+  static void SeriesRemoved(JobMetrics* m);
   // The labels of the job's series: job_id, name, owner.
   static metrics::Labels JobLabels(const v1::Job& job);
   // Whether the job ended longer than the retention period ago.
   bool PastRetention(const v1::Job& job) const;
-  // Takes the job's series off /metrics.
-  void RemoveJobSeries(const v1::Job& job, JobMetrics* m);
   // Takes the series of every job in `job_ids` off /metrics, one pass over
-  // each family (jobs leaving memory by the thousand).
+  // each family whatever their number: jobs finish by the thousand between
+  // two scrapes, and a pass per job would take O(jobs x series) under the
+  // coordinator's lock.
   void RemoveSeriesOfJobs(const std::set<std::string>& job_ids);
 
  private:

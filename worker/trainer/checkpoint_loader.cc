@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/digest.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "worker/engine/checkpoint.h"
@@ -63,7 +65,18 @@ absl::Status CheckSharedDirectory(const std::string& dir, const std::string& non
 }
 
 absl::Status CheckpointLoader::TryLoad(const std::string& path, int64_t step,
+                                       const std::string& manifest_sha256,
                                        const std::vector<engine::Parameter*>& params) {
+  if (!manifest_sha256.empty()) {
+    absl::StatusOr<std::string> manifest = ReadFileToString(absl::StrCat(path, "/", kManifestName));
+    if (!manifest.ok()) return manifest.status();
+    if (const std::string sha = Sha256Hex(*manifest); sha != manifest_sha256) {
+      return absl::DataLossError(absl::StrCat(
+          kManifestName, ": sha256 ", sha.substr(0, 12), ", not the ", manifest_sha256.substr(0, 12),
+          " committed: the directory was written again after its commit (by a generation that "
+          "was superseded, cut off from the coordinator?)"));
+    }
+  }
   absl::StatusOr<std::unique_ptr<engine::CheckpointReader>> reader =
       engine::CheckpointReader::Open(path);
   if (!reader.ok()) return reader.status();
@@ -98,7 +111,8 @@ absl::Status CheckpointLoader::LoadNewest(const std::vector<v1::Checkpoint>& can
     if (foreign && path.empty()) {
       return ForeignFailed(c, "it is no longer registered (its job's keep_last retired it?)");
     }
-    absl::Status status = reads ? TryLoad(path, c.step(), targets) : absl::OkStatus();
+    absl::Status status =
+        reads ? TryLoad(path, c.step(), c.manifest_sha256(), targets) : absl::OkStatus();
     bool everywhere = status.ok();
     if (options_.every_rank) {
       float failed = status.ok() ? 0.0f : 1.0f;

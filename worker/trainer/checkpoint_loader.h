@@ -72,8 +72,12 @@ class CheckpointLoader {
   void Close() { reader_.reset(); }
 
  private:
-  // Opens `path` and reads the weights into `params` (all or nothing).
-  absl::Status TryLoad(const std::string& path, int64_t step,
+  // Opens `path` and reads the weights into `params` (all or nothing). The
+  // directory's manifest must be the one committed (`manifest_sha256`, when
+  // the registry has it): a generation that was superseded but not yet
+  // stopped (cut off by a partition) may write the same step again, and
+  // what it wrote is never read.
+  absl::Status TryLoad(const std::string& path, int64_t step, const std::string& manifest_sha256,
                        const std::vector<engine::Parameter*>& params);
 
   Options options_;
