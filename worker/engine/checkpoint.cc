@@ -85,9 +85,26 @@ absl::Status WriteState(const std::string& dir, const std::map<std::string, std:
   return WriteDurably(absl::StrCat(dir, "/", kStateFile), text);
 }
 
+// The "generation" of the state.txt in `checkpoint` (a directory); 0 when
+// it says none or cannot be read.
+int64_t GenerationIn(const std::string& checkpoint) {
+  std::ifstream in(absl::StrCat(checkpoint, "/", kStateFile));
+  std::string line;
+  int64_t generation = 0;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "generation ") && absl::SimpleAtoi(line.substr(11), &generation)) {
+      return generation;
+    }
+  }
+  return 0;
+}
+
 // Writes `manifest` into `tmp` (the checkpoint's other files are there,
 // durable), then makes `tmp` the step's directory: fsync, an older
-// directory of the step out of the way, rename, fsync of `dir`.
+// directory of the step out of the way, rename, fsync of `dir`. A directory
+// of the step that a later generation wrote stays: this writer belongs to a
+// generation that was superseded and has not heard yet (a partition), and
+// what it wrote must not take the place of what the later one committed.
 absl::Status Publish(const std::string& dir, const std::string& tmp, int64_t step,
                      const Manifest& manifest, WrittenCheckpoint* written) {
   written->manifest = FormatManifest(manifest);
@@ -99,6 +116,12 @@ absl::Status Publish(const std::string& dir, const std::string& tmp, int64_t ste
   const std::string final_path = absl::StrCat(dir, "/", CheckpointDirName(step));
   std::error_code error;
   if (fs::exists(final_path, error)) {
+    const int64_t theirs = GenerationIn(final_path), mine = GenerationIn(tmp);
+    if (theirs > mine) {
+      return absl::AbortedError(
+          absl::StrCat(CheckpointDirName(step), " was written by generation ", theirs,
+                       ", later than this one (", mine, "): this generation is superseded"));
+    }
     const std::string old = absl::StrCat(tmp, ".old");
     fs::rename(final_path, old, error);
     if (error) return FsError(absl::StrCat("rename ", final_path), error);

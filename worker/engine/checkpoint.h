@@ -87,7 +87,9 @@ struct WrittenCheckpoint {
 
 // Writes the checkpoint of `step` under `dir` (created if missing). An
 // existing step-N directory of the same step (from a generation that failed
-// before committing it) is replaced.
+// before committing it) is replaced, unless its state.txt names a later
+// "generation" than `contents.state` does: ABORTED then, and nothing
+// changes (this writer's generation was superseded).
 absl::StatusOr<WrittenCheckpoint> WriteCheckpoint(const std::string& dir, int64_t step,
                                                   const CheckpointContents& contents);
 

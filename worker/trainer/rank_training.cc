@@ -146,7 +146,9 @@ void RemoveRetiredCheckpoints(const std::string& dir, int rank,
 
 Failure FailureFor(const absl::Status& status, const char* what) {
   const absl::Status annotated(status.code(), absl::StrCat(what, ": ", status.message()));
-  if (status.code() == absl::StatusCode::kFailedPrecondition) {
+  // Aborted: a checkpoint a later generation wrote is in the way.
+  if (status.code() == absl::StatusCode::kFailedPrecondition ||
+      status.code() == absl::StatusCode::kAborted) {
     return {kExitSuperseded, annotated};
   }
   return {kExitFailure, annotated};

@@ -190,6 +190,28 @@ TEST_F(CheckpointTest, RemovesLeftoverTemporariesAndRetiredCheckpoints) {
   EXPECT_TRUE(RemoveTemporaries(dir_ + "/missing").ok());
 }
 
+TEST_F(CheckpointTest, AStepALaterGenerationWroteIsNotReplaced) {
+  Trainer t = Trainer::Make(1);
+  CheckpointContents c = t.Contents(7);
+  c.state["generation"] = "2";
+  absl::StatusOr<WrittenCheckpoint> second = WriteCheckpoint(dir_, 7, c);
+  ASSERT_TRUE(second.ok()) << second.status();
+  // Generation 1, superseded but cut off, writes the step too: refused.
+  c.state["generation"] = "1";
+  absl::StatusOr<WrittenCheckpoint> first = WriteCheckpoint(dir_, 7, c);
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(first.status().message(), HasSubstr("written by generation 2"));
+  std::ifstream manifest(second->path + "/MANIFEST");
+  std::string text((std::istreambuf_iterator<char>(manifest)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, second->manifest);
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(e.path().filename().string(), "step-00000007") << "left behind";
+  }
+  // The same or a later generation replaces it.
+  c.state["generation"] = "3";
+  EXPECT_TRUE(WriteCheckpoint(dir_, 7, c).ok());
+}
+
 TEST_F(CheckpointTest, RemovesTheStepsBelowACommitThatTheRegistryDoesNotHold) {
   for (const char* name : {"step-00000010", "step-00000020", "step-00000030", "step-00000040",
                            "step-00000050", "step-1", "notes", ".tmp-step-00000060-g2"}) {
