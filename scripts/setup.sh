@@ -23,6 +23,8 @@ PACKAGES=(
   prometheus curl
   # fuzzing (scripts/fuzz.sh): clang with libFuzzer and the sanitizers
   clang
+  # the partition test makes a network namespace and a veth pair with ip
+  iproute2
   # the numerical oracle and speed peer (tests skip their torch checks only without it)
   python3-torch libopenblas0-openmp
   # the Python client (python/aidn): gRPC and protobuf matching the C++ ones, CRC-32C at

@@ -334,6 +334,7 @@ absl::Status TestCluster::StartWorker(const std::string& id, const WorkerOptions
       coordinator_.ca_file.empty() ? std::string("--insecure")
                                    : "--tls-ca=" + coordinator_.ca_file};
   argv.insert(argv.end(), options.args.begin(), options.args.end());
+  argv.insert(argv.begin(), options.wrapper.begin(), options.wrapper.end());
   const std::string log = work_dir + "/worker.log";
   absl::StatusOr<std::unique_ptr<Process>> process = Process::Start(argv, {}, log, log);
   if (!process.ok()) return process.status();
