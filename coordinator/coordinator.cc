@@ -255,6 +255,7 @@ void Coordinator::Tick() {
       CompleteCheckpoints(entry.get(), DurableInMemory(entry.get()), &deferred);
     }
   }
+  StoreUnstoredJobs();
   ArchiveFinishedJobs();
   metrics_.tick_seconds.Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
@@ -342,6 +343,7 @@ void Coordinator::ArchiveFinishedJobs() {
     // Its steps left memory once all were stored (MetricIngest::Expire),
     // and no checkpoint waits for them.
     if (!IsTerminal(job.state()) || FromProto(job.finished_at()) > before ||
+        unstored_jobs_.contains(it->first) ||
         entry.metrics.steps != nullptr || !entry.checkpoints.awaiting_metrics.empty()) {
       ++it;
       continue;
@@ -411,9 +413,30 @@ absl::Status Coordinator::PersistJob(JobEntry* entry, Deferred* deferred) {
   entry->version++;
   *entry->stored.job.mutable_updated_at() = ToProto(clock_->WallNow());
   absl::Status s = store_->PutJob(entry->stored);
-  if (!s.ok()) AIDN_LOG(ERROR) << "could not store job: " << s << Kv("job", entry->stored.job.id());
+  if (!s.ok()) {
+    // Memory has changed already (a cancel, a failure): the tick writes it
+    // once the store takes writes again (a full disk freed).
+    AIDN_LOG(ERROR) << "could not store job; retrying every tick" << Kv("job", entry->stored.job.id())
+                    << Kv("error", s);
+    unstored_jobs_.insert(entry->stored.job.id());
+  } else {
+    unstored_jobs_.erase(entry->stored.job.id());
+  }
   NotifyWatchers(entry->stored.job.id(), deferred);
   return s;
+}
+
+void Coordinator::StoreUnstoredJobs() {
+  for (auto it = unstored_jobs_.begin(); it != unstored_jobs_.end();) {
+    auto job = jobs_.find(*it);
+    if (job == jobs_.end()) {
+      it = unstored_jobs_.erase(it);
+      continue;
+    }
+    if (!store_->PutJob(job->second->stored).ok()) return;  // not yet: the next tick
+    AIDN_LOG(INFO) << "job stored after an earlier write failed" << Kv("job", *it);
+    it = unstored_jobs_.erase(it);
+  }
 }
 
 void Coordinator::PersistWorker(const WorkerEntry& entry) {

@@ -261,6 +261,9 @@ class Coordinator {
   // Takes the finished jobs past ArchiveAfter() whose steps are all stored
   // out of memory (their series off /metrics); the store keeps them.
   void ArchiveFinishedJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the jobs whose PersistJob failed (a full disk), until one fails
+  // again.
+  void StoreUnstoredJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // checkpoint.resume_from: the job and its checkpoint exist, committed and
   // valid, and fit `spec` (model, optimizer, global batch); step 0 becomes
   // the newest one's. INVALID_ARGUMENT or NOT_FOUND saying what does not.
@@ -402,6 +405,8 @@ class Coordinator {
   // The jobs of jobs_ that have not finished, by number: scheduling looks
   // at these on every submission and exit, not at every job in memory.
   std::map<int64_t, JobEntry*> unfinished_ ABSL_GUARDED_BY(mu_);
+  // Jobs changed in memory whose write to the store failed (StoreUnstoredJobs).
+  std::set<std::string> unstored_jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
   // The components, each guarded by mu_ (WatchStreams::ReadStored by
   // flush_mu_: it only reads the store).

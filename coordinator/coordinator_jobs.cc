@@ -389,6 +389,7 @@ void Coordinator::CollectMetrics() {
     metrics_.jobs.Add({{"state", StateName(state)}}).Set(static_cast<double>(count));
   }
   metrics_.jobs_in_memory.Set(static_cast<double>(jobs_.size()));
+  metrics_.jobs_unstored.Set(static_cast<double>(unstored_jobs_.size()));
   CollectWorkerSeries(now);
 }
 

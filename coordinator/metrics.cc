@@ -119,6 +119,10 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
                                  "those finished within --job_retention; the others are read "
                                  "from its database.")
                          .Add({})),
+      jobs_unstored(r->AddGauge("aidn_jobs_unstored",
+                                "Jobs changed in memory whose write to the database failed (a "
+                                "full disk?); retried every tick.")
+                        .Add({})),
       job_state(
           r->AddGauge("aidn_job_state", "1 for the state the job is in (label state), per job.")),
       job_step(r->AddGauge("aidn_job_step", "Newest step any rank of the job completed.")),

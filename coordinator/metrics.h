@@ -22,6 +22,9 @@ struct CoordinatorMetrics {
   metrics::Family<metrics::Gauge>& jobs;
   // Jobs held in memory: the unfinished and the recently finished ones.
   metrics::Gauge& jobs_in_memory;
+  // Jobs changed in memory whose write to the database failed (a full
+  // disk), retried every tick.
+  metrics::Gauge& jobs_unstored;
   // Per job (labels job_id, name, owner), for jobs running or ended within
   // the retention period.
   metrics::Family<metrics::Gauge>& job_state;  // 1, with a state label

@@ -75,6 +75,10 @@ absl::StatusOr<LaunchSpec> LaunchSpecFor(const v1::TrainerAssignment& a, const L
     launch.env.push_back("CUDA_VISIBLE_DEVICES=" + *visible);
   }
   launch.env.push_back(absl::StrCat(kTrainerTokenVariable, "=", a.trainer_token()));
+  // Why it failed, in full (the exit report's error), beside its log.
+  launch.error_file = absl::StrCat(o.work_dir, "/logs/", a.job_id(), "/gen-", a.generation(),
+                                   "/rank-", a.rank(), "-error.json");
+  launch.env.push_back("TORCHELASTIC_ERROR_FILE=" + launch.error_file);
   return launch;
 }
 

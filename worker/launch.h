@@ -95,10 +95,12 @@ struct LaunchSpec {
   // Command jobs: the process's current directory, the user it runs as
   // (the caller gives job_dir to that user), the directories the process
   // creates as that user before it starts (the error file's, the
-  // checkpoints'), and TORCHELASTIC_ERROR_FILE.
+  // checkpoints').
   std::string cwd;
   std::optional<LaunchOptions::User> run_as;
   std::vector<std::string> make_dirs;
+  // TORCHELASTIC_ERROR_FILE: where the rank writes why it failed (torch
+  // elastic's format), read into its exit report.
   std::string error_file;
 };
 

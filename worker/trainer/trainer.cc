@@ -1,6 +1,12 @@
 #include "worker/trainer/trainer.h"
 
+#include <cstdlib>
+#include <fstream>
 #include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
 
 #include "common/log.h"
 #include "common/rpc/client.h"
@@ -24,8 +30,17 @@ int RunTrainer(const TrainerOptions& options) {
     AIDN_LOG(INFO) << "training finished" << Kv("job", options.job_id) << Kv("rank", options.rank);
     return kExitOk;
   }
-  // The last stderr line is what the coordinator shows as the reason.
   AIDN_LOG(ERROR) << "trainer failed: " << failure->status;
+  // What the coordinator shows as the reason: the whole status, in the
+  // error file the worker reads (torch elastic's format, as a command
+  // rank's @record writes it), rather than its last log line cut short.
+  if (const char* path = std::getenv("TORCHELASTIC_ERROR_FILE"); path != nullptr && *path != '\0') {
+    const nlohmann::json doc = {
+        {"message",
+         {{"message", failure->status.ToString()},
+          {"extraInfo", {{"timestamp", absl::StrCat(absl::ToUnixSeconds(absl::Now()))}}}}}};
+    std::ofstream(path) << doc.dump();
+  }
   return failure->exit_code;
 }
 

@@ -92,8 +92,10 @@ TEST(LaunchSpecFor, PutsTheTokenInTheEnvironmentAndNeverInArgv) {
   o.trainer_env = {"OPENBLAS_CORETYPE=SKYLAKEX"};
   absl::StatusOr<LaunchSpec> launch = LaunchSpecFor(Assignment(), o);
   ASSERT_TRUE(launch.ok()) << launch.status();
-  EXPECT_THAT(launch->env, ElementsAre("OPENBLAS_CORETYPE=SKYLAKEX",
-                                       "AIDN_TRAINER_TOKEN=secret-trainer-token-0123456789"));
+  EXPECT_THAT(launch->env,
+              ElementsAre("OPENBLAS_CORETYPE=SKYLAKEX",
+                          "AIDN_TRAINER_TOKEN=secret-trainer-token-0123456789",
+                          "TORCHELASTIC_ERROR_FILE=/var/lib/aidn/logs/job-3/gen-2/rank-1-error.json"));
   for (const std::string& arg : launch->argv) {
     EXPECT_FALSE(absl::StrContains(arg, "secret-trainer-token")) << arg;
     EXPECT_FALSE(absl::StrContains(absl::AsciiStrToLower(arg), "token")) << arg;
@@ -107,6 +109,8 @@ TEST(LaunchSpecFor, KeepsLogsAndTheJobDirectoryUnderTheWorkDir) {
   EXPECT_EQ(launch->log_path, "/var/lib/aidn/logs/job-3/gen-2/rank-1.log");
   EXPECT_EQ(launch->job_dir, "/var/lib/aidn/jobs/job-3");
   EXPECT_THAT(launch->argv, Contains("--work-dir=" + launch->job_dir));
+  // Why it failed, beside its log: the exit report's error.
+  EXPECT_EQ(launch->error_file, "/var/lib/aidn/logs/job-3/gen-2/rank-1-error.json");
 }
 
 TEST(LaunchSpecFor, GivesAGpuTrainerExactlyItsGpu) {
