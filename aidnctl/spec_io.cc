@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <istream>
+#include <sstream>
 #include <iterator>
 #include <map>
 #include <optional>
@@ -25,6 +26,7 @@
 #include "common/job_spec_limits.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
+#include "yaml-cpp/eventhandler.h"
 #include "yaml-cpp/yaml.h"
 
 namespace aidn::ctl {
@@ -369,6 +371,38 @@ void EmitYaml(YAML::Emitter& out, const Json& json, const Expect& expect) {
   }
 }
 
+// Where the text's second YAML document starts, if it has one. Not
+// YAML::LoadAll: on some malformed text (a quoted scalar, a comma, more
+// lines) yaml-cpp 0.7's parser hands out empty documents for ever without
+// reading on, and LoadAll collects them until memory runs out. Two are all
+// there is to know.
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+  std::vector<YAML::Mark> starts;
+};
+
+std::optional<YAML::Mark> SecondDocument(const std::string& text) {
+  std::istringstream stream(text);
+  YAML::Parser parser(stream);
+  DocumentStarts starts;
+  for (int i = 0; i < 2 && parser.HandleNextDocument(starts); ++i) {
+  }
+  if (starts.starts.size() < 2) return std::nullopt;
+  return starts.starts[1];
+}
+
 Expect ExpectFor(const Descriptor* type) {
   if (type == nullptr) return {};
   return {Expect::kMessage, type, nullptr};
@@ -396,18 +430,21 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
     }
   } else {
     std::vector<YAML::Node> documents;
+    std::optional<YAML::Mark> second;
     try {
-      documents = YAML::LoadAll(std::string(text));
+      second = SecondDocument(std::string(text));
+      if (!second.has_value()) documents.push_back(YAML::Load(std::string(text)));
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": line ", e.mark.line + 1,
                                                      ", column ", e.mark.column + 1, ": ", e.msg));
     }
+    if (second.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": a second YAML document starts at line ", second->line + 1,
+                       "; expected one job spec"));
+    }
     if (documents.empty() || documents[0].IsNull()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": the job spec is empty"));
-    }
-    if (documents.size() > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": holds ", documents.size(),
-                                                     " YAML documents; expected one job spec"));
     }
     if (!documents[0].IsMap()) {
       return absl::InvalidArgumentError(

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz: safetensors, checkpoint manifests,
-# IDX files, text corpora) with clang, ASan and UBSan in build-fuzz/, and runs
-# each for SECONDS (default 30) from its seed corpus. Fails on any crash,
-# sanitizer report, leak or timeout; prints each target's executions.
+# IDX files, text corpora, the c10d store protocol, job specs) with clang,
+# ASan and UBSan in build-fuzz/, and runs each for SECONDS (default 30) from
+# its seed corpus. Fails on any crash, sanitizer report, leak or timeout;
+# prints each target's executions.
 #   ./scripts/fuzz.sh          # 30 s a target (what CI runs)
 #   ./scripts/fuzz.sh 3600     # a long run; new inputs stay in build-fuzz/corpus/
 set -euo pipefail
@@ -11,12 +12,12 @@ SECONDS_EACH=${1:-30}
 BUILD=${AIDN_FUZZ_BUILD_DIR:-build-fuzz}
 
 ./scripts/setup.sh
-if [ ! -f "$BUILD/build.ninja" ]; then
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAIDN_ENABLE_CUDA=OFF \
-    -DAIDN_ENGINE_ONLY=ON -DAIDN_BUILD_TESTS=OFF -DAIDN_SANITIZE=ON -DAIDN_FUZZ=ON >/dev/null
-fi
-targets=(safetensors manifest idx text)
+# The whole tree is configured (the spec target links aidnctl's parser and
+# the coordinator's validation); only the targets are built.
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAIDN_ENABLE_CUDA=OFF \
+  -DAIDN_ENGINE_ONLY=OFF -DAIDN_BUILD_TESTS=OFF -DAIDN_SANITIZE=ON -DAIDN_FUZZ=ON >/dev/null
+targets=(safetensors manifest idx text c10d spec)
 ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >/dev/null
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
