@@ -6,9 +6,12 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <set>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/rpc/client.h"
 #include "common/rpc/retry.h"
@@ -97,6 +100,7 @@ void CommandAgent::Run(v1::TrainerAssignment assignment,
     absl::StatusOr<v1::JoinRendezvousResponse> joined =
         JoinRendezvous(assignment, *address, *cancelled);
     placement = joined.ok() ? CommandPlacementOf(*joined, assignment.rank()) : joined.status();
+    if (joined.ok()) RestrictStore(assignment, *joined);
   }
   if (cancelled->load()) placement = absl::CancelledError("the rank is no longer assigned");
   {
@@ -106,6 +110,35 @@ void CommandAgent::Run(v1::TrainerAssignment assignment,
     ready_.push_back({std::move(assignment), std::move(placement)});
   }
   if (options_.on_ready) options_.on_ready();
+}
+
+void CommandAgent::RestrictStore(const v1::TrainerAssignment& a,
+                                 const v1::JoinRendezvousResponse& joined) {
+  std::set<std::string> hosts;
+  for (const v1::Peer& peer : joined.peers()) {
+    // "host:port" or "[v6]:port"; the host as the kernel will name it.
+    std::string host = peer.address().substr(0, peer.address().rfind(':'));
+    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    addrinfo hints = {};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) continue;
+    for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+      char numeric[NI_MAXHOST];
+      if (getnameinfo(ai->ai_addr, ai->ai_addrlen, numeric, sizeof(numeric), nullptr, 0,
+                      NI_NUMERICHOST) == 0) {
+        hosts.insert(numeric);
+      }
+    }
+    freeaddrinfo(found);
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = stores_.find({a.job_id(), a.generation()});
+  if (it == stores_.end()) return;
+  it->second->AllowPeers(hosts, options_.local_users);
+  AIDN_LOG(INFO) << "c10d store open to the generation's hosts" << Kv("job", a.job_id())
+                 << Kv("generation", a.generation()) << Kv("hosts", absl::StrJoin(hosts, ","));
 }
 
 absl::StatusOr<std::string> CommandAgent::StoreAddress(const v1::TrainerAssignment& a) {

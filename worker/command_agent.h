@@ -15,10 +15,13 @@
 //   for (CommandAgent::Ready& r : agent.TakeReady()) { start r.assignment with r.placement }
 //   agent.EndGeneration(job, generation);     // its last rank here ended: the store goes
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,6 +41,11 @@ class GenerationStore {
  public:
   virtual ~GenerationStore() = default;
   virtual int port() const = 0;
+  // Once the rendezvous named the generation's hosts: only clients from
+  // those (numeric) addresses, and from this host only processes of
+  // `local_users`, may connect from now on.
+  virtual void AllowPeers(const std::set<std::string>& /*addresses*/,
+                          const std::set<uid_t>& /*local_users*/) {}
 };
 
 struct CommandAgentOptions {
@@ -47,6 +55,9 @@ struct CommandAgentOptions {
   // Starts a store bound to `address` on a fresh port (command.store AGENT).
   std::function<absl::StatusOr<std::unique_ptr<GenerationStore>>(const std::string& address)>
       start_store;
+  // The users the ranks of command jobs run as: from this host, only their
+  // processes may reach a generation's store.
+  std::set<uid_t> local_users;
   // Called (from the join's thread, no lock held) when a join finished, so
   // the caller can take it at once rather than at its next look.
   std::function<void()> on_ready;
@@ -99,6 +110,10 @@ class CommandAgent {
   void Run(v1::TrainerAssignment assignment, std::shared_ptr<std::atomic<bool>> cancelled);
   // The address rank 0 joins with: the store's (starting it), or a free port
   // for rank 0 to bind.
+  // The joined generation's store on this worker (if it serves one) takes
+  // clients only from the hosts the rendezvous named.
+  void RestrictStore(const v1::TrainerAssignment& assignment,
+                     const v1::JoinRendezvousResponse& joined) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::string> StoreAddress(const v1::TrainerAssignment& assignment)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::JoinRendezvousResponse> JoinRendezvous(const v1::TrainerAssignment& assignment,

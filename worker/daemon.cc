@@ -93,6 +93,10 @@ class C10dStore final : public GenerationStore {
  public:
   explicit C10dStore(std::unique_ptr<c10d::StoreServer> server) : server_(std::move(server)) {}
   int port() const override { return server_->port(); }
+  void AllowPeers(const std::set<std::string>& addresses,
+                  const std::set<uid_t>& local_users) override {
+    server_->AllowPeers({.addresses = addresses, .local_users = local_users});
+  }
 
  private:
   std::unique_ptr<c10d::StoreServer> server_;
@@ -100,8 +104,19 @@ class C10dStore final : public GenerationStore {
 
 absl::StatusOr<std::unique_ptr<GenerationStore>> StartC10dStore(const std::string& address) {
   AIDN_ASSIGN_OR_RETURN(std::unique_ptr<c10d::StoreServer> server,
-                        c10d::StoreServer::Start({.bind_address = address, .port = 0}));
+                        c10d::StoreServer::Start({.bind_address = address,
+                                                  .port = 0,
+                                                  // Nobody until the rendezvous names the hosts.
+                                                  .refuse_until_peers_set = true}));
   return std::unique_ptr<GenerationStore>(new C10dStore(std::move(server)));
+}
+
+// Who the ranks of command jobs run as: the --command-user, else the
+// daemon's own user.
+std::set<uid_t> LocalUsers(const DaemonOptions& o) {
+  std::set<uid_t> users = {geteuid()};
+  if (o.command_user.has_value()) users.insert(o.command_user->uid);
+  return users;
 }
 
 // The job's directory, made by the daemon under its own <work_dir>/jobs and
@@ -234,6 +249,7 @@ Daemon::Daemon(const DaemonOptions& options, std::unique_ptr<WorkDirClaim> claim
   agent_ = std::make_unique<CommandAgent>(CommandAgentOptions{.worker_id = options_.worker_id,
                                                               .address = options_.address,
                                                               .start_store = options_.start_store,
+                                                              .local_users = LocalUsers(options_),
                                                               .on_ready =
                                                                   [this] {
                                                                     absl::MutexLock lock(&mu_);

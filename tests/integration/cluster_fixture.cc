@@ -205,8 +205,12 @@ rpc::ChannelOptions ChannelTo(const std::string& address) {
   absl::MutexLock lock(&ca_mu);
   auto it = CaFiles().find(address);
   // A coordinator these helpers did not start: TLS with the system's roots.
-  if (it == CaFiles().end()) return {.address = address};
-  return {.address = address, .tls_ca_file = it->second, .insecure = it->second.empty()};
+  rpc::ChannelOptions options;
+  options.address = address;
+  if (it == CaFiles().end()) return options;
+  options.tls_ca_file = it->second;
+  options.insecure = it->second.empty();
+  return options;
 }
 
 std::unique_ptr<grpc::ClientContext> Context(const std::string& token,

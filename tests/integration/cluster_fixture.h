@@ -99,7 +99,7 @@ struct WorkerOptions {
   std::string binary = AIDN_WORKER_BIN;
   // A command the daemon runs under, before `binary` (the partition test's
   // "ip netns exec <ns>", which execs it: the pid stays the daemon's).
-  std::vector<std::string> wrapper;
+  std::vector<std::string> wrapper = {};
 };
 
 // One test's cluster. Its directory holds the coordinator's state

@@ -12,6 +12,8 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -20,7 +22,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "worker/c10d/store_state.h"
@@ -62,6 +68,73 @@ std::string PeerName(const sockaddr_storage& addr) {
     port = ntohs(in6->sin6_port);
   }
   return absl::StrCat(host, ":", port);
+}
+
+// The client's numeric address, without the port.
+std::string HostOf(const sockaddr_storage& addr) {
+  const std::string name = PeerName(addr);
+  return name.substr(0, name.rfind(':'));
+}
+
+bool IsLoopback(const sockaddr_storage& addr) {
+  if (addr.ss_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr.s_addr) >> 24) == 127;
+  }
+  return addr.ss_family == AF_INET6 &&
+         IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_addr);
+}
+
+// The uid of the socket listed in `table` (/proc/net/tcp or tcp6) whose
+// local end is `local` and whose remote port is `remote_port` (":PPPP").
+std::optional<uid_t> OwnerIn(const char* table, const std::string& local,
+                             const std::string& remote_port) {
+  std::ifstream in(table);
+  std::string line;
+  while (std::getline(in, line)) {
+    const std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    uint32_t uid = 0;
+    if (f.size() > 7 && f[1] == local && absl::EndsWith(f[2], remote_port) &&
+        absl::SimpleAtoi(f[7], &uid)) {
+      return static_cast<uid_t>(uid);
+    }
+  }
+  return std::nullopt;
+}
+
+// The owner of a client's socket on this host, from /proc/net/tcp(6): the
+// line whose local end is the client's address and whose remote port is
+// the server's. The kernel prints each 32-bit word of the address as the
+// integer it is in memory, then the port, in hex. An IPv4 client may be an
+// IPv6 socket speaking through a v4-mapped address (PyTorch's client is):
+// then it is listed in tcp6.
+std::optional<uid_t> SocketOwner(const sockaddr_storage& client, int server_port) {
+  const std::string remote_port = absl::StrFormat(":%04X", server_port);
+  if (client.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&client);
+    const uint16_t port = ntohs(in->sin_port);
+    if (std::optional<uid_t> owner =
+            OwnerIn("/proc/net/tcp", absl::StrFormat("%08X:%04X", in->sin_addr.s_addr, port),
+                    remote_port)) {
+      return owner;
+    }
+    uint32_t mapped_word = 0;
+    const uint8_t mapped[4] = {0, 0, 0xff, 0xff};
+    std::memcpy(&mapped_word, mapped, sizeof(mapped_word));
+    return OwnerIn("/proc/net/tcp6",
+                   absl::StrFormat("%08X%08X%08X%08X:%04X", 0, 0, mapped_word,
+                                   in->sin_addr.s_addr, port),
+                   remote_port);
+  }
+  if (client.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&client);
+    uint32_t words[4];
+    std::memcpy(words, &in6->sin6_addr, sizeof(words));
+    return OwnerIn("/proc/net/tcp6",
+                   absl::StrFormat("%08X%08X%08X%08X:%04X", words[0], words[1], words[2],
+                                   words[3], ntohs(in6->sin6_port)),
+                   remote_port);
+  }
+  return std::nullopt;
 }
 
 absl::Status ValidateOptions(const StoreServerOptions& options) {
@@ -130,6 +203,7 @@ class StoreServer::Impl {
         port_(LocalPort(listen_fd)),
         state_(options.max_total_bytes) {
     spare_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (options.refuse_until_peers_set) peers_ = StorePeers{};
   }
 
   ~Impl() {
@@ -154,6 +228,7 @@ class StoreServer::Impl {
   }
 
   int port() const { return port_; }
+  void AllowPeers(StorePeers peers);
   size_t num_keys() const { return num_keys_.load(); }
   size_t num_clients() const { return num_clients_.load(); }
   size_t num_dropped() const { return num_dropped_.load(); }
@@ -162,6 +237,9 @@ class StoreServer::Impl {
   void Run();
   void Accept();
   void AcceptOne(int fd, const sockaddr_storage& addr);
+  // Whether the client at `addr` may connect (StoreServer::AllowPeers); if
+  // not, *why says why.
+  bool Allowed(const sockaddr_storage& addr, std::string* why);
   void OnReadable(Client& client);
   void Process(Client& client);
   void Deliver();
@@ -183,6 +261,9 @@ class StoreServer::Impl {
   int spare_fd_ = -1;  // closed to accept (and refuse) a client when out of fds
   std::thread thread_;
   std::mutex stop_mu_;
+  // Who may connect; everyone when unset.
+  std::mutex peers_mu_;
+  std::optional<StorePeers> peers_;
   bool stopped_ = false;
 
   // Owned by the loop thread.
@@ -265,7 +346,37 @@ void StoreServer::Impl::Accept() {
   }
 }
 
+bool StoreServer::Impl::Allowed(const sockaddr_storage& addr, std::string* why) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (!peers_.has_value()) return true;
+  const std::string host = HostOf(addr);
+  const bool local = IsLoopback(addr) || host == options_.bind_address;
+  if (!local) {
+    if (peers_->addresses.contains(host)) return true;
+    *why = "not a host of the generation's ranks";
+    return false;
+  }
+  const std::optional<uid_t> owner = SocketOwner(addr, port_);
+  if (owner.has_value() && peers_->local_users.contains(*owner)) return true;
+  *why = owner.has_value() ? absl::StrCat("a local process of uid ", *owner,
+                                          ", not of a user the ranks run as")
+                           : std::string("a local process whose owner is unknown");
+  return false;
+}
+
+void StoreServer::Impl::AllowPeers(StorePeers peers) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  peers_ = std::move(peers);
+}
+
 void StoreServer::Impl::AcceptOne(int fd, const sockaddr_storage& addr) {
+  if (std::string why; !Allowed(addr, &why)) {
+    AIDN_LOG(WARNING) << "c10d store: refusing a client" << Kv("peer", PeerName(addr))
+                      << Kv("why", why);
+    num_dropped_.fetch_add(1);
+    close(fd);
+    return;
+  }
   if (clients_.size() >= options_.max_clients) {
     AIDN_LOG(WARNING) << "c10d store: refusing a client over max_clients"
                       << Kv("peer", PeerName(addr)) << Kv("max_clients", options_.max_clients);
@@ -502,6 +613,7 @@ StoreServer::StoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StoreServer::~StoreServer() { Stop(); }
 int StoreServer::port() const { return impl_->port(); }
 void StoreServer::Stop() { impl_->Stop(); }
+void StoreServer::AllowPeers(StorePeers peers) { impl_->AllowPeers(std::move(peers)); }
 size_t StoreServer::num_keys() const { return impl_->num_keys(); }
 size_t StoreServer::num_clients() const { return impl_->num_clients(); }
 size_t StoreServer::num_dropped() const { return impl_->num_dropped(); }

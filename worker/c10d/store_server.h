@@ -19,9 +19,12 @@
 // Thread-safe: Start, port, Stop and the counters may be called from any
 // thread.
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -54,6 +57,19 @@ struct StoreServerOptions {
   Dialect unvalidated_dialect = Dialect::kTorch1;
   // listen(2) backlog: a whole job's ranks connect at once.
   int listen_backlog = 4096;
+  // Refuses every client until AllowPeers says who may connect (a worker's
+  // store, before the rendezvous names the generation's hosts).
+  bool refuse_until_peers_set = false;
+};
+
+// Who may connect to a generation's store: clients from the hosts of its
+// ranks only, and, from an address of this host, only processes of the
+// users its ranks run as (the owner of the client's socket, from
+// /proc/net/tcp).
+struct StorePeers {
+  // Numeric addresses (what getpeername gives).
+  std::set<std::string> addresses;
+  std::set<uid_t> local_users;
 };
 
 class StoreServer {
@@ -70,6 +86,11 @@ class StoreServer {
   // Closes every client and the listener and joins the loop thread.
   // Idempotent.
   void Stop();
+
+  // From now on, only these peers are accepted (clients already connected
+  // stay). Without a call every client is (tests, benchmarks);
+  // StoreServerOptions::refuse_until_peers_set refuses all until one.
+  void AllowPeers(StorePeers peers);
 
   // For tests and metrics; updated by the loop as it goes.
   size_t num_keys() const;

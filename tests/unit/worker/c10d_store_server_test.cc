@@ -4,6 +4,8 @@
 
 #include "worker/c10d/store_server.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <memory>
 #include <string>
@@ -74,6 +76,36 @@ class C10dStoreServerTest : public ::testing::Test {
 
   std::unique_ptr<StoreServer> server_;
 };
+
+TEST_F(C10dStoreServerTest, AcceptsOnlyThePeersItIsToldOf) {
+  StoreServerOptions options;
+  options.refuse_until_peers_set = true;
+  StartServer(options);
+  const Dialect d = Dialect::kTorch1;
+  // Before the rendezvous names the peers, nobody.
+  auto early = Connect(d);
+  ASSERT_NE(early, nullptr);
+  ASSERT_TRUE(DroppedCount(1));
+  // A local process of a user the ranks run as, yes.
+  server_->AllowPeers({.addresses = {}, .local_users = {geteuid()}});
+  auto rank = Connect(d);
+  ASSERT_NE(rank, nullptr);
+  ASSERT_TRUE(rank->Send(d, Req(Op::kSet, {"k"}, {"v"})).ok());
+  EXPECT_EQ(Get(*rank, d, "k"), "v");
+  // An IPv6 socket reaching it through a v4-mapped address (PyTorch's
+  // client does): its owner is listed in tcp6.
+  auto mapped = WireClient::Connect("::ffff:127.0.0.1", server_->port(), kTimeout);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  EXPECT_EQ(Get(**mapped, d, "k"), "v");
+  // A local process of another user, no: its socket's owner is looked up.
+  server_->AllowPeers({.addresses = {"10.0.0.7"}, .local_users = {geteuid() + 4242}});
+  auto other = Connect(d);
+  ASSERT_NE(other, nullptr);
+  ASSERT_TRUE(DroppedCount(2));
+  EXPECT_FALSE(other->ReadU8(std::chrono::milliseconds(500)).ok());
+  // Those already connected stay.
+  EXPECT_EQ(Get(*rank, d, "k"), "v");
+}
 
 TEST_F(C10dStoreServerTest, ServesEveryTorch1Command) {
   constexpr Dialect d = Dialect::kTorch1;
