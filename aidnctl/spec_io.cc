@@ -5,12 +5,12 @@
 #include <cmath>
 #include <cstdint>
 #include <istream>
-#include <sstream>
 #include <iterator>
 #include <map>
 #include <optional>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -439,9 +439,9 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
                                                      ", column ", e.mark.column + 1, ": ", e.msg));
     }
     if (second.has_value()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(source, ": a second YAML document starts at line ", second->line + 1,
-                       "; expected one job spec"));
+      return absl::InvalidArgumentError(absl::StrCat(source,
+                                                     ": a second YAML document starts at line ",
+                                                     second->line + 1, "; expected one job spec"));
     }
     if (documents.empty() || documents[0].IsNull()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": the job spec is empty"));

@@ -61,7 +61,7 @@ std::string Series(const testing::CoordinatorHandle& c, const std::string& name)
 
 // One job from submission to success: 3 calls. The first call that failed.
 grpc::Status RunOneJob(v1::CoordinatorService::Stub* users, v1::ClusterService::Stub* cluster,
-               const testing::CoordinatorHandle& c, int n) {
+                       const testing::CoordinatorHandle& c, int n) {
   v1::JobSpec spec;
   spec.set_name(absl::StrCat("short-", n));
   spec.set_world_size(1);
@@ -105,8 +105,7 @@ int Run() {
   std::filesystem::remove_all(dir);
   absl::StatusOr<testing::CoordinatorHandle> started = testing::StartCoordinator(
       dir, {absl::StrCat("--job-retention=", absl::GetFlag(FLAGS_job_retention)),
-            "--metrics-retention=10s",
-            "--log-level=warning"});
+            "--metrics-retention=10s", "--log-level=warning"});
   if (!started.ok()) {
     std::fprintf(stderr, "could not start the coordinator: %s\n",
                  started.status().ToString().c_str());
@@ -163,10 +162,11 @@ int Run() {
       }
     }
     const auto [rss, anon] = ResidentMiB(pid);
-    std::printf("%-10s jobs %7d  rss %7.1f MiB  anon %7.1f MiB  in memory %7s  list %7.2f ms  "
-                "get %6.2f ms  %6.0f jobs/s\n",
-                label.c_str(), done, rss, anon, Series(c, "aidn_jobs_in_memory").c_str(),
-                Median(list_ms), Median(get_ms), jobs_per_second);
+    std::printf(
+        "%-10s jobs %7d  rss %7.1f MiB  anon %7.1f MiB  in memory %7s  list %7.2f ms  "
+        "get %6.2f ms  %6.0f jobs/s\n",
+        label.c_str(), done, rss, anon, Series(c, "aidn_jobs_in_memory").c_str(), Median(list_ms),
+        Median(get_ms), jobs_per_second);
     std::fflush(stdout);
   };
   measure(0, 0);

@@ -343,8 +343,8 @@ void Coordinator::ArchiveFinishedJobs() {
     // Its steps left memory once all were stored (MetricIngest::Expire),
     // and no checkpoint waits for them.
     if (!IsTerminal(job.state()) || FromProto(job.finished_at()) > before ||
-        unstored_jobs_.contains(it->first) ||
-        entry.metrics.steps != nullptr || !entry.checkpoints.awaiting_metrics.empty()) {
+        unstored_jobs_.contains(it->first) || entry.metrics.steps != nullptr ||
+        !entry.checkpoints.awaiting_metrics.empty()) {
       ++it;
       continue;
     }
@@ -416,8 +416,8 @@ absl::Status Coordinator::PersistJob(JobEntry* entry, Deferred* deferred) {
   if (!s.ok()) {
     // Memory has changed already (a cancel, a failure): the tick writes it
     // once the store takes writes again (a full disk freed).
-    AIDN_LOG(ERROR) << "could not store job; retrying every tick" << Kv("job", entry->stored.job.id())
-                    << Kv("error", s);
+    AIDN_LOG(ERROR) << "could not store job; retrying every tick"
+                    << Kv("job", entry->stored.job.id()) << Kv("error", s);
     unstored_jobs_.insert(entry->stored.job.id());
   } else {
     unstored_jobs_.erase(entry->stored.job.id());

@@ -2,11 +2,11 @@
 // checkpoints, events, metrics, watch streams) and its Prometheus series.
 
 #include <algorithm>
-#include <utility>
 #include <functional>
 #include <iterator>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -160,11 +160,13 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(
     for (const auto& [id, entry] : jobs_) {
       if (entry->stored.number >= below) continue;
       in_memory.insert(entry->stored.number);
-      if (matches(entry->stored.job)) matching.emplace_back(entry->stored.number, &entry->stored.job);
+      if (matches(entry->stored.job))
+        matching.emplace_back(entry->stored.number, &entry->stored.job);
     }
     const size_t keep = std::min(wanted, matching.size());
     std::partial_sort(matching.begin(), matching.begin() + static_cast<ptrdiff_t>(keep),
-                      matching.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+                      matching.end(),
+                      [](const auto& a, const auto& b) { return a.first > b.first; });
     for (size_t i = 0; i < keep; ++i) page.emplace(matching[i].first, *matching[i].second);
   }
   // A job archived after the copy above is in the store as it was in memory.
@@ -329,8 +331,8 @@ absl::StatusOr<WatchBatch> Coordinator::PollWatch(const v1::WatchJobRequest& req
       // Finished and out of memory: the record and every step are stored,
       // and it changes no more (the newest version).
       AIDN_ASSIGN_OR_RETURN(const Job job, JobRecord(request.job_id()));
-      AIDN_ASSIGN_OR_RETURN(bool added, watch_.PollMemory(request, job, INT64_MAX, nullptr,
-                                                          cursor, &batch));
+      AIDN_ASSIGN_OR_RETURN(bool added,
+                            watch_.PollMemory(request, job, INT64_MAX, nullptr, cursor, &batch));
       if (added) quiet = false;
       terminal = true;
     }

@@ -25,8 +25,8 @@ using sqlite_util::Statement;
 // it has not.
 int64_t FinishedMicros(const v1::Job& job) {
   if (!job.has_finished_at()) return 0;
-  const absl::Time t =
-      absl::FromUnixSeconds(job.finished_at().seconds()) + absl::Nanoseconds(job.finished_at().nanos());
+  const absl::Time t = absl::FromUnixSeconds(job.finished_at().seconds()) +
+                       absl::Nanoseconds(job.finished_at().nanos());
   return std::max<int64_t>(1, absl::ToUnixMicros(t));
 }
 

@@ -21,8 +21,8 @@
 #include <chrono>
 #include <functional>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>

@@ -20,8 +20,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const auto& printed : {aidn::ctl::MessageToYaml(*spec), aidn::ctl::MessageToJson(*spec)}) {
     if (!printed.ok()) std::abort();
     absl::StatusOr<aidn::v1::JobSpec> again = aidn::ctl::ParseJobSpec(*printed, "printed");
-    if (!again.ok() ||
-        !google::protobuf::util::MessageDifferencer::Equals(*spec, *again)) {
+    if (!again.ok() || !google::protobuf::util::MessageDifferencer::Equals(*spec, *again)) {
       std::abort();  // printed, it reads back as another spec (or not at all)
     }
   }

@@ -28,9 +28,9 @@ namespace aidn::testing {
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using ::testing::HasSubstr;
 
 constexpr milliseconds kLong{180'000};
 
@@ -41,8 +41,8 @@ class SmallDisk {
   static std::unique_ptr<SmallDisk> Mount(const std::string& path, int megabytes,
                                           std::string* why) {
     fs::create_directories(path);
-    const CommandResult r =
-        RunCommand({"mount", "-t", "tmpfs", "-o", absl::StrCat("size=", megabytes, "m"), "tmpfs", path});
+    const CommandResult r = RunCommand(
+        {"mount", "-t", "tmpfs", "-o", absl::StrCat("size=", megabytes, "m"), "tmpfs", path});
     if (r.exit_code != 0) {
       *why = absl::StrCat("mount -t tmpfs: ", r.err, r.out);
       return nullptr;
@@ -120,11 +120,11 @@ class DiskFullTest : public ClusterFixture {
 
 // The state database's integrity_check, through Python's sqlite3.
 std::string IntegrityCheck(const std::string& db) {
-  const CommandResult r = RunCommand(
-      {"python3", "-c",
-       "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute('PRAGMA "
-       "integrity_check').fetchone()[0])",
-       db});
+  const CommandResult r =
+      RunCommand({"python3", "-c",
+                  "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute('PRAGMA "
+                  "integrity_check').fetchone()[0])",
+                  db});
   return r.out + r.err;
 }
 
@@ -166,8 +166,8 @@ TEST_F(DiskFullTest, TheCoordinatorRefusesWritesWhileItsDiskIsFullAndGoesOnAfter
   EXPECT_TRUE(WaitFor([&] { return cluster().Submit(Spec()).ok(); }, seconds(30),
                       "a submission after space returned"));
   // The tick writes what waited for space.
-  const std::string metrics = absl::StrCat("http://", cluster().coordinator().metrics_address,
-                                           "/metrics");
+  const std::string metrics =
+      absl::StrCat("http://", cluster().coordinator().metrics_address, "/metrics");
   EXPECT_TRUE(WaitFor(
       [&] {
         return absl::StrContains(RunCommand({"curl", "-s", metrics}).out,
@@ -184,8 +184,10 @@ TEST_F(DiskFullTest, ACheckpointOnAFullDiskFailsTheJobSayingWhyAndTheLastOneStay
   std::string why;
   SmallDisk* disk = DiskAt("ckpt", 16, &why);
   if (disk == nullptr) GTEST_SKIP() << "cannot mount a tmpfs here: " << why;
-  ASSERT_TRUE(cluster().StartCoordinator(
-      {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s"}).ok());
+  ASSERT_TRUE(cluster()
+                  .StartCoordinator(
+                      {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s"})
+                  .ok());
   ASSERT_TRUE(cluster().StartWorkers(
       {"w"}, {.args = {"--checkpoint-root=" + cluster().Path("ckpt"), "--stop-grace=1s"}}));
   absl::StatusOr<std::string> submitted = cluster().Submit(Spec());
@@ -212,8 +214,7 @@ TEST_F(DiskFullTest, ACheckpointOnAFullDiskFailsTheJobSayingWhyAndTheLastOneStay
     EXPECT_EQ(Sha256Hex(ReadFileOrEmpty(c.path() + "/" + kManifestName)), c.manifest_sha256())
         << c.path();
   }
-  for (const fs::directory_entry& e :
-       fs::recursive_directory_iterator(cluster().Path("ckpt"))) {
+  for (const fs::directory_entry& e : fs::recursive_directory_iterator(cluster().Path("ckpt"))) {
     EXPECT_FALSE(absl::StartsWith(e.path().filename().string(), ".tmp-")) << e.path();
   }
 }

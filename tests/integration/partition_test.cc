@@ -100,17 +100,17 @@ class PartitionTest : public ClusterFixture {
     netns_ = Netns::Create(&why);
     if (netns_ == nullptr) GTEST_SKIP() << "cannot make a network namespace here: " << why;
     ClusterFixture::SetUp();
-    const absl::Status started = cluster().StartCoordinator(
-        {"--listen=" + netns_->host_ip() + ":0", "--worker-timeout=3s",
-         "--heartbeat-interval=500ms", "--stop-grace=1s"});
+    const absl::Status started =
+        cluster().StartCoordinator({"--listen=" + netns_->host_ip() + ":0", "--worker-timeout=3s",
+                                    "--heartbeat-interval=500ms", "--stop-grace=1s"});
     ASSERT_TRUE(started.ok()) << started;
   }
 
   void TearDown() override {
     if (cluster_ != nullptr) {
       cluster().StopAll();
-      EXPECT_TRUE(WaitFor([&] { return ProcessesWith({cluster().dir()}).empty(); },
-                          seconds(15), "every process of the test gone"));
+      EXPECT_TRUE(WaitFor([&] { return ProcessesWith({cluster().dir()}).empty(); }, seconds(15),
+                          "every process of the test gone"));
     }
     ClusterFixture::TearDown();
     netns_.reset();
@@ -171,8 +171,11 @@ TEST_F(PartitionTest, ACutOffWorkerIsReplacedAndItsTrainerIsFencedWhenTheLinkRet
   // The link comes back: the old trainer is refused as superseded and
   // exits; the worker is back too.
   ASSERT_TRUE(netns_->SetLink(true));
-  EXPECT_TRUE(WaitFor([&] { return ProcessesWith({cluster().dir(), gen1}).empty(); }, seconds(60),
-                      "generation 1's trainer fenced and gone"));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ProcessesWith({cluster().dir(), gen1}).empty();
+      },
+      seconds(60), "generation 1's trainer fenced and gone"));
   ASSERT_TRUE(cluster().WaitForAliveWorkers(2, seconds(60)));
   EXPECT_EQ(cluster().GetJob(job).generation(), 2);
   ASSERT_TRUE(cluster().WaitForJob(

@@ -120,18 +120,18 @@ std::optional<uid_t> SocketOwner(const sockaddr_storage& client, int server_port
     uint32_t mapped_word = 0;
     const uint8_t mapped[4] = {0, 0, 0xff, 0xff};
     std::memcpy(&mapped_word, mapped, sizeof(mapped_word));
-    return OwnerIn("/proc/net/tcp6",
-                   absl::StrFormat("%08X%08X%08X%08X:%04X", 0, 0, mapped_word,
-                                   in->sin_addr.s_addr, port),
-                   remote_port);
+    return OwnerIn(
+        "/proc/net/tcp6",
+        absl::StrFormat("%08X%08X%08X%08X:%04X", 0, 0, mapped_word, in->sin_addr.s_addr, port),
+        remote_port);
   }
   if (client.ss_family == AF_INET6) {
     const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&client);
     uint32_t words[4];
     std::memcpy(words, &in6->sin6_addr, sizeof(words));
     return OwnerIn("/proc/net/tcp6",
-                   absl::StrFormat("%08X%08X%08X%08X:%04X", words[0], words[1], words[2],
-                                   words[3], ntohs(in6->sin6_port)),
+                   absl::StrFormat("%08X%08X%08X%08X:%04X", words[0], words[1], words[2], words[3],
+                                   ntohs(in6->sin6_port)),
                    remote_port);
   }
   return std::nullopt;
@@ -358,9 +358,9 @@ bool StoreServer::Impl::Allowed(const sockaddr_storage& addr, std::string* why) 
   }
   const std::optional<uid_t> owner = SocketOwner(addr, port_);
   if (owner.has_value() && peers_->local_users.contains(*owner)) return true;
-  *why = owner.has_value() ? absl::StrCat("a local process of uid ", *owner,
-                                          ", not of a user the ranks run as")
-                           : std::string("a local process whose owner is unknown");
+  *why = owner.has_value()
+             ? absl::StrCat("a local process of uid ", *owner, ", not of a user the ranks run as")
+             : std::string("a local process whose owner is unknown");
   return false;
 }
 

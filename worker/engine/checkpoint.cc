@@ -118,9 +118,9 @@ absl::Status Publish(const std::string& dir, const std::string& tmp, int64_t ste
   if (fs::exists(final_path, error)) {
     const int64_t theirs = GenerationIn(final_path), mine = GenerationIn(tmp);
     if (theirs > mine) {
-      return absl::AbortedError(
-          absl::StrCat(CheckpointDirName(step), " was written by generation ", theirs,
-                       ", later than this one (", mine, "): this generation is superseded"));
+      return absl::AbortedError(absl::StrCat(CheckpointDirName(step), " was written by generation ",
+                                             theirs, ", later than this one (", mine,
+                                             "): this generation is superseded"));
     }
     const std::string old = absl::StrCat(tmp, ".old");
     fs::rename(final_path, old, error);
@@ -347,8 +347,7 @@ absl::Status RemoveCheckpoint(const std::string& dir, int64_t step) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int64_t>> RemoveCheckpointsNotHeld(const std::string& dir,
-                                                              int64_t below,
+absl::StatusOr<std::vector<int64_t>> RemoveCheckpointsNotHeld(const std::string& dir, int64_t below,
                                                               const std::vector<int64_t>& held) {
   std::error_code error;
   std::vector<int64_t> removed;

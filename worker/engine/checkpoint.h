@@ -149,8 +149,7 @@ absl::Status RemoveCheckpoint(const std::string& dir, int64_t step);
 // retired ones whose removal was never asked for, or never reported. Later
 // steps are left alone (a writer may be at work on one). Returns the steps
 // removed, ascending; a missing `dir` is fine.
-absl::StatusOr<std::vector<int64_t>> RemoveCheckpointsNotHeld(const std::string& dir,
-                                                              int64_t below,
+absl::StatusOr<std::vector<int64_t>> RemoveCheckpointsNotHeld(const std::string& dir, int64_t below,
                                                               const std::vector<int64_t>& held);
 
 }  // namespace aidn::engine

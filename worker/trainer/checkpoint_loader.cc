@@ -72,7 +72,8 @@ absl::Status CheckpointLoader::TryLoad(const std::string& path, int64_t step,
     if (!manifest.ok()) return manifest.status();
     if (const std::string sha = Sha256Hex(*manifest); sha != manifest_sha256) {
       return absl::DataLossError(absl::StrCat(
-          kManifestName, ": sha256 ", sha.substr(0, 12), ", not the ", manifest_sha256.substr(0, 12),
+          kManifestName, ": sha256 ", sha.substr(0, 12), ", not the ",
+          manifest_sha256.substr(0, 12),
           " committed: the directory was written again after its commit (by a generation that "
           "was superseded, cut off from the coordinator?)"));
     }

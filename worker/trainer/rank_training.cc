@@ -116,7 +116,6 @@ class FullParameters {
   absl::Status status_;
 };
 
-
 // The directories the coordinator's answer to a commit says are no longer
 // wanted: the steps retention retired, and on rank 0 (the one rank that
 // reports every checkpoint) any other below it the registry does not hold.
@@ -166,7 +165,6 @@ RankTraining::~RankTraining() {
   if (reporter_ != nullptr) reporter_->Close(milliseconds(5000));
 }
 
-
 std::optional<Failure> RankTraining::Setup() {
   absl::StatusOr<v1::JoinRendezvousResponse> joined = Join(channel_.get(), stub_.get(), options_);
   if (!joined.ok()) return FailureFor(joined.status(), "rendezvous");
@@ -182,11 +180,11 @@ std::optional<Failure> RankTraining::Setup() {
   reporting.job_id = options_.job_id;
   reporting.generation = options_.generation;
   reporting.rank = options_.rank;
-  reporter_ = std::make_shared<Reporter>(channel_, stub_, reporting,
-                                         [dir, rank = options_.rank](const auto& request,
-                                                                     const auto& response) {
-                                           RemoveRetiredCheckpoints(dir, rank, request, response);
-                                         });
+  reporter_ = std::make_shared<Reporter>(
+      channel_, stub_, reporting,
+      [dir, rank = options_.rank](const auto& request, const auto& response) {
+        RemoveRetiredCheckpoints(dir, rank, request, response);
+      });
   if (stop_ != nullptr) {
     stop_->SetFlush([reporter = reporter_](milliseconds timeout) { reporter->Close(timeout); });
   }

@@ -15,12 +15,12 @@
 namespace aidn::coordinator {
 namespace {
 
-using ::testing::ElementsAre;
-using ::testing::HasSubstr;
+using std::chrono::milliseconds;
 using test_util::CoordinatorTest;
 using test_util::Spec;
 using test_util::TempDir;
-using std::chrono::milliseconds;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 using v1::Job;
 
 class JobArchiveTest : public CoordinatorTest {

@@ -27,8 +27,8 @@ namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
 using ::testing::AnyOf;
-using ::testing::HasSubstr;
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 // Compares with MessageDifferencer and prints both sides when they differ.
 MATCHER_P(ProtoEquals, expected, "") {
@@ -374,8 +374,8 @@ TEST_F(StoreTest, FinishedJobsAreLoadedOnlyWhenRecentButStayListedAndFound) {
   std::unique_ptr<Store> store = OpenStore();
   ASSERT_NE(store, nullptr);
   // 1 and 2 finished long ago, 3 runs, 4 finished recently, 5 was cancelled.
-  for (auto [number, finished] : std::vector<std::pair<int64_t, bool>>{
-           {1, true}, {2, true}, {3, false}, {4, true}}) {
+  for (auto [number, finished] :
+       std::vector<std::pair<int64_t, bool>>{{1, true}, {2, true}, {3, false}, {4, true}}) {
     ASSERT_TRUE(store->PutJob(JobFinishedAt(number, finished)).ok());
   }
   ASSERT_TRUE(store->PutJob(JobFinishedAt(5, true, v1::Job::CANCELLED)).ok());

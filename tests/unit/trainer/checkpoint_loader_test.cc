@@ -70,15 +70,15 @@ class CheckpointLoaderTest : public ::testing::Test {
           options.world_size = 1;
           AIDN_ASSIGN_OR_RETURN(std::unique_ptr<engine::Communicator> comm,
                                 engine::CreateGlooCommunicator(options, &store));
-          CheckpointLoader loader({.dir = dir_,
-                                   .job_id = "job-1",
-                                   .every_rank = false,
-                                   .comm = comm.get(),
-                                   .report_invalid = [&](const v1::Checkpoint& c, const std::string&,
-                                                         const absl::Status& why) {
-                                     invalid->push_back(
-                                         absl::StrCat(c.step(), ": ", why.message()));
-                                   }});
+          CheckpointLoader loader(
+              {.dir = dir_,
+               .job_id = "job-1",
+               .every_rank = false,
+               .comm = comm.get(),
+               .report_invalid = [&](const v1::Checkpoint& c, const std::string&,
+                                     const absl::Status& why) {
+                 invalid->push_back(absl::StrCat(c.step(), ": ", why.message()));
+               }});
           return loader.LoadNewest(candidates, {&loaded});
         })));
     return loaded.value.data()[0];

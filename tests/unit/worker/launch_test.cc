@@ -92,10 +92,11 @@ TEST(LaunchSpecFor, PutsTheTokenInTheEnvironmentAndNeverInArgv) {
   o.trainer_env = {"OPENBLAS_CORETYPE=SKYLAKEX"};
   absl::StatusOr<LaunchSpec> launch = LaunchSpecFor(Assignment(), o);
   ASSERT_TRUE(launch.ok()) << launch.status();
-  EXPECT_THAT(launch->env,
-              ElementsAre("OPENBLAS_CORETYPE=SKYLAKEX",
-                          "AIDN_TRAINER_TOKEN=secret-trainer-token-0123456789",
-                          "TORCHELASTIC_ERROR_FILE=/var/lib/aidn/logs/job-3/gen-2/rank-1-error.json"));
+  EXPECT_THAT(
+      launch->env,
+      ElementsAre("OPENBLAS_CORETYPE=SKYLAKEX",
+                  "AIDN_TRAINER_TOKEN=secret-trainer-token-0123456789",
+                  "TORCHELASTIC_ERROR_FILE=/var/lib/aidn/logs/job-3/gen-2/rank-1-error.json"));
   for (const std::string& arg : launch->argv) {
     EXPECT_FALSE(absl::StrContains(arg, "secret-trainer-token")) << arg;
     EXPECT_FALSE(absl::StrContains(absl::AsciiStrToLower(arg), "token")) << arg;
