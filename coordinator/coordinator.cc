@@ -106,7 +106,6 @@ void Coordinator::LoadJob(StoredJob stored, Clock::TimePoint now, Deferred* defe
   auto entry = std::make_unique<JobEntry>();
   entry->stored = std::move(stored);
   const Job& job = entry->stored.job;
-  next_job_number_ = std::max(next_job_number_, entry->stored.number + 1);
   if (!IsTerminal(job.state())) {
     auth_->AddToken(entry->stored.trainer_token,
                     Principal{Role::kTrainer, "trainer:" + job.id(), job.id(), {}});

@@ -604,8 +604,9 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   v1::CommitCheckpointResponse response;
   AIDN_ASSIGN_OR_RETURN(const bool steps_in_memory, CommitCheckpointLocked(request, &response));
   // What the registry holds once this call is done: rank 0 deletes what it
-  // does not (below this step).
+  // does not (below this step). The other ranks do not ask.
   const auto add_held = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (request.rank() != 0) return;
     absl::StatusOr<std::vector<v1::Checkpoint>> held = store_->ListCheckpoints(request.job_id());
     if (!held.ok()) return;  // without the list, nothing is deleted
     for (const v1::Checkpoint& c : *held) response.add_held_steps(c.step());

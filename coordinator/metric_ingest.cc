@@ -167,25 +167,6 @@ bool MetricIngest::PastRetention(const Job& job) const {
   return clock_->WallNow() - finished >= absl::FromChrono(options_.metrics_retention);
 }
 
-void MetricIngest::ForEachJobFamily(
-    const std::function<void(metrics::Family<metrics::Counter>*)>& counters,
-    const std::function<void(metrics::Family<metrics::Gauge>*)>& gauges,
-    const std::function<void(metrics::Family<metrics::Histogram>*)>& histograms) {
-  CoordinatorMetrics& cm = *metrics_;
-  counters(&cm.job_steps_total);
-  counters(&cm.job_samples_total);
-  for (metrics::Family<metrics::Gauge>* f :
-       {&cm.job_state, &cm.job_step, &cm.job_total_steps, &cm.job_epoch, &cm.job_loss,
-        &cm.job_samples_per_second, &cm.job_tokens_per_second, &cm.job_peak_memory_bytes,
-        &cm.job_step_seconds, &cm.job_allreduce_seconds, &cm.job_restarts, &cm.job_generation,
-        &cm.job_world_size, &cm.job_last_checkpoint_step, &cm.job_test_accuracy, &cm.job_test_loss,
-        &cm.rank_step, &cm.rank_last_progress_age_seconds, &cm.rank_straggler}) {
-    gauges(f);
-  }
-  histograms(&cm.rank_step_seconds);
-  histograms(&cm.rank_allreduce_seconds);
-}
-
 void MetricIngest::SeriesRemoved(JobMetrics* m) {
   m->rank_step_seconds.clear();
   m->rank_allreduce_seconds.clear();
@@ -197,9 +178,19 @@ void MetricIngest::SeriesRemoved(JobMetrics* m) {
 void MetricIngest::RemoveSeriesOfJobs(const std::set<std::string>& job_ids) {
   if (job_ids.empty()) return;
   const auto doomed = [&job_ids](const std::string& id) { return job_ids.contains(id); };
-  ForEachJobFamily([&](auto* f) { f->RemoveWhere("job_id", doomed); },
-                   [&](auto* f) { f->RemoveWhere("job_id", doomed); },
-                   [&](auto* f) { f->RemoveWhere("job_id", doomed); });
+  CoordinatorMetrics& cm = *metrics_;
+  cm.job_steps_total.RemoveWhere("job_id", doomed);
+  cm.job_samples_total.RemoveWhere("job_id", doomed);
+  for (metrics::Family<metrics::Gauge>* f :
+       {&cm.job_state, &cm.job_step, &cm.job_total_steps, &cm.job_epoch, &cm.job_loss,
+        &cm.job_samples_per_second, &cm.job_tokens_per_second, &cm.job_peak_memory_bytes,
+        &cm.job_step_seconds, &cm.job_allreduce_seconds, &cm.job_restarts, &cm.job_generation,
+        &cm.job_world_size, &cm.job_last_checkpoint_step, &cm.job_test_accuracy, &cm.job_test_loss,
+        &cm.rank_step, &cm.rank_last_progress_age_seconds, &cm.rank_straggler}) {
+    f->RemoveWhere("job_id", doomed);
+  }
+  cm.rank_step_seconds.RemoveWhere("job_id", doomed);
+  cm.rank_allreduce_seconds.RemoveWhere("job_id", doomed);
 }
 
 bool MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& health,

@@ -160,11 +160,6 @@ class MetricIngest {
 
  private:
   void EnsureRankSeries(const v1::Job& job, JobMetrics* m);
-  // Calls `fn` for every family with per-job series (label job_id).
-  void ForEachJobFamily(
-      const std::function<void(metrics::Family<metrics::Counter>*)>& counters,
-      const std::function<void(metrics::Family<metrics::Gauge>*)>& gauges,
-      const std::function<void(metrics::Family<metrics::Histogram>*)>& histograms);
 
   const MetricIngestOptions options_;
   CoordinatorMetrics* const metrics_;

@@ -545,4 +545,13 @@ void TestCluster::PrintLogTails() const {
   std::cerr << "---- cluster directory " << dir() << " ----\n";
 }
 
+void ClusterFixture::StopAllAndExpectNoProcesses() {
+  if (cluster_ == nullptr) return;
+  cluster_->StopAll();
+  EXPECT_TRUE(
+      WaitFor([&] { return ProcessesWith({cluster_->dir()}).empty(); }, std::chrono::seconds(15),
+              "every process of the test gone",
+              [&] { return absl::StrCat(ProcessesWith({cluster_->dir()}).size(), " left"); }));
+}
+
 }  // namespace aidn::testing

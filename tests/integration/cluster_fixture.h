@@ -235,6 +235,9 @@ class ClusterFixture : public ::testing::Test {
   }
 
   TestCluster& cluster() { return *cluster_; }
+  // Stops the workers and the coordinator and expects every process of the
+  // test (anything naming its directory) gone within 15 s.
+  void StopAllAndExpectNoProcesses();
   const std::string& admin() const { return cluster_->admin_token(); }
 
   std::unique_ptr<TestCluster> cluster_;

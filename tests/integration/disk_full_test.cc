@@ -91,7 +91,7 @@ class DiskFullTest : public ClusterFixture {
   }
 
   void TearDown() override {
-    if (cluster_ != nullptr) cluster().StopAll();
+    StopAllAndExpectNoProcesses();
     disk_.reset();
     ClusterFixture::TearDown();
   }

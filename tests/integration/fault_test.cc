@@ -97,12 +97,9 @@ class FaultTest : public ClusterFixture {
 
   void TearDown() override {
     if (cluster_ == nullptr) return;
-    cluster().StopAll();
     // 8. Nothing of the test is left running, and no unfinished checkpoint
     // directory is left behind.
-    EXPECT_TRUE(WaitFor([&] { return ProcessesWith({dir()}).empty(); }, seconds(15),
-                        "every process of the test gone",
-                        [&] { return absl::StrCat(ProcessesWith({dir()}).size(), " left"); }));
+    StopAllAndExpectNoProcesses();
     std::error_code error;
     for (auto it = fs::recursive_directory_iterator(ckpt_root_, error);
          !error && it != fs::recursive_directory_iterator(); ++it) {

@@ -107,11 +107,7 @@ class PartitionTest : public ClusterFixture {
   }
 
   void TearDown() override {
-    if (cluster_ != nullptr) {
-      cluster().StopAll();
-      EXPECT_TRUE(WaitFor([&] { return ProcessesWith({cluster().dir()}).empty(); }, seconds(15),
-                          "every process of the test gone"));
-    }
+    StopAllAndExpectNoProcesses();
     ClusterFixture::TearDown();
     netns_.reset();
   }

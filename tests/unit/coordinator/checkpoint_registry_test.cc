@@ -394,17 +394,18 @@ TEST_F(CoordinatorTest, RetentionKeepsTheNewestKeepLastAndAnswersTheRetiredSteps
     absl::StatusOr<v1::CommitCheckpointResponse> r = CommitDurable(Commit(id, 1, 0, step, {0, 1}));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_THAT(r->retired_steps(), IsEmpty()) << "retired before the commit completed";
+    held.emplace_back(r->held_steps().begin(), r->held_steps().end());
     r = CommitDurable(Commit(id, 1, 1, step, {0, 1}));
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_TRUE(r->committed());
     retired.emplace_back(r->retired_steps().begin(), r->retired_steps().end());
-    held.emplace_back(r->held_steps().begin(), r->held_steps().end());
+    EXPECT_THAT(r->held_steps(), IsEmpty()) << "only rank 0 is told what is held";
   }
   EXPECT_THAT(retired, ElementsAre(IsEmpty(), IsEmpty(), ElementsAre(10), ElementsAre(20)));
-  // What the registry holds after each: rank 0 deletes any other directory
-  // below the step (a retirement whose answer was lost).
-  EXPECT_THAT(held, ElementsAre(ElementsAre(10), ElementsAre(10, 20), ElementsAre(20, 30),
-                                ElementsAre(30, 40)));
+  // What the registry held after each of rank 0's reports: rank 0 deletes
+  // any other directory below the step (a retirement whose answer was lost).
+  EXPECT_THAT(held, ElementsAre(ElementsAre(10), ElementsAre(10, 20), ElementsAre(10, 20, 30),
+                                ElementsAre(20, 30, 40)));
   absl::StatusOr<v1::ListCheckpointsResponse> list = c().ListCheckpoints(id);
   ASSERT_TRUE(list.ok()) << list.status();
   std::vector<int64_t> kept;
