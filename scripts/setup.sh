@@ -23,6 +23,9 @@ PACKAGES=(
   prometheus curl
   # fuzzing (scripts/fuzz.sh): clang with libFuzzer and the sanitizers
   clang
+  # scripts/tsan.sh unpacks Debian's Abseil source (dpkg-source) to build it
+  # with ThreadSanitizer
+  dpkg-dev
   # the partition test makes a network namespace and a veth pair with ip
   iproute2
   # the numerical oracle and speed peer (tests skip their torch checks only without it)

@@ -6,7 +6,6 @@
 // Needs root (ip netns, ip link); skips, saying so, where the kernel or the
 // container does not allow network namespaces.
 
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -18,11 +17,11 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/checkpoint_manifest.h"
 #include "common/digest.h"
 #include "tests/integration/cluster_fixture.h"
 #include "tests/support/files.h"
+#include "tests/support/netns.h"
 #include "tests/support/process.h"
 #include "tests/support/wait.h"
 
@@ -33,60 +32,6 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 constexpr milliseconds kLong{180'000};
-
-// A network namespace and a veth pair between it and the host; removed
-// (with the pair) on destruction.
-class Netns {
- public:
-  // Empty name and the reason when it cannot be made here.
-  static std::unique_ptr<Netns> Create(std::string* why) {
-    const int id = static_cast<int>(getpid() % 100000);
-    auto ns = std::unique_ptr<Netns>(new Netns());
-    ns->name_ = absl::StrCat("aidn-part-", id);
-    ns->host_if_ = absl::StrCat("ap", id, "h");
-    ns->ns_if_ = absl::StrCat("ap", id, "n");
-    const std::string net = absl::StrCat("10.233.", id % 250, ".");
-    ns->host_ip_ = net + "1";
-    ns->ns_ip_ = net + "2";
-    const std::vector<std::vector<std::string>> setup = {
-        {"ip", "netns", "add", ns->name_},
-        {"ip", "link", "add", ns->host_if_, "type", "veth", "peer", "name", ns->ns_if_},
-        {"ip", "link", "set", ns->ns_if_, "netns", ns->name_},
-        {"ip", "addr", "add", ns->host_ip_ + "/30", "dev", ns->host_if_},
-        {"ip", "link", "set", ns->host_if_, "up"},
-        {"ip", "netns", "exec", ns->name_, "ip", "addr", "add", ns->ns_ip_ + "/30", "dev",
-         ns->ns_if_},
-        {"ip", "netns", "exec", ns->name_, "ip", "link", "set", ns->ns_if_, "up"},
-        {"ip", "netns", "exec", ns->name_, "ip", "link", "set", "lo", "up"},
-    };
-    for (const std::vector<std::string>& argv : setup) {
-      const CommandResult r = RunCommand(argv);
-      if (r.exit_code != 0) {
-        *why = absl::StrCat(absl::StrJoin(argv, " "), ": ", r.err, r.out);
-        return nullptr;
-      }
-    }
-    return ns;
-  }
-  ~Netns() {
-    RunCommand({"ip", "link", "del", host_if_});
-    RunCommand({"ip", "netns", "del", name_});
-  }
-
-  const std::string& host_ip() const { return host_ip_; }
-  // What runs a command inside the namespace.
-  std::vector<std::string> Exec() const { return {"ip", "netns", "exec", name_}; }
-  // The namespace's end of the link down (its packets go nowhere), or up.
-  bool SetLink(bool up) {
-    std::vector<std::string> argv = Exec();
-    argv.insert(argv.end(), {"ip", "link", "set", ns_if_, up ? "up" : "down"});
-    return RunCommand(argv).exit_code == 0;
-  }
-
- private:
-  Netns() = default;
-  std::string name_, host_if_, ns_if_, host_ip_, ns_ip_;
-};
 
 class PartitionTest : public ClusterFixture {
  protected:

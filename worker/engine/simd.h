@@ -13,8 +13,11 @@
 // does not fuse a multiply and an add that the baseline rounds twice.
 
 // Clang (the fuzzing build, scripts/fuzz.sh) does not clone function
-// templates yet: it gets the baseline code alone.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+// templates yet: it gets the baseline code alone. Neither does the
+// ThreadSanitizer build (scripts/tsan.sh): GCC instruments the ifunc
+// resolver, which the loader runs before TSan's runtime exists.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    !defined(__SANITIZE_THREAD__)
 #define AIDN_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define AIDN_VECTOR_CLONES
