@@ -67,6 +67,11 @@ std::vector<std::string> Server::ServedServices() {
   return {v1::CoordinatorService::service_full_name(), v1::ClusterService::service_full_name()};
 }
 
+std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
+  grpc::ChannelArguments args;
+  return server_->InProcessChannel(args);
+}
+
 Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
 
 void Server::Shutdown(std::chrono::milliseconds grace) {

@@ -48,6 +48,9 @@ class Server {
 
   // host:port actually bound.
   const std::string& address() const { return address_; }
+  // A channel to this server inside the process (no socket, no TLS, no
+  // client certificate): for tests and fuzzing of the services.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
   // Stops accepting calls; calls still running after `grace` are cancelled.
   void Shutdown(std::chrono::milliseconds grace);
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz: safetensors, checkpoint manifests,
-# IDX files, text corpora, the c10d store protocol, job specs) with clang,
+# IDX files, text corpora, the c10d store protocol, job specs, the
+# coordinator's gRPC services) with clang,
 # ASan and UBSan in build-fuzz/, and runs each for SECONDS (default 30) from
 # its seed corpus. Fails on any crash, sanitizer report, leak or timeout;
 # prints each target's executions.
@@ -17,7 +18,7 @@ BUILD=${AIDN_FUZZ_BUILD_DIR:-build-fuzz}
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAIDN_ENABLE_CUDA=OFF \
   -DAIDN_ENGINE_ONLY=OFF -DAIDN_BUILD_TESTS=OFF -DAIDN_SANITIZE=ON -DAIDN_FUZZ=ON >/dev/null
-targets=(safetensors manifest idx text c10d spec)
+targets=(safetensors manifest idx text c10d spec grpc)
 ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >/dev/null
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
