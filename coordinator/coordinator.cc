@@ -612,10 +612,19 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
   // longer would fail the new generation on the next tick again.
   const milliseconds job_timeout = failures_.JobWorkerTimeout(job);
   int refuse_commands = 0;
+  int refuse_paths = 0;
+  std::string path_reason;  // the first worker's
   const std::vector<WorkerSlots> snapshot = slots->Snapshot([&](const std::string& id) {
     const WorkerEntry& worker = workers_.at(id);
     if (job.spec().has_command() && !worker.worker.info().runs_commands()) {
       ++refuse_commands;
+      return false;
+    }
+    if (std::optional<PathOutside> out = PathRefusedBy(job.spec(), worker.worker.info())) {
+      if (refuse_paths++ == 0) {
+        path_reason = absl::StrCat(out->named.field, ": ", out->named.path, " is outside ", id,
+                                   "'s allowed paths");
+      }
       return false;
     }
     const Clock::TimePoint seen = worker.last_seen;
@@ -630,6 +639,10 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
       absl::StrAppend(&reason, " (", refuse_commands,
                       " worker(s) run no command jobs: started with --no-command-jobs, or as "
                       "root without --command-user)");
+    }
+    if (refuse_paths > 0) {
+      absl::StrAppend(&reason, " (", refuse_paths, " worker(s) do not allow the job's paths: ",
+                      path_reason, ")");
     }
     if (reason != entry->waiting_reason) {
       entry->waiting_reason = reason;

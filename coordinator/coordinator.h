@@ -268,6 +268,10 @@ class Coordinator {
   // valid, and fit `spec` (model, optimizer, global batch); step 0 becomes
   // the newest one's. INVALID_ARGUMENT or NOT_FOUND saying what does not.
   absl::Status ResolveResumeFrom(v1::JobSpec* spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT naming the field when there are alive workers and none
+  // of them allows a path the job names (WorkerInfo.path_roots).
+  absl::Status CheckPathsAllowedSomewhere(const v1::JobSpec& spec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // State changes; each persists the job and records an event.
   absl::Status SetState(JobEntry* entry, v1::Job::State state, const std::string& message,

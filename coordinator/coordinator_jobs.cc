@@ -34,6 +34,7 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
 
   Deferred deferred;
   absl::MutexLock lock(&mu_);
+  AIDN_RETURN_IF_ERROR(CheckPathsAllowedSomewhere(spec));
   if (spec.checkpoint().has_resume_from()) AIDN_RETURN_IF_ERROR(ResolveResumeFrom(&spec));
   auto entry = std::make_unique<JobEntry>();
   entry->stored.number = next_job_number_;
@@ -58,6 +59,24 @@ absl::StatusOr<Job> Coordinator::SubmitJob(v1::JobSpec spec, const std::string& 
   jobs_[id] = std::move(entry);
   Schedule(&deferred);
   return jobs_[id]->stored.job;
+}
+
+absl::Status Coordinator::CheckPathsAllowedSomewhere(const v1::JobSpec& spec) {
+  std::vector<std::string> roots;
+  std::optional<PathOutside> first;
+  for (const auto& [id, w] : workers_) {
+    if (w.worker.state() != v1::Worker::ALIVE) continue;
+    std::optional<PathOutside> outside = PathRefusedBy(spec, w.worker.info());
+    if (!outside.has_value()) return absl::OkStatus();  // it may run there (or does not say)
+    if (!first.has_value()) first = std::move(outside);
+    roots.push_back(absl::StrCat(id, ": ", absl::StrJoin(w.worker.info().path_roots(), ", ")));
+  }
+  // No alive worker: placement tells later.
+  if (!first.has_value()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      first->named.field, ": ", first->named.path,
+      " is outside the paths every alive worker allows (", absl::StrJoin(roots, "; "),
+      "); a worker's operator can add a root with --allowed-paths, or name a path under one"));
 }
 
 absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {

@@ -138,4 +138,9 @@ std::vector<WorkerSlots> SlotTable::Snapshot(
   return out;
 }
 
+std::optional<PathOutside> PathRefusedBy(const v1::JobSpec& spec, const v1::WorkerInfo& worker) {
+  if (worker.path_roots().empty()) return std::nullopt;
+  return FirstPathOutside(spec, {worker.path_roots().begin(), worker.path_roots().end()});
+}
+
 }  // namespace aidn::coordinator

@@ -8,11 +8,13 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "aidn/v1/job.pb.h"
+#include "common/job_paths.h"
 
 namespace aidn::coordinator {
 
@@ -44,6 +46,11 @@ absl::StatusOr<std::vector<v1::RankPlacement>> PlaceGang(const GangRequest& requ
 
 // What a job of `spec` asks for.
 GangRequest GangRequestOf(const v1::JobSpec& spec);
+
+// The first absolute path of `spec` outside the roots `worker` reports
+// (WorkerInfo.path_roots, compared lexically); nothing when all lie inside
+// or the worker reports no roots.
+std::optional<PathOutside> PathRefusedBy(const v1::JobSpec& spec, const v1::WorkerInfo& worker);
 
 // Free-slot accounting: every slot of the workers added, and which of them
 // the placements marked take.

@@ -52,6 +52,7 @@ v1::WorkerInfo WorkerInfoOf(const DaemonOptions& o, const std::string& instance)
   info.set_cpu_slots(o.cpu_slots);
   info.set_version(o.version);
   info.set_runs_commands(o.command_jobs);
+  for (const std::string& root : o.path_roots) info.add_path_roots(root);
   for (const engine::GpuDescription& gpu : o.gpus) {
     v1::GpuInfo* g = info.add_gpus();
     g->set_index(gpu.index);

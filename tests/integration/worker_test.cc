@@ -384,20 +384,44 @@ TEST_F(WorkerTest, WithATlsClientCaAWorkerNeedsACertificateFromIt) {
   EXPECT_TRUE(WaitForJobState(job, v1::Job::SUCCEEDED));
 }
 
-// A job naming a path outside the roots its worker allows fails at once,
-// naming the field, and the worker makes nothing there.
-TEST_F(WorkerTest, APathOutsideTheWorkersAllowedRootsFailsTheJobAndIsNeverMade) {
+// A job naming a path outside the roots every worker allows is refused at
+// submission, naming the field (the workers report their roots), and no
+// worker makes anything there.
+TEST_F(WorkerTest, APathOutsideEveryWorkersRootsIsRefusedAtSubmission) {
   StartDefaultCoordinator();
   StartWorker("w1", WriteScript("exit0", kExitZero));
   ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
   const std::string outside = absl::StrCat("/tmp/aidn-outside-", getpid());
   v1::JobSpec spec = Spec(1, /*max_restarts=*/3);
   spec.mutable_checkpoint()->set_dir(outside + "/ckpt");
+  absl::StatusOr<std::string> job = cluster().Submit(spec);
+  ASSERT_FALSE(job.ok());
+  EXPECT_THAT(std::string(job.status().message()),
+              HasSubstr("checkpoint.dir: " + outside + "/ckpt is outside the paths every alive "
+                        "worker allows (w1: /usr/share"));
+  EXPECT_FALSE(std::filesystem::exists(outside));
+}
+
+// What only the worker can tell: a path under one of its roots that a link
+// takes out of it. The job fails when the rank starts, naming the field, and
+// nothing is made where the link points.
+TEST_F(WorkerTest, ALinkOutOfAnAllowedRootFailsTheJobAndNothingIsMadeThere) {
+  StartDefaultCoordinator();
+  StartWorker("w1", WriteScript("exit0", kExitZero));
+  ASSERT_TRUE(WaitFor([&] { return WorkerIs("w1", v1::Worker::ALIVE); }, kLong));
+  const std::string outside = absl::StrCat("/tmp/aidn-outside-", getpid());
+  ASSERT_TRUE(std::filesystem::create_directory(outside));
+  const std::string link = cluster().Path("escape");  // the cluster's directory is a root
+  std::filesystem::create_directory_symlink(outside, link);
+  v1::JobSpec spec = Spec(1, /*max_restarts=*/3);
+  spec.mutable_checkpoint()->set_dir(link + "/ckpt");
   const std::string job = Submit(spec);
   ASSERT_TRUE(WaitForJobState(job, v1::Job::FAILED));
   EXPECT_EQ(GetJob(job).restarts(), 0);
-  EXPECT_THAT(GetJob(job).message(), HasSubstr("checkpoint.dir: " + outside + "/ckpt is outside"));
-  EXPECT_FALSE(std::filesystem::exists(outside));
+  EXPECT_THAT(GetJob(job).message(),
+              HasSubstr("checkpoint.dir: " + link + "/ckpt (" + outside + "/ckpt) is outside"));
+  EXPECT_TRUE(std::filesystem::is_empty(outside));
+  std::filesystem::remove(outside);
 }
 
 TEST_F(WorkerTest, CancellingAJobStopsEveryTrainerWithinSeconds) {
