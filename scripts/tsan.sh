@@ -56,21 +56,17 @@ build_absl() {
 [ -f "$ABSL/.complete" ] || build_absl
 ABSL_LIB=$(dirname "$(find "$ABSL" -name 'libabsl_synchronization.so.*' | head -1)")
 
-# The tests, each a binary and an optional gtest filter. Left out: what
-# drives gRPC (common_tls_test, coordinator_server_test, aidnctl_test,
-# worker_supervisor_test's CoordinatorLinkTest, trainer_test's ReporterTest,
-# the integration tests).
-# Debian's gRPC is not instrumented, and its core synchronises through its
-# own atomics and event engine, which TSan cannot see: every call reports
-# races inside gRPC. The coordinator's and worker's logic those tests reach
-# runs here through the coordinator core, supervisor and reporter tests.
+# The tests, each a binary and an optional gtest filter. The gRPC server's,
+# the reporter's and the coordinator link's tests run over real gRPC, its
+# uninstrumented internals ignored (tests/tsan.supp). Left out: the TLS and
+# aidnctl tests and the integration tests (see docs/testing.md).
 TESTS=(
   common_test test_support_test
   engine_device_test engine_nn_test engine_train_test engine_comm_test engine_cpu_session_test
   engine_zero_test
-  coordinator_spec_test coordinator_store_test coordinator_core_test metrics_test rpc_test
-  "trainer_test -ReporterTest.*" trainer_stop_signal_test
-  "worker_supervisor_test -CoordinatorLinkTest.*"
+  coordinator_spec_test coordinator_store_test coordinator_core_test coordinator_server_test
+  metrics_test rpc_test
+  trainer_test trainer_stop_signal_test worker_supervisor_test
   worker_c10d_store_test
 )
 
