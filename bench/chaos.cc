@@ -76,8 +76,8 @@ struct Kind {
 
 const std::vector<Kind>& Kinds() {
   static const std::vector<Kind> kinds = {
-      {"mlp-ddp-2"}, {"cnn-1"}, {"gpt-zero1-2"}, {"gpt-fsdp-2"}, {"command-ddp-2"},
-      {"command-raises-1", true},
+      {"mlp-ddp-2"},  {"cnn-1"},         {"gpt-zero1-2"},
+      {"gpt-fsdp-2"}, {"command-ddp-2"}, {"command-raises-1", true},
   };
   return kinds;
 }
@@ -200,9 +200,9 @@ class Chaos {
     ::setenv("TMPDIR", tmp_.c_str(), 1);
     if (!Setup()) return 2;
     const double fault_phase = absl::GetFlag(FLAGS_minutes) * 60;
-    std::printf("chaos: %.1f min of faults, seed %d, %s\n", fault_phase / 60,
-                absl::GetFlag(FLAGS_seed),
-                netns_ ? "worker c in a network namespace" : "no network namespace here: no partitions");
+    std::printf(
+        "chaos: %.1f min of faults, seed %d, %s\n", fault_phase / 60, absl::GetFlag(FLAGS_seed),
+        netns_ ? "worker c in a network namespace" : "no network namespace here: no partitions");
     next_fault_ = Since(start_) + NextGap();
     double next_sample = 0;
     while (Since(start_) < fault_phase) {
@@ -270,7 +270,9 @@ class Chaos {
     std::exponential_distribution<double> gap(1.0 / absl::GetFlag(FLAGS_fault_every_s));
     return std::min(gap(rng_), 4 * absl::GetFlag(FLAGS_fault_every_s));
   }
-  double Uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng_); }
+  double Uniform(double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(rng_);
+  }
   template <typename T>
   const T& Pick(const std::vector<T>& v) {
     return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng_)];
@@ -279,8 +281,7 @@ class Chaos {
   void Submit() {
     const Kind& kind = Pick(Kinds());
     const int n = static_cast<int>(jobs_.size()) + 1;
-    absl::StatusOr<std::string> id =
-        cluster_->Submit(MakeSpec(kind.name, n, kScripts));
+    absl::StatusOr<std::string> id = cluster_->Submit(MakeSpec(kind.name, n, kScripts));
     if (!id.ok()) {
       // The coordinator may be down this instant: counted, tried again.
       // Any other refusal is a fault of this bench: said once.
@@ -332,7 +333,7 @@ class Chaos {
   // One fault; `progress` is the share of the fault phase gone.
   void Inject(double progress) {
     std::vector<std::string> choices = {"kill-trainer", "kill-trainer", "kill-trainer",
-                                        "kill-worker",  "cancel"};
+                                        "kill-worker", "cancel"};
     // The coordinator is killed only in the first 60 % of the phase, so its
     // last incarnation lives long enough to be measured.
     if (progress < 0.6) choices.push_back("kill-coordinator");
@@ -390,8 +391,8 @@ class Chaos {
       std::this_thread::sleep_for(milliseconds(500));
     }
     failures_.push_back(absl::StrCat(unfinished_.size(), " jobs did not end within ",
-                                     absl::GetFlag(FLAGS_drain_minutes), " minutes: ",
-                                     absl::StrJoin(unfinished_, ", ")));
+                                     absl::GetFlag(FLAGS_drain_minutes),
+                                     " minutes: ", absl::StrJoin(unfinished_, ", ")));
   }
 
   // The coordinator once it has lived past 70 % of the phase; worker a
@@ -429,7 +430,8 @@ class Chaos {
     std::printf("  %-12s RSS %.1f -> %.1f MiB, fds %d -> %d (t = %.0f s -> %.0f s)\n", who,
                 a.rss_kib / 1024.0, b.rss_kib / 1024.0, a.fds, b.fds, a.seconds, b.seconds);
     if (b.fds > a.fds + fd_slack) {
-      failures_.push_back(absl::StrCat(who, "'s file descriptors grew from ", a.fds, " to ", b.fds));
+      failures_.push_back(
+          absl::StrCat(who, "'s file descriptors grew from ", a.fds, " to ", b.fds));
     }
   }
 
@@ -467,12 +469,13 @@ class Chaos {
       for (const v1::Checkpoint& c : cluster_->Checkpoints(id)) {
         checkpoints++;
         if (std::string bad = CheckCheckpoint(c); !bad.empty()) {
-          failures_.push_back(absl::StrCat(id, "'s checkpoint of step ", c.step(), " at ", c.path(),
-                                           ": ", bad));
+          failures_.push_back(
+              absl::StrCat(id, "'s checkpoint of step ", c.step(), " at ", c.path(), ": ", bad));
         }
       }
     }
-    std::printf("chaos: %.1f min in all, %d jobs:", Since(start_) / 60, static_cast<int>(jobs_.size()));
+    std::printf("chaos: %.1f min in all, %d jobs:", Since(start_) / 60,
+                static_cast<int>(jobs_.size()));
     for (const auto& [state, n] : outcomes) std::printf(" %s %d", state.c_str(), n);
     std::printf("\n");
     for (const auto& [kind, states] : by_kind) {
@@ -488,8 +491,9 @@ class Chaos {
     }
     std::printf(" (%d in all); submissions refused while the coordinator was down: %d\n", total,
                 submit_refusals_);
-    std::printf("  restarts of jobs: %d; step records: %d, %d of them twice; checkpoints verified: %d\n",
-                restarts, steps, duplicates, checkpoints);
+    std::printf(
+        "  restarts of jobs: %d; step records: %d, %d of them twice; checkpoints verified: %d\n",
+        restarts, steps, duplicates, checkpoints);
     ReportUsage("coordinator", coordinator_usage_, 8);
     ReportUsage("worker a", worker_usage_, 8);
 
@@ -503,7 +507,8 @@ class Chaos {
       left = testing::ProcessesWith({dir});
     }
     if (!left.empty()) {
-      failures_.push_back(absl::StrCat(left.size(), " processes of the cluster left, e.g. pid ", left[0]));
+      failures_.push_back(
+          absl::StrCat(left.size(), " processes of the cluster left, e.g. pid ", left[0]));
     }
     const bool keep = absl::GetFlag(FLAGS_keep) || !failures_.empty();
     if (keep) {

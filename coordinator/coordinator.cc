@@ -641,8 +641,8 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
                       "root without --command-user)");
     }
     if (refuse_paths > 0) {
-      absl::StrAppend(&reason, " (", refuse_paths, " worker(s) do not allow the job's paths: ",
-                      path_reason, ")");
+      absl::StrAppend(&reason, " (", refuse_paths,
+                      " worker(s) do not allow the job's paths: ", path_reason, ")");
     }
     if (reason != entry->waiting_reason) {
       entry->waiting_reason = reason;

@@ -40,10 +40,11 @@ absl::Status CheckJobPaths(const v1::JobSpec& spec, const std::vector<std::strin
   const std::optional<PathOutside> outside = FirstPathOutside(spec, roots, Resolve);
   if (!outside.has_value()) return absl::OkStatus();
   const NamedPath& n = outside->named;
-  return absl::PermissionDeniedError(absl::StrCat(
-      n.field, ": ", n.path, outside->resolved == n.path ? "" : absl::StrCat(" (", outside->resolved, ")"),
-      " is outside the paths this worker allows (", absl::StrJoin(roots, ", "),
-      "); its operator can add a root with --allowed-paths"));
+  return absl::PermissionDeniedError(
+      absl::StrCat(n.field, ": ", n.path,
+                   outside->resolved == n.path ? "" : absl::StrCat(" (", outside->resolved, ")"),
+                   " is outside the paths this worker allows (", absl::StrJoin(roots, ", "),
+                   "); its operator can add a root with --allowed-paths"));
 }
 
 }  // namespace aidn::worker

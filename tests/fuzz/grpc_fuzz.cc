@@ -69,8 +69,13 @@ constexpr const char* kMethods[] = {
 constexpr size_t kMethodCount = sizeof(kMethods) / sizeof(kMethods[0]);
 
 // "" sends no authorization at all.
-constexpr const char* kTokens[] = {"",        "Bearer nonsense", "Bearer t-admin", "Bearer t-alice",
-                                   "Bearer t-bob", "Bearer t-worker", "Bearer t-trainer"};
+constexpr const char* kTokens[] = {"",
+                                   "Bearer nonsense",
+                                   "Bearer t-admin",
+                                   "Bearer t-alice",
+                                   "Bearer t-bob",
+                                   "Bearer t-worker",
+                                   "Bearer t-trainer"};
 constexpr size_t kTokenCount = sizeof(kTokens) / sizeof(kTokens[0]);
 
 // A call that has not finished after this long is waiting for something
@@ -206,9 +211,8 @@ class Cluster {
     auth_->AddToken("t-trainer", Principal{.role = Role::kTrainer,
                                            .name = "trainer:" + running->id(),
                                            .job_id = running->id()});
-    for (const auto& [owner, project] : {std::pair<std::string, std::string>{"bob", ""},
-                                         {"bob", "vision"},
-                                         {"alice", ""}}) {
+    for (const auto& [owner, project] :
+         {std::pair<std::string, std::string>{"bob", ""}, {"bob", "vision"}, {"alice", ""}}) {
       if (auto j = coordinator_->SubmitJob(SmallSpec(project), owner); !j.ok()) {
         Die(j.status().ToString());
       }

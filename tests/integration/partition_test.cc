@@ -6,7 +6,6 @@
 // Needs root (ip netns, ip link); skips, saying so, where the kernel or the
 // container does not allow network namespaces.
 
-
 #include <chrono>
 #include <filesystem>
 #include <memory>

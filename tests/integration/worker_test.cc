@@ -397,7 +397,8 @@ TEST_F(WorkerTest, APathOutsideEveryWorkersRootsIsRefusedAtSubmission) {
   absl::StatusOr<std::string> job = cluster().Submit(spec);
   ASSERT_FALSE(job.ok());
   EXPECT_THAT(std::string(job.status().message()),
-              HasSubstr("checkpoint.dir: " + outside + "/ckpt is outside the paths every alive "
+              HasSubstr("checkpoint.dir: " + outside +
+                        "/ckpt is outside the paths every alive "
                         "worker allows (w1: /usr/share"));
   EXPECT_FALSE(std::filesystem::exists(outside));
 }
