@@ -166,7 +166,7 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
 }
 
 CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& token,
-                      const std::vector<std::string>& args) {
+                      const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
   // An empty home, so that no user config is read, and no address or token
   // from the environment either.
   const std::string home = MakeTempDir("aidnctl-home");
@@ -174,8 +174,7 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
   argv.push_back(coordinator.ca_file.empty() ? "--insecure" : "--tls-ca=" + coordinator.ca_file);
   if (!token.empty()) argv.push_back("--token=" + token);
   argv.insert(argv.end(), args.begin(), args.end());
-  CommandResult result =
-      RunCommand(argv, {"HOME=" + home, "AIDN_ADDR=", "AIDN_TOKEN="}, std::chrono::seconds(30));
+  CommandResult result = RunCommand(argv, {"HOME=" + home, "AIDN_ADDR=", "AIDN_TOKEN="}, timeout);
   RemoveTree(home);
   return result;
 }
@@ -374,8 +373,9 @@ std::vector<std::string> TestCluster::worker_ids() const {
 
 void TestCluster::RemoveWorker(const std::string& id) { workers_.erase(id); }
 
-CommandResult TestCluster::Aidnctl(const std::vector<std::string>& args) const {
-  return AidnctlAs(admin_token(), args);
+CommandResult TestCluster::Aidnctl(const std::vector<std::string>& args,
+                                   std::chrono::milliseconds timeout) const {
+  return aidn::testing::Aidnctl(coordinator_, admin_token(), args, timeout);
 }
 
 CommandResult TestCluster::AidnctlAs(const std::string& token,

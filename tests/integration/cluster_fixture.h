@@ -56,9 +56,10 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
 
 // Runs AIDNCTL_BIN --addr=<address> --token=<token> args... with HOME set to
 // an empty directory (so no user config is read), AIDN_ADDR and AIDN_TOKEN
-// empty, and a 30 s limit. An empty `token` passes no --token at all.
+// empty, and a limit of `timeout`. An empty `token` passes no --token at all.
 CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& token,
-                      const std::vector<std::string>& args);
+                      const std::vector<std::string>& args,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address);
 std::unique_ptr<v1::ClusterService::Stub> ClusterStub(const std::string& address);
@@ -158,8 +159,9 @@ class TestCluster {
   // Stops the worker daemon (SIGKILL) and forgets it.
   void RemoveWorker(const std::string& id);
 
-  // aidnctl as `token` (the admin's by default).
-  CommandResult Aidnctl(const std::vector<std::string>& args) const;
+  // aidnctl as `token` (the admin's by default), killed after `timeout`.
+  CommandResult Aidnctl(const std::vector<std::string>& args,
+                        std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
   CommandResult AidnctlAs(const std::string& token, const std::vector<std::string>& args) const;
 
   // Workers by id, as the coordinator lists them.

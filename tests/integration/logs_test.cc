@@ -94,7 +94,7 @@ class LogsTest : public ClusterFixture {
   // `aidnctl logs JOB` shows, per rank, exactly the lines of the files.
   void ExpectLogsMatchFiles(const std::string& id) {
     // The job ended; --follow returns once its ranks' output is all in.
-    const CommandResult all = cluster().Aidnctl({"logs", id, "--follow"});
+    const CommandResult all = cluster().Aidnctl({"logs", id, "--follow"}, kJobTimeout);
     ASSERT_EQ(all.exit_code, 0) << Describe(all);
     EXPECT_TRUE(AllPrefixed(all.out));
     for (int rank : {0, 1}) {
@@ -116,7 +116,9 @@ TEST_F(LogsTest, BothRanksLinesArePrefixedAndFollowEndsWithTheJob) {
   // Started while the job runs: it prints until the job ended and every
   // rank's output is in, then exits 0.
   CommandResult followed;
-  std::thread follower([&] { followed = cluster().Aidnctl({"logs", id, "--follow"}); });
+  std::thread follower([&] {
+    followed = cluster().Aidnctl({"logs", id, "--follow"}, kJobTimeout);
+  });
   const v1::Job job = cluster().WaitForEnd(id, kJobTimeout);
   follower.join();
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
@@ -153,12 +155,12 @@ TEST_F(LogsTest, ACoordinatorRestartMidJobLosesNoLine) {
       },
       kJobTimeout, "a progress line stored"));
   ASSERT_TRUE(cluster().KillCoordinator().ok());
-  // The outage is the scenario: for this long on the real clock the ranks
-  // print while their lines cannot be shipped.
+  // The outage is the scenario: the ranks print while their lines cannot
+  // be shipped. It lasts until rank 0 has printed a few more (however
+  // loaded the machine), else the test would show nothing.
   const size_t lines_at_kill = FileLines(id, 0).size();
-  std::this_thread::sleep_for(std::chrono::seconds(2));
-  // Else the test would show nothing.
-  ASSERT_GT(FileLines(id, 0).size(), lines_at_kill) << "rank 0 printed nothing during the outage";
+  ASSERT_TRUE(WaitFor([&] { return FileLines(id, 0).size() >= lines_at_kill + 3; }, kJobTimeout,
+                      "rank 0 printing during the outage"));
   const absl::Status restarted = cluster().RestartCoordinator(/*same_address=*/true);
   ASSERT_TRUE(restarted.ok()) << restarted;
   const v1::Job job = cluster().WaitForEnd(id, kJobTimeout);
