@@ -7,7 +7,13 @@ cd "$(dirname "$0")/.."
 
 ./scripts/setup.sh
 ./scripts/build.sh
-if [ "${AIDN_SANITIZE:-0}" = 1 ]; then BUILD_DIR=${AIDN_BUILD_DIR:-build-asan}; else BUILD_DIR=${AIDN_BUILD_DIR:-build}; fi
+if [ "${AIDN_SANITIZE:-0}" = 1 ]; then
+  BUILD_DIR=${AIDN_BUILD_DIR:-build-asan}
+  # Every process the tests start inherits it (tests/lsan.supp says why).
+  export LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp:print_suppressions=0
+else
+  BUILD_DIR=${AIDN_BUILD_DIR:-build}
+fi
 
 jobs=$(nproc)
 [ "$jobs" -gt 4 ] && jobs=4
