@@ -15,11 +15,8 @@ namespace fs = std::filesystem;
 // `path` absolute, normalised, with the links of its existing part resolved.
 std::string Resolve(const std::string& path) {
   std::error_code error;
-  fs::path resolved = fs::weakly_canonical(fs::path(path), error);
-  if (error) resolved = fs::path(path).lexically_normal();
-  std::string text = resolved.string();
-  while (text.size() > 1 && text.back() == '/') text.pop_back();
-  return text;
+  const fs::path resolved = fs::weakly_canonical(fs::path(path), error);
+  return LexicallyNormal(error ? path : resolved.string());
 }
 
 }  // namespace
