@@ -55,13 +55,17 @@ absl::Status Print(const CommandEnv& env, const google::protobuf::Message& messa
 
 }  // namespace
 
-std::unique_ptr<v1::CoordinatorService::Stub> NewCoordinatorStub(
-    const ConnectionSettings& connection) {
+std::shared_ptr<grpc::Channel> NewChannel(const ConnectionSettings& connection) {
   rpc::ChannelOptions options;
   options.address = connection.address;
   options.tls_ca_file = connection.tls_ca_file;
   options.insecure = connection.insecure;
-  return v1::CoordinatorService::NewStub(rpc::MakeChannel(options));
+  return rpc::MakeChannel(options);
+}
+
+std::unique_ptr<v1::CoordinatorService::Stub> NewCoordinatorStub(
+    const ConnectionSettings& connection) {
+  return v1::CoordinatorService::NewStub(NewChannel(connection));
 }
 
 absl::Status RpcError(const grpc::Status& status, const std::string& address,

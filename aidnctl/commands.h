@@ -48,7 +48,9 @@ struct CommandEnv {
   absl::Time now = absl::Now();
 };
 
-// A stub over a channel to `connection.address`.
+// A channel to `connection.address`, TLS as the connection says.
+std::shared_ptr<grpc::Channel> NewChannel(const ConnectionSettings& connection);
+// A stub over NewChannel(connection).
 std::unique_ptr<v1::CoordinatorService::Stub> NewCoordinatorStub(
     const ConnectionSettings& connection);
 

@@ -24,6 +24,7 @@
 #include "aidnctl/config.h"
 #include "aidnctl/export.h"
 #include "aidnctl/generate.h"
+#include "aidnctl/health.h"
 #include "aidnctl/logs.h"
 #include "aidnctl/metrics.h"
 #include "aidnctl/output.h"
@@ -123,6 +124,8 @@ struct CommandLine {
   CLI::App* describe = nullptr;
   CLI::App* cancel = nullptr;
   CLI::App* workers = nullptr;
+  CLI::App* health = nullptr;
+  std::string health_service;
   CLI::App* events = nullptr;
   CLI::App* checkpoints = nullptr;
   CLI::App* export_command = nullptr;
@@ -193,6 +196,13 @@ void AddJobRecords(CLI::App& app, CommandLine& cl) {
   cl.cancel->add_option("--reason", cl.reason, "Why; recorded in the job's events");
 
   cl.workers = app.add_subcommand("workers", "List workers");
+
+  cl.health = app.add_subcommand(
+      "health",
+      "Ask the coordinator's gRPC health service (grpc.health.v1); exits 0 when SERVING. No "
+      "token needed: for probes and scripts");
+  cl.health->add_option("service", cl.health_service,
+                        "A service's full name (default: the server as a whole)");
 
   cl.events = app.add_subcommand("events", "List events of a job, or of every job");
   cl.events->add_option("job", cl.events_options.job_id, "Job ID (default: all)");
@@ -432,6 +442,9 @@ absl::Status RunCommand(const ctl::CommandEnv& env, CommandLine& cl) {
   if (*cl.describe) return ctl::RunDescribe(env, cl.job_id);
   if (*cl.cancel) return ctl::RunCancel(env, cl.job_id, cl.reason);
   if (*cl.workers) return ctl::RunWorkers(env);
+  if (*cl.health) {
+    return ctl::RunHealth(env.options.connection, cl.health_service, env.options.timeout, env.out);
+  }
   if (*cl.events) return ctl::RunEvents(env, cl.events_options);
   if (*cl.checkpoints) return ctl::RunCheckpoints(env, cl.job_id);
   if (*cl.export_command) {

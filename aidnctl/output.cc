@@ -25,10 +25,6 @@ constexpr size_t kInvalidReasonChars = 80;
 
 bool IsSet(const google::protobuf::Timestamp& t) { return t.seconds() != 0 || t.nanos() != 0; }
 
-absl::Time ToTime(const google::protobuf::Timestamp& t) {
-  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
-}
-
 std::string OrDash(const std::string& s) { return s.empty() ? "-" : s; }
 
 std::string TimeWithAge(const google::protobuf::Timestamp& t, absl::Time now) {
@@ -125,6 +121,10 @@ std::string FormatAge(absl::Duration age) {
   if (age < absl::Hours(2)) return absl::StrCat(absl::ToInt64Minutes(age), "m");
   if (age < absl::Hours(48)) return absl::StrCat(absl::ToInt64Hours(age), "h");
   return absl::StrCat(absl::ToInt64Hours(age) / 24, "d");
+}
+
+absl::Time ToTime(const google::protobuf::Timestamp& timestamp) {
+  return absl::FromUnixSeconds(timestamp.seconds()) + absl::Nanoseconds(timestamp.nanos());
 }
 
 std::string FormatTimestamp(const google::protobuf::Timestamp& timestamp) {

@@ -42,6 +42,8 @@ std::string OneLine(absl::string_view text, size_t max_chars = 0);
 
 // 45s, 12m, 5h, 3d ("0s" for a negative age).
 std::string FormatAge(absl::Duration age);
+// The instant a protobuf Timestamp names.
+absl::Time ToTime(const google::protobuf::Timestamp& timestamp);
 // RFC 3339 UTC to the second; "-" if unset.
 std::string FormatTimestamp(const google::protobuf::Timestamp& timestamp);
 // "-" if unset, else the age of `timestamp` at `now`.

@@ -17,10 +17,6 @@ constexpr int kMinWidth = 20;
 constexpr int kMinBar = 10;
 constexpr int kMaxBar = 40;
 
-absl::Time ToTime(const google::protobuf::Timestamp& t) {
-  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
-}
-
 // `line` cut to `max_chars` bytes, ending in "..." if cut, without cutting
 // a UTF-8 sequence in half.
 std::string Fit(std::string line, int max_chars) {

@@ -25,6 +25,11 @@ class Clock {
   static Clock* Real();
 };
 
+// Seconds on the steady clock since `start`, for the timings metrics report.
+inline double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // A clock that moves only when told. Thread-safe.
 class FakeClock final : public Clock {
  public:

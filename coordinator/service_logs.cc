@@ -13,11 +13,6 @@
 namespace aidn::coordinator {
 namespace {
 
-absl::StatusOr<Principal> Authenticate(const Authenticator& auth,
-                                       grpc::CallbackServerContext* context) {
-  return AuthenticateCall(auth, context);
-}
-
 // ReadLogs: pulls from the coordinator whenever it says there is something
 // new (followers subscribe; a plain read pulls until it has read all),
 // writing one message at a time (gRPC allows one write in flight). The
@@ -140,7 +135,7 @@ class ReadLogsReactor final : public grpc::ServerWriteReactor<v1::ReadLogsRespon
 grpc::ServerWriteReactor<v1::ReadLogsResponse>* CoordinatorServiceImpl::ReadLogs(
     grpc::CallbackServerContext* context, const v1::ReadLogsRequest* request) {
   auto* reactor = new ReadLogsReactor(coordinator_, *request);
-  absl::StatusOr<Principal> p = Authenticate(*auth_, context);
+  absl::StatusOr<Principal> p = AuthenticateCall(*auth_, context);
   absl::Status allowed = p.ok() ? RequireUser(*p) : p.status();
   if (allowed.ok()) allowed = RequireAccessTo(*p, request->job_id());
   // The reactor deletes itself in OnDone, also when it finishes at once.
@@ -152,7 +147,7 @@ grpc::ServerUnaryReactor* ClusterServiceImpl::ShipLogs(grpc::CallbackServerConte
                                                        const v1::ShipLogsRequest* request,
                                                        v1::ShipLogsResponse*) {
   absl::Status s = [&]() -> absl::Status {
-    AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
+    AIDN_ASSIGN_OR_RETURN(Principal p, AuthenticateCall(*auth_, context));
     AIDN_RETURN_IF_ERROR(RequireWorker(p));
     return coordinator_->ShipLogs(*request);
   }();

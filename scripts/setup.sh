@@ -28,6 +28,9 @@ PACKAGES=(
   dpkg-dev
   # the partition test makes a network namespace and a veth pair with ip
   iproute2
+  # deployment tests: systemd-analyze verifies the units, a one-node Slurm
+  # cluster runs the batch scripts, python3-kubernetes checks the manifests
+  systemd slurm-wlm munge python3-kubernetes
   # the numerical oracle and speed peer (tests skip their torch checks only without it)
   python3-torch libopenblas0-openmp
   # the Python client (python/aidn): gRPC and protobuf matching the C++ ones, CRC-32C at

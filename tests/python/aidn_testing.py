@@ -38,6 +38,17 @@ def wait_for(predicate, timeout, what="condition", interval=0.05):
         time.sleep(interval)
 
 
+def read_addr_file(path):
+    """The host:port a coordinator wrote with --addr-file, or "" until it
+    has written the whole line."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    return text.strip() if text.endswith("\n") else ""
+
+
 def binary(name):
     path = os.environ.get(name, "")
     if not path or not os.access(path, os.X_OK):

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <cstdlib>
 
 #include <cerrno>
 #include <cstring>
@@ -274,6 +275,10 @@ bool IsDead(pid_t pid) {
   if (kill(pid, 0) != 0 && errno == ESRCH) return true;
   const char state = ProcessState(pid);
   return state == '\0' || state == 'Z';
+}
+
+bool PythonHasTorch() {
+  return std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0;
 }
 
 }  // namespace aidn::testing

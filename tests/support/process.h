@@ -76,6 +76,10 @@ char ProcessState(pid_t pid);
 // Gone, or a zombie (dead, waiting for some parent to reap it).
 bool IsDead(pid_t pid);
 
+// Whether Debian's /usr/bin/python3 can import torch (python3-torch), for
+// the tests that use PyTorch as their oracle and skip without it.
+bool PythonHasTorch();
+
 }  // namespace aidn::testing
 
 #endif  // AIDN_TESTS_SUPPORT_PROCESS_H_

@@ -4,14 +4,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/status.h"
 
 namespace aidn::engine {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 }  // namespace
 
@@ -259,7 +258,7 @@ void DdpReducer::CommLoop() {
                                           ReduceOp::kAvg);
       }
     }
-    const double took = Seconds(Clock::now() - start);
+    const double took = SecondsSince(start);
     lock.lock();
     allreduce_seconds_ += took;
     if (!status.ok() && error_.ok()) {
@@ -294,7 +293,7 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return in_flight_ == 0; });
-  if (wait_seconds != nullptr) *wait_seconds = Seconds(Clock::now() - start);
+  if (wait_seconds != nullptr) *wait_seconds = SecondsSince(start);
   if (allreduce_seconds != nullptr) *allreduce_seconds = allreduce_seconds_;
   if (!error_.ok()) return error_;
   if (shard_) {

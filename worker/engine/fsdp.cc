@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "worker/engine/cpu_kernels.h"
@@ -15,8 +16,6 @@ namespace aidn::engine {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // Free buffers a pool keeps for reuse: a gathered unit, the one prefetched
 // and the root.
@@ -195,7 +194,7 @@ void FsdpReducer::WaitGathered(int u) {
   const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return unit.gathered; });
-  wait_seconds_ += Seconds(Clock::now() - start);
+  wait_seconds_ += SecondsSince(start);
   unit.state = Weights::kGathered;
 }
 
@@ -246,7 +245,7 @@ void FsdpReducer::BeforeBackward(int u) {
       root_pending_ = true;
     }
     unit.grad = grad_pool_.Take(n);
-    wait_seconds_ += Seconds(Clock::now() - start);
+    wait_seconds_ += SecondsSince(start);
   }
   std::memset(unit.grad.data(), 0, sizeof(float) * n);
   PointGrads(u, unit.grad.data());
@@ -275,7 +274,7 @@ absl::Status FsdpReducer::Finish(double* wait_seconds, double* comm_seconds) {
   const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return in_flight_ == 0; });
-  wait_seconds_ += Seconds(Clock::now() - start);
+  wait_seconds_ += SecondsSince(start);
   if (wait_seconds != nullptr) *wait_seconds = wait_seconds_;
   if (comm_seconds != nullptr) *comm_seconds = comm_seconds_;
   return error_;
@@ -351,7 +350,7 @@ void FsdpReducer::CommLoop() {
     lock.unlock();
     const Clock::time_point start = Clock::now();
     absl::Status status = skip ? absl::OkStatus() : RunOp(op);
-    const double took = Seconds(Clock::now() - start);
+    const double took = SecondsSince(start);
     lock.lock();
     comm_seconds_ += took;
     if (!status.ok() && error_.ok()) error_ = status;

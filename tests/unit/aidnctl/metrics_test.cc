@@ -28,7 +28,7 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using testing::Train;
 
-std::vector<std::string> Lines(const std::string& text) {
+std::vector<std::string> OutputLines(const std::string& text) {
   return absl::StrSplit(text, '\n', absl::SkipEmpty());
 }
 
@@ -43,7 +43,7 @@ void Steps(testing::FakeJobCoordinator* fake, int n) {
 // (kind, step) of every CSV row after the header.
 std::vector<std::pair<std::string, int>> CsvKeys(const std::string& csv) {
   std::vector<std::pair<std::string, int>> keys;
-  std::vector<std::string> lines = Lines(csv);
+  std::vector<std::string> lines = OutputLines(csv);
   for (size_t i = 1; i < lines.size(); ++i) {
     std::vector<std::string> cells = absl::StrSplit(lines[i], ',');
     keys.emplace_back(cells[0], std::stoi(cells[1]));
@@ -169,7 +169,7 @@ TEST(Metrics, TableAndYamlShowEachStep) {
   MetricsOptions options;
   options.job_id = "job-1";
   ASSERT_TRUE(RunMetrics(server.env, options).ok());
-  const std::vector<std::string> lines = Lines(server.out.str());
+  const std::vector<std::string> lines = OutputLines(server.out.str());
   ASSERT_EQ(lines.size(), 9u);
   EXPECT_THAT(lines[0], StartsWith("KIND    STEP   EPOCH   GEN   LOSS"));
   EXPECT_THAT(lines[1], StartsWith("TRAIN   1      0       1     2.4990   3200"));

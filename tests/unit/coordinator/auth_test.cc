@@ -14,6 +14,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "tests/unit/coordinator/coordinator_fixture.h"
 
 namespace aidn::coordinator {
 namespace {
@@ -21,24 +22,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// A fresh directory under the test's temp dir, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    std::string templ = ::testing::TempDir() + "/aidn_auth_XXXXXX";
-    char* made = ::mkdtemp(templ.data());
-    EXPECT_NE(made, nullptr);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test_util::TempDir;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);

@@ -19,7 +19,7 @@ using std::chrono::milliseconds;
 using ::testing::HasSubstr;
 
 // Collects what a WaitFor callback was answered with.
-struct Answers {
+struct KvAnswers {
   std::vector<absl::StatusOr<std::string>> got;
   KvStore::GetCallback Callback() {
     return [this](absl::StatusOr<std::string> v) { got.push_back(std::move(v)); };
@@ -58,7 +58,7 @@ TEST_F(KvStoreTest, SetOverwrites) {
 TEST_F(KvStoreTest, WaitForASetKeyIsAnsweredThroughTheDeferred) {
   Deferred d;
   ASSERT_TRUE(kv_.Set("k", "v", &d).ok());
-  Answers a;
+  KvAnswers a;
   kv_.WaitFor("k", Later(1000), a.Callback(), &d);
   EXPECT_TRUE(a.got.empty()) << "callback ran inside WaitFor";
   EXPECT_EQ(kv_.waiters(), 0u);
@@ -68,7 +68,7 @@ TEST_F(KvStoreTest, WaitForASetKeyIsAnsweredThroughTheDeferred) {
 }
 
 TEST_F(KvStoreTest, WaiterIsWokenByALaterSetOnlyWhenTheDeferredRuns) {
-  Answers a;
+  KvAnswers a;
   {
     Deferred d;
     kv_.WaitFor("k", Later(1000), a.Callback(), &d);
@@ -87,7 +87,7 @@ TEST_F(KvStoreTest, WaiterIsWokenByALaterSetOnlyWhenTheDeferredRuns) {
 }
 
 TEST_F(KvStoreTest, SetWakesEveryWaiterOfTheKeyAndNoOther) {
-  Answers a, b, other;
+  KvAnswers a, b, other;
   Deferred d;
   kv_.WaitFor("k", Later(1000), a.Callback(), &d);
   kv_.WaitFor("k", Later(2000), b.Callback(), &d);
@@ -103,7 +103,7 @@ TEST_F(KvStoreTest, SetWakesEveryWaiterOfTheKeyAndNoOther) {
 }
 
 TEST_F(KvStoreTest, AddAndCompareAndSetWakeWaitersToo) {
-  Answers counter, cas;
+  KvAnswers counter, cas;
   Deferred d;
   kv_.WaitFor("counter", Later(1000), counter.Callback(), &d);
   kv_.WaitFor("cas", Later(1000), cas.Callback(), &d);
@@ -120,7 +120,7 @@ TEST_F(KvStoreTest, AddAndCompareAndSetWakeWaitersToo) {
 
 TEST_F(KvStoreTest, ExpireAnswersDeadlineExceededOnlyOnceTheDeadlineIsReached) {
   const Clock::TimePoint deadline = Later(100);
-  Answers a;
+  KvAnswers a;
   Deferred d;
   kv_.WaitFor("k", deadline, a.Callback(), &d);
 
@@ -144,7 +144,7 @@ TEST_F(KvStoreTest, ExpireAnswersDeadlineExceededOnlyOnceTheDeadlineIsReached) {
 }
 
 TEST_F(KvStoreTest, ExpireLeavesLaterDeadlinesWaiting) {
-  Answers early, late;
+  KvAnswers early, late;
   Deferred d;
   kv_.WaitFor("k", Later(100), early.Callback(), &d);
   kv_.WaitFor("k", Later(500), late.Callback(), &d);
@@ -249,7 +249,7 @@ TEST_F(KvStoreTest, EmptyKeyIsInvalidForEveryCall) {
   EXPECT_EQ(kv_.Add("", 1, &d).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(kv_.CompareAndSet("", true, "", "v", &d).status().code(),
             absl::StatusCode::kInvalidArgument);
-  Answers a;
+  KvAnswers a;
   kv_.WaitFor("", Later(1000), a.Callback(), &d);
   EXPECT_TRUE(a.got.empty()) << "callback ran inside WaitFor";
   d.Run();
@@ -307,7 +307,7 @@ TEST_F(KvStoreTest, FullStoreIsResourceExhaustedAndOverwritesCountOnlyTheDiffere
 }
 
 TEST_F(KvStoreTest, CloseAnswersWaitersWithTheGivenStatusAfterTheDeferredRuns) {
-  Answers a, b;
+  KvAnswers a, b;
   Deferred d;
   kv_.WaitFor("k", Later(1000), a.Callback(), &d);
   kv_.WaitFor("j", Later(1000), b.Callback(), &d);
@@ -331,7 +331,7 @@ TEST_F(KvStoreTest, CallsAfterCloseFail) {
   EXPECT_EQ(kv_.Add("n", 1, &d).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(kv_.CompareAndSet("k", true, "", "v", &d).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  Answers a;
+  KvAnswers a;
   kv_.WaitFor("k", Later(1000), a.Callback(), &d);
   EXPECT_TRUE(a.got.empty());
   d.Run();
@@ -350,7 +350,7 @@ TEST_F(KvStoreTest, CallsAfterCloseWithAnotherStatusStillFail) {
 }
 
 TEST_F(KvStoreTest, CloseWithOkStillAnswersWaitersWithAnError) {
-  Answers a;
+  KvAnswers a;
   Deferred d;
   kv_.WaitFor("k", Later(1000), a.Callback(), &d);
   kv_.Close(absl::OkStatus(), &d);

@@ -395,7 +395,7 @@ TEST(DistributedSampler, AnEmptyDatasetGivesEmptyEpochs) {
 TEST(DistributedSampler, ShuffledRanksShareOnePermutationAndCoverThePaddedEpoch) {
   for (int world : {1, 2, 3, 4, 8}) {
     for (int64_t n : {1, 7, 64, 1000, 1001}) {
-      SCOPED_TRACE(testing::Message() << "world " << world << " n " << n);
+      SCOPED_TRACE(::testing::Message() << "world " << world << " n " << n);
       auto ranks = AllRanks(n, world, true, 1234, false, 5);
       const int64_t per_rank = (n + world - 1) / world;
       for (const auto& r : ranks) ASSERT_EQ(static_cast<int64_t>(r.size()), per_rank);

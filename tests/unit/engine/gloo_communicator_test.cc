@@ -32,10 +32,10 @@ using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
 
-constexpr std::chrono::milliseconds kTimeout{30'000};
+constexpr std::chrono::milliseconds kGlooTimeout{30'000};
 constexpr size_t kLarge = size_t{1} << 20;
 
-GlooOptions Options(int rank, int world_size, std::chrono::milliseconds timeout = kTimeout) {
+GlooOptions Options(int rank, int world_size, std::chrono::milliseconds timeout = kGlooTimeout) {
   GlooOptions options;
   options.rank = rank;
   options.world_size = world_size;
@@ -49,7 +49,7 @@ GlooOptions Options(int rank, int world_size, std::chrono::milliseconds timeout 
 // creation error, or what `body` returned).
 std::vector<absl::Status> RunRanks(int world_size,
                                    const std::function<absl::Status(int, Communicator&)>& body,
-                                   std::chrono::milliseconds timeout = kTimeout) {
+                                   std::chrono::milliseconds timeout = kGlooTimeout) {
   return testing::RunRanks(world_size, [&](int rank, KeyValueStore& store) -> absl::Status {
     absl::StatusOr<std::unique_ptr<Communicator>> comm =
         CreateGlooCommunicator(Options(rank, world_size, timeout), &store);

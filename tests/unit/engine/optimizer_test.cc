@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tests/support/process.h"
 
 namespace aidn::engine {
 namespace {
@@ -394,7 +395,7 @@ TEST(Optimizer, ClippingInStepEqualsClipGradNormThenStepAndKeepsGradients) {
 // ---------------------------------------------------------------------------
 // The oracle: torch.optim on the same parameters and gradients.
 
-constexpr char kTorchScript[] = R"PY(
+constexpr char kOptimizerOracleScript[] = R"PY(
 import json, os, struct, sys
 import torch
 
@@ -436,10 +437,6 @@ for ci, c in enumerate(spec["configs"]):
                 save("state_c%d_p%d_%s.bin" % (ci, k, key), opt.state[p][key])
 print("ok")
 )PY";
-
-bool TorchAvailable() {
-  return std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0;
-}
 
 void WriteFloats(const std::string& path, const Tensor& t) {
   std::ofstream out(path, std::ios::binary);
@@ -487,7 +484,7 @@ Error Compare(const Tensor& a, const std::vector<float>& b, const std::vector<fl
 }
 
 TEST(Optimizer, MatchesTorchOptimStepForStep) {
-  if (!TorchAvailable()) {
+  if (!testing::PythonHasTorch()) {
     GTEST_SKIP() << "/usr/bin/python3 cannot import torch (install python3-torch): skipping the "
                     "comparison with torch.optim; the hand-computed tests still ran";
   }
@@ -572,7 +569,7 @@ TEST(Optimizer, MatchesTorchOptimStepForStep) {
   absl::StrAppend(&spec, "]}");
   {
     std::ofstream(dir + "/spec.json") << spec;
-    std::ofstream(dir + "/oracle.py") << kTorchScript;
+    std::ofstream(dir + "/oracle.py") << kOptimizerOracleScript;
   }
   const std::string command =
       absl::StrCat("/usr/bin/python3 ", dir, "/oracle.py ", dir, " >", dir, "/oracle.log 2>&1");

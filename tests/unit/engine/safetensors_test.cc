@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "tests/support/process.h"
 
 namespace aidn::engine {
 namespace {
@@ -410,7 +411,7 @@ TEST(Safetensors, ReadsUnpaddedHeadersEscapesAndZeroSizedTensors) {
 // (json + torch.frombuffer), checks it as the reference implementation would,
 // and writes every tensor back, plus one of its own, in a file of its own
 // making: reversed order, metadata last, data offsets not in header order.
-constexpr char kTorchScript[] = R"PY(
+constexpr char kRoundTripScript[] = R"PY(
 import json, struct, sys
 import torch
 
@@ -458,12 +459,8 @@ with open(f"{d}/torch.safetensors", "wb") as f:
 print("ok")
 )PY";
 
-bool TorchAvailable() {
-  return std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0;
-}
-
 TEST(Safetensors, PyTorchReadsAidnFilesAndAidnReadsPyTorchFiles) {
-  if (!TorchAvailable()) {
+  if (!testing::PythonHasTorch()) {
     GTEST_SKIP() << "/usr/bin/python3 cannot import torch (install python3-torch): skipping the "
                     "safetensors cross-check with PyTorch";
   }
@@ -473,7 +470,7 @@ TEST(Safetensors, PyTorchReadsAidnFilesAndAidnReadsPyTorchFiles) {
   ASSERT_TRUE(SaveSafetensors(dir.File("aidn.safetensors"), ConstPointers(saved),
                               {{"producer", "aidn"}, {"step", "7"}})
                   .ok());
-  WriteAll(dir.File("check.py"), kTorchScript);
+  WriteAll(dir.File("check.py"), kRoundTripScript);
   const std::string command = absl::StrCat("/usr/bin/python3 ", dir.File("check.py"), " ",
                                            dir.path(), " >", dir.File("log"), " 2>&1");
   ASSERT_EQ(std::system(command.c_str()), 0) << "torch side failed:\n" << ReadAll(dir.File("log"));

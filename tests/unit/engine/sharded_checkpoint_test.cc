@@ -41,7 +41,7 @@ std::unique_ptr<Sequential> Mlp() {
   return *BuildModel(config, /*seed=*/5);
 }
 
-OptimizerConfig Adam() {
+OptimizerConfig ShardedAdam() {
   OptimizerConfig o;
   o.name = "adamw";
   o.lr = 1e-2;
@@ -83,8 +83,9 @@ class ShardedCheckpointTest : public ::testing::Test {
     OnRanks(kWriters, "write", [&](int r, Communicator* comm) {
       std::unique_ptr<Sequential> model = Mlp();
       Classifier classifier(model.get());
-      auto session = CpuSession::Create(
-          {.communicator = comm, .bucket_mb = 0.01, .sharding = sharding}, &classifier, Adam());
+      auto session =
+          CpuSession::Create({.communicator = comm, .bucket_mb = 0.01, .sharding = sharding},
+                             &classifier, ShardedAdam());
       ASSERT_TRUE(session.ok()) << session.status();
       std::mt19937 gen(static_cast<uint32_t>(r));
       std::normal_distribution<float> normal;
@@ -163,7 +164,7 @@ TEST_F(ShardedCheckpointTest, EveryRankWritesItsPiecesAndAnyWorldSizeReadsThemBa
                 Classifier classifier(model.get());
                 auto session = CpuSession::Create(
                     {.communicator = comm, .bucket_mb = 0.004, .sharding = sharding}, &classifier,
-                    Adam());
+                    ShardedAdam());
                 ASSERT_TRUE(session.ok()) << session.status();
                 auto mine = CheckpointReader::Open(path);
                 ASSERT_TRUE(mine.ok()) << mine.status();

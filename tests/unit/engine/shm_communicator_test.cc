@@ -36,10 +36,11 @@ namespace {
 using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
 
-constexpr std::chrono::milliseconds kTimeout{30'000};
+constexpr std::chrono::milliseconds kShmTimeout{30'000};
 constexpr size_t kSlotBytes = size_t{64} << 10;
 
-ShmOptions Options(int rank, int world_size, std::chrono::milliseconds timeout = kTimeout) {
+ShmOptions ShmRankOptions(int rank, int world_size,
+                          std::chrono::milliseconds timeout = kShmTimeout) {
   ShmOptions options;
   options.rank = rank;
   options.world_size = world_size;
@@ -53,11 +54,11 @@ ShmOptions Options(int rank, int world_size, std::chrono::milliseconds timeout =
 // one store; returns each rank's status. `options` may adjust a rank's
 // options. A rank whose set-up found shared memory unusable fails with
 // FAILED_PRECONDITION and the description.
-std::vector<absl::Status> RunRanks(
+std::vector<absl::Status> RunShmRanks(
     int world_size, const std::function<absl::Status(int, Communicator&)>& body,
     const std::function<void(ShmOptions&)>& options = [](ShmOptions&) {}) {
   return testing::RunRanks(world_size, [&](int rank, KeyValueStore& store) -> absl::Status {
-    ShmOptions o = Options(rank, world_size);
+    ShmOptions o = ShmRankOptions(rank, world_size);
     options(o);
     absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(o, &store);
     if (!attempt.ok()) return attempt.status();
@@ -76,7 +77,7 @@ TEST(ShmCommunicator, AllReduceAvgGivesEveryRankTheSameBits) {
   constexpr int kWorld = 3;
   constexpr size_t kCount = 3 * 16384 + 77;
   std::vector<std::vector<float>> out(kWorld);
-  ExpectAllOk(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+  ExpectAllOk(RunShmRanks(kWorld, [&](int rank, Communicator& comm) {
     std::vector<float> data(kCount);
     // Not exactly divisible by 3.
     for (size_t i = 0; i < kCount; ++i) data[i] = Value(rank, i) + 0.1f;
@@ -94,7 +95,7 @@ TEST(ShmCommunicator, AllReduceAvgGivesEveryRankTheSameBits) {
 // allreduce's result slot is still being read when a broadcast starts.
 TEST(ShmCommunicator, MixedCollectivesBackToBackStayExact) {
   constexpr int kWorld = 3;
-  ExpectAllOk(RunRanks(kWorld, [](int rank, Communicator& comm) {
+  ExpectAllOk(RunShmRanks(kWorld, [](int rank, Communicator& comm) {
     for (int round = 0; round < 200; ++round) {
       const size_t count = 1 + (round * 7919) % 40000;
       std::vector<float> data(count);
@@ -118,7 +119,7 @@ TEST(ShmCommunicator, MixedCollectivesBackToBackStayExact) {
 }
 
 TEST(ShmCommunicator, RanksOnDifferentHostsGetNoCommunicatorAndAgreeWhy) {
-  std::vector<absl::Status> results = RunRanks(
+  std::vector<absl::Status> results = RunShmRanks(
       3, [](int, Communicator&) { return absl::OkStatus(); },
       [](ShmOptions& o) { o.host_identity = o.rank == 2 ? "other" : "here"; });
   for (const absl::Status& s : results) {
@@ -129,7 +130,7 @@ TEST(ShmCommunicator, RanksOnDifferentHostsGetNoCommunicatorAndAgreeWhy) {
 
 TEST(ShmCommunicator, NoSegmentIsLeftInDevShm) {
   const std::string mine = absl::StrCat("aidn-", getpid(), "-");
-  ExpectAllOk(RunRanks(2, [&](int, Communicator& comm) {
+  ExpectAllOk(RunShmRanks(2, [&](int, Communicator& comm) {
     AIDN_RETURN_IF_ERROR(comm.Barrier());
     for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
       EXPECT_THAT(entry.path().filename().string(), ::testing::Not(HasSubstr(mine)));
@@ -140,13 +141,14 @@ TEST(ShmCommunicator, NoSegmentIsLeftInDevShm) {
 
 TEST(ShmCommunicator, BadOptionsAreInvalidArguments) {
   InMemoryKeyValueStore store;
-  EXPECT_EQ(CreateShmCommunicator(Options(2, 2), &store).status().code(),
+  EXPECT_EQ(CreateShmCommunicator(ShmRankOptions(2, 2), &store).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(CreateShmCommunicator(Options(0, 2), nullptr).status().code(),
+  EXPECT_EQ(CreateShmCommunicator(ShmRankOptions(0, 2), nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(
-      CreateShmCommunicator(Options(0, 2, std::chrono::milliseconds(0)), &store).status().code(),
-      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateShmCommunicator(ShmRankOptions(0, 2, std::chrono::milliseconds(0)), &store)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // A rank that never arrives: the set-up fails with the store's
@@ -154,7 +156,7 @@ TEST(ShmCommunicator, BadOptionsAreInvalidArguments) {
 TEST(ShmCommunicator, ARankThatNeverArrivesFailsTheSetUpWithinTheTimeout) {
   InMemoryKeyValueStore store;
   absl::StatusOr<ShmAttempt> attempt =
-      CreateShmCommunicator(Options(0, 2, std::chrono::milliseconds(300)), &store);
+      CreateShmCommunicator(ShmRankOptions(0, 2, std::chrono::milliseconds(300)), &store);
   ASSERT_FALSE(attempt.ok());
   EXPECT_EQ(attempt.status().code(), absl::StatusCode::kDeadlineExceeded) << attempt.status();
   EXPECT_THAT(attempt.status().message(), HasSubstr("shared-memory set-up"));
@@ -166,7 +168,7 @@ TEST(ShmCommunicator, APeerThatStopsCallingTimesOutAndItsPeerIsToldAtOnce) {
   // comes back after rank 0 gave up: it must fail at once, not in 30 s.
   std::vector<absl::Status> results(2);
   Clock::duration rank1_wait{};
-  results = RunRanks(
+  results = RunShmRanks(
       2,
       [&](int rank, Communicator& comm) -> absl::Status {
         float x = 1.0f;
@@ -204,12 +206,12 @@ TEST(ShmCommunicator, APeerProcessThatExitsIsNoticedWithoutWaitingForTheTimeout)
   ASSERT_GE(child, 0);
   if (child == 0) {
     FileKeyValueStore store(dir);
-    absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(Options(1, 2), &store);
+    absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(ShmRankOptions(1, 2), &store);
     // Joins, then leaves without the collective rank 0 waits in.
     _exit(attempt.ok() && attempt->communicator != nullptr ? 0 : 3);
   }
   FileKeyValueStore store(dir);
-  absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(Options(0, 2), &store);
+  absl::StatusOr<ShmAttempt> attempt = CreateShmCommunicator(ShmRankOptions(0, 2), &store);
   ASSERT_TRUE(attempt.ok()) << attempt.status();
   ASSERT_NE(attempt->communicator, nullptr) << attempt->description;
   const Clock::time_point start = Clock::now();
@@ -236,7 +238,7 @@ TEST(CpuCommunicator, AutoPicksSharedMemoryOnOneHostAndGlooAcrossHosts) {
         CpuCommunicatorOptions options;
         options.gloo.rank = rank;
         options.gloo.world_size = 2;
-        options.gloo.timeout = kTimeout;
+        options.gloo.timeout = kShmTimeout;
         options.gloo.prefix = "t";
         options.shm_host_identity = one_host ? "" : absl::StrCat("host-", rank);
         absl::StatusOr<CpuCommunicator> comm = CreateCpuCommunicator(options, &store);
@@ -263,7 +265,7 @@ TEST(CpuCommunicator, SharedMemoryAskedForAcrossHostsIsUnavailable) {
       CpuCommunicatorOptions options;
       options.gloo.rank = rank;
       options.gloo.world_size = 2;
-      options.gloo.timeout = kTimeout;
+      options.gloo.timeout = kShmTimeout;
       options.transport = CpuTransport::kShm;
       options.shm_host_identity = absl::StrCat("host-", rank);
       results[rank] = CreateCpuCommunicator(options, &store).status();

@@ -37,7 +37,7 @@ Request AddReq(const std::string& key, int64_t delta) {
   return r;
 }
 
-std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+std::string Le64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
 
 class C10dStoreServerTest : public ::testing::Test {
  protected:
@@ -344,8 +344,8 @@ TEST_F(C10dStoreServerTest, DropsOnlyTheClientThatSendsBadInput) {
   size_t dropped = 0;
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"unknown command byte", std::string(1, '\x2a')},
-      {"oversized key length", std::string(1, '\x02') + U64(1ull << 40)},
-      {"oversized key count", std::string(1, '\x05') + U64(1ull << 40)},
+      {"oversized key length", std::string(1, '\x02') + Le64(1ull << 40)},
+      {"oversized key count", std::string(1, '\x05') + Le64(1ull << 40)},
       {"VALIDATE with a wrong magic", std::string(1, '\0') + "abcd" + std::string(4, '\0')},
       {"ADD to a value that is no integer",
        *EncodeRequest(d, Req(Op::kSet, {"text"}, {"abc"})) + *EncodeRequest(d, AddReq("text", 1))},
@@ -391,7 +391,7 @@ TEST_F(C10dStoreServerTest, KeepsToItsLimits) {
   EXPECT_EQ(*a->ReadI64(kTimeout), 1);
   // Over the value limit: dropped from the header.
   auto c = Connect(d);
-  ASSERT_TRUE(c->SendRaw(std::string(1, '\0') + U64(1) + "k" + U64(601)).ok());
+  ASSERT_TRUE(c->SendRaw(std::string(1, '\0') + Le64(1) + "k" + Le64(601)).ok());
   EXPECT_TRUE(c->WaitClosed(kTimeout));
   // Over max_clients: the fourth connection is closed at once.
   auto b2 = Connect(d), c2 = Connect(d);

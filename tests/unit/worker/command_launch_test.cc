@@ -23,7 +23,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-LaunchOptions Options() {
+LaunchOptions CommandOptions() {
   LaunchOptions o;
   o.coordinator = "10.0.0.1:7070";
   o.tls_ca_file = "/var/lib/aidn/coordinator-ca.pem";
@@ -35,7 +35,7 @@ LaunchOptions Options() {
   return o;
 }
 
-v1::TrainerAssignment Assignment() {
+v1::TrainerAssignment CommandAssignment() {
   v1::TrainerAssignment a;
   a.set_job_id("job-3");
   a.set_generation(2);
@@ -105,14 +105,14 @@ TEST(CommandPlacementOf, RefusesAnAnswerWithoutTheRankOrTheStore) {
 }
 
 TEST(CommandLaunchSpecFor, GivesEveryRankTorchrunsContract) {
-  v1::TrainerAssignment a = Assignment();
+  v1::TrainerAssignment a = CommandAssignment();
   a.mutable_spec()->mutable_checkpoint()->set_dir("ckpt");
   absl::StatusOr<CommandPlacement> p = CommandPlacementOf(Rendezvous(), 3);
   ASSERT_TRUE(p.ok());
   p->resume_from = v1::Checkpoint();
   p->resume_from->set_step(40);
   p->resume_from->set_path("/ckpt/job-3/step-40");
-  absl::StatusOr<LaunchSpec> launch = CommandLaunchSpecFor(a, *p, Options());
+  absl::StatusOr<LaunchSpec> launch = CommandLaunchSpecFor(a, *p, CommandOptions());
   ASSERT_TRUE(launch.ok()) << launch.status();
   EXPECT_EQ(launch->program, "python3");
   EXPECT_EQ(launch->argv, (std::vector<std::string>{"python3", "train.py", "--epochs=2"}));
@@ -164,11 +164,11 @@ TEST(CommandLaunchSpecFor, GivesEveryRankTorchrunsContract) {
 }
 
 TEST(CommandLaunchSpecFor, HonoursTheWorkingDirectoryTheStoreModeAndTheUser) {
-  v1::TrainerAssignment a = Assignment();
+  v1::TrainerAssignment a = CommandAssignment();
   a.mutable_spec()->mutable_command()->set_working_dir("src/app");
   a.mutable_spec()->mutable_command()->set_store(v1::CommandSpec::RANK0);
   (*a.mutable_spec()->mutable_command()->mutable_env())["PYTHONPATH"] = "/opt/mine";
-  LaunchOptions o = Options();
+  LaunchOptions o = CommandOptions();
   o.command_user =
       LaunchOptions::User{.name = "trainer", .uid = 1001, .gid = 1002, .home = "/home/trainer"};
   absl::StatusOr<CommandPlacement> p = CommandPlacementOf(Rendezvous(), 2);
@@ -191,14 +191,15 @@ TEST(CommandLaunchSpecFor, HonoursTheWorkingDirectoryTheStoreModeAndTheUser) {
 }
 
 TEST(CommandLaunchSpecFor, RefusesAnAssignmentWithoutACommand) {
-  v1::TrainerAssignment a = Assignment();
+  v1::TrainerAssignment a = CommandAssignment();
   a.mutable_spec()->clear_command();
   absl::StatusOr<CommandPlacement> p = CommandPlacementOf(Rendezvous(), 3);
-  EXPECT_EQ(CommandLaunchSpecFor(a, *p, Options()).status().code(),
+  EXPECT_EQ(CommandLaunchSpecFor(a, *p, CommandOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
-  a = Assignment();
+  a = CommandAssignment();
   a.set_job_id("../etc");
-  EXPECT_THAT(CommandLaunchSpecFor(a, *p, Options()).status().message(), HasSubstr("job_id"));
+  EXPECT_THAT(CommandLaunchSpecFor(a, *p, CommandOptions()).status().message(),
+              HasSubstr("job_id"));
 }
 
 TEST(ReadErrorFile, ReadsTorchsRecordFormatAndToleratesAnythingElse) {

@@ -28,10 +28,10 @@ using SteadyClock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 // Generous: other builds share the machine's cores.
-constexpr milliseconds kLong{10'000};
+constexpr milliseconds kLinkWait{10'000};
 
 template <typename Predicate>
-bool WaitFor(Predicate predicate, milliseconds timeout = kLong) {
+bool WaitForLink(Predicate predicate, milliseconds timeout = kLinkWait) {
   const auto deadline = SteadyClock::now() + timeout;
   while (!predicate()) {
     if (SteadyClock::now() >= deadline) return false;
@@ -172,7 +172,7 @@ TEST_F(CoordinatorLinkTest, RegistersWithItsTrainersAndHandsOverAssignments) {
     fake_.assignments.push_back(a);
   }
   StartLink();
-  ASSERT_TRUE(WaitFor([&] {
+  ASSERT_TRUE(WaitForLink([&] {
     absl::MutexLock lock(&mu_);
     return handovers_ > 0;
   }));
@@ -194,7 +194,7 @@ TEST_F(CoordinatorLinkTest, RegistersAgainWhenTheCoordinatorForgotTheWorker) {
     fake_.heartbeat_not_found = 1;
   }
   StartLink();
-  EXPECT_TRUE(WaitFor([&] {
+  EXPECT_TRUE(WaitForLink([&] {
     absl::MutexLock lock(&fake_.mu);
     return fake_.registrations.size() == 2 && fake_.heartbeats >= 2;
   }));
@@ -212,7 +212,7 @@ TEST_F(CoordinatorLinkTest, DeliversExitReportsInOrderRetryingWhatMayPass) {
   link_->QueueReport(Report("a"));
   link_->QueueReport(Report("b"));
   link_->QueueReport(Report("c"));
-  ASSERT_TRUE(WaitFor([&] { return Delivered().size() == 3; }));
+  ASSERT_TRUE(WaitForLink([&] { return Delivered().size() == 3; }));
   EXPECT_THAT(Delivered(), ElementsAre("a", "b", "c"));
   EXPECT_THAT(Attempts(), ElementsAre("a", "a", "a", "b", "c"));
 }
@@ -226,7 +226,7 @@ TEST_F(CoordinatorLinkTest, DropsAnExitReportRefusedForGood) {
   link_->QueueReport(Report("a"));
   link_->QueueReport(Report("b"));
   link_->QueueReport(Report("c"));
-  ASSERT_TRUE(WaitFor([&] { return Delivered().size() == 1; }));
+  ASSERT_TRUE(WaitForLink([&] { return Delivered().size() == 1; }));
   EXPECT_THAT(Delivered(), ElementsAre("c"));
   EXPECT_THAT(Attempts(), ElementsAre("a", "b", "c"));
 }
@@ -235,7 +235,7 @@ TEST_F(CoordinatorLinkTest, FinishReportsDeliversWhatIsQueuedAfterHeartbeatsStop
   StartLink();
   link_->StopHeartbeats();
   link_->QueueReport(Report("last"));
-  link_->FinishReports(kLong);
+  link_->FinishReports(kLinkWait);
   EXPECT_THAT(Delivered(), ElementsAre("last"));
 }
 
@@ -246,7 +246,7 @@ TEST_F(CoordinatorLinkTest, FinishReportsGivesUpOnAnUnreachableCoordinator) {
   }
   StartLink();
   link_->QueueReport(Report("lost"));
-  ASSERT_TRUE(WaitFor([&] { return !Attempts().empty(); }));
+  ASSERT_TRUE(WaitForLink([&] { return !Attempts().empty(); }));
   link_->StopHeartbeats();
   // Returns (the test would hang otherwise) without delivering.
   link_->FinishReports(milliseconds(50));
@@ -262,11 +262,11 @@ TEST_F(CoordinatorLinkTest, DropsTheOldestReportBeyondTheQueueLimit) {
   StartLink();
   link_->StopHeartbeats();
   link_->QueueReport(Report("a"));
-  ASSERT_TRUE(WaitFor([&] { return !Attempts().empty(); }));
+  ASSERT_TRUE(WaitForLink([&] { return !Attempts().empty(); }));
   // "a" is stuck at the front; a third report pushes it out.
   link_->QueueReport(Report("b"));
   link_->QueueReport(Report("c"));
-  ASSERT_TRUE(WaitFor([&] { return Delivered().size() == 2; }));
+  ASSERT_TRUE(WaitForLink([&] { return Delivered().size() == 2; }));
   EXPECT_THAT(Delivered(), ElementsAre("b", "c"));
 }
 

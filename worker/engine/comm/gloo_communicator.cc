@@ -85,7 +85,7 @@ void DivideBy(float* data, size_t n, int divisor) {
 
 // Time left until `deadline`, at least 1 ms: Gloo reads -1 ms as "the
 // context's timeout" and other negative values as an immediate timeout.
-std::chrono::milliseconds Left(Clock::time_point deadline) {
+std::chrono::milliseconds GlooTimeLeft(Clock::time_point deadline) {
   return std::max(std::chrono::milliseconds(1),
                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
 }
@@ -331,10 +331,12 @@ class GlooCommunicator final : public Communicator {
     }
     const Clock::time_point deadline = Clock::now() + timeout_;
     for (int i = 0; i < n - 1; ++i) {
-      if (!direct_buffer_->waitRecv(Left(deadline))) throw gloo::IoException("receive aborted");
+      if (!direct_buffer_->waitRecv(GlooTimeLeft(deadline)))
+        throw gloo::IoException("receive aborted");
     }
     for (int i = 0; i < n - 1; ++i) {
-      if (!direct_buffer_->waitSend(Left(deadline))) throw gloo::IoException("send aborted");
+      if (!direct_buffer_->waitSend(GlooTimeLeft(deadline)))
+        throw gloo::IoException("send aborted");
     }
     std::memcpy(data, staging, bytes);
     for (int r = 1; r < n; ++r) AddInto(data, staging + static_cast<size_t>(r) * count, count);
@@ -379,8 +381,10 @@ class GlooCommunicator final : public Communicator {
       const size_t recv_block = static_cast<size_t>((rank_ - step - 2 + 2 * n) % n);
       recv_buffer->recv(left, slot, 0, block_bytes);
       scratch_buffer->send(right, slot, send_block * block_bytes, block_bytes);
-      if (!recv_buffer->waitRecv(Left(deadline))) throw gloo::IoException("receive aborted");
-      if (!scratch_buffer->waitSend(Left(deadline))) throw gloo::IoException("send aborted");
+      if (!recv_buffer->waitRecv(GlooTimeLeft(deadline)))
+        throw gloo::IoException("receive aborted");
+      if (!scratch_buffer->waitSend(GlooTimeLeft(deadline)))
+        throw gloo::IoException("send aborted");
       AddInto(scratch_.data() + recv_block * count, recv_.data(), count);
     }
     std::memcpy(out, scratch_.data() + static_cast<size_t>(rank_) * count, block_bytes);
@@ -412,9 +416,9 @@ class GlooCommunicator final : public Communicator {
     for (size_t i = 0; i < buffers.size(); ++i) {
       try {
         if (i % 2 == 0) {
-          buffers[i]->waitRecv(Left(deadline));
+          buffers[i]->waitRecv(GlooTimeLeft(deadline));
         } else {
-          buffers[i]->waitSend(Left(deadline));
+          buffers[i]->waitSend(GlooTimeLeft(deadline));
         }
       } catch (const std::exception&) {
         // That peer left first or is stuck elsewhere; close anyway.
