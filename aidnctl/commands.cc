@@ -4,12 +4,14 @@
 #include <functional>
 #include <ostream>
 #include <set>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "aidn/config.h"
+#include "aidnctl/events.h"
 #include "aidnctl/spec_io.h"
 #include "common/rpc/client.h"
 #include "common/rpc/status_convert.h"
@@ -179,7 +181,73 @@ absl::Status RunWorkers(const CommandEnv& env) {
   });
 }
 
+absl::Status RunWorkerOp(const CommandEnv& env, WorkerOp op, const WorkerOpOptions& options) {
+  if (op == WorkerOp::kRemove) {
+    v1::RemoveWorkerRequest request;
+    request.set_worker_id(options.worker_id);
+    v1::RemoveWorkerResponse response;
+    AIDN_RETURN_IF_ERROR(Call(env, &Stub::RemoveWorker, request, &response));
+    return Print(env, response, [&]() -> absl::StatusOr<std::string> {
+      return absl::StrCat("removed ", options.worker_id, "\n");
+    });
+  }
+  v1::SetWorkerSchedulingRequest request;
+  request.set_worker_id(options.worker_id);
+  request.set_reason(options.reason);
+  request.set_scheduling(op == WorkerOp::kCordon  ? v1::Worker::CORDONED
+                         : op == WorkerOp::kDrain ? v1::Worker::DRAINING
+                                                  : v1::Worker::SCHEDULABLE);
+  v1::Worker worker;
+  AIDN_RETURN_IF_ERROR(Call(env, &Stub::SetWorkerScheduling, request, &worker));
+  AIDN_RETURN_IF_ERROR(Print(env, worker, [&]() -> absl::StatusOr<std::string> {
+    const char* done = op == WorkerOp::kCordon  ? "cordoned "
+                       : op == WorkerOp::kDrain ? "draining "
+                                                : "uncordoned ";
+    std::string text = absl::StrCat(done, options.worker_id);
+    if (op == WorkerOp::kDrain && worker.job_ids_size() > 0) {
+      absl::StrAppend(&text, ": ", absl::StrJoin(worker.job_ids(), ", "),
+                      " move(s) to other workers at the next checkpoint (aidnctl events --follow "
+                      "shows it)");
+    }
+    return text + "\n";
+  }));
+  if (op != WorkerOp::kDrain || !options.wait) return absl::OkStatus();
+  const auto deadline = std::chrono::steady_clock::now() + options.wait_timeout;
+  while (true) {
+    v1::ListWorkersResponse listed;
+    AIDN_RETURN_IF_ERROR(Call(env, &Stub::ListWorkers, v1::ListWorkersRequest(), &listed));
+    const v1::Worker* now = nullptr;
+    for (const v1::Worker& w : listed.workers()) {
+      if (w.info().id() == options.worker_id) now = &w;
+    }
+    if (now == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("worker ", options.worker_id, " was removed while draining"));
+    }
+    if (now->scheduling() != v1::Worker::DRAINING) {
+      return absl::AbortedError(absl::StrCat("worker ", options.worker_id,
+                                             " is no longer draining (uncordoned or cordoned "
+                                             "by someone else)"));
+    }
+    if (now->job_ids_size() == 0) {
+      if (env.options.format == OutputFormat::kTable) {
+        *env.out << "drained " << options.worker_id << "\n";
+        env.out->flush();
+      }
+      return absl::OkStatus();
+    }
+    if (std::chrono::steady_clock::now() + options.poll_interval > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "worker ", options.worker_id, " still runs ", absl::StrJoin(now->job_ids(), ", "),
+          " after ", absl::FormatDuration(absl::FromChrono(options.wait_timeout)),
+          " (a job that takes no checkpoints runs to its end there)"));
+    }
+    std::this_thread::sleep_for(options.poll_interval);
+  }
+}
+
 absl::Status RunEvents(const CommandEnv& env, const EventsOptions& options) {
+  if (options.follow) return FollowEvents(env, options);
   v1::ListEventsRequest request;
   request.set_job_id(options.job_id);
   request.set_after_seq(options.after_seq);

@@ -66,8 +66,14 @@ struct EventsOptions {
   // Empty: every job's and the cluster's events.
   std::string job_id;
   int64_t after_seq = 0;
-  // 0: the coordinator's default (1000).
+  // 0: the coordinator's default (1000). Not with follow.
   int32_t limit = 0;
+  // Keep printing new events (aidnctl/events.h).
+  bool follow = false;
+  std::chrono::milliseconds interval{1000};
+  std::chrono::milliseconds initial_backoff{200};
+  std::chrono::milliseconds max_backoff{2000};
+  std::chrono::milliseconds reconnect_timeout{std::chrono::minutes(5)};
 };
 
 // Table output: "submitted <job-id>"; JSON/YAML: the SubmitJobResponse.
@@ -84,7 +90,26 @@ absl::Status RunDescribe(const CommandEnv& env, const std::string& job_id);
 absl::Status RunCancel(const CommandEnv& env, const std::string& job_id, const std::string& reason);
 // Table output: WorkersTable; JSON/YAML: the ListWorkersResponse.
 absl::Status RunWorkers(const CommandEnv& env);
-// Table output: EventsTable; JSON/YAML: the ListEventsResponse.
+enum class WorkerOp { kCordon, kUncordon, kDrain, kRemove };
+
+struct WorkerOpOptions {
+  std::string worker_id;
+  // Recorded in the worker's event (cordon, drain).
+  std::string reason;
+  // drain: return once no job has ranks on the worker (ListWorkers every
+  // `poll_interval`), or fail after `wait_timeout`.
+  bool wait = false;
+  std::chrono::milliseconds wait_timeout{std::chrono::hours(1)};
+  std::chrono::milliseconds poll_interval{1000};
+};
+
+// cordon, uncordon, drain (SetWorkerScheduling) or remove (RemoveWorker) one
+// worker; admins only. Table output: "cordoned w1" and so on (drain adds
+// what its jobs will do, --wait "drained w1" at the end); JSON/YAML: the
+// Worker (remove: {}).
+absl::Status RunWorkerOp(const CommandEnv& env, WorkerOp op, const WorkerOpOptions& options);
+// Table output: EventsTable; JSON/YAML: the ListEventsResponse. With
+// options.follow: FollowEvents (aidnctl/events.h).
 absl::Status RunEvents(const CommandEnv& env, const EventsOptions& options);
 // Table output: CheckpointsTable; JSON/YAML: the ListCheckpointsResponse.
 absl::Status RunCheckpoints(const CommandEnv& env, const std::string& job_id);

@@ -104,6 +104,11 @@ struct CommandLine {
   // describe, cancel and checkpoints.
   std::string job_id, reason;
   ctl::EventsOptions events_options;
+  // workers cordon/uncordon/drain/remove.
+  std::optional<ctl::WorkerOp> worker_op_kind;
+  ctl::WorkerOpOptions worker_op;
+  std::string drain_wait_timeout = "1h";
+  std::string events_interval = "1s";
   ctl::ExportOptions export_options;
   int64_t export_step = 0;
   ctl::GenerateOptions generate_options;
@@ -195,7 +200,36 @@ void AddJobRecords(CLI::App& app, CommandLine& cl) {
   cl.cancel->add_option("job", cl.job_id, "Job ID")->required();
   cl.cancel->add_option("--reason", cl.reason, "Why; recorded in the job's events");
 
-  cl.workers = app.add_subcommand("workers", "List workers");
+  cl.workers = app.add_subcommand(
+      "workers", "List workers; or (admins) cordon, uncordon, drain or remove one");
+  cl.workers->require_subcommand(0, 1);
+  const struct {
+    const char* name;
+    ctl::WorkerOp op;
+    const char* help;
+  } ops[] = {
+      {"cordon", ctl::WorkerOp::kCordon, "Place no new ranks on a worker; running ones go on"},
+      {"uncordon", ctl::WorkerOp::kUncordon, "Place ranks on a cordoned or drained worker again"},
+      {"drain", ctl::WorkerOp::kDrain,
+       "Cordon a worker and move each job running there to other workers at its next "
+       "checkpoint (a restart from it that does not count against max_restarts)"},
+      {"remove", ctl::WorkerOp::kRemove,
+       "Forget a LOST worker (its daemon, if it comes back, registers anew)"},
+  };
+  for (const auto& op : ops) {
+    CLI::App* sub = cl.workers->add_subcommand(op.name, op.help);
+    sub->add_option("worker", cl.worker_op.worker_id, "Worker ID")->required();
+    if (op.op == ctl::WorkerOp::kCordon || op.op == ctl::WorkerOp::kDrain) {
+      sub->add_option("--reason", cl.worker_op.reason, "Why; recorded in the worker's events");
+    }
+    if (op.op == ctl::WorkerOp::kDrain) {
+      sub->add_flag("--wait", cl.worker_op.wait, "Return once no job runs there any more");
+      sub->add_option("--wait-timeout", cl.drain_wait_timeout, "With --wait: give up after this")
+          ->check(Check(ctl::ParseTimeout, "DURATION"))
+          ->capture_default_str();
+    }
+    sub->callback([&cl, kind = op.op] { cl.worker_op_kind = kind; });
+  }
 
   cl.health = app.add_subcommand(
       "health",
@@ -204,12 +238,26 @@ void AddJobRecords(CLI::App& app, CommandLine& cl) {
   cl.health->add_option("service", cl.health_service,
                         "A service's full name (default: the server as a whole)");
 
-  cl.events = app.add_subcommand("events", "List events of a job, or of every job");
+  cl.events = app.add_subcommand("events",
+                                 "List events of a job, or of every job and worker; --follow keeps "
+                                 "printing new ones (-o json: "
+                                 "one event per line)");
   cl.events->add_option("job", cl.events_options.job_id, "Job ID (default: all)");
   cl.events->add_option("--after", cl.events_options.after_seq, "Only events with seq above this")
       ->check(kNotNegative);
   cl.events->add_option("--limit", cl.events_options.limit, "At most this many (default 1000)")
       ->check(kNotNegative);
+  cl.events->add_flag("-f,--follow", cl.events_options.follow,
+                      "Keep printing new events; with a job, until it has ended");
+  cl.events
+      ->add_option("--interval", cl.events_interval, "With --follow: ask for new events this often")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
+  cl.events
+      ->add_option("--reconnect-timeout", cl.reconnect_timeout,
+                   "With --follow: give up when the coordinator is gone this long")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
 
   cl.checkpoints = app.add_subcommand("checkpoints", "List a job's checkpoints");
   cl.checkpoints->add_option("job", cl.job_id, "Job ID")->required();
@@ -441,11 +489,21 @@ absl::Status RunCommand(const ctl::CommandEnv& env, CommandLine& cl) {
   }
   if (*cl.describe) return ctl::RunDescribe(env, cl.job_id);
   if (*cl.cancel) return ctl::RunCancel(env, cl.job_id, cl.reason);
-  if (*cl.workers) return ctl::RunWorkers(env);
+  if (*cl.workers) {
+    if (!cl.worker_op_kind) return ctl::RunWorkers(env);
+    ctl::WorkerOpOptions options = cl.worker_op;
+    options.wait_timeout = *ctl::ParseTimeout(cl.drain_wait_timeout);
+    return ctl::RunWorkerOp(env, *cl.worker_op_kind, options);
+  }
   if (*cl.health) {
     return ctl::RunHealth(env.options.connection, cl.health_service, env.options.timeout, env.out);
   }
-  if (*cl.events) return ctl::RunEvents(env, cl.events_options);
+  if (*cl.events) {
+    ctl::EventsOptions options = cl.events_options;
+    options.interval = *ctl::ParseTimeout(cl.events_interval);
+    options.reconnect_timeout = *ctl::ParseTimeout(cl.reconnect_timeout);
+    return ctl::RunEvents(env, options);
+  }
   if (*cl.checkpoints) return ctl::RunCheckpoints(env, cl.job_id);
   if (*cl.export_command) {
     if (cl.export_step_flag->count() > 0) cl.export_options.step = cl.export_step;

@@ -50,6 +50,10 @@ absl::StatusOr<OutputFormat> ParseOutputFormat(absl::string_view text) {
       absl::StrCat("unknown output format \"", text, "\" (table, json or yaml; csv for metrics)"));
 }
 
+bool IsTerminal(v1::Job::State state) {
+  return state == v1::Job::SUCCEEDED || state == v1::Job::FAILED || state == v1::Job::CANCELLED;
+}
+
 std::string StateName(v1::Job::State state) {
   if (state == v1::Job::STATE_UNSPECIFIED || !v1::Job::State_IsValid(state)) return "UNKNOWN";
   return v1::Job::State_Name(state);
@@ -164,7 +168,13 @@ std::string WorkersTable(const google::protobuf::RepeatedPtrField<v1::Worker>& w
                          absl::Time now) {
   std::vector<std::vector<std::string>> rows;
   for (const v1::Worker& worker : workers) {
-    rows.push_back({worker.info().id(), OrDash(worker.info().address()), StateName(worker.state()),
+    // As kubectl shows a cordoned node: the state, then how it schedules.
+    std::string state = StateName(worker.state());
+    if (worker.scheduling() == v1::Worker::CORDONED) state += ",cordoned";
+    if (worker.scheduling() == v1::Worker::DRAINING) {
+      state += worker.job_ids().empty() ? ",drained" : ",draining";
+    }
+    rows.push_back({worker.info().id(), OrDash(worker.info().address()), state,
                     absl::StrCat(worker.cpu_slots_used(), "/", worker.info().cpu_slots()),
                     absl::StrCat(worker.gpus_used(), "/", worker.info().gpus_size()),
                     OrDash(absl::StrJoin(worker.job_ids(), ",")),

@@ -29,6 +29,8 @@ absl::StatusOr<OutputFormat> ParseOutputFormat(absl::string_view text);
 
 // "RUNNING"; "UNKNOWN" for STATE_UNSPECIFIED and values this build lacks.
 std::string StateName(v1::Job::State state);
+// SUCCEEDED, FAILED or CANCELLED: the job will not change again.
+bool IsTerminal(v1::Job::State state);
 std::string StateName(v1::Worker::State state);
 
 // Aligned columns under `header`; rows shorter than the header are padded
@@ -53,7 +55,8 @@ std::string FormatBytes(int64_t bytes);
 
 // ID NAME STATE WORLD GEN RESTARTS AGE MESSAGE
 std::string JobsTable(const google::protobuf::RepeatedPtrField<v1::Job>& jobs, absl::Time now);
-// ID ADDRESS STATE CPU(USED/TOTAL) GPUS JOBS LAST-HEARTBEAT
+// ID ADDRESS STATE CPU(USED/TOTAL) GPUS JOBS LAST-HEARTBEAT; STATE is ALIVE
+// or LOST, then ",cordoned", ",draining" or ",drained" (draining, no jobs).
 std::string WorkersTable(const google::protobuf::RepeatedPtrField<v1::Worker>& workers,
                          absl::Time now);
 // SEQ TIME JOB TYPE MESSAGE

@@ -598,6 +598,11 @@ absl::StatusOr<std::string> MessageToJson(const google::protobuf::Message& messa
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
+absl::StatusOr<std::string> MessageToJsonLine(const google::protobuf::Message& message) {
+  AIDN_ASSIGN_OR_RETURN(Json json, ToOrderedJson(message, "JSON"));
+  return json.dump(-1, ' ', false, Json::error_handler_t::replace) + "\n";
+}
+
 absl::StatusOr<std::string> MessageToYaml(const google::protobuf::Message& message) {
   AIDN_ASSIGN_OR_RETURN(Json json, ToOrderedJson(message, "YAML"));
   return JsonToYaml(json, message.GetDescriptor());

@@ -64,6 +64,9 @@ std::string JsonToYaml(const nlohmann::ordered_json& json,
 // default left out), indented by two spaces, with a final newline.
 absl::StatusOr<std::string> MessageToJson(const google::protobuf::Message& message);
 
+// The same JSON on one line, ending in a newline: one record of JSON Lines.
+absl::StatusOr<std::string> MessageToJsonLine(const google::protobuf::Message& message);
+
 // MessageToJson's JSON as YAML (JsonToYaml with the message's type).
 absl::StatusOr<std::string> MessageToYaml(const google::protobuf::Message& message);
 

@@ -30,10 +30,6 @@ using Clock = std::chrono::steady_clock;
 constexpr char kHideCursor[] = "\x1b[?25l";
 constexpr char kShowCursor[] = "\x1b[?25h";
 
-bool IsTerminal(v1::Job::State state) {
-  return state == v1::Job::SUCCEEDED || state == v1::Job::FAILED || state == v1::Job::CANCELLED;
-}
-
 extern "C" void ShowCursorAndExit(int sig) {
   // Only async-signal-safe calls here.
   static const char kText[] = "\x1b[?25h\n";

@@ -191,6 +191,12 @@ absl::Status RequireUser(const Principal& p) {
       absl::StrCat("a ", RoleName(p.role), " token may not use the user API"));
 }
 
+absl::Status RequireAdmin(const Principal& p) {
+  if (p.role == Role::kAdmin) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "only an admin token may operate workers; this is a ", RoleName(p.role), " token"));
+}
+
 absl::Status RequireWorker(const Principal& p) {
   if (p.role == Role::kAdmin || p.role == Role::kWorker) return absl::OkStatus();
   return absl::PermissionDeniedError(

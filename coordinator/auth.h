@@ -92,6 +92,9 @@ class Authenticator {
 
 // PERMISSION_DENIED unless the principal may use CoordinatorService.
 absl::Status RequireUser(const Principal& principal);
+// PERMISSION_DENIED unless the principal is an admin (operating the
+// cluster: cordoning, draining, removing workers).
+absl::Status RequireAdmin(const Principal& principal);
 // PERMISSION_DENIED unless the principal may act as a worker daemon.
 absl::Status RequireWorker(const Principal& principal);
 // PERMISSION_DENIED unless the principal may make trainer calls for `job_id`

@@ -251,7 +251,9 @@ void Coordinator::Tick() {
     if (entry->health.step_window_changed) CheckStragglers(entry.get(), &deferred);
     if (ingest_.Expire(entry->stored.job, &entry->metrics, now)) NotifyWatchers(id, &deferred);
     if (!entry->checkpoints.awaiting_metrics.empty()) {
-      CompleteCheckpoints(entry.get(), DurableInMemory(entry.get()), &deferred);
+      const std::vector<int64_t> committed =
+          CompleteCheckpoints(entry.get(), DurableInMemory(entry.get()), &deferred);
+      if (!committed.empty()) MoveOffDrainingWorkers(entry.get(), committed.back(), &deferred);
     }
   }
   StoreUnstoredJobs();
@@ -613,9 +615,14 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
   const milliseconds job_timeout = failures_.JobWorkerTimeout(job);
   int refuse_commands = 0;
   int refuse_paths = 0;
+  int cordoned = 0;
   std::string path_reason;  // the first worker's
   const std::vector<WorkerSlots> snapshot = slots->Snapshot([&](const std::string& id) {
     const WorkerEntry& worker = workers_.at(id);
+    if (worker.worker.scheduling() != v1::Worker::SCHEDULABLE) {
+      ++cordoned;
+      return false;
+    }
     if (job.spec().has_command() && !worker.worker.info().runs_commands()) {
       ++refuse_commands;
       return false;
@@ -640,6 +647,7 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
                       " worker(s) run no command jobs: started with --no-command-jobs, or as "
                       "root without --command-user)");
     }
+    if (cordoned > 0) absl::StrAppend(&reason, " (", cordoned, " worker(s) cordoned)");
     if (refuse_paths > 0) {
       absl::StrAppend(&reason, " (", refuse_paths,
                       " worker(s) do not allow the job's paths: ", path_reason, ")");

@@ -156,6 +156,13 @@ class Coordinator {
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason,
                                     const std::string& by = "");
   v1::ListWorkersResponse ListWorkers();
+  // Cordons, drains or uncordons a worker (coordinator_workers.cc); `by`:
+  // who asked, for the worker's event. NOT_FOUND for an unknown worker.
+  absl::StatusOr<v1::Worker> SetWorkerScheduling(const std::string& worker_id,
+                                                 v1::Worker::Scheduling scheduling,
+                                                 const std::string& reason, const std::string& by);
+  // Forgets a LOST worker; FAILED_PRECONDITION for a live one.
+  absl::Status RemoveWorker(const std::string& worker_id, const std::string& by);
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id);
   absl::StatusOr<v1::ListEventsResponse> ListEvents(const v1::ListEventsRequest& request);
   // Flushes combined steps to the store first, so it sees every step
@@ -370,6 +377,12 @@ class Coordinator {
   // next use.
   void PlacementsChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { jobs_by_worker_stale_ = true; }
   void NotifyWatchers(const std::string& job_id, Deferred* deferred);
+  // A checkpoint of the job was committed: if ranks of its running
+  // generation are on a draining worker, the generation ends and the job is
+  // placed again (on schedulable workers) to resume from that checkpoint,
+  // without counting a restart.
+  void MoveOffDrainingWorkers(JobEntry* entry, int64_t step, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The worker as ListWorkers shows it: with the slots and jobs it has now.
   v1::Worker WorkerView(const std::string& id, const WorkerEntry& w)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -625,9 +625,12 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   absl::StatusOr<JobEntry*> found = FindJob(request.job_id());
   if (!found.ok()) return response;  // the report itself was recorded
   JobEntry* entry = *found;
-  for (int64_t step : CompleteCheckpoints(entry, DurableInMemory(entry), &deferred)) {
+  const std::vector<int64_t> committed =
+      CompleteCheckpoints(entry, DurableInMemory(entry), &deferred);
+  for (int64_t step : committed) {
     if (step == request.step()) response.set_committed(true);
   }
+  if (!committed.empty()) MoveOffDrainingWorkers(entry, committed.back(), &deferred);
   std::vector<int64_t> retired(response.retired_steps().begin(), response.retired_steps().end());
   retired.insert(retired.end(), entry->checkpoints.retired_untold.begin(),
                  entry->checkpoints.retired_untold.end());
@@ -660,6 +663,7 @@ absl::StatusOr<bool> Coordinator::CommitCheckpointLocked(const v1::CommitCheckpo
     }
     job.set_last_checkpoint_step(CheckpointRegistry::NewestValidStep(outcome.checkpoints));
     (void)PersistJob(entry, &deferred);
+    MoveOffDrainingWorkers(entry, request.step(), &deferred);
   }
   std::sort(retired.begin(), retired.end());
   for (int64_t step : retired) response->add_retired_steps(step);

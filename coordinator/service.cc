@@ -311,6 +311,29 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ListWorkers(grpc::CallbackServ
   });
 }
 
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::SetWorkerScheduling(
+    grpc::CallbackServerContext* context, const v1::SetWorkerSchedulingRequest* request,
+    v1::Worker* response) {
+  return Unary(context, [&]() -> absl::Status {
+    AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
+    AIDN_RETURN_IF_ERROR(RequireAdmin(p));
+    AIDN_ASSIGN_OR_RETURN(
+        *response, coordinator_->SetWorkerScheduling(request->worker_id(), request->scheduling(),
+                                                     request->reason(), p.name));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::RemoveWorker(
+    grpc::CallbackServerContext* context, const v1::RemoveWorkerRequest* request,
+    v1::RemoveWorkerResponse*) {
+  return Unary(context, [&]() -> absl::Status {
+    AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
+    AIDN_RETURN_IF_ERROR(RequireAdmin(p));
+    return coordinator_->RemoveWorker(request->worker_id(), p.name);
+  });
+}
+
 grpc::ServerUnaryReactor* CoordinatorServiceImpl::ListCheckpoints(
     grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* request,
     v1::ListCheckpointsResponse* response) {

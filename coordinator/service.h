@@ -34,6 +34,12 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::CallbackServ
   grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
                                         const v1::ListWorkersRequest* request,
                                         v1::ListWorkersResponse* response) override;
+  grpc::ServerUnaryReactor* SetWorkerScheduling(grpc::CallbackServerContext* context,
+                                                const v1::SetWorkerSchedulingRequest* request,
+                                                v1::Worker* response) override;
+  grpc::ServerUnaryReactor* RemoveWorker(grpc::CallbackServerContext* context,
+                                         const v1::RemoveWorkerRequest* request,
+                                         v1::RemoveWorkerResponse* response) override;
   grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* context,
                                             const v1::ListCheckpointsRequest* request,
                                             v1::ListCheckpointsResponse* response) override;

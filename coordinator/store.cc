@@ -251,6 +251,14 @@ absl::Status Store::PutWorker(const v1::Worker& worker) {
   return upsert.Run();
 }
 
+absl::Status Store::DeleteWorker(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(Statement del, Statement::Prepare(db_, "DELETE FROM workers WHERE id = ?",
+                                                          absl::StrCat("delete worker ", id)));
+  del.BindText(1, id);
+  return del.Run();
+}
+
 absl::StatusOr<std::vector<v1::Worker>> Store::LoadWorkers() {
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(

@@ -92,6 +92,8 @@ class Store {
 
   // Workers, by info.id.
   absl::Status PutWorker(const v1::Worker& worker);
+  // OK also when there is no such worker.
+  absl::Status DeleteWorker(const std::string& id);
   absl::StatusOr<std::vector<v1::Worker>> LoadWorkers();
 
   // Events. AppendEvent assigns event->seq (increasing, never reused).

@@ -275,3 +275,26 @@ class Client:
 
     def workers(self) -> List[job_pb2.Worker]:
         return list(self._call("ListWorkers", coordinator_pb2.ListWorkersRequest()).workers)
+
+    def cordon(self, worker_id: str, reason: str = "") -> job_pb2.Worker:
+        """Admins: place no new ranks on the worker; running ones go on."""
+        return self._set_scheduling(worker_id, job_pb2.Worker.CORDONED, reason)
+
+    def drain(self, worker_id: str, reason: str = "") -> job_pb2.Worker:
+        """Admins: cordon the worker and move each job running there to other
+        workers at its next checkpoint (a restart that is not counted)."""
+        return self._set_scheduling(worker_id, job_pb2.Worker.DRAINING, reason)
+
+    def uncordon(self, worker_id: str) -> job_pb2.Worker:
+        """Admins: place ranks on a cordoned or drained worker again."""
+        return self._set_scheduling(worker_id, job_pb2.Worker.SCHEDULABLE, "")
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Admins: forget a LOST worker (ClientError FAILED_PRECONDITION for a
+        live one)."""
+        self._call("RemoveWorker", coordinator_pb2.RemoveWorkerRequest(worker_id=worker_id))
+
+    def _set_scheduling(self, worker_id: str, scheduling: int, reason: str) -> job_pb2.Worker:
+        request = coordinator_pb2.SetWorkerSchedulingRequest(
+            worker_id=worker_id, scheduling=scheduling, reason=reason)
+        return self._call("SetWorkerScheduling", request)

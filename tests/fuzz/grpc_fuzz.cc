@@ -67,6 +67,8 @@ constexpr const char* kMethods[] = {
     "/aidn.v1.ClusterService/CommitCheckpoint",
     "/aidn.v1.ClusterService/ReportCheckpointInvalid",
     "/aidn.v1.ClusterService/ShipLogs",
+    "/aidn.v1.CoordinatorService/SetWorkerScheduling",
+    "/aidn.v1.CoordinatorService/RemoveWorker",
 };
 constexpr size_t kMethodCount = sizeof(kMethods) / sizeof(kMethods[0]);
 

@@ -14,7 +14,7 @@ METHODS = ["SubmitJob", "GetJob", "ListJobs", "CancelJob", "WatchJob", "ListWork
            "ListCheckpoints", "ListEvents", "GetMetrics", "ReadLogs", "RegisterWorker",
            "Heartbeat", "ReportTrainerExit", "JoinRendezvous", "KvSet", "KvGet", "KvAdd",
            "KvCompareAndSet", "ReportProgress", "StreamMetrics", "CommitCheckpoint",
-           "ReportCheckpointInvalid", "ShipLogs"]
+           "ReportCheckpointInvalid", "ShipLogs", "SetWorkerScheduling", "RemoveWorker"]
 TOKENS = ["none", "garbage", "admin", "alice", "bob", "worker", "trainer"]
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "grpc")
 
@@ -50,6 +50,13 @@ def main():
     seed("metrics", "GetMetrics", "alice", co.GetMetricsRequest(job_id="job-1"))
     seed("logs", "ReadLogs", "alice", co.ReadLogsRequest(job_id="job-1"))
     seed("workers", "ListWorkers", "garbage", co.ListWorkersRequest())
+    seed("cordon-user-token", "SetWorkerScheduling", "alice", co.SetWorkerSchedulingRequest(
+        worker_id="w1", scheduling=job_pb2.Worker.CORDONED))
+    seed("drain-unknown", "SetWorkerScheduling", "admin", co.SetWorkerSchedulingRequest(
+        worker_id="w9", scheduling=job_pb2.Worker.DRAINING, reason="maintenance"))
+    seed("scheduling-bad-value", "SetWorkerScheduling", "admin",
+         co.SetWorkerSchedulingRequest(worker_id="w1", scheduling=7))
+    seed("remove-alive", "RemoveWorker", "admin", co.RemoveWorkerRequest(worker_id="w1"))
     seed("register-duplicate", "RegisterWorker", "worker", cluster_pb2.RegisterWorkerRequest(
         info=job_pb2.WorkerInfo(id="w1", address="127.0.0.1", cpu_slots=4, instance="other")))
     seed("register-user-token", "RegisterWorker", "alice", cluster_pb2.RegisterWorkerRequest(

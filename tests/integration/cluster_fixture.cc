@@ -165,18 +165,42 @@ absl::StatusOr<CoordinatorHandle> StartCoordinator(const std::string& state_dir,
   return handle;
 }
 
-CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& token,
-                      const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
-  // An empty home, so that no user config is read, and no address or token
-  // from the environment either.
-  const std::string home = MakeTempDir("aidnctl-home");
+namespace {
+
+std::vector<std::string> AidnctlArgv(const CoordinatorHandle& coordinator, const std::string& token,
+                                     const std::vector<std::string>& args) {
   std::vector<std::string> argv = {AIDNCTL_BIN, "--addr=" + coordinator.address};
   argv.push_back(coordinator.ca_file.empty() ? "--insecure" : "--tls-ca=" + coordinator.ca_file);
   if (!token.empty()) argv.push_back("--token=" + token);
   argv.insert(argv.end(), args.begin(), args.end());
-  CommandResult result = RunCommand(argv, {"HOME=" + home, "AIDN_ADDR=", "AIDN_TOKEN="}, timeout);
+  return argv;
+}
+
+// An empty home, so that no user config is read, and no address or token
+// from the environment either.
+std::vector<std::string> AidnctlEnv(const std::string& home) {
+  return {"HOME=" + home, "AIDN_ADDR=", "AIDN_TOKEN="};
+}
+
+}  // namespace
+
+CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& token,
+                      const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
+  const std::string home = MakeTempDir("aidnctl-home");
+  CommandResult result =
+      RunCommand(AidnctlArgv(coordinator, token, args), AidnctlEnv(home), timeout);
   RemoveTree(home);
   return result;
+}
+
+absl::StatusOr<std::unique_ptr<Process>> StartAidnctl(const CoordinatorHandle& coordinator,
+                                                      const std::string& token,
+                                                      const std::vector<std::string>& args,
+                                                      const std::string& home,
+                                                      const std::string& stdout_path,
+                                                      const std::string& stderr_path) {
+  return Process::Start(AidnctlArgv(coordinator, token, args), AidnctlEnv(home), stdout_path,
+                        stderr_path);
 }
 
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address) {

@@ -61,6 +61,16 @@ CommandResult Aidnctl(const CoordinatorHandle& coordinator, const std::string& t
                       const std::vector<std::string>& args,
                       std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
+// Aidnctl's command in the background (for --follow and watch): HOME set to
+// `home` (an empty directory the caller keeps), stdout and stderr to the
+// files named.
+absl::StatusOr<std::unique_ptr<Process>> StartAidnctl(const CoordinatorHandle& coordinator,
+                                                      const std::string& token,
+                                                      const std::vector<std::string>& args,
+                                                      const std::string& home,
+                                                      const std::string& stdout_path,
+                                                      const std::string& stderr_path);
+
 std::unique_ptr<v1::CoordinatorService::Stub> CoordinatorStub(const std::string& address);
 std::unique_ptr<v1::ClusterService::Stub> ClusterStub(const std::string& address);
 // How to reach the coordinator at `address`: TLS verified with the CA it made

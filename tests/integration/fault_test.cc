@@ -39,6 +39,7 @@ namespace aidn::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
@@ -419,6 +420,47 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
     return false;
   };
   EXPECT_TRUE(WaitFor(named, seconds(30))) << EventText(id);
+}
+
+TEST_F(FaultTest, ADrainedWorkersJobMovesAtItsNextCheckpointCountingNoRestart) {
+  StartWorkers({"w1", "w2", "w3"});
+  constexpr int64_t kSteps = 600;
+  const std::string id = Submit(Spec(2, kSteps));
+  ASSERT_TRUE(WaitForCommitted(id, 50));
+  const v1::Job running = Get(id);
+  ASSERT_EQ(running.placement_size(), 2);
+  const std::string victim = running.placement(0).worker_id();
+
+  // As an operator before maintenance: drain, and wait until it is empty.
+  CommandResult drain = cluster().Aidnctl({"workers", "drain", victim, "--reason", "kernel update",
+                                           "--wait", "--wait-timeout", "120s"});
+  ASSERT_EQ(drain.exit_code, 0) << drain.err << "\n" << EventText(id);
+  EXPECT_THAT(drain.out, HasSubstr("draining " + victim + ": " + id));
+  EXPECT_THAT(drain.out, HasSubstr("drained " + victim));
+  const v1::Job moved = Get(id);
+  EXPECT_EQ(moved.generation(), 2) << EventText(id);
+  EXPECT_EQ(moved.restarts(), 0);
+  for (const v1::RankPlacement& p : moved.placement()) EXPECT_NE(p.worker_id(), victim);
+  EXPECT_FALSE(cluster().EventMessages(id, "job.moving").empty()) << EventText(id);
+
+  CommandResult workers = cluster().Aidnctl({"workers"});
+  EXPECT_THAT(workers.out, HasSubstr("ALIVE,drained")) << workers.out;
+  // The trainer of generation 1 there has exited.
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ProcessesWith({dir(), TrainerNeedle(id, 1, 0)}).empty();
+      },
+      seconds(10)));
+
+  const v1::Job job = WaitForEnd(id);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_TRUE(NoMissingSteps(id, kSteps));
+
+  // Uncordoned, it takes ranks again.
+  CommandResult uncordon = cluster().Aidnctl({"workers", "uncordon", victim});
+  ASSERT_EQ(uncordon.exit_code, 0) << uncordon.err;
+  EXPECT_THAT(cluster().Aidnctl({"workers"}).out, Not(HasSubstr("drained")));
 }
 
 // 3. A SIGSTOPped trainer is a hang: detected within the progress timeout,

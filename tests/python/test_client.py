@@ -107,6 +107,24 @@ class ClientTest(ClusterTestCase):
         self.assertTrue(described["events"])
         json.dumps(described)
 
+    def test_an_admin_cordons_drains_and_uncordons_a_worker(self):
+        w = self.worker.id
+        cordoned = self.client.cordon(w, "disk swap")
+        self.assertEqual(cordoned.scheduling, job_pb2.Worker.CORDONED)
+        self.assertTrue(cordoned.scheduling_reason.endswith(": disk swap"))
+        self.assertEqual(self.client.drain(w).scheduling, job_pb2.Worker.DRAINING)
+        self.assertEqual([x.scheduling for x in self.client.workers()], [job_pb2.Worker.DRAINING])
+        self.assertEqual(self.client.uncordon(w).scheduling, job_pb2.Worker.SCHEDULABLE)
+        types = [e.type for e in self.client.events() if e.worker_id == w]
+        for expected in ("worker.cordoned", "worker.draining", "worker.uncordoned"):
+            self.assertIn(expected, types)
+        with self.assertRaises(aidn.ClientError) as alive:
+            self.client.remove_worker(w)
+        self.assertEqual(alive.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        with self.assertRaises(aidn.ClientError) as unknown:
+            self.client.cordon("no-such-worker")
+        self.assertEqual(unknown.exception.code, grpc.StatusCode.NOT_FOUND)
+
 
 def texts(lines):
     return [line.text for line in lines]
