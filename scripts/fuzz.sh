@@ -3,8 +3,8 @@
 # IDX files, text corpora, the c10d store protocol, job specs, the
 # coordinator's gRPC services) with clang,
 # ASan and UBSan in build-fuzz/, and runs each for SECONDS (default 30) from
-# its seed corpus. Fails on any crash, sanitizer report, leak or timeout;
-# prints each target's executions.
+# its seed corpus, as many at once as there are cores. Fails on any crash,
+# sanitizer report, leak or timeout; prints each target's executions.
 #   ./scripts/fuzz.sh          # 30 s a target (what CI runs)
 #   ./scripts/fuzz.sh 3600     # a long run; new inputs stay in build-fuzz/corpus/
 set -euo pipefail
@@ -23,20 +23,41 @@ ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >/dev/null
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-failed=0
-for t in "${targets[@]}"; do
-  corpus=$BUILD/corpus/$t
+# One target: its status line on stdout, or on failure the end of its log on
+# stderr (and a non-zero status).
+fuzz_one() {
+  local t=$1
+  local corpus=$BUILD/corpus/$t
   mkdir -p "$corpus" "$BUILD/crashes/$t"
-  log=$BUILD/$t.log
+  local log=$BUILD/$t.log
   if "$BUILD/tests/fuzz/${t}_fuzz" -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=2048 \
       -max_len=65536 -artifact_prefix="$BUILD/crashes/$t/" -print_final_stats=1 \
       "$corpus" "tests/fuzz/corpus/$t" >"$log" 2>&1; then
+    local runs
     runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")
     echo "fuzz $t: ${SECONDS_EACH}s, $runs executions, no failures"
   else
-    failed=1
     echo "fuzz $t: FAILED (input in $BUILD/crashes/$t/); the end of $log:" >&2
     tail -40 "$log" >&2
+    return 1
   fi
+}
+# Each target is one process on one core: as many at once as there are
+# cores (at most 4), each still for its full SECONDS.
+jobs=$(nproc)
+[ "$jobs" -gt 4 ] && jobs=4
+failed=0
+running=0
+for t in "${targets[@]}"; do
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n || failed=1
+    running=$((running - 1))
+  fi
+  fuzz_one "$t" &
+  running=$((running + 1))
+done
+while [ "$running" -gt 0 ]; do
+  wait -n || failed=1
+  running=$((running - 1))
 done
 exit $failed

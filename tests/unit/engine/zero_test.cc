@@ -268,7 +268,9 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
     }
     // AdamW keeps two buffers per shard element.
     state += run.state_floats;
-    if (world > 1) EXPECT_LE(run.state_floats, 2 * (total / world + 16 * world * 8)) << r;
+    if (world > 1) {
+      EXPECT_LE(run.state_floats, 2 * (total / world + 16 * world * 8)) << r;
+    }
   }
   // The shards cover every parameter element exactly once.
   EXPECT_EQ(state, 2 * total);
@@ -278,7 +280,9 @@ TEST_P(ZeroTest, TwentyStepsEndWhereDdpEnds) {
   const CpuSession::Memory& d = ddp[0].memory;
   EXPECT_EQ(d.parameters, 4 * total);
   EXPECT_EQ(d.optimizer_state, 8 * total);
-  if (world == 1) EXPECT_EQ(d.gradients, 4 * total);
+  if (world == 1) {
+    EXPECT_EQ(d.gradients, 4 * total);
+  }
   int64_t zero_state = 0;
   for (int r = 0; r < world; ++r) {
     const RankRun& run = zero[static_cast<size_t>(r)];

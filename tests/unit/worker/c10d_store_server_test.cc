@@ -169,8 +169,12 @@ TEST_F(C10dStoreServerTest, WaitersAreReleasedByEveryKindOfWrite) {
     EXPECT_TRUE(waiter->Silent(kQuiet));
     ASSERT_TRUE(setter->Send(d, writes[i]).ok());
     EXPECT_EQ(*waiter->ReadU8(kTimeout), kStopWaiting);
-    if (writes[i].op == Op::kAdd) EXPECT_EQ(*setter->ReadI64(kTimeout), 1);
-    if (writes[i].op == Op::kCompareSet) EXPECT_EQ(*setter->ReadBytes(kTimeout), "v");
+    if (writes[i].op == Op::kAdd) {
+      EXPECT_EQ(*setter->ReadI64(kTimeout), 1);
+    }
+    if (writes[i].op == Op::kCompareSet) {
+      EXPECT_EQ(*setter->ReadBytes(kTimeout), "v");
+    }
   }
 }
 
