@@ -9,6 +9,8 @@
 #   ./scripts/fuzz.sh 3600     # a long run; new inputs stay in build-fuzz/corpus/
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/parallel.sh
+. scripts/parallel.sh
 SECONDS_EACH=${1:-30}
 BUILD=${AIDN_FUZZ_BUILD_DIR:-build-fuzz}
 
@@ -44,20 +46,4 @@ fuzz_one() {
 }
 # Each target is one process on one core: as many at once as there are
 # cores (at most 4), each still for its full SECONDS.
-jobs=$(nproc)
-[ "$jobs" -gt 4 ] && jobs=4
-failed=0
-running=0
-for t in "${targets[@]}"; do
-  if [ "$running" -ge "$jobs" ]; then
-    wait -n || failed=1
-    running=$((running - 1))
-  fi
-  fuzz_one "$t" &
-  running=$((running + 1))
-done
-while [ "$running" -gt 0 ]; do
-  wait -n || failed=1
-  running=$((running - 1))
-done
-exit $failed
+each_in_parallel fuzz_one "${targets[@]}"

@@ -16,6 +16,8 @@
 # Abseil it prints (lib/) first on LD_LIBRARY_PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/parallel.sh
+. scripts/parallel.sh
 ./scripts/setup.sh
 
 BUILD=${AIDN_TSAN_BUILD_DIR:-build-tsan}
@@ -117,20 +119,4 @@ run() {
     return 1
   fi
 }
-jobs=$(nproc)
-[ "$jobs" -gt 4 ] && jobs=4
-failed=0
-running=0
-for t in "${TESTS[@]}"; do
-  if [ "$running" -ge "$jobs" ]; then
-    wait -n || failed=1
-    running=$((running - 1))
-  fi
-  run "$t" &
-  running=$((running + 1))
-done
-while [ "$running" -gt 0 ]; do
-  wait -n || failed=1
-  running=$((running - 1))
-done
-exit $failed
+each_in_parallel run "${TESTS[@]}"
