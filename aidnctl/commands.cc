@@ -323,6 +323,14 @@ absl::StatusOr<std::chrono::milliseconds> ParseTimeout(absl::string_view text) {
   return std::max(std::chrono::milliseconds(1), absl::ToChronoMilliseconds(duration));
 }
 
+absl::Status GaveUpReconnecting(const std::string& address,
+                                std::chrono::milliseconds reconnect_timeout,
+                                absl::string_view why) {
+  return absl::UnavailableError(
+      absl::StrCat("gave up reconnecting to the coordinator at ", address, " after ",
+                   absl::FormatDuration(absl::FromChrono(reconnect_timeout)), ": ", why));
+}
+
 std::string BashCompletionScript(const std::vector<CompletionFlag>& global_flags,
                                  const std::vector<CompletionCommand>& commands) {
   auto names = [](const std::vector<CompletionFlag>& flags, bool only_with_value) {

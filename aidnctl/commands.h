@@ -129,6 +129,13 @@ absl::Status RpcError(const grpc::Status& status, const std::string& address,
                       std::chrono::milliseconds timeout,
                       absl::string_view invalid_argument_prefix = "");
 
+// What a follower (watch, logs --follow, events --follow) returns when the
+// coordinator at `address` has not answered for `reconnect_timeout`:
+// UNAVAILABLE, "gave up reconnecting to the coordinator at <address> after
+// <timeout>: <why>".
+absl::Status GaveUpReconnecting(const std::string& address,
+                                std::chrono::milliseconds reconnect_timeout, absl::string_view why);
+
 // Flag values. Case-insensitive: "running" → RUNNING.
 absl::StatusOr<v1::Job::State> ParseJobState(absl::string_view text);
 // "key=value" (the value may be empty or hold '=').

@@ -56,10 +56,8 @@ class Follower {
       const Clock::time_point now = Clock::now();
       away_since = std::min(away_since, now);
       if (now - away_since >= options_.reconnect_timeout) {
-        return absl::UnavailableError(absl::StrCat(
-            "gave up reconnecting to the coordinator at ", env_.options.connection.address,
-            " after ", absl::FormatDuration(absl::FromChrono(options_.reconnect_timeout)), ": ",
-            status.error_message()));
+        return GaveUpReconnecting(env_.options.connection.address, options_.reconnect_timeout,
+                                  status.error_message());
       }
       backoff.Sleep();
     }

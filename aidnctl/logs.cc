@@ -58,10 +58,7 @@ class LogReader {
       const Clock::time_point now = Clock::now();
       if (!away_since) away_since = now;
       if (now - *away_since >= options_.reconnect_timeout) {
-        return absl::UnavailableError(
-            absl::StrCat("gave up reconnecting to the coordinator at ", address, " after ",
-                         absl::FormatDuration(absl::FromChrono(options_.reconnect_timeout)), ": ",
-                         status.error_message()));
+        return GaveUpReconnecting(address, options_.reconnect_timeout, status.error_message());
       }
       backoff.Sleep();
     }

@@ -238,10 +238,10 @@ void AddJobRecords(CLI::App& app, CommandLine& cl) {
   cl.health->add_option("service", cl.health_service,
                         "A service's full name (default: the server as a whole)");
 
-  cl.events = app.add_subcommand("events",
-                                 "List events of a job, or of every job and worker; --follow keeps "
-                                 "printing new ones (-o json: "
-                                 "one event per line)");
+  cl.events = app.add_subcommand(
+      "events",
+      "List events of a job, or of every job and worker; --follow keeps printing new ones "
+      "(-o json: one event per line)");
   cl.events->add_option("job", cl.events_options.job_id, "Job ID (default: all)");
   cl.events->add_option("--after", cl.events_options.after_seq, "Only events with seq above this")
       ->check(kNotNegative);

@@ -117,11 +117,9 @@ class Watcher {
       }
       if (now - *away_since >= options_.reconnect_timeout) {
         Finish();
-        return absl::UnavailableError(
-            absl::StrCat("gave up reconnecting to the coordinator at ", address, " after ",
-                         absl::FormatDuration(absl::FromChrono(options_.reconnect_timeout)), ": ",
-                         status.ok() ? "the watch kept ending before the job did"
-                                     : OneLine(status.error_message())));
+        return GaveUpReconnecting(address, options_.reconnect_timeout,
+                                  status.ok() ? "the watch kept ending before the job did"
+                                              : OneLine(status.error_message()));
       }
       backoff.Sleep();
     }
