@@ -173,6 +173,66 @@ absl::Status RunCancel(const CommandEnv& env, const std::string& job_id,
   });
 }
 
+absl::Status RunPause(const CommandEnv& env, const PauseOptions& options) {
+  v1::PauseJobRequest request;
+  request.set_job_id(options.job_id);
+  request.set_reason(options.reason);
+  v1::Job job;
+  AIDN_RETURN_IF_ERROR(Call(env, &Stub::PauseJob, request, &job));
+  const bool table = env.options.format == OutputFormat::kTable;
+  if (table) {
+    *env.out << (job.state() == v1::Job::PAUSED
+                     ? absl::StrCat("paused ", job.id())
+                     : absl::StrCat("pausing ", job.id(),
+                                    ": its ranks checkpoint, then stop (aidnctl resume ", job.id(),
+                                    " continues it)"))
+             << "\n";
+    env.out->flush();
+  }
+  if (options.wait) {
+    const auto deadline = std::chrono::steady_clock::now() + options.wait_timeout;
+    v1::GetJobRequest get;
+    get.set_job_id(options.job_id);
+    while (job.state() != v1::Job::PAUSED && !IsTerminal(job.state())) {
+      if (std::chrono::steady_clock::now() + options.poll_interval > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            options.job_id, " has not paused after ",
+            absl::FormatDuration(absl::FromChrono(options.wait_timeout)), " (",
+            v1::Job::State_Name(job.state()), ": ", job.message(),
+            "); a program that never checkpoints on request pauses at its next periodic "
+            "checkpoint"));
+      }
+      std::this_thread::sleep_for(options.poll_interval);
+      AIDN_RETURN_IF_ERROR(Call(env, &Stub::GetJob, get, &job));
+    }
+    if (table) {
+      *env.out << (job.state() == v1::Job::PAUSED
+                       ? absl::StrCat("paused ", job.id(), " at checkpoint step ",
+                                      job.last_checkpoint_step())
+                       : absl::StrCat(job.id(), " ended before it paused: ",
+                                      v1::Job::State_Name(job.state()), " (", job.message(), ")"))
+               << "\n";
+    }
+  }
+  if (table) return absl::OkStatus();
+  return Print(env, job, []() -> absl::StatusOr<std::string> { return std::string(); });
+}
+
+absl::Status RunResume(const CommandEnv& env, const std::string& job_id) {
+  v1::ResumeJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  AIDN_RETURN_IF_ERROR(Call(env, &Stub::ResumeJob, request, &job));
+  return Print(env, job, [&]() -> absl::StatusOr<std::string> {
+    return absl::StrCat(
+        "resumed ", job.id(),
+        job.last_checkpoint_step() > 0
+            ? absl::StrCat(": continues from checkpoint step ", job.last_checkpoint_step())
+            : std::string(": starts from the beginning (no checkpoint)"),
+        "\n");
+  });
+}
+
 absl::Status RunWorkers(const CommandEnv& env) {
   v1::ListWorkersResponse response;
   AIDN_RETURN_IF_ERROR(Call(env, &Stub::ListWorkers, v1::ListWorkersRequest(), &response));

@@ -88,6 +88,22 @@ absl::Status RunList(const CommandEnv& env, const ListOptions& options);
 absl::Status RunDescribe(const CommandEnv& env, const std::string& job_id);
 // Table output: "cancelled <job-id>"; JSON/YAML: the Job.
 absl::Status RunCancel(const CommandEnv& env, const std::string& job_id, const std::string& reason);
+struct PauseOptions {
+  std::string job_id;
+  std::string reason;
+  // Return once the job is PAUSED (GetJob every `poll_interval`) or has
+  // ended, or fail after `wait_timeout`.
+  bool wait = false;
+  std::chrono::milliseconds wait_timeout{std::chrono::minutes(10)};
+  std::chrono::milliseconds poll_interval{500};
+};
+// Table output: "pausing <job-id>: ..." (with --wait, then "paused <job-id>
+// at checkpoint step N", or how it ended instead); JSON/YAML: the Job (with
+// --wait, as it is at the end).
+absl::Status RunPause(const CommandEnv& env, const PauseOptions& options);
+// Table output: "resumed <job-id>: continues from checkpoint step N";
+// JSON/YAML: the Job.
+absl::Status RunResume(const CommandEnv& env, const std::string& job_id);
 // Table output: WorkersTable; JSON/YAML: the ListWorkersResponse.
 absl::Status RunWorkers(const CommandEnv& env);
 enum class WorkerOp { kCordon, kUncordon, kDrain, kRemove };

@@ -128,6 +128,10 @@ struct CommandLine {
   CLI::App* list = nullptr;
   CLI::App* describe = nullptr;
   CLI::App* cancel = nullptr;
+  CLI::App* pause = nullptr;
+  CLI::App* resume = nullptr;
+  ctl::PauseOptions pause_options;
+  std::string pause_wait_timeout = "10m";
   CLI::App* workers = nullptr;
   CLI::App* health = nullptr;
   std::string health_service;
@@ -199,6 +203,20 @@ void AddJobRecords(CLI::App& app, CommandLine& cl) {
   cl.cancel = app.add_subcommand("cancel", "Cancel a job");
   cl.cancel->add_option("job", cl.job_id, "Job ID")->required();
   cl.cancel->add_option("--reason", cl.reason, "Why; recorded in the job's events");
+
+  cl.pause = app.add_subcommand(
+      "pause",
+      "Checkpoint a job at a step its ranks agree on and stop it, holding no slots, until "
+      "resumed (no restart counted)");
+  cl.pause->add_option("job", cl.pause_options.job_id, "Job ID")->required();
+  cl.pause->add_option("--reason", cl.pause_options.reason, "Why; recorded in the job's events");
+  cl.pause->add_flag("--wait", cl.pause_options.wait, "Return once the job is PAUSED (or ended)");
+  cl.pause->add_option("--wait-timeout", cl.pause_wait_timeout, "With --wait: give up after this")
+      ->check(Check(ctl::ParseTimeout, "DURATION"))
+      ->capture_default_str();
+  cl.resume =
+      app.add_subcommand("resume", "Queue a PAUSED job again, to go on from its checkpoint");
+  cl.resume->add_option("job", cl.job_id, "Job ID")->required();
 
   cl.workers = app.add_subcommand(
       "workers", "List workers; or (admins) cordon, uncordon, drain or remove one");
@@ -489,6 +507,12 @@ absl::Status RunCommand(const ctl::CommandEnv& env, CommandLine& cl) {
   }
   if (*cl.describe) return ctl::RunDescribe(env, cl.job_id);
   if (*cl.cancel) return ctl::RunCancel(env, cl.job_id, cl.reason);
+  if (*cl.pause) {
+    ctl::PauseOptions options = cl.pause_options;
+    options.wait_timeout = *ctl::ParseTimeout(cl.pause_wait_timeout);
+    return ctl::RunPause(env, options);
+  }
+  if (*cl.resume) return ctl::RunResume(env, cl.job_id);
   if (*cl.workers) {
     if (!cl.worker_op_kind) return ctl::RunWorkers(env);
     ctl::WorkerOpOptions options = cl.worker_op;

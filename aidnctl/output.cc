@@ -222,7 +222,9 @@ absl::StatusOr<std::string> DescribeJob(const v1::Job& job, absl::Time now) {
   const std::vector<std::pair<std::string, std::string>> fields = {
       {"ID", job.id()},
       {"Name", OrDash(job.spec().name())},
-      {"State", StateName(job.state())},
+      {"State", job.has_pausing() ? absl::StrCat(StateName(job.state()), " (pausing, asked by ",
+                                                 OrDash(job.pausing().by()), ")")
+                                  : StateName(job.state())},
       {"Message", OrDash(OneLine(job.message()))},
       {"Owner", OrDash(job.owner())},
       {"Labels", Labels(job.spec().labels())},

@@ -253,7 +253,7 @@ void Coordinator::Tick() {
     if (!entry->checkpoints.awaiting_metrics.empty()) {
       const std::vector<int64_t> committed =
           CompleteCheckpoints(entry.get(), DurableInMemory(entry.get()), &deferred);
-      if (!committed.empty()) MoveOffDrainingWorkers(entry.get(), committed.back(), &deferred);
+      if (!committed.empty()) CheckpointCommitted(entry.get(), committed.back(), &deferred);
     }
   }
   StoreUnstoredJobs();
@@ -457,6 +457,7 @@ absl::Status Coordinator::SetState(JobEntry* entry, Job::State state, const std:
   }
   job.set_state(state);
   job.set_message(message);
+  if (IsTerminal(state) || state == Job::PAUSED) job.clear_pausing();
   PlacementsChanged();
   if (state == Job::RUNNING && !job.has_started_at()) {
     *job.mutable_started_at() = ToProto(clock_->WallNow());
@@ -507,6 +508,7 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
   entry->kv.reset();
   entry->exited_ok.clear();
   entry->health.Clear();
+  entry->agreement = {};
   // Steps still missing a rank will not get it from this generation.
   if (ingest_.EndGeneration(&entry->metrics)) NotifyWatchers(job.id(), deferred);
   AssignmentsChanged(workers, deferred);
@@ -550,6 +552,14 @@ void Coordinator::FailGeneration(JobEntry* entry, const std::string& reason, boo
   entry->failed_at = clock_->Now();
   job.clear_placement();
   PlacementsChanged();
+  // Asked to pause: it stays stopped rather than restarting.
+  if (job.has_pausing()) {
+    (void)SetState(
+        entry, Job::PAUSED,
+        absl::StrCat(PausedBy(job.pausing()), " (its generation failed first: ", reason, ")"),
+        deferred);
+    return;
+  }
   // A failure that repeats (a crash at start-up, a bad node) should not spin:
   // each restart waits twice as long as the one before.
   const milliseconds delay = RestartDelay(job);

@@ -155,6 +155,11 @@ class Coordinator {
   // `by`: who asked, for the job's message and event.
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason,
                                     const std::string& by = "");
+  // Pauses (checkpoint at an agreed step, then stop) and resumes a job
+  // (coordinator_pause.cc); `by`: who asked.
+  absl::StatusOr<v1::Job> PauseJob(const std::string& job_id, const std::string& reason,
+                                   const std::string& by);
+  absl::StatusOr<v1::Job> ResumeJob(const std::string& job_id, const std::string& by);
   v1::ListWorkersResponse ListWorkers();
   // Cordons, drains or uncordons a worker (coordinator_workers.cc); `by`:
   // who asked, for the worker's event. NOT_FOUND for an unknown worker.
@@ -382,6 +387,18 @@ class Coordinator {
   // placed again (on schedulable workers) to resume from that checkpoint,
   // without counting a restart.
   void MoveOffDrainingWorkers(JobEntry* entry, int64_t step, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A checkpoint of the job was committed: a pausing job pauses if it is
+  // the one asked for (coordinator_pause.cc); else MoveOffDrainingWorkers.
+  void CheckpointCommitted(JobEntry* entry, int64_t step, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the current generation (if any) and makes the job PAUSED.
+  void PauseNow(JobEntry* entry, const std::string& message, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A pausing job's progress beat: the agreement on its checkpoint step
+  // advances, and the answer carries it.
+  void AnswerPause(JobEntry* entry, const v1::ReportProgressRequest& request,
+                   v1::ReportProgressResponse* response, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The worker as ListWorkers shows it: with the slots and jobs it has now.
   v1::Worker WorkerView(const std::string& id, const WorkerEntry& w)

@@ -491,6 +491,7 @@ absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
   }
   v1::ReportProgressResponse response;
   response.set_incarnation(incarnation_);
+  if (job.has_pausing()) AnswerPause(entry, request, &response, &deferred);
   return response;
 }
 
@@ -630,7 +631,7 @@ absl::StatusOr<v1::CommitCheckpointResponse> Coordinator::CommitCheckpoint(
   for (int64_t step : committed) {
     if (step == request.step()) response.set_committed(true);
   }
-  if (!committed.empty()) MoveOffDrainingWorkers(entry, committed.back(), &deferred);
+  if (!committed.empty()) CheckpointCommitted(entry, committed.back(), &deferred);
   std::vector<int64_t> retired(response.retired_steps().begin(), response.retired_steps().end());
   retired.insert(retired.end(), entry->checkpoints.retired_untold.begin(),
                  entry->checkpoints.retired_untold.end());
@@ -663,7 +664,7 @@ absl::StatusOr<bool> Coordinator::CommitCheckpointLocked(const v1::CommitCheckpo
     }
     job.set_last_checkpoint_step(CheckpointRegistry::NewestValidStep(outcome.checkpoints));
     (void)PersistJob(entry, &deferred);
-    MoveOffDrainingWorkers(entry, request.step(), &deferred);
+    CheckpointCommitted(entry, request.step(), &deferred);
   }
   std::sort(retired.begin(), retired.end());
   for (int64_t step : retired) response->add_retired_steps(step);

@@ -393,7 +393,7 @@ void Coordinator::CollectMetrics() {
   absl::MutexLock lock(&mu_);
   const Clock::TimePoint now = clock_->Now();
   std::map<Job::State, int64_t> by_state;
-  for (int s = Job::PENDING; s <= Job::CANCELLED; ++s) by_state[static_cast<Job::State>(s)] = 0;
+  for (int s = Job::PENDING; s <= Job::PAUSED; ++s) by_state[static_cast<Job::State>(s)] = 0;
   for (const auto& [state, count] : archived_by_state_) {
     by_state[static_cast<Job::State>(state)] += count;
   }

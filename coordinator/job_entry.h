@@ -16,6 +16,7 @@
 #include "aidn/v1/cluster.pb.h"
 #include "aidn/v1/job.pb.h"
 #include "common/clock.h"
+#include "coordinator/checkpoint_agreement.h"
 #include "coordinator/checkpoint_registry.h"
 #include "coordinator/failure_cause.h"
 #include "coordinator/failure_detector.h"
@@ -47,6 +48,9 @@ struct JobEntry {
   // Why the last failed generation failed (revised as earlier failures come
   // to light; see failure_cause.h).
   std::optional<FailureCause> last_failure;
+  // The checkpoint step the ranks of the current generation agree on while
+  // the job pauses (see checkpoint_agreement.h).
+  CheckpointAgreement agreement;
 
   // Per component.
   JobHealth health;            // FailureDetector

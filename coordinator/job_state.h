@@ -5,6 +5,7 @@
 //   PENDING → SCHEDULED → RUNNING → {SUCCEEDED, FAILED, CANCELLED}
 //   SCHEDULED | RUNNING → RESTARTING → SCHEDULED
 //   SCHEDULED → SUCCEEDED (every rank exited 0 before the rendezvous ended)
+//   PENDING | SCHEDULED | RUNNING | RESTARTING → PAUSED → PENDING
 //   any non-terminal state → FAILED | CANCELLED
 // Pure functions; thread-safe.
 
@@ -22,6 +23,8 @@ bool HoldsSlots(v1::Job::State state);
 absl::Status CheckTransition(v1::Job::State from, v1::Job::State to);
 // "RUNNING", "PENDING", ...
 std::string StateName(v1::Job::State state);
+// "paused by alice: maintenance" (the PAUSED job's message).
+std::string PausedBy(const v1::PauseRequest& pause);
 
 }  // namespace aidn::coordinator
 

@@ -289,6 +289,31 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::CancelJob(grpc::CallbackServer
   });
 }
 
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::PauseJob(grpc::CallbackServerContext* context,
+                                                           const v1::PauseJobRequest* request,
+                                                           v1::Job* response) {
+  return Unary(context, [&]() -> absl::Status {
+    AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
+    AIDN_RETURN_IF_ERROR(RequireUser(p));
+    AIDN_RETURN_IF_ERROR(RequireAccessTo(p, request->job_id()));
+    AIDN_ASSIGN_OR_RETURN(*response,
+                          coordinator_->PauseJob(request->job_id(), request->reason(), p.name));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ResumeJob(grpc::CallbackServerContext* context,
+                                                            const v1::ResumeJobRequest* request,
+                                                            v1::Job* response) {
+  return Unary(context, [&]() -> absl::Status {
+    AIDN_ASSIGN_OR_RETURN(Principal p, Authenticate(*auth_, context));
+    AIDN_RETURN_IF_ERROR(RequireUser(p));
+    AIDN_RETURN_IF_ERROR(RequireAccessTo(p, request->job_id()));
+    AIDN_ASSIGN_OR_RETURN(*response, coordinator_->ResumeJob(request->job_id(), p.name));
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerWriteReactor<v1::WatchJobResponse>* CoordinatorServiceImpl::WatchJob(
     grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
   auto* reactor = new WatchJobReactor(coordinator_, *request);

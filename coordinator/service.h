@@ -29,6 +29,12 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::CallbackServ
   grpc::ServerUnaryReactor* CancelJob(grpc::CallbackServerContext* context,
                                       const v1::CancelJobRequest* request,
                                       v1::Job* response) override;
+  grpc::ServerUnaryReactor* PauseJob(grpc::CallbackServerContext* context,
+                                     const v1::PauseJobRequest* request,
+                                     v1::Job* response) override;
+  grpc::ServerUnaryReactor* ResumeJob(grpc::CallbackServerContext* context,
+                                      const v1::ResumeJobRequest* request,
+                                      v1::Job* response) override;
   grpc::ServerWriteReactor<v1::WatchJobResponse>* WatchJob(
       grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) override;
   grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,

@@ -10,6 +10,8 @@ with aidn doing the bookkeeping.
   registry, old ones deleted by the job's keep_last;
 - aidn.resume() names the newest committed checkpoint, verified, when aidn
   restarts the job (every rank loads it);
+- aidn.should_checkpoint() says when the coordinator asks for a checkpoint
+  to pause the job (aidnctl pause, a Slurm allocation near its time limit);
 - aidn.should_stop() turns a cancel or a stop order (SIGTERM) into a clean
   end: every rank leaves the loop at the same step.
 
@@ -148,7 +150,11 @@ def main(argv=None):
                           f"{window_steps * args.batch_size * world_size / seconds:.0f} samples/s",
                           flush=True)
                 window_start, window_loss, window_steps = time.perf_counter(), 0.0, 0
-            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
+            # True on every rank at the same step when the coordinator asks
+            # for a checkpoint (aidnctl pause; Slurm's warning before the
+            # time limit): the job stops once it is committed.
+            asked = aidn.should_checkpoint(step)
+            if asked or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0):
                 checkpoint(epoch + 1)
             if any_rank(aidn.should_stop(), device):
                 stopped = True

@@ -8,7 +8,8 @@ Inside a job (a rank process started by an aidn worker; docs/python.md):
     for step in range(start.step + 1 if start else 1, steps + 1):
         loss = train_one_step()
         aidn.report(step, loss=loss, samples=64, epoch=epoch, total_steps=steps)
-        if rank == 0 and step % 100 == 0:
+        asked = aidn.should_checkpoint(step)    # every rank, every step
+        if rank == 0 and (step % 100 == 0 or asked):
             with aidn.checkpoint(step) as path:
                 torch.save(state, os.path.join(path, "state.pt"))
         if aidn.should_stop():
@@ -24,13 +25,14 @@ import operator
 import time as _time
 
 from . import _job
+from ._ask import should_checkpoint
 from ._checkpoint import Resume, checkpoint, resume
 from ._manifest import CheckpointInvalid, verify_checkpoint_dir
 from ._stop import should_stop
 
 __all__ = [
     "CheckpointInvalid", "Client", "ClientError", "Resume", "checkpoint", "current_job",
-    "flush", "report", "resume", "should_stop", "verify_checkpoint_dir",
+    "flush", "report", "resume", "should_checkpoint", "should_stop", "verify_checkpoint_dir",
 ]
 
 # The keyword arguments of report() beside step, loss and samples, and the

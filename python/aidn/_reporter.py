@@ -53,6 +53,9 @@ class ReporterOptions:
     # its records do, and beats, which drive hang detection, go on their own.
     report_period: float = 1.0
     beat_period: float = 1.0
+    # While a rank waits at a checkpoint step it was asked for, for the
+    # others to agree: beats this often.
+    fast_beat_period: float = 0.05
     # Each call's deadline (shortened to what is left while closing).
     rpc_timeout: float = 10.0
     # Records held (unsent, and sent but not yet stored) before the oldest go.
@@ -71,6 +74,8 @@ class _Work:
     step: int = 0
     epoch: int = 0
     total: int = 0
+    ack: int = 0
+    missed: int = 0
     timeout: float = 10.0
 
 
@@ -112,6 +117,13 @@ class Reporter:
         self._fenced = False
         self._fence_reason = ""
         self._stop_reason = None
+        # The coordinator's newest checkpoint ask (step, go), this rank's
+        # answer, and whether it waits for go (fast beats).
+        self._ask = (0, False)
+        self._ask_ack = 0
+        self._ask_missed = 0
+        self._awaiting_go = False
+        self._beat_now = False
         self._thread = threading.Thread(target=self._loop, name="aidn-reporter", daemon=True)
         self._thread.start()
 
@@ -153,6 +165,40 @@ class Reporter:
                 # generation as still setting up.
                 self._first_beat = True
                 self._cv.notify_all()
+
+    def checkpoint_ask(self):
+        """(step, go) of the checkpoint the coordinator asks for outside the
+        program's schedule (a pause); step 0 when none."""
+        with self._cv:
+            return self._ask
+
+    def answer_checkpoint_ask(self, step: int, missed: bool) -> None:
+        """This rank will wait at `step` (or was already past it): sent with
+        every beat from the next one, which goes at once."""
+        with self._cv:
+            self._ask_ack = 0 if missed else step
+            self._ask_missed = step if missed else 0
+            self._beat_now = True
+            self._cv.notify_all()
+
+    def await_checkpoint_go(self, step: int, timeout: float):
+        """At the acked step: beats fast until go, another step, the end of
+        the generation, or `timeout`. Returns the ask then."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self._awaiting_go = True
+            self._beat_now = True
+            self._cv.notify_all()
+            try:
+                while (self._ask == (step, False) and not self._superseded() and
+                       not self._done):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+            finally:
+                self._awaiting_go = False
+            return self._ask
 
     @property
     def fenced(self) -> bool:
@@ -225,7 +271,7 @@ class Reporter:
         records_due = may_send and bool(self._records) and (
             urgent or commit or now >= self._next_send)
         beat = (not self._fenced and self._progress_step >= 0 and
-                (self._first_beat or now >= self._next_beat))
+                (self._first_beat or self._beat_now or now >= self._next_beat))
         unconfirmed = (urgent and not self._records and not commit and bool(self._unacked)
                        and not self._superseded())
         confirm = unconfirmed and may_send and now >= self._next_confirm
@@ -254,6 +300,10 @@ class Reporter:
             self._next_confirm = now + o.confirm_period
         work.beat = beat
         self._first_beat = False
+        if beat:
+            self._beat_now = False
+        work.ack = self._ask_ack
+        work.missed = self._ask_missed
         work.step = self._progress_step
         work.epoch = self._progress_epoch
         work.total = self._total_steps
@@ -278,7 +328,9 @@ class Reporter:
                 failed = self._run(work)
                 with self._cv:
                     if work.beat:
-                        self._next_beat = time.monotonic() + self._options.beat_period
+                        self._next_beat = time.monotonic() + (
+                            self._options.fast_beat_period if self._awaiting_go
+                            else self._options.beat_period)
                     if failed:
                         self._retry_at = time.monotonic() + backoff.next()
                     elif work.batch or work.commit or work.confirm:
@@ -306,7 +358,7 @@ class Reporter:
         if not failed and work.commit and not self._send_commit_if_due(work.timeout):
             failed = True
         if work.beat:
-            self._send_progress(work.step, work.epoch, work.total, work.timeout)
+            self._send_progress(work)
         return failed
 
     def _fence(self, details: str) -> None:
@@ -406,12 +458,13 @@ class Reporter:
             self._cv.notify_all()
         return True
 
-    def _send_progress(self, step: int, epoch: int, total: int, timeout: float) -> None:
+    def _send_progress(self, work: _Work) -> None:
         request = cluster_pb2.ReportProgressRequest(
-            job_id=self._job_id, generation=self._generation, rank=self._rank, step=step,
-            epoch=epoch, total_steps=total)
+            job_id=self._job_id, generation=self._generation, rank=self._rank, step=work.step,
+            epoch=work.epoch, total_steps=work.total, checkpoint_ack=work.ack,
+            checkpoint_missed=work.missed)
         try:
-            response = self._stub.ReportProgress(request, timeout=timeout,
+            response = self._stub.ReportProgress(request, timeout=work.timeout,
                                                  metadata=self._metadata)
         except grpc.RpcError as e:
             if _rpc.code_of(e) in _OVER:
@@ -422,4 +475,10 @@ class Reporter:
                 self._stop_reason = response.reason or "stopped by the coordinator"
                 log.warning("aidn: the coordinator says stop: %s", self._stop_reason)
             self._seen_incarnation(response.incarnation)
+            ask = (response.checkpoint.step, response.checkpoint.go)
+            if ask != self._ask:
+                if ask[0] not in (0, self._ask[0]):
+                    log.info("aidn: the coordinator asks for a checkpoint at step %d (%s)",
+                             ask[0], response.checkpoint.reason)
+                self._ask = ask
             self._cv.notify_all()

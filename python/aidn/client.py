@@ -193,6 +193,16 @@ class Client:
         return self._call("CancelJob", coordinator_pb2.CancelJobRequest(job_id=job_id,
                                                                         reason=reason))
 
+    def pause(self, job_id: str, reason: str = "") -> job_pb2.Job:
+        """Checkpoint at a step the ranks agree on, then stop (state PAUSED,
+        no slots held, no restart counted); at once for a job not running."""
+        return self._call("PauseJob", coordinator_pb2.PauseJobRequest(job_id=job_id,
+                                                                      reason=reason))
+
+    def resume(self, job_id: str) -> job_pb2.Job:
+        """Queue a PAUSED job again; it goes on from its checkpoint."""
+        return self._call("ResumeJob", coordinator_pb2.ResumeJobRequest(job_id=job_id))
+
     def wait(self, job_id: str, timeout: Optional[float] = None,
              poll: float = 1.0) -> job_pb2.Job:
         """Polls until the job ended (SUCCEEDED, FAILED or CANCELLED); the job

@@ -3,6 +3,7 @@ slurmd from Debian's slurm-wlm, configuration written here, everything on
 loopback, stopped at the end) runs aidn.sbatch and pytorch-ddp.sbatch with
 sbatch --wait, whose exit status is the aidn job's."""
 
+import json
 import os
 import shutil
 import signal
@@ -187,8 +188,9 @@ class SlurmTest(unittest.TestCase):
         cls.cluster.stop()
         shutil.rmtree(cls.root, ignore_errors=True)
 
-    def sbatch(self, name, script, args, cpus, extra_env=None):
-        """sbatch --wait of `script`; (exit status, its output, state dir)."""
+    def sbatch(self, name, script, args, cpus, extra_env=None, wait=True):
+        """sbatch --wait of `script`; (exit status, its output, state dir).
+        Without `wait`: (Slurm job id, output file, state dir) at once."""
         work = os.path.join(self.root, name)
         # Command ranks run as nobody here: they write their checkpoints
         # under the state directory's checkpoints/.
@@ -205,10 +207,15 @@ class SlurmTest(unittest.TestCase):
                    # root); command jobs then need a user of their own.
                    AIDN_WORKER_ARGS="--command-user=nobody", **(extra_env or {}))
         out = os.path.join(work, "slurm.out")
-        result = subprocess.run(
-            ["sbatch", "--wait", f"--ntasks={cpus}", "--cpus-per-task=1", "--time=10",
-             f"--output={out}", f"--chdir={work}", os.path.join(SOURCE, "deploy", "slurm", script)]
-            + args, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        argv = ["sbatch", f"--ntasks={cpus}", "--cpus-per-task=1", "--time=10", f"--output={out}",
+                "--open-mode=append", f"--chdir={work}",
+                os.path.join(SOURCE, "deploy", "slurm", script)] + args
+        if not wait:
+            result = subprocess.run(argv[:1] + ["--parsable"] + argv[1:], env=env, check=True,
+                                    capture_output=True, text=True, timeout=60)
+            return result.stdout.strip().split(";")[0], out, f"{work}/state"
+        result = subprocess.run(argv[:1] + ["--wait"] + argv[1:], env=env, capture_output=True,
+                                text=True, timeout=JOB_TIMEOUT)
         with open(out, errors="replace") if os.path.exists(out) else open(os.devnull) as f:
             output = f.read()
         return result.returncode, output + result.stderr, f"{work}/state"
@@ -273,6 +280,63 @@ command:
                        "AIDN_ALLOWED_PATHS": f"/usr/share,{SOURCE},{self.root}"})
         self.assertEqual(status, 0, self.explain(output, state))
         self.assertIn("SUCCEEDED", output, self.explain(output, state))
+        self.assert_nothing_left(state)
+
+
+    @unittest.skipUnless(os.environ.get("AIDN_SLURM_REQUEUE") == "1",
+                         "Slurm holds a requeued job for minutes: set AIDN_SLURM_REQUEUE=1")
+    def test_the_time_limit_warning_pauses_the_job_and_the_requeued_allocation_resumes_it(self):
+        spec = self.write_spec("long.yaml", """name: slurm-pause
+world_size: 2
+device: cpu
+model: {name: mlp, hidden_sizes: [64]}
+optimizer: {name: adamw, lr: 0.001}
+batch_size: 32
+max_steps: 40000
+checkpoint: {dir: runs}
+""")
+        slurm_job, out, state = self.sbatch("pause", "aidn.sbatch", [spec], cpus=2, wait=False)
+
+        def aidnctl(*args):
+            with open(os.path.join(state, "coordinator.addr")) as f:
+                port = f.read().strip().rsplit(":", 1)[1]
+            with open(os.path.join(state, "coordinator", "admin.token")) as f:
+                token = f.read().strip()
+            env = dict(os.environ, AIDN_ADDR=f"127.0.0.1:{port}", AIDN_TOKEN=token,
+                       AIDN_TLS_CA=os.path.join(state, "coordinator", "tls", "ca.pem"))
+            r = subprocess.run([self.binaries["AIDNCTL"], "-o", "json"] + list(args), env=env,
+                               capture_output=True, text=True, timeout=30)
+            return json.loads(r.stdout) if r.returncode == 0 else {}
+
+        def job():
+            try:
+                with open(os.path.join(state, "aidn-job-id")) as f:
+                    return aidnctl("describe", f.read().strip())
+            except (OSError, ValueError, IndexError):
+                return {}
+
+        wait_for(lambda: int(job().get("lastStep", 0)) >= 500, 120, "the aidn job to train")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", slurm_job], check=True)
+        wait_for(lambda: job().get("state") == "PAUSED", 120, "the aidn job to pause")
+        paused = job()
+
+        def slurm_state():
+            r = subprocess.run(["scontrol", "-o", "show", "job", slurm_job], capture_output=True,
+                               text=True)
+            return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
+
+        wait_for(lambda: slurm_state().get("JobState") == "COMPLETED", 600,
+                 "the requeued allocation to finish the job")
+        with open(out, errors="replace") as f:
+            output = f.read()
+        self.assertEqual(slurm_state().get("Restarts"), "1", output)
+        self.assertEqual(slurm_state().get("ExitCode"), "0:0", output)
+        done = job()
+        self.assertEqual(done.get("state"), "SUCCEEDED", self.explain(output, state))
+        self.assertEqual(int(done.get("restarts", 0)), 0)
+        self.assertIn("paused", output)
+        self.assertIn("continues from checkpoint step " + str(paused["lastCheckpointStep"]),
+                      output)
         self.assert_nothing_left(state)
 
 

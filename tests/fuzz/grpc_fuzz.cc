@@ -69,6 +69,8 @@ constexpr const char* kMethods[] = {
     "/aidn.v1.ClusterService/ShipLogs",
     "/aidn.v1.CoordinatorService/SetWorkerScheduling",
     "/aidn.v1.CoordinatorService/RemoveWorker",
+    "/aidn.v1.CoordinatorService/PauseJob",
+    "/aidn.v1.CoordinatorService/ResumeJob",
 };
 constexpr size_t kMethodCount = sizeof(kMethods) / sizeof(kMethods[0]);
 

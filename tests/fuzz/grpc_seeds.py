@@ -14,7 +14,8 @@ METHODS = ["SubmitJob", "GetJob", "ListJobs", "CancelJob", "WatchJob", "ListWork
            "ListCheckpoints", "ListEvents", "GetMetrics", "ReadLogs", "RegisterWorker",
            "Heartbeat", "ReportTrainerExit", "JoinRendezvous", "KvSet", "KvGet", "KvAdd",
            "KvCompareAndSet", "ReportProgress", "StreamMetrics", "CommitCheckpoint",
-           "ReportCheckpointInvalid", "ShipLogs", "SetWorkerScheduling", "RemoveWorker"]
+           "ReportCheckpointInvalid", "ShipLogs", "SetWorkerScheduling", "RemoveWorker",
+           "PauseJob", "ResumeJob"]
 TOKENS = ["none", "garbage", "admin", "alice", "bob", "worker", "trainer"]
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "grpc")
 
@@ -57,6 +58,9 @@ def main():
     seed("scheduling-bad-value", "SetWorkerScheduling", "admin",
          co.SetWorkerSchedulingRequest(worker_id="w1", scheduling=7))
     seed("remove-alive", "RemoveWorker", "admin", co.RemoveWorkerRequest(worker_id="w1"))
+    seed("pause-other", "PauseJob", "alice", co.PauseJobRequest(job_id="job-2", reason="x"))
+    seed("pause-queued", "PauseJob", "bob", co.PauseJobRequest(job_id="job-2"))
+    seed("resume-not-paused", "ResumeJob", "admin", co.ResumeJobRequest(job_id="job-1"))
     seed("register-duplicate", "RegisterWorker", "worker", cluster_pb2.RegisterWorkerRequest(
         info=job_pb2.WorkerInfo(id="w1", address="127.0.0.1", cpu_slots=4, instance="other")))
     seed("register-user-token", "RegisterWorker", "alice", cluster_pb2.RegisterWorkerRequest(

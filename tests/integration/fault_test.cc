@@ -463,6 +463,106 @@ TEST_F(FaultTest, ADrainedWorkersJobMovesAtItsNextCheckpointCountingNoRestart) {
   EXPECT_THAT(cluster().Aidnctl({"workers"}).out, Not(HasSubstr("drained")));
 }
 
+// Paused as before a maintenance window (or at a Slurm allocation's end):
+// the ranks checkpoint at a step they agree on, outside the spec's schedule,
+// and stop; the job holds no slots until resumed, counts no restart, misses
+// no step, and ends with the weights of a run never paused.
+TEST_F(FaultTest, APausedJobCheckpointsAtAnAgreedStepAndResumesAsIfNeverPaused) {
+  StartWorkers({"w1", "w2"});
+  // Steps take a millisecond or so, and the agreed step lies about two
+  // seconds of training ahead.
+  constexpr int64_t kSteps = 12000;
+  v1::JobSpec spec = Spec(2, kSteps);
+  // Only the last step on the schedule: the pause's checkpoint is its own.
+  spec.mutable_checkpoint()->set_every_steps(0);
+  const std::string reference = Submit(spec);
+  const v1::Job ref = WaitForEnd(reference);
+  ASSERT_EQ(ref.state(), v1::Job::SUCCEEDED) << ref.message();
+
+  const std::string id = Submit(spec);
+  ASSERT_TRUE(cluster().WaitForJob(
+      id, [](const v1::Job& j) { return j.state() == v1::Job::RUNNING && j.last_step() >= 100; },
+      "RUNNING past step 100", kLong));
+  CommandResult pause = cluster().Aidnctl(
+      {"pause", id, "--reason", "maintenance", "--wait", "--wait-timeout", "120s"});
+  ASSERT_EQ(pause.exit_code, 0) << pause.err << "\n" << EventText(id);
+  EXPECT_THAT(pause.out, HasSubstr("pausing " + id));
+  EXPECT_THAT(pause.out, HasSubstr("paused " + id + " at checkpoint step"));
+
+  const v1::Job paused = Get(id);
+  ASSERT_EQ(paused.state(), v1::Job::PAUSED) << paused.message() << "\n" << EventText(id);
+  ASSERT_LT(paused.last_checkpoint_step(), kSteps) << "the job ended before the pause";
+  EXPECT_THAT(paused.message(), HasSubstr("paused by admin: maintenance"));
+  EXPECT_EQ(paused.restarts(), 0);
+  EXPECT_EQ(paused.placement_size(), 0);
+  EXPECT_FALSE(paused.has_pausing());
+  // The step the ranks agreed on is the checkpoint the job stopped at.
+  const std::vector<std::string> agreed = cluster().EventMessages(id, "job.checkpoint_agreed");
+  ASSERT_EQ(agreed.size(), 1u) << EventText(id);
+  EXPECT_THAT(agreed[0],
+              HasSubstr(absl::StrCat("at step ", paused.last_checkpoint_step(), " to pause")));
+  EXPECT_FALSE(cluster().EventMessages(id, "job.pausing").empty()) << EventText(id);
+  // No trainer of it is left, and its slots are free.
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ProcessesWith({dir(), "--job=" + id + " "}).empty();
+      },
+      seconds(15)));
+  CommandResult workers = cluster().Aidnctl({"-o", "json", "workers"});
+  EXPECT_THAT(workers.out, Not(HasSubstr(id))) << workers.out;
+  // Neither a second pause nor a resume of a running job is taken.
+  CommandResult again = cluster().Aidnctl({"pause", id});
+  EXPECT_NE(again.exit_code, 0);
+  EXPECT_THAT(again.err, HasSubstr("already paused"));
+
+  CommandResult resume = cluster().Aidnctl({"resume", id});
+  ASSERT_EQ(resume.exit_code, 0) << resume.err;
+  EXPECT_THAT(resume.out,
+              HasSubstr(absl::StrCat("resumed ", id, ": continues from checkpoint step ",
+                                     paused.last_checkpoint_step())));
+  const v1::Job job = WaitForEnd(id);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.generation(), 2);
+  EXPECT_TRUE(NoMissingSteps(id, kSteps));
+  const std::string a = FinalWeights(reference, kSteps);
+  ASSERT_FALSE(a.empty());
+  EXPECT_TRUE(a == FinalWeights(id, kSteps)) << "final weights differ from the unpaused run's";
+  CommandResult resumed_again = cluster().Aidnctl({"resume", id});
+  EXPECT_NE(resumed_again.exit_code, 0);
+  EXPECT_THAT(resumed_again.err, HasSubstr("has already ended (SUCCEEDED)"));
+}
+
+// A job that writes no checkpoints is not paused (it would lose its
+// progress); one that waits for slots pauses at once.
+TEST_F(FaultTest, PauseRefusesAJobWithoutCheckpointsAndPausesAQueuedOneAtOnce) {
+  StartWorkers({"w1"});
+  v1::JobSpec spec = Spec(1, 100'000);
+  spec.clear_checkpoint();
+  const std::string running = Submit(spec);
+  ASSERT_TRUE(cluster().WaitForState(running, v1::Job::RUNNING, kLong));
+  CommandResult refused = cluster().Aidnctl({"pause", running});
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_THAT(refused.err, HasSubstr("writes no checkpoints"));
+  EXPECT_EQ(Get(running).state(), v1::Job::RUNNING);
+
+  // One slot, taken: the next job waits, and pauses without running.
+  const std::string queued = Submit(Spec(1, 100));
+  ASSERT_TRUE(cluster().WaitForState(queued, v1::Job::PENDING, kLong));
+  CommandResult pause = cluster().Aidnctl({"pause", queued});
+  ASSERT_EQ(pause.exit_code, 0) << pause.err;
+  EXPECT_THAT(pause.out, HasSubstr("paused " + queued));
+  EXPECT_EQ(Get(queued).state(), v1::Job::PAUSED);
+  // Paused, it is not placed when the slot frees.
+  ASSERT_TRUE(cluster().Cancel(running).ok());
+  ASSERT_TRUE(cluster().WaitForState(running, v1::Job::CANCELLED, kLong));
+  EXPECT_EQ(Get(queued).state(), v1::Job::PAUSED);
+  CommandResult resume = cluster().Aidnctl({"resume", queued});
+  ASSERT_EQ(resume.exit_code, 0) << resume.err;
+  const v1::Job job = WaitForEnd(queued);
+  EXPECT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(queued);
+}
+
 // 3. A SIGSTOPped trainer is a hang: detected within the progress timeout,
 // named, killed (not left behind), and the job recovers.
 TEST_F(FaultTest, AStoppedTrainerIsDetectedAsAHangNamedAndKilled) {

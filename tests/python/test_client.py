@@ -14,7 +14,8 @@ import aidn
 from aidn import _config, _spec
 from aidn.v1 import job_pb2
 
-from aidn_testing import ClusterTestCase, mlp_spec, join_generation, run_rank, wait_for
+from aidn_testing import (ClusterTestCase, mlp_spec, join_generation, run_rank, start_rank,
+                          wait_for)
 
 Job = job_pb2.Job
 
@@ -47,6 +48,40 @@ class ClientTest(ClusterTestCase):
                          [from_yaml.id])
         self.assertEqual(len(self.client.list(limit=2)), 2)
         self.assertEqual(self.client.get(from_json.id).id, from_json.id)
+
+    def test_a_pause_reaches_the_program_as_a_checkpoint_it_is_asked_for(self):
+        directory = os.path.join(self.dir, "checkpoints")
+        job = self.client.submit(mlp_spec(checkpoint_dir=directory))
+        gen = join_generation(self.worker, self.coordinator, job.id, checkpoint_dir=directory)
+        wait_for(lambda: self.client.get(job.id).state == Job.RUNNING, 20, "RUNNING")
+        code = ("import os, time, aidn\n"
+                "step = 0\n"
+                "while not aidn.should_stop() and step < 100000:\n"
+                "    step += 1\n"
+                "    aidn.report(step, loss=1.0, samples=1, step_seconds=0.01)\n"
+                "    if aidn.should_checkpoint(step):\n"
+                "        with aidn.checkpoint(step) as path:\n"
+                "            open(os.path.join(path, 'w.pt'), 'w').write('w')\n"
+                "        print('checkpoint', step, flush=True)\n"
+                "    time.sleep(0.01)\n"
+                "print('stopped at', step, flush=True)\n"
+                "aidn.flush(30)\n")
+        rank = start_rank(code, gen.env(0))
+        self.addCleanup(rank.kill)
+        wait_for(lambda: self.client.get(job.id).last_step >= 5, 30, "training")
+        pausing = self.client.pause(job.id, "test")
+        self.assertEqual(pausing.pausing.reason, "test")
+        wait_for(lambda: self.client.get(job.id).state == Job.PAUSED, 60, "PAUSED")
+        out, err = rank.communicate(timeout=60)
+        paused = self.client.get(job.id)
+        self.assertIn(f"checkpoint {paused.last_checkpoint_step}\n", out, err)
+        self.assertEqual(out.count("checkpoint "), 1, out)
+        self.assertEqual(paused.restarts, 0)
+        resumed = self.client.resume(job.id)
+        self.assertIn(resumed.state, (Job.PENDING, Job.SCHEDULED))
+        with self.assertRaises(aidn.ClientError) as again:
+            self.client.resume(job.id)
+        self.assertEqual(again.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
 
     def test_refusals_raise_client_error(self):
         with self.assertRaises(aidn.ClientError) as caught:

@@ -41,6 +41,8 @@ class FakeCluster:
         self.stop = False
         self.retired = []
         self.metadata = None
+        self.ask = (0, False)  # the checkpoint asked for: (step, go)
+        self.answers = []  # (checkpoint_ack, checkpoint_missed) of each beat
 
     def StreamMetrics(self, requests, timeout=None, metadata=None):
         steps = []
@@ -69,8 +71,11 @@ class FakeCluster:
     def ReportProgress(self, request, timeout=None, metadata=None):
         with self.lock:
             self.calls.append(("progress", request.step))
-            return cluster_pb2.ReportProgressResponse(stop=self.stop, reason="cancelled",
-                                                      incarnation=self.incarnation)
+            self.answers.append((request.checkpoint_ack, request.checkpoint_missed))
+            return cluster_pb2.ReportProgressResponse(
+                stop=self.stop, reason="cancelled", incarnation=self.incarnation,
+                checkpoint=cluster_pb2.CheckpointRequest(step=self.ask[0], go=self.ask[1],
+                                                         reason="paused by test"))
 
     def ReportCheckpointInvalid(self, request, timeout=None, metadata=None):
         raise AssertionError("not expected")
@@ -85,8 +90,8 @@ def record(step):
 
 
 class ReporterTest(unittest.TestCase):
-    def make(self, fake, retire=None):
-        options = _reporter.ReporterOptions(report_period=0.05, beat_period=0.05,
+    def make(self, fake, retire=None, beat_period=0.05):
+        options = _reporter.ReporterOptions(report_period=0.05, beat_period=beat_period,
                                             rpc_timeout=2.0, confirm_period=0.02)
         reporter = _reporter.Reporter(fake, "job-1", 3, 1, "tok", options, retire=retire)
         self.addCleanup(reporter.close, 2.0)
@@ -168,6 +173,34 @@ class ReporterTest(unittest.TestCase):
             fake.stop = True
         wait_for(lambda: reporter.stop_reason is not None, 5, "the stop")
         self.assertEqual(reporter.stop_reason, "cancelled")
+
+    def test_a_checkpoint_ask_is_answered_and_waited_at_until_go(self):
+        fake = FakeCluster()
+        reporter = self.make(fake, beat_period=1.0)
+        with fake.lock:
+            fake.ask = (40, False)
+        reporter.progress(10, 1, 100)
+        wait_for(lambda: reporter.checkpoint_ask() == (40, False), 5, "the ask")
+        reporter.answer_checkpoint_ask(40, missed=False)
+        # The answer goes at once, not a beat period later.
+        wait_for(lambda: (40, 0) in fake.answers, 0.5, "the ack")
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(reporter.await_checkpoint_go(40, 30)))
+        waiter.start()
+        time.sleep(0.3)
+        self.assertEqual(got, [])
+        # Waiting, it beats fast (every 50 ms rather than every second).
+        with fake.lock:
+            beats = len(fake.answers)
+        time.sleep(0.3)
+        with fake.lock:
+            self.assertGreaterEqual(len(fake.answers) - beats, 3)
+            fake.ask = (40, True)
+        waiter.join(5)
+        self.assertEqual(got, [(40, True)])
+        # A miss is said as such.
+        reporter.answer_checkpoint_ask(55, missed=True)
+        wait_for(lambda: (0, 55) in fake.answers, 0.5, "the miss")
 
     def test_close_gives_up_at_its_deadline(self):
         fake = FakeCluster()

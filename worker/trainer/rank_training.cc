@@ -185,6 +185,7 @@ std::optional<Failure> RankTraining::Setup() {
       [dir, rank = options_.rank](const auto& request, const auto& response) {
         RemoveRetiredCheckpoints(dir, rank, request, response);
       });
+  asks_.emplace(reporter_.get());
   if (stop_ != nullptr) {
     stop_->SetFlush([reporter = reporter_](milliseconds timeout) { reporter->Close(timeout); });
   }
@@ -687,7 +688,10 @@ std::optional<Failure> RankTraining::AfterStep(const Plan& plan, int64_t step, i
     if (std::optional<Failure> f = Evaluate(epoch + 1, step + 1); f.has_value()) return f;
   }
   const int64_t every = spec_.checkpoint().every_steps();
-  if (!checkpoint_dir_.empty() && ((every > 0 && (step + 1) % every == 0) || last)) {
+  // Asked for by the coordinator (a pause): every rank answers, whether it
+  // writes or not.
+  const bool asked = asks_->Due(step + 1);
+  if (!checkpoint_dir_.empty() && ((every > 0 && (step + 1) % every == 0) || last || asked)) {
     // Every rank's records up to the step, not only the writer's, must be
     // stored before the checkpoint counts: they go now.
     reporter_->SendNow();

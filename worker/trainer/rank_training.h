@@ -26,6 +26,7 @@
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/optimizer.h"
+#include "worker/trainer/checkpoint_ask.h"
 #include "worker/trainer/checkpoint_loader.h"
 #include "worker/trainer/coordinator_store.h"
 #include "worker/trainer/reporter.h"
@@ -133,6 +134,8 @@ class RankTraining {
   std::unique_ptr<engine::CpuSession> cpu_;
   // Shared with the stop signal's flush.
   std::shared_ptr<Reporter> reporter_;
+  // Checkpoints the coordinator asks for (a pause).
+  std::optional<CheckpointAskFollower> asks_;
   std::shared_ptr<CoordinatorStore> kv_;
   // device: gpu: the step runs here; task_'s model and optimizer_ stay the CPU
   // copies that checkpoints, resumes and evaluation use (SyncFromGpu).

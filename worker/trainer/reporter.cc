@@ -30,6 +30,8 @@ struct Reporter::Work {
   int32_t epoch = 0;
   int64_t seq = 0;
   int64_t total = 0;
+  int64_t ack = 0;
+  int64_t missed = 0;
   // Each call's deadline.
   milliseconds timeout{0};
 };
@@ -104,6 +106,33 @@ void Reporter::Progress(int64_t step, int32_t epoch, int64_t collective_seq, int
   if (first) cv_.notify_all();
 }
 
+Reporter::CheckpointAsk Reporter::checkpoint_ask() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ask_;
+}
+
+void Reporter::AnswerCheckpointAsk(int64_t step, bool missed) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ask_ack_ = missed ? 0 : step;
+    ask_missed_ = missed ? step : 0;
+    beat_now_ = true;
+  }
+  cv_.notify_all();
+}
+
+Reporter::CheckpointAsk Reporter::AwaitCheckpointGo(int64_t step, milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  awaiting_go_ = true;
+  beat_now_ = true;
+  cv_.notify_all();
+  ask_cv_.wait_for(lock, timeout, [&] {
+    return ask_.step != step || ask_.go || superseded_.load() || loop_done_;
+  });
+  awaiting_go_ = false;
+  return ask_;
+}
+
 void Reporter::Close(milliseconds timeout) {
   const Clock::time_point deadline = Clock::now() + timeout;
   bool join = false;
@@ -142,7 +171,7 @@ std::optional<Reporter::Work> Reporter::TakeDueLocked(Clock::time_point now,
   // A pending commit takes its records along at once.
   const bool records_due =
       may_send && !records_.empty() && (closing_ || commit || now >= next_send_);
-  const bool beat = progress_step_ >= 0 && (first_beat_ || now >= next_beat_);
+  const bool beat = progress_step_ >= 0 && (first_beat_ || beat_now_ || now >= next_beat_);
   const bool unconfirmed = closing_ && records_.empty() && !commit && !unacked_.empty();
   const bool confirm = unconfirmed && may_send && now >= next_confirm_;
   if (!records_due && !(may_send && commit) && !beat && !confirm) {
@@ -168,6 +197,9 @@ std::optional<Reporter::Work> Reporter::TakeDueLocked(Clock::time_point now,
   if (confirm) next_confirm_ = now + options_.confirm_period;
   work.beat = beat;
   first_beat_ = false;
+  if (beat) beat_now_ = false;
+  work.ack = ask_ack_;
+  work.missed = ask_missed_;
   work.step = progress_step_;
   work.epoch = progress_epoch_;
   work.seq = collective_seq_;
@@ -211,9 +243,11 @@ void Reporter::Loop() {
     }
     // Records first: a commit goes once none up to its step waits.
     if (!failed && work->commit && !SendCommitIfDue(work->timeout)) failed = true;
-    if (work->beat) SendProgress(work->step, work->epoch, work->seq, work->total, work->timeout);
+    if (work->beat) SendProgress(*work);
     lock.lock();
-    if (work->beat) next_beat_ = Clock::now() + options_.beat_period;
+    if (work->beat) {
+      next_beat_ = Clock::now() + (awaiting_go_ ? options_.fast_beat_period : options_.beat_period);
+    }
     if (failed) {
       retry_at_ = Clock::now() + backoff.Next();
     } else if (!work->batch.empty() || work->commit || work->confirm) {
@@ -222,6 +256,7 @@ void Reporter::Loop() {
   }
   loop_done_ = true;
   done_cv_.notify_all();
+  ask_cv_.notify_all();
 }
 
 bool Reporter::Send(const std::vector<v1::MetricRecord>& batch, milliseconds timeout) {
@@ -313,27 +348,38 @@ bool Reporter::SendCommit(const v1::CommitCheckpointRequest& request, millisecon
   return true;
 }
 
-void Reporter::SendProgress(int64_t step, int32_t epoch, int64_t seq, int64_t total,
-                            milliseconds timeout) {
+void Reporter::SendProgress(const Work& work) {
   grpc::ClientContext context;
-  rpc::PrepareContext(&context, options_.token, timeout);
+  rpc::PrepareContext(&context, options_.token, work.timeout);
   v1::ReportProgressRequest request;
   request.set_job_id(options_.job_id);
   request.set_generation(options_.generation);
   request.set_rank(options_.rank);
-  request.set_step(step);
-  request.set_epoch(epoch);
-  request.set_collective_seq(seq);
-  request.set_total_steps(total);
+  request.set_step(work.step);
+  request.set_epoch(work.epoch);
+  request.set_collective_seq(work.seq);
+  request.set_total_steps(work.total);
+  request.set_checkpoint_ack(work.ack);
+  request.set_checkpoint_missed(work.missed);
   v1::ReportProgressResponse response;
   grpc::Status status = stub_->ReportProgress(&context, request, &response);
   rpc::ResetBackoffAfter(status, channel_.get());
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION || response.stop()) {
     superseded_ = true;
+    ask_cv_.notify_all();
   }
   if (status.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     SeenIncarnationLocked(response.incarnation());
+    const CheckpointAsk ask{response.checkpoint().step(), response.checkpoint().go()};
+    if (ask.step != ask_.step || ask.go != ask_.go) {
+      if (ask.step != ask_.step && ask.step != 0) {
+        AIDN_LOG(INFO) << "the coordinator asks for a checkpoint" << Kv("step", ask.step)
+                       << Kv("reason", response.checkpoint().reason());
+      }
+      ask_ = ask;
+      ask_cv_.notify_all();
+    }
   }
 }
 

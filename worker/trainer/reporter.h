@@ -52,8 +52,10 @@ struct ReporterOptions {
   // once a second anyway, and progress beats, which drive failure
   // detection, go on their own.
   std::chrono::milliseconds report_period{1000};
-  // Progress beats go this often.
+  // Progress beats go this often; while a rank waits at a requested
+  // checkpoint step for the others to agree, every fast_beat_period.
   std::chrono::milliseconds beat_period{1000};
+  std::chrono::milliseconds fast_beat_period{50};
   // Each call's deadline (shortened to what is left while closing).
   std::chrono::milliseconds rpc_timeout{10'000};
   // Records held (unsent and sent but not yet stored) before the oldest go.
@@ -97,6 +99,22 @@ class Reporter {
   // The coordinator said this generation is over.
   bool superseded() const { return superseded_.load(); }
 
+  // A checkpoint the coordinator asks for outside the spec's schedule (a
+  // pause), as its newest progress answer says: step 0 when none.
+  struct CheckpointAsk {
+    int64_t step = 0;
+    bool go = false;
+  };
+  CheckpointAsk checkpoint_ask() const;
+  // This rank's answer to the ask of `step`, sent with every beat from the
+  // next one (which goes at once) on: it will wait at the step (ack), or it
+  // was already past it (missed).
+  void AnswerCheckpointAsk(int64_t step, bool missed);
+  // At the step it acked, before go: beats every fast_beat_period until the
+  // coordinator says go or asks for another step, the generation is over,
+  // or `timeout` passes. Returns the ask then.
+  CheckpointAsk AwaitCheckpointGo(int64_t step, std::chrono::milliseconds timeout);
+
   // Sends what is left (records, then commits) within `timeout` and stops
   // the thread, once the coordinator says every record sent is stored: until
   // then it asks every `confirm_period`, so that a coordinator that
@@ -119,15 +137,14 @@ class Reporter {
   // when done with (answered, or never to be answered) or not yet due.
   bool SendCommitIfDue(std::chrono::milliseconds timeout);
   bool SendCommit(const v1::CommitCheckpointRequest& request, std::chrono::milliseconds timeout);
-  void SendProgress(int64_t step, int32_t epoch, int64_t seq, int64_t total,
-                    std::chrono::milliseconds timeout);
+  void SendProgress(const Work& work);
   void SeenIncarnationLocked(const std::string& incarnation);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::ClusterService::StubInterface> stub_;
   const ReporterOptions options_;
   const RetireFn retire_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<v1::MetricRecord> records_;
   // Sent, but not yet reported stored by the coordinator.
@@ -154,6 +171,14 @@ class Reporter {
   bool joined_ = false;
   std::condition_variable done_cv_;
   std::atomic<bool> superseded_{false};
+  // The newest checkpoint ask, this rank's answer, and whether a rank waits
+  // for go (fast beats); ask_cv_ wakes the waiter.
+  CheckpointAsk ask_;
+  int64_t ask_ack_ = 0;
+  int64_t ask_missed_ = 0;
+  bool awaiting_go_ = false;
+  bool beat_now_ = false;
+  std::condition_variable ask_cv_;
   std::thread thread_;
 };
 

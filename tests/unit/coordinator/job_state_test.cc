@@ -15,8 +15,8 @@ using v1::Job;
 
 const std::vector<Job::State>& AllStates() {
   static const std::vector<Job::State> states = {
-      Job::STATE_UNSPECIFIED, Job::PENDING,   Job::SCHEDULED, Job::RUNNING,
-      Job::RESTARTING,        Job::SUCCEEDED, Job::FAILED,    Job::CANCELLED,
+      Job::STATE_UNSPECIFIED, Job::PENDING, Job::SCHEDULED, Job::RUNNING, Job::RESTARTING,
+      Job::SUCCEEDED,         Job::FAILED,  Job::CANCELLED, Job::PAUSED,
   };
   return states;
 }
@@ -31,7 +31,10 @@ const std::set<std::pair<Job::State, Job::State>>& AllowedEdges() {
       {Job::RUNNING, Job::SUCCEEDED},    {Job::RUNNING, Job::RESTARTING},
       {Job::RUNNING, Job::FAILED},       {Job::RUNNING, Job::CANCELLED},
       {Job::RESTARTING, Job::SCHEDULED}, {Job::RESTARTING, Job::FAILED},
-      {Job::RESTARTING, Job::CANCELLED},
+      {Job::RESTARTING, Job::CANCELLED}, {Job::PENDING, Job::PAUSED},
+      {Job::SCHEDULED, Job::PAUSED},     {Job::RUNNING, Job::PAUSED},
+      {Job::RESTARTING, Job::PAUSED},    {Job::PAUSED, Job::PENDING},
+      {Job::PAUSED, Job::FAILED},        {Job::PAUSED, Job::CANCELLED},
   };
   return edges;
 }
@@ -54,7 +57,8 @@ TEST(CheckTransition, RefusesEveryOtherPairWithFailedPrecondition) {
       ++refused;
     }
   }
-  EXPECT_EQ(refused, 8 * 8 - static_cast<int>(AllowedEdges().size()));
+  const int states = static_cast<int>(AllStates().size());
+  EXPECT_EQ(refused, states * states - static_cast<int>(AllowedEdges().size()));
 }
 
 TEST(CheckTransition, TerminalStatesGoNowhere) {
@@ -74,7 +78,8 @@ TEST(CheckTransition, RefusesSkippingOrGoingBack) {
       {Job::RESTARTING, Job::RUNNING},        {Job::RESTARTING, Job::PENDING},
       {Job::RUNNING, Job::RUNNING},           {Job::SUCCEEDED, Job::RUNNING},
       {Job::CANCELLED, Job::PENDING},         {Job::FAILED, Job::RESTARTING},
-      {Job::STATE_UNSPECIFIED, Job::PENDING},
+      {Job::STATE_UNSPECIFIED, Job::PENDING}, {Job::PAUSED, Job::RUNNING},
+      {Job::PAUSED, Job::SCHEDULED},          {Job::SUCCEEDED, Job::PAUSED},
   };
   for (const auto& [from, to] : forbidden) {
     EXPECT_EQ(CheckTransition(from, to).code(), absl::StatusCode::kFailedPrecondition)
