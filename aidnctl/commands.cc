@@ -266,8 +266,8 @@ absl::Status RunWorkerOp(const CommandEnv& env, WorkerOp op, const WorkerOpOptio
     std::string text = absl::StrCat(done, options.worker_id);
     if (op == WorkerOp::kDrain && worker.job_ids_size() > 0) {
       absl::StrAppend(&text, ": ", absl::StrJoin(worker.job_ids(), ", "),
-                      " move(s) to other workers at the next checkpoint (aidnctl events --follow "
-                      "shows it)");
+                      " move(s) to other workers at a checkpoint asked for now (aidnctl events "
+                      "--follow shows it)");
     }
     return text + "\n";
   }));

@@ -229,8 +229,8 @@ void AddJobRecords(CLI::App& app, CommandLine& cl) {
       {"cordon", ctl::WorkerOp::kCordon, "Place no new ranks on a worker; running ones go on"},
       {"uncordon", ctl::WorkerOp::kUncordon, "Place ranks on a cordoned or drained worker again"},
       {"drain", ctl::WorkerOp::kDrain,
-       "Cordon a worker and move each job running there to other workers at its next "
-       "checkpoint (a restart from it that does not count against max_restarts)"},
+       "Cordon a worker and move each job running there to other workers at a checkpoint "
+       "asked for now (a restart from it that does not count against max_restarts)"},
       {"remove", ctl::WorkerOp::kRemove,
        "Forget a LOST worker (its daemon, if it comes back, registers anew)"},
   };

@@ -95,7 +95,11 @@ absl::Status Coordinator::Load() {
     entry.worker = std::move(w);
     // Every worker gets a full timeout from now to come back.
     entry.last_seen = now;
+    entry.heard = false;
     workers_[entry.worker.info().id()] = std::move(entry);
+  }
+  for (const auto& [id, w] : workers_) {
+    if (w.worker.scheduling() == v1::Worker::DRAINING) AskCheckpointsToMoveOff(id);
   }
   AIDN_LOG(INFO) << "state loaded" << Kv("jobs", jobs_.size()) << Kv("workers", workers_.size())
                  << Kv("next_job", next_job_number_);
@@ -509,6 +513,7 @@ void Coordinator::ReleaseGeneration(JobEntry* entry, const std::string& reason,
   entry->exited_ok.clear();
   entry->health.Clear();
   entry->agreement = {};
+  entry->move_asked = false;
   // Steps still missing a rank will not get it from this generation.
   if (ingest_.EndGeneration(&entry->metrics)) NotifyWatchers(job.id(), deferred);
   AssignmentsChanged(workers, deferred);
@@ -626,6 +631,7 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
   int refuse_commands = 0;
   int refuse_paths = 0;
   int cordoned = 0;
+  int unheard = 0;
   std::string path_reason;  // the first worker's
   const std::vector<WorkerSlots> snapshot = slots->Snapshot([&](const std::string& id) {
     const WorkerEntry& worker = workers_.at(id);
@@ -646,6 +652,10 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
     }
     const Clock::TimePoint seen = worker.last_seen;
     if (now - seen > job_timeout) return false;
+    if (!worker.heard) {
+      ++unheard;
+      return false;
+    }
     return !(entry->unconfirmed_workers.contains(id) && seen < entry->failed_at);
   });
   absl::StatusOr<std::vector<v1::RankPlacement>> placement =
@@ -658,6 +668,10 @@ bool Coordinator::TryPlace(JobEntry* entry, SlotTable* slots, Deferred* deferred
                       "root without --command-user)");
     }
     if (cordoned > 0) absl::StrAppend(&reason, " (", cordoned, " worker(s) cordoned)");
+    if (unheard > 0) {
+      absl::StrAppend(&reason, " (", unheard,
+                      " worker(s) not heard from since the coordinator started)");
+    }
     if (refuse_paths > 0) {
       absl::StrAppend(&reason, " (", refuse_paths,
                       " worker(s) do not allow the job's paths: ", path_reason, ")");

@@ -395,11 +395,15 @@ class Coordinator {
   // Ends the current generation (if any) and makes the job PAUSED.
   void PauseNow(JobEntry* entry, const std::string& message, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A pausing job's progress beat: the agreement on its checkpoint step
-  // advances, and the answer carries it.
-  void AnswerPause(JobEntry* entry, const v1::ReportProgressRequest& request,
-                   v1::ReportProgressResponse* response, Deferred* deferred)
+  // A progress beat of a job asked for a checkpoint (pausing, or moving off
+  // a draining worker): the agreement on its step advances, and the answer
+  // carries it.
+  void AnswerCheckpointAsk(JobEntry* entry, const v1::ReportProgressRequest& request,
+                           v1::ReportProgressResponse* response, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The running jobs with ranks on a draining worker that write checkpoints
+  // are asked for one now, to move at it.
+  void AskCheckpointsToMoveOff(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The worker as ListWorkers shows it: with the slots and jobs it has now.
   v1::Worker WorkerView(const std::string& id, const WorkerEntry& w)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -86,6 +86,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(
   *w.worker.mutable_registered_at() = ToProto(clock_->WallNow());
   *w.worker.mutable_last_heartbeat() = w.worker.registered_at();
   w.last_seen = clock_->Now();
+  w.heard = true;
   PersistWorker(w);
   Emit(inserted ? "worker.registered" : (was_lost ? "worker.back" : "worker.reregistered"), "",
        info.id(), 0,
@@ -147,6 +148,7 @@ void Coordinator::Heartbeat(const v1::HeartbeatRequest& request, HeartbeatCallba
                            w.worker.info().instance(), "); register again")));
   }
   w.last_seen = clock_->Now();
+  w.heard = true;
   *w.worker.mutable_last_heartbeat() = ToProto(clock_->WallNow());
   if (w.worker.state() != v1::Worker::ALIVE) {
     w.worker.set_state(v1::Worker::ALIVE);
@@ -491,7 +493,9 @@ absl::StatusOr<v1::ReportProgressResponse> Coordinator::ReportProgress(
   }
   v1::ReportProgressResponse response;
   response.set_incarnation(incarnation_);
-  if (job.has_pausing()) AnswerPause(entry, request, &response, &deferred);
+  if (job.has_pausing() || entry->move_asked) {
+    AnswerCheckpointAsk(entry, request, &response, &deferred);
+  }
   return response;
 }
 

@@ -8,6 +8,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -420,6 +421,13 @@ void Coordinator::CollectWorkerSeries(Clock::TimePoint now) {
     const bool alive = worker.state() != v1::Worker::LOST;
     const metrics::Labels labels{{"worker_id", id}};
     metrics_.worker_up.Add(labels).Set(alive ? 1 : 0);
+    for (const v1::Worker::Scheduling s :
+         {v1::Worker::SCHEDULABLE, v1::Worker::CORDONED, v1::Worker::DRAINING}) {
+      metrics_.worker_scheduling
+          .Add({{"worker_id", id},
+                {"scheduling", absl::AsciiStrToLower(v1::Worker::Scheduling_Name(s))}})
+          .Set(worker.scheduling() == s ? 1 : 0);
+    }
     metrics_.worker_heartbeat_age_seconds.Add(labels).Set(
         std::chrono::duration<double>(now - w.last_seen).count());
     const std::pair<const char*, std::pair<int, int>> kinds[] = {

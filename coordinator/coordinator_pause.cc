@@ -156,17 +156,18 @@ void Coordinator::CheckpointCommitted(JobEntry* entry, int64_t step, Deferred* d
   MoveOffDrainingWorkers(entry, step, deferred);
 }
 
-void Coordinator::AnswerPause(JobEntry* entry, const v1::ReportProgressRequest& request,
-                              v1::ReportProgressResponse* response, Deferred* deferred) {
+void Coordinator::AnswerCheckpointAsk(JobEntry* entry, const v1::ReportProgressRequest& request,
+                                      v1::ReportProgressResponse* response, Deferred* deferred) {
   Job& job = entry->stored.job;
   if (job.state() != Job::RUNNING) return;
+  const std::string purpose = job.has_pausing() ? "to pause" : "to move off draining worker(s)";
   CheckpointAgreement& agreement = entry->agreement;
   const int64_t before = agreement.step;
   if (CheckpointAgreements::Beat(&agreement, request.rank(), request.checkpoint_ack(),
                                  request.checkpoint_missed(), InputsOf(job, entry->health))) {
     if (agreement.go) {
       Emit("job.checkpoint_agreed", job.id(), "", job.generation(),
-           absl::StrCat("every rank checkpoints at step ", agreement.step, " to pause"), deferred);
+           absl::StrCat("every rank checkpoints at step ", agreement.step, " ", purpose), deferred);
     } else if (before != 0) {
       AIDN_LOG(INFO) << "a rank was past the proposed checkpoint step; proposing a later one"
                      << Kv("job", job.id()) << Kv("rank", request.rank()) << Kv("missed", before)
@@ -176,7 +177,15 @@ void Coordinator::AnswerPause(JobEntry* entry, const v1::ReportProgressRequest& 
   v1::CheckpointRequest& checkpoint = *response->mutable_checkpoint();
   checkpoint.set_step(agreement.step);
   checkpoint.set_go(agreement.go);
-  checkpoint.set_reason(PausedBy(job.pausing()));
+  checkpoint.set_reason(job.has_pausing() ? PausedBy(job.pausing())
+                                          : "moving off a draining worker");
+}
+
+void Coordinator::AskCheckpointsToMoveOff(const std::string& worker_id) {
+  for (const JobRef job_and_id : JobsOnWorker(worker_id)) {
+    JobEntry* entry = job_and_id->second.get();
+    if (!entry->stored.job.spec().checkpoint().dir().empty()) entry->move_asked = true;
+  }
 }
 
 }  // namespace aidn::coordinator

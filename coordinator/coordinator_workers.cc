@@ -1,5 +1,5 @@
 // Operating workers, as an admin does to a node: cordon (no new ranks),
-// drain (also move the running jobs off at their next checkpoint),
+// drain (also move the running jobs off at a checkpoint asked for now),
 // uncordon, and remove a worker that is gone for good.
 
 #include <set>
@@ -68,10 +68,12 @@ absl::StatusOr<Worker> Coordinator::SetWorkerScheduling(const std::string& worke
     std::vector<std::string> moving, staying;
     for (const JobRef job_and_id : JobsOnWorker(worker_id)) {
       const Job& job = job_and_id->second->stored.job;
-      (job.spec().checkpoint().every_steps() > 0 ? moving : staying).push_back(job.id());
+      (job.spec().checkpoint().dir().empty() ? staying : moving).push_back(job.id());
     }
+    AskCheckpointsToMoveOff(worker_id);
     if (!moving.empty()) {
-      absl::StrAppend(&message, "; moving at their next checkpoint: ", absl::StrJoin(moving, ", "));
+      absl::StrAppend(&message, "; moving at a checkpoint their ranks are asked for now: ",
+                      absl::StrJoin(moving, ", "));
     }
     if (!staying.empty()) {
       absl::StrAppend(&message, "; taking no checkpoints, so running to their end here: ",
@@ -109,6 +111,12 @@ absl::Status Coordinator::RemoveWorker(const std::string& worker_id, const std::
       &deferred);
   workers_.erase(it);
   PlacementsChanged();
+  // Its series go with it.
+  for (metrics::Family<metrics::Gauge>* family :
+       {&metrics_.worker_up, &metrics_.worker_scheduling, &metrics_.worker_heartbeat_age_seconds,
+        &metrics_.worker_slots, &metrics_.worker_slots_used, &metrics_.worker_slots_free}) {
+    family->RemoveMatching({{"worker_id", worker_id}});
+  }
   Emit("worker.removed", "", worker_id, 0, absl::StrCat("removed by ", by.empty() ? "unknown" : by),
        &deferred);
   return absl::OkStatus();

@@ -49,8 +49,10 @@ struct JobEntry {
   // to light; see failure_cause.h).
   std::optional<FailureCause> last_failure;
   // The checkpoint step the ranks of the current generation agree on while
-  // the job pauses (see checkpoint_agreement.h).
+  // the job pauses, or moves off a draining worker (see
+  // checkpoint_agreement.h); `move_asked`: the latter.
   CheckpointAgreement agreement;
+  bool move_asked = false;
 
   // Per component.
   JobHealth health;            // FailureDetector
@@ -61,6 +63,9 @@ struct JobEntry {
 struct WorkerEntry {
   v1::Worker worker;
   Clock::TimePoint last_seen{};
+  // Registered or heartbeat since this coordinator started: a worker known
+  // only from the store (its node may be gone) gets no new ranks before.
+  bool heard = true;
   std::vector<v1::StopOrder> pending_stops;
 };
 

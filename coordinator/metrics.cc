@@ -176,6 +176,9 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
                                  "wait) is over 1.5x the other ranks' (running "
                                  "generations only).")),
       worker_up(r->AddGauge("aidn_worker_up", "1 while the worker heartbeats, 0 once lost.")),
+      worker_scheduling(r->AddGauge("aidn_worker_scheduling",
+                                    "1 for the worker's scheduling state (label scheduling: "
+                                    "schedulable, cordoned or draining), 0 for the others.")),
       worker_heartbeat_age_seconds(r->AddGauge("aidn_worker_heartbeat_age_seconds",
                                                "Seconds since the worker's last heartbeat.")),
       worker_slots(r->AddGauge("aidn_worker_slots",

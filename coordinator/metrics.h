@@ -55,6 +55,7 @@ struct CoordinatorMetrics {
   metrics::Family<metrics::Gauge>& rank_straggler;  // 0 or 1
   // Per worker (label worker_id).
   metrics::Family<metrics::Gauge>& worker_up;
+  metrics::Family<metrics::Gauge>& worker_scheduling;
   metrics::Family<metrics::Gauge>& worker_heartbeat_age_seconds;
   metrics::Family<metrics::Gauge>& worker_slots;
   metrics::Family<metrics::Gauge>& worker_slots_used;

@@ -1,7 +1,9 @@
 """deploy/slurm under a real Slurm: a one-node cluster (munged, slurmctld and
 slurmd from Debian's slurm-wlm, configuration written here, everything on
 loopback, stopped at the end) runs aidn.sbatch and pytorch-ddp.sbatch with
-sbatch --wait, whose exit status is the aidn job's."""
+sbatch --wait, whose exit status is the aidn job's; and the time-limit
+warning: the job pauses, the allocation is requeued, and the requeued one
+resumes it."""
 
 import json
 import os
@@ -79,7 +81,8 @@ SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
-AuthInfo=socket={sock}
+# cred_expire: how long Slurm holds a requeued job (default 120 s).
+AuthInfo=socket={sock},cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -283,8 +286,6 @@ command:
         self.assert_nothing_left(state)
 
 
-    @unittest.skipUnless(os.environ.get("AIDN_SLURM_REQUEUE") == "1",
-                         "Slurm holds a requeued job for minutes: set AIDN_SLURM_REQUEUE=1")
     def test_the_time_limit_warning_pauses_the_job_and_the_requeued_allocation_resumes_it(self):
         spec = self.write_spec("long.yaml", """name: slurm-pause
 world_size: 2
@@ -297,48 +298,53 @@ checkpoint: {dir: runs}
 """)
         slurm_job, out, state = self.sbatch("pause", "aidn.sbatch", [spec], cpus=2, wait=False)
 
-        def aidnctl(*args):
-            with open(os.path.join(state, "coordinator.addr")) as f:
-                port = f.read().strip().rsplit(":", 1)[1]
-            with open(os.path.join(state, "coordinator", "admin.token")) as f:
-                token = f.read().strip()
+        def job():
+            """The aidn job as the coordinator of the allocation says, {} when
+            there is none."""
+            try:
+                with open(os.path.join(state, "coordinator.addr")) as f:
+                    port = f.read().strip().rsplit(":", 1)[1]
+                with open(os.path.join(state, "coordinator", "admin.token")) as f:
+                    token = f.read().strip()
+                with open(os.path.join(state, "aidn-job-id")) as f:
+                    job_id = f.read().strip()
+            except (OSError, IndexError):
+                return {}
             env = dict(os.environ, AIDN_ADDR=f"127.0.0.1:{port}", AIDN_TOKEN=token,
                        AIDN_TLS_CA=os.path.join(state, "coordinator", "tls", "ca.pem"))
-            r = subprocess.run([self.binaries["AIDNCTL"], "-o", "json"] + list(args), env=env,
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run([self.binaries["AIDNCTL"], "-o", "json", "describe", job_id],
+                               env=env, capture_output=True, text=True, timeout=30)
             return json.loads(r.stdout) if r.returncode == 0 else {}
-
-        def job():
-            try:
-                with open(os.path.join(state, "aidn-job-id")) as f:
-                    return aidnctl("describe", f.read().strip())
-            except (OSError, ValueError, IndexError):
-                return {}
-
-        wait_for(lambda: int(job().get("lastStep", 0)) >= 500, 120, "the aidn job to train")
-        subprocess.run(["scancel", "--signal=USR1", "--batch", slurm_job], check=True)
-        wait_for(lambda: job().get("state") == "PAUSED", 120, "the aidn job to pause")
-        paused = job()
 
         def slurm_state():
             r = subprocess.run(["scontrol", "-o", "show", "job", slurm_job], capture_output=True,
-                               text=True)
+                               text=True, env=self.cluster.env)
             return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
 
-        wait_for(lambda: slurm_state().get("JobState") == "COMPLETED", 600,
-                 "the requeued allocation to finish the job")
-        with open(out, errors="replace") as f:
-            output = f.read()
-        self.assertEqual(slurm_state().get("Restarts"), "1", output)
-        self.assertEqual(slurm_state().get("ExitCode"), "0:0", output)
-        done = job()
-        self.assertEqual(done.get("state"), "SUCCEEDED", self.explain(output, state))
-        self.assertEqual(int(done.get("restarts", 0)), 0)
-        self.assertIn("paused", output)
-        self.assertIn("continues from checkpoint step " + str(paused["lastCheckpointStep"]),
-                      output)
-        self.assert_nothing_left(state)
+        def output():
+            with open(out, errors="replace") as f:
+                return f.read()
 
+        wait_for(lambda: int(job().get("last_step", 0)) >= 500, 120, "the aidn job to train")
+        # What Slurm sends the batch shell at --signal=B:USR1@120.
+        subprocess.run(["scancel", "--signal=USR1", "--batch", slurm_job], env=self.cluster.env,
+                       check=True)
+        wait_for(lambda: "paused job-1 at checkpoint step" in output(), 120,
+                 "the aidn job to pause")
+        wait_for(lambda: slurm_state().get("JobState") == "COMPLETED", JOB_TIMEOUT,
+                 "the requeued allocation to finish the job")
+        text = output()
+        self.assertEqual(slurm_state().get("Restarts"), "1", self.explain(text, state))
+        self.assertEqual(slurm_state().get("ExitCode"), "0:0", self.explain(text, state))
+        paused_at = text.split("paused job-1 at checkpoint step ", 1)[1].split()[0]
+        self.assertIn("every rank checkpoints at step " + paused_at + " to pause", text)
+        # The requeued allocation went on from the pause's checkpoint, and
+        # the job counted no restart.
+        self.assertIn("resumed job-1: continues from checkpoint step " + paused_at, text)
+        self.assertIn("job.resumed  resumed from step " + paused_at, text)
+        self.assertNotIn("job.restarting", text)
+        self.assertIn("job job-1 SUCCEEDED", text, self.explain(text, state))
+        self.assert_nothing_left(state)
 
 if __name__ == "__main__":
     unittest.main()

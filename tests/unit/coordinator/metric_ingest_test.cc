@@ -240,6 +240,10 @@ TEST_F(CoordinatorTest, RegistryShowsJobsRanksAndWorkersAndForgetsFinishedJobsAf
                                            ",rank=\"1\"} 0\n")));
   EXPECT_THAT(text, HasSubstr("aidn_jobs{state=\"RUNNING\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_worker_up{worker_id=\"w1\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("aidn_worker_scheduling{scheduling=\"schedulable\",worker_id=\"w1\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("aidn_worker_scheduling{scheduling=\"draining\",worker_id=\"w1\"} 0\n"));
   EXPECT_THAT(text, HasSubstr("aidn_worker_slots_used{kind=\"cpu\",worker_id=\"w2\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("aidn_metric_records_total 12\n"));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("aidn_rank_straggler{", rank_job, ",rank=\"1\"} 0\n")));

@@ -161,6 +161,34 @@ TEST_F(CoordinatorTest, APausedJobCheckpointsAtTheAgreedStepStopsAndResumesWitho
   EXPECT_EQ(c().ResumeJob(id, "bob").status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(CoordinatorTest, ADrainAsksTheJobForACheckpointAndMovesItThereCountingNoRestart) {
+  v1::JobSpec spec = CheckpointedSpec();
+  spec.mutable_checkpoint()->set_every_steps(0);  // only the last step on the schedule
+  const std::string id = RunningJobOnTwoWorkers(spec);
+  ASSERT_TRUE(Register("w3", 1).ok());
+  ASSERT_TRUE(SendTimedSteps(id, 1, 0, 1, 10, 0.01).ok());
+  ASSERT_TRUE(SendTimedSteps(id, 1, 1, 1, 10, 0.01).ok());
+  // No ask before the drain.
+  EXPECT_EQ(PauseBeat(c(), id, 1, 0, 10, 0, 0)->checkpoint().step(), 0);
+  ASSERT_TRUE(c().SetWorkerScheduling("w1", v1::Worker::DRAINING, "", "admin").ok());
+  EXPECT_THAT(EventList("").back().message(),
+              HasSubstr("moving at a checkpoint their ranks are asked for now: " + id));
+  absl::StatusOr<v1::ReportProgressResponse> r0 = PauseBeat(c(), id, 1, 0, 11, 0, 0);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  const int64_t step = r0->checkpoint().step();
+  ASSERT_GT(step, 11);
+  EXPECT_EQ(r0->checkpoint().reason(), "moving off a draining worker");
+  ASSERT_TRUE(PauseBeat(c(), id, 1, 0, 12, step, 0).ok());
+  EXPECT_TRUE(PauseBeat(c(), id, 1, 1, 12, step, 0)->checkpoint().go());
+  ASSERT_TRUE(CommitDurable(Commit(id, 1, 0, step, {0})).ok());
+  const Job moved = Get(id);
+  EXPECT_EQ(moved.generation(), 2);
+  EXPECT_EQ(moved.restarts(), 0);
+  EXPECT_EQ(moved.state(), Job::SCHEDULED) << moved.message();
+  EXPECT_THAT(Events(id), Contains("job.moving"));
+  for (const v1::RankPlacement& p : moved.placement()) EXPECT_NE(p.worker_id(), "w1");
+}
+
 TEST_F(CoordinatorTest, APauseIsRefusedForAJobWithoutCheckpointsAndAQueuedJobPausesAtOnce) {
   const std::string plain = RunningJobOnTwoWorkers(Spec(2));
   const size_t events = EventList("").size();

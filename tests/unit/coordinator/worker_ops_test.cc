@@ -17,6 +17,7 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 using v1::Job;
 
 std::set<std::string> PlacedOn(const Job& job) {
@@ -147,9 +148,14 @@ TEST_F(CoordinatorTest, OnlyALostWorkerIsRemovedAndItStaysRemovedAcrossARestart)
   ASSERT_TRUE(Beat("w2").ok());
   c().Tick();
   ASSERT_EQ(WorkerNamed("w1").state(), v1::Worker::LOST);
+  EXPECT_THAT(c().registry()->Serialize(), HasSubstr("aidn_worker_up{worker_id=\"w1\"} 0\n"));
+  EXPECT_THAT(c().registry()->Serialize(),
+              HasSubstr("aidn_worker_scheduling{scheduling=\"cordoned\",worker_id=\"w2\"} 1\n"));
   ASSERT_TRUE(c().RemoveWorker("w1", "admin").ok());
   EXPECT_EQ(c().ListWorkers().workers_size(), 1);
   EXPECT_THAT(Events(""), Contains("worker.removed"));
+  // Its series go with it.
+  EXPECT_THAT(c().registry()->Serialize(), Not(HasSubstr("worker_id=\"w1\"")));
 
   Open(path);
   ASSERT_NE(coord_, nullptr);
@@ -157,6 +163,23 @@ TEST_F(CoordinatorTest, OnlyALostWorkerIsRemovedAndItStaysRemovedAcrossARestart)
   ASSERT_EQ(after.workers_size(), 1);
   EXPECT_EQ(after.workers(0).info().id(), "w2");
   EXPECT_EQ(after.workers(0).scheduling(), v1::Worker::CORDONED) << "cordon lost in the restart";
+}
+
+// A worker known only from the store (its node may have gone with the
+// coordinator, as a Slurm allocation's do) gets no ranks until it is heard
+// from.
+TEST_F(CoordinatorTest, AfterARestartAWorkerGetsRanksOnlyOnceHeardFrom) {
+  TempDir dir;
+  const std::string path = dir.path() + "/coordinator.db";
+  Open(path);
+  ASSERT_TRUE(Register("w1", 1).ok());
+  Open(path);
+  const std::string id = Submit(Spec(1));
+  EXPECT_EQ(Get(id).state(), Job::PENDING);
+  EXPECT_THAT(Get(id).message(), HasSubstr("1 worker(s) not heard from since the coordinator"));
+  ASSERT_TRUE(Beat("w1").ok());
+  c().Tick();
+  EXPECT_EQ(Get(id).state(), Job::SCHEDULED) << Get(id).message();
 }
 
 }  // namespace
