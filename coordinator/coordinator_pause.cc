@@ -21,12 +21,12 @@ namespace {
 
 using v1::Job;
 
-// The job's typical step time from the ranks' newest ones; 0 when none came
-// (a command job that reports no step_seconds).
+// The job's typical step time: the median of the ranks' newest ones; 0
+// when none came (a command job that reports no step_seconds).
 double TypicalStepSeconds(const JobHealth& health) {
   std::vector<double> seconds;
   for (const auto& [rank, window] : health.step_window) {
-    seconds.insert(seconds.end(), window.begin(), window.end());
+    if (!window.empty()) seconds.push_back(window.back());
   }
   if (seconds.empty()) return 0;
   auto middle = seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 2);

@@ -360,15 +360,12 @@ TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
 // the spare worker within the worker timeout plus a few seconds.
 TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   StartWorkers({"w1", "w2", "w3"});
-  // Only the last step on the schedule: the move's checkpoint is one the
-  // ranks are asked for (about two seconds of training ahead).
-  constexpr int64_t kSteps = 12000;
-  v1::JobSpec spec = Spec(2, kSteps);
-  spec.mutable_checkpoint()->set_every_steps(0);
-  const std::string id = Submit(spec);
-  ASSERT_TRUE(cluster().WaitForJob(
-      id, [](const v1::Job& j) { return j.state() == v1::Job::RUNNING && j.last_step() >= 100; },
-      "RUNNING past step 100", kLong));
+  // The move comes at the checkpoint the ranks are asked for or at the next
+  // periodic one, whichever commits first (the pause test below covers the
+  // asked-for one alone).
+  constexpr int64_t kSteps = 600;
+  const std::string id = Submit(Spec(2, kSteps));
+  ASSERT_TRUE(WaitForCommitted(id, 50));
   const v1::Job running = Get(id);
   ASSERT_EQ(running.placement_size(), 2);
   std::set<std::string> used;
@@ -428,17 +425,14 @@ TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   EXPECT_TRUE(WaitFor(named, seconds(30))) << EventText(id);
 }
 
-TEST_F(FaultTest, ADrainedWorkersJobMovesAtACheckpointItIsAskedForCountingNoRestart) {
+TEST_F(FaultTest, ADrainedWorkersJobMovesAtItsNextCheckpointCountingNoRestart) {
   StartWorkers({"w1", "w2", "w3"});
-  // Only the last step on the schedule: the move's checkpoint is one the
-  // ranks are asked for (about two seconds of training ahead).
-  constexpr int64_t kSteps = 12000;
-  v1::JobSpec spec = Spec(2, kSteps);
-  spec.mutable_checkpoint()->set_every_steps(0);
-  const std::string id = Submit(spec);
-  ASSERT_TRUE(cluster().WaitForJob(
-      id, [](const v1::Job& j) { return j.state() == v1::Job::RUNNING && j.last_step() >= 100; },
-      "RUNNING past step 100", kLong));
+  // The move comes at the checkpoint the ranks are asked for or at the next
+  // periodic one, whichever commits first (the pause test below covers the
+  // asked-for one alone).
+  constexpr int64_t kSteps = 600;
+  const std::string id = Submit(Spec(2, kSteps));
+  ASSERT_TRUE(WaitForCommitted(id, 50));
   const v1::Job running = Get(id);
   ASSERT_EQ(running.placement_size(), 2);
   const std::string victim = running.placement(0).worker_id();
@@ -454,8 +448,6 @@ TEST_F(FaultTest, ADrainedWorkersJobMovesAtACheckpointItIsAskedForCountingNoRest
   EXPECT_EQ(moved.restarts(), 0);
   for (const v1::RankPlacement& p : moved.placement()) EXPECT_NE(p.worker_id(), victim);
   EXPECT_FALSE(cluster().EventMessages(id, "job.moving").empty()) << EventText(id);
-  EXPECT_LT(moved.last_checkpoint_step(), kSteps);
-  EXPECT_FALSE(cluster().EventMessages(id, "job.checkpoint_agreed").empty()) << EventText(id);
 
   CommandResult workers = cluster().Aidnctl({"workers"});
   EXPECT_THAT(workers.out, HasSubstr("ALIVE,drained")) << workers.out;

@@ -106,6 +106,16 @@ void Reporter::Progress(int64_t step, int32_t epoch, int64_t collective_seq, int
   if (first) cv_.notify_all();
 }
 
+void Reporter::MarkSuperseded() {
+  {
+    // Under the lock, so that a waiter between its check and its wait
+    // does not miss the wake-up.
+    std::lock_guard<std::mutex> lock(mu_);
+    superseded_ = true;
+  }
+  ask_cv_.notify_all();
+}
+
 Reporter::CheckpointAsk Reporter::checkpoint_ask() const {
   std::lock_guard<std::mutex> lock(mu_);
   return ask_;
@@ -279,7 +289,7 @@ bool Reporter::Send(const std::vector<v1::MetricRecord>& batch, milliseconds tim
   grpc::Status status = writer->Finish();
   rpc::ResetBackoffAfter(status, channel_.get());
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
-    superseded_ = true;
+    MarkSuperseded();
     return true;  // nobody wants them any more
   }
   if (!status.ok()) return false;
@@ -334,7 +344,7 @@ bool Reporter::SendCommit(const v1::CommitCheckpointRequest& request, millisecon
   rpc::ResetBackoffAfter(status, channel_.get());
   if (rpc::Transient(status)) return false;
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
-    superseded_ = true;
+    MarkSuperseded();
     return true;
   }
   if (!status.ok()) {
@@ -365,8 +375,7 @@ void Reporter::SendProgress(const Work& work) {
   grpc::Status status = stub_->ReportProgress(&context, request, &response);
   rpc::ResetBackoffAfter(status, channel_.get());
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION || response.stop()) {
-    superseded_ = true;
-    ask_cv_.notify_all();
+    MarkSuperseded();
   }
   if (status.ok()) {
     std::lock_guard<std::mutex> lock(mu_);

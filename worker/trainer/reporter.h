@@ -139,6 +139,8 @@ class Reporter {
   bool SendCommit(const v1::CommitCheckpointRequest& request, std::chrono::milliseconds timeout);
   void SendProgress(const Work& work);
   void SeenIncarnationLocked(const std::string& incarnation);
+  // The coordinator said this generation is over; wakes AwaitCheckpointGo.
+  void MarkSuperseded();
 
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::ClusterService::StubInterface> stub_;
