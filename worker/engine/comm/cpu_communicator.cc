@@ -1,5 +1,6 @@
 #include "worker/engine/comm/cpu_communicator.h"
 
+#include <set>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -43,6 +44,34 @@ absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(const CpuCommunicatorOptio
     description = absl::StrCat("no shared memory: ", why_not_shm);
   }
   return CpuCommunicator{*std::move(comm), "gloo", std::move(description)};
+}
+
+absl::StatusOr<CpuCommunicator> CreateCpuGroupCommunicator(const CpuCommunicatorOptions& options,
+                                                           const std::vector<int>& members,
+                                                           const std::string& name,
+                                                           KeyValueStore* store) {
+  const int rank = options.gloo.rank;
+  int index = -1;
+  std::set<int> seen;
+  for (size_t i = 0; i < members.size(); ++i) {
+    const int m = members[i];
+    if (m < 0 || m >= options.gloo.world_size || !seen.insert(m).second) {
+      return absl::InvalidArgumentError(absl::StrCat("group ", name, ": member ", m,
+                                                     " is out of range or repeated (world_size ",
+                                                     options.gloo.world_size, ")"));
+    }
+    if (m == rank) index = static_cast<int>(i);
+  }
+  if (index < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group ", name, ": rank ", rank, " is not one of its members"));
+  }
+  CpuCommunicatorOptions group = options;
+  group.gloo.rank = index;
+  group.gloo.world_size = static_cast<int>(members.size());
+  group.gloo.prefix =
+      options.gloo.prefix.empty() ? name : absl::StrCat(options.gloo.prefix, "/", name);
+  return CreateCpuCommunicator(group, store);
 }
 
 }  // namespace aidn::engine

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/communicator.h"
@@ -43,6 +44,18 @@ struct CpuCommunicator {
 
 absl::StatusOr<CpuCommunicator> CreateCpuCommunicator(const CpuCommunicatorOptions& options,
                                                       KeyValueStore* store);
+
+// A communicator among `members`, ranks of the job (options.gloo.rank and
+// world_size are the job's), for one group of a ProcessGrid dimension
+// (process_grid.h): this rank's rank in it is its index in `members`, and
+// its keys live under "<options.gloo.prefix>/<name>", so that every group
+// meets through the job's one store. Every member calls it with the same
+// `members` and `name`; groups of one rank need no store. INVALID_ARGUMENT
+// when this rank is not a member or a member is out of range or repeated.
+absl::StatusOr<CpuCommunicator> CreateCpuGroupCommunicator(const CpuCommunicatorOptions& options,
+                                                           const std::vector<int>& members,
+                                                           const std::string& name,
+                                                           KeyValueStore* store);
 
 }  // namespace aidn::engine
 
