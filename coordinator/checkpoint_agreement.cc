@@ -8,7 +8,7 @@ namespace aidn::coordinator {
 int64_t CheckpointAgreements::Propose(CheckpointAgreement* agreement, const AgreementInputs& in) {
   int64_t lead = kUnknownLeadSteps;
   if (in.step_seconds > 0) {
-    const double lead_seconds = std::chrono::duration<double>(kLead).count();
+    const double lead_seconds = std::chrono::duration<double>(in.lead).count();
     lead = static_cast<int64_t>(std::ceil(lead_seconds / in.step_seconds));
   }
   // Twice the lead after each miss (capped: a step time off by a factor of

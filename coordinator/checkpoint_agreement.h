@@ -9,7 +9,9 @@
 // beats:
 //
 //   1. The coordinator proposes a step a little ahead of the furthest rank:
-//      about kLead of training at the job's step time.
+//      about `lead` of training at the job's step time (by default two
+//      progress beats, so that every rank hears of it before it gets
+//      there).
 //   2. A rank that learns of it at or before that step acks it and promises
 //      not to train past it before `go`; one already past it says it missed
 //      it. A miss brings a new proposal past every rank, with twice the
@@ -52,13 +54,12 @@ struct AgreementInputs {
   int64_t total_steps = 0;
   // The job's typical step time, 0 if unknown.
   double step_seconds = 0;
+  // How far ahead of the furthest rank a proposal lies, in training time.
+  std::chrono::milliseconds lead = std::chrono::milliseconds(2000);
 };
 
 class CheckpointAgreements {
  public:
-  // How far ahead of the furthest rank a proposal lies, in training time:
-  // two progress beats, so every rank hears of it before it gets there.
-  static constexpr std::chrono::milliseconds kLead{2000};
   // The lead in steps when the step time is unknown.
   static constexpr int64_t kUnknownLeadSteps = 16;
 

@@ -77,6 +77,11 @@ struct CoordinatorOptions {
   std::chrono::milliseconds worker_timeout{10'000};
   // Time a trainer gets between SIGTERM and SIGKILL on a stop order.
   std::chrono::milliseconds stop_grace{10'000};
+  // A checkpoint asked for (a pause, a drain) is proposed this much training
+  // time ahead of the furthest rank: long enough for every rank's progress
+  // beat (every second) to bring it before it gets there, or the ranks
+  // miss it and agree on a later one; the longer, the later the pause.
+  std::chrono::milliseconds checkpoint_ask_lead{2000};
   // Longest KvGet wait accepted.
   std::chrono::milliseconds max_kv_wait{600'000};
   KvLimits kv_limits;

@@ -34,8 +34,10 @@ double TypicalStepSeconds(const JobHealth& health) {
   return *middle;
 }
 
-AgreementInputs InputsOf(const Job& job, const JobHealth& health) {
+AgreementInputs InputsOf(const Job& job, const JobHealth& health,
+                         std::chrono::milliseconds lead) {
   AgreementInputs in;
+  in.lead = lead;
   in.world_size = job.spec().world_size();
   in.max_step = job.last_step();
   for (const auto& [rank, beat] : health.beats) in.max_step = std::max(in.max_step, beat.step);
@@ -88,7 +90,7 @@ absl::StatusOr<Job> Coordinator::PauseJob(const std::string& job_id, const std::
   // The ranks hear of it on their next progress beats.
   entry->agreement = {};
   const int64_t step =
-      CheckpointAgreements::Propose(&entry->agreement, InputsOf(job, entry->health));
+      CheckpointAgreements::Propose(&entry->agreement, InputsOf(job, entry->health, options_.checkpoint_ask_lead));
   ++entry->version;
   (void)PersistJob(entry, &deferred);
   NotifyWatchers(job.id(), &deferred);
@@ -164,7 +166,7 @@ void Coordinator::AnswerCheckpointAsk(JobEntry* entry, const v1::ReportProgressR
   CheckpointAgreement& agreement = entry->agreement;
   const int64_t before = agreement.step;
   if (CheckpointAgreements::Beat(&agreement, request.rank(), request.checkpoint_ack(),
-                                 request.checkpoint_missed(), InputsOf(job, entry->health))) {
+                                 request.checkpoint_missed(), InputsOf(job, entry->health, options_.checkpoint_ask_lead))) {
     if (agreement.go) {
       Emit("job.checkpoint_agreed", job.id(), "", job.generation(),
            absl::StrCat("every rank checkpoints at step ", agreement.step, " ", purpose), deferred);

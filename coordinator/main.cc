@@ -56,6 +56,9 @@ ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "how long a worker lets a trainer it was told to stop exit after SIGTERM before SIGKILL");
 ABSL_FLAG(absl::Duration, worker_timeout, absl::Seconds(10),
           "a worker silent this long is declared lost");
+ABSL_FLAG(absl::Duration, checkpoint_ask_lead, absl::Seconds(2),
+          "a checkpoint asked for (aidnctl pause, a drain) lies this much training time ahead of "
+          "the furthest rank");
 ABSL_FLAG(absl::Duration, rendezvous_timeout, absl::Minutes(5),
           "default timeouts.rendezvous for jobs");
 ABSL_FLAG(int32_t, max_restarts, 3, "default max_restarts for jobs");
@@ -197,6 +200,7 @@ absl::StatusOr<Config> ConfigFromFlags() {
   options.heartbeat_interval = Millis(absl::GetFlag(FLAGS_heartbeat_interval));
   options.worker_timeout = Millis(absl::GetFlag(FLAGS_worker_timeout));
   options.stop_grace = Millis(absl::GetFlag(FLAGS_stop_grace));
+  options.checkpoint_ask_lead = Millis(absl::GetFlag(FLAGS_checkpoint_ask_lead));
   options.metrics_retention = Millis(absl::GetFlag(FLAGS_metrics_retention));
   options.job_retention = Millis(absl::GetFlag(FLAGS_job_retention));
   options.logs.max_bytes_per_job = absl::GetFlag(FLAGS_max_log_bytes_per_job);
@@ -206,13 +210,15 @@ absl::StatusOr<Config> ConfigFromFlags() {
 
   if (options.spec_limits.max_world_size < 1 || options.heartbeat_interval.count() <= 0 ||
       options.worker_timeout <= options.heartbeat_interval || config.tick.count() <= 0 ||
-      options.stop_grace.count() < 0 || config.server.max_message_bytes < 1024 ||
+      options.stop_grace.count() < 0 || options.checkpoint_ask_lead.count() <= 0 ||
+      config.server.max_message_bytes < 1024 ||
       options.metrics_retention.count() < 0 || options.logs.max_bytes_per_job < 0 ||
       options.logs.retention.count() < 0 || options.job_retention.count() < 0) {
     return absl::InvalidArgumentError(
         "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
         "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024, "
-        "--metrics_retention >= 0, --stop_grace >= 0, --max_log_bytes_per_job >= 0, "
+        "--metrics_retention >= 0, --stop_grace >= 0, --checkpoint_ask_lead > 0, "
+        "--max_log_bytes_per_job >= 0, "
         "--log_retention >= 0, --job_retention >= 0");
   }
   return config;
@@ -233,6 +239,7 @@ void LogConfiguration(const Config& config) {
        {"max_world_size", absl::StrCat(options.spec_limits.max_world_size)},
        {"heartbeat_interval", Format(options.heartbeat_interval)},
        {"stop_grace", Format(options.stop_grace)},
+       {"checkpoint_ask_lead", Format(options.checkpoint_ask_lead)},
        {"worker_timeout", Format(options.worker_timeout)},
        {"rendezvous_timeout", Format(options.spec_limits.default_rendezvous_timeout)},
        {"max_restarts", absl::StrCat(options.spec_limits.default_max_restarts)},

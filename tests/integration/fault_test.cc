@@ -86,7 +86,8 @@ class FaultTest : public ClusterFixture {
     ClusterFixture::SetUp();
     ckpt_root_ = cluster().Path("ckpt");
     const absl::Status started = cluster().StartCoordinator(
-        {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s"});
+        {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s",
+         "--checkpoint-ask-lead=1s"});
     ASSERT_TRUE(started.ok()) << started;
   }
 
@@ -475,9 +476,9 @@ TEST_F(FaultTest, ADrainedWorkersJobMovesAtItsNextCheckpointCountingNoRestart) {
 // no step, and ends with the weights of a run never paused.
 TEST_F(FaultTest, APausedJobCheckpointsAtAnAgreedStepAndResumesAsIfNeverPaused) {
   StartWorkers({"w1", "w2"});
-  // Steps take a millisecond or so, and the agreed step lies about two
-  // seconds of training ahead.
-  constexpr int64_t kSteps = 12000;
+  // Steps take half a millisecond or so, and the agreed step lies about a
+  // second of training ahead (--checkpoint-ask-lead).
+  constexpr int64_t kSteps = 6000;
   v1::JobSpec spec = Spec(2, kSteps);
   // Only the last step on the schedule: the pause's checkpoint is its own.
   spec.mutable_checkpoint()->set_every_steps(0);
