@@ -270,6 +270,16 @@ class Coordinator {
   absl::StatusOr<JobEntry*> FencedJobToWaitOn(const std::string& job_id, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<JobEntry*> FindJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FindJob for a job that has not ended: FAILED_PRECONDITION "<id> has
+  // already ended (STATE)" for one that has (in memory or archived),
+  // NOT_FOUND for an unknown one.
+  absl::StatusOr<JobEntry*> UnfinishedJob(const std::string& job_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the job's current generation without a failure (a pause, a move
+  // off a draining worker): stop orders, the generation fenced off, the
+  // next generation's number, no placement. The caller sets the state.
+  void EndGeneration(JobEntry* entry, const std::string& reason, Deferred* deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job's record: from memory, or from the store once it left memory
   // (ArchiveFinishedJobs). NOT_FOUND for a job there is no record of.
   absl::StatusOr<v1::Job> JobRecord(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -217,10 +217,7 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(
   return response;
 }
 
-absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& reason,
-                                           const std::string& by) {
-  Deferred deferred;
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<JobEntry*> Coordinator::UnfinishedJob(const std::string& job_id) {
   absl::StatusOr<JobEntry*> found = FindJob(job_id);
   if (!found.ok()) {
     // Only finished jobs leave memory.
@@ -228,12 +225,20 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std:
     return absl::FailedPreconditionError(
         absl::StrCat(job_id, " has already ended (", StateName(archived.state()), ")"));
   }
-  JobEntry* entry = *found;
-  Job& job = entry->stored.job;
-  if (IsTerminal(job.state())) {
+  const Job::State state = (*found)->stored.job.state();
+  if (IsTerminal(state)) {
     return absl::FailedPreconditionError(
-        absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
+        absl::StrCat(job_id, " has already ended (", StateName(state), ")"));
   }
+  return found;
+}
+
+absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& reason,
+                                           const std::string& by) {
+  Deferred deferred;
+  absl::MutexLock lock(&mu_);
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, UnfinishedJob(job_id));
+  Job& job = entry->stored.job;
   const std::string who = by.empty() ? "" : " by " + by;
   const std::string message = reason.empty()
                                   ? absl::StrCat("cancelled", by.empty() ? " by user" : who)

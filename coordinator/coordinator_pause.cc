@@ -34,8 +34,7 @@ double TypicalStepSeconds(const JobHealth& health) {
   return *middle;
 }
 
-AgreementInputs InputsOf(const Job& job, const JobHealth& health,
-                         std::chrono::milliseconds lead) {
+AgreementInputs InputsOf(const Job& job, const JobHealth& health, std::chrono::milliseconds lead) {
   AgreementInputs in;
   in.lead = lead;
   in.world_size = job.spec().world_size();
@@ -52,19 +51,8 @@ absl::StatusOr<Job> Coordinator::PauseJob(const std::string& job_id, const std::
                                           const std::string& by) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<JobEntry*> found = FindJob(job_id);
-  if (!found.ok()) {
-    // Only finished jobs leave memory.
-    AIDN_ASSIGN_OR_RETURN(const Job archived, JobRecord(job_id));
-    return absl::FailedPreconditionError(
-        absl::StrCat(job_id, " has already ended (", StateName(archived.state()), ")"));
-  }
-  JobEntry* entry = *found;
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, UnfinishedJob(job_id));
   Job& job = entry->stored.job;
-  if (IsTerminal(job.state())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
-  }
   if (job.state() == Job::PAUSED) {
     return absl::FailedPreconditionError(absl::StrCat(job_id, " is already paused"));
   }
@@ -89,8 +77,8 @@ absl::StatusOr<Job> Coordinator::PauseJob(const std::string& job_id, const std::
   }
   // The ranks hear of it on their next progress beats.
   entry->agreement = {};
-  const int64_t step =
-      CheckpointAgreements::Propose(&entry->agreement, InputsOf(job, entry->health, options_.checkpoint_ask_lead));
+  const int64_t step = CheckpointAgreements::Propose(
+      &entry->agreement, InputsOf(job, entry->health, options_.checkpoint_ask_lead));
   ++entry->version;
   (void)PersistJob(entry, &deferred);
   NotifyWatchers(job.id(), &deferred);
@@ -105,18 +93,8 @@ absl::StatusOr<Job> Coordinator::PauseJob(const std::string& job_id, const std::
 absl::StatusOr<Job> Coordinator::ResumeJob(const std::string& job_id, const std::string& by) {
   Deferred deferred;
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<JobEntry*> found = FindJob(job_id);
-  if (!found.ok()) {
-    AIDN_ASSIGN_OR_RETURN(const Job archived, JobRecord(job_id));
-    return absl::FailedPreconditionError(
-        absl::StrCat(job_id, " has already ended (", StateName(archived.state()), ")"));
-  }
-  JobEntry* entry = *found;
+  AIDN_ASSIGN_OR_RETURN(JobEntry * entry, UnfinishedJob(job_id));
   Job& job = entry->stored.job;
-  if (IsTerminal(job.state())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(job_id, " has already ended (", StateName(job.state()), ")"));
-  }
   if (job.state() != Job::PAUSED) {
     return absl::FailedPreconditionError(
         absl::StrCat(job_id, " is not paused (", StateName(job.state()), ")"));
@@ -133,17 +111,7 @@ absl::StatusOr<Job> Coordinator::ResumeJob(const std::string& job_id, const std:
 }
 
 void Coordinator::PauseNow(JobEntry* entry, const std::string& message, Deferred* deferred) {
-  Job& job = entry->stored.job;
-  if (HoldsSlots(job.state())) {
-    const int64_t generation = job.generation();
-    ReleaseGeneration(entry, message,
-                      absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ",
-                                                                 job.id(), " ended: ", message)),
-                      deferred);
-    job.set_generation(generation + 1);
-    job.clear_placement();
-    PlacementsChanged();
-  }
+  if (HoldsSlots(entry->stored.job.state())) EndGeneration(entry, message, deferred);
   (void)SetState(entry, Job::PAUSED, message, deferred);
 }
 
@@ -166,7 +134,8 @@ void Coordinator::AnswerCheckpointAsk(JobEntry* entry, const v1::ReportProgressR
   CheckpointAgreement& agreement = entry->agreement;
   const int64_t before = agreement.step;
   if (CheckpointAgreements::Beat(&agreement, request.rank(), request.checkpoint_ack(),
-                                 request.checkpoint_missed(), InputsOf(job, entry->health, options_.checkpoint_ask_lead))) {
+                                 request.checkpoint_missed(),
+                                 InputsOf(job, entry->health, options_.checkpoint_ask_lead))) {
     if (agreement.go) {
       Emit("job.checkpoint_agreed", job.id(), "", job.generation(),
            absl::StrCat("every rank checkpoints at step ", agreement.step, " ", purpose), deferred);

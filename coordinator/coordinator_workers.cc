@@ -137,6 +137,17 @@ void Coordinator::MoveOffDrainingWorkers(JobEntry* entry, int64_t step, Deferred
   const std::string reason =
       absl::StrCat("moving off draining worker(s) ", absl::StrJoin(draining, ", "),
                    " at checkpoint step ", step);
+  EndGeneration(entry, reason, deferred);
+  // Placed again on the next schedule, at once: no backoff, no restart counted.
+  entry->restart_at = clock_->Now();
+  Emit("job.moving", job.id(), "", generation, reason, deferred);
+  (void)SetState(entry, Job::RESTARTING, reason, deferred);
+  Schedule(deferred);
+}
+
+void Coordinator::EndGeneration(JobEntry* entry, const std::string& reason, Deferred* deferred) {
+  Job& job = entry->stored.job;
+  const int64_t generation = job.generation();
   ReleaseGeneration(entry, reason,
                     absl::FailedPreconditionError(absl::StrCat("generation ", generation, " of ",
                                                                job.id(), " ended: ", reason)),
@@ -144,11 +155,6 @@ void Coordinator::MoveOffDrainingWorkers(JobEntry* entry, int64_t step, Deferred
   job.set_generation(generation + 1);
   job.clear_placement();
   PlacementsChanged();
-  // Placed again on the next schedule, at once: no backoff, no restart counted.
-  entry->restart_at = clock_->Now();
-  Emit("job.moving", job.id(), "", generation, reason, deferred);
-  (void)SetState(entry, Job::RESTARTING, reason, deferred);
-  Schedule(deferred);
 }
 
 }  // namespace aidn::coordinator

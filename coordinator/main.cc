@@ -211,9 +211,9 @@ absl::StatusOr<Config> ConfigFromFlags() {
   if (options.spec_limits.max_world_size < 1 || options.heartbeat_interval.count() <= 0 ||
       options.worker_timeout <= options.heartbeat_interval || config.tick.count() <= 0 ||
       options.stop_grace.count() < 0 || options.checkpoint_ask_lead.count() <= 0 ||
-      config.server.max_message_bytes < 1024 ||
-      options.metrics_retention.count() < 0 || options.logs.max_bytes_per_job < 0 ||
-      options.logs.retention.count() < 0 || options.job_retention.count() < 0) {
+      config.server.max_message_bytes < 1024 || options.metrics_retention.count() < 0 ||
+      options.logs.max_bytes_per_job < 0 || options.logs.retention.count() < 0 ||
+      options.job_retention.count() < 0) {
     return absl::InvalidArgumentError(
         "flags: need --max_world_size >= 1, --heartbeat_interval > 0, --worker_timeout > "
         "--heartbeat_interval, --tick_interval > 0, --max_message_bytes >= 1024, "

@@ -85,9 +85,9 @@ class FaultTest : public ClusterFixture {
     }
     ClusterFixture::SetUp();
     ckpt_root_ = cluster().Path("ckpt");
-    const absl::Status started = cluster().StartCoordinator(
-        {"--worker-timeout=3s", "--heartbeat-interval=500ms", "--stop-grace=1s",
-         "--checkpoint-ask-lead=1s"});
+    const absl::Status started =
+        cluster().StartCoordinator({"--worker-timeout=3s", "--heartbeat-interval=500ms",
+                                    "--stop-grace=1s", "--checkpoint-ask-lead=1s"});
     ASSERT_TRUE(started.ok()) << started;
   }
 
