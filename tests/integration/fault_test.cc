@@ -361,9 +361,6 @@ TEST_F(FaultTest, ACorruptNewestCheckpointIsSkippedForThePreviousOne) {
 // the spare worker within the worker timeout plus a few seconds.
 TEST_F(FaultTest, AKilledWorkersRanksMoveToTheSpareWorker) {
   StartWorkers({"w1", "w2", "w3"});
-  // The move comes at the checkpoint the ranks are asked for or at the next
-  // periodic one, whichever commits first (the pause test below covers the
-  // asked-for one alone).
   constexpr int64_t kSteps = 600;
   const std::string id = Submit(Spec(2, kSteps));
   ASSERT_TRUE(WaitForCommitted(id, 50));
