@@ -49,6 +49,11 @@ AgreementInputs InputsOf(const Job& job, const JobHealth& health, std::chrono::m
 
 absl::StatusOr<Job> Coordinator::PauseJob(const std::string& job_id, const std::string& reason,
                                           const std::string& by) {
+  // Stored with the job and sent with every rank's progress answer.
+  if (reason.size() > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reason: at most 1024 bytes, got ", reason.size()));
+  }
   Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, UnfinishedJob(job_id));

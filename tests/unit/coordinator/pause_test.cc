@@ -209,6 +209,9 @@ TEST_F(CoordinatorTest, APauseIsRefusedForAJobWithoutCheckpointsAndAQueuedJobPau
   EXPECT_EQ(c().PauseJob(plain, "", "alice").status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(c().PauseJob("job-99", "", "alice").status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<Job> long_reason = c().PauseJob(queued, std::string(2000, 'x'), "alice");
+  EXPECT_EQ(long_reason.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(long_reason.status().message()), HasSubstr("reason"));
 }
 
 TEST_F(CoordinatorTest, APausingJobWhoseGenerationFailsPausesInsteadOfRestarting) {
