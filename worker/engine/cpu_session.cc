@@ -22,12 +22,9 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   return session;
 }
 
-namespace {
-
-// The whole gradient's sum of squares from every rank's shards: each rank's
-// in two floats (high and low part), gathered and added in double in rank
-// order, so every rank computes the same bits.
-Optimizer::SumOfSquaresReduction ShardedSumOfSquares(Communicator* comm) {
+// Each rank's sum in two floats (high and low part), gathered and added in
+// double in rank order, so every rank computes the same bits.
+Optimizer::SumOfSquaresReduction SumOfSquaresOver(Communicator* comm) {
   return [comm](double local) -> absl::StatusOr<double> {
     const float hi = static_cast<float>(local);
     const float mine[2] = {hi, static_cast<float>(local - static_cast<double>(hi))};
@@ -40,8 +37,6 @@ Optimizer::SumOfSquaresReduction ShardedSumOfSquares(Communicator* comm) {
     return sum;
   };
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionOptions& options,
                                                                TrainableModel* model,
@@ -74,7 +69,7 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   AIDN_ASSIGN_OR_RETURN(session->owned_optimizer_, Optimizer::Create(config, params));
   session->optimizer_ = session->owned_optimizer_.get();
   if (sharded && options.communicator->world_size() > 1) {
-    session->optimizer_->SetSumOfSquaresReduction(ShardedSumOfSquares(options.communicator));
+    session->optimizer_->SetSumOfSquaresReduction(SumOfSquaresOver(options.communicator));
   }
   return session;
 }

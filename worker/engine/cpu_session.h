@@ -53,6 +53,11 @@ inline uint64_t DropoutSeed(uint64_t seed, int64_t step, int64_t accum, int64_t 
          static_cast<uint64_t>(rank);
 }
 
+// The sum over `comm`'s ranks of each rank's sum of squares, the same bits
+// on every rank: the norm of a gradient split over ranks (ZeRO's shards, a
+// pipeline's stages) for clipping. A collective.
+Optimizer::SumOfSquaresReduction SumOfSquaresOver(Communicator* comm);
+
 struct CpuSessionOptions {
   // The ranks to average gradients over (not owned; must outlive the
   // session). Null: one rank and no DDP reducer, the gradients are used as

@@ -248,7 +248,7 @@ void Gpt::Register(Parameter* p, std::string name, std::vector<int64_t> shape) {
 }
 
 void Gpt::EnsureGrads() {
-  for (Parameter* p : parameters_) {
+  for (Parameter* p : stage_parameters_) {
     if (p->grad.data() == nullptr && p->grad.numel() > 0) p->grad = Tensor(p->grad.shape());
   }
 }
@@ -277,6 +277,8 @@ void Gpt::Init(uint64_t seed) {
   }
   Register(&lnf_w_, "transformer.ln_f.weight", {c});
   if (bias) Register(&lnf_b_, "transformer.ln_f.bias", {c});
+  end_block_ = config_.n_layer;
+  stage_parameters_ = parameters_;
 
   const double proj_std = kInitStd / std::sqrt(2.0 * config_.n_layer);
   for (size_t i = 0; i < parameters_.size(); ++i) {
@@ -331,7 +333,33 @@ std::vector<std::vector<Parameter*>> Gpt::Units() {
 
 void Gpt::ZeroGrad() {
   EnsureGrads();
-  for (Parameter* p : parameters_) p->grad.Zero();
+  for (Parameter* p : stage_parameters_) p->grad.Zero();
+}
+
+void Gpt::SetStage(int first_block, int end_block) {
+  AIDN_CHECK(0 <= first_block && first_block < end_block && end_block <= config_.n_layer &&
+             batch_ == 0)
+      << "gpt: stage of blocks [" << first_block << ", " << end_block << ") of "
+      << config_.n_layer << " (before the first forward)";
+  first_block_ = first_block;
+  end_block_ = end_block;
+  std::vector<Parameter*> mine;
+  if (embeds() || has_head()) mine.push_back(&wte_);
+  if (embeds()) mine.push_back(&wpe_);
+  const std::vector<std::vector<Parameter*>> units = Units();
+  for (int l = first_block; l < end_block; ++l) {
+    for (Parameter* p : units[static_cast<size_t>(l) + 1]) mine.push_back(p);
+  }
+  if (has_head()) {
+    mine.push_back(&lnf_w_);
+    if (config_.bias) mine.push_back(&lnf_b_);
+  }
+  for (Parameter* p : parameters_) {
+    if (std::find(mine.begin(), mine.end(), p) != mine.end()) continue;
+    p->value = Tensor::View(nullptr, p->value.shape());
+    p->grad = Tensor::View(nullptr, p->grad.shape());
+  }
+  stage_parameters_ = std::move(mine);
 }
 
 void Gpt::Shape(int64_t batch, int64_t seq_len) {
@@ -363,7 +391,8 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
       EnsureShape(&a.mlp_mask, {n, c});
     }
   };
-  for (Block& b : blocks_) {
+  for (int l = first_block_; l < end_block_; ++l) {
+    Block& b = blocks_[static_cast<size_t>(l)];
     EnsureShape(&b.in, {n, c});
     if (!checkpointing_) shape_acts(b.acts);
   }
@@ -376,8 +405,10 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
   EnsureShape(&lnf_, {n, c});
   EnsureShape(&lnf_mean_, {n});
   EnsureShape(&lnf_rstd_, {n});
-  EnsureShape(&logits_, {n, config_.vocab_size});
-  EnsureShape(&grad_logits_, {n, config_.vocab_size});
+  if (has_head()) {
+    EnsureShape(&logits_, {n, config_.vocab_size});
+    EnsureShape(&grad_logits_, {n, config_.vocab_size});
+  }
   EnsureShape(&dx_, {n, c});
   EnsureShape(&dtmp_, {n, c});
   EnsureShape(&dbranch_, {n, c});
@@ -503,35 +534,47 @@ void Gpt::BlockForward(Block& b, Activations& a, float* out, bool drop) {
   cpu::AccumulateKernel(a.mid.data(), out, n * c);
 }
 
-void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
+void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training) {
   const int64_t n = batch_ * seq_len_;
   const int64_t c = config_.n_embd;
   const bool bias = config_.bias;
   const bool drop = training && config_.dropout > 0.0;
   dropped_ = drop;
-  tokens_.assign(tokens, tokens + n);
   if (hooks_ != nullptr) hooks_->BeforeForward(0);
-  // Embeddings into the first block's input (or out_ without blocks).
-  float* x = blocks_.empty() ? out_.data() : blocks_[0].in.data();
-  for (int64_t i = 0; i < n; ++i) {
+  // Embeddings (or the previous stage's output) into the first block's
+  // input (or out_ without blocks).
+  float* x = first_block_ == end_block_ ? out_.data()
+                                        : blocks_[static_cast<size_t>(first_block_)].in.data();
+  if (!embeds()) {
+    AIDN_CHECK(input != nullptr && input->numel() == n * c)
+        << "gpt: a stage's input must be [" << n << ", " << c << "]";
+    std::memcpy(x, input->data(), sizeof(float) * static_cast<size_t>(n * c));
+  }
+  if (embeds()) tokens_.assign(tokens, tokens + n);
+  for (int64_t i = 0; embeds() && i < n; ++i) {
     const int32_t tok = tokens[i];
     AIDN_CHECK(tok >= 0 && tok < config_.vocab_size) << "gpt: token " << tok << " at " << i;
     const float* te = wte_.value.data() + int64_t{tok} * c;
     const float* pe = wpe_.value.data() + (i % seq_len_) * c;
     for (int64_t j = 0; j < c; ++j) x[i * c + j] = te[j] + pe[j];
   }
-  if (drop) {
+  if (drop && embeds()) {
     cpu::DropoutMask(rng_, config_.dropout, emb_mask_.data(), n * c);
     for (int64_t i = 0; i < n * c; ++i) x[i] *= emb_mask_[i];
   }
-  for (size_t l = 0; l < blocks_.size(); ++l) {
+  const size_t end = static_cast<size_t>(end_block_);
+  for (size_t l = static_cast<size_t>(first_block_); l < end; ++l) {
     Block& b = blocks_[l];
-    float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
+    float* next = l + 1 < end ? blocks_[l + 1].in.data() : out_.data();
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeForward(unit);
     if (checkpointing_) b.rng = rng_;
     BlockForward(b, ActsOf(b), next, drop);
     if (hooks_ != nullptr) hooks_->AfterForward(unit);
+  }
+  if (!has_head()) {
+    if (hooks_ != nullptr) hooks_->AfterForward(0);
+    return;
   }
   LayerNormForward(out_.data(), lnf_w_.value.data(), bias ? lnf_b_.value.data() : nullptr, n, c,
                    lnf_.data(), lnf_mean_.data(), lnf_rstd_.data());
@@ -542,16 +585,25 @@ void Gpt::ForwardTrunk(const int32_t* tokens, bool training) {
 }
 
 const Tensor& Gpt::Logits(const int32_t* tokens, int64_t batch, int64_t seq_len) {
+  AIDN_CHECK(embeds() && has_head()) << "gpt: Logits of a pipeline stage";
   Shape(batch, seq_len);
-  ForwardTrunk(tokens, /*training=*/false);
+  ForwardTrunk(tokens, nullptr, /*training=*/false);
   targets_.clear();  // no loss: a Backward now is a programmer error
   return logits_;
 }
 
 double Gpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch, int64_t seq_len,
                     bool training) {
+  return ForwardStage(tokens, nullptr, targets, batch, seq_len, training);
+}
+
+double Gpt::ForwardStage(const int32_t* tokens, const Tensor* input, const int32_t* targets,
+                         int64_t batch, int64_t seq_len, bool training) {
   Shape(batch, seq_len);
-  ForwardTrunk(tokens, training);
+  ForwardTrunk(tokens, input, training);
+  // Backward's "after a forward" check: the positions this forward ran.
+  stage_rows_ = batch * seq_len;
+  if (!has_head()) return 0.0;
   targets_.assign(targets, targets + batch * seq_len);
   for (const int32_t t : targets_) {
     AIDN_CHECK(t >= 0 && t < config_.vocab_size) << "gpt: target " << t;
@@ -571,17 +623,47 @@ const float* Gpt::BranchGrad(const Tensor& mask) {
   return dbranch_.data();
 }
 
-void Gpt::Backward(double grad_scale) {
+void Gpt::Backward(double grad_scale) { BackwardStage(nullptr, nullptr, grad_scale); }
+
+void Gpt::BackwardStage(const Tensor* grad_output, Tensor* grad_input, double grad_scale) {
   const int64_t n = batch_ * seq_len_;
   const int64_t c = config_.n_embd;
-  const int64_t vocab = config_.vocab_size;
-  AIDN_CHECK(static_cast<int64_t>(targets_.size()) == n) << "gpt: Backward without a Forward";
+  AIDN_CHECK(stage_rows_ == n && (!has_head() || static_cast<int64_t>(targets_.size()) == n))
+      << "gpt: Backward without a Forward";
   // With unit hooks the strategy gives each unit its gradients' memory.
   if (hooks_ == nullptr) EnsureGrads();
   // The dropout stream as Forward left it (recomputations rewind it).
   const std::mt19937_64 after_forward = rng_;
-  float* dlogits = grad_logits_.data();
   if (hooks_ != nullptr) hooks_->BeforeBackward(0);
+  if (!has_head()) {
+    AIDN_CHECK(grad_output != nullptr && grad_output->numel() == n * c)
+        << "gpt: a stage's output gradient must be [" << n << ", " << c << "]";
+    std::memcpy(dx_.data(), grad_output->data(), sizeof(float) * static_cast<size_t>(n * c));
+  } else {
+    HeadBackward(grad_scale);
+  }
+  BlocksBackward();
+  if (!embeds()) {
+    // The last stage's copy of the tied wte (its head's part) is final.
+    if (has_head() && grad_ready_) grad_ready_(&wte_);
+    if (grad_input != nullptr) {
+      EnsureShape(grad_input, {n, c});
+      std::memcpy(grad_input->data(), dx_.data(), sizeof(float) * static_cast<size_t>(n * c));
+    }
+    if (hooks_ != nullptr) hooks_->AfterBackward(0);
+    rng_ = after_forward;
+    return;
+  }
+  EmbeddingBackward();
+  if (hooks_ != nullptr) hooks_->AfterBackward(0);
+  rng_ = after_forward;
+}
+
+void Gpt::HeadBackward(double grad_scale) {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t vocab = config_.vocab_size;
+  float* dlogits = grad_logits_.data();
   if (grad_scale != 1.0) {
     const float s = static_cast<float>(grad_scale);
     for (int64_t i = 0; i < n * vocab; ++i) dlogits[i] *= s;
@@ -594,8 +676,12 @@ void Gpt::Backward(double grad_scale) {
   LayerNormBackward(dtmp_.data(), out_.data(), lnf_w_.value.data(), lnf_mean_.data(),
                     lnf_rstd_.data(), n, c, dx_.data(), lnf_w_.grad.data(), BiasGrad(lnf_b_));
   Ready(lnf_w_, lnf_b_);
+}
 
-  for (size_t l = blocks_.size(); l-- > 0;) {
+void Gpt::BlocksBackward() {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  for (size_t l = static_cast<size_t>(end_block_); l-- > static_cast<size_t>(first_block_);) {
     Block& b = blocks_[l];
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeBackward(unit);
@@ -630,7 +716,11 @@ void Gpt::Backward(double grad_scale) {
     Ready(b.ln1_w, b.ln1_b);
     if (hooks_ != nullptr) hooks_->AfterBackward(unit);
   }
-  // The embeddings.
+}
+
+void Gpt::EmbeddingBackward() {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
   const float* demb = BranchGrad(emb_mask_);
   for (int64_t i = 0; i < n; ++i) {
     const float* g = demb + i * c;
@@ -641,8 +731,6 @@ void Gpt::Backward(double grad_scale) {
     grad_ready_(&wpe_);
     grad_ready_(&wte_);
   }
-  if (hooks_ != nullptr) hooks_->AfterBackward(0);
-  rng_ = after_forward;
 }
 
 void Gpt::SetActivationCheckpointing(bool on) {

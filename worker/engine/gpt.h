@@ -119,6 +119,32 @@ class Gpt {
   void SetActivationCheckpointing(bool on);
   bool activation_checkpointing() const { return checkpointing_; }
 
+  // Pipeline parallelism (pipeline_stage.h): this model runs blocks
+  // [first_block, end_block) only. The first stage (first_block 0) embeds
+  // the tokens; a later one takes the previous stage's output ([N, n_embd])
+  // as its input. The last stage (end_block n_layer) ends with ln_f, the
+  // LM head and the loss; an earlier one ends with its last block's output.
+  // Both ends hold wte (tied), so a pipeline of several stages sums its
+  // gradient over the two. The parameters of other stages are released
+  // (no storage; not to be read). Call once, before the first Forward.
+  void SetStage(int first_block, int end_block);
+  bool embeds() const { return first_block_ == 0; }
+  bool has_head() const { return end_block_ == config_.n_layer; }
+  // A stage's forward: tokens (first stage) or `input` [batch * seq_len,
+  // n_embd] (the others), targets (last stage; else ignored). Returns the
+  // loss on the last stage, 0 on the others, whose output stage_output()
+  // holds until the next forward.
+  double ForwardStage(const int32_t* tokens, const Tensor* input, const int32_t* targets,
+                      int64_t batch, int64_t seq_len, bool training);
+  const Tensor& stage_output() const { return out_; }
+  // A stage's backward: from the loss (last stage) or from `grad_output`,
+  // the gradient of stage_output(); writes the gradient of the stage's
+  // input into `grad_input` (stages after the first; may be null).
+  void BackwardStage(const Tensor* grad_output, Tensor* grad_input, double grad_scale);
+  // The parameters this stage holds, in registration order (all of them
+  // without SetStage).
+  const std::vector<Parameter*>& StageParameters() const { return stage_parameters_; }
+
   // In registration order: wte, wpe, each block's, ln_f.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
   int64_t ParameterCount() const;
@@ -164,7 +190,14 @@ class Gpt {
   void Register(Parameter* p, std::string name, std::vector<int64_t> shape);
   // Sizes the activation buffers for [batch, seq_len].
   void Shape(int64_t batch, int64_t seq_len);
-  void ForwardTrunk(const int32_t* tokens, bool training);
+  // Embeddings (or a stage's input) through the stage's blocks, and on the
+  // last stage ln_f and the logits.
+  void ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training);
+  // Backward's parts: the LM head and ln_f into dx_, the stage's blocks
+  // (dx_ becomes the gradient of their input), the embeddings from dx_.
+  void HeadBackward(double grad_scale);
+  void BlocksBackward();
+  void EmbeddingBackward();
   // A block's forward from b.in into `out` ([N, C]), keeping its
   // activations in `a`.
   void BlockForward(Block& b, Activations& a, float* out, bool drop);
@@ -189,6 +222,11 @@ class Gpt {
   UnitHooks* hooks_ = nullptr;
   std::mt19937_64 rng_{0};
 
+  // SetStage: the blocks this model runs, and its parameters.
+  int first_block_ = 0;
+  int end_block_ = 0;
+  std::vector<Parameter*> stage_parameters_;
+
   bool checkpointing_ = false;
   Activations shared_;  // activation checkpointing: the running block's
   Tensor recomputed_;   // activation checkpointing: a recomputed block's output
@@ -196,6 +234,7 @@ class Gpt {
   int64_t batch_ = 0;
   int64_t seq_len_ = 0;
   bool dropped_ = false;  // the last Forward drew dropout masks
+  int64_t stage_rows_ = 0;  // positions of the last Forward (0: none yet)
   std::vector<int32_t> tokens_;
   std::vector<int32_t> targets_;
   Tensor emb_mask_;  // [N, C]

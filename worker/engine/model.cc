@@ -38,16 +38,23 @@ void Sequential::Add(std::unique_ptr<Layer> layer) {
 }
 
 void Sequential::Forward(const Tensor& input, Tensor* logits, bool training) {
-  AIDN_CHECK(!layers_.empty()) << "Forward on an empty Sequential";
+  ForwardRange(0, layers_.size(), input, logits, training);
+}
+
+void Sequential::ForwardRange(size_t begin, size_t end, const Tensor& input, Tensor* output,
+                              bool training) {
+  AIDN_CHECK(begin < end && end <= layers_.size() && !fused_[begin])
+      << "Sequential::ForwardRange(" << begin << ", " << end << ") of " << layers_.size()
+      << " layers";
   const Tensor* x = &input;
-  const size_t last = layers_.size() - 1;
+  const size_t last = end - 1;
   if (hooks_ != nullptr) hooks_->BeforeForward(0);
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  for (size_t i = begin; i < end; ++i) {
     if (fused_[i]) continue;
     // The last layer writes straight into the caller's tensor; the others
     // into activations_ that stay alive until Backward (layers keep pointers
     // to their inputs, fused ones to their outputs).
-    Tensor* y = i == last ? logits : &activations_[i];
+    Tensor* y = i == last ? output : &activations_[i];
     const int unit = hooks_ != nullptr ? unit_[i] : 0;
     if (unit > 0) hooks_->BeforeForward(unit);
     layers_[i]->Forward(*x, y, training);
@@ -57,33 +64,49 @@ void Sequential::Forward(const Tensor& input, Tensor* logits, bool training) {
   if (hooks_ != nullptr) hooks_->AfterForward(0);
   // The last layers were fused into an earlier one, which wrote into its
   // own activation (it needs that until Backward).
-  if (x != logits) {
-    EnsureShape(logits, x->shape());
-    if (x->numel() > 0) std::memcpy(logits->data(), x->data(), sizeof(float) * x->numel());
+  if (x != output) {
+    EnsureShape(output, x->shape());
+    if (x->numel() > 0) std::memcpy(output->data(), x->data(), sizeof(float) * x->numel());
   }
 }
 
 void Sequential::Backward(const Tensor& grad_logits) {
-  const Tensor* g = &grad_logits;
+  BackwardRange(0, layers_.size(), grad_logits, nullptr);
+}
+
+void Sequential::BackwardRange(size_t begin, size_t end, const Tensor& grad_output,
+                               Tensor* grad_input) {
+  AIDN_CHECK(begin < end && end <= layers_.size())
+      << "Sequential::BackwardRange(" << begin << ", " << end << ")";
+  const Tensor* g = &grad_output;
   if (hooks_ != nullptr) hooks_->BeforeBackward(0);
-  for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
+  for (int i = static_cast<int>(end) - 1; i >= static_cast<int>(begin); --i) {
     if (fused_[static_cast<size_t>(i)]) continue;
     // The input of the model needs no gradient, and neither does anything
     // before the first layer with parameters (as torch's autograd skips the
-    // first Linear's dx GEMM).
-    Tensor* grad_input = i > first_trainable_ && first_trainable_ >= 0 ? &grads_[i] : nullptr;
+    // first Linear's dx GEMM). The range's first layer writes the caller's.
+    Tensor* gi = i > first_trainable_ && first_trainable_ >= 0 ? &grads_[i] : nullptr;
+    if (i == static_cast<int>(begin)) gi = grad_input;
     const int unit = hooks_ != nullptr ? unit_[static_cast<size_t>(i)] : 0;
     if (unit > 0) hooks_->BeforeBackward(unit);
-    layers_[i]->Backward(*g, grad_input);
+    layers_[i]->Backward(*g, gi);
     if (unit > 0) hooks_->AfterBackward(unit);
     if (grad_ready_) {
       const std::vector<Parameter*>& params = layer_parameters_[static_cast<size_t>(i)];
       for (auto it = params.rbegin(); it != params.rend(); ++it) grad_ready_(*it);
     }
-    if (grad_input == nullptr) break;
-    g = grad_input;
+    if (gi == nullptr) break;
+    g = gi;
   }
   if (hooks_ != nullptr) hooks_->AfterBackward(0);
+}
+
+std::vector<Parameter*> Sequential::ParametersOf(size_t begin, size_t end) const {
+  std::vector<Parameter*> params;
+  for (size_t i = begin; i < end && i < layers_.size(); ++i) {
+    params.insert(params.end(), layer_parameters_[i].begin(), layer_parameters_[i].end());
+  }
+  return params;
 }
 
 std::vector<std::vector<Parameter*>> Sequential::Units() const {

@@ -72,6 +72,17 @@ class Sequential {
   void Forward(const Tensor& input, Tensor* logits, bool training);
   // `grad_logits` is dL/dlogits for the batch.
   void Backward(const Tensor& grad_logits);
+  // A pipeline stage's part (pipeline_stage.h): layers [begin, end) only,
+  // from `input` (what layer begin - 1 outputs, or the model's input) into
+  // `output`; begin must not be a fused layer. BackwardRange takes the
+  // gradient of that output and, if `grad_input` is not null, writes the
+  // gradient of `input` into it. Forward and Backward are the whole range.
+  void ForwardRange(size_t begin, size_t end, const Tensor& input, Tensor* output, bool training);
+  void BackwardRange(size_t begin, size_t end, const Tensor& grad_output, Tensor* grad_input);
+  // The parameters of layers [begin, end), in registration order.
+  std::vector<Parameter*> ParametersOf(size_t begin, size_t end) const;
+  // Whether layer i has parameters (a unit's layer; a stage starts at one).
+  bool HasParameters(size_t i) const { return !layer_parameters_[i].empty(); }
   void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
   // Zeroes every gradient (before the first micro-step of a step).
   void ZeroGrad();

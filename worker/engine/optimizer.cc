@@ -18,6 +18,8 @@ namespace {
 
 bool Finite(double x) { return std::isfinite(x); }
 
+}  // namespace
+
 double SumOfSquares(const Tensor& t) {
   // Four partial sums let the loop vectorise without -ffast-math.
   const float* g = t.data();
@@ -33,6 +35,8 @@ double SumOfSquares(const Tensor& t) {
   for (; i < n; ++i) s0 += static_cast<double>(g[i]) * g[i];
   return (s0 + s1) + (s2 + s3);
 }
+
+namespace {
 
 double TotalGradNorm(const std::vector<Parameter*>& params) {
   double sum = 0;

@@ -147,6 +147,10 @@ class Optimizer {
 // the gradients are left alone.
 double ClipGradNorm(const std::vector<Parameter*>& params, double max_norm);
 
+// The sum of the squares of `t`'s elements, in double, as the clipping norm
+// adds them up.
+double SumOfSquares(const Tensor& t);
+
 }  // namespace aidn::engine
 
 #endif  // AIDN_WORKER_ENGINE_OPTIMIZER_H_

@@ -1,0 +1,52 @@
+#ifndef AIDN_WORKER_ENGINE_COMM_GRID_COMMUNICATORS_H_
+#define AIDN_WORKER_ENGINE_COMM_GRID_COMMUNICATORS_H_
+
+// The CPU communicators one rank of a data x pipeline grid (process_grid.h)
+// trains with: its data group (DDP among the replicas of its stage), its
+// pipeline group (the stages of its replica), point-to-point links to the
+// neighbouring stages, and, with several stages, a group of the first and
+// the last stage (a GPT's tied embedding). All meet through the job's one
+// store (CreateCpuGroupCommunicator), created in an order that no two ranks
+// can wait on each other in: data group, pipeline group, the link to the
+// previous stage, the link to the next, the ends' group.
+//
+// Every rank of the job calls it at the same point. Errors are the
+// communicators' (a timeout names the group).
+
+#include <memory>
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/comm/cpu_communicator.h"
+#include "worker/engine/comm/peer_link.h"
+#include "worker/engine/comm/process_grid.h"
+#include "worker/engine/pipeline_session.h"
+
+namespace aidn::engine {
+
+struct GridCommunicators {
+  std::unique_ptr<Communicator> data;
+  // Null with one stage, as are the links and the ends' group.
+  std::unique_ptr<Communicator> pipeline;
+  std::optional<PeerLink> prev;
+  std::optional<PeerLink> next;
+  std::unique_ptr<Communicator> ends;
+  // "shm" or "gloo", as the data group's.
+  std::string transport;
+
+  // The pipeline session's communicators (pipeline_session.h); the ends'
+  // group is passed as the tied parameter's, which a model without one
+  // leaves unused.
+  PipelineSessionOptions SessionOptions(PipelineSchedule schedule, double bucket_mb);
+};
+
+// INVALID_ARGUMENT for a grid with tensor parallelism (not carried by these
+// groups) or one whose world size is not options.gloo.world_size.
+absl::StatusOr<GridCommunicators> CreateGridCommunicators(const CpuCommunicatorOptions& options,
+                                                          const ProcessGrid& grid,
+                                                          KeyValueStore* store);
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_COMM_GRID_COMMUNICATORS_H_

@@ -1,0 +1,219 @@
+#include "worker/engine/pipeline_session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/clock.h"
+#include "common/status.h"
+#include "worker/engine/cpu_session.h"
+#include "worker/engine/layers.h"
+
+namespace aidn::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::Status WithContext(const absl::Status& s, const std::string& what) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
+    const PipelineSessionOptions& options, PipelineStageModel* model,
+    const OptimizerConfig& config) {
+  if (model == nullptr) return absl::InvalidArgumentError("pipeline session: needs a stage model");
+  const int stages = model->stages();
+  if ((!model->first() && options.prev == nullptr) ||
+      (!model->last() && options.next == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline stage ", model->stage(), " of ",
+                                                   stages, ": needs a link to each neighbour"));
+  }
+  if (stages > 1 && (options.pipeline == nullptr || options.pipeline->world_size() != stages)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline session: needs a communicator of the ", stages, " stages"));
+  }
+  if (model->tied() != nullptr &&
+      (options.tied == nullptr || options.tied->world_size() != 2)) {
+    return absl::InvalidArgumentError(
+        "pipeline session: the first and last stages share a parameter and need a "
+        "communicator of the two");
+  }
+  std::unique_ptr<PipelineSession> session(new PipelineSession(options, model));
+  if (options.data != nullptr && options.data->world_size() > 1) {
+    AIDN_ASSIGN_OR_RETURN(session->reducer_,
+                          DdpReducer::Create({.bucket_mb = options.bucket_mb}, model->Parameters(),
+                                             options.data));
+    DdpReducer* r = session->reducer_.get();
+    model->SetGradReadyCallback([r](Parameter* p) { r->OnGradReady(p); });
+  }
+  AIDN_ASSIGN_OR_RETURN(session->optimizer_, Optimizer::Create(config, model->Parameters()));
+  if (stages > 1) {
+    // The norm of the whole model's gradient: every stage's sum, the tied
+    // parameter's once (the first stage's copy).
+    Optimizer::SumOfSquaresReduction over = SumOfSquaresOver(options.pipeline);
+    Parameter* duplicate = model->first() ? nullptr : model->tied();
+    session->optimizer_->SetSumOfSquaresReduction(
+        [over, duplicate](double local) -> absl::StatusOr<double> {
+          return over(duplicate == nullptr ? local : local - SumOfSquares(duplicate->grad));
+        });
+  }
+  return session;
+}
+
+PipelineSession::~PipelineSession() {
+  if (reducer_ != nullptr) model_->SetGradReadyCallback(nullptr);
+}
+
+absl::StatusOr<double> PipelineSession::Step(const std::vector<MicroBatch>& micro, double lr) {
+  if (micro.empty()) {
+    return absl::InvalidArgumentError("pipeline session: a step needs a micro-batch");
+  }
+  const Clock::time_point start = Clock::now();
+  stats_ = Stats();
+  model_->ZeroGrad();
+  double loss = 0;
+  AIDN_RETURN_IF_ERROR(RunSchedule(micro, &loss));
+  AIDN_RETURN_IF_ERROR(Finish(&loss));
+  AIDN_RETURN_IF_ERROR(WithContext(optimizer_->Step(lr), "optimizer"));
+  stats_.step_seconds = SecondsSince(start);
+  return loss;
+}
+
+absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, double* loss) {
+  const int m = static_cast<int>(micro.size());
+  AIDN_ASSIGN_OR_RETURN(
+      std::vector<PipelineAction> actions,
+      StageActions(options_.schedule, model_->stages(), model_->stage(), m));
+  const double scale = 1.0 / static_cast<double>(m);
+  inputs_.resize(static_cast<size_t>(m));
+  resident_ = -1;
+  int backwards = 0;
+  int stashed = 0;
+  int64_t stashed_floats = 0;
+  auto stash = [&](int mb) -> Tensor* {
+    Tensor* t = &inputs_[static_cast<size_t>(mb)];
+    t->Resize(model_->InputShape(micro[static_cast<size_t>(mb)]));
+    ++stashed;
+    stashed_floats += t->numel();
+    stats_.peak_stashed = std::max(stats_.peak_stashed, stashed);
+    stats_.peak_stashed_floats = std::max(stats_.peak_stashed_floats, stashed_floats);
+    return t;
+  };
+  auto forward = [&](int mb) {
+    const MicroBatch& batch = micro[static_cast<size_t>(mb)];
+    if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
+    const double l =
+        model_->Forward(batch, inputs_[static_cast<size_t>(mb)], scale, &output_);
+    resident_ = mb;
+    return l;
+  };
+  // Time in transfers: waiting for the neighbours is the bubble.
+  auto transfer = [&](absl::Status s, Clock::time_point t0, const char* what, int mb) {
+    stats_.transfer_seconds += SecondsSince(t0);
+    return WithContext(s, absl::StrCat(what, " of micro-batch ", mb));
+  };
+  for (const PipelineAction& a : actions) {
+    const int mb = a.micro_batch;
+    const MicroBatch& batch = micro[static_cast<size_t>(mb)];
+    const Clock::time_point t0 = Clock::now();
+    switch (a.kind) {
+      case PipelineAction::kRecvActivation: {
+        Tensor* in = stash(mb);
+        AIDN_RETURN_IF_ERROR(transfer(options_.prev->Recv(in->data(), in->numel()), t0,
+                                      "receiving the activation", mb));
+        break;
+      }
+      case PipelineAction::kForward:
+        *loss += forward(mb) * scale;
+        stats_.compute_seconds += SecondsSince(t0);
+        break;
+      case PipelineAction::kSendActivation:
+        AIDN_RETURN_IF_ERROR(transfer(
+            options_.next->Send(output_.data(), static_cast<size_t>(model_->OutputFloats(batch))),
+            t0, "sending the activation", mb));
+        break;
+      case PipelineAction::kRecvGradient:
+        grad_output_.Resize(model_->OutputShape(batch));
+        AIDN_RETURN_IF_ERROR(
+            transfer(options_.next->Recv(grad_output_.data(), grad_output_.numel()), t0,
+                     "receiving the gradient", mb));
+        break;
+      case PipelineAction::kBackward: {
+        if (resident_ != mb) {
+          forward(mb);
+          ++stats_.recomputed;
+        }
+        const bool final = ++backwards == static_cast<int>(micro.size());
+        // DDP: the last backward's gradients are final; the mean loss
+        // (the last stage's) rides in its last bucket.
+        if (reducer_ != nullptr) {
+          reducer_->BeginBackward(final, final && model_->last() ? static_cast<float>(*loss) : 0);
+        }
+        model_->Backward(grad_output_, &grad_input_);
+        resident_ = -1;
+        stats_.compute_seconds += SecondsSince(t0);
+        if (!model_->first()) {
+          --stashed;
+          stashed_floats -= inputs_[static_cast<size_t>(mb)].numel();
+          inputs_[static_cast<size_t>(mb)] = Tensor();
+        }
+        break;
+      }
+      case PipelineAction::kSendGradient:
+        AIDN_RETURN_IF_ERROR(transfer(
+            options_.prev->Send(grad_input_.data(), static_cast<size_t>(model_->InputFloats(batch))),
+            t0, "sending the gradient", mb));
+        break;
+      case PipelineAction::kSendActivationRecvGradient: {
+        const MicroBatch& other = micro[static_cast<size_t>(a.other)];
+        grad_output_.Resize(model_->OutputShape(other));
+        AIDN_RETURN_IF_ERROR(transfer(
+            options_.next->Exchange(output_.data(),
+                                    static_cast<size_t>(model_->OutputFloats(batch)),
+                                    grad_output_.data(), grad_output_.numel()),
+            t0, "sending the activation and receiving a gradient", mb));
+        break;
+      }
+      case PipelineAction::kSendGradientRecvActivation: {
+        Tensor* in = stash(a.other);
+        AIDN_RETURN_IF_ERROR(transfer(
+            options_.prev->Exchange(grad_input_.data(),
+                                    static_cast<size_t>(model_->InputFloats(batch)), in->data(),
+                                    in->numel()),
+            t0, "sending the gradient and receiving an activation", mb));
+        break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineSession::Finish(double* loss) {
+  const Clock::time_point start = Clock::now();
+  if (reducer_ != nullptr) {
+    AIDN_RETURN_IF_ERROR(WithContext(reducer_->Finish(nullptr, nullptr), "gradient allreduce"));
+    if (model_->last()) *loss = reducer_->averaged_extra();
+  }
+  if (Parameter* tied = model_->tied(); tied != nullptr) {
+    // Each end's part of the gradient (the embedding's, the LM head's).
+    AIDN_RETURN_IF_ERROR(
+        WithContext(options_.tied->AllReduce(tied->grad.data(), static_cast<size_t>(tied->grad.numel()),
+                                       ReduceOp::kSum),
+              absl::StrCat("the tied ", tied->name, "'s gradient")));
+  }
+  stats_.allreduce_seconds = SecondsSince(start);
+  if (model_->stages() > 1) {
+    // The loss is the last stage's; the others learn it here.
+    float mean = model_->last() ? static_cast<float>(*loss) : 0.0f;
+    AIDN_RETURN_IF_ERROR(
+        WithContext(options_.pipeline->AllReduce(&mean, 1, ReduceOp::kSum), "the step's loss"));
+    *loss = mean;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::engine

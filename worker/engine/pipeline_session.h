@@ -1,0 +1,129 @@
+#ifndef AIDN_WORKER_ENGINE_PIPELINE_SESSION_H_
+#define AIDN_WORKER_ENGINE_PIPELINE_SESSION_H_
+
+// One rank's training step as a stage of a pipeline (synchronous pipeline
+// parallelism, GPipe and 1F1B: pipeline_schedule.h), the counterpart of
+// CpuSession for a model cut into stages (pipeline_stage.h). A Step takes
+// the replica's m micro-batches (every stage gets the same ones: the first
+// reads their input, the last their labels) and runs the stage's schedule:
+//
+//   zero grad ; the schedule's forwards, backwards and transfers ;
+//   DDP over the replicas ; tied gradient summed ; update
+//
+// The arithmetic is a one-rank step's with m micro-batches of gradient
+// accumulation: each micro-batch's loss is scaled by 1/m, the gradients
+// add up in micro-batch order, and one optimizer step follows the flush.
+//
+// Activations: a stage keeps only the input of each micro-batch in flight
+// (the activation it received: GPipe holds m of them, 1F1B at most P - s on
+// stage s) and runs that micro-batch's forward again, with the same dropout
+// seed, just before its backward: GPipe's re-materialisation. A backward
+// that directly follows its own forward (the last stage's under 1F1B)
+// needs no second forward.
+//
+// With data parallelism (D replicas of the pipeline) each stage's gradients
+// are averaged over its replicas in DDP buckets during the last backward
+// (ddp.h). The loss returned is the step's mean over micro-batches and
+// replicas, the same on every rank; clipping takes the norm of the whole
+// model's gradient (the tied parameter counted once).
+//
+// Not thread-safe: one session per training thread. The stage model and the
+// communicators are borrowed and must outlive the session; every rank of a
+// group calls Step in the same order (the communicators' contract).
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
+#include "worker/engine/comm/peer_link.h"
+#include "worker/engine/data.h"
+#include "worker/engine/ddp.h"
+#include "worker/engine/optimizer.h"
+#include "worker/engine/pipeline_schedule.h"
+#include "worker/engine/pipeline_stage.h"
+
+namespace aidn::engine {
+
+struct PipelineSessionOptions {
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  // To the previous and the next stage (not owned); null at the ends.
+  PeerLink* prev = nullptr;
+  PeerLink* next = nullptr;
+  // Every stage of this replica, in stage order (the loss, the clipping
+  // norm); null with one stage.
+  Communicator* pipeline = nullptr;
+  // This stage's replicas (DDP); null or one rank: no averaging.
+  Communicator* data = nullptr;
+  // The first and the last stage (the tied parameter's two copies); null
+  // unless the model has one and there are several stages.
+  Communicator* tied = nullptr;
+  // DDP gradient bucket size in MB.
+  double bucket_mb = 25.0;
+};
+
+class PipelineSession {
+ public:
+  // INVALID_ARGUMENT for a missing link, pipeline or tied group the stage
+  // needs, or a bad optimizer config or bucket size. No collective runs
+  // here: the weights must already be equal on the replicas.
+  static absl::StatusOr<std::unique_ptr<PipelineSession>> Create(
+      const PipelineSessionOptions& options, PipelineStageModel* model,
+      const OptimizerConfig& config);
+  ~PipelineSession();
+  PipelineSession(const PipelineSession&) = delete;
+  PipelineSession& operator=(const PipelineSession&) = delete;
+
+  // One optimizer step over the m = micro.size() micro-batches (each with
+  // its dropout seed) with learning rate `lr`; returns the mean loss. A
+  // failed transfer or collective comes back naming what failed; the step
+  // is then not to be repeated.
+  absl::StatusOr<double> Step(const std::vector<MicroBatch>& micro, double lr);
+
+  // What the last Step measured on this stage.
+  struct Stats {
+    // Wall time of the step, and the parts spent in forward and backward
+    // (recomputation included) and waiting in transfers to the neighbours.
+    double step_seconds = 0;
+    double compute_seconds = 0;
+    double transfer_seconds = 0;
+    // DDP over the replicas and the tied gradient's sum.
+    double allreduce_seconds = 0;
+    // Forwards run again before their backward.
+    int recomputed = 0;
+    // The most micro-batch inputs kept at once, and their floats.
+    int peak_stashed = 0;
+    int64_t peak_stashed_floats = 0;
+  };
+  const Stats& last_stats() const { return stats_; }
+
+  PipelineStageModel& model() { return *model_; }
+  Optimizer& optimizer() { return *optimizer_; }
+
+ private:
+  PipelineSession(const PipelineSessionOptions& options, PipelineStageModel* model)
+      : options_(options), model_(model) {}
+  // Runs the stage's actions for `micro`; the summed scaled loss (last
+  // stage) into *loss.
+  absl::Status RunSchedule(const std::vector<MicroBatch>& micro, double* loss);
+  absl::Status Finish(double* loss);
+
+  const PipelineSessionOptions options_;
+  PipelineStageModel* model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<DdpReducer> reducer_;
+  Stats stats_;
+  // Per micro-batch: the input received (kept until its backward).
+  std::vector<Tensor> inputs_;
+  Tensor output_;
+  Tensor grad_output_;
+  Tensor grad_input_;
+  // The micro-batch whose activations the model holds (-1: none).
+  int resident_ = -1;
+};
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_PIPELINE_SESSION_H_
