@@ -18,6 +18,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/job_entry.h"
 #include "coordinator/job_state.h"
+#include "coordinator/parallel_spec.h"
 #include "coordinator/time_util.h"
 #include "google/protobuf/util/message_differencer.h"
 
@@ -109,14 +110,16 @@ absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
                                                    ", this job ", spec->optimizer().name()));
   }
   // The same samples per step, so that the step goes on where it stopped.
+  // Pipeline and tensor groups share their replica's samples.
   auto global_batch = [](const v1::JobSpec& s) {
-    return int64_t{s.batch_size()} * std::max(1, s.grad_accum_steps()) * s.world_size();
+    return int64_t{s.batch_size()} * std::max(1, s.grad_accum_steps()) * DataReplicas(s);
   };
   if (global_batch(*spec) != global_batch(theirs)) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": job ", source->job(), " trained with a global batch of ", global_batch(theirs),
         " (batch_size ", theirs.batch_size(), " x grad_accum_steps ",
-        std::max(1, theirs.grad_accum_steps()), " x world_size ", theirs.world_size(),
+        std::max(1, theirs.grad_accum_steps()), " x data-parallel replicas ",
+        DataReplicas(theirs),
         "); this job's is ", global_batch(*spec),
         ": set batch_size or grad_accum_steps so that "
         "they match"));

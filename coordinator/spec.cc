@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "coordinator/command_spec.h"
 #include "coordinator/gpt_spec.h"
+#include "coordinator/parallel_spec.h"
 #include "coordinator/spec_checks.h"
 
 namespace aidn::coordinator {
@@ -502,6 +503,7 @@ absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(ValidateLrSchedule(spec.lr_schedule(), spec.optimizer().lr()));
   AIDN_RETURN_IF_ERROR(ValidateLength(spec));
   AIDN_RETURN_IF_ERROR(ValidateParallelism(spec));
+  AIDN_RETURN_IF_ERROR(ValidateParallel(spec));
   AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
   AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
   return ValidateGpuOnlySwitches(spec);
@@ -510,6 +512,7 @@ absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
 void ApplyTrainerDefaults(v1::JobSpec* spec) {
   using v1::JobSpec;
   ApplyGptDefaults(spec);
+  ApplyParallelDefaults(spec);
   v1::ModelSpec* model = spec->mutable_model();
   if (model->name() == kMlp && model->hidden_sizes_size() == 0) {
     model->add_hidden_sizes(256);

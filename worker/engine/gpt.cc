@@ -337,12 +337,19 @@ void Gpt::ZeroGrad() {
 }
 
 void Gpt::SetStage(int first_block, int end_block) {
-  AIDN_CHECK(0 <= first_block && first_block < end_block && end_block <= config_.n_layer &&
-             batch_ == 0)
+  AIDN_CHECK(0 <= first_block && first_block < end_block && end_block <= config_.n_layer)
       << "gpt: stage of blocks [" << first_block << ", " << end_block << ") of "
-      << config_.n_layer << " (before the first forward)";
+      << config_.n_layer;
   first_block_ = first_block;
   end_block_ = end_block;
+  // The next forward sizes the stage's buffers; other blocks' go.
+  batch_ = 0;
+  seq_len_ = 0;
+  for (int l = 0; l < config_.n_layer; ++l) {
+    if (l >= first_block && l < end_block) continue;
+    blocks_[static_cast<size_t>(l)].in = Tensor();
+    blocks_[static_cast<size_t>(l)].acts = Activations();
+  }
   std::vector<Parameter*> mine;
   if (embeds() || has_head()) mine.push_back(&wte_);
   if (embeds()) mine.push_back(&wpe_);
@@ -353,11 +360,6 @@ void Gpt::SetStage(int first_block, int end_block) {
   if (has_head()) {
     mine.push_back(&lnf_w_);
     if (config_.bias) mine.push_back(&lnf_b_);
-  }
-  for (Parameter* p : parameters_) {
-    if (std::find(mine.begin(), mine.end(), p) != mine.end()) continue;
-    p->value = Tensor::View(nullptr, p->value.shape());
-    p->grad = Tensor::View(nullptr, p->grad.shape());
   }
   stage_parameters_ = std::move(mine);
 }

@@ -125,8 +125,9 @@ class Gpt {
   // as its input. The last stage (end_block n_layer) ends with ln_f, the
   // LM head and the loss; an earlier one ends with its last block's output.
   // Both ends hold wte (tied), so a pipeline of several stages sums its
-  // gradient over the two. The parameters of other stages are released
-  // (no storage; not to be read). Call once, before the first Forward.
+  // gradient over the two. Other blocks' activation buffers are freed; the
+  // parameters are left as they are (a stage may release the others').
+  // SetStage(0, n_layer) is the whole model again.
   void SetStage(int first_block, int end_block);
   bool embeds() const { return first_block_ == 0; }
   bool has_head() const { return end_block_ == config_.n_layer; }

@@ -96,8 +96,22 @@ class ClassifierStage final : public PipelineStageModel {
 // Blocks of a Gpt (Gpt::SetStage).
 class LanguageModelStage final : public PipelineStageModel {
  public:
-  LanguageModelStage(Gpt* model, int stages, int stage)
-      : PipelineStageModel(stages, stage), model_(model) {}
+  LanguageModelStage(Gpt* model, int stages, int stage, int first, int end)
+      : PipelineStageModel(stages, stage), model_(model), first_(first), end_(end) {
+    model_->SetStage(first_, end_);
+    Release();
+  }
+
+  void Widen() override {
+    for (Parameter* p : model_->Parameters()) {
+      if (p->value.data() == nullptr) p->value = Tensor(p->value.shape());
+    }
+    model_->SetStage(0, model_->config().n_layer);
+  }
+  void Narrow() override {
+    model_->SetStage(first_, end_);
+    Release();
+  }
 
   const std::vector<Parameter*>& Parameters() const override {
     return model_->StageParameters();
@@ -149,7 +163,18 @@ class LanguageModelStage final : public PipelineStageModel {
     return static_cast<int64_t>(batch.tokens->size());
   }
 
+  // The weights (and gradients) of other stages' parameters: no storage.
+  void Release() {
+    const std::vector<Parameter*>& mine = model_->StageParameters();
+    for (Parameter* p : model_->Parameters()) {
+      if (std::find(mine.begin(), mine.end(), p) != mine.end()) continue;
+      p->value = Tensor::View(nullptr, p->value.shape());
+      p->grad = Tensor::View(nullptr, p->grad.shape());
+    }
+  }
+
   Gpt* model_;
+  const int first_, end_;
   double grad_scale_ = 1.0;
 };
 
@@ -208,8 +233,8 @@ absl::StatusOr<std::unique_ptr<PipelineStageModel>> MakeLanguageModelStage(Gpt* 
   }
   AIDN_ASSIGN_OR_RETURN(auto ranges, SplitStages(layers, stages));
   const auto [first, end] = ranges[static_cast<size_t>(stage)];
-  model->SetStage(first, end);
-  return std::unique_ptr<PipelineStageModel>(new LanguageModelStage(model, stages, stage));
+  return std::unique_ptr<PipelineStageModel>(
+      new LanguageModelStage(model, stages, stage, first, end));
 }
 
 }  // namespace aidn::engine

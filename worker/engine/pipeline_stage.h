@@ -81,6 +81,14 @@ class PipelineStageModel {
   // gradient of that Forward's input into `grad_input` (not the first).
   virtual void Backward(const Tensor& grad_output, Tensor* grad_input) = 0;
 
+  // The whole model on this rank for a while (evaluation): Widen gives
+  // every parameter storage (a GPT stage's released ones: their values are
+  // then the caller's to fill) and makes the model run all its layers;
+  // Narrow goes back to the stage, releasing what Widen gave. No training
+  // step in between.
+  virtual void Widen() {}
+  virtual void Narrow() {}
+
  protected:
   PipelineStageModel(int stages, int stage) : stages_(stages), stage_(stage) {}
 
@@ -104,8 +112,9 @@ class PipelineStageModel {
 absl::StatusOr<std::unique_ptr<PipelineStageModel>> MakeClassifierStage(
     Sequential* model, std::vector<int64_t> sample_shape, int stages, int stage);
 
-// Stage `stage` of `stages` of a GPT (Gpt::SetStage; the model must not
-// have run yet). INVALID_ARGUMENT unless stages divides n_layer.
+// Stage `stage` of `stages` of a GPT (Gpt::SetStage), releasing the
+// weights of the blocks other stages run. INVALID_ARGUMENT unless stages
+// divides n_layer.
 absl::StatusOr<std::unique_ptr<PipelineStageModel>> MakeLanguageModelStage(Gpt* model, int stages,
                                                                            int stage);
 

@@ -251,6 +251,7 @@ std::optional<Failure> RankTraining::Connect() {
   gloo.timeout = timeout;
   gloo.prefix = "gloo";
   comm_options.transport = CpuTransportOf(spec_);
+  comm_options_ = comm_options;
   absl::StatusOr<engine::CpuCommunicator> comm =
       engine::CreateCpuCommunicator(comm_options, store.get());
   if (!comm.ok()) return FailureFor(comm.status(), "communicator");
@@ -261,8 +262,8 @@ std::optional<Failure> RankTraining::Connect() {
 }
 
 std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
-  // ZeRO and FSDP: every rank writes and reads its own shard.
-  const bool every_rank = Sharded() && spec_.device() == v1::JobSpec::CPU;
+  // ZeRO, FSDP and pipelines: every rank writes and reads its own pieces.
+  const bool every_rank = (Sharded() && spec_.device() == v1::JobSpec::CPU) || Pipelined();
   if (every_rank && !checkpoint_dir_.empty()) {
     if (absl::Status s = CheckSharedDirectory(
             checkpoint_dir_, absl::StrCat(options_.job_id, "-g", options_.generation), comm_.get());
@@ -292,6 +293,18 @@ std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
 bool RankTraining::Sharded() const { return ShardingOf(spec_) != engine::Sharding::kNone; }
 
 std::optional<Failure> RankTraining::BuildSession() {
+  if (Pipelined()) {
+    absl::StatusOr<std::unique_ptr<PipelineRank>> p =
+        PipelineRank::Create(spec_, comm_options_, kv_.get(), task_.get());
+    if (absl::IsInvalidArgument(p.status())) return Failure{kExitPermanent, p.status()};
+    if (!p.ok()) return FailureFor(p.status(), "pipeline");
+    pipeline_ = *std::move(p);
+    optimizer_ = &pipeline_->optimizer();
+    AIDN_LOG(INFO) << "pipeline stage ready" << Kv("stage", pipeline_->stage())
+                   << Kv("replica", pipeline_->replica())
+                   << Kv("micro_batches", pipeline_->micro_batches());
+    return std::nullopt;
+  }
   engine::CpuSessionOptions o;
   o.communicator = comm_.get();
   o.bucket_mb = BucketMbOf(spec_);
@@ -417,7 +430,9 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
 std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t optimizer_steps) {
   // Sharded: this rank's pieces (its shards'); otherwise the whole entries.
   std::vector<engine::ShardMap::Piece> pieces;
-  if (Sharded() && cpu_ != nullptr) {
+  if (pipeline_ != nullptr) {
+    pieces = pipeline_->AllStatePieces();
+  } else if (Sharded() && cpu_ != nullptr) {
     absl::StatusOr<std::vector<engine::ShardMap::Piece>> mine = cpu_->StatePieces();
     if (!mine.ok()) return Failure{kExitFailure, mine.status()};
     pieces = *std::move(mine);
@@ -438,7 +453,9 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   const SteadyClock::time_point start = SteadyClock::now();
   // ZeRO and FSDP: every rank writes the pieces it holds; DDP: rank 0
   // holds everything and writes it.
-  const bool sharded = Sharded() && cpu_ != nullptr;
+  // A pipeline: the first replica's stages write the pieces they own.
+  const bool sharded = (Sharded() && cpu_ != nullptr) || pipeline_ != nullptr;
+  if (pipeline_ != nullptr && !pipeline_->writes_checkpoints()) return std::nullopt;
   if (!sharded && rendezvous_.rank() != 0) return std::nullopt;
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
   std::map<std::string, std::string> metadata = {{"aidn.job", options_.job_id},
@@ -462,15 +479,17 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   absl::StatusOr<engine::WrittenCheckpoint> written;
   if (sharded) {
     engine::ShardContents contents;
-    contents.weights = cpu_->WeightPieces();
-    absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces = cpu_->StatePieces();
+    contents.weights = pipeline_ ? pipeline_->WeightPieces() : cpu_->WeightPieces();
+    absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces =
+        pipeline_ ? pipeline_->StatePieces() : cpu_->StatePieces();
     if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
     contents.optimizer_state = *std::move(pieces);
     for (const engine::Parameter* p : task_->Parameters()) contents.parameters.push_back(p->name);
     contents.model_metadata = std::move(metadata);
     contents.state = state.Encode();
-    written = engine::WriteShardedCheckpoint(
-        checkpoint_dir_, step, absl::StrCat("g", options_.generation), contents, comm_.get());
+    written = engine::WriteShardedCheckpoint(checkpoint_dir_, step,
+                                             absl::StrCat("g", options_.generation), contents,
+                                             pipeline_ ? pipeline_->writers() : comm_.get());
     // Rank 0 does not see the other ranks' files: no passing trouble.
     if (absl::IsFailedPrecondition(written.status())) {
       return Failure{kExitPermanent, written.status()};
@@ -498,7 +517,11 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   request.set_bytes(written->bytes);
   // Rank 0's manifest names every rank's files.
   if (!written->manifest.empty()) request.set_manifest_sha256(Sha256Hex(written->manifest));
-  for (int r = 0; r < (sharded ? rendezvous_.world_size() : 1); ++r) request.add_writer_ranks(r);
+  if (pipeline_ != nullptr) {
+    for (int r : pipeline_->writer_ranks()) request.add_writer_ranks(r);
+  } else {
+    for (int r = 0; r < (sharded ? rendezvous_.world_size() : 1); ++r) request.add_writer_ranks(r);
+  }
   // After the step's records (ReportStep): the reporter sends those first.
   reporter_->Commit(std::move(request));
   return std::nullopt;
@@ -562,7 +585,11 @@ std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
   FullParameters full(cpu_.get());
   if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
+  if (pipeline_ != nullptr) {
+    if (absl::Status s = pipeline_->GatherWholeModel(); !s.ok()) return FailureFor(s, "evaluation");
+  }
   const TrainingTask::EvalSums mine = task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
+  if (pipeline_ != nullptr) pipeline_->ReleaseWholeModel();
   // Summed over the ranks.
   float sums[3] = {static_cast<float>(mine.loss_sum), static_cast<float>(mine.correct),
                    static_cast<float>(mine.count)};
@@ -593,16 +620,25 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
   // device.
   const int64_t first = (step % plan.steps_per_epoch) * plan.batch * plan.accum;
   const int64_t epoch = step / plan.steps_per_epoch;
+  // A pipeline cuts each batch into its micro-batches.
+  const int64_t cuts = pipeline_ ? pipeline_->micro_batches() : 1;
+  const int64_t size = plan.batch / cuts;
   std::vector<engine::MicroBatch> micro;
-  for (int64_t m = 0; m < plan.accum; ++m) {
+  for (int64_t m = 0; m < plan.accum * cuts; ++m) {
     engine::MicroBatch batch =
-        task_->Gather(epoch, indices, static_cast<size_t>(first + m * plan.batch),
-                      static_cast<size_t>(plan.batch), static_cast<size_t>(m));
-    batch.seed = engine::DropoutSeed(spec_.seed(), step, plan.accum, m, rendezvous_.world_size(),
-                                     rendezvous_.rank());
+        task_->Gather(epoch, indices, static_cast<size_t>(first + m * size),
+                      static_cast<size_t>(size), static_cast<size_t>(m));
+    batch.seed =
+        engine::DropoutSeed(spec_.seed(), step, plan.accum * cuts, m, DataWorld(), DataRank());
     micro.push_back(batch);
   }
-  if (gpu_ != nullptr) {
+  if (pipeline_ != nullptr) {
+    AIDN_ASSIGN_OR_RETURN(result.loss, pipeline_->Step(micro, result.lr));
+    const engine::PipelineSession::Stats& stats = pipeline_->last_stats();
+    result.allreduce_seconds = stats.allreduce_seconds;
+    // Waiting for the neighbours (the bubble) is not compute either.
+    result.wait_seconds = stats.allreduce_seconds + stats.transfer_seconds;
+  } else if (gpu_ != nullptr) {
     absl::StatusOr<double> loss = gpu_->Step(micro, result.lr);
     if (!loss.ok()) {
       return absl::Status(loss.status().code(),
@@ -636,16 +672,19 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   // This rank's loss on a GPU, the ranks' mean on the CPU; the coordinator
   // averages the ranks' records.
   record.set_loss(result.loss);
-  record.set_samples(plan.batch * plan.accum);
+  // A pipeline's stages share their replica's samples: its last stage
+  // counts them.
+  const int64_t share = pipeline_ == nullptr || pipeline_->last_stage() ? 1 : 0;
+  record.set_samples(share * plan.batch * plan.accum);
   record.set_step_seconds(result.seconds);
   record.set_allreduce_seconds(result.allreduce_seconds);
   record.set_compute_seconds(std::max(0.0, result.seconds - result.wait_seconds));
   record.set_lr(result.lr);
-  record.set_tokens(plan.batch * plan.accum * plan.tokens_per_item);
+  record.set_tokens(share * plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
-  if (cpu_ != nullptr) {
+  if (cpu_ != nullptr || pipeline_ != nullptr) {
     // ZeRO-2's and FSDP's buffers grow to their size in the first step.
-    memory_ = cpu_->memory();
+    memory_ = pipeline_ ? pipeline_->memory() : cpu_->memory();
     if (step == start_step_) {
       constexpr double kMiB = 1024.0 * 1024.0;
       AIDN_LOG(INFO) << "model state memory"
@@ -666,7 +705,7 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   if (rendezvous_.rank() == 0 &&
       ((step + 1) % plan.log_every == 0 || step + 1 == plan.total_steps)) {
     // Samples (or tokens, for a language model) of every rank over the step.
-    const double items = static_cast<double>(plan.batch * plan.accum * rendezvous_.world_size() *
+    const double items = static_cast<double>(plan.batch * plan.accum * DataWorld() *
                                              std::max<int64_t>(1, plan.tokens_per_item));
     std::printf("step %lld/%lld | loss %.4f | %.1f ms | %.0f %s/s | allreduce %.1f ms\n",
                 static_cast<long long>(step + 1), static_cast<long long>(plan.total_steps),
@@ -702,9 +741,9 @@ std::optional<Failure> RankTraining::AfterStep(const Plan& plan, int64_t step, i
 
 std::optional<Failure> RankTraining::Execute() {
   if (std::optional<Failure> f = Setup(); f.has_value()) return f;
-  const engine::DistributedSampler sampler(task_->train_items(), rendezvous_.world_size(),
-                                           rendezvous_.rank(), spec_.dataset().shuffle(),
-                                           spec_.seed(), spec_.dataset().drop_last());
+  const engine::DistributedSampler sampler(task_->train_items(), DataWorld(), DataRank(),
+                                           spec_.dataset().shuffle(), spec_.seed(),
+                                           spec_.dataset().drop_last());
   absl::StatusOr<Plan> plan = MakePlan(sampler);
   if (!plan.ok()) return Failure{kExitPermanent, plan.status()};
   schedule_ = ScheduleOf(spec_);

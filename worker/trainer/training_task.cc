@@ -28,6 +28,7 @@ class ImageTask final : public TrainingTask {
 
   engine::TrainableModel& model() override { return classifier_; }
   const engine::Sequential* sequential() const override { return model_.get(); }
+  engine::Sequential* mutable_sequential() override { return model_.get(); }
   int64_t train_items() const override { return train_.size; }
   int64_t tokens_per_item() const override { return 0; }
 
@@ -88,6 +89,7 @@ class TextTask final : public TrainingTask {
         lm_(model_.get()) {}
 
   engine::TrainableModel& model() override { return lm_; }
+  engine::Gpt* gpt() override { return model_.get(); }
   int64_t train_items() const override {
     return engine::TextWindowCount(text_.train.size(), block_);
   }

@@ -46,6 +46,10 @@ class TrainingTask {
   const std::vector<engine::Parameter*>& Parameters() { return model().Parameters(); }
   // The model the GPU engine mirrors; null for a model it does not have.
   virtual const engine::Sequential* sequential() const { return nullptr; }
+  // The model itself, for a pipeline stage to be cut from: the Sequential
+  // of an image task or the Gpt of a text task (the other null).
+  virtual engine::Sequential* mutable_sequential() { return nullptr; }
+  virtual engine::Gpt* gpt() { return nullptr; }
 
   // Training items per epoch (images, or text windows).
   virtual int64_t train_items() const = 0;

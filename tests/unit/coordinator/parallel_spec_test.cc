@@ -1,0 +1,127 @@
+#include "coordinator/parallel_spec.h"
+
+#include <functional>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "coordinator/spec.h"
+
+namespace aidn::coordinator {
+namespace {
+
+using v1::JobSpec;
+
+// A 4-rank job, `edit`ed as a user writes it, then defaults applied.
+JobSpec Spec(const std::string& model, const std::function<void(JobSpec*)>& edit) {
+  JobSpec spec;
+  spec.set_world_size(4);
+  spec.mutable_model()->set_name(model);
+  spec.set_max_steps(100);
+  spec.set_batch_size(8);
+  edit(&spec);
+  ApplyJobSpecDefaults(SpecLimits{}, &spec);
+  return spec;
+}
+
+TEST(ParallelSpec, APipelineGetsItsMicroBatchesAndScheduleByDefault) {
+  const JobSpec spec = Spec("gpt", [](JobSpec* s) { s->mutable_parallel()->set_pipeline(2); });
+  EXPECT_EQ(spec.parallel().tensor(), 1);
+  EXPECT_EQ(spec.parallel().pipeline(), 2);
+  EXPECT_EQ(spec.parallel().micro_batches(), 2);
+  EXPECT_EQ(spec.parallel().schedule(), v1::ParallelSpec::ONE_F_ONE_B);
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+  EXPECT_EQ(DataReplicas(spec), 2);
+
+  const JobSpec mlp = Spec("mlp", [](JobSpec* s) {
+    s->mutable_parallel()->set_pipeline(3);
+    s->set_world_size(3);
+    s->mutable_parallel()->set_micro_batches(4);
+    s->mutable_parallel()->set_schedule(v1::ParallelSpec::GPIPE);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, mlp).ok()) << ValidateJobSpec(SpecLimits{}, mlp);
+  EXPECT_EQ(DataReplicas(mlp), 1);
+  // Without `parallel`, nothing changes.
+  const JobSpec plain = Spec("mlp", [](JobSpec*) {});
+  EXPECT_FALSE(plain.has_parallel());
+  EXPECT_EQ(DataReplicas(plain), 4);
+}
+
+TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
+  struct Case {
+    std::string model;
+    std::function<void(JobSpec*)> edit;
+    std::string message;
+  };
+  const Case cases[] = {
+      {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_pipeline(3); },
+       "world_size: 4 is not a multiple of parallel.tensor x parallel.pipeline = 1 x 3 "
+       "(world_size = data-parallel replicas x tensor x pipeline)"},
+      {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_pipeline(8); },
+       "parallel.pipeline: must be between 1 and 4, got 8"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(4);
+         s->mutable_model()->set_n_layer(6);
+       },
+       "parallel.pipeline: 4 stages do not divide model.n_layer 6 (every stage runs as many "
+       "blocks)"},
+      {"mlp", [](JobSpec* s) { s->mutable_parallel()->set_pipeline(4); },
+       "parallel.pipeline: 4 stages, but model mlp has 3 layers with parameters to give them"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->mutable_parallel()->set_micro_batches(3);
+       },
+       "parallel.micro_batches: 3 does not divide batch_size 8 (each micro-batch is batch_size / "
+       "micro_batches samples; micro_batches defaults to parallel.pipeline)"},
+      {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_tensor(2); },
+       "parallel.tensor: jobs run with 1 for now: tensor-parallel layers are not yet in the "
+       "models"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->set_strategy(JobSpec::FSDP);
+       },
+       "parallel.pipeline: combines with strategy: ddp only (this job's is FSDP)"},
+      {"mlp",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->set_device(JobSpec::GPU);
+       },
+       "parallel.pipeline: runs on device: cpu for now"},
+      {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_micro_batches(4); },
+       "parallel.micro_batches: applies with parallel.pipeline > 1 (to accumulate gradients over "
+       "micro-steps without a pipeline, set grad_accum_steps)"},
+      {"gpt",
+       [](JobSpec* s) { s->mutable_parallel()->set_schedule(v1::ParallelSpec::GPIPE); },
+       "parallel.schedule: applies with parallel.pipeline > 1"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->mutable_parallel()->set_schedule(static_cast<v1::ParallelSpec::Schedule>(9));
+       },
+       "parallel.schedule: unknown value 9 (known: gpipe, one_f_one_b)"},
+  };
+  for (const Case& c : cases) {
+    const JobSpec spec = Spec(c.model, c.edit);
+    const absl::Status s = ValidateJobSpec(SpecLimits{}, spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_EQ(std::string(s.message()), c.message);
+  }
+}
+
+TEST(ParallelSpec, CommandJobsLeaveItUnset) {
+  JobSpec spec;
+  spec.set_world_size(2);
+  spec.mutable_command()->add_argv("/bin/true");
+  spec.mutable_parallel()->set_pipeline(2);
+  ApplyJobSpecDefaults(SpecLimits{}, &spec);
+  const absl::Status s = ValidateJobSpec(SpecLimits{}, spec);
+  EXPECT_EQ(std::string(s.message()),
+            "parallel: configures the built-in trainer; a job with a command runs its own "
+            "program and must leave it unset");
+}
+
+}  // namespace
+}  // namespace aidn::coordinator
