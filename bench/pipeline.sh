@@ -17,4 +17,5 @@ BUILD=${AIDN_BUILD:-$ROOT/build-bench}
 STEP=$BUILD/bench/pipeline_step
 [[ -x $STEP ]] || { echo "build it: AIDN_BUILD_DIR=build-bench AIDN_CMAKE_ARGS=-DAIDN_BUILD_BENCHMARKS=ON scripts/build.sh pipeline_step" >&2; exit 1; }
 exec "$STEP" --config "${CONFIG:-gpt-mini}" --stages "${STAGES:-2}" --micro "${MICRO:-1,4,8}" \
-  --batch "${BATCH:-4}" --seq "${SEQ:-128}" --steps "${STEPS:-6}" --warmup 2
+  --batch "${BATCH:-4}" --seq "${SEQ:-128}" --steps "${STEPS:-6}" --warmup 2 \
+  --checkpointing "${CHECKPOINTING:-0}"

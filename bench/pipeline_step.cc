@@ -4,13 +4,14 @@
 //
 //   build/bench/pipeline_step [--config gpt-mini] [--stages 2] [--micro 1,4,8]
 //                             [--batch 4] [--seq 128] [--steps 6] [--warmup 2]
+//                             [--checkpointing 0|1]
 //
 // Per row: the median step, the measured bubble against the ideal
 // (P - 1) / (m + P - 1), per stage: the share of the step it spent not
 // computing (waiting for its neighbours), the forwards it ran again before
-// their backward (GPipe's re-materialisation), and the activations it kept:
-// the inputs of the micro-batches in flight (m under GPipe, at most P - s
-// under 1F1B). "one rank" is the same micro-batches accumulated by one
+// their backward (with --checkpointing, none: each block's forward runs
+// again inside the backward instead), and the activations it kept for the
+// micro-batches in flight (m under GPipe, at most P - s under 1F1B). "one rank" is the same micro-batches accumulated by one
 // CpuSession on one thread. Stages run faster than one rank only with a
 // core each; the header warns when there are fewer.
 
@@ -48,6 +49,7 @@ struct Options {
   int seq = 128;
   int steps = 6;
   int warmup = 2;
+  bool checkpointing = false;
 };
 
 OptimizerConfig Adam() {
@@ -122,6 +124,7 @@ std::vector<StageResult> RunPipeline(const Options& o, const GptConfig& config,
       absl::StatusOr<GridCommunicators> comms = CreateGridCommunicators(options, *grid, &store);
       if (!comms.ok()) fail(comms.status());
       std::unique_ptr<Gpt> gpt = *Gpt::Create(config, 1);
+      gpt->SetActivationCheckpointing(o.checkpointing);
       absl::StatusOr<std::unique_ptr<PipelineStageModel>> stage =
           MakeLanguageModelStage(gpt.get(), p, rank);
       if (!stage.ok()) fail(stage.status());
@@ -143,6 +146,7 @@ std::vector<StageResult> RunPipeline(const Options& o, const GptConfig& config,
 double OneRankStep(const Options& o, const GptConfig& config, int m) {
   ConfigureCpu(1);
   std::unique_ptr<Gpt> gpt = *Gpt::Create(config, 1);
+  gpt->SetActivationCheckpointing(o.checkpointing);
   LanguageModel model(gpt.get());
   std::unique_ptr<CpuSession> session = *CpuSession::Create({}, &model, Adam());
   std::vector<double> times;
@@ -161,7 +165,7 @@ double OneRankStep(const Options& o, const GptConfig& config, int m) {
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--config gpt-mini] [--stages 2] [--micro 1,4,8] [--batch 4] "
-               "[--seq 128] [--steps 6] [--warmup 2]\n",
+               "[--seq 128] [--steps 6] [--warmup 2] [--checkpointing 0|1]\n",
                argv0);
   return 2;
 }
@@ -194,6 +198,8 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &o.steps);
     } else if (a == "--warmup") {
       ok = absl::SimpleAtoi(v, &o.warmup);
+    } else if (a == "--checkpointing") {
+      o.checkpointing = v == "1" || v == "true";
     } else {
       return Usage(argv[0]);
     }
@@ -207,13 +213,13 @@ int main(int argc, char** argv) {
 #endif
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   std::printf("# %s (%d layers, %d wide), %d stages of %d blocks, micro-batches of %d x %d "
-              "tokens, %ld cores%s\n",
+              "tokens, activation checkpointing %s, %ld cores%s\n",
               o.config.c_str(), config->n_layer, config->n_embd, o.stages,
-              config->n_layer / o.stages, o.batch, o.seq, cores,
+              config->n_layer / o.stages, o.batch, o.seq, o.checkpointing ? "on" : "off", cores,
               cores < o.stages ? " (WARNING: fewer cores than stages: stages share them)" : "");
   std::printf("%-8s %2s %9s %9s %7s %7s  %-24s %-14s %-22s\n", "schedule", "m", "step ms",
               "1-rank ms", "bubble", "ideal", "idle share per stage", "recomputed",
-              "kept inputs per stage");
+              "kept per stage");
   for (int m : o.micro) {
     const double one = OneRankStep(o, *config, m);
     for (PipelineSchedule schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
@@ -239,8 +245,9 @@ int main(int argc, char** argv) {
         std::snprintf(buf, sizeof(buf), "%s%d", recomputed.empty() ? "" : " ",
                       s.steps.back().recomputed);
         recomputed += buf;
-        std::snprintf(buf, sizeof(buf), "%s%d:%.2fM", kept.empty() ? "" : " ",
-                      s.steps.back().peak_stashed, 4.0 * s.steps.back().peak_stashed_floats / 1048576.0);
+        std::snprintf(buf, sizeof(buf), "%s%d:%.1fM", kept.empty() ? "" : " ",
+                      s.steps.back().peak_in_flight,
+                      static_cast<double>(s.steps.back().peak_kept_bytes) / 1048576.0);
         kept += buf;
       }
       std::printf("%-8s %2d %9.1f %9.1f %7.3f %7.3f  %-24s %-14s %-22s\n",
@@ -250,6 +257,6 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("# bubble: the stages' mean idle share (1 - compute / step); ideal (P-1)/(m+P-1). "
-              "kept inputs: count:MiB of micro-batch inputs held at once\n");
+              "kept: micro-batches in flight at most : MiB of their activations held at once\n");
   return 0;
 }

@@ -735,6 +735,47 @@ void Gpt::EmbeddingBackward() {
   }
 }
 
+void Gpt::SwapActivations(Stash* s) {
+  const size_t blocks = blocks_.size();
+  s->in.resize(blocks);
+  s->acts.resize(blocks);
+  s->rng.resize(blocks);
+  for (int l = first_block_; l < end_block_; ++l) {
+    Block& b = blocks_[static_cast<size_t>(l)];
+    std::swap(b.in, s->in[static_cast<size_t>(l)]);
+    std::swap(b.acts, s->acts[static_cast<size_t>(l)]);
+    std::swap(b.rng, s->rng[static_cast<size_t>(l)]);
+  }
+  std::swap(emb_mask_, s->emb_mask);
+  std::swap(out_, s->out);
+  std::swap(lnf_, s->lnf);
+  std::swap(lnf_mean_, s->lnf_mean);
+  std::swap(lnf_rstd_, s->lnf_rstd);
+  std::swap(grad_logits_, s->grad_logits);
+  std::swap(tokens_, s->tokens);
+  std::swap(targets_, s->targets);
+  std::swap(stage_rows_, s->rows);
+  std::swap(dropped_, s->dropped);
+  // An empty stash brings batch 0: the next Forward sizes its buffers.
+  std::swap(batch_, s->batch);
+  std::swap(seq_len_, s->seq_len);
+}
+
+int64_t Gpt::Stash::bytes() const {
+  int64_t floats = 0;
+  auto add = [&floats](const Tensor& t) { floats += t.numel(); };
+  for (const Tensor& t : in) add(t);
+  for (const Activations& a : acts) {
+    for (const Tensor* t : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.att_mask, &a.y,
+                            &a.attn_mask, &a.mid, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.gelu,
+                            &a.mlp_mask}) {
+      add(*t);
+    }
+  }
+  for (const Tensor* t : {&emb_mask, &out, &lnf, &lnf_mean, &lnf_rstd, &grad_logits}) add(*t);
+  return 4 * floats + 4 * static_cast<int64_t>(tokens.size() + targets.size());
+}
+
 void Gpt::SetActivationCheckpointing(bool on) {
   if (on == checkpointing_) return;
   checkpointing_ = on;

@@ -146,6 +146,17 @@ class Gpt {
   // without SetStage).
   const std::vector<Parameter*>& StageParameters() const { return stage_parameters_; }
 
+  // One forward's activations set aside, so that several micro-batches can
+  // be in flight between their forward and backward (a pipeline stage
+  // keeps one per micro-batch). Opaque; movable.
+  class Stash;
+  // Exchanges what the model holds for its next Backward (the stage's
+  // activations, tokens, targets and dropout state) with `stash`: after a
+  // Forward it takes them aside (the model then holds an empty stash's),
+  // before the Backward it gives them back. O(1): buffers move, nothing is
+  // copied.
+  void SwapActivations(Stash* stash);
+
   // In registration order: wte, wpe, each block's, ln_f.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
   int64_t ParameterCount() const;
@@ -253,6 +264,22 @@ class Gpt {
   Tensor dqkv_;         // [N, 3C]
   Tensor datt_;         // [T, T] one (sequence, head) at a time
   Tensor patt_;         // [T, T] probabilities after dropout, likewise
+};
+
+class Gpt::Stash {
+ public:
+  // Bytes of activations it holds.
+  int64_t bytes() const;
+
+ private:
+  friend class Gpt;
+  std::vector<Tensor> in;
+  std::vector<Activations> acts;
+  std::vector<std::mt19937_64> rng;
+  Tensor emb_mask, out, lnf, lnf_mean, lnf_rstd, grad_logits;
+  std::vector<int32_t> tokens, targets;
+  int64_t batch = 0, seq_len = 0, rows = 0;
+  bool dropped = false;
 };
 
 // A model from a safetensors file of its weights under GPT-2's names (a

@@ -90,18 +90,27 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
       StageActions(options_.schedule, model_->stages(), model_->stage(), m));
   const double scale = 1.0 / static_cast<double>(m);
   inputs_.resize(static_cast<size_t>(m));
+  kept_.assign(static_cast<size_t>(m), false);
   resident_ = -1;
   int backwards = 0;
-  int stashed = 0;
-  int64_t stashed_floats = 0;
-  auto stash = [&](int mb) -> Tensor* {
+  int in_flight = 0;
+  // Bytes of the inputs held (received, not yet consumed).
+  int64_t input_bytes = 0;
+  auto peak = [&] {
+    stats_.peak_kept_bytes =
+        std::max(stats_.peak_kept_bytes, input_bytes + model_->kept_bytes());
+  };
+  auto receive = [&](int mb) -> Tensor* {
     Tensor* t = &inputs_[static_cast<size_t>(mb)];
     t->Resize(model_->InputShape(micro[static_cast<size_t>(mb)]));
-    ++stashed;
-    stashed_floats += t->numel();
-    stats_.peak_stashed = std::max(stats_.peak_stashed, stashed);
-    stats_.peak_stashed_floats = std::max(stats_.peak_stashed_floats, stashed_floats);
+    input_bytes += 4 * t->numel();
+    peak();
     return t;
+  };
+  auto release = [&](int mb) {
+    Tensor& t = inputs_[static_cast<size_t>(mb)];
+    input_bytes -= 4 * t.numel();
+    t = Tensor();
   };
   auto forward = [&](int mb) {
     const MicroBatch& batch = micro[static_cast<size_t>(mb)];
@@ -122,13 +131,21 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
     const Clock::time_point t0 = Clock::now();
     switch (a.kind) {
       case PipelineAction::kRecvActivation: {
-        Tensor* in = stash(mb);
+        Tensor* in = receive(mb);
         AIDN_RETURN_IF_ERROR(transfer(options_.prev->Recv(in->data(), in->numel()), t0,
                                       "receiving the activation", mb));
         break;
       }
       case PipelineAction::kForward:
         *loss += forward(mb) * scale;
+        stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight);
+        if (model_->Keep(mb)) {
+          // The activations hold what backward needs; the input is spent.
+          kept_[static_cast<size_t>(mb)] = true;
+          resident_ = -1;
+          if (!model_->first()) release(mb);
+        }
+        peak();
         stats_.compute_seconds += SecondsSince(t0);
         break;
       case PipelineAction::kSendActivation:
@@ -143,7 +160,9 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
                      "receiving the gradient", mb));
         break;
       case PipelineAction::kBackward: {
-        if (resident_ != mb) {
+        if (kept_[static_cast<size_t>(mb)]) {
+          model_->Restore(mb);
+        } else if (resident_ != mb) {
           forward(mb);
           ++stats_.recomputed;
         }
@@ -155,12 +174,9 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
         }
         model_->Backward(grad_output_, &grad_input_);
         resident_ = -1;
+        --in_flight;
         stats_.compute_seconds += SecondsSince(t0);
-        if (!model_->first()) {
-          --stashed;
-          stashed_floats -= inputs_[static_cast<size_t>(mb)].numel();
-          inputs_[static_cast<size_t>(mb)] = Tensor();
-        }
+        if (!model_->first() && !kept_[static_cast<size_t>(mb)]) release(mb);
         break;
       }
       case PipelineAction::kSendGradient:
@@ -179,7 +195,7 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
         break;
       }
       case PipelineAction::kSendGradientRecvActivation: {
-        Tensor* in = stash(a.other);
+        Tensor* in = receive(a.other);
         AIDN_RETURN_IF_ERROR(transfer(
             options_.prev->Exchange(grad_input_.data(),
                                     static_cast<size_t>(model_->InputFloats(batch)), in->data(),

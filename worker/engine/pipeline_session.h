@@ -14,12 +14,14 @@
 // accumulation: each micro-batch's loss is scaled by 1/m, the gradients
 // add up in micro-batch order, and one optimizer step follows the flush.
 //
-// Activations: a stage keeps only the input of each micro-batch in flight
-// (the activation it received: GPipe holds m of them, 1F1B at most P - s on
-// stage s) and runs that micro-batch's forward again, with the same dropout
-// seed, just before its backward: GPipe's re-materialisation. A backward
-// that directly follows its own forward (the last stage's under 1F1B)
-// needs no second forward.
+// Activations: a stage keeps those of every micro-batch in flight, from its
+// forward to its backward: GPipe holds m micro-batches' at once, 1F1B at
+// most P - s on stage s (with the model's activation checkpointing, a GPT
+// block keeps only its input). A model that cannot set its activations
+// aside (a Sequential) keeps only each micro-batch's input instead and
+// runs the forward again, with the same dropout seed, just before the
+// backward (GPipe's re-materialisation); a backward that directly follows
+// its own forward (the last stage's under 1F1B) needs no second forward.
 //
 // With data parallelism (D replicas of the pipeline) each stage's gradients
 // are averaged over its replicas in DDP buckets during the last backward
@@ -91,11 +93,12 @@ class PipelineSession {
     double transfer_seconds = 0;
     // DDP over the replicas and the tied gradient's sum.
     double allreduce_seconds = 0;
+    // The most micro-batches in flight at once (forward run, backward
+    // not), and the most bytes of their activations (or inputs) kept.
+    int peak_in_flight = 0;
+    int64_t peak_kept_bytes = 0;
     // Forwards run again before their backward.
     int recomputed = 0;
-    // The most micro-batch inputs kept at once, and their floats.
-    int peak_stashed = 0;
-    int64_t peak_stashed_floats = 0;
   };
   const Stats& last_stats() const { return stats_; }
 
@@ -122,6 +125,8 @@ class PipelineSession {
   Tensor grad_input_;
   // The micro-batch whose activations the model holds (-1: none).
   int resident_ = -1;
+  // Per micro-batch: its activations are kept by the model (Keep).
+  std::vector<bool> kept_;
 };
 
 }  // namespace aidn::engine

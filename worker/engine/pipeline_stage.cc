@@ -157,6 +157,30 @@ class LanguageModelStage final : public PipelineStageModel {
                           grad_scale_);
   }
 
+  bool Keep(int micro_batch) override {
+    Gpt::Stash stash;
+    if (!spare_.empty()) {
+      stash = std::move(spare_.back());
+      spare_.pop_back();
+    }
+    model_->SwapActivations(&stash);
+    kept_[micro_batch] = std::move(stash);
+    return true;
+  }
+  void Restore(int micro_batch) override {
+    auto it = kept_.find(micro_batch);
+    AIDN_CHECK(it != kept_.end()) << "gpt stage: micro-batch " << micro_batch << " was not kept";
+    model_->SwapActivations(&it->second);
+    // The buffers the model held, for the next Keep.
+    spare_.push_back(std::move(it->second));
+    kept_.erase(it);
+  }
+  int64_t kept_bytes() const override {
+    int64_t bytes = 0;
+    for (const auto& [mb, stash] : kept_) bytes += stash.bytes();
+    return bytes;
+  }
+
  private:
   static int64_t Positions(const MicroBatch& batch) {
     AIDN_CHECK(batch.tokens != nullptr) << "a language model stage's micro-batch needs tokens";
@@ -176,6 +200,9 @@ class LanguageModelStage final : public PipelineStageModel {
   Gpt* model_;
   const int first_, end_;
   double grad_scale_ = 1.0;
+  // Micro-batches between their forward and backward, and buffers to reuse.
+  std::map<int, Gpt::Stash> kept_;
+  std::vector<Gpt::Stash> spare_;
 };
 
 }  // namespace

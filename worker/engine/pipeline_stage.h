@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -80,6 +81,16 @@ class PipelineStageModel {
   // last stage) or from `grad_output` (the others), and writes the
   // gradient of that Forward's input into `grad_input` (not the first).
   virtual void Backward(const Tensor& grad_output, Tensor* grad_input) = 0;
+
+  // Several micro-batches in flight: Keep(mb), right after mb's Forward,
+  // sets its activations aside (the model then holds none); Restore(mb),
+  // right before its Backward, brings them back. False from Keep: the model
+  // cannot (a Sequential's layers hold their own state), and the session
+  // runs the forward again before the backward instead.
+  virtual bool Keep(int /*micro_batch*/) { return false; }
+  virtual void Restore(int /*micro_batch*/) {}
+  // Bytes of the activations kept now.
+  virtual int64_t kept_bytes() const { return 0; }
 
   // The whole model on this rank for a while (evaluation): Widen gives
   // every parameter storage (a GPT stage's released ones: their values are

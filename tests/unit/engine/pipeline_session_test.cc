@@ -3,9 +3,9 @@
 // 1F1B over shared memory (and Gloo), with and without data parallelism
 // (2 x 2), AdamW and clipping, end 20 steps with the losses and weights of
 // one rank that accumulates the same micro-batches, within 1e-5 relative.
-// Each stage keeps only the inputs of the micro-batches in flight: all m
-// under GPipe, at most P - s under 1F1B, and 1F1B's last stage runs no
-// forward twice.
+// A stage has all m micro-batches in flight under GPipe and at most P - s
+// under 1F1B; a GPT stage keeps their activations, an MLP's runs their
+// forward again (but 1F1B's last stage, whose backward follows at once).
 
 #include "worker/engine/pipeline_session.h"
 
@@ -146,12 +146,15 @@ struct Shape {
   int stages;
   PipelineSchedule schedule;
   CpuTransport transport;
+  // The GPT stages' blocks keep only their input and run again in backward.
+  bool checkpointing = false;
 };
 
 void PrintTo(const Shape& s, std::ostream* os) {
   *os << (s.gpt ? "gpt" : "mlp") << " " << s.data << "x" << s.stages << " "
       << (s.schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b") << " "
-      << (s.transport == CpuTransport::kGloo ? "gloo" : "shm");
+      << (s.transport == CpuTransport::kGloo ? "gloo" : "shm")
+      << (s.checkpointing ? " checkpointing" : "");
 }
 
 TrainedRun Pipelined(const Shape& shape) {
@@ -175,6 +178,7 @@ TrainedRun Pipelined(const Shape& shape) {
                               CreateGridCommunicators(options, grid, &store));
         const GridCoords at = grid.CoordsOf(rank);
         Model model = Model::Make(shape.gpt);
+        if (shape.checkpointing) model.gpt->SetActivationCheckpointing(true);
         std::unique_ptr<PipelineStageModel> stage;
         if (shape.gpt) {
           AIDN_ASSIGN_OR_RETURN(stage,
@@ -268,19 +272,21 @@ TEST_P(PipelineSessionTest, TwentyStepsEndWhereOneRankEnds) {
     }
     EXPECT_LT(Relative(g, w), 1e-5) << name;
   }
-  // What each stage kept and ran again in the last step.
+  // What each stage kept and ran again in the last step: a GPT stage keeps
+  // its micro-batches' activations, an MLP's only their inputs (and runs
+  // their forward again, but where the backward follows at once).
   const int world = shape.data * shape.stages;
   for (int r = 0; r < world; ++r) {
     const int s = r / shape.data;  // pipeline outermost, no tensor groups
     const PipelineSession::Stats& st = got.stats[static_cast<size_t>(r)];
-    if (s == 0) {
-      EXPECT_EQ(st.peak_stashed, 0) << "the first stage reads its inputs from the batch";
-    } else if (shape.schedule == PipelineSchedule::kGPipe) {
-      EXPECT_EQ(st.peak_stashed, kMicro) << "stage " << s;
-    } else {
-      EXPECT_EQ(st.peak_stashed, std::min(kMicro, shape.stages - s)) << "stage " << s;
-    }
-    if (shape.schedule == PipelineSchedule::k1F1B && s == shape.stages - 1) {
+    const int in_flight = shape.schedule == PipelineSchedule::kGPipe
+                              ? kMicro
+                              : std::min(kMicro, shape.stages - s);
+    EXPECT_EQ(st.peak_in_flight, in_flight) << "stage " << s;
+    if (shape.gpt) {
+      EXPECT_EQ(st.recomputed, 0) << "stage " << s;
+      EXPECT_GT(st.peak_kept_bytes, 0) << "stage " << s;
+    } else if (shape.schedule == PipelineSchedule::k1F1B && s == shape.stages - 1) {
       EXPECT_EQ(st.recomputed, 0) << "1F1B's last stage runs each backward after its forward";
     } else {
       EXPECT_GT(st.recomputed, 0) << "stage " << s;
@@ -292,7 +298,8 @@ std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
   const Shape& s = info.param;
   return absl::StrCat(s.gpt ? "Gpt" : "Mlp", "_D", s.data, "xP", s.stages, "_",
                       s.schedule == PipelineSchedule::kGPipe ? "GPipe" : "OneFOneB", "_",
-                      s.transport == CpuTransport::kGloo ? "Gloo" : "Shm");
+                      s.transport == CpuTransport::kGloo ? "Gloo" : "Shm",
+                      s.checkpointing ? "_ActivationCheckpointing" : "");
 }
 
 using PS = PipelineSchedule;
@@ -304,7 +311,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{false, 1, 3, PS::kGPipe, CpuTransport::kGloo},
                       Shape{true, 1, 2, PS::k1F1B, kShm}, Shape{true, 1, 3, PS::kGPipe, kShm},
                       Shape{true, 1, 3, PS::k1F1B, kShm}, Shape{true, 2, 2, PS::kGPipe, kShm},
-                      Shape{true, 1, 2, PS::k1F1B, CpuTransport::kGloo}),
+                      Shape{true, 1, 2, PS::k1F1B, CpuTransport::kGloo},
+                      Shape{true, 1, 3, PS::kGPipe, kShm, /*checkpointing=*/true}),
     ShapeName);
 
 TEST(SplitStages, SpreadsUnitsEvenlyEarlierStagesTakingTheExtra) {
