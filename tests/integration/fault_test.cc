@@ -960,7 +960,8 @@ INSTANTIATE_TEST_SUITE_P(
 // the clipping norm apart); a stage killed with SIGKILL resumes from a
 // checkpoint whose pieces each stage wrote (the tied wte the first stage)
 // and ends bitwise where the uninterrupted pipeline ends; every step's
-// samples are counted once; evaluation gathers the stages' weights.
+// samples are counted once; evaluation gathers the stages' weights; one
+// rank goes on from the pipeline's checkpoint (checkpoint.resume_from).
 TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
   StartWorkers({"w1", "w2"});
   constexpr int64_t kSteps = 200;
@@ -1012,6 +1013,16 @@ TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
   const std::string single = FinalWeights(one, kSteps);
   ASSERT_EQ(single.size(), piped.size());
   EXPECT_LT(RelativeDiff(piped, single), 1e-5) << "the pipeline against one rank";
+  // The pipeline's checkpoint goes on without a pipeline, on one rank.
+  v1::JobSpec on = spec(false);
+  on.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
+  on.mutable_checkpoint()->mutable_resume_from()->set_step(100);
+  const std::string resumed = Submit(on);
+  const v1::Job resumed_job = WaitForEnd(resumed);
+  ASSERT_EQ(resumed_job.state(), v1::Job::SUCCEEDED)
+      << resumed_job.message() << "\n" << EventText(resumed);
+  EXPECT_LT(RelativeDiff(FinalWeights(resumed, kSteps), single), 1e-5)
+      << "one rank going on from the pipeline's step 100";
 
   // The last stage counts the replica's samples (8 windows of 32 tokens a
   // step); both stages report the same loss, which is one rank's.
