@@ -15,6 +15,7 @@
 #include "common/status.h"
 #include "worker/engine/cpu_kernels.h"
 #include "worker/engine/gemm.h"
+#include "worker/engine/gpt_kernels.h"
 #include "worker/engine/layers.h"
 #include "worker/engine/loss.h"
 #include "worker/engine/model.h"
@@ -23,122 +24,15 @@
 namespace aidn::engine {
 namespace {
 
-constexpr float kLayerNormEps = 1e-5f;
+using gpt_kernels::FillNormal;
+using gpt_kernels::GeluBackward;
+using gpt_kernels::GeluForward;
+using gpt_kernels::LayerNormBackward;
+using gpt_kernels::LayerNormForward;
+using gpt_kernels::LinearBackward;
+using gpt_kernels::LinearForward;
+
 constexpr double kInitStd = 0.02;
-
-// ---- Kernels on [rows, cols] row-major arrays.
-
-// out = (x - mean) * rstd * w + b per row (b may be null); keeps mean and
-// rstd per row. Sums in double: the statistics of a 768-wide row in float
-// would drift from torch's by more than the test tolerance allows.
-void LayerNormForward(const float* x, const float* w, const float* b, int64_t rows, int64_t cols,
-                      float* out, float* mean, float* rstd) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * cols;
-    double sum = 0.0;
-    for (int64_t c = 0; c < cols; ++c) sum += xr[c];
-    const float m = static_cast<float>(sum / static_cast<double>(cols));
-    double var = 0.0;
-    for (int64_t c = 0; c < cols; ++c) {
-      const double d = static_cast<double>(xr[c]) - m;
-      var += d * d;
-    }
-    const float s =
-        static_cast<float>(1.0 / std::sqrt(var / static_cast<double>(cols) + kLayerNormEps));
-    float* o = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float n = (xr[c] - m) * s;
-      o[c] = b != nullptr ? n * w[c] + b[c] : n * w[c];
-    }
-    mean[r] = m;
-    rstd[r] = s;
-  }
-}
-
-// dx += the input gradient; dw, db (db may be null) += the parameters'.
-void LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
-                       const float* rstd, int64_t rows, int64_t cols, float* dx, float* dw,
-                       float* db) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = dout + r * cols;
-    const float* xr = x + r * cols;
-    const float m = mean[r];
-    const float s = rstd[r];
-    double dnorm_mean = 0.0;
-    double dnorm_norm_mean = 0.0;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float n = (xr[c] - m) * s;
-      const float dn = g[c] * w[c];
-      dnorm_mean += dn;
-      dnorm_norm_mean += static_cast<double>(dn) * n;
-    }
-    const float a = static_cast<float>(dnorm_mean / static_cast<double>(cols));
-    const float bb = static_cast<float>(dnorm_norm_mean / static_cast<double>(cols));
-    float* d = dx + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float n = (xr[c] - m) * s;
-      const float dn = g[c] * w[c];
-      d[c] += (dn - a - n * bb) * s;
-      dw[c] += g[c] * n;
-      if (db != nullptr) db[c] += g[c];
-    }
-  }
-}
-
-// y = x W + b with x [rows, in], W [in, out] (Hugging Face's Conv1D), b
-// [out] or null.
-void LinearForward(const float* x, const float* w, const float* b, int64_t rows, int64_t in,
-                   int64_t out, float* y) {
-  Sgemm(false, false, rows, out, in, 1.0f, x, in, w, out, 0.0f, y, out);
-  if (b == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r) cpu::AccumulateKernel(b, y + r * out, out);
-}
-
-// dx = dy W^T (overwrites; dx may be null), dW += x^T dy, db += the column
-// sums of dy (db may be null).
-void LinearBackward(const float* dy, const float* x, const float* w, int64_t rows, int64_t in,
-                    int64_t out, float* dx, float* dw, float* db) {
-  if (dx != nullptr) Sgemm(false, true, rows, in, out, 1.0f, dy, out, w, out, 0.0f, dx, in);
-  Sgemm(true, false, in, out, rows, 1.0f, x, in, dy, out, 1.0f, dw, out);
-  if (db == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r) cpu::AccumulateKernel(dy + r * out, db, out);
-}
-
-// GELU, tanh approximation (F.gelu(x, approximate="tanh")).
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluCube = 0.044715f;
-
-void GeluForward(const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    const float t = std::tanh(kGeluScale * (v + kGeluCube * v * v * v));
-    y[i] = 0.5f * v * (1.0f + t);
-  }
-}
-
-// g = g * gelu'(x), in place.
-void GeluBackward(const float* x, float* g, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    const float t = std::tanh(kGeluScale * (v + kGeluCube * v * v * v));
-    const float dt = (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCube * v * v);
-    g[i] *= 0.5f * (1.0f + t) + 0.5f * v * dt;
-  }
-}
-
-// N(0, std) from a 64-bit stream by Box-Muller in double: the same numbers
-// on every platform and standard library.
-void FillNormal(uint64_t seed, double std, float* x, int64_t n) {
-  std::mt19937_64 rng(seed);
-  const double two_pi = 2.0 * std::numbers::pi;
-  auto uniform = [&rng]() { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
-  for (int64_t i = 0; i < n; i += 2) {
-    const double radius = std::sqrt(-2.0 * std::log(uniform()));
-    const double angle = two_pi * uniform();
-    x[i] = static_cast<float>(std * radius * std::cos(angle));
-    if (i + 1 < n) x[i + 1] = static_cast<float>(std * radius * std::sin(angle));
-  }
-}
 
 }  // namespace
 
@@ -785,95 +679,6 @@ void Gpt::SetActivationCheckpointing(bool on) {
   shared_ = Activations();
   recomputed_ = Tensor();
   for (Block& b : blocks_) b.acts = Activations();
-}
-
-absl::StatusOr<std::vector<int32_t>> Generate(Gpt& gpt, std::vector<int32_t> prompt,
-                                              const SampleOptions& options) {
-  const GptConfig& c = gpt.config();
-  if (prompt.empty()) return absl::InvalidArgumentError("generate: the prompt is empty");
-  for (const int32_t t : prompt) {
-    if (t < 0 || t >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "generate: prompt token ", t, " is outside the vocabulary [0, ", c.vocab_size, ")"));
-    }
-  }
-  if (options.length < 0) return absl::InvalidArgumentError("generate: length must be >= 0");
-  if (options.top_k < 0) return absl::InvalidArgumentError("generate: top_k must be >= 0");
-  if (!(options.temperature > 0.0)) {
-    return absl::InvalidArgumentError("generate: temperature must be > 0");
-  }
-  std::mt19937_64 rng(options.seed);
-  std::vector<int32_t> order(static_cast<size_t>(c.vocab_size));
-  std::vector<double> weights(static_cast<size_t>(c.vocab_size));
-  for (int64_t n = 0; n < options.length; ++n) {
-    const int64_t context = std::min<int64_t>(static_cast<int64_t>(prompt.size()), c.block_size);
-    const Tensor& logits = gpt.Logits(prompt.data() + prompt.size() - context, 1, context);
-    const float* last = logits.data() + (context - 1) * c.vocab_size;
-    for (int32_t v = 0; v < c.vocab_size; ++v) order[static_cast<size_t>(v)] = v;
-    // Most likely first; ties by id, so the order is the same everywhere.
-    auto before = [last](int32_t a, int32_t b) {
-      return last[a] > last[b] || (last[a] == last[b] && a < b);
-    };
-    int32_t next = 0;
-    if (options.greedy) {
-      next = *std::min_element(order.begin(), order.end(), before);
-    } else {
-      const size_t k =
-          options.top_k == 0 ? order.size() : std::min(order.size(), size_t(options.top_k));
-      std::partial_sort(order.begin(), order.begin() + static_cast<int64_t>(k), order.end(),
-                        before);
-      const double top = last[order[0]];
-      double total = 0.0;
-      for (size_t i = 0; i < k; ++i) {
-        weights[i] = std::exp((last[order[i]] - top) / options.temperature);
-        total += weights[i];
-      }
-      double u = (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53 * total;
-      next = order[k - 1];
-      for (size_t i = 0; i < k; ++i) {
-        if (u < weights[i]) {
-          next = order[i];
-          break;
-        }
-        u -= weights[i];
-      }
-    }
-    prompt.push_back(next);
-  }
-  return prompt;
-}
-
-}  // namespace aidn::engine
-
-namespace aidn::engine {
-
-absl::StatusOr<std::unique_ptr<Gpt>> LoadGpt(const std::string& path) {
-  std::map<std::string, std::string> metadata;
-  AIDN_ASSIGN_OR_RETURN(const auto tensors, ReadSafetensors(path, &metadata));
-  auto it = metadata.find("aidn.gpt");
-  if (it == metadata.end()) {
-    auto model = metadata.find("aidn.model");
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " holds no gpt model (its metadata has no aidn.gpt",
-        model != metadata.end() ? absl::StrCat("; aidn.model is ", model->second) : "", ")"));
-  }
-  absl::StatusOr<GptConfig> config = ParseGptConfig(it->second);
-  if (!config.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
-  }
-  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<Gpt> gpt, Gpt::Create(*config, 0));
-  // The tensors already read, by name (one pass over the file).
-  for (Parameter* p : gpt->Parameters()) {
-    auto t = tensors.find(p->name);
-    if (t == tensors.end() || t->second.shape() != p->value.shape()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": tensor ", p->name, t == tensors.end() ? " is missing" : " has shape ",
-          t == tensors.end() ? "" : t->second.ShapeString(), " for a model of ", it->second));
-    }
-    std::memcpy(p->value.data(), t->second.data(),
-                sizeof(float) * static_cast<size_t>(p->value.numel()));
-  }
-  return gpt;
 }
 
 }  // namespace aidn::engine
