@@ -173,6 +173,10 @@ void Gpt::Init(uint64_t seed) {
   if (bias) Register(&lnf_b_, "transformer.ln_f.bias", {c});
   end_block_ = config_.n_layer;
   stage_parameters_ = parameters_;
+  vocab_local_ = config_.vocab_size;
+  heads_local_ = config_.n_head;
+  cl_ = c;
+  fl_ = 4 * c;
 
   const double proj_std = kInitStd / std::sqrt(2.0 * config_.n_layer);
   for (size_t i = 0; i < parameters_.size(); ++i) {
@@ -267,20 +271,20 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
   seq_len_ = seq_len;
   const int64_t n = batch * seq_len;
   const int64_t c = config_.n_embd;
-  const int64_t h = config_.n_head;
+  const int64_t h = heads_local_;
   auto shape_acts = [&](Activations& a) {
     EnsureShape(&a.ln1, {n, c});
     EnsureShape(&a.ln1_mean, {n});
     EnsureShape(&a.ln1_rstd, {n});
-    EnsureShape(&a.qkv, {n, 3 * c});
+    EnsureShape(&a.qkv, {n, 3 * cl_});
     EnsureShape(&a.att, {batch, h, seq_len, seq_len});
-    EnsureShape(&a.y, {n, c});
+    EnsureShape(&a.y, {n, cl_});
     EnsureShape(&a.mid, {n, c});
     EnsureShape(&a.ln2, {n, c});
     EnsureShape(&a.ln2_mean, {n});
     EnsureShape(&a.ln2_rstd, {n});
-    EnsureShape(&a.fc, {n, 4 * c});
-    EnsureShape(&a.gelu, {n, 4 * c});
+    EnsureShape(&a.fc, {n, fl_});
+    EnsureShape(&a.gelu, {n, fl_});
     if (config_.dropout > 0.0) {
       EnsureShape(&a.att_mask, {batch, h, seq_len, seq_len});
       EnsureShape(&a.attn_mask, {n, c});
@@ -302,23 +306,25 @@ void Gpt::Shape(int64_t batch, int64_t seq_len) {
   EnsureShape(&lnf_mean_, {n});
   EnsureShape(&lnf_rstd_, {n});
   if (has_head()) {
-    EnsureShape(&logits_, {n, config_.vocab_size});
-    EnsureShape(&grad_logits_, {n, config_.vocab_size});
+    EnsureShape(&logits_, {n, vocab_local_});
+    EnsureShape(&grad_logits_, {n, vocab_local_});
   }
   EnsureShape(&dx_, {n, c});
   EnsureShape(&dtmp_, {n, c});
   EnsureShape(&dbranch_, {n, c});
-  EnsureShape(&dbig_, {n, 4 * c});
-  EnsureShape(&dqkv_, {n, 3 * c});
+  EnsureShape(&dbig_, {n, fl_});
+  EnsureShape(&dqkv_, {n, 3 * cl_});
   EnsureShape(&datt_, {seq_len, seq_len});
   EnsureShape(&patt_, {seq_len, seq_len});
 }
 
 void Gpt::AttentionForward(Activations& a, bool drop) {
   const int64_t t_len = seq_len_;
-  const int64_t c = config_.n_embd;
-  const int64_t heads = config_.n_head;
-  const int64_t hd = c / heads;
+  // This rank's heads (all of them without tensor parallelism), side by
+  // side in rows of width c: q, k and v in rows of 3c.
+  const int64_t c = cl_;
+  const int64_t heads = heads_local_;
+  const int64_t hd = config_.n_embd / config_.n_head;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t s = 0; s < batch_; ++s) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -343,7 +349,7 @@ void Gpt::AttentionForward(Activations& a, bool drop) {
       const float* p = att;
       if (drop) {
         float* mask = a.att_mask.data() + (s * heads + h) * t_len * t_len;
-        cpu::DropoutMask(rng_, config_.dropout, mask, t_len * t_len);
+        cpu::DropoutMask(AttentionRng(), config_.dropout, mask, t_len * t_len);
         cpu::MulKernel(att, mask, patt_.data(), t_len * t_len);
         p = patt_.data();
       }
@@ -355,9 +361,11 @@ void Gpt::AttentionForward(Activations& a, bool drop) {
 
 void Gpt::AttentionBackward(Activations& a, const float* dy, float* dqkv) {
   const int64_t t_len = seq_len_;
-  const int64_t c = config_.n_embd;
-  const int64_t heads = config_.n_head;
-  const int64_t hd = c / heads;
+  // This rank's heads (all of them without tensor parallelism), side by
+  // side in rows of width c: q, k and v in rows of 3c.
+  const int64_t c = cl_;
+  const int64_t heads = heads_local_;
+  const int64_t hd = config_.n_embd / config_.n_head;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t s = 0; s < batch_; ++s) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -406,11 +414,10 @@ void Gpt::BlockForward(Block& b, Activations& a, float* out, bool drop) {
   LayerNormForward(b.in.data(), b.ln1_w.value.data(), bias ? b.ln1_b.value.data() : nullptr, n, c,
                    a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data());
   LinearForward(a.ln1.data(), b.attn_w.value.data(), bias ? b.attn_b.value.data() : nullptr, n, c,
-                3 * c, a.qkv.data());
+                3 * cl_, a.qkv.data());
   AttentionForward(a, drop);
   // mid = in + drop(y Wproj + b).
-  LinearForward(a.y.data(), b.proj_w.value.data(), bias ? b.proj_b.value.data() : nullptr, n, c, c,
-                a.mid.data());
+  RowParallelForward(a.y.data(), b.proj_w, b.proj_b, cl_, a.mid.data());
   if (drop) {
     cpu::DropoutMask(rng_, config_.dropout, a.attn_mask.data(), n * c);
     for (int64_t i = 0; i < n * c; ++i) a.mid[i] *= a.attn_mask[i];
@@ -418,11 +425,10 @@ void Gpt::BlockForward(Block& b, Activations& a, float* out, bool drop) {
   cpu::AccumulateKernel(b.in.data(), a.mid.data(), n * c);
   LayerNormForward(a.mid.data(), b.ln2_w.value.data(), bias ? b.ln2_b.value.data() : nullptr, n, c,
                    a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data());
-  LinearForward(a.ln2.data(), b.fc_w.value.data(), bias ? b.fc_b.value.data() : nullptr, n, c,
-                4 * c, a.fc.data());
-  GeluForward(a.fc.data(), a.gelu.data(), n * 4 * c);
-  LinearForward(a.gelu.data(), b.fc_proj_w.value.data(), bias ? b.fc_proj_b.value.data() : nullptr,
-                n, 4 * c, c, out);
+  LinearForward(a.ln2.data(), b.fc_w.value.data(), bias ? b.fc_b.value.data() : nullptr, n, c, fl_,
+                a.fc.data());
+  GeluForward(a.fc.data(), a.gelu.data(), n * fl_);
+  RowParallelForward(a.gelu.data(), b.fc_proj_w, b.fc_proj_b, fl_, out);
   if (drop) {
     cpu::DropoutMask(rng_, config_.dropout, a.mlp_mask.data(), n * c);
     for (int64_t i = 0; i < n * c; ++i) out[i] *= a.mlp_mask[i];
@@ -446,13 +452,19 @@ void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training
         << "gpt: a stage's input must be [" << n << ", " << c << "]";
     std::memcpy(x, input->data(), sizeof(float) * static_cast<size_t>(n * c));
   }
-  if (embeds()) tokens_.assign(tokens, tokens + n);
-  for (int64_t i = 0; embeds() && i < n; ++i) {
-    const int32_t tok = tokens[i];
-    AIDN_CHECK(tok >= 0 && tok < config_.vocab_size) << "gpt: token " << tok << " at " << i;
-    const float* te = wte_.value.data() + int64_t{tok} * c;
-    const float* pe = wpe_.value.data() + (i % seq_len_) * c;
-    for (int64_t j = 0; j < c; ++j) x[i * c + j] = te[j] + pe[j];
+  if (embeds()) {
+    tokens_.assign(tokens, tokens + n);
+    if (tp_ != nullptr) {
+      EmbedVocabParallel(x);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t tok = tokens[i];
+        AIDN_CHECK(tok >= 0 && tok < config_.vocab_size) << "gpt: token " << tok << " at " << i;
+        const float* te = wte_.value.data() + int64_t{tok} * c;
+        const float* pe = wpe_.value.data() + (i % seq_len_) * c;
+        for (int64_t j = 0; j < c; ++j) x[i * c + j] = te[j] + pe[j];
+      }
+    }
   }
   if (drop && embeds()) {
     cpu::DropoutMask(rng_, config_.dropout, emb_mask_.data(), n * c);
@@ -464,7 +476,10 @@ void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training
     float* next = l + 1 < end ? blocks_[l + 1].in.data() : out_.data();
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeForward(unit);
-    if (checkpointing_) b.rng = rng_;
+    if (checkpointing_) {
+      b.rng = rng_;
+      b.tp_rng = tp_rng_;
+    }
     BlockForward(b, ActsOf(b), next, drop);
     if (hooks_ != nullptr) hooks_->AfterForward(unit);
   }
@@ -475,8 +490,9 @@ void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training
   LayerNormForward(out_.data(), lnf_w_.value.data(), bias ? lnf_b_.value.data() : nullptr, n, c,
                    lnf_.data(), lnf_mean_.data(), lnf_rstd_.data());
   // logits = ln_f(x) wte^T.
-  Sgemm(false, true, n, config_.vocab_size, c, 1.0f, lnf_.data(), c, wte_.value.data(), c, 0.0f,
-        logits_.data(), config_.vocab_size);
+  // This rank's vocabulary (all of it without tensor parallelism).
+  Sgemm(false, true, n, vocab_local_, c, 1.0f, lnf_.data(), c, wte_.value.data(), c, 0.0f,
+        logits_.data(), vocab_local_);
   if (hooks_ != nullptr) hooks_->AfterForward(0);
 }
 
@@ -485,7 +501,8 @@ const Tensor& Gpt::Logits(const int32_t* tokens, int64_t batch, int64_t seq_len)
   Shape(batch, seq_len);
   ForwardTrunk(tokens, nullptr, /*training=*/false);
   targets_.clear();  // no loss: a Backward now is a programmer error
-  return logits_;
+  // Tensor parallelism: the ranks' vocabularies side by side.
+  return tp_ != nullptr ? GatherLogits() : logits_;
 }
 
 double Gpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch, int64_t seq_len,
@@ -504,6 +521,7 @@ double Gpt::ForwardStage(const int32_t* tokens, const Tensor* input, const int32
   for (const int32_t t : targets_) {
     AIDN_CHECK(t >= 0 && t < config_.vocab_size) << "gpt: target " << t;
   }
+  if (tp_ != nullptr) return VocabParallelCrossEntropy();
   return SoftmaxCrossEntropy(logits_, targets_, &grad_logits_);
 }
 
@@ -528,8 +546,9 @@ void Gpt::BackwardStage(const Tensor* grad_output, Tensor* grad_input, double gr
       << "gpt: Backward without a Forward";
   // With unit hooks the strategy gives each unit its gradients' memory.
   if (hooks_ == nullptr) EnsureGrads();
-  // The dropout stream as Forward left it (recomputations rewind it).
+  // The dropout streams as Forward left them (recomputations rewind them).
   const std::mt19937_64 after_forward = rng_;
+  const std::mt19937_64 tp_after_forward = tp_rng_;
   if (hooks_ != nullptr) hooks_->BeforeBackward(0);
   if (!has_head()) {
     AIDN_CHECK(grad_output != nullptr && grad_output->numel() == n * c)
@@ -548,25 +567,29 @@ void Gpt::BackwardStage(const Tensor* grad_output, Tensor* grad_input, double gr
     }
     if (hooks_ != nullptr) hooks_->AfterBackward(0);
     rng_ = after_forward;
+    tp_rng_ = tp_after_forward;
     return;
   }
   EmbeddingBackward();
   if (hooks_ != nullptr) hooks_->AfterBackward(0);
   rng_ = after_forward;
+  tp_rng_ = tp_after_forward;
 }
 
 void Gpt::HeadBackward(double grad_scale) {
   const int64_t n = batch_ * seq_len_;
   const int64_t c = config_.n_embd;
-  const int64_t vocab = config_.vocab_size;
+  const int64_t vocab = vocab_local_;
   float* dlogits = grad_logits_.data();
   if (grad_scale != 1.0) {
     const float s = static_cast<float>(grad_scale);
     for (int64_t i = 0; i < n * vocab; ++i) dlogits[i] *= s;
   }
-  // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
+  // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf (each rank's
+  // vocabulary's part of dlnf, summed over the ranks).
   Sgemm(false, false, n, c, vocab, 1.0f, dlogits, vocab, wte_.value.data(), c, 0.0f, dtmp_.data(),
         c);
+  TensorAllReduce(dtmp_.data(), n * c);
   Sgemm(true, false, vocab, c, n, 1.0f, dlogits, vocab, lnf_.data(), c, 1.0f, wte_.grad.data(), c);
   dx_.Zero();
   LayerNormBackward(dtmp_.data(), out_.data(), lnf_w_.value.data(), lnf_mean_.data(),
@@ -586,25 +609,30 @@ void Gpt::BlocksBackward() {
       // The block's forward again, from its kept input and with the masks
       // its first run drew.
       rng_ = b.rng;
+      tp_rng_ = b.tp_rng;
       BlockForward(b, a, recomputed_.data(), dropped_);
     }
     // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
-    LinearBackward(BranchGrad(a.mlp_mask), a.gelu.data(), b.fc_proj_w.value.data(), n, 4 * c, c,
+    // Under tensor parallelism the column-parallel layers' input gradients
+    // are each rank's part, summed over the ranks.
+    LinearBackward(BranchGrad(a.mlp_mask), a.gelu.data(), b.fc_proj_w.value.data(), n, fl_, c,
                    dbig_.data(), b.fc_proj_w.grad.data(), BiasGrad(b.fc_proj_b));
-    GeluBackward(a.fc.data(), dbig_.data(), n * 4 * c);
-    LinearBackward(dbig_.data(), a.ln2.data(), b.fc_w.value.data(), n, c, 4 * c, dtmp_.data(),
+    GeluBackward(a.fc.data(), dbig_.data(), n * fl_);
+    LinearBackward(dbig_.data(), a.ln2.data(), b.fc_w.value.data(), n, c, fl_, dtmp_.data(),
                    b.fc_w.grad.data(), BiasGrad(b.fc_b));
+    TensorAllReduce(dtmp_.data(), n * c);
     LayerNormBackward(dtmp_.data(), a.mid.data(), b.ln2_w.value.data(), a.ln2_mean.data(),
                       a.ln2_rstd.data(), n, c, dx_.data(), b.ln2_w.grad.data(), BiasGrad(b.ln2_b));
     Ready(b.fc_proj_w, b.fc_proj_b);
     Ready(b.fc_w, b.fc_b);
     Ready(b.ln2_w, b.ln2_b);
     // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
-    LinearBackward(BranchGrad(a.attn_mask), a.y.data(), b.proj_w.value.data(), n, c, c,
+    LinearBackward(BranchGrad(a.attn_mask), a.y.data(), b.proj_w.value.data(), n, cl_, c,
                    dtmp_.data(), b.proj_w.grad.data(), BiasGrad(b.proj_b));
     AttentionBackward(a, dtmp_.data(), dqkv_.data());
-    LinearBackward(dqkv_.data(), a.ln1.data(), b.attn_w.value.data(), n, c, 3 * c, dtmp_.data(),
+    LinearBackward(dqkv_.data(), a.ln1.data(), b.attn_w.value.data(), n, c, 3 * cl_, dtmp_.data(),
                    b.attn_w.grad.data(), BiasGrad(b.attn_b));
+    TensorAllReduce(dtmp_.data(), n * c);
     LayerNormBackward(dtmp_.data(), b.in.data(), b.ln1_w.value.data(), a.ln1_mean.data(),
                       a.ln1_rstd.data(), n, c, dx_.data(), b.ln1_w.grad.data(), BiasGrad(b.ln1_b));
     Ready(b.proj_w, b.proj_b);
@@ -620,7 +648,11 @@ void Gpt::EmbeddingBackward() {
   const float* demb = BranchGrad(emb_mask_);
   for (int64_t i = 0; i < n; ++i) {
     const float* g = demb + i * c;
-    cpu::AccumulateKernel(g, wte_.grad.data() + int64_t{tokens_[static_cast<size_t>(i)]} * c, c);
+    // This rank's rows of wte: its vocabulary's tokens.
+    const int64_t row = int64_t{tokens_[static_cast<size_t>(i)]} - vocab_begin_;
+    if (row >= 0 && row < vocab_local_) {
+      cpu::AccumulateKernel(g, wte_.grad.data() + row * c, c);
+    }
     cpu::AccumulateKernel(g, wpe_.grad.data() + (i % seq_len_) * c, c);
   }
   if (grad_ready_) {
@@ -634,11 +666,13 @@ void Gpt::SwapActivations(Stash* s) {
   s->in.resize(blocks);
   s->acts.resize(blocks);
   s->rng.resize(blocks);
+  s->tp_rng.resize(blocks);
   for (int l = first_block_; l < end_block_; ++l) {
     Block& b = blocks_[static_cast<size_t>(l)];
     std::swap(b.in, s->in[static_cast<size_t>(l)]);
     std::swap(b.acts, s->acts[static_cast<size_t>(l)]);
     std::swap(b.rng, s->rng[static_cast<size_t>(l)]);
+    std::swap(b.tp_rng, s->tp_rng[static_cast<size_t>(l)]);
   }
   std::swap(emb_mask_, s->emb_mask);
   std::swap(out_, s->out);

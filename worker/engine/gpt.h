@@ -31,12 +31,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
 #include "worker/engine/tensor.h"
 #include "worker/engine/units.h"
 
@@ -108,8 +110,8 @@ class Gpt {
   // Not owned; null: none.
   void SetUnitHooks(UnitHooks* hooks) { hooks_ = hooks; }
   void ZeroGrad();
-  // Reseeds the dropout stream for the next Forward.
-  void SetSeed(uint64_t seed) { rng_.seed(seed); }
+  // Reseeds the dropout streams for the next Forward.
+  void SetSeed(uint64_t seed);
   // Activation checkpointing: Forward keeps only each block's input, and
   // Backward runs each block's forward again (with the same dropout masks)
   // just before the block's backward, trading that compute for the
@@ -145,6 +147,43 @@ class Gpt {
   // The parameters this stage holds, in registration order (all of them
   // without SetStage).
   const std::vector<Parameter*>& StageParameters() const { return stage_parameters_; }
+
+  // Tensor parallelism (Megatron-LM's scheme) over `group`'s T ranks (not
+  // owned; it must outlive the model), this model being its rank t. From
+  // the whole weights the model holds now (so that a model built from a
+  // seed splits into the dense model's slices) it keeps its slice of every
+  // split parameter: wte's rows of its 1/T of the vocabulary, c_attn's q,
+  // k and v columns of its 1/T of the heads (and their biases),
+  // attn.c_proj's rows for those heads, mlp.c_fc's 1/T of the columns
+  // (and biases) and mlp.c_proj's rows for them; the LayerNorms, wpe and
+  // the row-parallel layers' biases stay whole, their gradients the same on
+  // every rank. Forward then all-reduces the embedding and each block's two
+  // row-parallel outputs (the bias added after the sum), and the loss is
+  // the vocabulary-parallel cross-entropy (each rank's logits stay its own;
+  // the maxima, exponent sums and target logits are reduced); backward
+  // all-reduces the input gradient of each column-parallel layer and the
+  // LM head's. Attention dropout draws from a stream of each rank's own
+  // (its heads are not the others'); the other masks are the same on every
+  // rank. Logits() gathers the whole vocabulary's logits. Every rank of the
+  // group calls Forward and Backward in the same order; a collective's
+  // error is kept (TakeCollectiveStatus) and the rest of the pass does not
+  // communicate. Call once, before the first Forward; a null group or one
+  // of one rank changes nothing. INVALID_ARGUMENT unless T divides n_head
+  // and vocab_size; FAILED_PRECONDITION when called again or too late.
+  absl::Status SetTensorParallel(Communicator* group);
+  int tensor_parallel_size() const { return tp_size_; }
+  // The first error of a tensor-parallel collective since the last call,
+  // or OK; the pass it failed in is to be thrown away.
+  absl::Status TakeCollectiveStatus();
+  // Where a split parameter's shard lies in the whole tensor: along `dim`
+  // (0: rows, or the only one; 1: columns), the concatenation of `ranges`.
+  struct Split {
+    int dim = 0;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+  };
+  // nullopt for a parameter kept whole (and for all without tensor
+  // parallelism).
+  std::optional<Split> SplitOf(const Parameter& p) const;
 
   // One forward's activations set aside, so that several micro-batches can
   // be in flight between their forward and backward (a pipeline stage
@@ -192,9 +231,10 @@ class Gpt {
     // The rest of the last Forward's activations (unused with activation
     // checkpointing, which keeps them in shared_ while the block runs).
     Activations acts;
-    // Activation checkpointing: the dropout stream as the block's Forward
-    // found it, so that the recomputation draws the same masks.
+    // Activation checkpointing: the dropout streams as the block's Forward
+    // found them, so that the recomputation draws the same masks.
     std::mt19937_64 rng;
+    std::mt19937_64 tp_rng;
   };
 
   explicit Gpt(const GptConfig& config);
@@ -210,6 +250,22 @@ class Gpt {
   void HeadBackward(double grad_scale);
   void BlocksBackward();
   void EmbeddingBackward();
+  // Tensor parallelism (gpt_tensor_parallel.cc). Sums `n` floats over the
+  // group in place (nothing without one, or after an error).
+  void TensorAllReduce(float* data, int64_t n);
+  // y [N, C] = x [N, in] W (+ b): a row-parallel layer's output, summed
+  // over the group before the bias.
+  void RowParallelForward(const float* x, const Parameter& w, const Parameter& b, int64_t in,
+                          float* y);
+  // The embeddings of tokens_ into x [N, C]: this rank's vocabulary's rows,
+  // summed over the group, plus wpe.
+  void EmbedVocabParallel(float* x);
+  // The mean cross-entropy of logits_ (this rank's vocabulary) against
+  // targets_, and grad_logits_ (this rank's columns).
+  double VocabParallelCrossEntropy();
+  // logits_ of every rank side by side: [N, vocab_size].
+  const Tensor& GatherLogits();
+  std::mt19937_64& AttentionRng() { return tp_ != nullptr ? tp_rng_ : rng_; }
   // A block's forward from b.in into `out` ([N, C]), keeping its
   // activations in `a`.
   void BlockForward(Block& b, Activations& a, float* out, bool drop);
@@ -233,6 +289,21 @@ class Gpt {
   GradReadyCallback grad_ready_;
   UnitHooks* hooks_ = nullptr;
   std::mt19937_64 rng_{0};
+
+  // SetTensorParallel: the group, this rank in it and the widths it holds
+  // (the whole ones without): vocabulary rows from vocab_begin_, heads,
+  // attention width (heads_local_ x head size) and MLP width.
+  Communicator* tp_ = nullptr;
+  int tp_rank_ = 0;
+  int tp_size_ = 1;
+  int64_t vocab_begin_ = 0;
+  int64_t vocab_local_ = 0;
+  int64_t heads_local_ = 0;
+  int64_t cl_ = 0;
+  int64_t fl_ = 0;
+  absl::Status tp_status_;
+  std::mt19937_64 tp_rng_{0};
+  Tensor full_logits_;  // GatherLogits
 
   // SetStage: the blocks this model runs, and its parameters.
   int first_block_ = 0;
@@ -275,7 +346,7 @@ class Gpt::Stash {
   friend class Gpt;
   std::vector<Tensor> in;
   std::vector<Activations> acts;
-  std::vector<std::mt19937_64> rng;
+  std::vector<std::mt19937_64> rng, tp_rng;
   Tensor emb_mask, out, lnf, lnf_mean, lnf_rstd, grad_logits;
   std::vector<int32_t> tokens, targets;
   int64_t batch = 0, seq_len = 0, rows = 0;

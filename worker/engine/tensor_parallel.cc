@@ -1,6 +1,8 @@
 #include "worker/engine/tensor_parallel.h"
 
 #include "common/log.h"
+#include "common/status.h"
+#include "worker/engine/cpu_session.h"
 #include "worker/engine/cpu_kernels.h"
 #include "worker/engine/gemm.h"
 #include "worker/engine/layers.h"
@@ -131,6 +133,17 @@ absl::Status RowParallelLinear::Backward(const Tensor& grad_y, Tensor* grad_x_sh
           grad_x_shard->data(), shard_);
   }
   return absl::OkStatus();
+}
+
+Optimizer::SumOfSquaresReduction TensorParallelSumOfSquares(Communicator* group,
+                                                            std::vector<const Parameter*> whole) {
+  Optimizer::SumOfSquaresReduction over = SumOfSquaresOver(group);
+  return [over, whole = std::move(whole)](double local) -> absl::StatusOr<double> {
+    double once = 0;
+    for (const Parameter* p : whole) once += SumOfSquares(p->grad);
+    AIDN_ASSIGN_OR_RETURN(const double split, over(local - once));
+    return split + once;
+  };
 }
 
 }  // namespace aidn::engine

@@ -26,7 +26,10 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include <vector>
+
 #include "worker/engine/comm/communicator.h"
+#include "worker/engine/optimizer.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -85,6 +88,13 @@ class RowParallelLinear {
   Parameter bias_;
   const Tensor* input_ = nullptr;
 };
+
+// The clipping norm's sum of squares over a tensor group: the split
+// parameters' squares summed over the ranks, those of the parameters every
+// rank holds whole (`whole`: the same values and gradients everywhere)
+// counted once. The same bits on every rank. A collective.
+Optimizer::SumOfSquaresReduction TensorParallelSumOfSquares(Communicator* group,
+                                                            std::vector<const Parameter*> whole);
 
 }  // namespace aidn::engine
 
