@@ -56,7 +56,8 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
   }
   if (p.tensor() > 1) {
     return Invalid("parallel.tensor",
-                   "jobs run with 1 for now: tensor-parallel layers are not yet in the models");
+                   "jobs run with 1 for now: the trainer does not yet split a model over "
+                   "tensor-parallel ranks");
   }
   if (p.pipeline() == 1) {
     if (p.micro_batches() != 0) {

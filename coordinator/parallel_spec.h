@@ -19,8 +19,8 @@ namespace aidn::coordinator {
 void ApplyParallelDefaults(v1::JobSpec* spec);
 
 // OK, or INVALID_ARGUMENT naming the field: sizes below 1, a world_size
-// that tensor x pipeline does not divide, tensor above 1 (not yet in
-// jobs), pipeline with device gpu or a strategy other than ddp, more stages
+// that tensor x pipeline does not divide, tensor above 1 (the trainer does
+// not split models over tensor groups yet), pipeline with device gpu or a strategy other than ddp, more stages
 // than the model has layers to give them (a GPT's n_layer must divide by
 // pipeline), micro_batches that does not divide batch_size, and
 // micro_batches or schedule without pipeline > 1.

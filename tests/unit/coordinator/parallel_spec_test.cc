@@ -76,8 +76,8 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
        "parallel.micro_batches: 3 does not divide batch_size 8 (each micro-batch is batch_size / "
        "micro_batches samples; micro_batches defaults to parallel.pipeline)"},
       {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_tensor(2); },
-       "parallel.tensor: jobs run with 1 for now: tensor-parallel layers are not yet in the "
-       "models"},
+       "parallel.tensor: jobs run with 1 for now: the trainer does not yet split a model over "
+       "tensor-parallel ranks"},
       {"gpt",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
