@@ -54,10 +54,32 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
                                 p.tensor(), " x ", p.pipeline(), " (world_size = data-parallel "
                                 "replicas x tensor x pipeline)"));
   }
+  if (model_ranks > 1) {
+    const char* field = p.tensor() > 1 ? "parallel.tensor" : "parallel.pipeline";
+    if (spec.device() == v1::JobSpec::GPU) return Invalid(field, "runs on device: cpu for now");
+    if (spec.strategy() != v1::JobSpec::DDP) {
+      return Invalid(field, absl::StrCat("combines with strategy: ddp only (this job's is ",
+                                         v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
+    }
+  }
   if (p.tensor() > 1) {
-    return Invalid("parallel.tensor",
-                   "jobs run with 1 for now: the trainer does not yet split a model over "
-                   "tensor-parallel ranks");
+    const v1::ModelSpec& model = spec.model();
+    if (model.name() != "gpt") {
+      return Invalid("parallel.tensor",
+                     absl::StrCat("splits a GPT's heads, MLP and vocabulary; model ", model.name(),
+                                  " has none (use parallel.pipeline)"));
+    }
+    if (model.n_head() % p.tensor() != 0) {
+      return Invalid("parallel.tensor", absl::StrCat(p.tensor(), " does not divide model.n_head ",
+                                                     model.n_head(), " (each rank takes as many "
+                                                     "heads)"));
+    }
+    if (model.vocab_size() % p.tensor() != 0) {
+      return Invalid("parallel.tensor",
+                     absl::StrCat(p.tensor(), " does not divide model.vocab_size ",
+                                  model.vocab_size(), " (each rank takes as much of the "
+                                  "vocabulary)"));
+    }
   }
   if (p.pipeline() == 1) {
     if (p.micro_batches() != 0) {
@@ -69,14 +91,6 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
       return Invalid("parallel.schedule", "applies with parallel.pipeline > 1");
     }
     return absl::OkStatus();
-  }
-  if (spec.device() == v1::JobSpec::GPU) {
-    return Invalid("parallel.pipeline", "runs on device: cpu for now");
-  }
-  if (spec.strategy() != v1::JobSpec::DDP) {
-    return Invalid("parallel.pipeline",
-                   absl::StrCat("combines with strategy: ddp only (this job's is ",
-                                v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
   }
   const v1::ModelSpec& model = spec.model();
   if (model.name() == "gpt") {

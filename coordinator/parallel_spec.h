@@ -19,8 +19,9 @@ namespace aidn::coordinator {
 void ApplyParallelDefaults(v1::JobSpec* spec);
 
 // OK, or INVALID_ARGUMENT naming the field: sizes below 1, a world_size
-// that tensor x pipeline does not divide, tensor above 1 (the trainer does
-// not split models over tensor groups yet), pipeline with device gpu or a strategy other than ddp, more stages
+// that tensor x pipeline does not divide, model parallelism with device
+// gpu or a strategy other than ddp, tensor above 1 for a model other than
+// gpt or one that does not divide its n_head and vocab_size, more stages
 // than the model has layers to give them (a GPT's n_layer must divide by
 // pipeline), micro_batches that does not divide batch_size, and
 // micro_batches or schedule without pipeline > 1.

@@ -954,24 +954,40 @@ INSTANTIATE_TEST_SUITE_P(
                                   v1::FsdpSpec::FULL_SHARD, /*gpt=*/true}),
     [](const ::testing::TestParamInfo<ShardedCase>& info) { return info.param.name; });
 
-// 12. A GPT as a pipeline of 2 stages (parallel.pipeline, 1F1B, each
-// batch of 8 cut into 2 micro-batches) ends where one rank accumulating the
-// same micro-batches ends (float rounding of the tied embedding's sum and
-// the clipping norm apart); a stage killed with SIGKILL resumes from a
-// checkpoint whose pieces each stage wrote (the tied wte the first stage)
-// and ends bitwise where the uninterrupted pipeline ends; every step's
-// samples are counted once; evaluation gathers the stages' weights; one
-// rank goes on from the pipeline's checkpoint (checkpoint.resume_from).
-TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
-  StartWorkers({"w1", "w2"});
+// 12. A GPT split over model-parallel ranks: a pipeline of 2 stages
+// (1F1B, each batch of 8 cut into 2 micro-batches), 2 tensor-parallel ranks,
+// and both (2 x 2). Each is within 1e-5 of one rank accumulating the same
+// micro-batches after 50 steps (1e-4 after 200: float rounding of the
+// reordered sums, grown by AdamW); a rank
+// killed with SIGKILL resumes from a checkpoint whose pieces each rank wrote
+// (the tied wte the first stage, tensor slices by their ranks) and ends
+// bitwise where the uninterrupted job ends; every step's samples are counted
+// once; evaluations agree with one rank's; one rank goes on from the job's
+// checkpoint (checkpoint.resume_from).
+struct ModelParallelCase {
+  const char* name;
+  int tensor;
+  int pipeline;
+};
+
+class ModelParallelFaultTest : public FaultTest,
+                               public ::testing::WithParamInterface<ModelParallelCase> {};
+
+TEST_P(ModelParallelFaultTest, ResumesBitwiseAndEndsWhereOneRankEnds) {
+  const int tensor = GetParam().tensor;
+  const int stages = GetParam().pipeline;
+  const int world = tensor * stages;
+  std::vector<std::string> workers;
+  for (int w = 1; w <= std::max(2, world); ++w) workers.push_back(absl::StrCat("w", w));
+  StartWorkers(workers);
   constexpr int64_t kSteps = 200;
   const std::string corpus = cluster().Path("corpus.txt");
   { std::ofstream(corpus) << MadeUpCorpus(60'000); }
-  auto spec = [&](bool pipeline) {
-    v1::JobSpec s = Spec(pipeline ? 2 : 1, kSteps);
+  auto spec = [&](bool parallel) {
+    v1::JobSpec s = Spec(parallel ? world : 1, kSteps);
     s.mutable_model()->Clear();
     s.mutable_model()->set_name("gpt");
-    s.mutable_model()->set_config("gpt-nano");  // 2 layers: one a stage
+    s.mutable_model()->set_config("gpt-nano");  // 2 layers, 2 heads
     // No biases: the key third of c_attn's bias has a true gradient of 0,
     // whose rounding noise (summed in another order here) AdamW turns into
     // steps of about lr, as engine_zero_test explains.
@@ -981,14 +997,16 @@ TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
     s.mutable_dataset()->set_eval_windows(8);
     s.mutable_optimizer()->set_grad_clip_norm(1.0);
     s.set_eval_every_steps(100);
-    if (pipeline) {
+    s.mutable_checkpoint()->set_keep_last(4);  // 50, 100, 150, 200
+    if (parallel && stages > 1) {
       s.set_batch_size(8);
-      s.mutable_parallel()->set_pipeline(2);
+      s.mutable_parallel()->set_pipeline(stages);
       s.mutable_parallel()->set_micro_batches(2);
     } else {
       s.set_batch_size(4);
       s.set_grad_accum_steps(2);
     }
+    if (parallel) s.mutable_parallel()->set_tensor(tensor);
     return s;
   };
   const std::string one = Submit(spec(false));
@@ -1004,16 +1022,24 @@ TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message() << "\n" << EventText(id);
   EXPECT_EQ(job.restarts(), 1);
   const std::string last = absl::StrFormat("%s/step-%08d", JobDir(id), kSteps);
-  for (const char* file : {"model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors"}) {
+  for (int r = 0; r < world; ++r) {
+    const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", r, world);
     EXPECT_TRUE(absl::StrContains(ReadFileOrEmpty(last + "/MANIFEST"), file)) << file;
   }
-  const std::string piped = FinalWeights(reference, kSteps);
-  ASSERT_FALSE(piped.empty());
-  EXPECT_TRUE(piped == FinalWeights(id, kSteps)) << "final weights differ from the uninterrupted run's";
+  const std::string split = FinalWeights(reference, kSteps);
+  ASSERT_FALSE(split.empty());
+  EXPECT_TRUE(split == FinalWeights(id, kSteps)) << "final weights differ from the uninterrupted run's";
+  // Against one rank: within 1e-5 after 50 steps; after 200, AdamW has
+  // grown the rounding of the reordered sums (a split GEMM's partial
+  // products, the all-reduces) to about 2e-5 in the attention weights.
+  const std::string early = FinalWeights(reference, 50);
+  const std::string early_single = FinalWeights(one, 50);
+  ASSERT_EQ(early.size(), early_single.size());
+  EXPECT_LT(RelativeDiff(early, early_single), 1e-5) << "against one rank at step 50";
   const std::string single = FinalWeights(one, kSteps);
-  ASSERT_EQ(single.size(), piped.size());
-  EXPECT_LT(RelativeDiff(piped, single), 1e-5) << "the pipeline against one rank";
-  // The pipeline's checkpoint goes on without a pipeline, on one rank.
+  ASSERT_EQ(single.size(), split.size());
+  EXPECT_LT(RelativeDiff(split, single), 1e-4) << "against one rank";
+  // The checkpoint goes on without model parallelism, on one rank.
   v1::JobSpec on = spec(false);
   on.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
   on.mutable_checkpoint()->mutable_resume_from()->set_step(100);
@@ -1021,11 +1047,11 @@ TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
   const v1::Job resumed_job = WaitForEnd(resumed);
   ASSERT_EQ(resumed_job.state(), v1::Job::SUCCEEDED)
       << resumed_job.message() << "\n" << EventText(resumed);
-  EXPECT_LT(RelativeDiff(FinalWeights(resumed, kSteps), single), 1e-5)
-      << "one rank going on from the pipeline's step 100";
+  EXPECT_LT(RelativeDiff(FinalWeights(resumed, kSteps), single), 1e-4)
+      << "one rank going on from step 100";
 
-  // The last stage counts the replica's samples (8 windows of 32 tokens a
-  // step); both stages report the same loss, which is one rank's.
+  // One rank counts the replica's samples (8 windows of 32 tokens a step);
+  // every rank reports the same loss, which is one rank's.
   const std::vector<v1::StepMetrics> a = cluster().Metrics(reference);
   const std::vector<v1::StepMetrics> b = cluster().Metrics(one);
   int evals = 0;
@@ -1033,6 +1059,8 @@ TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
     if (a[i].kind() == v1::MetricRecord::EVAL) {
       ++evals;
       EXPECT_NEAR(a[i].test_loss(), b[i].test_loss(), 1e-4) << "evaluation at " << a[i].step();
+      EXPECT_NEAR(a[i].test_accuracy(), b[i].test_accuracy(), 1e-4)
+          << "evaluation at " << a[i].step();
       continue;
     }
     EXPECT_EQ(a[i].tokens(), 8 * 32) << "step " << a[i].step();
@@ -1040,10 +1068,21 @@ TEST_F(FaultTest, APipelineOfTwoStagesResumesBitwiseAndEndsWhereOneRankEnds) {
         << "step " << a[i].step();
   }
   EXPECT_GE(evals, 2);
-  const std::string log = TrainerLog("w1", reference, 1, 1) + TrainerLog("w2", reference, 1, 1);
-  EXPECT_TRUE(absl::StrContains(log, "pipeline stage ready stage=1 replica=0 micro_batches=2"))
+  std::string log;
+  for (const std::string& w : workers) log += TrainerLog(w, reference, 1, world - 1);
+  EXPECT_TRUE(absl::StrContains(
+      log, absl::StrCat("model-parallel rank ready replica=0 tensor_rank=", tensor - 1,
+                        " stage=", stages - 1)))
       << log;
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ModelParallelFaultTest,
+                         ::testing::Values(ModelParallelCase{"Pipeline2", 1, 2},
+                                           ModelParallelCase{"Tensor2", 2, 1},
+                                           ModelParallelCase{"Tensor2Pipeline2", 2, 2}),
+                         [](const ::testing::TestParamInfo<ModelParallelCase>& info) {
+                           return info.param.name;
+                         });
 
 // 11. A job checkpointed by 4 ZeRO-2 ranks goes on at 2 ranks under FSDP
 // and at 3 under ZeRO-1 (checkpoint.resume_from, the global batch kept at

@@ -502,7 +502,7 @@ const Tensor& Gpt::Logits(const int32_t* tokens, int64_t batch, int64_t seq_len)
   ForwardTrunk(tokens, nullptr, /*training=*/false);
   targets_.clear();  // no loss: a Backward now is a programmer error
   // Tensor parallelism: the ranks' vocabularies side by side.
-  return tp_ != nullptr ? GatherLogits() : logits_;
+  return WholeLogits();
 }
 
 double Gpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch, int64_t seq_len,

@@ -180,6 +180,8 @@ class Gpt {
   struct Split {
     int dim = 0;
     std::vector<std::pair<int64_t, int64_t>> ranges;
+    // The whole tensor's.
+    std::vector<int64_t> whole_shape;
   };
   // nullopt for a parameter kept whole (and for all without tensor
   // parallelism).
@@ -201,8 +203,12 @@ class Gpt {
   int64_t ParameterCount() const;
   // The same count from a configuration alone (without building the model).
   static int64_t ParameterCount(const GptConfig& config);
-  // The logits of the last Forward, [batch * seq_len, vocab].
+  // The logits of the last Forward, [batch * seq_len, vocab] (under tensor
+  // parallelism this rank's vocabulary's columns only).
   const Tensor& logits() const { return logits_; }
+  // The same, the whole vocabulary's: under tensor parallelism gathered
+  // from the group (a collective), else logits().
+  const Tensor& WholeLogits();
   const GptConfig& config() const { return config_; }
 
  private:
@@ -263,8 +269,7 @@ class Gpt {
   // The mean cross-entropy of logits_ (this rank's vocabulary) against
   // targets_, and grad_logits_ (this rank's columns).
   double VocabParallelCrossEntropy();
-  // logits_ of every rank side by side: [N, vocab_size].
-  const Tensor& GatherLogits();
+
   std::mt19937_64& AttentionRng() { return tp_ != nullptr ? tp_rng_ : rng_; }
   // A block's forward from b.in into `out` ([N, C]), keeping its
   // activations in `a`.
@@ -352,6 +357,11 @@ class Gpt::Stash {
   int64_t batch = 0, seq_len = 0, rows = 0;
   bool dropped = false;
 };
+
+// The part of `whole` a tensor-parallel rank holds (Gpt::SplitOf): the
+// rows (dim 0, or a vector's elements) or columns in split.ranges, side by
+// side.
+Tensor SliceOfSplit(const Tensor& whole, const Gpt::Split& split);
 
 // A model from a safetensors file of its weights under GPT-2's names (a
 // checkpoint's model.safetensors or an export) whose metadata carries its

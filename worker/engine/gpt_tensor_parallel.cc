@@ -19,9 +19,17 @@
 namespace aidn::engine {
 namespace {
 
-// The shard of `whole` that `split` names: rows (dim 0) or columns (dim 1
-// of a matrix) in `split.ranges`, concatenated.
-Tensor Slice(const Tensor& whole, const Gpt::Split& split) {
+// Splitmix64 of the seed and the rank: unrelated attention-dropout streams.
+uint64_t RankSeed(uint64_t seed, int rank) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(rank) + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+Tensor SliceOfSplit(const Tensor& whole, const Gpt::Split& split) {
   int64_t width = 0;
   for (const auto& [begin, end] : split.ranges) width += end - begin;
   if (whole.rank() == 1 || split.dim == 0) {
@@ -48,16 +56,6 @@ Tensor Slice(const Tensor& whole, const Gpt::Split& split) {
   }
   return shard;
 }
-
-// Splitmix64 of the seed and the rank: unrelated attention-dropout streams.
-uint64_t RankSeed(uint64_t seed, int rank) {
-  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(rank) + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 void Gpt::SetSeed(uint64_t seed) {
   rng_.seed(seed);
@@ -92,7 +90,7 @@ absl::Status Gpt::SetTensorParallel(Communicator* group) {
   for (Parameter* p : parameters_) {
     const std::optional<Split> split = SplitOf(*p);
     if (!split.has_value()) continue;
-    p->value = Slice(p->value, *split);
+    p->value = SliceOfSplit(p->value, *split);
     p->grad = Tensor::View(nullptr, p->value.shape());
   }
   tp_rng_.seed(RankSeed(0, tp_rank_));
@@ -105,22 +103,26 @@ std::optional<Gpt::Split> Gpt::SplitOf(const Parameter& p) const {
   if (tp_ == nullptr) return std::nullopt;
   const int64_t c = config_.n_embd;
   const int64_t r = tp_rank_;
-  if (&p == &wte_) return Split{0, {{vocab_begin_, vocab_begin_ + vocab_local_}}};
+  const int64_t f = 4 * c;
+  if (&p == &wte_) {
+    return Split{0, {{vocab_begin_, vocab_begin_ + vocab_local_}}, {config_.vocab_size, c}};
+  }
   for (const Block& b : blocks_) {
     // Column-parallel: q, k and v of this rank's heads; its MLP columns.
     if (&p == &b.attn_w || (config_.bias && &p == &b.attn_b)) {
-      Split s{&p == &b.attn_w ? 1 : 0, {}};
+      Split s;
+      s.dim = &p == &b.attn_w ? 1 : 0;
       for (int64_t part = 0; part < 3; ++part) {
         s.ranges.emplace_back(part * c + r * cl_, part * c + (r + 1) * cl_);
       }
+      s.whole_shape = &p == &b.attn_w ? std::vector<int64_t>{c, 3 * c} : std::vector<int64_t>{3 * c};
       return s;
     }
-    if (&p == &b.fc_w || (config_.bias && &p == &b.fc_b)) {
-      return Split{&p == &b.fc_w ? 1 : 0, {{r * fl_, (r + 1) * fl_}}};
-    }
+    if (&p == &b.fc_w) return Split{1, {{r * fl_, (r + 1) * fl_}}, {c, f}};
+    if (config_.bias && &p == &b.fc_b) return Split{0, {{r * fl_, (r + 1) * fl_}}, {f}};
     // Row-parallel: the rows of those heads and columns.
-    if (&p == &b.proj_w) return Split{0, {{r * cl_, (r + 1) * cl_}}};
-    if (&p == &b.fc_proj_w) return Split{0, {{r * fl_, (r + 1) * fl_}}};
+    if (&p == &b.proj_w) return Split{0, {{r * cl_, (r + 1) * cl_}}, {c, c}};
+    if (&p == &b.fc_proj_w) return Split{0, {{r * fl_, (r + 1) * fl_}}, {f, c}};
   }
   return std::nullopt;
 }
@@ -215,7 +217,8 @@ double Gpt::VocabParallelCrossEntropy() {
   return total / static_cast<double>(n);
 }
 
-const Tensor& Gpt::GatherLogits() {
+const Tensor& Gpt::WholeLogits() {
+  if (tp_ == nullptr) return logits_;
   const int64_t n = batch_ * seq_len_;
   const int64_t v = vocab_local_;
   std::vector<float> all(static_cast<size_t>(n * v * tp_size_));

@@ -55,11 +55,18 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
     // The norm of the whole model's gradient: every stage's sum, the tied
     // parameter's once (the first stage's copy).
     Optimizer::SumOfSquaresReduction over = SumOfSquaresOver(options.pipeline);
+    Optimizer::SumOfSquaresReduction stage = options.stage_sum_of_squares;
     Parameter* duplicate = model->first() ? nullptr : model->tied();
     session->optimizer_->SetSumOfSquaresReduction(
-        [over, duplicate](double local) -> absl::StatusOr<double> {
-          return over(duplicate == nullptr ? local : local - SumOfSquares(duplicate->grad));
+        [over, stage, duplicate](double local) -> absl::StatusOr<double> {
+          double mine = duplicate == nullptr ? local : local - SumOfSquares(duplicate->grad);
+          if (stage) {
+            AIDN_ASSIGN_OR_RETURN(mine, stage(mine));
+          }
+          return over(mine);
         });
+  } else if (options.stage_sum_of_squares) {
+    session->optimizer_->SetSumOfSquaresReduction(options.stage_sum_of_squares);
   }
   return session;
 }

@@ -64,6 +64,10 @@ struct PipelineSessionOptions {
   Communicator* tied = nullptr;
   // DDP gradient bucket size in MB.
   double bucket_mb = 25.0;
+  // With tensor parallelism inside the stage: the stage's sum of squares
+  // over its tensor group (TensorParallelSumOfSquares), before the
+  // pipeline's; null: this rank's is the stage's.
+  Optimizer::SumOfSquaresReduction stage_sum_of_squares;
 };
 
 class PipelineSession {

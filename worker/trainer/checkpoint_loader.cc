@@ -146,6 +146,14 @@ absl::Status CheckpointLoader::LoadNewest(const std::vector<v1::Checkpoint>& can
 absl::Status CheckpointLoader::LoadOptimizerState(
     const std::vector<engine::ShardMap::Piece>& pieces, int64_t optimizer_steps,
     engine::Optimizer* optimizer) {
+  AIDN_ASSIGN_OR_RETURN(std::vector<engine::Tensor> buffers, ReadOptimizerState(pieces));
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (size_t i = 0; i < pieces.size(); ++i) entries.emplace_back(pieces[i].name, &buffers[i]);
+  return optimizer->LoadState(entries, optimizer_steps);
+}
+
+absl::StatusOr<std::vector<engine::Tensor>> CheckpointLoader::ReadOptimizerState(
+    const std::vector<engine::ShardMap::Piece>& pieces) {
   const bool reads = reader_ != nullptr;
   std::vector<engine::Tensor> buffers;
   absl::Status status;
@@ -178,9 +186,7 @@ absl::Status CheckpointLoader::LoadOptimizerState(
     }
   }
   AIDN_RETURN_IF_ERROR(status);
-  std::vector<engine::Optimizer::StateEntry> entries;
-  for (size_t i = 0; i < pieces.size(); ++i) entries.emplace_back(pieces[i].name, &buffers[i]);
-  return optimizer->LoadState(entries, optimizer_steps);
+  return buffers;
 }
 
 }  // namespace aidn::trainer

@@ -68,6 +68,10 @@ class CheckpointLoader {
   // lacks. With nothing loaded, every rank keeps its state.
   absl::Status LoadOptimizerState(const std::vector<engine::ShardMap::Piece>& pieces,
                                   int64_t optimizer_steps, engine::Optimizer* optimizer);
+  // The reading half of it: one buffer per piece, of its tensor's shape,
+  // holding the piece's elements of the checkpoint's entry.
+  absl::StatusOr<std::vector<engine::Tensor>> ReadOptimizerState(
+      const std::vector<engine::ShardMap::Piece>& pieces);
   // Done with the files.
   void Close() { reader_.reset(); }
 

@@ -263,7 +263,7 @@ std::optional<Failure> RankTraining::Connect() {
 
 std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
   // ZeRO, FSDP and pipelines: every rank writes and reads its own pieces.
-  const bool every_rank = (Sharded() && spec_.device() == v1::JobSpec::CPU) || Pipelined();
+  const bool every_rank = (Sharded() && spec_.device() == v1::JobSpec::CPU) || ModelParallel();
   if (every_rank && !checkpoint_dir_.empty()) {
     if (absl::Status s = CheckSharedDirectory(
             checkpoint_dir_, absl::StrCat(options_.job_id, "-g", options_.generation), comm_.get());
@@ -293,16 +293,17 @@ std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
 bool RankTraining::Sharded() const { return ShardingOf(spec_) != engine::Sharding::kNone; }
 
 std::optional<Failure> RankTraining::BuildSession() {
-  if (Pipelined()) {
-    absl::StatusOr<std::unique_ptr<PipelineRank>> p =
-        PipelineRank::Create(spec_, comm_options_, kv_.get(), task_.get());
+  if (ModelParallel()) {
+    absl::StatusOr<std::unique_ptr<ParallelRank>> p =
+        ParallelRank::Create(spec_, comm_options_, kv_.get(), task_.get());
     if (absl::IsInvalidArgument(p.status())) return Failure{kExitPermanent, p.status()};
-    if (!p.ok()) return FailureFor(p.status(), "pipeline");
-    pipeline_ = *std::move(p);
-    optimizer_ = &pipeline_->optimizer();
-    AIDN_LOG(INFO) << "pipeline stage ready" << Kv("stage", pipeline_->stage())
-                   << Kv("replica", pipeline_->replica())
-                   << Kv("micro_batches", pipeline_->micro_batches());
+    if (!p.ok()) return FailureFor(p.status(), "model parallelism");
+    parallel_ = *std::move(p);
+    optimizer_ = &parallel_->optimizer();
+    AIDN_LOG(INFO) << "model-parallel rank ready" << Kv("replica", parallel_->replica())
+                   << Kv("tensor_rank", parallel_->tensor_rank())
+                   << Kv("stage", parallel_->stage())
+                   << Kv("micro_batches", parallel_->micro_batches());
     return std::nullopt;
   }
   engine::CpuSessionOptions o;
@@ -429,10 +430,14 @@ std::optional<Failure> RankTraining::Resume(int64_t steps_per_epoch) {
 
 std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t optimizer_steps) {
   // Sharded: this rank's pieces (its shards'); otherwise the whole entries.
+  if (parallel_ != nullptr) {
+    if (absl::Status s = parallel_->LoadOptimizerState(loader_.get(), optimizer_steps); !s.ok()) {
+      return FailureFor(s, "resume");
+    }
+    return std::nullopt;
+  }
   std::vector<engine::ShardMap::Piece> pieces;
-  if (pipeline_ != nullptr) {
-    pieces = pipeline_->AllStatePieces();
-  } else if (Sharded() && cpu_ != nullptr) {
+  if (Sharded() && cpu_ != nullptr) {
     absl::StatusOr<std::vector<engine::ShardMap::Piece>> mine = cpu_->StatePieces();
     if (!mine.ok()) return Failure{kExitFailure, mine.status()};
     pieces = *std::move(mine);
@@ -453,9 +458,9 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   const SteadyClock::time_point start = SteadyClock::now();
   // ZeRO and FSDP: every rank writes the pieces it holds; DDP: rank 0
   // holds everything and writes it.
-  // A pipeline: the first replica's stages write the pieces they own.
-  const bool sharded = (Sharded() && cpu_ != nullptr) || pipeline_ != nullptr;
-  if (pipeline_ != nullptr && !pipeline_->writes_checkpoints()) return std::nullopt;
+  // Model parallelism: the first replica's ranks write the pieces they own.
+  const bool sharded = (Sharded() && cpu_ != nullptr) || parallel_ != nullptr;
+  if (parallel_ != nullptr && !parallel_->writes_checkpoints()) return std::nullopt;
   if (!sharded && rendezvous_.rank() != 0) return std::nullopt;
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
   std::map<std::string, std::string> metadata = {{"aidn.job", options_.job_id},
@@ -479,17 +484,22 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   absl::StatusOr<engine::WrittenCheckpoint> written;
   if (sharded) {
     engine::ShardContents contents;
-    contents.weights = pipeline_ ? pipeline_->WeightPieces() : cpu_->WeightPieces();
-    absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces =
-        pipeline_ ? pipeline_->StatePieces() : cpu_->StatePieces();
-    if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
-    contents.optimizer_state = *std::move(pieces);
+    if (parallel_ != nullptr) {
+      ParallelRank::Pieces pieces = parallel_->CheckpointPieces();
+      contents.weights = std::move(pieces.weights);
+      contents.optimizer_state = std::move(pieces.state);
+    } else {
+      contents.weights = cpu_->WeightPieces();
+      absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces = cpu_->StatePieces();
+      if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
+      contents.optimizer_state = *std::move(pieces);
+    }
     for (const engine::Parameter* p : task_->Parameters()) contents.parameters.push_back(p->name);
     contents.model_metadata = std::move(metadata);
     contents.state = state.Encode();
     written = engine::WriteShardedCheckpoint(checkpoint_dir_, step,
                                              absl::StrCat("g", options_.generation), contents,
-                                             pipeline_ ? pipeline_->writers() : comm_.get());
+                                             parallel_ ? parallel_->writers() : comm_.get());
     // Rank 0 does not see the other ranks' files: no passing trouble.
     if (absl::IsFailedPrecondition(written.status())) {
       return Failure{kExitPermanent, written.status()};
@@ -517,8 +527,8 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   request.set_bytes(written->bytes);
   // Rank 0's manifest names every rank's files.
   if (!written->manifest.empty()) request.set_manifest_sha256(Sha256Hex(written->manifest));
-  if (pipeline_ != nullptr) {
-    for (int r : pipeline_->writer_ranks()) request.add_writer_ranks(r);
+  if (parallel_ != nullptr) {
+    for (int r : parallel_->writer_ranks()) request.add_writer_ranks(r);
   } else {
     for (int r = 0; r < (sharded ? rendezvous_.world_size() : 1); ++r) request.add_writer_ranks(r);
   }
@@ -585,11 +595,15 @@ std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
   FullParameters full(cpu_.get());
   if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
-  if (pipeline_ != nullptr) {
-    if (absl::Status s = pipeline_->GatherWholeModel(); !s.ok()) return FailureFor(s, "evaluation");
+  if (parallel_ != nullptr) {
+    if (absl::Status s = parallel_->GatherWholeModel(); !s.ok()) return FailureFor(s, "evaluation");
   }
-  const TrainingTask::EvalSums mine = task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
-  if (pipeline_ != nullptr) pipeline_->ReleaseWholeModel();
+  // A tensor group's ranks evaluate one share together (its copies' sums
+  // leave the means as they are).
+  const TrainingTask::EvalSums mine =
+      parallel_ ? task_->Evaluate(parallel_->eval_rank(), parallel_->eval_world())
+                : task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
+  if (parallel_ != nullptr) parallel_->ReleaseWholeModel();
   // Summed over the ranks.
   float sums[3] = {static_cast<float>(mine.loss_sum), static_cast<float>(mine.correct),
                    static_cast<float>(mine.count)};
@@ -621,7 +635,7 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
   const int64_t first = (step % plan.steps_per_epoch) * plan.batch * plan.accum;
   const int64_t epoch = step / plan.steps_per_epoch;
   // A pipeline cuts each batch into its micro-batches.
-  const int64_t cuts = pipeline_ ? pipeline_->micro_batches() : 1;
+  const int64_t cuts = parallel_ ? parallel_->micro_batches() : 1;
   const int64_t size = plan.batch / cuts;
   std::vector<engine::MicroBatch> micro;
   for (int64_t m = 0; m < plan.accum * cuts; ++m) {
@@ -632,12 +646,10 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
         engine::DropoutSeed(spec_.seed(), step, plan.accum * cuts, m, DataWorld(), DataRank());
     micro.push_back(batch);
   }
-  if (pipeline_ != nullptr) {
-    AIDN_ASSIGN_OR_RETURN(result.loss, pipeline_->Step(micro, result.lr));
-    const engine::PipelineSession::Stats& stats = pipeline_->last_stats();
-    result.allreduce_seconds = stats.allreduce_seconds;
-    // Waiting for the neighbours (the bubble) is not compute either.
-    result.wait_seconds = stats.allreduce_seconds + stats.transfer_seconds;
+  if (parallel_ != nullptr) {
+    AIDN_ASSIGN_OR_RETURN(result.loss, parallel_->Step(micro, result.lr));
+    result.allreduce_seconds = parallel_->allreduce_seconds();
+    result.wait_seconds = parallel_->wait_seconds();
   } else if (gpu_ != nullptr) {
     absl::StatusOr<double> loss = gpu_->Step(micro, result.lr);
     if (!loss.ok()) {
@@ -672,9 +684,8 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   // This rank's loss on a GPU, the ranks' mean on the CPU; the coordinator
   // averages the ranks' records.
   record.set_loss(result.loss);
-  // A pipeline's stages share their replica's samples: its last stage
-  // counts them.
-  const int64_t share = pipeline_ == nullptr || pipeline_->last_stage() ? 1 : 0;
+  // A model-parallel replica's ranks share its samples: one counts them.
+  const int64_t share = parallel_ == nullptr || parallel_->counts_samples() ? 1 : 0;
   record.set_samples(share * plan.batch * plan.accum);
   record.set_step_seconds(result.seconds);
   record.set_allreduce_seconds(result.allreduce_seconds);
@@ -682,9 +693,9 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_lr(result.lr);
   record.set_tokens(share * plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
-  if (cpu_ != nullptr || pipeline_ != nullptr) {
+  if (cpu_ != nullptr || parallel_ != nullptr) {
     // ZeRO-2's and FSDP's buffers grow to their size in the first step.
-    memory_ = pipeline_ ? pipeline_->memory() : cpu_->memory();
+    memory_ = parallel_ ? parallel_->memory() : cpu_->memory();
     if (step == start_step_) {
       constexpr double kMiB = 1024.0 * 1024.0;
       AIDN_LOG(INFO) << "model state memory"

@@ -28,7 +28,7 @@
 #include "worker/engine/optimizer.h"
 #include "worker/trainer/checkpoint_ask.h"
 #include "worker/trainer/checkpoint_loader.h"
-#include "worker/trainer/pipeline_rank.h"
+#include "worker/trainer/parallel_rank.h"
 #include "worker/trainer/coordinator_store.h"
 #include "worker/trainer/reporter.h"
 #include "worker/trainer/stop_signal.h"
@@ -94,11 +94,13 @@ class RankTraining {
   std::optional<Failure> Resume(int64_t steps_per_epoch);
   std::optional<Failure> ResumeOptimizerState(int64_t optimizer_steps);
   bool Sharded() const;
-  bool Pipelined() const { return spec_.parallel().pipeline() > 1; }
+  bool ModelParallel() const {
+    return spec_.parallel().pipeline() > 1 || spec_.parallel().tensor() > 1;
+  }
   // The sampler's rank and world size: this rank's data-parallel replica
   // and their number (the rank and world size without model parallelism).
-  int DataRank() const { return pipeline_ ? pipeline_->replica() : rendezvous_.rank(); }
-  int DataWorld() const { return pipeline_ ? pipeline_->replicas() : rendezvous_.world_size(); }
+  int DataRank() const { return parallel_ ? parallel_->replica() : rendezvous_.rank(); }
+  int DataWorld() const { return parallel_ ? parallel_->replicas() : rendezvous_.world_size(); }
   // device: gpu: mirrors the CPU model (weights after the broadcast or the
   // resume) and the resumed optimizer state onto the GPU.
   std::optional<Failure> SetupGpu();
@@ -138,9 +140,9 @@ class RankTraining {
   engine::Optimizer* optimizer_ = nullptr;
   // device: cpu: the step runs here, over model_ and optimizer_.
   std::unique_ptr<engine::CpuSession> cpu_;
-  // parallel.pipeline > 1: the step runs here instead, over this rank's
-  // stage of the model.
-  std::unique_ptr<PipelineRank> pipeline_;
+  // Model parallelism (parallel.tensor or parallel.pipeline > 1): the step
+  // runs here instead, over this rank's part of the model.
+  std::unique_ptr<ParallelRank> parallel_;
   // How Connect made the communicator (a pipeline's groups are made alike).
   engine::CpuCommunicatorOptions comm_options_;
   // Shared with the stop signal's flush.

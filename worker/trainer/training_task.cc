@@ -133,7 +133,7 @@ class TextTask final : public TrainingTask {
       const double loss = model_->Forward(x.data(), y.data(), static_cast<int64_t>(count), block_,
                                           /*training=*/false);
       sums.loss_sum += loss * static_cast<double>(tokens);
-      sums.correct += static_cast<double>(engine::CountCorrect(model_->logits(), y));
+      sums.correct += static_cast<double>(engine::CountCorrect(model_->WholeLogits(), y));
       sums.count += static_cast<double>(tokens);
     }
     return sums;

@@ -32,6 +32,13 @@ TEST(ParallelSpec, APipelineGetsItsMicroBatchesAndScheduleByDefault) {
   EXPECT_EQ(spec.parallel().schedule(), v1::ParallelSpec::ONE_F_ONE_B);
   EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
   EXPECT_EQ(DataReplicas(spec), 2);
+  // Tensor and pipeline together: 1 x 2 x 2.
+  const JobSpec both = Spec("gpt", [](JobSpec* s) {
+    s->mutable_parallel()->set_tensor(2);
+    s->mutable_parallel()->set_pipeline(2);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, both).ok()) << ValidateJobSpec(SpecLimits{}, both);
+  EXPECT_EQ(DataReplicas(both), 1);
 
   const JobSpec mlp = Spec("mlp", [](JobSpec* s) {
     s->mutable_parallel()->set_pipeline(3);
@@ -75,9 +82,29 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
        },
        "parallel.micro_batches: 3 does not divide batch_size 8 (each micro-batch is batch_size / "
        "micro_batches samples; micro_batches defaults to parallel.pipeline)"},
-      {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_tensor(2); },
-       "parallel.tensor: jobs run with 1 for now: the trainer does not yet split a model over "
-       "tensor-parallel ranks"},
+      {"mlp", [](JobSpec* s) { s->mutable_parallel()->set_tensor(2); },
+       "parallel.tensor: splits a GPT's heads, MLP and vocabulary; model mlp has none (use "
+       "parallel.pipeline)"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_tensor(4);
+         s->mutable_model()->set_config("gpt-nano");  // 2 heads
+       },
+       "parallel.tensor: 4 does not divide model.n_head 2 (each rank takes as many heads)"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_tensor(4);
+         s->mutable_model()->set_config("gpt-mini");
+         s->mutable_model()->set_vocab_size(258);
+       },
+       "parallel.tensor: 4 does not divide model.vocab_size 258 (each rank takes as much of the "
+       "vocabulary)"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_tensor(2);
+         s->set_strategy(JobSpec::ZERO1);
+       },
+       "parallel.tensor: combines with strategy: ddp only (this job's is ZERO1)"},
       {"gpt",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);

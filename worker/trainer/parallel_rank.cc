@@ -1,0 +1,267 @@
+#include "worker/trainer/parallel_rank.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/tensor_parallel.h"
+#include "worker/trainer/engine_config.h"
+
+namespace aidn::trainer {
+absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
+    const v1::JobSpec& spec, const engine::CpuCommunicatorOptions& options,
+    engine::KeyValueStore* store, TrainingTask* task) {
+  const v1::ParallelSpec& p = spec.parallel();
+  const int world = options.gloo.world_size;
+  const int stages = std::max(1, p.pipeline());
+  const int tensor = std::max(1, p.tensor());
+  const int micro = stages > 1 ? p.micro_batches() : 1;
+  if (world % (stages * tensor) != 0 || micro < 1 || spec.batch_size() % micro != 0 ||
+      (tensor > 1 && task->gpt() == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallel: ", tensor, " tensor ranks x ", stages, " stages (", micro,
+        " micro-batches of batch_size ", spec.batch_size(), ") over ", world, " ranks of model ",
+        spec.model().name()));
+  }
+  AIDN_ASSIGN_OR_RETURN(
+      engine::ProcessGrid grid,
+      engine::ProcessGrid::Create(world, {world / (stages * tensor), tensor, stages}));
+  std::unique_ptr<ParallelRank> r(new ParallelRank(std::move(grid)));
+  r->coords_ = r->grid_.CoordsOf(options.gloo.rank);
+  r->micro_batches_ = micro;
+  r->task_ = task;
+  engine::CpuCommunicatorOptions grid_options = options;
+  grid_options.gloo.prefix = absl::StrCat(options.gloo.prefix, "/grid");
+  AIDN_ASSIGN_OR_RETURN(r->comms_, engine::CreateGridCommunicators(grid_options, r->grid_, store));
+  // Split first (from the whole weights), then cut into the stage.
+  engine::Gpt* gpt = task->gpt();
+  if (gpt != nullptr) AIDN_RETURN_IF_ERROR(gpt->SetTensorParallel(r->comms_.tensor.get()));
+  if (stages > 1) {
+    if (gpt != nullptr) {
+      AIDN_ASSIGN_OR_RETURN(r->stage_, engine::MakeLanguageModelStage(gpt, stages, r->stage()));
+    } else if (engine::Sequential* model = task->mutable_sequential(); model != nullptr) {
+      const engine::ModelConfig m = ModelConfigOf(spec);
+      AIDN_ASSIGN_OR_RETURN(r->stage_, engine::MakeClassifierStage(
+                                           model, {m.in_channels, m.height, m.width}, stages,
+                                           r->stage()));
+    } else {
+      return absl::InvalidArgumentError("parallel.pipeline: the model has no stages");
+    }
+  }
+  // Clipping's norm within a tensor group: slices summed, whole ones once.
+  engine::Optimizer::SumOfSquaresReduction within;
+  if (tensor > 1) {
+    std::vector<const engine::Parameter*> whole;
+    for (const engine::Parameter* q : r->Mine()) {
+      if (!gpt->SplitOf(*q).has_value()) whole.push_back(q);
+    }
+    within = engine::TensorParallelSumOfSquares(r->comms_.tensor.get(), std::move(whole));
+  }
+  if (stages > 1) {
+    const engine::PipelineSchedule schedule = p.schedule() == v1::ParallelSpec::GPIPE
+                                                  ? engine::PipelineSchedule::kGPipe
+                                                  : engine::PipelineSchedule::k1F1B;
+    engine::PipelineSessionOptions o = r->comms_.SessionOptions(schedule, BucketMbOf(spec));
+    o.stage_sum_of_squares = within;
+    AIDN_ASSIGN_OR_RETURN(r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(),
+                                                                        OptimizerConfigOf(spec)));
+    return r;
+  }
+  engine::CpuSessionOptions o;
+  o.communicator = r->replicas() > 1 ? r->comms_.data.get() : nullptr;
+  o.bucket_mb = BucketMbOf(spec);
+  AIDN_ASSIGN_OR_RETURN(r->cpu_,
+                        engine::CpuSession::Create(o, &task->model(), OptimizerConfigOf(spec)));
+  if (within) r->cpu_->optimizer().SetSumOfSquaresReduction(within);
+  return r;
+}
+
+const std::vector<engine::Parameter*>& ParallelRank::Mine() const {
+  return stage_ != nullptr ? stage_->Parameters() : task_->Parameters();
+}
+
+bool ParallelRank::counts_samples() const {
+  return coords_.tensor == 0 && coords_.pipeline == grid_.shape().pipeline - 1;
+}
+
+absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>& micro,
+                                          double lr) {
+  absl::StatusOr<double> loss =
+      pipeline_ != nullptr ? pipeline_->Step(micro, lr) : cpu_->Step(micro, lr);
+  // A tensor group's collective that failed inside the model.
+  if (engine::Gpt* gpt = task_->gpt(); gpt != nullptr) {
+    if (absl::Status s = gpt->TakeCollectiveStatus(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("tensor-parallel collective: ", s.message()));
+    }
+  }
+  return loss;
+}
+
+double ParallelRank::allreduce_seconds() const {
+  return pipeline_ != nullptr ? pipeline_->last_stats().allreduce_seconds
+                              : cpu_->last_allreduce_seconds();
+}
+
+double ParallelRank::wait_seconds() const {
+  if (pipeline_ == nullptr) return cpu_->last_allreduce_wait_seconds();
+  // Waiting for the neighbours (the bubble) is not compute either.
+  const engine::PipelineSession::Stats& s = pipeline_->last_stats();
+  return s.allreduce_seconds + s.transfer_seconds;
+}
+
+engine::Optimizer& ParallelRank::optimizer() {
+  return pipeline_ != nullptr ? pipeline_->optimizer() : cpu_->optimizer();
+}
+
+engine::CpuSession::Memory ParallelRank::memory() const {
+  engine::CpuSession::Memory m;
+  for (const engine::Parameter* p : Mine()) m.parameters += 4 * p->value.numel();
+  // DDP's buckets hold the gradients, as many floats (and some padding).
+  m.gradients = m.parameters;
+  const engine::Optimizer& o = pipeline_ != nullptr ? pipeline_->optimizer() : cpu_->optimizer();
+  for (const auto& [name, tensor] : o.State()) m.optimizer_state += 4 * tensor->numel();
+  return m;
+}
+
+absl::Status ParallelRank::GatherWholeModel() {
+  if (stage_ == nullptr) return absl::OkStatus();
+  stage_->Widen();
+  // Every stage's weights, zeros where it holds none, summed over the
+  // pipeline: each parameter's owner's values (the tied one the first
+  // stage's). One collective.
+  const std::vector<engine::Parameter*>& all = task_->Parameters();
+  const std::vector<engine::Parameter*>& mine = stage_->Parameters();
+  engine::Parameter* tied = stage_->first() ? nullptr : stage_->tied();
+  int64_t total = 0;
+  for (const engine::Parameter* p : all) total += p->value.numel();
+  std::vector<float> packed(static_cast<size_t>(total), 0.0f);
+  int64_t offset = 0;
+  for (const engine::Parameter* p : all) {
+    if (p != tied && std::find(mine.begin(), mine.end(), p) != mine.end()) {
+      std::memcpy(packed.data() + offset, p->value.data(), sizeof(float) * p->value.numel());
+    }
+    offset += p->value.numel();
+  }
+  AIDN_RETURN_IF_ERROR(
+      comms_.pipeline->AllReduce(packed.data(), packed.size(), engine::ReduceOp::kSum));
+  offset = 0;
+  for (engine::Parameter* p : all) {
+    std::memcpy(p->value.data(), packed.data() + offset, sizeof(float) * p->value.numel());
+    offset += p->value.numel();
+  }
+  return absl::OkStatus();
+}
+
+void ParallelRank::ReleaseWholeModel() {
+  if (stage_ != nullptr) stage_->Narrow();
+}
+
+int ParallelRank::eval_rank() const {
+  return grid_.RankOf({coords_.data, 0, coords_.pipeline}) / grid_.shape().tensor;
+}
+
+int ParallelRank::eval_world() const { return grid_.world_size() / grid_.shape().tensor; }
+
+std::optional<engine::Gpt::Split> ParallelRank::SplitOf(const engine::Parameter& p) const {
+  const engine::Gpt* gpt = task_->gpt();
+  return gpt != nullptr ? gpt->SplitOf(p) : std::nullopt;
+}
+
+bool ParallelRank::Writes(const engine::Parameter& p) const {
+  if (stage_ != nullptr && !stage_->first() && stage_->tied() == &p) return false;
+  return coords_.tensor == 0 || SplitOf(p).has_value();
+}
+
+std::vector<int> ParallelRank::writer_ranks() const {
+  std::vector<int> ranks;
+  for (int p = 0; p < grid_.shape().pipeline; ++p) {
+    for (int t = 0; t < grid_.shape().tensor; ++t) ranks.push_back(grid_.RankOf({0, t, p}));
+  }
+  return ranks;
+}
+
+void ParallelRank::AddPieces(const std::string& whole, const engine::Parameter& p,
+                             const engine::Tensor& tensor,
+                             std::vector<engine::ShardMap::Piece>* out) {
+  const std::optional<engine::Gpt::Split> split = SplitOf(p);
+  if (!split.has_value()) {
+    out->push_back({whole, whole, tensor.shape(), 0, static_cast<size_t>(tensor.numel()), &tensor});
+    return;
+  }
+  float* data = const_cast<float*>(tensor.data());
+  const std::vector<int64_t>& shape = split->whole_shape;
+  auto add = [&](float* at, int64_t begin, int64_t end) {
+    views_.push_back(engine::Tensor::View(at, {end - begin}));
+    out->push_back({absl::StrCat(whole, "[", begin, ":", end, "]"), whole, shape,
+                    static_cast<size_t>(begin), static_cast<size_t>(end), &views_.back()});
+  };
+  if (shape.size() == 1 || split->dim == 0) {
+    // Runs of whole rows: contiguous in the whole tensor.
+    const int64_t row = shape.size() == 1 ? 1 : shape[1];
+    int64_t at = 0;
+    for (const auto& [b, e] : split->ranges) {
+      add(data + at * row, b * row, e * row);
+      at += e - b;
+    }
+    return;
+  }
+  // Columns: a piece per row and range.
+  const int64_t width = tensor.dim(1);
+  for (int64_t r = 0; r < shape[0]; ++r) {
+    int64_t at = 0;
+    for (const auto& [b, e] : split->ranges) {
+      add(data + r * width + at, r * shape[1] + b, r * shape[1] + e);
+      at += e - b;
+    }
+  }
+}
+
+ParallelRank::Pieces ParallelRank::CheckpointPieces() {
+  views_.clear();
+  Pieces pieces;
+  std::map<std::string, const engine::Parameter*> by_name;
+  for (const engine::Parameter* p : Mine()) {
+    by_name[p->name] = p;
+    if (Writes(*p)) AddPieces(p->name, *p, p->value, &pieces.weights);
+  }
+  // "<parameter>.<buffer>".
+  for (const auto& [name, tensor] : optimizer().State()) {
+    const auto it = by_name.find(name.substr(0, name.rfind('.')));
+    if (it != by_name.end() && Writes(*it->second)) {
+      AddPieces(name, *it->second, *tensor, &pieces.state);
+    }
+  }
+  return pieces;
+}
+
+absl::Status ParallelRank::LoadOptimizerState(CheckpointLoader* loader, int64_t optimizer_steps) {
+  std::map<std::string, const engine::Parameter*> by_name;
+  for (const engine::Parameter* p : Mine()) by_name[p->name] = p;
+  // Every entry whole, then this rank's part of it.
+  const std::vector<engine::Optimizer::StateEntry> state = optimizer().State();
+  std::deque<engine::Tensor> wholes;
+  std::vector<engine::ShardMap::Piece> pieces;
+  std::vector<std::optional<engine::Gpt::Split>> splits;
+  for (const auto& [name, tensor] : state) {
+    const auto it = by_name.find(name.substr(0, name.rfind('.')));
+    splits.push_back(it != by_name.end() ? SplitOf(*it->second) : std::nullopt);
+    wholes.emplace_back(splits.back().has_value() ? splits.back()->whole_shape : tensor->shape());
+    pieces.push_back(
+        {name, name, wholes.back().shape(), 0, static_cast<size_t>(wholes.back().numel()),
+         &wholes.back()});
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<engine::Tensor> read, loader->ReadOptimizerState(pieces));
+  std::vector<engine::Tensor> parts;
+  std::vector<engine::Optimizer::StateEntry> entries;
+  parts.reserve(read.size());
+  for (size_t i = 0; i < read.size(); ++i) {
+    parts.push_back(splits[i].has_value() ? engine::SliceOfSplit(read[i], *splits[i]) : std::move(read[i]));
+    entries.emplace_back(state[i].first, &parts.back());
+  }
+  return optimizer().LoadState(entries, optimizer_steps);
+}
+
+}  // namespace aidn::trainer
