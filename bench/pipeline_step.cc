@@ -4,16 +4,18 @@
 //
 //   build/bench/pipeline_step [--config gpt-mini] [--stages 2] [--micro 1,4,8]
 //                             [--batch 4] [--seq 128] [--steps 6] [--warmup 2]
-//                             [--checkpointing 0|1]
+//                             [--checkpointing 0|1] [--tensor T]
 //
 // Per row: the median step, the measured bubble against the ideal
 // (P - 1) / (m + P - 1), per stage: the share of the step it spent not
 // computing (waiting for its neighbours), the forwards it ran again before
 // their backward (with --checkpointing, none: each block's forward runs
 // again inside the backward instead), and the activations it kept for the
-// micro-batches in flight (m under GPipe, at most P - s under 1F1B). "one rank" is the same micro-batches accumulated by one
-// CpuSession on one thread. Stages run faster than one rank only with a
-// core each; the header warns when there are fewer.
+// micro-batches in flight (m under GPipe, at most P - s under 1F1B). "one rank" is the same
+// micro-batches accumulated by one CpuSession on one thread. Stages run faster than one rank only
+// with a core each; the header warns when there are fewer. With --tensor T the GPT is split over T
+// tensor-parallel ranks instead, and the table gives the step against one rank's and the share of
+// it in the group's collectives.
 
 #include <unistd.h>
 
@@ -35,6 +37,7 @@
 #include "worker/engine/cpu_session.h"
 #include "worker/engine/gpt.h"
 #include "worker/engine/pipeline_session.h"
+#include "worker/engine/tensor_parallel.h"
 #include "worker/engine/trainable.h"
 
 namespace {
@@ -50,6 +53,9 @@ struct Options {
   int steps = 6;
   int warmup = 2;
   bool checkpointing = false;
+  // Above 1: the GPT split over this many tensor-parallel ranks instead of
+  // cut into stages.
+  int tensor = 1;
 };
 
 OptimizerConfig Adam() {
@@ -128,19 +134,68 @@ std::vector<StageResult> RunPipeline(const Options& o, const GptConfig& config,
       absl::StatusOr<std::unique_ptr<PipelineStageModel>> stage =
           MakeLanguageModelStage(gpt.get(), p, rank);
       if (!stage.ok()) fail(stage.status());
-      absl::StatusOr<std::unique_ptr<PipelineSession>> session = PipelineSession::Create(
-          comms->SessionOptions(schedule, 25.0), stage->get(), Adam());
+      absl::StatusOr<std::unique_ptr<PipelineSession>> session =
+          PipelineSession::Create(comms->SessionOptions(schedule, 25.0), stage->get(), Adam());
       if (!session.ok()) fail(session.status());
       for (int step = 0; step < o.warmup + o.steps; ++step) {
         Batches b(m, o.batch, o.seq, step);
         absl::StatusOr<double> loss = (*session)->Step(b.micro, 1e-3);
         if (!loss.ok()) fail(loss.status());
-        if (step >= o.warmup) results[static_cast<size_t>(rank)].steps.push_back((*session)->last_stats());
+        if (step >= o.warmup)
+          results[static_cast<size_t>(rank)].steps.push_back((*session)->last_stats());
       }
     });
   }
   for (std::thread& t : threads) t.join();
   return results;
+}
+
+// The GPT split over o.tensor ranks (threads over shared memory), one
+// CpuSession each: the median step and the median share of it spent in
+// the tensor group's collectives (rank 0's).
+std::pair<double, double> TensorStep(const Options& o, const GptConfig& config, int m) {
+  const int t = o.tensor;
+  InMemoryKeyValueStore store;
+  std::vector<double> steps, shares;
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < t; ++rank) {
+    threads.emplace_back([&, rank] {
+      ConfigureCpu(1);
+      CpuCommunicatorOptions options;
+      options.gloo.rank = rank;
+      options.gloo.world_size = t;
+      options.gloo.prefix = "tensor" + std::to_string(m);
+      options.gloo.timeout = std::chrono::seconds(120);
+      options.transport = CpuTransport::kShm;
+      absl::StatusOr<CpuCommunicator> comm = CreateCpuCommunicator(options, &store);
+      if (!comm.ok()) std::exit(1);
+      std::unique_ptr<Gpt> gpt = *Gpt::Create(config, 1);
+      gpt->SetActivationCheckpointing(o.checkpointing);
+      if (!gpt->SetTensorParallel(comm->communicator.get()).ok()) std::exit(1);
+      LanguageModel model(gpt.get());
+      std::unique_ptr<CpuSession> session = *CpuSession::Create({}, &model, Adam());
+      std::vector<const Parameter*> whole;
+      for (const Parameter* p : gpt->Parameters()) {
+        if (!gpt->SplitOf(*p).has_value()) whole.push_back(p);
+      }
+      session->optimizer().SetSumOfSquaresReduction(
+          TensorParallelSumOfSquares(comm->communicator.get(), whole));
+      for (int step = 0; step < o.warmup + o.steps; ++step) {
+        Batches b(m, o.batch, o.seq, step);
+        gpt->TakeTensorParallelSeconds();
+        const auto start = std::chrono::steady_clock::now();
+        if (!session->Step(b.micro, 1e-3).ok()) std::exit(1);
+        const double took =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (rank == 0 && step >= o.warmup) {
+          steps.push_back(took);
+          shares.push_back(gpt->TakeTensorParallelSeconds() / took);
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  return {Median(steps), Median(shares)};
 }
 
 double OneRankStep(const Options& o, const GptConfig& config, int m) {
@@ -165,7 +220,7 @@ double OneRankStep(const Options& o, const GptConfig& config, int m) {
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--config gpt-mini] [--stages 2] [--micro 1,4,8] [--batch 4] "
-               "[--seq 128] [--steps 6] [--warmup 2] [--checkpointing 0|1]\n",
+               "[--seq 128] [--steps 6] [--warmup 2] [--checkpointing 0|1] [--tensor T]\n",
                argv0);
   return 2;
 }
@@ -198,6 +253,8 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &o.steps);
     } else if (a == "--warmup") {
       ok = absl::SimpleAtoi(v, &o.warmup);
+    } else if (a == "--tensor") {
+      ok = absl::SimpleAtoi(v, &o.tensor) && o.tensor >= 1;
     } else if (a == "--checkpointing") {
       o.checkpointing = v == "1" || v == "true";
     } else {
@@ -207,16 +264,35 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<GptConfig> config = NamedGptConfig(o.config);
   if (!config.ok() || o.stages < 2 || o.steps < 1) return Usage(argv[0]);
+  if (o.tensor > 1) {
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    std::printf(
+        "# %s (%d layers, %d heads, %d wide) over %d tensor-parallel ranks, batches of "
+        "%d x %d tokens, %ld cores%s\n",
+        o.config.c_str(), config->n_layer, config->n_head, config->n_embd, o.tensor, o.batch, o.seq,
+        cores, cores < o.tensor ? " (WARNING: fewer cores than ranks: they share them)" : "");
+    std::printf("%2s %9s %9s %8s %12s\n", "m", "step ms", "1-rank ms", "speed-up", "comm share");
+    for (int m : o.micro) {
+      const double one = OneRankStep(o, *config, m);
+      const auto [step, share] = TensorStep(o, *config, m);
+      std::printf("%2d %9.1f %9.1f %7.2fx %12.3f\n", m, 1e3 * step, 1e3 * one, one / step, share);
+    }
+    std::printf(
+        "# comm share: the part of rank 0's step in the tensor group's all-reduces and "
+        "gathers (two a block each way, the embedding, the loss)\n");
+    return 0;
+  }
   if (o.seq > config->block_size) o.seq = config->block_size;
 #ifndef NDEBUG
   std::printf("# WARNING: built with assertions (not a release build): timings are slow\n");
 #endif
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  std::printf("# %s (%d layers, %d wide), %d stages of %d blocks, micro-batches of %d x %d "
-              "tokens, activation checkpointing %s, %ld cores%s\n",
-              o.config.c_str(), config->n_layer, config->n_embd, o.stages,
-              config->n_layer / o.stages, o.batch, o.seq, o.checkpointing ? "on" : "off", cores,
-              cores < o.stages ? " (WARNING: fewer cores than stages: stages share them)" : "");
+  std::printf(
+      "# %s (%d layers, %d wide), %d stages of %d blocks, micro-batches of %d x %d "
+      "tokens, activation checkpointing %s, %ld cores%s\n",
+      o.config.c_str(), config->n_layer, config->n_embd, o.stages, config->n_layer / o.stages,
+      o.batch, o.seq, o.checkpointing ? "on" : "off", cores,
+      cores < o.stages ? " (WARNING: fewer cores than stages: stages share them)" : "");
   std::printf("%-8s %2s %9s %9s %7s %7s  %-24s %-14s %-22s\n", "schedule", "m", "step ms",
               "1-rank ms", "bubble", "ideal", "idle share per stage", "recomputed",
               "kept per stage");
@@ -251,12 +327,13 @@ int main(int argc, char** argv) {
         kept += buf;
       }
       std::printf("%-8s %2d %9.1f %9.1f %7.3f %7.3f  %-24s %-14s %-22s\n",
-                  schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b", m,
-                  1e3 * Median(step), 1e3 * one, idle_sum / static_cast<double>(r.size()),
-                  IdealBubble(o.stages, m), idle.c_str(), recomputed.c_str(), kept.c_str());
+                  schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b", m, 1e3 * Median(step),
+                  1e3 * one, idle_sum / static_cast<double>(r.size()), IdealBubble(o.stages, m),
+                  idle.c_str(), recomputed.c_str(), kept.c_str());
     }
   }
-  std::printf("# bubble: the stages' mean idle share (1 - compute / step); ideal (P-1)/(m+P-1). "
-              "kept: micro-batches in flight at most : MiB of their activations held at once\n");
+  std::printf(
+      "# bubble: the stages' mean idle share (1 - compute / step); ideal (P-1)/(m+P-1). "
+      "kept: micro-batches in flight at most : MiB of their activations held at once\n");
   return 0;
 }

@@ -118,8 +118,7 @@ absl::Status Coordinator::ResolveResumeFrom(v1::JobSpec* spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": job ", source->job(), " trained with a global batch of ", global_batch(theirs),
         " (batch_size ", theirs.batch_size(), " x grad_accum_steps ",
-        std::max(1, theirs.grad_accum_steps()), " x data-parallel replicas ",
-        DataReplicas(theirs),
+        std::max(1, theirs.grad_accum_steps()), " x data-parallel replicas ", DataReplicas(theirs),
         "); this job's is ", global_batch(*spec),
         ": set batch_size or grad_accum_steps so that "
         "they match"));

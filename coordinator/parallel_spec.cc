@@ -36,8 +36,8 @@ void ApplyParallelDefaults(v1::JobSpec* spec) {
 }
 
 int64_t DataReplicas(const v1::JobSpec& spec) {
-  const int64_t model_ranks = int64_t{std::max(1, spec.parallel().tensor())} *
-                              std::max(1, spec.parallel().pipeline());
+  const int64_t model_ranks =
+      int64_t{std::max(1, spec.parallel().tensor())} * std::max(1, spec.parallel().pipeline());
   return std::max<int64_t>(1, spec.world_size() / model_ranks);
 }
 
@@ -48,11 +48,12 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(CheckIntRange("parallel.pipeline", p.pipeline(), 1, spec.world_size()));
   const int64_t model_ranks = int64_t{p.tensor()} * p.pipeline();
   if (spec.world_size() % model_ranks != 0) {
-    return Invalid("world_size",
-                   absl::StrCat(spec.world_size(), " is not a multiple of parallel.tensor x "
-                                "parallel.pipeline = ",
-                                p.tensor(), " x ", p.pipeline(), " (world_size = data-parallel "
-                                "replicas x tensor x pipeline)"));
+    return Invalid("world_size", absl::StrCat(spec.world_size(),
+                                              " is not a multiple of parallel.tensor x "
+                                              "parallel.pipeline = ",
+                                              p.tensor(), " x ", p.pipeline(),
+                                              " (world_size = data-parallel "
+                                              "replicas x tensor x pipeline)"));
   }
   if (model_ranks > 1) {
     const char* field = p.tensor() > 1 ? "parallel.tensor" : "parallel.pipeline";
@@ -70,15 +71,17 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
                                   " has none (use parallel.pipeline)"));
     }
     if (model.n_head() % p.tensor() != 0) {
-      return Invalid("parallel.tensor", absl::StrCat(p.tensor(), " does not divide model.n_head ",
-                                                     model.n_head(), " (each rank takes as many "
-                                                     "heads)"));
+      return Invalid("parallel.tensor",
+                     absl::StrCat(p.tensor(), " does not divide model.n_head ", model.n_head(),
+                                  " (each rank takes as many "
+                                  "heads)"));
     }
     if (model.vocab_size() % p.tensor() != 0) {
-      return Invalid("parallel.tensor",
-                     absl::StrCat(p.tensor(), " does not divide model.vocab_size ",
-                                  model.vocab_size(), " (each rank takes as much of the "
-                                  "vocabulary)"));
+      return Invalid(
+          "parallel.tensor",
+          absl::StrCat(p.tensor(), " does not divide model.vocab_size ", model.vocab_size(),
+                       " (each rank takes as much of the "
+                       "vocabulary)"));
     }
   }
   if (p.pipeline() == 1) {
@@ -107,11 +110,12 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(
       CheckIntRange("parallel.micro_batches", p.micro_batches(), 1, kMaxMicroBatches));
   if (spec.batch_size() % p.micro_batches() != 0) {
-    return Invalid("parallel.micro_batches",
-                   absl::StrCat(p.micro_batches(), " does not divide batch_size ",
-                                spec.batch_size(), " (each micro-batch is batch_size / "
-                                "micro_batches samples; micro_batches defaults to "
-                                "parallel.pipeline)"));
+    return Invalid(
+        "parallel.micro_batches",
+        absl::StrCat(p.micro_batches(), " does not divide batch_size ", spec.batch_size(),
+                     " (each micro-batch is batch_size / "
+                     "micro_batches samples; micro_batches defaults to "
+                     "parallel.pipeline)"));
   }
   switch (p.schedule()) {
     case v1::ParallelSpec::GPIPE:

@@ -1028,7 +1028,8 @@ TEST_P(ModelParallelFaultTest, ResumesBitwiseAndEndsWhereOneRankEnds) {
   }
   const std::string split = FinalWeights(reference, kSteps);
   ASSERT_FALSE(split.empty());
-  EXPECT_TRUE(split == FinalWeights(id, kSteps)) << "final weights differ from the uninterrupted run's";
+  EXPECT_TRUE(split == FinalWeights(id, kSteps))
+      << "final weights differ from the uninterrupted run's";
   // Against one rank: within 1e-5 after 50 steps; after 200, AdamW has
   // grown the rounding of the reordered sums (a split GEMM's partial
   // products, the all-reduces) to about 2e-5 in the attention weights.
@@ -1045,8 +1046,8 @@ TEST_P(ModelParallelFaultTest, ResumesBitwiseAndEndsWhereOneRankEnds) {
   on.mutable_checkpoint()->mutable_resume_from()->set_step(100);
   const std::string resumed = Submit(on);
   const v1::Job resumed_job = WaitForEnd(resumed);
-  ASSERT_EQ(resumed_job.state(), v1::Job::SUCCEEDED)
-      << resumed_job.message() << "\n" << EventText(resumed);
+  ASSERT_EQ(resumed_job.state(), v1::Job::SUCCEEDED) << resumed_job.message() << "\n"
+                                                     << EventText(resumed);
   EXPECT_LT(RelativeDiff(FinalWeights(resumed, kSteps), single), 1e-4)
       << "one rank going on from step 100";
 

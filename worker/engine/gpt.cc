@@ -236,8 +236,7 @@ void Gpt::ZeroGrad() {
 
 void Gpt::SetStage(int first_block, int end_block) {
   AIDN_CHECK(0 <= first_block && first_block < end_block && end_block <= config_.n_layer)
-      << "gpt: stage of blocks [" << first_block << ", " << end_block << ") of "
-      << config_.n_layer;
+      << "gpt: stage of blocks [" << first_block << ", " << end_block << ") of " << config_.n_layer;
   first_block_ = first_block;
   end_block_ = end_block;
   // The next forward sizes the stage's buffers; other blocks' go.
@@ -694,9 +693,9 @@ int64_t Gpt::Stash::bytes() const {
   auto add = [&floats](const Tensor& t) { floats += t.numel(); };
   for (const Tensor& t : in) add(t);
   for (const Activations& a : acts) {
-    for (const Tensor* t : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.att_mask, &a.y,
-                            &a.attn_mask, &a.mid, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.gelu,
-                            &a.mlp_mask}) {
+    for (const Tensor* t :
+         {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.att_mask, &a.y, &a.attn_mask, &a.mid,
+          &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.gelu, &a.mlp_mask}) {
       add(*t);
     }
   }

@@ -34,6 +34,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -172,6 +173,8 @@ class Gpt {
   // and vocab_size; FAILED_PRECONDITION when called again or too late.
   absl::Status SetTensorParallel(Communicator* group);
   int tensor_parallel_size() const { return tp_size_; }
+  // Seconds spent in the tensor group's collectives since the last call.
+  double TakeTensorParallelSeconds() { return std::exchange(tp_seconds_, 0.0); }
   // The first error of a tensor-parallel collective since the last call,
   // or OK; the pass it failed in is to be thrown away.
   absl::Status TakeCollectiveStatus();
@@ -307,6 +310,7 @@ class Gpt {
   int64_t cl_ = 0;
   int64_t fl_ = 0;
   absl::Status tp_status_;
+  double tp_seconds_ = 0;
   std::mt19937_64 tp_rng_{0};
   Tensor full_logits_;  // GatherLogits
 
@@ -321,7 +325,7 @@ class Gpt {
 
   int64_t batch_ = 0;
   int64_t seq_len_ = 0;
-  bool dropped_ = false;  // the last Forward drew dropout masks
+  bool dropped_ = false;    // the last Forward drew dropout masks
   int64_t stage_rows_ = 0;  // positions of the last Forward (0: none yet)
   std::vector<int32_t> tokens_;
   std::vector<int32_t> targets_;

@@ -4,12 +4,14 @@
 // the vocabulary-parallel cross-entropy.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "worker/engine/cpu_kernels.h"
 #include "worker/engine/gpt.h"
@@ -70,9 +72,8 @@ absl::Status Gpt::SetTensorParallel(Communicator* group) {
   }
   const int t = group->world_size();
   if (config_.n_head % t != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("gpt: n_head ", config_.n_head,
-                                                   " does not divide among ", t,
-                                                   " tensor-parallel ranks"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpt: n_head ", config_.n_head, " does not divide among ", t, " tensor-parallel ranks"));
   }
   if (config_.vocab_size % t != 0) {
     return absl::InvalidArgumentError(absl::StrCat("gpt: vocab_size ", config_.vocab_size,
@@ -115,7 +116,8 @@ std::optional<Gpt::Split> Gpt::SplitOf(const Parameter& p) const {
       for (int64_t part = 0; part < 3; ++part) {
         s.ranges.emplace_back(part * c + r * cl_, part * c + (r + 1) * cl_);
       }
-      s.whole_shape = &p == &b.attn_w ? std::vector<int64_t>{c, 3 * c} : std::vector<int64_t>{3 * c};
+      s.whole_shape =
+          &p == &b.attn_w ? std::vector<int64_t>{c, 3 * c} : std::vector<int64_t>{3 * c};
       return s;
     }
     if (&p == &b.fc_w) return Split{1, {{r * fl_, (r + 1) * fl_}}, {c, f}};
@@ -129,7 +131,9 @@ std::optional<Gpt::Split> Gpt::SplitOf(const Parameter& p) const {
 
 void Gpt::TensorAllReduce(float* data, int64_t n) {
   if (tp_ == nullptr || !tp_status_.ok() || n == 0) return;
+  const auto start = std::chrono::steady_clock::now();
   tp_status_ = tp_->AllReduce(data, static_cast<size_t>(n), ReduceOp::kSum);
+  tp_seconds_ += SecondsSince(start);
 }
 
 void Gpt::RowParallelForward(const float* x, const Parameter& w, const Parameter& b, int64_t in,
@@ -179,7 +183,11 @@ double Gpt::VocabParallelCrossEntropy() {
     local[static_cast<size_t>(i)] = *std::max_element(row, row + v);
   }
   std::vector<float> all(static_cast<size_t>(n) * static_cast<size_t>(tp_size_));
-  if (tp_status_.ok()) tp_status_ = tp_->AllGather(local.data(), local.size(), all.data());
+  if (tp_status_.ok()) {
+    const auto start = std::chrono::steady_clock::now();
+    tp_status_ = tp_->AllGather(local.data(), local.size(), all.data());
+    tp_seconds_ += SecondsSince(start);
+  }
   std::vector<float> max(static_cast<size_t>(n), -INFINITY);
   for (int rank = 0; rank < tp_size_; ++rank) {
     for (int64_t i = 0; i < n; ++i) {

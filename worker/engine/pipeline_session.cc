@@ -27,8 +27,7 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
     const OptimizerConfig& config) {
   if (model == nullptr) return absl::InvalidArgumentError("pipeline session: needs a stage model");
   const int stages = model->stages();
-  if ((!model->first() && options.prev == nullptr) ||
-      (!model->last() && options.next == nullptr)) {
+  if ((!model->first() && options.prev == nullptr) || (!model->last() && options.next == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat("pipeline stage ", model->stage(), " of ",
                                                    stages, ": needs a link to each neighbour"));
   }
@@ -36,17 +35,15 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("pipeline session: needs a communicator of the ", stages, " stages"));
   }
-  if (model->tied() != nullptr &&
-      (options.tied == nullptr || options.tied->world_size() != 2)) {
+  if (model->tied() != nullptr && (options.tied == nullptr || options.tied->world_size() != 2)) {
     return absl::InvalidArgumentError(
         "pipeline session: the first and last stages share a parameter and need a "
         "communicator of the two");
   }
   std::unique_ptr<PipelineSession> session(new PipelineSession(options, model));
   if (options.data != nullptr && options.data->world_size() > 1) {
-    AIDN_ASSIGN_OR_RETURN(session->reducer_,
-                          DdpReducer::Create({.bucket_mb = options.bucket_mb}, model->Parameters(),
-                                             options.data));
+    AIDN_ASSIGN_OR_RETURN(session->reducer_, DdpReducer::Create({.bucket_mb = options.bucket_mb},
+                                                                model->Parameters(), options.data));
     DdpReducer* r = session->reducer_.get();
     model->SetGradReadyCallback([r](Parameter* p) { r->OnGradReady(p); });
   }
@@ -92,9 +89,8 @@ absl::StatusOr<double> PipelineSession::Step(const std::vector<MicroBatch>& micr
 
 absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, double* loss) {
   const int m = static_cast<int>(micro.size());
-  AIDN_ASSIGN_OR_RETURN(
-      std::vector<PipelineAction> actions,
-      StageActions(options_.schedule, model_->stages(), model_->stage(), m));
+  AIDN_ASSIGN_OR_RETURN(std::vector<PipelineAction> actions,
+                        StageActions(options_.schedule, model_->stages(), model_->stage(), m));
   const double scale = 1.0 / static_cast<double>(m);
   inputs_.resize(static_cast<size_t>(m));
   kept_.assign(static_cast<size_t>(m), false);
@@ -104,8 +100,7 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
   // Bytes of the inputs held (received, not yet consumed).
   int64_t input_bytes = 0;
   auto peak = [&] {
-    stats_.peak_kept_bytes =
-        std::max(stats_.peak_kept_bytes, input_bytes + model_->kept_bytes());
+    stats_.peak_kept_bytes = std::max(stats_.peak_kept_bytes, input_bytes + model_->kept_bytes());
   };
   auto receive = [&](int mb) -> Tensor* {
     Tensor* t = &inputs_[static_cast<size_t>(mb)];
@@ -122,8 +117,7 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
   auto forward = [&](int mb) {
     const MicroBatch& batch = micro[static_cast<size_t>(mb)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
-    const double l =
-        model_->Forward(batch, inputs_[static_cast<size_t>(mb)], scale, &output_);
+    const double l = model_->Forward(batch, inputs_[static_cast<size_t>(mb)], scale, &output_);
     resident_ = mb;
     return l;
   };
@@ -187,27 +181,28 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
         break;
       }
       case PipelineAction::kSendGradient:
-        AIDN_RETURN_IF_ERROR(transfer(
-            options_.prev->Send(grad_input_.data(), static_cast<size_t>(model_->InputFloats(batch))),
-            t0, "sending the gradient", mb));
+        AIDN_RETURN_IF_ERROR(
+            transfer(options_.prev->Send(grad_input_.data(),
+                                         static_cast<size_t>(model_->InputFloats(batch))),
+                     t0, "sending the gradient", mb));
         break;
       case PipelineAction::kSendActivationRecvGradient: {
         const MicroBatch& other = micro[static_cast<size_t>(a.other)];
         grad_output_.Resize(model_->OutputShape(other));
-        AIDN_RETURN_IF_ERROR(transfer(
-            options_.next->Exchange(output_.data(),
-                                    static_cast<size_t>(model_->OutputFloats(batch)),
-                                    grad_output_.data(), grad_output_.numel()),
-            t0, "sending the activation and receiving a gradient", mb));
+        AIDN_RETURN_IF_ERROR(
+            transfer(options_.next->Exchange(output_.data(),
+                                             static_cast<size_t>(model_->OutputFloats(batch)),
+                                             grad_output_.data(), grad_output_.numel()),
+                     t0, "sending the activation and receiving a gradient", mb));
         break;
       }
       case PipelineAction::kSendGradientRecvActivation: {
         Tensor* in = receive(a.other);
-        AIDN_RETURN_IF_ERROR(transfer(
-            options_.prev->Exchange(grad_input_.data(),
-                                    static_cast<size_t>(model_->InputFloats(batch)), in->data(),
-                                    in->numel()),
-            t0, "sending the gradient and receiving an activation", mb));
+        AIDN_RETURN_IF_ERROR(
+            transfer(options_.prev->Exchange(grad_input_.data(),
+                                             static_cast<size_t>(model_->InputFloats(batch)),
+                                             in->data(), in->numel()),
+                     t0, "sending the gradient and receiving an activation", mb));
         break;
       }
     }
@@ -224,9 +219,9 @@ absl::Status PipelineSession::Finish(double* loss) {
   if (Parameter* tied = model_->tied(); tied != nullptr) {
     // Each end's part of the gradient (the embedding's, the LM head's).
     AIDN_RETURN_IF_ERROR(
-        WithContext(options_.tied->AllReduce(tied->grad.data(), static_cast<size_t>(tied->grad.numel()),
-                                       ReduceOp::kSum),
-              absl::StrCat("the tied ", tied->name, "'s gradient")));
+        WithContext(options_.tied->AllReduce(
+                        tied->grad.data(), static_cast<size_t>(tied->grad.numel()), ReduceOp::kSum),
+                    absl::StrCat("the tied ", tied->name, "'s gradient")));
   }
   stats_.allreduce_seconds = SecondsSince(start);
   if (model_->stages() > 1) {

@@ -113,9 +113,7 @@ class LanguageModelStage final : public PipelineStageModel {
     Release();
   }
 
-  const std::vector<Parameter*>& Parameters() const override {
-    return model_->StageParameters();
-  }
+  const std::vector<Parameter*>& Parameters() const override { return model_->StageParameters(); }
   Parameter* tied() override {
     if (stages() == 1 || (!first() && !last())) return nullptr;
     // wte comes first in the model's registration order, on both ends.
@@ -142,8 +140,8 @@ class LanguageModelStage final : public PipelineStageModel {
     const int64_t n = Positions(batch);
     grad_scale_ = grad_scale;
     const double loss =
-        model_->ForwardStage(batch.tokens->data(), first() ? nullptr : &input,
-                             batch.labels->data(), n / batch.seq_len, batch.seq_len, true);
+        model_->ForwardStage(batch.tokens->data(), first() ? nullptr : &input, batch.labels->data(),
+                             n / batch.seq_len, batch.seq_len, true);
     if (!last()) {
       const Tensor& out = model_->stage_output();
       EnsureShape(output, out.shape());
@@ -221,9 +219,9 @@ absl::StatusOr<std::unique_ptr<PipelineStageModel>> MakeClassifierStage(
   absl::StatusOr<std::vector<std::pair<int, int>>> ranges =
       SplitStages(static_cast<int>(unit_layers.size()), stages);
   if (!ranges.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the model has ", unit_layers.size(), " layers with parameters, fewer than ",
-                     stages, " pipeline stages"));
+    return absl::InvalidArgumentError(absl::StrCat("the model has ", unit_layers.size(),
+                                                   " layers with parameters, fewer than ", stages,
+                                                   " pipeline stages"));
   }
   const auto [first_unit, end_unit] = (*ranges)[static_cast<size_t>(stage)];
   const size_t begin = stage == 0 ? 0 : unit_layers[static_cast<size_t>(first_unit)];
@@ -255,8 +253,8 @@ absl::StatusOr<std::unique_ptr<PipelineStageModel>> MakeLanguageModelStage(Gpt* 
   }
   const int layers = model->config().n_layer;
   if (layers % stages != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "n_layer ", layers, " does not divide into ", stages, " pipeline stages"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("n_layer ", layers, " does not divide into ", stages, " pipeline stages"));
   }
   AIDN_ASSIGN_OR_RETURN(auto ranges, SplitStages(layers, stages));
   const auto [first, end] = ranges[static_cast<size_t>(stage)];

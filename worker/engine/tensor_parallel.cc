@@ -2,8 +2,8 @@
 
 #include "common/log.h"
 #include "common/status.h"
-#include "worker/engine/cpu_session.h"
 #include "worker/engine/cpu_kernels.h"
+#include "worker/engine/cpu_session.h"
 #include "worker/engine/gemm.h"
 #include "worker/engine/layers.h"
 

@@ -25,8 +25,8 @@
 
 #include <cstdint>
 
-#include "absl/status/status.h"
 #include <vector>
+#include "absl/status/status.h"
 
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/optimizer.h"

@@ -21,10 +21,10 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
   const int micro = stages > 1 ? p.micro_batches() : 1;
   if (world % (stages * tensor) != 0 || micro < 1 || spec.batch_size() % micro != 0 ||
       (tensor > 1 && task->gpt() == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallel: ", tensor, " tensor ranks x ", stages, " stages (", micro,
-        " micro-batches of batch_size ", spec.batch_size(), ") over ", world, " ranks of model ",
-        spec.model().name()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel: ", tensor, " tensor ranks x ", stages, " stages (", micro,
+                     " micro-batches of batch_size ", spec.batch_size(), ") over ", world,
+                     " ranks of model ", spec.model().name()));
   }
   AIDN_ASSIGN_OR_RETURN(
       engine::ProcessGrid grid,
@@ -44,9 +44,9 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
       AIDN_ASSIGN_OR_RETURN(r->stage_, engine::MakeLanguageModelStage(gpt, stages, r->stage()));
     } else if (engine::Sequential* model = task->mutable_sequential(); model != nullptr) {
       const engine::ModelConfig m = ModelConfigOf(spec);
-      AIDN_ASSIGN_OR_RETURN(r->stage_, engine::MakeClassifierStage(
-                                           model, {m.in_channels, m.height, m.width}, stages,
-                                           r->stage()));
+      AIDN_ASSIGN_OR_RETURN(
+          r->stage_, engine::MakeClassifierStage(model, {m.in_channels, m.height, m.width}, stages,
+                                                 r->stage()));
     } else {
       return absl::InvalidArgumentError("parallel.pipeline: the model has no stages");
     }
@@ -66,8 +66,8 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
                                                   : engine::PipelineSchedule::k1F1B;
     engine::PipelineSessionOptions o = r->comms_.SessionOptions(schedule, BucketMbOf(spec));
     o.stage_sum_of_squares = within;
-    AIDN_ASSIGN_OR_RETURN(r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(),
-                                                                        OptimizerConfigOf(spec)));
+    AIDN_ASSIGN_OR_RETURN(
+        r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(), OptimizerConfigOf(spec)));
     return r;
   }
   engine::CpuSessionOptions o;
@@ -87,8 +87,7 @@ bool ParallelRank::counts_samples() const {
   return coords_.tensor == 0 && coords_.pipeline == grid_.shape().pipeline - 1;
 }
 
-absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>& micro,
-                                          double lr) {
+absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>& micro, double lr) {
   absl::StatusOr<double> loss =
       pipeline_ != nullptr ? pipeline_->Step(micro, lr) : cpu_->Step(micro, lr);
   // A tensor group's collective that failed inside the model.
@@ -249,16 +248,16 @@ absl::Status ParallelRank::LoadOptimizerState(CheckpointLoader* loader, int64_t 
     const auto it = by_name.find(name.substr(0, name.rfind('.')));
     splits.push_back(it != by_name.end() ? SplitOf(*it->second) : std::nullopt);
     wholes.emplace_back(splits.back().has_value() ? splits.back()->whole_shape : tensor->shape());
-    pieces.push_back(
-        {name, name, wholes.back().shape(), 0, static_cast<size_t>(wholes.back().numel()),
-         &wholes.back()});
+    pieces.push_back({name, name, wholes.back().shape(), 0,
+                      static_cast<size_t>(wholes.back().numel()), &wholes.back()});
   }
   AIDN_ASSIGN_OR_RETURN(std::vector<engine::Tensor> read, loader->ReadOptimizerState(pieces));
   std::vector<engine::Tensor> parts;
   std::vector<engine::Optimizer::StateEntry> entries;
   parts.reserve(read.size());
   for (size_t i = 0; i < read.size(); ++i) {
-    parts.push_back(splits[i].has_value() ? engine::SliceOfSplit(read[i], *splits[i]) : std::move(read[i]));
+    parts.push_back(splits[i].has_value() ? engine::SliceOfSplit(read[i], *splits[i])
+                                          : std::move(read[i]));
     entries.emplace_back(state[i].first, &parts.back());
   }
   return optimizer().LoadState(entries, optimizer_steps);

@@ -301,8 +301,7 @@ std::optional<Failure> RankTraining::BuildSession() {
     parallel_ = *std::move(p);
     optimizer_ = &parallel_->optimizer();
     AIDN_LOG(INFO) << "model-parallel rank ready" << Kv("replica", parallel_->replica())
-                   << Kv("tensor_rank", parallel_->tensor_rank())
-                   << Kv("stage", parallel_->stage())
+                   << Kv("tensor_rank", parallel_->tensor_rank()) << Kv("stage", parallel_->stage())
                    << Kv("micro_batches", parallel_->micro_batches());
     return std::nullopt;
   }
@@ -639,9 +638,8 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
   const int64_t size = plan.batch / cuts;
   std::vector<engine::MicroBatch> micro;
   for (int64_t m = 0; m < plan.accum * cuts; ++m) {
-    engine::MicroBatch batch =
-        task_->Gather(epoch, indices, static_cast<size_t>(first + m * size),
-                      static_cast<size_t>(size), static_cast<size_t>(m));
+    engine::MicroBatch batch = task_->Gather(epoch, indices, static_cast<size_t>(first + m * size),
+                                             static_cast<size_t>(size), static_cast<size_t>(m));
     batch.seed =
         engine::DropoutSeed(spec_.seed(), step, plan.accum * cuts, m, DataWorld(), DataRank());
     micro.push_back(batch);

@@ -120,8 +120,7 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
       {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_micro_batches(4); },
        "parallel.micro_batches: applies with parallel.pipeline > 1 (to accumulate gradients over "
        "micro-steps without a pipeline, set grad_accum_steps)"},
-      {"gpt",
-       [](JobSpec* s) { s->mutable_parallel()->set_schedule(v1::ParallelSpec::GPIPE); },
+      {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_schedule(v1::ParallelSpec::GPIPE); },
        "parallel.schedule: applies with parallel.pipeline > 1"},
       {"gpt",
        [](JobSpec* s) {

@@ -73,7 +73,8 @@ std::vector<float> Slice(const Tensor& whole, const std::optional<Gpt::Split>& s
   }
   for (int64_t r = 0; r < whole.dim(0); ++r) {
     for (const auto& [b, e] : split->ranges) {
-      out.insert(out.end(), whole.data() + r * whole.dim(1) + b, whole.data() + r * whole.dim(1) + e);
+      out.insert(out.end(), whole.data() + r * whole.dim(1) + b,
+                 whole.data() + r * whole.dim(1) + e);
     }
   }
   return out;
@@ -150,17 +151,15 @@ TEST_P(GptTensorParallelTest, TheFirstStepIsTheDenseModelsSliceBySlice) {
           const std::optional<Gpt::Split> split = gpt->SplitOf(p);
           const std::vector<float> want = Slice(whole.grad, split);
           if (static_cast<int64_t>(want.size()) != p.grad.numel()) {
-            return absl::InternalError(absl::StrCat(p.name, ": ", p.grad.numel(),
-                                                    " gradient elements, the slice has ",
-                                                    want.size()));
+            return absl::InternalError(absl::StrCat(
+                p.name, ": ", p.grad.numel(), " gradient elements, the slice has ", want.size()));
           }
           AIDN_RETURN_IF_ERROR(Near(absl::StrCat(p.name, " gradient"), p.grad.data(), want));
           AIDN_RETURN_IF_ERROR(
               Near(absl::StrCat(p.name, " weight"), p.value.data(), Slice(whole.value, split)));
         }
         const Tensor& gathered = gpt->Logits(batch.tokens.data(), kRows, kSeq);
-        AIDN_RETURN_IF_ERROR(
-            Near("gathered logits", gathered.data(), Slice(logits, std::nullopt)));
+        AIDN_RETURN_IF_ERROR(Near("gathered logits", gathered.data(), Slice(logits, std::nullopt)));
         return gpt->TakeCollectiveStatus();
       });
   EXPECT_TRUE(testing::AllOk(results));
@@ -214,7 +213,8 @@ TEST_P(GptTensorParallelTest, TwentyAdamWStepsEndOnTheDenseRunsSlices) {
           AIDN_RETURN_IF_ERROR(gpt->TakeCollectiveStatus());
           const double want = dense_losses[static_cast<size_t>(step)];
           if (std::abs(loss - want) > 1e-5 * std::abs(want)) {
-            return absl::InternalError(absl::StrCat("step ", step, ": loss ", loss, ", dense ", want));
+            return absl::InternalError(
+                absl::StrCat("step ", step, ": loss ", loss, ", dense ", want));
           }
         }
         for (size_t i = 0; i < gpt->Parameters().size(); ++i) {
@@ -273,10 +273,9 @@ INSTANTIATE_TEST_SUITE_P(Groups, GptTensorParallelTest,
                                            std::tuple{3, CpuTransport::kShm},
                                            std::tuple{2, CpuTransport::kGloo}),
                          [](const auto& info) {
-                           return absl::StrCat(std::get<0>(info.param), "Ranks",
-                                               std::get<1>(info.param) == CpuTransport::kGloo
-                                                   ? "Gloo"
-                                                   : "Shm");
+                           return absl::StrCat(
+                               std::get<0>(info.param), "Ranks",
+                               std::get<1>(info.param) == CpuTransport::kGloo ? "Gloo" : "Shm");
                          });
 
 TEST(GptTensorParallel, ShapesThatDoNotDivideAreRefused) {

@@ -73,7 +73,8 @@ std::unique_ptr<Batch> MakeBatch(bool gpt, int step, int replica, int micro) {
   auto b = std::make_unique<Batch>();
   if (gpt) {
     std::vector<int32_t> text;
-    for (int64_t i = 0; i < kRows * (kSeq + 1); ++i) text.push_back(static_cast<int32_t>(gen() % 97));
+    for (int64_t i = 0; i < kRows * (kSeq + 1); ++i)
+      text.push_back(static_cast<int32_t>(gen() % 97));
     for (int64_t r = 0; r < kRows; ++r) {
       const auto row = text.begin() + r * (kSeq + 1);
       b->tokens.insert(b->tokens.end(), row, row + kSeq);
@@ -184,8 +185,8 @@ TrainedRun Pipelined(const Shape& shape) {
           AIDN_ASSIGN_OR_RETURN(stage,
                                 MakeLanguageModelStage(model.gpt.get(), shape.stages, at.pipeline));
         } else {
-          AIDN_ASSIGN_OR_RETURN(stage, MakeClassifierStage(model.mlp.get(), {1, 28, 28},
-                                                           shape.stages, at.pipeline));
+          AIDN_ASSIGN_OR_RETURN(
+              stage, MakeClassifierStage(model.mlp.get(), {1, 28, 28}, shape.stages, at.pipeline));
         }
         AIDN_ASSIGN_OR_RETURN(
             std::unique_ptr<PipelineSession> session,
@@ -237,7 +238,8 @@ double Relative(const std::vector<float>& a, const std::vector<float>& b) {
 const TrainedRun& ReferenceRun(bool gpt, int replicas) {
   static auto* runs = new std::map<std::pair<bool, int>, TrainedRun>();
   auto it = runs->find({gpt, replicas});
-  if (it == runs->end()) it = runs->emplace(std::pair{gpt, replicas}, Reference(gpt, replicas)).first;
+  if (it == runs->end())
+    it = runs->emplace(std::pair{gpt, replicas}, Reference(gpt, replicas)).first;
   return it->second;
 }
 
@@ -265,8 +267,7 @@ TEST_P(PipelineSessionTest, TwentyStepsEndWhereOneRankEnds) {
       for (size_t third : {size_t{0}, size_t{2}}) {
         const std::vector<float> gt(g.begin() + third * c, g.begin() + (third + 1) * c);
         const std::vector<float> wt(w.begin() + third * c, w.begin() + (third + 1) * c);
-        EXPECT_LT(Relative(gt, wt), 1e-5)
-            << name << " third " << third;
+        EXPECT_LT(Relative(gt, wt), 1e-5) << name << " third " << third;
       }
       continue;
     }
@@ -279,9 +280,8 @@ TEST_P(PipelineSessionTest, TwentyStepsEndWhereOneRankEnds) {
   for (int r = 0; r < world; ++r) {
     const int s = r / shape.data;  // pipeline outermost, no tensor groups
     const PipelineSession::Stats& st = got.stats[static_cast<size_t>(r)];
-    const int in_flight = shape.schedule == PipelineSchedule::kGPipe
-                              ? kMicro
-                              : std::min(kMicro, shape.stages - s);
+    const int in_flight =
+        shape.schedule == PipelineSchedule::kGPipe ? kMicro : std::min(kMicro, shape.stages - s);
     EXPECT_EQ(st.peak_in_flight, in_flight) << "stage " << s;
     if (shape.gpt) {
       EXPECT_EQ(st.recomputed, 0) << "stage " << s;
@@ -326,8 +326,7 @@ TEST(PipelineStage, ShapesThatDoNotSplitAreRefusedNamingWhy) {
   absl::StatusOr<std::unique_ptr<PipelineStageModel>> s =
       MakeClassifierStage(mlp.mlp.get(), {1, 28, 28}, 5, 0);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("4 layers with parameters, fewer than 5"),
-            std::string::npos)
+  EXPECT_NE(s.status().message().find("4 layers with parameters, fewer than 5"), std::string::npos)
       << s.status();
   Model gpt = Model::Make(true);
   s = MakeLanguageModelStage(gpt.gpt.get(), 4, 0);

@@ -40,8 +40,8 @@ absl::Status AddPipeline(const CpuCommunicatorOptions& options, const ProcessGri
   auto link = [&](int a) -> absl::StatusOr<PeerLink> {
     AIDN_ASSIGN_OR_RETURN(
         CpuCommunicator pair,
-        CreateCpuGroupCommunicator(options, {pipe[static_cast<size_t>(a)],
-                                             pipe[static_cast<size_t>(a) + 1]},
+        CreateCpuGroupCommunicator(options,
+                                   {pipe[static_cast<size_t>(a)], pipe[static_cast<size_t>(a) + 1]},
                                    absl::StrCat(name, "/link", a), store));
     return PeerLink::Create(std::move(pair.communicator));
   };
@@ -69,9 +69,9 @@ absl::StatusOr<GridCommunicators> CreateGridCommunicators(const CpuCommunicatorO
                                                           KeyValueStore* store) {
   const int rank = options.gloo.rank;
   if (grid.world_size() != options.gloo.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "grid communicators: a grid of world size ", options.gloo.world_size, ", got ",
-        grid.shape().data, " x ", grid.shape().tensor, " x ", grid.shape().pipeline));
+    return absl::InvalidArgumentError(
+        absl::StrCat("grid communicators: a grid of world size ", options.gloo.world_size, ", got ",
+                     grid.shape().data, " x ", grid.shape().tensor, " x ", grid.shape().pipeline));
   }
   GridCommunicators g;
   AIDN_ASSIGN_OR_RETURN(CpuCommunicator data,
@@ -94,9 +94,9 @@ absl::StatusOr<GridCommunicators> CreateGridCommunicators(const CpuCommunicatorO
     for (int p = 0; p < grid.shape().pipeline; ++p) {
       for (int t = 0; t < grid.shape().tensor; ++t) members.push_back(grid.RankOf({replica, t, p}));
     }
-    AIDN_ASSIGN_OR_RETURN(CpuCommunicator group,
-                          CreateCpuGroupCommunicator(options, members,
-                                                     absl::StrCat("replica/d", replica), store));
+    AIDN_ASSIGN_OR_RETURN(
+        CpuCommunicator group,
+        CreateCpuGroupCommunicator(options, members, absl::StrCat("replica/d", replica), store));
     g.replica = std::move(group.communicator);
   }
   return g;
