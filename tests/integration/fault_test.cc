@@ -87,7 +87,7 @@ class FaultTest : public ClusterFixture {
     ckpt_root_ = cluster().Path("ckpt");
     const absl::Status started =
         cluster().StartCoordinator({"--worker-timeout=3s", "--heartbeat-interval=500ms",
-                                    "--stop-grace=1s", "--checkpoint-ask-lead=1s"});
+                                    "--stop-grace=1s", "--checkpoint-ask-lead=300ms"});
     ASSERT_TRUE(started.ok()) << started;
   }
 
@@ -473,8 +473,9 @@ TEST_F(FaultTest, ADrainedWorkersJobMovesAtItsNextCheckpointCountingNoRestart) {
 // no step, and ends with the weights of a run never paused.
 TEST_F(FaultTest, APausedJobCheckpointsAtAnAgreedStepAndResumesAsIfNeverPaused) {
   StartWorkers({"w1", "w2"});
-  // Steps take half a millisecond or so, and the agreed step lies about a
-  // second of training ahead (--checkpoint-ask-lead).
+  // Steps take a third to half a millisecond, and the agreed step lies
+  // about 0.3 s of training ahead (--checkpoint-ask-lead): 600-1,000 steps,
+  // well inside the run even when the pause is asked a second or two in.
   constexpr int64_t kSteps = 6000;
   v1::JobSpec spec = Spec(2, kSteps);
   // Only the last step on the schedule: the pause's checkpoint is its own.
