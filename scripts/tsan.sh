@@ -67,7 +67,7 @@ ABSL_LIB=$(dirname "$(find "$ABSL" -name 'libabsl_synchronization.so.*' | head -
 TESTS=(
   common_test test_support_test
   engine_device_test engine_nn_test engine_train_test engine_comm_test engine_cpu_session_test
-  engine_zero_test engine_parallel_test
+  engine_zero_test engine_parallel_test engine_compression_test
   coordinator_spec_test coordinator_store_test coordinator_core_test metrics_test rpc_test
   "trainer_test -ReporterTest.*" "worker_supervisor_test -CoordinatorLinkTest.*"
   worker_c10d_store_test

@@ -1,0 +1,173 @@
+#include "worker/engine/powersgd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/gemm.h"
+
+namespace aidn::engine {
+namespace {
+
+// A gradient as torch's hook sees it: a matrix of n rows, the rest folded.
+struct Matrix {
+  float* data;
+  int64_t n, m, r;
+};
+
+absl::Status Averaged(Communicator* comm, float* data, size_t count, const char* what) {
+  if (count == 0) return absl::OkStatus();
+  absl::Status s = comm->AllReduce(data, count, ReduceOp::kSum);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("powersgd ", what, ": ", s.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void OrthogonalizeColumns(float* a, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < cols; ++i) {
+    double norm = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      norm += static_cast<double>(a[r * cols + i]) * a[r * cols + i];
+    norm = std::sqrt(norm);
+    if (norm > 0) {
+      const float inv = static_cast<float>(1.0 / norm);
+      for (int64_t r = 0; r < rows; ++r) a[r * cols + i] *= inv;
+    }
+    // Take this column out of the ones after it.
+    for (int64_t j = i + 1; j < cols; ++j) {
+      double dot = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        dot += static_cast<double>(a[r * cols + i]) * a[r * cols + j];
+      const float d = static_cast<float>(dot);
+      for (int64_t r = 0; r < rows; ++r) a[r * cols + j] -= d * a[r * cols + i];
+    }
+  }
+}
+
+const std::vector<float>* PowerSgd::error(int bucket) const {
+  auto it = buckets_.find(bucket);
+  if (it == buckets_.end() || it->second.error.empty()) return nullptr;
+  return &it->second.error;
+}
+
+absl::Status PowerSgd::Reduce(int bucket, float* buffer,
+                              const std::vector<std::vector<int64_t>>& shapes, Communicator* comm) {
+  int64_t total = 0;
+  for (const std::vector<int64_t>& s : shapes) {
+    int64_t numel = 1;
+    for (const int64_t d : s) numel *= d;
+    total += numel;
+  }
+  const float world = static_cast<float>(comm->world_size());
+  last_uncompressed_ = total;
+  if (step_ < options_.start_step) {
+    last_sent_ = total;
+    AIDN_RETURN_IF_ERROR(Averaged(comm, buffer, static_cast<size_t>(total), "allreduce"));
+    for (int64_t i = 0; i < total; ++i) buffer[i] /= world;
+    return absl::OkStatus();
+  }
+  BucketState& state = buckets_[bucket];
+  std::vector<float> input;
+  if (options_.error_feedback) {
+    state.error.resize(static_cast<size_t>(total), 0.0f);
+    for (int64_t i = 0; i < total; ++i) buffer[i] += state.error[static_cast<size_t>(i)];
+    input.assign(buffer, buffer + total);
+  }
+  // Which gradients are compressed; the others go as they are, packed.
+  std::vector<Matrix> matrices;
+  std::vector<std::pair<float*, int64_t>> plain;
+  int64_t plain_floats = 0, p_floats = 0, q_floats = 0;
+  float* at = buffer;
+  for (const std::vector<int64_t>& s : shapes) {
+    int64_t numel = 1;
+    for (const int64_t d : s) numel *= d;
+    const int64_t n = s.empty() ? 1 : s[0];
+    const int64_t m = n > 0 ? numel / n : 0;
+    const int64_t r = std::min<int64_t>({n, m, options_.rank});
+    if (numel > 0 && static_cast<double>((n + m) * r) * options_.min_compression_rate <
+                         static_cast<double>(n * m)) {
+      matrices.push_back({at, n, m, r});
+      p_floats += n * r;
+      q_floats += m * r;
+    } else {
+      plain.emplace_back(at, numel);
+      plain_floats += numel;
+    }
+    at += numel;
+  }
+  last_sent_ = plain_floats + p_floats + q_floats;
+  // Q: random (the same on every rank) the first time or without warm
+  // start, else the last step's; orthogonalised either way.
+  const bool fresh =
+      !options_.warm_start || !state.has_q || static_cast<int64_t>(state.q.size()) != q_floats;
+  state.p.resize(static_cast<size_t>(p_floats));
+  state.q.resize(static_cast<size_t>(q_floats));
+  if (fresh) {
+    std::mt19937_64 rng(options_.seed * 1'000'003 + static_cast<uint64_t>(step_) * 131 +
+                        static_cast<uint64_t>(bucket));
+    std::normal_distribution<float> normal;
+    for (float& v : state.q) v = normal(rng);
+  }
+  {
+    int64_t q_at = 0;
+    for (const Matrix& mat : matrices) {
+      OrthogonalizeColumns(state.q.data() + q_at, mat.m, mat.r);
+      q_at += mat.m * mat.r;
+    }
+  }
+  // P = M Q.
+  int64_t p_at = 0, q_at = 0;
+  for (const Matrix& mat : matrices) {
+    Sgemm(false, false, mat.n, mat.r, mat.m, 1.0f, mat.data, mat.m, state.q.data() + q_at, mat.r,
+          0.0f, state.p.data() + p_at, mat.r);
+    p_at += mat.n * mat.r;
+    q_at += mat.m * mat.r;
+  }
+  // The uncompressed gradients, averaged.
+  std::vector<float> packed;
+  packed.reserve(static_cast<size_t>(plain_floats));
+  for (const auto& [data, numel] : plain) packed.insert(packed.end(), data, data + numel);
+  AIDN_RETURN_IF_ERROR(Averaged(comm, packed.data(), packed.size(), "uncompressed allreduce"));
+  {
+    const float* from = packed.data();
+    for (const auto& [data, numel] : plain) {
+      for (int64_t i = 0; i < numel; ++i) data[i] = from[i] / world;
+      from += numel;
+    }
+  }
+  // P summed (orthogonalised next: no need to average), Q = M^T P summed
+  // and averaged, M = P Q^T.
+  AIDN_RETURN_IF_ERROR(Averaged(comm, state.p.data(), state.p.size(), "P allreduce"));
+  p_at = 0;
+  q_at = 0;
+  for (const Matrix& mat : matrices) {
+    OrthogonalizeColumns(state.p.data() + p_at, mat.n, mat.r);
+    Sgemm(true, false, mat.m, mat.r, mat.n, 1.0f, mat.data, mat.m, state.p.data() + p_at, mat.r,
+          0.0f, state.q.data() + q_at, mat.r);
+    p_at += mat.n * mat.r;
+    q_at += mat.m * mat.r;
+  }
+  AIDN_RETURN_IF_ERROR(Averaged(comm, state.q.data(), state.q.size(), "Q allreduce"));
+  for (float& v : state.q) v /= world;
+  p_at = 0;
+  q_at = 0;
+  for (const Matrix& mat : matrices) {
+    Sgemm(false, true, mat.n, mat.m, mat.r, 1.0f, state.p.data() + p_at, mat.r,
+          state.q.data() + q_at, mat.r, 0.0f, mat.data, mat.m);
+    p_at += mat.n * mat.r;
+    q_at += mat.m * mat.r;
+  }
+  state.has_q = options_.warm_start;
+  if (options_.error_feedback) {
+    for (int64_t i = 0; i < total; ++i) {
+      state.error[static_cast<size_t>(i)] = input[static_cast<size_t>(i)] - buffer[i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aidn::engine
