@@ -49,6 +49,13 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     const DdpOptions& options, const std::vector<Parameter*>& parameters,
     Communicator* communicator) {
   if (communicator == nullptr) return absl::InvalidArgumentError("ddp: no communicator");
+  if (options.powersgd.has_value() && options.shard_optimizer) {
+    return absl::InvalidArgumentError(
+        "ddp: PowerSGD compresses allreduced buckets, not ZeRO-1's reduce-scatter");
+  }
+  if (options.powersgd.has_value() && options.powersgd->rank < 1) {
+    return absl::InvalidArgumentError("ddp: PowerSGD's rank must be >= 1");
+  }
   std::vector<int64_t> numels;
   for (const Parameter* p : parameters) numels.push_back(p->value.numel());
   // The extra value rides at the end of the last bucket to be launched.
@@ -73,6 +80,9 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   reducer->parameters_ = parameters;
   reducer->single_ = world == 1;
   reducer->shard_ = options.shard_optimizer && world > 1;
+  if (options.powersgd.has_value() && world > 1) {
+    reducer->powersgd_ = std::make_unique<PowerSgd>(*options.powersgd);
+  }
   reducer->buckets_.resize(plan.buckets.size());
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     for (int k : plan.buckets[b]) {
@@ -205,6 +215,8 @@ void DdpReducer::BeginBackward(bool communicate, float extra) {
   extra_bucket[extra_bucket.numel() - 1] = extra;
   std::lock_guard<std::mutex> lock(mu_);
   allreduce_seconds_ = 0.0;
+  floats_sent_ = 0;
+  floats_uncompressed_ = 0;
   // A bucket with no parameters (a model without any) goes at once.
   for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
     if (buckets_[i].pending == 0) {
@@ -245,11 +257,24 @@ void DdpReducer::CommLoop() {
     const bool skip = !error_.ok();
     lock.unlock();
     absl::Status status;
+    int64_t sent = 0;
+    int64_t uncompressed = 0;
     const Clock::time_point start = Clock::now();
     if (!skip) {
       Bucket& bucket = buckets_[index];
       Tensor& buffer = bucket.buffer;
-      if (shard_) {
+      sent = buffer.numel();
+      uncompressed = buffer.numel();
+      if (powersgd_ != nullptr && powersgd_->active()) {
+        // The gradients one by one (the padding between them stays 0), and
+        // the extra slot as a gradient of one element.
+        std::vector<PowerSgd::Gradient> grads;
+        for (Parameter* p : bucket.parameters) grads.push_back({p->grad.data(), p->grad.shape()});
+        if (index == extra_bucket_) grads.push_back({buffer.data() + buffer.numel() - 1, {1}});
+        status = powersgd_->Reduce(index, grads, communicator_);
+        sent = powersgd_->last_floats_sent();
+        uncompressed = powersgd_->last_floats_uncompressed();
+      } else if (shard_) {
         status = communicator_->ReduceScatter(buffer.data(),
                                               static_cast<size_t>(bucket.shard_grad.numel()),
                                               bucket.shard_grad.data(), ReduceOp::kAvg);
@@ -261,6 +286,8 @@ void DdpReducer::CommLoop() {
     const double took = SecondsSince(start);
     lock.lock();
     allreduce_seconds_ += took;
+    floats_sent_ += sent;
+    floats_uncompressed_ += uncompressed;
     if (!status.ok() && error_.ok()) {
       error_ =
           absl::Status(status.code(), absl::StrCat("ddp bucket ", index, ": ", status.message()));
@@ -295,6 +322,8 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   cv_.wait(lock, [this] { return in_flight_ == 0; });
   if (wait_seconds != nullptr) *wait_seconds = SecondsSince(start);
   if (allreduce_seconds != nullptr) *allreduce_seconds = allreduce_seconds_;
+  // Every bucket of this step went through it.
+  if (powersgd_ != nullptr) powersgd_->EndStep();
   if (!error_.ok()) return error_;
   if (shard_) {
     // A reduce-scatter leaves the extra slot with one rank: average it

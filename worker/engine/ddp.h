@@ -32,6 +32,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -41,6 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/communicator.h"
+#include "worker/engine/powersgd.h"
 #include "worker/engine/shard_map.h"
 #include "worker/engine/tensor.h"
 
@@ -57,6 +59,10 @@ struct DdpOptions {
   // values become views into per-bucket buffers of the gradients' layout,
   // each bucket padded to a multiple of 16 * world_size floats.
   bool shard_optimizer = false;
+  // PowerSGD compression of every bucket (powersgd.h: the semantics of
+  // torch's powerSGD_hook, a plain allreduce before its start_step); not
+  // with shard_optimizer.
+  std::optional<PowerSgdOptions> powersgd;
 };
 
 // Where each gradient lives in the flat bucket buffers, for the CPU reducer
@@ -102,6 +108,11 @@ class DdpReducer {
   absl::Status Finish(double* wait_seconds, double* allreduce_seconds);
   // `extra` averaged over the ranks (valid after a communicating Finish).
   float averaged_extra() const { return averaged_extra_; }
+  // Floats the last communicating pass sent a rank (the allreduced counts:
+  // with PowerSGD its P and Q and the uncompressed gradients), and what
+  // plain allreduces would have sent.
+  int64_t last_floats_sent() const { return floats_sent_; }
+  int64_t last_floats_uncompressed() const { return floats_uncompressed_; }
 
   // shard_optimizer: this rank's shards, for the optimizer: one flat piece
   // per parameter that its slice of a bucket covers, named
@@ -182,6 +193,10 @@ class DdpReducer {
   bool stop_ = false;
   absl::Status error_;
   double allreduce_seconds_ = 0.0;
+  int64_t floats_sent_ = 0;
+  int64_t floats_uncompressed_ = 0;
+  // DdpOptions::powersgd; used by the comm thread, stepped by Finish.
+  std::unique_ptr<PowerSgd> powersgd_;
   std::thread thread_;
 };
 

@@ -28,22 +28,25 @@ absl::Status Averaged(Communicator* comm, float* data, size_t count, const char*
 }  // namespace
 
 void OrthogonalizeColumns(float* a, int64_t rows, int64_t cols) {
+  auto dot = [&](int64_t x, int64_t y) {
+    double d = 0;
+    for (int64_t r = 0; r < rows; ++r) d += static_cast<double>(a[r * cols + x]) * a[r * cols + y];
+    return d;
+  };
   for (int64_t i = 0; i < cols; ++i) {
-    double norm = 0;
-    for (int64_t r = 0; r < rows; ++r)
-      norm += static_cast<double>(a[r * cols + i]) * a[r * cols + i];
-    norm = std::sqrt(norm);
+    // The earlier columns taken out twice: a column all but inside their
+    // span (a gradient of lower rank than r) keeps only rounding noise
+    // after the first pass, which the second makes orthogonal too.
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t j = 0; j < i; ++j) {
+        const float d = static_cast<float>(dot(j, i));
+        for (int64_t r = 0; r < rows; ++r) a[r * cols + i] -= d * a[r * cols + j];
+      }
+    }
+    const double norm = std::sqrt(dot(i, i));
     if (norm > 0) {
       const float inv = static_cast<float>(1.0 / norm);
       for (int64_t r = 0; r < rows; ++r) a[r * cols + i] *= inv;
-    }
-    // Take this column out of the ones after it.
-    for (int64_t j = i + 1; j < cols; ++j) {
-      double dot = 0;
-      for (int64_t r = 0; r < rows; ++r)
-        dot += static_cast<double>(a[r * cols + i]) * a[r * cols + j];
-      const float d = static_cast<float>(dot);
-      for (int64_t r = 0; r < rows; ++r) a[r * cols + j] -= d * a[r * cols + i];
     }
   }
 }
@@ -56,35 +59,61 @@ const std::vector<float>* PowerSgd::error(int bucket) const {
 
 absl::Status PowerSgd::Reduce(int bucket, float* buffer,
                               const std::vector<std::vector<int64_t>>& shapes, Communicator* comm) {
-  int64_t total = 0;
+  std::vector<Gradient> grads;
+  float* at = buffer;
   for (const std::vector<int64_t>& s : shapes) {
+    grads.push_back({at, s});
     int64_t numel = 1;
     for (const int64_t d : s) numel *= d;
+    at += numel;
+  }
+  return Reduce(bucket, grads, comm);
+}
+
+absl::Status PowerSgd::Reduce(int bucket, const std::vector<Gradient>& grads, Communicator* comm) {
+  std::vector<int64_t> numels;
+  int64_t total = 0;
+  for (const Gradient& g : grads) {
+    int64_t numel = 1;
+    for (const int64_t d : g.shape) numel *= d;
+    numels.push_back(numel);
     total += numel;
   }
   const float world = static_cast<float>(comm->world_size());
   last_uncompressed_ = total;
-  if (step_ < options_.start_step) {
+  // Every element of the bucket in order, wherever it lies.
+  auto each = [&](auto&& fn) {
+    int64_t k = 0;
+    for (size_t g = 0; g < grads.size(); ++g) {
+      for (int64_t i = 0; i < numels[g]; ++i, ++k) fn(grads[g].data[i], k);
+    }
+  };
+  if (!active()) {
     last_sent_ = total;
-    AIDN_RETURN_IF_ERROR(Averaged(comm, buffer, static_cast<size_t>(total), "allreduce"));
-    for (int64_t i = 0; i < total; ++i) buffer[i] /= world;
+    std::vector<float> packed(static_cast<size_t>(total));
+    each([&](float& v, int64_t k) { packed[static_cast<size_t>(k)] = v; });
+    AIDN_RETURN_IF_ERROR(Averaged(comm, packed.data(), packed.size(), "allreduce"));
+    each([&](float& v, int64_t k) { v = packed[static_cast<size_t>(k)] / world; });
     return absl::OkStatus();
   }
   BucketState& state = buckets_[bucket];
   std::vector<float> input;
   if (options_.error_feedback) {
     state.error.resize(static_cast<size_t>(total), 0.0f);
-    for (int64_t i = 0; i < total; ++i) buffer[i] += state.error[static_cast<size_t>(i)];
-    input.assign(buffer, buffer + total);
+    input.resize(static_cast<size_t>(total));
+    each([&](float& v, int64_t k) {
+      v += state.error[static_cast<size_t>(k)];
+      input[static_cast<size_t>(k)] = v;
+    });
   }
   // Which gradients are compressed; the others go as they are, packed.
   std::vector<Matrix> matrices;
   std::vector<std::pair<float*, int64_t>> plain;
   int64_t plain_floats = 0, p_floats = 0, q_floats = 0;
-  float* at = buffer;
-  for (const std::vector<int64_t>& s : shapes) {
-    int64_t numel = 1;
-    for (const int64_t d : s) numel *= d;
+  for (size_t g = 0; g < grads.size(); ++g) {
+    const std::vector<int64_t>& s = grads[g].shape;
+    const int64_t numel = numels[g];
+    float* at = grads[g].data;
     const int64_t n = s.empty() ? 1 : s[0];
     const int64_t m = n > 0 ? numel / n : 0;
     const int64_t r = std::min<int64_t>({n, m, options_.rank});
@@ -97,7 +126,6 @@ absl::Status PowerSgd::Reduce(int bucket, float* buffer,
       plain.emplace_back(at, numel);
       plain_floats += numel;
     }
-    at += numel;
   }
   last_sent_ = plain_floats + p_floats + q_floats;
   // Q: random (the same on every rank) the first time or without warm
@@ -163,9 +191,9 @@ absl::Status PowerSgd::Reduce(int bucket, float* buffer,
   }
   state.has_q = options_.warm_start;
   if (options_.error_feedback) {
-    for (int64_t i = 0; i < total; ++i) {
-      state.error[static_cast<size_t>(i)] = input[static_cast<size_t>(i)] - buffer[i];
-    }
+    each([&](float& v, int64_t k) {
+      state.error[static_cast<size_t>(k)] = input[static_cast<size_t>(k)] - v;
+    });
   }
   return absl::OkStatus();
 }

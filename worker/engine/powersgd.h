@@ -13,7 +13,8 @@
 //     with r = min(n, m, rank); the others are allreduced as they are;
 //   - per compressed matrix M: P = M Q, all P allreduced (summed) and each
 //     orthogonalised (Gram-Schmidt), Q = M^T P, all Q allreduced and divided
-//     by the world size, M = P Q^T. Q starts random (the same on every rank)
+//     by the world size, M = P Q^T (orthogonalisation: OrthogonalizeColumns).
+//     Q starts random (the same on every rank)
 //     and orthogonalised; with warm start the next step starts from this
 //     step's Q (orthogonalised again), else from a new random one;
 //   - with error feedback, error = input - output for the next step.
@@ -55,11 +56,20 @@ class PowerSgd {
  public:
   explicit PowerSgd(const PowerSgdOptions& options) : options_(options) {}
 
-  // Averages bucket `bucket`'s gradients over `comm`, in place: `buffer`
-  // holds them back to back, of `shapes` (in order). The collectives'
-  // errors come back; the bucket is then not averaged.
+  // One gradient of a bucket: where it lies and its shape.
+  struct Gradient {
+    float* data;
+    std::vector<int64_t> shape;
+  };
+  // Averages bucket `bucket`'s gradients over `comm`, in place (the error
+  // kept follows their order). The collectives' errors come back; the
+  // bucket is then not averaged.
+  absl::Status Reduce(int bucket, const std::vector<Gradient>& grads, Communicator* comm);
+  // The same for gradients back to back in `buffer`, of `shapes`.
   absl::Status Reduce(int bucket, float* buffer, const std::vector<std::vector<int64_t>>& shapes,
                       Communicator* comm);
+  // Whether Reduce compresses now (start_step reached).
+  bool active() const { return step_ >= options_.start_step; }
   // Counts a step (after every bucket of it was reduced).
   void EndStep() { ++step_; }
   int64_t step() const { return step_; }
@@ -87,8 +97,10 @@ class PowerSgd {
 };
 
 // Orthonormalises the columns of `matrix` [rows, cols] (row-major; cols <=
-// rows) in place by Gram-Schmidt, as torch's _orthogonalize_gram_schmidt
-// with epsilon 0 (a zero column stays zero).
+// rows) in place by Gram-Schmidt with a second pass, so that the columns
+// come out orthonormal also when the matrix has lower rank (torch takes a
+// QR factorisation for rank > 2 for the same reason); a zero column stays
+// zero, as torch's with epsilon 0.
 void OrthogonalizeColumns(float* matrix, int64_t rows, int64_t cols);
 
 }  // namespace aidn::engine

@@ -265,6 +265,68 @@ TEST(DdpReducer, AveragesGradientsAndTheExtraValueAcrossGlooRanks) {
   }
 }
 
+// PowerSGD in the buckets (DdpOptions::powersgd): a plain allreduce before
+// start_step, then the compressed one, which at full rank averages every
+// gradient and the extra value to rounding, also gradients of lower rank
+// than r (these are sin(x_row + y_col): rank 2); the floats sent are P's
+// and Q's.
+TEST(DdpReducer, PowerSgdAtFullRankAveragesAsAPlainAllreduceDoes) {
+  for (int n : {2, 3}) {
+    OnRanks(n, [n](int rank, Communicator* comm) {
+      const std::vector<std::vector<int64_t>> shapes = {{12, 8}, {5}, {6, 10}};
+      std::vector<std::unique_ptr<Parameter>> params;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        auto p = std::make_unique<Parameter>();
+        p->name = "p" + std::to_string(i);
+        p->value = Tensor(shapes[i]);
+        p->grad = Tensor(shapes[i]);
+        params.push_back(std::move(p));
+      }
+      PowerSgdOptions psgd;
+      psgd.rank = 12;
+      psgd.start_step = 1;
+      psgd.min_compression_rate = 0.0;  // every gradient compressed
+      auto reducer = DdpReducer::Create({.bucket_mb = 0.0002, .powersgd = psgd}, Raw(params), comm);
+      ASSERT_TRUE(reducer.ok()) << reducer.status();
+      ASSERT_GT((*reducer)->num_buckets(), 1);
+      for (int step = 0; step < 3; ++step) {
+        for (auto& p : params) {
+          for (int64_t i = 0; i < p->grad.numel(); ++i) {
+            p->grad[i] = std::sin(static_cast<float>(1 + rank * 31 + i * 7 + step * 3));
+          }
+        }
+        (*reducer)->BeginBackward(true, static_cast<float>(rank));
+        for (int i = 2; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
+        ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+        for (auto& p : params) {
+          for (int64_t i = 0; i < p->grad.numel(); ++i) {
+            float mean = 0;
+            for (int r = 0; r < n; ++r)
+              mean += std::sin(static_cast<float>(1 + r * 31 + i * 7 + step * 3));
+            mean /= static_cast<float>(n);
+            ASSERT_NEAR(p->grad[i], mean, 1e-5f) << p->name << "[" << i << "] step " << step;
+          }
+        }
+        EXPECT_NEAR((*reducer)->averaged_extra(), static_cast<float>(n - 1) / 2.0f, 1e-5f);
+        // (n + m) r a gradient, the extra value as a 1 x 1 matrix.
+        EXPECT_EQ((*reducer)->last_floats_sent(),
+                  step == 0 ? (*reducer)->last_floats_uncompressed()
+                            : (12 + 8) * 8 + (5 + 1) * 1 + (6 + 10) * 6 + 2)
+            << "step " << step;
+      }
+    });
+  }
+}
+
+TEST(DdpReducer, PowerSgdIsRefusedWithShardedOptimizerState) {
+  auto params = MakeParameters({10});
+  FakeCommunicator comm;
+  auto reducer = DdpReducer::Create({.shard_optimizer = true, .powersgd = PowerSgdOptions{}},
+                                    Raw(params), &comm);
+  ASSERT_FALSE(reducer.ok());
+  EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("not ZeRO-1's reduce-scatter"));
+}
+
 TEST(DdpReducer, BroadcastGivesEveryRankTheRootsWeights) {
   OnRanks(3, [](int rank, Communicator* comm) {
     auto params = MakeParameters({5, 7});
