@@ -97,6 +97,7 @@ absl::Status CheckBuiltInFieldsUnset(const v1::JobSpec& spec) {
       {"strategy", spec.strategy() != v1::JobSpec::STRATEGY_UNSPECIFIED},
       {"fsdp", spec.has_fsdp()},
       {"parallel", spec.has_parallel()},
+      {"ddp", spec.has_ddp()},
       {"bucket_mb", spec.has_bucket_mb()},
       {"grad_accum_steps", spec.grad_accum_steps() != 0},
       {"precision", spec.precision() != v1::JobSpec::PRECISION_UNSPECIFIED},

@@ -429,6 +429,41 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
   return CheckIntRange("grad_accum_steps", spec.grad_accum_steps(), 1, kMaxGradAccumSteps);
 }
 
+// ddp: gradient compression.
+absl::Status ValidateDdp(const v1::JobSpec& spec) {
+  using v1::DdpSpec;
+  if (!spec.has_ddp()) return absl::OkStatus();
+  const DdpSpec& d = spec.ddp();
+  if (spec.strategy() != v1::JobSpec::DDP) {
+    return Invalid("ddp", absl::StrCat("applies to strategy: ddp only (this job's is ",
+                                       v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
+  }
+  switch (d.compression()) {
+    case DdpSpec::NONE:
+      if (d.powersgd_rank() != 0 || d.has_powersgd_start_step() ||
+          d.has_powersgd_error_feedback() || d.has_powersgd_warm_start()) {
+        return Invalid("ddp", "the powersgd_ fields apply to compression: powersgd only");
+      }
+      return absl::OkStatus();
+    case DdpSpec::POWERSGD:
+      break;
+    case DdpSpec::COMPRESSION_UNSPECIFIED:
+      return Invalid("ddp.compression", "not set (defaults were not applied)");
+    default:
+      return Invalid("ddp.compression",
+                     absl::StrCat("unknown value ", static_cast<int>(d.compression()),
+                                  " (known: none, powersgd)"));
+  }
+  if (spec.device() == v1::JobSpec::GPU) {
+    return Invalid("ddp.compression", "powersgd runs on device: cpu for now");
+  }
+  if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
+    return Invalid("ddp.compression", "powersgd does not combine with parallel: yet");
+  }
+  AIDN_RETURN_IF_ERROR(CheckIntRange("ddp.powersgd_rank", d.powersgd_rank(), 1, 1024));
+  return CheckIntRange("ddp.powersgd_start_step", d.powersgd_start_step(), 0, kMaxSteps);
+}
+
 absl::Status ValidatePrecision(const v1::JobSpec& spec) {
   using v1::JobSpec;
   switch (spec.precision()) {
@@ -504,6 +539,7 @@ absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(ValidateLength(spec));
   AIDN_RETURN_IF_ERROR(ValidateParallelism(spec));
   AIDN_RETURN_IF_ERROR(ValidateParallel(spec));
+  AIDN_RETURN_IF_ERROR(ValidateDdp(spec));
   AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
   AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
   return ValidateGpuOnlySwitches(spec);
@@ -556,6 +592,18 @@ void ApplyTrainerDefaults(v1::JobSpec* spec) {
     spec->mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
   }
   if (!spec->has_bucket_mb()) spec->set_bucket_mb(25.0);
+  if (spec->has_ddp()) {
+    v1::DdpSpec* d = spec->mutable_ddp();
+    if (d->compression() == v1::DdpSpec::COMPRESSION_UNSPECIFIED) {
+      d->set_compression(v1::DdpSpec::NONE);
+    }
+    if (d->compression() == v1::DdpSpec::POWERSGD) {
+      if (d->powersgd_rank() == 0) d->set_powersgd_rank(1);
+      if (!d->has_powersgd_start_step()) d->set_powersgd_start_step(1000);
+      if (!d->has_powersgd_error_feedback()) d->set_powersgd_error_feedback(true);
+      if (!d->has_powersgd_warm_start()) d->set_powersgd_warm_start(true);
+    }
+  }
   if (spec->grad_accum_steps() == 0) spec->set_grad_accum_steps(1);
   if (spec->precision() == JobSpec::PRECISION_UNSPECIFIED) spec->set_precision(JobSpec::FP32);
   if (spec->comm_backend() == JobSpec::COMM_BACKEND_UNSPECIFIED) {

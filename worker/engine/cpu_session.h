@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,6 +76,9 @@ struct CpuSessionOptions {
   // and under ZeRO-2 and FSDP the weights are to be read only between
   // GatherFullParameters and ReleaseFullParameters.
   Sharding sharding = Sharding::kNone;
+  // DDP (kNone with a communicator): PowerSGD compression of the buckets
+  // (ddp.h).
+  std::optional<PowerSgdOptions> powersgd;
 };
 
 class CpuSession {
@@ -120,6 +124,12 @@ class CpuSession {
   double last_allreduce_seconds() const { return allreduce_seconds_; }
   // The part of it backward did not hide (the step waited for it).
   double last_allreduce_wait_seconds() const { return wait_seconds_; }
+  // Floats the last Step's bucket collectives sent this rank, and what
+  // uncompressed buckets would have (DdpReducer's; 0 without a reducer).
+  int64_t last_floats_sent() const { return reducer_ ? reducer_->last_floats_sent() : 0; }
+  int64_t last_floats_uncompressed() const {
+    return reducer_ ? reducer_->last_floats_uncompressed() : 0;
+  }
 
   TrainableModel& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }

@@ -70,6 +70,18 @@ double BucketMbOf(const v1::JobSpec& spec) {
   return spec.has_bucket_mb() ? spec.bucket_mb() : 25.0;
 }
 
+std::optional<engine::PowerSgdOptions> PowerSgdOf(const v1::JobSpec& spec) {
+  const v1::DdpSpec& d = spec.ddp();
+  if (d.compression() != v1::DdpSpec::POWERSGD) return std::nullopt;
+  engine::PowerSgdOptions o;
+  o.rank = std::max(1, d.powersgd_rank());
+  o.start_step = d.has_powersgd_start_step() ? d.powersgd_start_step() : 1000;
+  o.error_feedback = !d.has_powersgd_error_feedback() || d.powersgd_error_feedback();
+  o.warm_start = !d.has_powersgd_warm_start() || d.powersgd_warm_start();
+  o.seed = spec.seed();
+  return o;
+}
+
 engine::Sharding ShardingOf(const v1::JobSpec& spec) {
   switch (spec.strategy()) {
     case v1::JobSpec::ZERO1:

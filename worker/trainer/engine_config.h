@@ -6,6 +6,7 @@
 // of the spec: no I/O except LoadData.
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -17,6 +18,7 @@
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/powersgd.h"
 #include "worker/engine/shard_map.h"
 #include "worker/trainer/trainer.h"
 
@@ -31,6 +33,8 @@ engine::LrScheduleConfig ScheduleOf(const v1::JobSpec& spec);
 
 // The DDP bucket size: spec bucket_mb, 25 MB when unset (torch's default).
 double BucketMbOf(const v1::JobSpec& spec);
+// ddp.compression powersgd: its options; nullopt otherwise.
+std::optional<engine::PowerSgdOptions> PowerSgdOf(const v1::JobSpec& spec);
 // The spec's strategy (and fsdp.sharding) as the CPU session's sharding.
 engine::Sharding ShardingOf(const v1::JobSpec& spec);
 // How long the rank waits for its peers (communicator rendezvous, NCCL

@@ -308,6 +308,7 @@ std::optional<Failure> RankTraining::BuildSession() {
   engine::CpuSessionOptions o;
   o.communicator = comm_.get();
   o.bucket_mb = BucketMbOf(spec_);
+  o.powersgd = PowerSgdOf(spec_);
   if (Sharded() && spec_.device() == v1::JobSpec::CPU) {
     // The session makes the optimizer, over this rank's shards.
     o.sharding = ShardingOf(spec_);
@@ -664,6 +665,11 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
   } else {
     // "gradient allreduce: ..." or "optimizer: ...".
     AIDN_ASSIGN_OR_RETURN(result.loss, cpu_->Step(micro, result.lr));
+    if (const int64_t sent = cpu_->last_floats_sent();
+        sent != cpu_->last_floats_uncompressed() && (step + 1) % plan.log_every == 0) {
+      AIDN_LOG(INFO) << "compressed gradients" << Kv("step", step + 1) << Kv("floats_sent", sent)
+                     << Kv("uncompressed", cpu_->last_floats_uncompressed());
+    }
     result.allreduce_seconds = cpu_->last_allreduce_seconds();
     result.wait_seconds = cpu_->last_allreduce_wait_seconds();
   }

@@ -151,3 +151,49 @@ TEST(ParallelSpec, CommandJobsLeaveItUnset) {
 
 }  // namespace
 }  // namespace aidn::coordinator
+
+// ddp: {compression: ...} (ValidateJobSpec's gradient-compression part).
+namespace aidn::coordinator {
+namespace {
+
+TEST(DdpSpec, PowerSgdGetsTorchsDefaultsAndBadFieldsAreNamed) {
+  const JobSpec spec =
+      Spec("mlp", [](JobSpec* s) { s->mutable_ddp()->set_compression(v1::DdpSpec::POWERSGD); });
+  EXPECT_EQ(spec.ddp().powersgd_rank(), 1);
+  EXPECT_EQ(spec.ddp().powersgd_start_step(), 1000);
+  EXPECT_TRUE(spec.ddp().powersgd_error_feedback());
+  EXPECT_TRUE(spec.ddp().powersgd_warm_start());
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+  struct Case {
+    std::function<void(JobSpec*)> edit;
+    std::string message;
+  };
+  const Case cases[] = {
+      {[](JobSpec* s) { s->mutable_ddp()->set_powersgd_rank(0); },
+       "ddp.powersgd_rank: must be between 1 and 1024, got 0"},
+      {[](JobSpec* s) { s->mutable_ddp()->set_powersgd_start_step(-1); },
+       "ddp.powersgd_start_step: must be between 0 and 1000000000000, got -1"},
+      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); },
+       "ddp: applies to strategy: ddp only (this job's is ZERO1)"},
+      {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
+       "ddp.compression: powersgd runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->mutable_parallel()->set_tensor(1);
+         s->mutable_parallel()->set_pipeline(2);
+         s->mutable_parallel()->set_micro_batches(2);
+         s->mutable_parallel()->set_schedule(v1::ParallelSpec::GPIPE);
+       },
+       "ddp.compression: powersgd does not combine with parallel: yet"},
+      {[](JobSpec* s) { s->mutable_ddp()->set_compression(v1::DdpSpec::NONE); },
+       "ddp: the powersgd_ fields apply to compression: powersgd only"},
+  };
+  for (const Case& c : cases) {
+    JobSpec bad = spec;
+    c.edit(&bad);
+    const absl::Status s = ValidateJobSpec(SpecLimits{}, bad);
+    EXPECT_EQ(std::string(s.message()), c.message);
+  }
+}
+
+}  // namespace
+}  // namespace aidn::coordinator
