@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "worker/engine/tensor_parallel.h"
 #include "worker/trainer/engine_config.h"
@@ -51,6 +52,9 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
       return absl::InvalidArgumentError("parallel.pipeline: the model has no stages");
     }
   }
+  AIDN_LOG(INFO) << "model-parallel rank ready" << Kv("replica", r->replica())
+                 << Kv("tensor_rank", r->tensor_rank()) << Kv("stage", r->stage())
+                 << Kv("micro_batches", r->micro_batches());
   // Clipping's norm within a tensor group: slices summed, whole ones once.
   engine::Optimizer::SumOfSquaresReduction within;
   if (tensor > 1) {

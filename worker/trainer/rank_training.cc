@@ -300,9 +300,6 @@ std::optional<Failure> RankTraining::BuildSession() {
     if (!p.ok()) return FailureFor(p.status(), "model parallelism");
     parallel_ = *std::move(p);
     optimizer_ = &parallel_->optimizer();
-    AIDN_LOG(INFO) << "model-parallel rank ready" << Kv("replica", parallel_->replica())
-                   << Kv("tensor_rank", parallel_->tensor_rank()) << Kv("stage", parallel_->stage())
-                   << Kv("micro_batches", parallel_->micro_batches());
     return std::nullopt;
   }
   engine::CpuSessionOptions o;
