@@ -3,8 +3,9 @@
 
 // One rank of a model-parallel job (spec.parallel: tensor or pipeline
 // above 1; device cpu): its place on the data x tensor x pipeline grid, its
-// part of the task's model, the grid's communicators and the session that
-// steps it. RankTraining holds one instead of a CpuSession for such a job:
+// part of the task's model, the grid's communicators and the PipelineSession
+// or CpuSession stepping it. RankTraining holds one instead of a CpuSession
+// for such a job:
 //
 //   model     a GPT split over the tensor group (Gpt::SetTensorParallel),
 //             then, with several stages, cut into this rank's stage (a
