@@ -8,17 +8,11 @@
 #include "common/clock.h"
 #include "common/status.h"
 #include "worker/engine/cpu_session.h"
-#include "worker/engine/layers.h"
 
 namespace aidn::engine {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-absl::Status WithContext(const absl::Status& s, const std::string& what) {
-  if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
-}
 
 }  // namespace
 
@@ -82,7 +76,7 @@ absl::StatusOr<double> PipelineSession::Step(const std::vector<MicroBatch>& micr
   double loss = 0;
   AIDN_RETURN_IF_ERROR(RunSchedule(micro, &loss));
   AIDN_RETURN_IF_ERROR(Finish(&loss));
-  AIDN_RETURN_IF_ERROR(WithContext(optimizer_->Step(lr), "optimizer"));
+  AIDN_RETURN_IF_ERROR(Annotate(optimizer_->Step(lr), "optimizer"));
   stats_.step_seconds = SecondsSince(start);
   return loss;
 }
@@ -124,7 +118,7 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
   // Time in transfers: waiting for the neighbours is the bubble.
   auto transfer = [&](absl::Status s, Clock::time_point t0, const char* what, int mb) {
     stats_.transfer_seconds += SecondsSince(t0);
-    return WithContext(s, absl::StrCat(what, " of micro-batch ", mb));
+    return Annotate(s, absl::StrCat(what, " of micro-batch ", mb));
   };
   for (const PipelineAction& a : actions) {
     const int mb = a.micro_batch;
@@ -213,22 +207,22 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
 absl::Status PipelineSession::Finish(double* loss) {
   const Clock::time_point start = Clock::now();
   if (reducer_ != nullptr) {
-    AIDN_RETURN_IF_ERROR(WithContext(reducer_->Finish(nullptr, nullptr), "gradient allreduce"));
+    AIDN_RETURN_IF_ERROR(Annotate(reducer_->Finish(nullptr, nullptr), "gradient allreduce"));
     if (model_->last()) *loss = reducer_->averaged_extra();
   }
   if (Parameter* tied = model_->tied(); tied != nullptr) {
     // Each end's part of the gradient (the embedding's, the LM head's).
     AIDN_RETURN_IF_ERROR(
-        WithContext(options_.tied->AllReduce(
-                        tied->grad.data(), static_cast<size_t>(tied->grad.numel()), ReduceOp::kSum),
-                    absl::StrCat("the tied ", tied->name, "'s gradient")));
+        Annotate(options_.tied->AllReduce(tied->grad.data(),
+                                          static_cast<size_t>(tied->grad.numel()), ReduceOp::kSum),
+                 absl::StrCat("the tied ", tied->name, "'s gradient")));
   }
   stats_.allreduce_seconds = SecondsSince(start);
   if (model_->stages() > 1) {
     // The loss is the last stage's; the others learn it here.
     float mean = model_->last() ? static_cast<float>(*loss) : 0.0f;
     AIDN_RETURN_IF_ERROR(
-        WithContext(options_.pipeline->AllReduce(&mean, 1, ReduceOp::kSum), "the step's loss"));
+        Annotate(options_.pipeline->AllReduce(&mean, 1, ReduceOp::kSum), "the step's loss"));
     *loss = mean;
   }
   return absl::OkStatus();

@@ -20,9 +20,7 @@ struct Matrix {
 
 absl::Status Averaged(Communicator* comm, float* data, size_t count, const char* what) {
   if (count == 0) return absl::OkStatus();
-  absl::Status s = comm->AllReduce(data, count, ReduceOp::kSum);
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("powersgd ", what, ": ", s.message()));
-  return absl::OkStatus();
+  return Annotate(comm->AllReduce(data, count, ReduceOp::kSum), absl::StrCat("powersgd ", what));
 }
 
 }  // namespace

@@ -96,9 +96,7 @@ absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>&
       pipeline_ != nullptr ? pipeline_->Step(micro, lr) : cpu_->Step(micro, lr);
   // A tensor group's collective that failed inside the model.
   if (engine::Gpt* gpt = task_->gpt(); gpt != nullptr) {
-    if (absl::Status s = gpt->TakeCollectiveStatus(); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("tensor-parallel collective: ", s.message()));
-    }
+    AIDN_RETURN_IF_ERROR(Annotate(gpt->TakeCollectiveStatus(), "tensor-parallel collective"));
   }
   return loss;
 }
