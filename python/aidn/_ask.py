@@ -4,7 +4,6 @@ end). Every rank gets True at the same step: the ranks agree on it through
 their progress beats, each waiting at the step until all are there."""
 
 import logging
-import threading
 
 from . import _job
 
@@ -14,20 +13,6 @@ log = logging.getLogger("aidn")
 # it missed the step and trains on (a job whose ranks all wait this long has
 # long failed its progress timeout).
 _WAIT_SECONDS = 600.0
-
-_lock = threading.Lock()
-_answered = 0
-
-
-def _answer(reporter, ask_step: int, step: int) -> None:
-    global _answered
-    with _lock:
-        if ask_step == _answered:
-            return
-        _answered = ask_step
-    if step > ask_step:
-        log.info("aidn: already past the checkpoint step asked for (%d; at %d)", ask_step, step)
-    reporter.answer_checkpoint_ask(ask_step, missed=step > ask_step)
 
 
 def should_checkpoint(step) -> bool:
@@ -44,11 +29,10 @@ def should_checkpoint(step) -> bool:
     reporter = job.reporter_if_started()
     if reporter is None:  # no report() yet: no beats, so no asks
         return False
-    ask_step, go = reporter.checkpoint_ask()
-    if ask_step == 0:
-        return False
-    _answer(reporter, ask_step, step)
-    if step != ask_step:
+    # Answers an ask not yet answered (the reporter answers those that
+    # arrive after the first boundary itself).
+    ask_step, go = reporter.at_step_boundary(step)
+    if ask_step == 0 or step != ask_step:
         return False
     if go:
         return True
@@ -61,6 +45,6 @@ def should_checkpoint(step) -> bool:
         log.warning("aidn: no agreement on the checkpoint step %d; training on", step)
         reporter.answer_checkpoint_ask(step, missed=True)
         return False
-    if ask_step:
-        _answer(reporter, ask_step, step)
+    # Another step (a rank had passed this one; the reporter acked it) or the
+    # generation's end.
     return False

@@ -122,6 +122,10 @@ class Reporter:
         self._ask = (0, False)
         self._ask_ack = 0
         self._ask_missed = 0
+        # The ask step last answered, and the last step boundary the
+        # training thread checked at (-1: none yet).
+        self._ask_answered = 0
+        self._boundary = -1
         self._awaiting_go = False
         self._beat_now = False
         self._thread = threading.Thread(target=self._loop, name="aidn-reporter", daemon=True)
@@ -172,14 +176,36 @@ class Reporter:
         with self._cv:
             return self._ask
 
+    def at_step_boundary(self, step: int):
+        """The training thread after step `step`, where it checks for an
+        ask: returns (step, go), the ask answered if it was not. From then
+        on the reporter's thread answers an ask as it arrives, since the
+        training thread may be blocked in a collective that waits for a rank
+        already waiting at the step: ack when the training thread has not yet
+        passed the step's boundary (it will see the ask there: both take the
+        same lock), missed when it has."""
+        with self._cv:
+            self._boundary = step
+            ask_step = self._ask[0]
+            if ask_step and ask_step != self._ask_answered:
+                if step > ask_step:
+                    log.info("aidn: already past the checkpoint step asked for (%d; at %d)",
+                             ask_step, step)
+                self._answer_locked(ask_step, missed=step > ask_step)
+            return self._ask
+
     def answer_checkpoint_ask(self, step: int, missed: bool) -> None:
         """This rank will wait at `step` (or was already past it): sent with
         every beat from the next one, which goes at once."""
         with self._cv:
-            self._ask_ack = 0 if missed else step
-            self._ask_missed = step if missed else 0
-            self._beat_now = True
-            self._cv.notify_all()
+            self._answer_locked(step, missed)
+
+    def _answer_locked(self, step: int, missed: bool) -> None:
+        self._ask_answered = step
+        self._ask_ack = 0 if missed else step
+        self._ask_missed = step if missed else 0
+        self._beat_now = True
+        self._cv.notify_all()
 
     def await_checkpoint_go(self, step: int, timeout: float):
         """At the acked step: beats fast until go, another step, the end of
@@ -481,4 +507,11 @@ class Reporter:
                     log.info("aidn: the coordinator asks for a checkpoint at step %d (%s)",
                              ask[0], response.checkpoint.reason)
                 self._ask = ask
+                # Answered here, not by the training thread, which may wait
+                # in a collective for a rank already waiting at the step.
+                if ask[0] and ask[0] != self._ask_answered and self._boundary >= 0:
+                    if self._boundary >= ask[0]:
+                        log.info("aidn: already past the checkpoint step asked for (%d; at %d)",
+                                 ask[0], self._boundary)
+                    self._answer_locked(ask[0], missed=self._boundary >= ask[0])
             self._cv.notify_all()

@@ -202,6 +202,22 @@ class ReporterTest(unittest.TestCase):
         reporter.answer_checkpoint_ask(55, missed=True)
         wait_for(lambda: (0, 55) in fake.answers, 0.5, "the miss")
 
+    def test_an_ask_between_step_boundaries_is_answered_by_the_reporter(self):
+        # The training thread may be blocked in a collective that waits for
+        # a rank already waiting at the step: the reporter answers for it.
+        fake = FakeCluster()
+        reporter = self.make(fake, beat_period=0.02)
+        reporter.progress(100, 1, 1000)
+        self.assertEqual(reporter.at_step_boundary(100), (0, False))
+        with fake.lock:
+            fake.ask = (100, False)
+        wait_for(lambda: (0, 100) in fake.answers, 5, "the miss")
+        with fake.lock:
+            fake.ask = (120, False)
+        wait_for(lambda: (120, 0) in fake.answers, 5, "the ack")
+        self.assertEqual(reporter.at_step_boundary(119), (120, False))
+        self.assertEqual(reporter.at_step_boundary(120), (120, False))
+
     def test_close_gives_up_at_its_deadline(self):
         fake = FakeCluster()
         fake.store = False

@@ -4,22 +4,11 @@
 
 namespace aidn::trainer {
 
-void CheckpointAskFollower::Answer(int64_t step, int64_t completed) {
-  if (step == answered_) return;
-  answered_ = step;
-  const bool missed = completed > step;
-  if (missed) {
-    AIDN_LOG(INFO) << "already past the checkpoint step asked for" << Kv("step", step)
-                   << Kv("completed", completed);
-  }
-  reporter_->AnswerCheckpointAsk(step, missed);
-}
-
 bool CheckpointAskFollower::Due(int64_t completed) {
-  Reporter::CheckpointAsk ask = reporter_->checkpoint_ask();
-  if (ask.step == 0) return false;
-  Answer(ask.step, completed);
-  if (completed != ask.step) return false;
+  // Answers an ask not yet answered (the reporter answers those that
+  // arrive after the first boundary itself).
+  Reporter::CheckpointAsk ask = reporter_->AtStepBoundary(completed);
+  if (ask.step == 0 || completed != ask.step) return false;
   if (ask.go) return true;
   AIDN_LOG(INFO) << "waiting at the checkpoint step asked for until every rank is there"
                  << Kv("step", ask.step);
@@ -32,8 +21,8 @@ bool CheckpointAskFollower::Due(int64_t completed) {
     reporter_->AnswerCheckpointAsk(ask.step, /*missed=*/true);
     return false;
   }
-  // Another step (a rank had passed this one) or the generation's end.
-  if (ask.step != 0) Answer(ask.step, completed);
+  // Another step (a rank had passed this one; the reporter acked it) or the
+  // generation's end.
   return false;
 }
 

@@ -4,8 +4,9 @@
 // A rank's side of a checkpoint the coordinator asks for outside the
 // spec's schedule (a pause; coordinator/checkpoint_agreement.h): at every
 // step boundary, the rank answers a new ask (it will wait at the step, or
-// it is already past it), and at the step itself waits for go, so that
-// every rank checkpoints at the same step or none does.
+// it is already past it; asks that arrive later the reporter answers), and
+// at the step itself waits for go, so that every rank checkpoints at the
+// same step or none does.
 //
 // Not thread-safe: the training thread's.
 
@@ -29,12 +30,8 @@ class CheckpointAskFollower {
   bool Due(int64_t completed);
 
  private:
-  // Answers the ask of `step` once.
-  void Answer(int64_t step, int64_t completed);
-
   Reporter* reporter_;
   const std::chrono::milliseconds wait_;
-  int64_t answered_ = 0;
 };
 
 }  // namespace aidn::trainer

@@ -121,14 +121,39 @@ Reporter::CheckpointAsk Reporter::checkpoint_ask() const {
   return ask_;
 }
 
+Reporter::CheckpointAsk Reporter::AtStepBoundary(int64_t completed) {
+  bool answered = false;
+  CheckpointAsk ask;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    boundary_ = completed;
+    ask = ask_;
+    if (ask.step != 0 && ask.step != ask_answered_) {
+      if (completed > ask.step) {
+        AIDN_LOG(INFO) << "already past the checkpoint step asked for" << Kv("step", ask.step)
+                       << Kv("completed", completed);
+      }
+      AnswerCheckpointAskLocked(ask.step, /*missed=*/completed > ask.step);
+      answered = true;
+    }
+  }
+  if (answered) cv_.notify_all();
+  return ask;
+}
+
 void Reporter::AnswerCheckpointAsk(int64_t step, bool missed) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ask_ack_ = missed ? 0 : step;
-    ask_missed_ = missed ? step : 0;
-    beat_now_ = true;
+    AnswerCheckpointAskLocked(step, missed);
   }
   cv_.notify_all();
+}
+
+void Reporter::AnswerCheckpointAskLocked(int64_t step, bool missed) {
+  ask_answered_ = step;
+  ask_ack_ = missed ? 0 : step;
+  ask_missed_ = missed ? step : 0;
+  beat_now_ = true;
 }
 
 Reporter::CheckpointAsk Reporter::AwaitCheckpointGo(int64_t step, milliseconds timeout) {
@@ -387,6 +412,15 @@ void Reporter::SendProgress(const Work& work) {
                        << Kv("reason", response.checkpoint().reason());
       }
       ask_ = ask;
+      // Answered here, not by the training thread, which may wait in a
+      // collective for a rank that already waits at the step.
+      if (ask.step != 0 && ask.step != ask_answered_ && boundary_ >= 0) {
+        if (boundary_ >= ask.step) {
+          AIDN_LOG(INFO) << "already past the checkpoint step asked for" << Kv("step", ask.step)
+                         << Kv("completed", boundary_);
+        }
+        AnswerCheckpointAskLocked(ask.step, /*missed=*/boundary_ >= ask.step);
+      }
       ask_cv_.notify_all();
     }
   }

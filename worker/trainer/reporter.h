@@ -106,6 +106,15 @@ class Reporter {
     bool go = false;
   };
   CheckpointAsk checkpoint_ask() const;
+  // The training thread at the boundary after `completed` steps, where it
+  // checks for an ask. Returns the ask, answered (as below) if it was not.
+  //
+  // From the first boundary on, an ask that arrives is answered at once by
+  // the reporter's thread, since the training thread may be blocked in a
+  // collective that waits for a rank already waiting at the step: ack when
+  // the training thread has not yet passed the step's boundary (it will see
+  // the ask there, since both take the same lock), missed when it has.
+  CheckpointAsk AtStepBoundary(int64_t completed);
   // This rank's answer to the ask of `step`, sent with every beat from the
   // next one (which goes at once) on: it will wait at the step (ack), or it
   // was already past it (missed).
@@ -141,6 +150,7 @@ class Reporter {
   void SeenIncarnationLocked(const std::string& incarnation);
   // The coordinator said this generation is over; wakes AwaitCheckpointGo.
   void MarkSuperseded();
+  void AnswerCheckpointAskLocked(int64_t step, bool missed);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::ClusterService::StubInterface> stub_;
@@ -178,6 +188,10 @@ class Reporter {
   CheckpointAsk ask_;
   int64_t ask_ack_ = 0;
   int64_t ask_missed_ = 0;
+  // The ask step last answered, and the last step boundary the training
+  // thread checked at (-1: none yet).
+  int64_t ask_answered_ = 0;
+  int64_t boundary_ = -1;
   bool awaiting_go_ = false;
   bool beat_now_ = false;
   std::condition_variable ask_cv_;

@@ -1,5 +1,6 @@
 #include "worker/trainer/reporter.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -54,12 +55,26 @@ class FakeCoordinator final : public v1::ClusterService::Service {
   }
 
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* request,
-                              v1::ReportProgressResponse*) override {
+                              v1::ReportProgressResponse* response) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (fence_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "generation over");
     beats_.push_back(request->step());
+    if (request->checkpoint_ack() != 0) Add(absl::StrCat("ack ", request->checkpoint_ack()));
+    if (request->checkpoint_missed() != 0) {
+      Add(absl::StrCat("missed ", request->checkpoint_missed()));
+    }
+    if (ask_step_ != 0) {
+      response->mutable_checkpoint()->set_step(ask_step_);
+      response->mutable_checkpoint()->set_reason("pause");
+    }
     cv_.notify_all();
     return grpc::Status::OK;
+  }
+
+  // Every beat's answer from now on asks for a checkpoint at `step`.
+  void Ask(int64_t step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ask_step_ = step;
   }
 
   // Records are received but not (yet) stored: durable_step stays.
@@ -104,6 +119,7 @@ class FakeCoordinator final : public v1::ClusterService::Service {
   int fail_metrics_ = 0;
   bool fence_ = false;
   bool hold_durable_ = false;
+  int64_t ask_step_ = 0;
   int64_t stored_through_ = 0;
   std::string incarnation_ = "one";
 };
@@ -122,8 +138,9 @@ class ReporterTest : public ::testing::Test {
   }
   void TearDown() override { server_->Shutdown(); }
 
-  std::unique_ptr<Reporter> MakeReporter() {
+  std::unique_ptr<Reporter> MakeReporter(milliseconds beat_period = milliseconds(1000)) {
     ReporterOptions options;
+    options.beat_period = beat_period;
     options.job_id = "j";
     options.generation = 1;
     // Records go only when something else sends them: a commit or Close.
@@ -143,6 +160,9 @@ class ReporterTest : public ::testing::Test {
     c.set_step(step);
     c.add_writer_ranks(0);
     return c;
+  }
+  static bool Has(const std::vector<std::string>& events, const std::string& event) {
+    return std::find(events.begin(), events.end(), event) != events.end();
   }
   static bool HasCommit(const std::vector<std::string>& events) {
     for (const std::string& e : events) {
@@ -236,6 +256,41 @@ TEST_F(ReporterTest, AFencedGenerationIsSuperseded) {
     std::this_thread::sleep_for(milliseconds(10));
   }
   EXPECT_TRUE(reporter->superseded());
+}
+
+// An ask that arrives while the training thread is between boundaries
+// (perhaps blocked in a collective that waits for a rank already waiting at
+// the step) is answered by the reporter itself: missed when the training
+// thread already passed the step's boundary, ack when it has yet to reach
+// it, and then the training thread finds the ask at that boundary.
+TEST_F(ReporterTest, AnswersAnAskThatArrivesBetweenStepBoundaries) {
+  std::unique_ptr<Reporter> reporter = MakeReporter(milliseconds(20));
+  reporter->Progress(/*step=*/100, /*epoch=*/0, /*collective_seq=*/0, /*total_steps=*/1000);
+  EXPECT_EQ(reporter->AtStepBoundary(100).step, 0);
+  coordinator_.Ask(100);
+  EXPECT_TRUE(coordinator_.WaitFor([](const auto& e) { return Has(e, "missed 100"); }));
+  EXPECT_EQ(reporter->checkpoint_ask().step, 100);
+
+  coordinator_.Ask(120);
+  EXPECT_TRUE(coordinator_.WaitFor([](const auto& e) { return Has(e, "ack 120"); }));
+  EXPECT_EQ(reporter->AtStepBoundary(119).step, 120);
+  EXPECT_EQ(reporter->AtStepBoundary(120).step, 120);
+}
+
+// An ask that came before the first boundary is answered there.
+TEST_F(ReporterTest, AnswersAnEarlierAskAtTheFirstBoundary) {
+  coordinator_.Ask(5);
+  std::unique_ptr<Reporter> reporter = MakeReporter(milliseconds(20));
+  reporter->Progress(/*step=*/7, /*epoch=*/0, /*collective_seq=*/0, /*total_steps=*/1000);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (reporter->checkpoint_ask().step != 5 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_EQ(reporter->checkpoint_ask().step, 5);
+  EXPECT_FALSE(Has(coordinator_.events(), "missed 5"));
+  EXPECT_FALSE(Has(coordinator_.events(), "ack 5"));
+  EXPECT_EQ(reporter->AtStepBoundary(8).step, 5);
+  EXPECT_TRUE(coordinator_.WaitFor([](const auto& e) { return Has(e, "missed 5"); }));
 }
 
 }  // namespace
