@@ -182,6 +182,8 @@ nlohmann::ordered_json StepMetricsToJson(const v1::StepMetrics& step) {
       {"gradient_bytes", step.gradient_bytes()},
       {"optimizer_state_bytes", step.optimizer_state_bytes()},
       {"buffer_bytes", step.buffer_bytes()},
+      {"gradient_comm_bytes", step.gradient_comm_bytes()},
+      {"gradient_comm_bytes_uncompressed", step.gradient_comm_bytes_uncompressed()},
       {"rank_step_seconds",
        std::vector<double>(step.rank_step_seconds().begin(), step.rank_step_seconds().end())},
       {"rank_allreduce_seconds", std::vector<double>(step.rank_allreduce_seconds().begin(),

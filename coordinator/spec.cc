@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -446,19 +447,29 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
       }
       return absl::OkStatus();
     case DdpSpec::POWERSGD:
+    case DdpSpec::FP16:
+    case DdpSpec::BF16:
       break;
     case DdpSpec::COMPRESSION_UNSPECIFIED:
       return Invalid("ddp.compression", "not set (defaults were not applied)");
     default:
       return Invalid("ddp.compression",
                      absl::StrCat("unknown value ", static_cast<int>(d.compression()),
-                                  " (known: none, powersgd)"));
+                                  " (known: none, powersgd, fp16, bf16)"));
   }
+  const std::string name = absl::AsciiStrToLower(DdpSpec::Compression_Name(d.compression()));
   if (spec.device() == v1::JobSpec::GPU) {
-    return Invalid("ddp.compression", "powersgd runs on device: cpu for now");
+    return Invalid("ddp.compression", absl::StrCat(name, " runs on device: cpu for now"));
   }
   if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
-    return Invalid("ddp.compression", "powersgd does not combine with parallel: yet");
+    return Invalid("ddp.compression", absl::StrCat(name, " does not combine with parallel: yet"));
+  }
+  if (d.compression() != DdpSpec::POWERSGD) {
+    if (d.powersgd_rank() != 0 || d.has_powersgd_start_step() || d.has_powersgd_error_feedback() ||
+        d.has_powersgd_warm_start()) {
+      return Invalid("ddp", "the powersgd_ fields apply to compression: powersgd only");
+    }
+    return absl::OkStatus();
   }
   AIDN_RETURN_IF_ERROR(CheckIntRange("ddp.powersgd_rank", d.powersgd_rank(), 1, 1024));
   return CheckIntRange("ddp.powersgd_start_step", d.powersgd_start_step(), 0, kMaxSteps);

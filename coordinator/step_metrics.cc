@@ -35,6 +35,9 @@ v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int
     tokens += r.tokens();
     peak_memory = std::max(peak_memory, r.peak_memory_bytes());
     out.set_parameter_bytes(std::max(out.parameter_bytes(), r.parameter_bytes()));
+    out.set_gradient_comm_bytes(std::max(out.gradient_comm_bytes(), r.gradient_comm_bytes()));
+    out.set_gradient_comm_bytes_uncompressed(
+        std::max(out.gradient_comm_bytes_uncompressed(), r.gradient_comm_bytes_uncompressed()));
     out.set_gradient_bytes(std::max(out.gradient_bytes(), r.gradient_bytes()));
     out.set_optimizer_state_bytes(std::max(out.optimizer_state_bytes(), r.optimizer_state_bytes()));
     out.set_buffer_bytes(std::max(out.buffer_bytes(), r.buffer_bytes()));

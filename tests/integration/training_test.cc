@@ -150,36 +150,55 @@ TEST_F(TrainingTest, TheCnnTrainsToo) {
 // ddp: {compression: powersgd}: the MLP's three weight matrices go as rank-4
 // factors after 20 plain steps (with error feedback and warm start) and
 // the job reaches the test accuracy of the same job uncompressed within
-// 0.03; the trainer logs how many floats a step sent against the
-// uncompressed buckets'.
-TEST_F(TrainingTest, PowerSgdTrainsTheMlpToTheAccuracyOfPlainDdp) {
+// 0.03; with bf16 buckets within 0.01. Each step's metrics say how many
+// bytes the gradient collectives carried against the uncompressed
+// buckets', and the trainer logs it.
+TEST_F(TrainingTest, CompressedDdpTrainsTheMlpToTheAccuracyOfPlainDdp) {
   v1::JobSpec plain = MlpSpec();
-  v1::JobSpec compressed = MlpSpec();
-  compressed.mutable_ddp()->set_compression(v1::DdpSpec::POWERSGD);
-  compressed.mutable_ddp()->set_powersgd_rank(4);
-  compressed.mutable_ddp()->set_powersgd_start_step(20);
+  v1::JobSpec powersgd = MlpSpec();
+  powersgd.mutable_ddp()->set_compression(v1::DdpSpec::POWERSGD);
+  powersgd.mutable_ddp()->set_powersgd_rank(4);
+  powersgd.mutable_ddp()->set_powersgd_start_step(20);
+  v1::JobSpec bf16 = MlpSpec();
+  bf16.mutable_ddp()->set_compression(v1::DdpSpec::BF16);
   std::vector<double> accuracy;
   std::vector<std::string> ids;
-  for (const v1::JobSpec& spec : {plain, compressed}) {
+  // The last training step's bytes: sent, and uncompressed.
+  std::vector<std::pair<int64_t, int64_t>> bytes;
+  for (const v1::JobSpec& spec : {plain, powersgd, bf16}) {
     const std::string id = Submit(spec);
     ids.push_back(id);
     const v1::Job job = WaitForEnd(id);
     ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
     double last = -1;
+    std::pair<int64_t, int64_t> sent;
     for (const v1::StepMetrics& s : Metrics(id)) {
       if (s.kind() == v1::MetricRecord::EVAL) last = s.test_accuracy();
+      if (s.kind() == v1::MetricRecord::TRAIN) {
+        sent = {s.gradient_comm_bytes(), s.gradient_comm_bytes_uncompressed()};
+      }
     }
     accuracy.push_back(last);
+    bytes.push_back(sent);
   }
-  std::printf("test accuracy: plain %.4f, powersgd rank 4 %.4f\n", accuracy[0], accuracy[1]);
+  std::printf("test accuracy: plain %.4f, powersgd rank 4 %.4f, bf16 %.4f\n", accuracy[0],
+              accuracy[1], accuracy[2]);
   EXPECT_GT(accuracy[0], 0.72);
   EXPECT_NEAR(accuracy[1], accuracy[0], 0.03) << "PowerSGD against plain DDP";
   EXPECT_NE(accuracy[1], accuracy[0]) << "the compressed job trained as the plain one did";
+  EXPECT_NEAR(accuracy[2], accuracy[0], 0.01) << "bf16 buckets against plain DDP";
+  // Plain: 269,322 gradients and the loss, with each gradient's padding to
+  // 16 floats.
+  EXPECT_GE(bytes[0].first, 4 * 269'323);
+  EXPECT_EQ(bytes[0].first, bytes[0].second);
   // (256+784)4 + (256+256)4 + (10+256)4, the biases whole and the loss:
   // 4,160 + 2,048 + 1,064 + 522 + 1 = 7,795 floats a step.
+  EXPECT_EQ(bytes[1], std::make_pair(int64_t{4 * 7'795}, bytes[0].second));
+  // Two bytes a value; the loss goes apart.
+  EXPECT_EQ(bytes[2], std::make_pair((bytes[0].second - 4) / 2, bytes[0].second));
   const std::string log = TrainerLog("w1", ids[1], 0) + TrainerLog("w2", ids[1], 0);
   EXPECT_TRUE(absl::StrContains(log, "compressed gradients")) << log;
-  EXPECT_TRUE(absl::StrContains(log, "floats_sent=7795")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "bytes_sent=31180")) << log;
 }
 
 TEST_F(TrainingTest, AMissingDatasetFailsTheJobAtOnceNamingTheFile) {

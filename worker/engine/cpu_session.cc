@@ -61,7 +61,8 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
         session->reducer_,
         DdpReducer::Create({.bucket_mb = options.bucket_mb,
                             .shard_optimizer = options.sharding == Sharding::kOptimizer,
-                            .powersgd = options.powersgd},
+                            .powersgd = options.powersgd,
+                            .half = options.half},
                            model->Parameters(), options.communicator));
     params = session->reducer_->ShardParameters();
     DdpReducer* r = session->reducer_.get();
@@ -91,9 +92,9 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
     // After the optimizer, as the trainer has always made them: with more
     // than one rank the reducer turns every gradient into a view of its
     // bucket.
-    absl::StatusOr<std::unique_ptr<DdpReducer>> reducer =
-        DdpReducer::Create({.bucket_mb = options.bucket_mb, .powersgd = options.powersgd},
-                           model->Parameters(), options.communicator);
+    absl::StatusOr<std::unique_ptr<DdpReducer>> reducer = DdpReducer::Create(
+        {.bucket_mb = options.bucket_mb, .powersgd = options.powersgd, .half = options.half},
+        model->Parameters(), options.communicator);
     if (!reducer.ok()) return reducer.status();
     session->reducer_ = *std::move(reducer);
     DdpReducer* r = session->reducer_.get();

@@ -76,9 +76,10 @@ struct CpuSessionOptions {
   // and under ZeRO-2 and FSDP the weights are to be read only between
   // GatherFullParameters and ReleaseFullParameters.
   Sharding sharding = Sharding::kNone;
-  // DDP (kNone with a communicator): PowerSGD compression of the buckets
-  // (ddp.h).
+  // DDP (kNone with a communicator): PowerSGD or fp16/bf16 compression of
+  // the buckets (ddp.h).
   std::optional<PowerSgdOptions> powersgd;
+  std::optional<HalfFormat> half;
 };
 
 class CpuSession {
@@ -124,11 +125,12 @@ class CpuSession {
   double last_allreduce_seconds() const { return allreduce_seconds_; }
   // The part of it backward did not hide (the step waited for it).
   double last_allreduce_wait_seconds() const { return wait_seconds_; }
-  // Floats the last Step's bucket collectives sent this rank, and what
-  // uncompressed buckets would have (DdpReducer's; 0 without a reducer).
-  int64_t last_floats_sent() const { return reducer_ ? reducer_->last_floats_sent() : 0; }
-  int64_t last_floats_uncompressed() const {
-    return reducer_ ? reducer_->last_floats_uncompressed() : 0;
+  // Bytes the last Step's bucket collectives carried for this rank, and
+  // what uncompressed buckets would have (DdpReducer's; 0 without a
+  // reducer).
+  int64_t last_bytes_sent() const { return reducer_ ? reducer_->last_bytes_sent() : 0; }
+  int64_t last_bytes_uncompressed() const {
+    return reducer_ ? reducer_->last_bytes_uncompressed() : 0;
   }
 
   TrainableModel& model() { return *model_; }

@@ -53,6 +53,14 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     return absl::InvalidArgumentError(
         "ddp: PowerSGD compresses allreduced buckets, not ZeRO-1's reduce-scatter");
   }
+  if (options.half.has_value() && options.shard_optimizer) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ddp: ", HalfFormatName(*options.half),
+                     " compression casts allreduced buckets, not ZeRO-1's reduce-scatter"));
+  }
+  if (options.half.has_value() && options.powersgd.has_value()) {
+    return absl::InvalidArgumentError("ddp: PowerSGD and fp16/bf16 compression are exclusive");
+  }
   if (options.powersgd.has_value() && options.powersgd->rank < 1) {
     return absl::InvalidArgumentError("ddp: PowerSGD's rank must be >= 1");
   }
@@ -80,6 +88,10 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   reducer->parameters_ = parameters;
   reducer->single_ = world == 1;
   reducer->shard_ = options.shard_optimizer && world > 1;
+  if (options.half.has_value() && world > 1) {
+    reducer->half_ = options.half;
+    reducer->half_staging_.resize(plan.buckets.size());
+  }
   if (options.powersgd.has_value() && world > 1) {
     reducer->powersgd_ = std::make_unique<PowerSgd>(*options.powersgd);
   }
@@ -215,8 +227,8 @@ void DdpReducer::BeginBackward(bool communicate, float extra) {
   extra_bucket[extra_bucket.numel() - 1] = extra;
   std::lock_guard<std::mutex> lock(mu_);
   allreduce_seconds_ = 0.0;
-  floats_sent_ = 0;
-  floats_uncompressed_ = 0;
+  bytes_sent_ = 0;
+  bytes_uncompressed_ = 0;
   // A bucket with no parameters (a model without any) goes at once.
   for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
     if (buckets_[i].pending == 0) {
@@ -263,17 +275,18 @@ void DdpReducer::CommLoop() {
     if (!skip) {
       Bucket& bucket = buckets_[index];
       Tensor& buffer = bucket.buffer;
-      sent = buffer.numel();
-      uncompressed = buffer.numel();
-      if (powersgd_ != nullptr && powersgd_->active()) {
+      sent = buffer.numel() * static_cast<int64_t>(sizeof(float));
+      uncompressed = sent;
+      if (half_.has_value()) {
+        status = ReduceHalf(index, &sent);
+      } else if (powersgd_ != nullptr && powersgd_->active()) {
         // The gradients one by one (the padding between them stays 0), and
         // the extra slot as a gradient of one element.
         std::vector<PowerSgd::Gradient> grads;
         for (Parameter* p : bucket.parameters) grads.push_back({p->grad.data(), p->grad.shape()});
         if (index == extra_bucket_) grads.push_back({buffer.data() + buffer.numel() - 1, {1}});
         status = powersgd_->Reduce(index, grads, communicator_);
-        sent = powersgd_->last_floats_sent();
-        uncompressed = powersgd_->last_floats_uncompressed();
+        sent = powersgd_->last_floats_sent() * static_cast<int64_t>(sizeof(float));
       } else if (shard_) {
         status = communicator_->ReduceScatter(buffer.data(),
                                               static_cast<size_t>(bucket.shard_grad.numel()),
@@ -286,8 +299,8 @@ void DdpReducer::CommLoop() {
     const double took = SecondsSince(start);
     lock.lock();
     allreduce_seconds_ += took;
-    floats_sent_ += sent;
-    floats_uncompressed_ += uncompressed;
+    bytes_sent_ += sent;
+    bytes_uncompressed_ += uncompressed;
     if (!status.ok() && error_.ok()) {
       error_ =
           absl::Status(status.code(), absl::StrCat("ddp bucket ", index, ": ", status.message()));
@@ -295,6 +308,19 @@ void DdpReducer::CommLoop() {
     --in_flight_;
     cv_.notify_all();
   }
+}
+
+absl::Status DdpReducer::ReduceHalf(int index, int64_t* sent) {
+  Tensor& buffer = buckets_[index].buffer;
+  const size_t count = static_cast<size_t>(buffer.numel()) - (index == extra_bucket_ ? 1 : 0);
+  std::vector<uint16_t>& staging = half_staging_[static_cast<size_t>(index)];
+  staging.resize(count);
+  ToHalf(buffer.data(), count, 1.0f / static_cast<float>(communicator_->world_size()), *half_,
+         staging.data());
+  *sent = static_cast<int64_t>(count * sizeof(uint16_t));
+  AIDN_RETURN_IF_ERROR(communicator_->AllReduceHalf(staging.data(), count, *half_));
+  FromHalf(staging.data(), count, *half_, buffer.data());
+  return absl::OkStatus();
 }
 
 absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds) {
@@ -325,13 +351,14 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   // Every bucket of this step went through it.
   if (powersgd_ != nullptr) powersgd_->EndStep();
   if (!error_.ok()) return error_;
-  if (shard_) {
-    // A reduce-scatter leaves the extra slot with one rank: average it
-    // alone.
+  if (shard_ || half_.has_value()) {
+    // A reduce-scatter leaves the extra slot with one rank, and 16 bits
+    // would round the loss: average it alone.
     float extra = extra_;
     lock.unlock();
     if (absl::Status s = communicator_->AllReduce(&extra, 1, ReduceOp::kAvg); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("zero: the step's loss: ", s.message()));
+      return absl::Status(
+          s.code(), absl::StrCat(shard_ ? "zero" : "ddp", ": the step's loss: ", s.message()));
     }
     averaged_extra_ = extra;
     return absl::OkStatus();

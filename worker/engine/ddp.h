@@ -63,6 +63,11 @@ struct DdpOptions {
   // torch's powerSGD_hook, a plain allreduce before its start_step); not
   // with shard_optimizer.
   std::optional<PowerSgdOptions> powersgd;
+  // Each bucket cast to 16 bits for the allreduce and back after (torch's
+  // fp16_compress_hook and bf16_compress_hook), divided by the world size
+  // before the cast so that the fp16 sum cannot overflow; the step's loss
+  // goes apart, in float. Not with shard_optimizer or powersgd.
+  std::optional<HalfFormat> half;
 };
 
 // Where each gradient lives in the flat bucket buffers, for the CPU reducer
@@ -108,11 +113,12 @@ class DdpReducer {
   absl::Status Finish(double* wait_seconds, double* allreduce_seconds);
   // `extra` averaged over the ranks (valid after a communicating Finish).
   float averaged_extra() const { return averaged_extra_; }
-  // Floats the last communicating pass sent a rank (the allreduced counts:
-  // with PowerSGD its P and Q and the uncompressed gradients), and what
-  // plain allreduces would have sent.
-  int64_t last_floats_sent() const { return floats_sent_; }
-  int64_t last_floats_uncompressed() const { return floats_uncompressed_; }
+  // Bytes the last communicating pass handed the collectives per rank (the
+  // allreduced payloads: with PowerSGD its P and Q and the uncompressed
+  // gradients, with fp16/bf16 two bytes a value), and what plain float
+  // allreduces would have taken.
+  int64_t last_bytes_sent() const { return bytes_sent_; }
+  int64_t last_bytes_uncompressed() const { return bytes_uncompressed_; }
 
   // shard_optimizer: this rank's shards, for the optimizer: one flat piece
   // per parameter that its slice of a bucket covers, named
@@ -160,6 +166,9 @@ class DdpReducer {
     Tensor weights;
     Tensor shard_grad;
   };
+  // DdpOptions::half: bucket `index` averaged through 16 bits (the extra
+  // slot left out). Its payload bytes go into *sent.
+  absl::Status ReduceHalf(int index, int64_t* sent);
   // shard_optimizer: lays out the weights and this rank's shards.
   void ShardBuckets(const BucketPlan& plan);
 
@@ -193,8 +202,11 @@ class DdpReducer {
   bool stop_ = false;
   absl::Status error_;
   double allreduce_seconds_ = 0.0;
-  int64_t floats_sent_ = 0;
-  int64_t floats_uncompressed_ = 0;
+  int64_t bytes_sent_ = 0;
+  int64_t bytes_uncompressed_ = 0;
+  // DdpOptions::half, and each bucket's 16-bit staging (the comm thread's).
+  std::optional<HalfFormat> half_;
+  std::vector<std::vector<uint16_t>> half_staging_;
   // DdpOptions::powersgd; used by the comm thread, stepped by Finish.
   std::unique_ptr<PowerSgd> powersgd_;
   std::thread thread_;

@@ -82,6 +82,17 @@ std::optional<engine::PowerSgdOptions> PowerSgdOf(const v1::JobSpec& spec) {
   return o;
 }
 
+std::optional<engine::HalfFormat> HalfCompressionOf(const v1::JobSpec& spec) {
+  switch (spec.ddp().compression()) {
+    case v1::DdpSpec::FP16:
+      return engine::HalfFormat::kFp16;
+    case v1::DdpSpec::BF16:
+      return engine::HalfFormat::kBf16;
+    default:
+      return std::nullopt;
+  }
+}
+
 engine::Sharding ShardingOf(const v1::JobSpec& spec) {
   switch (spec.strategy()) {
     case v1::JobSpec::ZERO1:

@@ -35,6 +35,8 @@ engine::LrScheduleConfig ScheduleOf(const v1::JobSpec& spec);
 double BucketMbOf(const v1::JobSpec& spec);
 // ddp.compression powersgd: its options; nullopt otherwise.
 std::optional<engine::PowerSgdOptions> PowerSgdOf(const v1::JobSpec& spec);
+// ddp.compression fp16 or bf16: the format; nullopt otherwise.
+std::optional<engine::HalfFormat> HalfCompressionOf(const v1::JobSpec& spec);
 // The spec's strategy (and fsdp.sharding) as the CPU session's sharding.
 engine::Sharding ShardingOf(const v1::JobSpec& spec);
 // How long the rank waits for its peers (communicator rendezvous, NCCL

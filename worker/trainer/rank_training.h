@@ -76,6 +76,10 @@ class RankTraining {
     double seconds = 0;
     double allreduce_seconds = 0;
     double wait_seconds = 0;
+    // DDP on cpu: the gradient collectives' payload bytes, and without
+    // compression.
+    int64_t comm_bytes = 0;
+    int64_t comm_bytes_uncompressed = 0;
   };
 
   std::optional<Failure> Setup();

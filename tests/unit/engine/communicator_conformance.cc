@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -139,6 +140,41 @@ TEST_P(CommunicatorConformanceTest, AllReduceAvgDividesTheSumByWorldSize) {
         rank));
     return absl::OkStatus();
   })));
+}
+
+// Halves (fp16 and bf16) of small multiples of 0.5: every partial sum is
+// exact in both formats, so every rank must get the exact sum.
+TEST_P(CommunicatorConformanceTest, AllReduceHalfGivesEveryRankTheExactSum) {
+  const CommBackend& backend = this->backend();
+  const int n = world();
+  const size_t count = elements();
+  for (HalfFormat format : {HalfFormat::kFp16, HalfFormat::kBf16}) {
+    EXPECT_TRUE(testing::AllOk(OnRanks(backend, n, [&](int rank, Communicator& comm) {
+      // Two halves per float of the backend's memory.
+      std::vector<uint16_t> halves(count + 1);
+      for (size_t i = 0; i < count; ++i) {
+        halves[i] = FloatToHalf(0.5f * static_cast<float>(rank + static_cast<int>(i % 7)), format);
+      }
+      std::vector<float> packed((count + 1) / 2);
+      std::memcpy(packed.data(), halves.data(), packed.size() * sizeof(float));
+      Buffer data(backend, packed);
+      AIDN_RETURN_IF_ERROR(
+          comm.AllReduceHalf(reinterpret_cast<uint16_t*>(data.data()), count, format));
+      const std::vector<float> got = data.Read();
+      std::memcpy(halves.data(), got.data(), got.size() * sizeof(float));
+      std::vector<float> values(count);
+      for (size_t i = 0; i < count; ++i) values[i] = HalfToFloat(halves[i], format);
+      EXPECT_TRUE(Matches(
+          values,
+          [&](size_t i) {
+            return 0.5f * (TriangularSum(n) + static_cast<float>(n * static_cast<int>(i % 7)));
+          },
+          rank))
+          << HalfFormatName(format);
+      EXPECT_EQ(comm.sequence(), 1);
+      return absl::OkStatus();
+    })));
+  }
 }
 
 TEST_P(CommunicatorConformanceTest, BroadcastFromTheLastRankReachesEveryRank) {

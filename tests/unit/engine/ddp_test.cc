@@ -309,13 +309,80 @@ TEST(DdpReducer, PowerSgdAtFullRankAveragesAsAPlainAllreduceDoes) {
         }
         EXPECT_NEAR((*reducer)->averaged_extra(), static_cast<float>(n - 1) / 2.0f, 1e-5f);
         // (n + m) r a gradient, the extra value as a 1 x 1 matrix.
-        EXPECT_EQ((*reducer)->last_floats_sent(),
-                  step == 0 ? (*reducer)->last_floats_uncompressed()
-                            : (12 + 8) * 8 + (5 + 1) * 1 + (6 + 10) * 6 + 2)
+        EXPECT_EQ((*reducer)->last_bytes_sent(),
+                  step == 0 ? (*reducer)->last_bytes_uncompressed()
+                            : 4 * ((12 + 8) * 8 + (5 + 1) * 1 + (6 + 10) * 6 + 2))
             << "step " << step;
       }
     });
   }
+}
+
+// fp16 and bf16 buckets (DdpOptions::half): each averaged gradient lies
+// within the format's rounding of the float mean (each rank's value divided
+// by the world size and rounded, the sum rounded again), the loss is
+// averaged exactly, and two bytes go per value. The large gradient runs
+// Gloo's ring, the small ones its direct exchange.
+TEST(DdpReducer, HalfCompressionAveragesWithinTheFormatsRounding) {
+  for (HalfFormat format : {HalfFormat::kFp16, HalfFormat::kBf16}) {
+    // Relative precision: 2^-11 (fp16), 2^-8 (bf16); fp16's subnormals
+    // below 2^-14 are spaced 2^-24.
+    const float eps = format == HalfFormat::kFp16 ? 1.0f / 2048 : 1.0f / 256;
+    const float floor = format == HalfFormat::kFp16 ? 6e-8f : 0.0f;
+    for (int n : {2, 3}) {
+      OnRanks(n, [&](int rank, Communicator* comm) {
+        auto params = MakeParameters({300'000, 33, 7});
+        auto reducer = DdpReducer::Create({.bucket_mb = 0.5, .half = format}, Raw(params), comm);
+        ASSERT_TRUE(reducer.ok()) << reducer.status();
+        auto value = [](int r, int64_t i) {
+          // Spread over many binades, some below fp16's normal range.
+          return std::sin(static_cast<float>(1 + r * 31 + i * 7)) *
+                 std::pow(10.0f, static_cast<float>(i % 9) - 6.0f);
+        };
+        for (auto& p : params) {
+          for (int64_t i = 0; i < p->grad.numel(); ++i) p->grad[i] = value(rank, i);
+        }
+        (*reducer)->BeginBackward(true, 1.0f + static_cast<float>(rank) / 3.0f);
+        for (int i = 2; i >= 0; --i) (*reducer)->OnGradReady(params[i].get());
+        ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+        int64_t values = 0;
+        for (auto& p : params) {
+          values += p->grad.numel();
+          for (int64_t i = 0; i < p->grad.numel(); ++i) {
+            float mean = 0;
+            float magnitude = 0;
+            for (int r = 0; r < n; ++r) {
+              mean += value(r, i) / static_cast<float>(n);
+              magnitude += std::abs(value(r, i)) / static_cast<float>(n);
+            }
+            // Each term rounded once and the sum up to n - 1 times.
+            const float tolerance = static_cast<float>(n) * (eps * magnitude + floor);
+            ASSERT_NEAR(p->grad[i], mean, tolerance)
+                << HalfFormatName(format) << " " << p->name << "[" << i << "] of " << n;
+          }
+        }
+        float mean_extra = 0;
+        for (int r = 0; r < n; ++r) mean_extra += 1.0f + static_cast<float>(r) / 3.0f;
+        EXPECT_FLOAT_EQ((*reducer)->averaged_extra(), mean_extra / static_cast<float>(n));
+        EXPECT_LE((*reducer)->last_bytes_sent(), 2 * (values + 16 * 3));
+        EXPECT_GE((*reducer)->last_bytes_sent(), 2 * values);
+        EXPECT_EQ((*reducer)->last_bytes_uncompressed(), 4 * (*reducer)->last_bytes_sent() / 2 + 4);
+      });
+    }
+  }
+}
+
+TEST(DdpReducer, HalfCompressionIsRefusedWithShardedOptimizerStateOrPowerSgd) {
+  auto params = MakeParameters({10});
+  FakeCommunicator comm;
+  auto zero =
+      DdpReducer::Create({.shard_optimizer = true, .half = HalfFormat::kBf16}, Raw(params), &comm);
+  ASSERT_FALSE(zero.ok());
+  EXPECT_THAT(std::string(zero.status().message()), HasSubstr("bf16 compression casts"));
+  auto both = DdpReducer::Create({.powersgd = PowerSgdOptions{}, .half = HalfFormat::kFp16},
+                                 Raw(params), &comm);
+  ASSERT_FALSE(both.ok());
+  EXPECT_THAT(std::string(both.status().message()), HasSubstr("exclusive"));
 }
 
 TEST(DdpReducer, PowerSgdIsRefusedWithShardedOptimizerState) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "worker/engine/half.h"
 
 namespace aidn::engine {
 
@@ -40,6 +41,13 @@ class Communicator {
   // place when `out` is in + rank * count (the rest of `in` is then left
   // unspecified); otherwise `in` is left as it was.
   virtual absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp op) = 0;
+  // In place over 16-bit floats (half.h): every rank ends with the same
+  // sum, each within the format's rounding of the exact sum (the default:
+  // an AllGather of the halves, summed in rank order in float and rounded
+  // once; the Gloo communicator runs a ring for large buffers, rounding
+  // each partial sum, as NCCL's ncclHalf and ncclBfloat16 sums do).
+  // Host memory (device memory for NCCL), like every other call.
+  virtual absl::Status AllReduceHalf(uint16_t* data, size_t count, HalfFormat format);
   virtual absl::Status Barrier() = 0;
   // Collectives completed so far (the progress beat's collective_seq).
   virtual int64_t sequence() const = 0;

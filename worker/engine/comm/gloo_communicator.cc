@@ -72,6 +72,17 @@ void SumFloats(void* c, const void* a, const void* b, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = x[i] + y[i];
 }
 
+// The same for 16-bit floats: each sum in float, rounded to the format.
+template <HalfFormat kFormat>
+void SumHalves(void* c, const void* a, const void* b, size_t n) {
+  uint16_t* out = static_cast<uint16_t*>(c);
+  const uint16_t* x = static_cast<const uint16_t*>(a);
+  const uint16_t* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = FloatToHalf(HalfToFloat(x[i], kFormat) + HalfToFloat(y[i], kFormat), kFormat);
+  }
+}
+
 void AddInto(float* __restrict acc, const float* __restrict x, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] += x[i];
 }
@@ -206,6 +217,30 @@ class GlooCommunicator final : public Communicator {
       AIDN_RETURN_IF_ERROR(Fail(status));
       if (op == ReduceOp::kAvg) DivideBy(data, count, world_size_);
     }
+    return Done();
+  }
+
+  // Small buffers: the direct exchange of Communicator::AllReduceHalf (an
+  // AllGather). Large ones: gloo::allreduce's ring over the halves.
+  absl::Status AllReduceHalf(uint16_t* data, size_t count, HalfFormat format) override {
+    AIDN_RETURN_IF_ERROR(Check(data != nullptr || count == 0, "allreduce of halves: null buffer"));
+    if (world_size_ == 1 || count * sizeof(uint16_t) * (world_size_ - 1) <= kDirectAllreduceBytes) {
+      return Communicator::AllReduceHalf(data, count, format);
+    }
+    AIDN_RETURN_IF_ERROR(Fail(Guarded(
+        [&] {
+          gloo::AllreduceOptions opts(context_);
+          opts.setOutput<uint16_t>(data, count);
+          opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+          opts.setReduceFunction(format == HalfFormat::kFp16 ? &SumHalves<HalfFormat::kFp16>
+                                                             : &SumHalves<HalfFormat::kBf16>);
+          opts.setTag(NextTag());
+          opts.setTimeout(timeout_);
+          gloo::allreduce(opts);
+        },
+        [&] {
+          return absl::StrCat("gloo allreduce of ", count, " ", HalfFormatName(format), " values");
+        })));
     return Done();
   }
 

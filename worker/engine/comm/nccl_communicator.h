@@ -83,6 +83,7 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllReduce(float* data, size_t count, ReduceOp op) override;
   absl::Status Broadcast(float* data, size_t count, int root) override;
   absl::Status AllGather(const float* in, size_t count, float* out) override;
+  absl::Status AllReduceHalf(uint16_t* data, size_t count, HalfFormat format) override;
   absl::Status ReduceScatter(const float* in, size_t count, float* out, ReduceOp op) override;
   absl::Status Barrier() override;
 

@@ -1,0 +1,93 @@
+#ifndef AIDN_WORKER_ENGINE_HALF_H_
+#define AIDN_WORKER_ENGINE_HALF_H_
+
+// 16-bit floats on the CPU, for compressed gradient buckets: IEEE fp16
+// (binary16) and bfloat16, held as uint16_t. Conversions from float round
+// to nearest even (as CUDA's __float2half_rn and __float2bfloat16 do);
+// fp16 overflows to infinity, NaN stays NaN.
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+namespace aidn::engine {
+
+enum class HalfFormat { kFp16, kBf16 };
+
+inline const char* HalfFormatName(HalfFormat format) {
+  return format == HalfFormat::kFp16 ? "fp16" : "bf16";
+}
+
+inline uint16_t FloatToFp16(float value) {
+  // After F. Giesen's float_to_half_fast3_rtne.
+  constexpr uint32_t kInf = 255u << 23;
+  constexpr uint32_t kFp16Max = (127u + 16u) << 23;  // 65536: infinity from here
+  constexpr uint32_t kDenormMagic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  uint32_t u = std::bit_cast<uint32_t>(value);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint16_t out;
+  if (u >= kFp16Max) {
+    out = u > kInf ? 0x7e00 : 0x7c00;
+  } else if (u < (113u << 23)) {
+    // A subnormal half (or zero): the float addition rounds to nearest even.
+    const float f = std::bit_cast<float>(u) + std::bit_cast<float>(kDenormMagic);
+    out = static_cast<uint16_t>(std::bit_cast<uint32_t>(f) - kDenormMagic);
+  } else {
+    const uint32_t odd = (u >> 13) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
+    out = static_cast<uint16_t>(u >> 13);
+  }
+  return static_cast<uint16_t>(out | (sign >> 16));
+}
+
+inline float Fp16ToFloat(uint16_t half) {
+  constexpr uint32_t kShiftedExp = 0x7c00u << 13;
+  uint32_t u = (half & 0x7fffu) << 13;
+  const uint32_t exp = u & kShiftedExp;
+  u += (127u - 15u) << 23;
+  if (exp == kShiftedExp) {
+    u += (128u - 16u) << 23;  // infinity or NaN
+  } else if (exp == 0) {
+    u += 1u << 23;  // subnormal: renormalised by a subtraction
+    u = std::bit_cast<uint32_t>(std::bit_cast<float>(u) - std::bit_cast<float>(113u << 23));
+  }
+  return std::bit_cast<float>(u | (static_cast<uint32_t>(half & 0x8000u) << 16));
+}
+
+inline uint16_t FloatToBf16(float value) {
+  const uint32_t u = std::bit_cast<uint32_t>(value);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float Bf16ToFloat(uint16_t half) {
+  return std::bit_cast<float>(static_cast<uint32_t>(half) << 16);
+}
+
+inline uint16_t FloatToHalf(float value, HalfFormat format) {
+  return format == HalfFormat::kFp16 ? FloatToFp16(value) : FloatToBf16(value);
+}
+inline float HalfToFloat(uint16_t half, HalfFormat format) {
+  return format == HalfFormat::kFp16 ? Fp16ToFloat(half) : Bf16ToFloat(half);
+}
+
+// out[i] = half(in[i] * scale).
+inline void ToHalf(const float* in, size_t count, float scale, HalfFormat format, uint16_t* out) {
+  if (format == HalfFormat::kFp16) {
+    for (size_t i = 0; i < count; ++i) out[i] = FloatToFp16(in[i] * scale);
+  } else {
+    for (size_t i = 0; i < count; ++i) out[i] = FloatToBf16(in[i] * scale);
+  }
+}
+inline void FromHalf(const uint16_t* in, size_t count, HalfFormat format, float* out) {
+  if (format == HalfFormat::kFp16) {
+    for (size_t i = 0; i < count; ++i) out[i] = Fp16ToFloat(in[i]);
+  } else {
+    for (size_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(in[i]);
+  }
+}
+
+}  // namespace aidn::engine
+
+#endif  // AIDN_WORKER_ENGINE_HALF_H_
