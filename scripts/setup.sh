@@ -31,8 +31,9 @@ PACKAGES=(
   # deployment tests: systemd-analyze verifies the units, a one-node Slurm
   # cluster runs the batch scripts, python3-kubernetes checks the manifests
   systemd slurm-wlm munge python3-kubernetes
-  # the numerical oracle and speed peer (tests skip their torch checks only without it)
-  python3-torch libopenblas0-openmp
+  # the numerical oracle and speed peer (tests skip their torch checks only without it),
+  # and torchvision's ResNet definitions
+  python3-torch libopenblas0-openmp python3-torchvision
   # the Python client (python/aidn): gRPC and protobuf matching the C++ ones, CRC-32C at
   # disk speed for checkpoint manifests, YAML job specs and config
   python3-grpcio python3-protobuf python3-crc32c python3-yaml

@@ -144,12 +144,13 @@ void ReLU::Backward(const Tensor& grad_output, Tensor* grad_input) {
 // ---------------------------------------------------------------- Conv2d
 
 Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride,
-               int64_t padding)
+               int64_t padding, bool bias)
     : in_(in_channels),
       out_(out_channels),
       kernel_(kernel),
       stride_(stride),
       padding_(padding),
+      has_bias_(bias),
       weight_{"weight", Tensor({out_channels, in_channels, kernel, kernel}),
               Tensor({out_channels, in_channels, kernel, kernel})},
       bias_{"bias", Tensor({out_channels}), Tensor({out_channels})} {
@@ -164,6 +165,7 @@ std::string Conv2d::Describe() const {
   if (padding_ != 0) {
     s += ", padding=(" + std::to_string(padding_) + ", " + std::to_string(padding_) + ")";
   }
+  if (!has_bias_) s += ", bias=False";
   return s + ")";
 }
 

@@ -35,6 +35,12 @@ namespace aidn::engine {
 void EnsureShape(Tensor* t, std::initializer_list<int64_t> shape);
 void EnsureShape(Tensor* t, const std::vector<int64_t>& shape);
 
+// U(-bound, bound) with bound = 1/sqrt(fan_in): torch's default for
+// nn.Linear and nn.Conv2d (kaiming_uniform_ with a = sqrt(5) for the weight,
+// the same bound for the bias). The uniform is computed by hand from 24 bits
+// of the generator so that the values do not depend on the standard library.
+void InitUniform(Parameter* p, int64_t fan_in, std::mt19937_64* rng);
+
 // y = x W^T + b. Input [N, in], output [N, out].
 class Linear final : public Layer {
  public:
@@ -92,12 +98,17 @@ class ReLU final : public Layer {
 // cache costs less than their round trip through memory.
 class Conv2d final : public Layer {
  public:
+  // Without `bias` (torch's bias=False, as before a BatchNorm) the layer
+  // has its weight only.
   Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride = 1,
-         int64_t padding = 0);
+         int64_t padding = 0, bool bias = true);
   std::string Describe() const override;
   void Forward(const Tensor& input, Tensor* output, bool training) override;
   void Backward(const Tensor& grad_output, Tensor* grad_input) override;
-  std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
+  std::vector<Parameter*> Parameters() override {
+    if (!has_bias_) return {&weight_};
+    return {&weight_, &bias_};
+  }
   // Takes over a ReLU, then a MaxPool2d with kernel 2 and stride 2 (or the
   // pool alone): the output is then max_pool(max(conv, 0)), [N, O, OH/2,
   // OW/2], computed per output plane while the GEMM's result is in cache.
@@ -119,6 +130,8 @@ class Conv2d final : public Layer {
   int64_t kernel_;
   int64_t stride_;
   int64_t padding_;
+  // Without a bias, bias_ stays zero (its gradient is summed but unused).
+  bool has_bias_;
   static constexpr int64_t kPerSampleMinPlane = 256;
   static constexpr int64_t kChunkFloats = int64_t{1} << 17;  // 512 KiB
   // Samples per chunk.

@@ -9,19 +9,25 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "worker/engine/layers.h"
+#include "worker/engine/resnet.h"
 
 namespace aidn::engine {
 
 // ---------------------------------------------------------------- Sequential
 
-void Sequential::Add(std::unique_ptr<Layer> layer) {
+void Sequential::Add(std::unique_ptr<Layer> layer, const std::string& name) {
   AIDN_CHECK(layer != nullptr) << "Sequential::Add(nullptr)";
   const size_t index = layers_.size();
+  const std::string prefix = name.empty() ? absl::StrCat(index) : name;
   std::vector<Parameter*> params = layer->Parameters();
   for (Parameter* p : params) {
     // torch's nn.Sequential names a child's parameters "<index>.<name>".
-    p->name = absl::StrCat(index, ".", p->name);
+    p->name = absl::StrCat(prefix, ".", p->name);
     parameters_.push_back(p);
+  }
+  for (Parameter* b : layer->Buffers()) {
+    b->name = absl::StrCat(prefix, ".", b->name);
+    buffers_.push_back(b);
   }
   if (!params.empty() && first_trainable_ < 0) first_trainable_ = static_cast<int>(index);
   // Only parameter-free layers are fused: a fused layer's gradients would
@@ -148,12 +154,6 @@ std::string Sequential::Describe() const {
 
 // ---------------------------------------------------------------- BuildModel
 
-namespace {
-
-// U(-bound, bound) with bound = 1/sqrt(fan_in): torch's default for
-// nn.Linear and nn.Conv2d (kaiming_uniform_ with a = sqrt(5) for the weight,
-// the same bound for the bias). The uniform is computed by hand from 24 bits
-// of the generator so that the values do not depend on the standard library.
 void InitUniform(Parameter* p, int64_t fan_in, std::mt19937_64* rng) {
   const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
   float* v = p->value.data();
@@ -162,6 +162,8 @@ void InitUniform(Parameter* p, int64_t fan_in, std::mt19937_64* rng) {
     v[i] = static_cast<float>((2.0 * u - 1.0) * bound);
   }
 }
+
+namespace {
 
 std::unique_ptr<Linear> MakeLinear(int64_t in, int64_t out, std::mt19937_64* rng) {
   auto layer = std::make_unique<Linear>(in, out);
@@ -192,6 +194,7 @@ absl::StatusOr<std::unique_ptr<Sequential>> BuildModel(const ModelConfig& config
     return absl::InvalidArgumentError(
         absl::StrCat("dropout must be in [0, 1), got ", config.dropout));
   }
+  if (config.name == "resnet18" || config.name == "resnet50") return BuildResNet(config, seed);
   std::mt19937_64 rng(seed);
   auto model = std::make_unique<Sequential>();
   if (config.name == "mlp") {
@@ -241,8 +244,8 @@ absl::StatusOr<std::unique_ptr<Sequential>> BuildModel(const ModelConfig& config
     model->Add(MakeLinear(128, config.classes, &rng));
     return model;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown model \"", config.name, "\" (want \"mlp\" or \"cnn\")"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown model \"", config.name, "\" (want \"mlp\", \"cnn\", \"resnet18\" or \"resnet50\")"));
 }
 
 }  // namespace aidn::engine

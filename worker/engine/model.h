@@ -31,6 +31,9 @@ class Layer {
   // and, if `grad_input` is not null, writes the gradient of its input.
   virtual void Backward(const Tensor& grad_output, Tensor* grad_input) = 0;
   virtual std::vector<Parameter*> Parameters() { return {}; }
+  // State that is not trained but saved with the weights (BatchNorm's
+  // running statistics), as torch's buffers: only `value` is used.
+  virtual std::vector<Parameter*> Buffers() { return {}; }
   // Sequential offers each layer it is given to the last layer it runs
   // before it. Returning true means this layer takes `next`'s computation
   // over: its Forward then produces what `next` would have output, its
@@ -43,7 +46,7 @@ class Layer {
 };
 
 struct ModelConfig {
-  // "mlp" or "cnn".
+  // "mlp", "cnn", "resnet18" or "resnet50" (resnet.h).
   std::string name = "mlp";
   // mlp: hidden widths.
   std::vector<int> hidden_sizes = {256, 256};
@@ -68,7 +71,10 @@ class Sequential {
   // allreduces from here).
   using GradReadyCallback = std::function<void(Parameter*)>;
 
-  void Add(std::unique_ptr<Layer> layer);
+  // Names the layer's parameters and buffers "<name>.<own name>", with the
+  // layer's index as its name unless `name` is given (a torchvision model's
+  // "layer1.0", "fc").
+  void Add(std::unique_ptr<Layer> layer, const std::string& name = "");
   void Forward(const Tensor& input, Tensor* logits, bool training);
   // `grad_logits` is dL/dlogits for the batch.
   void Backward(const Tensor& grad_logits);
@@ -99,6 +105,7 @@ class Sequential {
 
   // In registration (forward) order.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
+  const std::vector<Parameter*>& Buffers() const { return buffers_; }
   int64_t ParameterCount() const;
   std::string Describe() const;
 
@@ -109,6 +116,7 @@ class Sequential {
   // The last layer that runs (-1: none yet).
   int last_run_ = -1;
   std::vector<Parameter*> parameters_;
+  std::vector<Parameter*> buffers_;
   // layers_[i]'s parameters, for the grad-ready callbacks.
   std::vector<std::vector<Parameter*>> layer_parameters_;
   // Index of the first layer with parameters (-1: none); Backward computes
