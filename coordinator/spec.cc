@@ -29,6 +29,8 @@ constexpr char kAdamW[] = "adamw";
 constexpr char kMlp[] = "mlp";
 constexpr char kCnn[] = "cnn";
 
+bool IsResNet(const std::string& name) { return name == "resnet18" || name == "resnet50"; }
+
 // Sizes aidnctl checks too, before it sends a spec.
 using job_spec_limits::kMaxLabelKeyBytes;
 using job_spec_limits::kMaxLabels;
@@ -122,7 +124,9 @@ std::string EnumName(NameFn name_fn, int value) {
 }
 
 absl::Status ValidateModel(const v1::ModelSpec& model) {
-  if (model.name().empty()) return Invalid("model.name", "required (known: mlp, cnn, gpt)");
+  if (model.name().empty()) {
+    return Invalid("model.name", "required (known: mlp, cnn, resnet18, resnet50, gpt)");
+  }
   if (model.name() == kGptModel) return absl::OkStatus();  // ValidateGptModel
   if (model.name() == kMlp) {
     int n = model.hidden_sizes_size();
@@ -134,13 +138,17 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
       AIDN_RETURN_IF_ERROR(CheckIntRange(absl::StrCat("model.hidden_sizes[", i, "]"),
                                          model.hidden_sizes(i), 1, kMaxHiddenSize));
     }
-  } else if (model.name() == kCnn) {
+  } else if (model.name() == kCnn || IsResNet(model.name())) {
     if (model.hidden_sizes_size() != 0) {
-      return Invalid("model.hidden_sizes", "must be empty for cnn (its layers are fixed)");
+      return Invalid("model.hidden_sizes",
+                     absl::StrCat("must be empty for ", model.name(), " (its layers are fixed)"));
+    }
+    if (IsResNet(model.name()) && model.dropout() != 0) {
+      return Invalid("model.dropout", absl::StrCat(model.name(), " has no dropout"));
     }
   } else {
-    return Invalid("model.name",
-                   absl::StrCat("unknown model ", Quote(model.name()), " (known: mlp, cnn, gpt)"));
+    return Invalid("model.name", absl::StrCat("unknown model ", Quote(model.name()),
+                                              " (known: mlp, cnn, resnet18, resnet50, gpt)"));
   }
   return CheckRealRange("model.dropout", model.dropout(), 0, 1, /*hi_inclusive=*/false);
 }
@@ -384,6 +392,11 @@ absl::Status ValidateLength(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(CheckIntRange("epochs", spec.epochs(), 0, kMaxEpochs));
   AIDN_RETURN_IF_ERROR(CheckIntRange("max_steps", spec.max_steps(), 0, kMaxSteps));
   AIDN_RETURN_IF_ERROR(CheckIntRange("eval_every_steps", spec.eval_every_steps(), 0, kMaxSteps));
+  AIDN_RETURN_IF_ERROR(
+      CheckIntRange("eval_max_samples", spec.eval_max_samples(), 0, int64_t{1} << 40));
+  if (spec.eval_max_samples() != 0 && spec.model().name() == kGptModel) {
+    return Invalid("eval_max_samples", "applies to image models (gpt: dataset.eval_windows)");
+  }
   if (spec.epochs() == 0 && spec.max_steps() == 0) {
     return Invalid("epochs", "one of epochs and max_steps must be > 0");
   }
@@ -475,6 +488,24 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
   return CheckIntRange("ddp.powersgd_start_step", d.powersgd_start_step(), 0, kMaxSteps);
 }
 
+// A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
+// 0 writes the whole model); sharded and model-parallel checkpoints and
+// the GPU engine do not carry them yet.
+absl::Status ValidateResNet(const v1::JobSpec& spec) {
+  const std::string& name = spec.model().name();
+  if (!IsResNet(name)) return absl::OkStatus();
+  if (spec.device() == v1::JobSpec::GPU) {
+    return Invalid("model.name", absl::StrCat(name, " runs on device: cpu for now"));
+  }
+  if (spec.strategy() != v1::JobSpec::DDP) {
+    return Invalid("strategy", absl::StrCat(name, " trains with strategy: ddp only for now"));
+  }
+  if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
+    return Invalid("parallel", absl::StrCat(name, " does not combine with parallel: yet"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidatePrecision(const v1::JobSpec& spec) {
   using v1::JobSpec;
   switch (spec.precision()) {
@@ -551,6 +582,7 @@ absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(ValidateParallelism(spec));
   AIDN_RETURN_IF_ERROR(ValidateParallel(spec));
   AIDN_RETURN_IF_ERROR(ValidateDdp(spec));
+  AIDN_RETURN_IF_ERROR(ValidateResNet(spec));
   AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
   AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
   return ValidateGpuOnlySwitches(spec);
@@ -608,6 +640,7 @@ void ApplyTrainerDefaults(v1::JobSpec* spec) {
     if (d->compression() == v1::DdpSpec::COMPRESSION_UNSPECIFIED) {
       d->set_compression(v1::DdpSpec::NONE);
     }
+    if (!d->has_broadcast_buffers()) d->set_broadcast_buffers(true);
     if (d->compression() == v1::DdpSpec::POWERSGD) {
       if (d->powersgd_rank() == 0) d->set_powersgd_rank(1);
       if (!d->has_powersgd_start_step()) d->set_powersgd_start_step(1000);

@@ -51,17 +51,6 @@ std::string TrainerNeedle(const std::string& job, int64_t generation, int rank) 
   return absl::StrCat("--job=", job, " --generation=", generation, " --rank=", rank, " ");
 }
 
-// The tensor bytes of a safetensors file: everything after the header (the
-// header carries the job id in its metadata, which differs between runs).
-std::string TensorBytes(const std::string& path) {
-  const std::string all = ReadFileOrEmpty(path);
-  if (all.size() < 8) return "";
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(all[i]);
-  if (8 + n > all.size()) return "";
-  return all.substr(8 + n);
-}
-
 // ||a - b|| / ||b|| over two tensor data sections of float32s.
 double RelativeDiff(const std::string& a, const std::string& b) {
   double diff = 0, norm = 0;

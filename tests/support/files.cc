@@ -61,4 +61,13 @@ void WriteFileOrDie(const std::string& path, const std::string& contents) {
   }
 }
 
+std::string TensorBytes(const std::string& path) {
+  const std::string all = ReadFileOrEmpty(path);
+  if (all.size() < 8) return "";
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(all[i]);
+  if (8 + n > all.size()) return "";
+  return all.substr(8 + n);
+}
+
 }  // namespace aidn::testing

@@ -36,6 +36,10 @@ void RemoveTree(const std::string& path);
 
 // The whole file, or "" if it cannot be read.
 std::string ReadFileOrEmpty(const std::string& path);
+// The tensor bytes of a safetensors file: everything after the header (the
+// header carries the job id in its metadata, which differs between runs);
+// "" if it cannot be read.
+std::string TensorBytes(const std::string& path);
 // Replaces the file's contents; aborts the test binary if it cannot.
 void WriteFileOrDie(const std::string& path, const std::string& contents);
 

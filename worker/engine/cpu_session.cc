@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   }
   std::unique_ptr<CpuSession> session(new CpuSession(model, nullptr));
   session->communicator_ = options.communicator;
+  session->broadcast_buffers_ = options.broadcast_buffers;
   std::vector<Parameter*> params = model->Parameters();
   if (options.sharding == Sharding::kGradients || options.sharding == Sharding::kShardGradOp ||
       options.sharding == Sharding::kFullShard) {
@@ -88,6 +89,7 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   }
   std::unique_ptr<CpuSession> session(new CpuSession(model, optimizer));
   session->communicator_ = options.communicator;
+  session->broadcast_buffers_ = options.broadcast_buffers;
   if (options.communicator != nullptr) {
     // After the optimizer, as the trainer has always made them: with more
     // than one rank the reducer turns every gradient into a view of its
@@ -161,6 +163,15 @@ CpuSession::~CpuSession() {
   if (fsdp_ != nullptr) model_->SetUnitHooks(nullptr);
 }
 
+absl::Status CpuSession::BroadcastBuffers() {
+  if (!broadcast_buffers_ || communicator_ == nullptr || communicator_->world_size() == 1) {
+    return absl::OkStatus();
+  }
+  const std::vector<Parameter*> buffers = model_->Buffers();
+  if (buffers.empty()) return absl::OkStatus();
+  return Annotate(DdpReducer::BroadcastParameters(buffers, communicator_), "broadcast_buffers");
+}
+
 absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, double lr) {
   if (micro.empty()) return absl::InvalidArgumentError("cpu session: a step needs a micro-batch");
   allreduce_seconds_ = 0.0;
@@ -178,6 +189,7 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatch& batch = micro[static_cast<size_t>(m)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
+    if (absl::Status s = BroadcastBuffers(); !s.ok()) return s;
     const double micro_loss = model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum));
     loss += micro_loss / static_cast<double>(accum);
     // DDP: only the last micro-batch's backward communicates; the mean loss

@@ -80,6 +80,9 @@ struct CpuSessionOptions {
   // the buckets (ddp.h).
   std::optional<PowerSgdOptions> powersgd;
   std::optional<HalfFormat> half;
+  // With a communicator: rank 0's buffers (TrainableModel::Buffers) copied
+  // to every rank before each forward, as torch's DDP broadcast_buffers.
+  bool broadcast_buffers = true;
 };
 
 class CpuSession {
@@ -172,6 +175,8 @@ class CpuSession {
   Memory memory() const;
 
  private:
+  // CpuSessionOptions::broadcast_buffers, before a forward.
+  absl::Status BroadcastBuffers();
   CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
 
   // The Sequential overload's adapter (model_ points at it); null otherwise.
@@ -184,6 +189,7 @@ class CpuSession {
   std::unique_ptr<DdpReducer> reducer_;
   std::unique_ptr<FsdpReducer> fsdp_;
   Communicator* communicator_ = nullptr;
+  bool broadcast_buffers_ = true;
   double allreduce_seconds_ = 0.0;
   double wait_seconds_ = 0.0;
 };

@@ -31,6 +31,9 @@ class TrainableModel {
   virtual ~TrainableModel() = default;
   // In registration order (checkpoints, the optimizer, DDP buckets).
   virtual const std::vector<Parameter*>& Parameters() const = 0;
+  // State saved with the weights but not trained (BatchNorm's running
+  // statistics); none by default.
+  virtual std::vector<Parameter*> Buffers() const { return {}; }
   virtual void SetGradReadyCallback(GradReadyCallback callback) = 0;
   // units.h: the groups fully sharded strategies gather and free together,
   // and the hooks the model calls around them (not owned; null: none).
@@ -54,6 +57,7 @@ class Classifier final : public TrainableModel {
  public:
   explicit Classifier(Sequential* model) : model_(model) {}
   const std::vector<Parameter*>& Parameters() const override { return model_->Parameters(); }
+  std::vector<Parameter*> Buffers() const override { return model_->Buffers(); }
   void SetGradReadyCallback(GradReadyCallback callback) override {
     model_->SetGradReadyCallback(std::move(callback));
   }

@@ -61,7 +61,7 @@ std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
   loader_ = std::make_unique<CheckpointLoader>(std::move(o));
   const std::vector<v1::Checkpoint> candidates(rendezvous_.resume_candidates().begin(),
                                                rendezvous_.resume_candidates().end());
-  if (absl::Status s = loader_->LoadNewest(candidates, task_->Parameters()); !s.ok()) {
+  if (absl::Status s = loader_->LoadNewest(candidates, task_->ModelState()); !s.ok()) {
     // Another job's checkpoint the spec names that cannot be read.
     if (absl::IsFailedPrecondition(s)) return Failure{kExitPermanent, s};
     return FailureFor(s, "resume");
@@ -215,7 +215,7 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
     }
   } else {
     engine::CheckpointContents contents;
-    for (const engine::Parameter* p : task_->Parameters()) contents.model.push_back(p);
+    for (const engine::Parameter* p : task_->ModelState()) contents.model.push_back(p);
     contents.model_metadata = std::move(metadata);
     for (const engine::Optimizer::StateEntry& e : optimizer_->State()) {
       contents.optimizer_state.emplace_back(e.first, e.second);

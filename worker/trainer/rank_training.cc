@@ -201,7 +201,7 @@ std::optional<Failure> RankTraining::Setup() {
   if (std::optional<Failure> f = Connect(); f.has_value()) return f;
   if (std::optional<Failure> f = LoadNewestCheckpoint(); f.has_value()) return f;
   // Rank 0's weights, loaded or fresh, become everyone's.
-  if (absl::Status s = engine::DdpReducer::BroadcastParameters(task_->Parameters(), comm_.get());
+  if (absl::Status s = engine::DdpReducer::BroadcastParameters(task_->ModelState(), comm_.get());
       !s.ok()) {
     return FailureFor(s, "initial weights");
   }
@@ -268,6 +268,7 @@ std::optional<Failure> RankTraining::BuildSession() {
   o.bucket_mb = BucketMbOf(spec_);
   o.powersgd = PowerSgdOf(spec_);
   o.half = HalfCompressionOf(spec_);
+  o.broadcast_buffers = !spec_.ddp().has_broadcast_buffers() || spec_.ddp().broadcast_buffers();
   if (Sharded() && spec_.device() == v1::JobSpec::CPU) {
     // The session makes the optimizer, over this rank's shards.
     o.sharding = ShardingOf(spec_);

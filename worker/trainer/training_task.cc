@@ -20,11 +20,14 @@ absl::Status Prefixed(const char* field, const absl::Status& s) {
 
 class ImageTask final : public TrainingTask {
  public:
-  ImageTask(engine::Dataset train, engine::Dataset test, std::unique_ptr<engine::Sequential> model)
+  // `eval_samples`: the test samples evaluated, the first ones (0: all).
+  ImageTask(engine::Dataset train, engine::Dataset test, std::unique_ptr<engine::Sequential> model,
+            int64_t eval_samples)
       : train_(std::move(train)),
         test_(std::move(test)),
         model_(std::move(model)),
-        classifier_(model_.get()) {}
+        classifier_(model_.get()),
+        eval_samples_(eval_samples > 0 ? std::min(eval_samples, test_.size) : test_.size) {}
 
   engine::TrainableModel& model() override { return classifier_; }
   const engine::Sequential* sequential() const override { return model_.get(); }
@@ -45,7 +48,7 @@ class ImageTask final : public TrainingTask {
   EvalSums Evaluate(int rank, int world_size) override {
     // Each rank takes every world_size-th test sample.
     std::vector<int64_t> mine;
-    for (int64_t i = rank; i < test_.size; i += world_size) mine.push_back(i);
+    for (int64_t i = rank; i < eval_samples_; i += world_size) mine.push_back(i);
     engine::Tensor images, logits;
     std::vector<int32_t> labels;
     EvalSums sums;
@@ -71,6 +74,7 @@ class ImageTask final : public TrainingTask {
   const engine::Dataset train_, test_;
   std::unique_ptr<engine::Sequential> model_;
   engine::Classifier classifier_;
+  const int64_t eval_samples_;
   // A deque: growing it keeps the earlier slots (which the step's earlier
   // micro-batches point into) where they are.
   std::deque<engine::Tensor> images_;
@@ -204,7 +208,8 @@ absl::StatusOr<std::unique_ptr<TrainingTask>> TrainingTask::Create(const v1::Job
   absl::StatusOr<std::unique_ptr<engine::Sequential>> model =
       engine::BuildModel(ModelConfigOf(spec), spec.seed());
   if (!model.ok()) return model.status();
-  return std::make_unique<ImageTask>(std::move(train), std::move(test), *std::move(model));
+  return std::make_unique<ImageTask>(std::move(train), std::move(test), *std::move(model),
+                                     spec.eval_max_samples());
 }
 
 }  // namespace aidn::trainer

@@ -44,6 +44,12 @@ class TrainingTask {
 
   virtual engine::TrainableModel& model() = 0;
   const std::vector<engine::Parameter*>& Parameters() { return model().Parameters(); }
+  // The parameters, then the buffers: what checkpoints save and restore.
+  std::vector<engine::Parameter*> ModelState() {
+    std::vector<engine::Parameter*> state = model().Parameters();
+    for (engine::Parameter* b : model().Buffers()) state.push_back(b);
+    return state;
+  }
   // The model the GPU engine mirrors; null for a model it does not have.
   virtual const engine::Sequential* sequential() const { return nullptr; }
   // The model itself, for a pipeline stage to be cut from: the Sequential

@@ -207,6 +207,46 @@ TEST(DdpSpec, PowerSgdGetsTorchsDefaultsAndBadFieldsAreNamed) {
   }
 }
 
+TEST(DdpSpec, BroadcastBuffersIsOnByDefault) {
+  const JobSpec spec = Spec("resnet18", [](JobSpec* s) { s->mutable_ddp(); });
+  EXPECT_TRUE(spec.ddp().broadcast_buffers());
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+  const JobSpec off =
+      Spec("resnet18", [](JobSpec* s) { s->mutable_ddp()->set_broadcast_buffers(false); });
+  EXPECT_FALSE(off.ddp().broadcast_buffers());
+}
+
+TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
+  for (const char* name : {"resnet18", "resnet50"}) {
+    const JobSpec spec = Spec(name, [](JobSpec* s) { s->set_eval_max_samples(512); });
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+  }
+  struct Case {
+    std::function<void(JobSpec*)> edit;
+    std::string message;
+  };
+  const Case cases[] = {
+      {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
+       "model.name: resnet18 runs on device: cpu for now"},
+      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); },
+       "strategy: resnet18 trains with strategy: ddp only for now"},
+      {[](JobSpec* s) { s->mutable_model()->set_dropout(0.1); },
+       "model.dropout: resnet18 has no dropout"},
+      {[](JobSpec* s) { s->mutable_model()->add_hidden_sizes(4); },
+       "model.hidden_sizes: must be empty for resnet18 (its layers are fixed)"},
+      {[](JobSpec* s) { s->set_eval_max_samples(-1); },
+       "eval_max_samples: must be between 0 and 1099511627776, got -1"},
+  };
+  for (const Case& c : cases) {
+    JobSpec bad = Spec("resnet18", [](JobSpec*) {});
+    c.edit(&bad);
+    EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, bad).message()), c.message);
+  }
+  const JobSpec gpt = Spec("gpt", [](JobSpec* s) { s->set_eval_max_samples(5); });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, gpt).message()),
+            "eval_max_samples: applies to image models (gpt: dataset.eval_windows)");
+}
+
 TEST(DdpSpec, Fp16AndBf16CompressionAreValidOnCpu) {
   for (v1::DdpSpec::Compression c : {v1::DdpSpec::FP16, v1::DdpSpec::BF16}) {
     const JobSpec spec = Spec("mlp", [c](JobSpec* s) { s->mutable_ddp()->set_compression(c); });

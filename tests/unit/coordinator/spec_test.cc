@@ -85,7 +85,7 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
   const Expect cases[] = {
       {[](JobSpec* s) { s->set_world_size(0); }, "world_size: must be between 1 and 1024, got 0"},
       {[](JobSpec* s) { s->mutable_model()->set_name("resnet"); },
-       "model.name: unknown model \"resnet\" (known: mlp, cnn, gpt)"},
+       "model.name: unknown model \"resnet\" (known: mlp, cnn, resnet18, resnet50, gpt)"},
       {[](JobSpec* s) { s->mutable_optimizer()->set_lr(-1); },
        "optimizer.lr: must be a finite number > 0, got -1"},
       {[](JobSpec* s) {

@@ -13,10 +13,14 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/engine/batchnorm.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/cpu.h"
+#include "worker/engine/layers.h"
 #include "worker/engine/loss.h"
+#include "worker/engine/resnet.h"
+#include "worker/engine/trainable.h"
 
 namespace aidn::engine {
 namespace {
@@ -269,6 +273,72 @@ TEST(CpuSession, TwoGlooRanksApplyTheAverageOfTheirGradients) {
   for (size_t i = 0; i < got.size(); ++i) {
     for (int64_t k = 0; k < got[i]->value.numel(); ++k) {
       ASSERT_NEAR(got[i]->value[k], want[i]->value[k], 1e-6f) << got[i]->name << "[" << k << "]";
+    }
+  }
+}
+
+// broadcast_buffers: rank 0's BatchNorm running statistics reach every
+// rank before each forward (torch's DDP), so ranks that trained on
+// different batches and then on the same one end with the same statistics;
+// without it, each rank keeps its own.
+TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward) {
+  constexpr int kRanks = 2;
+  auto images = [](uint32_t seed) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> normal(1.0f, 2.0f);
+    Tensor t({8, 1, 6, 6});
+    for (int64_t i = 0; i < t.numel(); ++i) t[i] = normal(gen);
+    return t;
+  };
+  const std::vector<int32_t> labels = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (bool broadcast : {true, false}) {
+    std::vector<std::vector<float>> means(kRanks);
+    InMemoryKeyValueStore store;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        GlooOptions options;
+        options.rank = r;
+        options.world_size = kRanks;
+        options.timeout = std::chrono::seconds(30);
+        options.prefix = "buffers-test";
+        absl::StatusOr<std::unique_ptr<Communicator>> comm =
+            CreateGlooCommunicator(options, &store);
+        ASSERT_TRUE(comm.ok()) << comm.status();
+        Sequential model;
+        model.Add(std::make_unique<Conv2d>(1, 4, 3, 1, 1, /*bias=*/false));
+        model.Add(std::make_unique<BatchNorm2d>(4));
+        model.Add(std::make_unique<ReLU>());
+        model.Add(std::make_unique<GlobalAvgPool2d>());
+        model.Add(std::make_unique<Flatten>());
+        model.Add(std::make_unique<Linear>(4, 10));
+        for (Parameter* p : model.Parameters()) {
+          for (int64_t i = 0; i < p->value.numel(); ++i) p->value[i] = 0.1f * (i % 5) - 0.2f;
+        }
+        ASSERT_EQ(model.Buffers().size(), 2u);
+        Classifier classifier(&model);
+        OptimizerConfig o;
+        o.name = "sgd";
+        o.lr = 0.01;
+        std::unique_ptr<Optimizer> optimizer = *Optimizer::Create(o, model.Parameters());
+        absl::StatusOr<std::unique_ptr<CpuSession>> session =
+            CpuSession::Create({.communicator = comm->get(), .broadcast_buffers = broadcast},
+                               &classifier, optimizer.get());
+        ASSERT_TRUE(session.ok()) << session.status();
+        // Each rank its own batch, then both the same one.
+        for (const Tensor& x : {images(10 + r), images(99)}) {
+          ASSERT_TRUE((*session)->Step({MicroBatch{&x, &labels, std::nullopt}}, 0.01).ok());
+        }
+        const Tensor& m = model.Buffers()[0]->value;
+        means[static_cast<size_t>(r)].assign(m.data(), m.data() + m.numel());
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    if (broadcast) {
+      EXPECT_EQ(means[0], means[1]) << "with broadcast_buffers";
+    } else {
+      EXPECT_NE(means[0], means[1]) << "without broadcast_buffers";
     }
   }
 }
