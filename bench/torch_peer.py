@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """PyTorch peer for bench/train.sh: the same training step as aidn's.
 
-Trains the MLP (784-256-256-10) or the small CNN on Fashion-MNIST with SGD
+Trains the MLP (784-256-256-10), the small CNN or ResNet-18 (torchvision's, with a
+3x3 stem and no max pool, as aidn's) on Fashion-MNIST with SGD
 (lr 0.05, momentum 0.9), batch 64 per rank, and times the steady-state steps.
 One rank runs as a plain process; more ranks run DDP over gloo, each rank
 launched as its own process with MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK
@@ -47,7 +48,7 @@ STD = 0.3530
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=["mlp", "cnn"], required=True)
+    p.add_argument("--model", choices=["mlp", "cnn", "resnet18"], required=True)
     p.add_argument("--world", type=int, default=1, help="number of ranks (WORLD_SIZE)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps to run")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -73,12 +74,19 @@ def load_train(data_dir, model):
     n = labels.shape[0]
     x = torch.from_numpy(images.astype(np.float32).reshape(n, 784))
     x = (x / 255.0 - MEAN) / STD
-    if model == "cnn":
+    if model != "mlp":
         x = x.reshape(n, 1, 28, 28)
     return x.contiguous(), torch.from_numpy(labels.astype(np.int64))
 
 
 def build_model(name):
+    if name == "resnet18":
+        # torchvision's, with aidn's small-image stem (3x3 conv1, no max pool).
+        import torchvision
+        model = torchvision.models.resnet18(num_classes=10)
+        model.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+        return model
     if name == "mlp":
         return nn.Sequential(
             nn.Linear(784, 256), nn.ReLU(),

@@ -416,6 +416,10 @@ class Coordinator {
   void AnswerCheckpointAsk(JobEntry* entry, const v1::ReportProgressRequest& request,
                            v1::ReportProgressResponse* response, Deferred* deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // As the job succeeds: its throughput from its stored `steps`, against
+  // its baseline (coordinator_throughput.cc, scaling_report.h).
+  void RecordThroughput(JobEntry* entry, const std::vector<v1::StepMetrics>& steps,
+                        Deferred* deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The running jobs with ranks on a draining worker that write checkpoints
   // are asked for one now, to move at it.
   void AskCheckpointsToMoveOff(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -25,6 +25,9 @@ namespace {
 using std::chrono::milliseconds;
 using v1::Job;
 
+// Steps read at a time for a succeeded job's throughput.
+constexpr int kThroughputPage = 10'000;
+
 // The last non-empty line of a trainer's stderr, shortened for a message.
 std::string LastLine(const std::string& text) {
   std::vector<absl::string_view> lines = absl::StrSplit(text, '\n', absl::SkipWhitespace());
@@ -175,6 +178,20 @@ absl::Status Coordinator::ReportTrainerExit(const v1::ReportTrainerExitRequest& 
   // the checkpoints awaiting them commit before the job counts as succeeded
   // (an export right after success gets the final weights).
   FlushSteps();
+  // Its steps for the throughput, read without the lock.
+  std::vector<v1::StepMetrics> steps;
+  for (int64_t from = 0;;) {
+    absl::StatusOr<std::vector<v1::StepMetrics>> page =
+        store_->GetSteps(request.job_id(), from, 0, kThroughputPage);
+    if (!page.ok()) {
+      AIDN_LOG(WARNING) << "no throughput for " << request.job_id() << ": " << page.status();
+      steps.clear();
+      break;
+    }
+    steps.insert(steps.end(), page->begin(), page->end());
+    if (static_cast<int>(page->size()) < kThroughputPage) break;
+    from = page->back().step() + 1;
+  }
   Deferred deferred;
   absl::MutexLock lock(&mu_);
   AIDN_ASSIGN_OR_RETURN(JobEntry * entry, FindJob(request.job_id()));
@@ -185,6 +202,7 @@ absl::Status Coordinator::ReportTrainerExit(const v1::ReportTrainerExitRequest& 
       static_cast<int>(entry->exited_ok.size()) < job.spec().world_size()) {
     return absl::OkStatus();
   }
+  RecordThroughput(entry, steps, &deferred);
   CompleteCheckpoints(entry, DurableInMemory(entry), &deferred);
   ReleaseGeneration(entry, "job succeeded",
                     absl::FailedPreconditionError(absl::StrCat(job.id(), " has succeeded")),

@@ -394,6 +394,7 @@ absl::Status ValidateLength(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(CheckIntRange("eval_every_steps", spec.eval_every_steps(), 0, kMaxSteps));
   AIDN_RETURN_IF_ERROR(
       CheckIntRange("eval_max_samples", spec.eval_max_samples(), 0, int64_t{1} << 40));
+  AIDN_RETURN_IF_ERROR(CheckText("scaling_baseline", spec.scaling_baseline(), 64));
   if (spec.eval_max_samples() != 0 && spec.model().name() == kGptModel) {
     return Invalid("eval_max_samples", "applies to image models (gpt: dataset.eval_windows)");
   }

@@ -478,7 +478,8 @@ TEST_F(FaultTest, APausedJobCheckpointsAtAnAgreedStepAndResumesAsIfNeverPaused) 
       id, [](const v1::Job& j) { return j.state() == v1::Job::RUNNING && j.last_step() >= 100; },
       "RUNNING past step 100", kLong));
   CommandResult pause = cluster().Aidnctl(
-      {"pause", id, "--reason", "maintenance", "--wait", "--wait-timeout", "120s"});
+      {"pause", id, "--reason", "maintenance", "--wait", "--wait-timeout", "120s"},
+      std::chrono::seconds(130));
   ASSERT_EQ(pause.exit_code, 0) << pause.err << "\n" << EventText(id);
   EXPECT_THAT(pause.out, HasSubstr("pausing " + id));
   EXPECT_THAT(pause.out, HasSubstr("paused " + id + " at checkpoint step"));

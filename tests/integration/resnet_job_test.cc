@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/cluster_fixture.h"
 #include "tests/support/files.h"
@@ -70,8 +71,30 @@ class ResNetJobTest : public ClusterFixture {
 };
 
 TEST_F(ResNetJobTest, BatchNormStatisticsAreCheckpointedAndAResumedJobEndsBitwiseEqual) {
+  // One rank first: the baseline of the 2-rank runs' scaling efficiency.
+  v1::JobSpec one = Spec();
+  one.set_world_size(1);
+  one.set_max_steps(4);
+  one.clear_checkpoint();
+  const std::string single = Run(one);
+  ASSERT_FALSE(single.empty());
+  const v1::Throughput base = cluster().GetJob(single).throughput();
+  EXPECT_EQ(base.steps(), 3) << "the first step is left out";
+  EXPECT_GT(base.samples_per_second(), 0);
+  EXPECT_TRUE(base.baseline_job().empty());
+
   const std::string reference = Run(Spec());
   ASSERT_FALSE(reference.empty());
+  const v1::Throughput t = cluster().GetJob(reference).throughput();
+  EXPECT_EQ(t.world_size(), 2);
+  EXPECT_EQ(t.baseline_job(), single);
+  EXPECT_NEAR(t.scaling_efficiency(), t.samples_per_second() / (2 * base.samples_per_second()),
+              1e-9);
+  CommandResult described = cluster().Aidnctl({"describe", reference});
+  EXPECT_THAT(described.out, ::testing::HasSubstr("efficiency ")) << described.out;
+  EXPECT_THAT(described.out, ::testing::HasSubstr(absl::StrCat("against ", single)))
+      << described.out;
+  EXPECT_FALSE(cluster().EventMessages(reference, "job.throughput").empty());
   int evals = 0;
   for (const v1::StepMetrics& s : cluster().Metrics(reference)) {
     if (s.kind() != v1::MetricRecord::EVAL) continue;
