@@ -9,27 +9,60 @@
 
 namespace aidn::coordinator {
 
+namespace {
+
+double Seconds(const google::protobuf::Timestamp& t) {
+  return static_cast<double>(t.seconds()) + static_cast<double>(t.nanos()) * 1e-9;
+}
+
+}  // namespace
+
 v1::Throughput SummarizeThroughput(const std::vector<v1::StepMetrics>& steps, int32_t world_size) {
   v1::Throughput t;
   t.set_world_size(world_size);
-  // Per generation: its first TRAIN step, and whether it has others.
-  std::map<int64_t, int64_t> first;
-  std::map<int64_t, int> count;
+  // Per generation, by step: its TRAIN row, and the steps an evaluation
+  // followed.
+  std::map<int64_t, std::map<int64_t, const v1::StepMetrics*>> train;
+  std::map<int64_t, std::map<int64_t, bool>> evaluated;
   for (const v1::StepMetrics& s : steps) {
-    if (s.kind() != v1::MetricRecord::TRAIN) continue;
-    auto [it, added] = first.emplace(s.generation(), s.step());
-    if (!added && s.step() < it->second) it->second = s.step();
-    ++count[s.generation()];
+    if (s.kind() == v1::MetricRecord::TRAIN) {
+      train[s.generation()][s.step()] = &s;
+    } else {
+      evaluated[s.generation()][s.step()] = true;
+    }
   }
+  // Wall time between consecutive steps' records (the last rank's), so
+  // that what the step times leave out (the next batch, reporting, a
+  // checkpoint write) counts; an interval after an evaluation does not.
   double samples = 0, tokens = 0, seconds = 0;
   int64_t n = 0;
-  for (const v1::StepMetrics& s : steps) {
-    if (s.kind() != v1::MetricRecord::TRAIN || s.step_seconds() <= 0) continue;
-    if (count[s.generation()] > 1 && s.step() == first[s.generation()]) continue;
-    samples += static_cast<double>(s.samples());
-    tokens += static_cast<double>(s.tokens());
-    seconds += s.step_seconds();
-    ++n;
+  for (const auto& [generation, rows] : train) {
+    const v1::StepMetrics* previous = nullptr;
+    for (const auto& [step, row] : rows) {
+      if (previous != nullptr && previous->step() + 1 == step && previous->has_time() &&
+          row->has_time() && !evaluated[generation].contains(previous->step())) {
+        const double interval = Seconds(row->time()) - Seconds(previous->time());
+        if (interval > 0) {
+          samples += static_cast<double>(row->samples());
+          tokens += static_cast<double>(row->tokens());
+          seconds += interval;
+          ++n;
+        }
+      }
+      previous = row;
+    }
+  }
+  if (n == 0) {
+    // No two consecutive steps with times: the step times themselves.
+    for (const auto& [generation, rows] : train) {
+      for (const auto& [step, row] : rows) {
+        if (row->step_seconds() <= 0) continue;
+        samples += static_cast<double>(row->samples());
+        tokens += static_cast<double>(row->tokens());
+        seconds += row->step_seconds();
+        ++n;
+      }
+    }
   }
   t.set_steps(n);
   if (seconds > 0) {

@@ -18,10 +18,13 @@
 
 namespace aidn::coordinator {
 
-// Throughput over `steps` (any order, EVAL rows ignored): each
-// generation's first TRAIN step left out (it pays for allocation and the
-// first collectives) unless it is the generation's only one. No steps: all
-// zero. world_size from `world_size`.
+// Throughput over `steps` (any order): samples (tokens) of each TRAIN step
+// over the wall time from the previous step's record to its own (the last
+// rank's), for consecutive steps of a generation, but the interval after an
+// evaluation. So each generation's first step (allocation, the first
+// collectives) is left out, and the time between steps (the next batch,
+// reporting, checkpoint writes) is in. Without two such steps: the summed
+// step times. No steps: all zero. world_size from `world_size`.
 v1::Throughput SummarizeThroughput(const std::vector<v1::StepMetrics>& steps, int32_t world_size);
 
 // The spec with what does not change a step's speed cleared (name, labels,

@@ -8,37 +8,43 @@
 namespace aidn::coordinator::scaling_report_test {
 namespace {
 
-v1::StepMetrics Train(int64_t generation, int64_t step, int64_t samples, double seconds,
+// A TRAIN row whose record was made `at` seconds in.
+v1::StepMetrics Train(int64_t generation, int64_t step, int64_t samples, double at,
                       int64_t tokens = 0) {
   v1::StepMetrics s;
   s.set_kind(v1::MetricRecord::TRAIN);
   s.set_generation(generation);
   s.set_step(step);
   s.set_samples(samples);
-  s.set_step_seconds(seconds);
+  s.set_step_seconds(0.1);
   s.set_tokens(tokens);
+  s.mutable_time()->set_seconds(static_cast<int64_t>(at));
+  s.mutable_time()->set_nanos(static_cast<int32_t>((at - static_cast<int64_t>(at)) * 1e9));
   return s;
 }
 
-TEST(ScalingReport, ThroughputLeavesOutEachGenerationsFirstStepAndEvaluations) {
+TEST(ScalingReport, ThroughputIsWallTimeBetweenConsecutiveStepsButAfterEvaluations) {
   std::vector<v1::StepMetrics> steps = {
-      Train(1, 1, 64, 5.0),  // warm-up: left out
-      Train(1, 2, 64, 0.5),      Train(1, 3, 64, 0.5),
-      Train(2, 3, 64, 9.0),  // the restart's warm-up
-      Train(2, 4, 64, 1.0, 640),
+      Train(1, 1, 64, 100.0),  // warm-up: no interval before it
+      Train(1, 2, 64, 100.5),      Train(1, 3, 64, 101.0),
+      Train(1, 4, 64, 109.0),  // after the evaluation at step 3: left out
+      Train(2, 3, 64, 200.0),  // the restart's first step
+      Train(2, 4, 64, 201.0, 640),
   };
   v1::StepMetrics eval;
   eval.set_kind(v1::MetricRecord::EVAL);
+  eval.set_generation(1);
   eval.set_step(3);
-  eval.set_step_seconds(100);
   steps.push_back(eval);
   const v1::Throughput t = SummarizeThroughput(steps, 2);
   EXPECT_EQ(t.steps(), 3);
   EXPECT_EQ(t.world_size(), 2);
   EXPECT_DOUBLE_EQ(t.samples_per_second(), 3 * 64 / 2.0);
   EXPECT_DOUBLE_EQ(t.tokens_per_second(), 640 / 2.0);
-  // A generation of one step counts that step.
-  EXPECT_EQ(SummarizeThroughput({Train(1, 1, 10, 2.0)}, 1).steps(), 1);
+  // Without consecutive steps, the step times.
+  const v1::Throughput one = SummarizeThroughput({Train(1, 1, 10, 5.0)}, 1);
+  EXPECT_EQ(one.steps(), 1);
+  EXPECT_DOUBLE_EQ(one.samples_per_second(), 100);
   EXPECT_EQ(SummarizeThroughput({}, 1).samples_per_second(), 0);
 }
 
