@@ -124,6 +124,9 @@ std::string EnumName(NameFn name_fn, int value) {
 }
 
 absl::Status ValidateModel(const v1::ModelSpec& model) {
+  if (model.stochastic_depth() != 0 && !IsResNet(model.name())) {
+    return Invalid("model.stochastic_depth", "applies to resnet18 and resnet50 only");
+  }
   if (model.name().empty()) {
     return Invalid("model.name", "required (known: mlp, cnn, resnet18, resnet50, gpt)");
   }
@@ -145,6 +148,10 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
     }
     if (IsResNet(model.name()) && model.dropout() != 0) {
       return Invalid("model.dropout", absl::StrCat(model.name(), " has no dropout"));
+    }
+    if (IsResNet(model.name())) {
+      AIDN_RETURN_IF_ERROR(CheckRealRange("model.stochastic_depth", model.stochastic_depth(), 0, 1,
+                                          /*hi_inclusive=*/false));
     }
   } else {
     return Invalid("model.name", absl::StrCat("unknown model ", Quote(model.name()),
@@ -452,6 +459,13 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
   if (spec.strategy() != v1::JobSpec::DDP) {
     return Invalid("ddp", absl::StrCat("applies to strategy: ddp only (this job's is ",
                                        v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
+  }
+  if (d.find_unused_parameters() && d.compression() != DdpSpec::NONE &&
+      d.compression() != DdpSpec::COMPRESSION_UNSPECIFIED) {
+    return Invalid(
+        "ddp.find_unused_parameters",
+        absl::StrCat("does not go with compression: ",
+                     absl::AsciiStrToLower(DdpSpec::Compression_Name(d.compression())), " yet"));
   }
   switch (d.compression()) {
     case DdpSpec::NONE:

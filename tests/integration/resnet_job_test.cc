@@ -124,5 +124,26 @@ TEST_F(ResNetJobTest, BatchNormStatisticsAreCheckpointedAndAResumedJobEndsBitwis
       << "weights or running statistics differ from the uninterrupted run's";
 }
 
+// Stochastic depth: each rank skips its own residual branches. Without
+// ddp.find_unused_parameters the job fails at once, naming what got no
+// gradient, and uses no restart on it; with it the job trains.
+TEST_F(ResNetJobTest, StochasticDepthNeedsFindUnusedParameters) {
+  v1::JobSpec spec = Spec();
+  spec.clear_checkpoint();
+  spec.set_max_steps(4);
+  spec.set_max_restarts(2);
+  spec.mutable_model()->set_stochastic_depth(0.5);
+  absl::StatusOr<std::string> refused = cluster().Submit(spec);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  const v1::Job failed = cluster().WaitForEnd(*refused, kLong);
+  EXPECT_EQ(failed.state(), v1::Job::FAILED);
+  EXPECT_EQ(failed.restarts(), 0);
+  EXPECT_THAT(failed.message(), ::testing::HasSubstr("got no gradient this step (layer"));
+  EXPECT_THAT(failed.message(), ::testing::HasSubstr("find_unused_parameters"));
+
+  spec.mutable_ddp()->set_find_unused_parameters(true);
+  EXPECT_FALSE(Run(spec).empty());
+}
+
 }  // namespace
 }  // namespace aidn::testing

@@ -1,5 +1,6 @@
 #include "worker/engine/cpu_session.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 #include <vector>
@@ -49,6 +50,7 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   std::unique_ptr<CpuSession> session(new CpuSession(model, nullptr));
   session->communicator_ = options.communicator;
   session->broadcast_buffers_ = options.broadcast_buffers;
+  session->find_unused_parameters_ = options.find_unused_parameters;
   std::vector<Parameter*> params = model->Parameters();
   if (options.sharding == Sharding::kGradients || options.sharding == Sharding::kShardGradOp ||
       options.sharding == Sharding::kFullShard) {
@@ -63,7 +65,8 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
         DdpReducer::Create({.bucket_mb = options.bucket_mb,
                             .shard_optimizer = options.sharding == Sharding::kOptimizer,
                             .powersgd = options.powersgd,
-                            .half = options.half},
+                            .half = options.half,
+                            .find_unused_parameters = options.find_unused_parameters},
                            model->Parameters(), options.communicator));
     params = session->reducer_->ShardParameters();
     DdpReducer* r = session->reducer_.get();
@@ -90,13 +93,17 @@ absl::StatusOr<std::unique_ptr<CpuSession>> CpuSession::Create(const CpuSessionO
   std::unique_ptr<CpuSession> session(new CpuSession(model, optimizer));
   session->communicator_ = options.communicator;
   session->broadcast_buffers_ = options.broadcast_buffers;
+  session->find_unused_parameters_ = options.find_unused_parameters;
   if (options.communicator != nullptr) {
     // After the optimizer, as the trainer has always made them: with more
     // than one rank the reducer turns every gradient into a view of its
     // bucket.
-    absl::StatusOr<std::unique_ptr<DdpReducer>> reducer = DdpReducer::Create(
-        {.bucket_mb = options.bucket_mb, .powersgd = options.powersgd, .half = options.half},
-        model->Parameters(), options.communicator);
+    absl::StatusOr<std::unique_ptr<DdpReducer>> reducer =
+        DdpReducer::Create({.bucket_mb = options.bucket_mb,
+                            .powersgd = options.powersgd,
+                            .half = options.half,
+                            .find_unused_parameters = options.find_unused_parameters},
+                           model->Parameters(), options.communicator);
     if (!reducer.ok()) return reducer.status();
     session->reducer_ = *std::move(reducer);
     DdpReducer* r = session->reducer_.get();
@@ -186,16 +193,30 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   } else {
     model_->ZeroGrad();
   }
+  // find_unused_parameters: whether any forward of the step used each
+  // parameter, and what the last one left unused.
+  std::vector<bool> used;
+  std::vector<Parameter*> unused;
+  if (find_unused_parameters_) used.assign(model_->Parameters().size(), false);
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatch& batch = micro[static_cast<size_t>(m)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
     if (absl::Status s = BroadcastBuffers(); !s.ok()) return s;
     const double micro_loss = model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum));
     loss += micro_loss / static_cast<double>(accum);
+    if (find_unused_parameters_) {
+      unused = model_->UnusedParameters();
+      const std::vector<Parameter*>& params = model_->Parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (std::find(unused.begin(), unused.end(), params[i]) == unused.end()) used[i] = true;
+      }
+    }
     // DDP: only the last micro-batch's backward communicates; the mean loss
     // rides in its last bucket.
     const bool last = m == accum - 1;
-    if (reducer_ != nullptr) reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f);
+    if (reducer_ != nullptr) {
+      reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f, used, unused);
+    }
     model_->BackwardLoss();
   }
   if (fsdp_ != nullptr) {

@@ -83,6 +83,9 @@ struct CpuSessionOptions {
   // With a communicator: rank 0's buffers (TrainableModel::Buffers) copied
   // to every rank before each forward, as torch's DDP broadcast_buffers.
   bool broadcast_buffers = true;
+  // DDP: DdpOptions::find_unused_parameters, fed with the parameters each
+  // forward did not use (TrainableModel::UnusedParameters).
+  bool find_unused_parameters = false;
 };
 
 class CpuSession {
@@ -190,6 +193,7 @@ class CpuSession {
   std::unique_ptr<FsdpReducer> fsdp_;
   Communicator* communicator_ = nullptr;
   bool broadcast_buffers_ = true;
+  bool find_unused_parameters_ = false;
   double allreduce_seconds_ = 0.0;
   double wait_seconds_ = 0.0;
 };

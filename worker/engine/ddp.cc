@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "common/status.h"
 
@@ -64,10 +65,18 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   if (options.powersgd.has_value() && options.powersgd->rank < 1) {
     return absl::InvalidArgumentError("ddp: PowerSGD's rank must be >= 1");
   }
+  if (options.find_unused_parameters &&
+      (options.shard_optimizer || options.powersgd.has_value() || options.half.has_value())) {
+    return absl::InvalidArgumentError(
+        "ddp: find_unused_parameters goes with plain allreduced buckets only (not ZeRO-1, "
+        "PowerSGD, fp16 or bf16)");
+  }
   std::vector<int64_t> numels;
   for (const Parameter* p : parameters) numels.push_back(p->value.numel());
   // The extra value rides at the end of the last bucket to be launched.
-  AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 1));
+  // find_unused_parameters: each parameter's used flag before it.
+  const size_t extras = 1 + (options.find_unused_parameters ? parameters.size() : 0);
+  AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, extras));
   const int world = communicator->world_size();
   if (options.shard_optimizer && world > 1) {
     // Every bucket a multiple of 16 * world_size floats: each rank's slice
@@ -86,6 +95,9 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   }
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
   reducer->parameters_ = parameters;
+  reducer->find_unused_ = options.find_unused_parameters;
+  reducer->ready_.assign(parameters.size(), false);
+  for (size_t i = 0; i < parameters.size(); ++i) reducer->index_[parameters[i]] = i;
   reducer->single_ = world == 1;
   reducer->shard_ = options.shard_optimizer && world > 1;
   if (options.half.has_value() && world > 1) {
@@ -214,33 +226,59 @@ std::vector<std::vector<std::string>> DdpReducer::BucketLayout() const {
   return layout;
 }
 
-void DdpReducer::BeginBackward(bool communicate, float extra) {
+void DdpReducer::BeginBackward(bool communicate, float extra, const std::vector<bool>& used,
+                               const std::vector<Parameter*>& unused_now) {
   communicating_ = communicate;
   if (!communicate) return;
   extra_ = extra;
+  std::fill(ready_.begin(), ready_.end(), false);
   if (single_) {
     single_pending_ = static_cast<int>(slots_.size());
+    if (find_unused_) {
+      used_ = used;
+      used_.resize(parameters_.size(), true);
+      for (Parameter* p : unused_now) OnGradReady(p);
+    }
     return;
   }
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.parameters.size());
   Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
   extra_bucket[extra_bucket.numel() - 1] = extra;
-  std::lock_guard<std::mutex> lock(mu_);
-  allreduce_seconds_ = 0.0;
-  bytes_sent_ = 0;
-  bytes_uncompressed_ = 0;
-  // A bucket with no parameters (a model without any) goes at once.
-  for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
-    if (buckets_[i].pending == 0) {
-      queue_.push_back(i);
-      ++in_flight_;
+  if (find_unused_) {
+    // The used flags just before the loss, averaged with the last bucket.
+    float* flags =
+        extra_bucket.data() + extra_bucket.numel() - 1 - static_cast<int64_t>(parameters_.size());
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      flags[i] = i < used.size() && !used[i] ? 0.0f : 1.0f;
     }
   }
-  if (!queue_.empty()) cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    allreduce_seconds_ = 0.0;
+    bytes_sent_ = 0;
+    bytes_uncompressed_ = 0;
+    // A bucket with no parameters (a model without any) goes at once.
+    for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
+      if (buckets_[i].pending == 0) {
+        queue_.push_back(i);
+        ++in_flight_;
+      }
+    }
+    if (!queue_.empty()) cv_.notify_all();
+  }
+  // What the last forward did not use is ready now: its gradient is what
+  // earlier micro-batches left (zero if none).
+  if (find_unused_) {
+    for (Parameter* p : unused_now) OnGradReady(p);
+  }
 }
 
 void DdpReducer::OnGradReady(Parameter* parameter) {
   if (!communicating_) return;
+  if (const auto at = index_.find(parameter); at != index_.end()) {
+    if (ready_[at->second]) return;  // reported twice: counted once
+    ready_[at->second] = true;
+  }
   if (single_) {
     if (slots_.contains(parameter)) --single_pending_;
     return;
@@ -329,19 +367,15 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   if (!communicating_) return absl::OkStatus();
   communicating_ = false;
   if (single_) {
-    if (single_pending_ != 0) {
-      return absl::InternalError(absl::StrCat("ddp: ", single_pending_,
-                                              " gradients missing (a parameter got no gradient?)"));
-    }
+    if (single_pending_ != 0) return MissingGradients();
     averaged_extra_ = extra_;
+    for (size_t i = 0; find_unused_ && i < parameters_.size(); ++i) {
+      parameters_[i]->no_grad = !used_[i];
+    }
     return absl::OkStatus();
   }
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    if (buckets_[i].pending != 0) {
-      return absl::InternalError(absl::StrCat("ddp: bucket ", i, " still misses ",
-                                              buckets_[i].pending,
-                                              " gradients (a parameter got no gradient?)"));
-    }
+    if (buckets_[i].pending != 0) return MissingGradients();
   }
   const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
@@ -365,7 +399,27 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   }
   const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
   averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
+  if (find_unused_) {
+    const float* flags =
+        extra_bucket.data() + extra_bucket.numel() - 1 - static_cast<int64_t>(parameters_.size());
+    for (size_t i = 0; i < parameters_.size(); ++i) parameters_[i]->no_grad = flags[i] == 0.0f;
+  }
   return absl::OkStatus();
+}
+
+absl::Status DdpReducer::MissingGradients() const {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!ready_[i]) names.push_back(parameters_[i]->name);
+  }
+  const size_t shown = std::min<size_t>(names.size(), 5);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "ddp: ", names.size(), names.size() == 1 ? " parameter" : " parameters",
+      " got no gradient this step (",
+      absl::StrJoin(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+      names.size() > shown ? ", ..." : "",
+      "): the forward did not use them; set ddp.find_unused_parameters: true for a model that "
+      "skips parts of itself"));
 }
 
 absl::Status DdpReducer::BroadcastParameters(const std::vector<Parameter*>& parameters,

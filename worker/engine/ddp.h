@@ -68,6 +68,15 @@ struct DdpOptions {
   // before the cast so that the fp16 sum cannot overflow; the step's loss
   // goes apart, in float. Not with shard_optimizer or powersgd.
   std::optional<HalfFormat> half;
+  // torch's find_unused_parameters: a step may leave parameters without a
+  // gradient (a forward that skipped them). BeginBackward marks those the
+  // last forward did not use ready at once (their buckets still finish),
+  // and one float per parameter rides in the last bucket saying whether
+  // the rank used it in any forward of the step; a parameter no rank used
+  // is marked no_grad for the optimizer (torch's "grad is None"). Without
+  // it such a step fails, naming the parameters. Not with shard_optimizer,
+  // powersgd or half.
+  bool find_unused_parameters = false;
 };
 
 // Where each gradient lives in the flat bucket buffers, for the CPU reducer
@@ -103,11 +112,17 @@ class DdpReducer {
   ~DdpReducer();
 
   // Starts a backward pass. With communicate false, OnGradReady does nothing
-  // (an accumulation micro-step).
-  void BeginBackward(bool communicate, float extra);
+  // (an accumulation micro-step). find_unused_parameters: `used` holds, in
+  // registration order, whether any forward of the step used the parameter
+  // on this rank, and `unused_now` the parameters the last forward did not
+  // use (marked ready here); both are ignored otherwise.
+  void BeginBackward(bool communicate, float extra, const std::vector<bool>& used = {},
+                     const std::vector<Parameter*>& unused_now = {});
   // The model's grad-ready callback.
   void OnGradReady(Parameter* parameter);
-  // Waits for every bucket and writes the averaged gradients back. The time
+  // Waits for every bucket and writes the averaged gradients back
+  // (find_unused_parameters: and sets each parameter's no_grad).
+  // INVALID_ARGUMENT naming the parameters that got no gradient. The time
   // the training thread waited goes into *wait_seconds and the time the
   // collectives took into *allreduce_seconds (either may be null).
   absl::Status Finish(double* wait_seconds, double* allreduce_seconds);
@@ -169,6 +184,8 @@ class DdpReducer {
   // DdpOptions::half: bucket `index` averaged through 16 bits (the extra
   // slot left out). Its payload bytes go into *sent.
   absl::Status ReduceHalf(int index, int64_t* sent);
+  // INVALID_ARGUMENT naming the parameters not reported ready.
+  absl::Status MissingGradients() const;
   // shard_optimizer: lays out the weights and this rank's shards.
   void ShardBuckets(const BucketPlan& plan);
 
@@ -187,6 +204,12 @@ class DdpReducer {
   float extra_ = 0.0f;
   // One rank: gradients of this backward not yet reported ready.
   int single_pending_ = 0;
+  // Registration index per parameter, and which reported ready this pass.
+  std::unordered_map<Parameter*, size_t> index_;
+  std::vector<bool> ready_;
+  bool find_unused_ = false;
+  // find_unused_parameters with one rank: this step's used flags.
+  std::vector<bool> used_;
   bool shard_ = false;
   // shard_optimizer: the buckets' shards (shard_map.h).
   std::unique_ptr<ShardMap> map_;

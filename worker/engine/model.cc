@@ -1,5 +1,6 @@
 #include "worker/engine/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -99,12 +100,23 @@ void Sequential::BackwardRange(size_t begin, size_t end, const Tensor& grad_outp
     if (unit > 0) hooks_->AfterBackward(unit);
     if (grad_ready_) {
       const std::vector<Parameter*>& params = layer_parameters_[static_cast<size_t>(i)];
-      for (auto it = params.rbegin(); it != params.rend(); ++it) grad_ready_(*it);
+      const std::vector<Parameter*> unused = layers_[i]->UnusedParameters();
+      for (auto it = params.rbegin(); it != params.rend(); ++it) {
+        if (std::find(unused.begin(), unused.end(), *it) == unused.end()) grad_ready_(*it);
+      }
     }
     if (gi == nullptr) break;
     g = gi;
   }
   if (hooks_ != nullptr) hooks_->AfterBackward(0);
+}
+
+std::vector<Parameter*> Sequential::UnusedParameters() const {
+  std::vector<Parameter*> unused;
+  for (const std::unique_ptr<Layer>& layer : layers_) {
+    for (Parameter* p : layer->UnusedParameters()) unused.push_back(p);
+  }
+  return unused;
 }
 
 std::vector<Parameter*> Sequential::ParametersOf(size_t begin, size_t end) const {

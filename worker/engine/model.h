@@ -34,6 +34,10 @@ class Layer {
   // State that is not trained but saved with the weights (BatchNorm's
   // running statistics), as torch's buffers: only `value` is used.
   virtual std::vector<Parameter*> Buffers() { return {}; }
+  // Parameters the last Forward did not use (a residual block whose branch
+  // stochastic depth dropped): Backward leaves their gradients alone, and
+  // Sequential does not report them ready.
+  virtual std::vector<Parameter*> UnusedParameters() { return {}; }
   // Sequential offers each layer it is given to the last layer it runs
   // before it. Returning true means this layer takes `next`'s computation
   // over: its Forward then produces what `next` would have output, its
@@ -52,6 +56,9 @@ struct ModelConfig {
   std::vector<int> hidden_sizes = {256, 256};
   // Dropout probability after each hidden activation (0: none).
   double dropout = 0.0;
+  // resnet: each residual block's main path skipped with this probability
+  // per training forward (ResidualBlock; 0: never).
+  double stochastic_depth = 0.0;
   int in_channels = 1;
   int height = 28;
   int width = 28;
@@ -106,6 +113,9 @@ class Sequential {
   // In registration (forward) order.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
   const std::vector<Parameter*>& Buffers() const { return buffers_; }
+  // The parameters the last forward's layers did not use
+  // (Layer::UnusedParameters).
+  std::vector<Parameter*> UnusedParameters() const;
   int64_t ParameterCount() const;
   std::string Describe() const;
 

@@ -153,6 +153,7 @@ class Sgd final : public Optimizer {
     const SgdFn undecayed = PickSgd(false, momentum, config_.nesterov, steps_ == 0, scale != 1.0f);
     for (size_t k = 0; k < params_.size(); ++k) {
       Parameter* p = params_[k];
+      if (p->no_grad) continue;
       const SgdFn fn = Decays(*p) ? decayed : undecayed;
       fn(p->value.data(), p->grad.data(), momentum ? buffers_[k].data() : nullptr, p->value.numel(),
          static_cast<float>(lr), static_cast<float>(config_.weight_decay),
@@ -281,6 +282,7 @@ class AdamW final : public Optimizer {
     auto undecayed = scale ? &AdamWKernel<false, true> : &AdamWKernel<false, false>;
     for (size_t k = 0; k < params_.size(); ++k) {
       Parameter* p = params_[k];
+      if (p->no_grad) continue;
       (Decays(*p) ? decayed : undecayed)(p->value.data(), p->grad.data(), exp_avg_[k].data(),
                                          exp_avg_sq_[k].data(), p->value.numel(), s);
     }

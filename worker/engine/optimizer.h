@@ -81,9 +81,12 @@ class Optimizer {
 
   virtual ~Optimizer() = default;
 
-  // Updates every parameter from its current gradient with learning rate
-  // `lr` (the scheduled rate for this step) and counts the step. With
-  // grad_clip_norm > 0 the clipping coefficient is folded into the update:
+  // Updates every parameter (but those marked no_grad) from its current
+  // gradient with learning rate `lr` (the scheduled rate for this step) and
+  // counts the step. AdamW's bias correction counts the optimizer's steps,
+  // also for a parameter that skipped some (torch counts each parameter's
+  // own). With grad_clip_norm > 0 the clipping coefficient is folded into
+  // the update:
   // the result equals clip_grad_norm_ followed by step, but the gradients
   // themselves are left as they were. INVALID_ARGUMENT for a negative or
   // non-finite lr, FAILED_PRECONDITION if a parameter's shape changed.

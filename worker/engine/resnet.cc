@@ -74,13 +74,16 @@ void RunBackward(NamedLayers& layers, std::vector<Tensor>& grads, const Tensor& 
 
 }  // namespace
 
-ResidualBlock::ResidualBlock(int64_t in_planes, int64_t planes, int64_t stride, bool bottleneck)
+ResidualBlock::ResidualBlock(int64_t in_planes, int64_t planes, int64_t stride, bool bottleneck,
+                             double drop_prob)
     : in_planes_(in_planes),
       planes_(planes),
       out_planes_(bottleneck ? 4 * planes : planes),
       stride_(stride),
-      bottleneck_(bottleneck) {
-  AIDN_CHECK(in_planes > 0 && planes > 0 && stride > 0) << "bad ResidualBlock";
+      bottleneck_(bottleneck),
+      drop_prob_(drop_prob) {
+  AIDN_CHECK(in_planes > 0 && planes > 0 && stride > 0 && drop_prob >= 0 && drop_prob < 1)
+      << "bad ResidualBlock";
   auto conv = [](int64_t in, int64_t out, int64_t kernel, int64_t stride) {
     return std::make_unique<Conv2d>(in, out, kernel, stride, kernel / 2, /*bias=*/false);
   };
@@ -114,7 +117,8 @@ ResidualBlock::ResidualBlock(int64_t in_planes, int64_t planes, int64_t stride, 
 
 std::string ResidualBlock::Describe() const {
   return absl::StrCat(bottleneck_ ? "Bottleneck(" : "BasicBlock(", in_planes_, ", ", planes_,
-                      ", stride=", stride_, shortcut_.empty() ? "" : ", downsample", ")");
+                      ", stride=", stride_, shortcut_.empty() ? "" : ", downsample",
+                      drop_prob_ > 0 ? absl::StrCat(", stochastic_depth=", drop_prob_) : "", ")");
 }
 
 std::vector<Parameter*> ResidualBlock::Parameters() {
@@ -131,6 +135,13 @@ std::vector<Parameter*> ResidualBlock::Buffers() {
   return buffers;
 }
 
+std::vector<Parameter*> ResidualBlock::UnusedParameters() {
+  if (!dropped_) return {};
+  std::vector<Parameter*> params, buffers;
+  Collect(main_, &params, &buffers);
+  return params;
+}
+
 std::vector<Conv2d*> ResidualBlock::Convolutions() {
   std::vector<Conv2d*> convs;
   for (NamedLayers* layers : {&main_, &shortcut_}) {
@@ -145,16 +156,34 @@ void ResidualBlock::Forward(const Tensor& input, Tensor* output, bool training) 
   AIDN_CHECK(input.rank() == 4 && input.dim(1) == in_planes_)
       << Describe() << " got input " << input.ShapeString();
   input_ = &input;
-  const Tensor* main = RunForward(main_, main_out_, input, training);
+  dropped_ = false;
+  scale_ = 1.0f;
+  if (training && drop_prob_ > 0) {
+    const double u = static_cast<double>(rng_() >> 11) * 0x1p-53;
+    dropped_ = u < drop_prob_;
+    scale_ = static_cast<float>(1.0 / (1.0 - drop_prob_));
+  }
   const Tensor* shortcut = RunForward(shortcut_, short_out_, input, training);
+  const float* b = shortcut->data();
+  if (dropped_) {
+    EnsureShape(output, shortcut->shape());
+    float* y = output->data();
+    for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(b[i], 0.0f);
+    output_ = output;
+    return;
+  }
+  const Tensor* main = RunForward(main_, main_out_, input, training);
   AIDN_CHECK(main->shape() == shortcut->shape())
       << Describe() << ": main path " << main->ShapeString() << ", shortcut "
       << shortcut->ShapeString();
   EnsureShape(output, main->shape());
   const float* a = main->data();
-  const float* b = shortcut->data();
   float* y = output->data();
-  for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(a[i] + b[i], 0.0f);
+  if (scale_ == 1.0f) {
+    for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(a[i] + b[i], 0.0f);
+  } else {
+    for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(a[i] * scale_ + b[i], 0.0f);
+  }
   output_ = output;
 }
 
@@ -167,7 +196,25 @@ void ResidualBlock::Backward(const Tensor& grad_output, Tensor* grad_input) {
   const float* g = grad_output.data();
   float* gs = sum_grad_.data();
   for (int64_t i = 0; i < sum_grad_.numel(); ++i) gs[i] = y[i] > 0.0f ? g[i] : 0.0f;
-  RunBackward(main_, main_grad_, sum_grad_, grad_input);
+  if (dropped_) {
+    // The shortcut alone; the main path's gradients stay as they were.
+    if (shortcut_.empty()) {
+      if (grad_input != nullptr) {
+        EnsureShape(grad_input, sum_grad_.shape());
+        std::memcpy(grad_input->data(), gs, sizeof(float) * sum_grad_.numel());
+      }
+      return;
+    }
+    RunBackward(shortcut_, short_grad_, sum_grad_, grad_input);
+    return;
+  }
+  if (scale_ == 1.0f) {
+    RunBackward(main_, main_grad_, sum_grad_, grad_input);
+  } else {
+    EnsureShape(&scaled_grad_, sum_grad_.shape());
+    for (int64_t i = 0; i < sum_grad_.numel(); ++i) scaled_grad_.data()[i] = gs[i] * scale_;
+    RunBackward(main_, main_grad_, scaled_grad_, grad_input);
+  }
   if (grad_input == nullptr) {
     RunBackward(shortcut_, short_grad_, sum_grad_, nullptr);
     return;
@@ -220,6 +267,10 @@ absl::StatusOr<std::unique_ptr<Sequential>> BuildResNet(const ModelConfig& confi
     return absl::InvalidArgumentError(
         absl::StrCat("unknown ResNet \"", config.name, "\" (want resnet18 or resnet50)"));
   }
+  if (!(config.stochastic_depth >= 0 && config.stochastic_depth < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stochastic_depth must be in [0, 1), got ", config.stochastic_depth));
+  }
   if (config.height < 8 || config.width < 8) {
     return absl::InvalidArgumentError(absl::StrCat(
         config.name, " needs images of at least 8x8, got ", config.height, "x", config.width));
@@ -236,7 +287,8 @@ absl::StatusOr<std::unique_ptr<Sequential>> BuildResNet(const ModelConfig& confi
     const int64_t planes = int64_t{64} << l;
     for (int b = 0; b < blocks[l]; ++b) {
       const int64_t stride = l > 0 && b == 0 ? 2 : 1;
-      auto block = std::make_unique<ResidualBlock>(in, planes, stride, bottleneck);
+      auto block =
+          std::make_unique<ResidualBlock>(in, planes, stride, bottleneck, config.stochastic_depth);
       for (Conv2d* c : block->Convolutions()) InitKaimingNormal(c, &rng);
       in = block->out_planes();
       model->Add(std::move(block), absl::StrCat("layer", l + 1, ".", b));

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -38,14 +39,24 @@ namespace aidn::engine {
 //                       the stride in the 3x3)
 // The shortcut is the identity, or conv1x1(stride) and a BatchNorm
 // ("downsample.0", "downsample.1") when the shape changes.
+//
+// Stochastic depth (`drop_prob` > 0, training only): each forward skips
+// the main path with that probability, as LayerDrop does: the output is
+// relu(shortcut(x)), the main path is not computed (its BatchNorm
+// statistics stay) and its parameters are unused (UnusedParameters); a
+// kept main path is scaled by 1 / (1 - drop_prob). The draws come from a
+// generator SetSeed seeds.
 class ResidualBlock final : public Layer {
  public:
-  ResidualBlock(int64_t in_planes, int64_t planes, int64_t stride, bool bottleneck);
+  ResidualBlock(int64_t in_planes, int64_t planes, int64_t stride, bool bottleneck,
+                double drop_prob = 0.0);
   std::string Describe() const override;
   void Forward(const Tensor& input, Tensor* output, bool training) override;
   void Backward(const Tensor& grad_output, Tensor* grad_input) override;
   std::vector<Parameter*> Parameters() override;
   std::vector<Parameter*> Buffers() override;
+  std::vector<Parameter*> UnusedParameters() override;
+  void SetSeed(uint64_t seed) override { rng_.seed(seed); }
 
   int64_t out_planes() const { return out_planes_; }
   // The convolutions in registration order (for initialisation).
@@ -57,6 +68,12 @@ class ResidualBlock final : public Layer {
   int64_t out_planes_;
   int64_t stride_;
   bool bottleneck_;
+  double drop_prob_;
+  std::mt19937_64 rng_{0};
+  // The last forward skipped the main path, or scaled it by `scale_`.
+  bool dropped_ = false;
+  float scale_ = 1.0f;
+  Tensor scaled_grad_;
   // The main path's layers with their names, and the shortcut's (empty:
   // the identity).
   std::vector<std::pair<std::string, std::unique_ptr<Layer>>> main_;
@@ -83,8 +100,9 @@ class GlobalAvgPool2d final : public Layer {
 };
 
 // "resnet18" or "resnet50" over config.in_channels x height x width images
-// and config.classes classes. INVALID_ARGUMENT for another name or images
-// smaller than 8x8.
+// and config.classes classes, every block with config.stochastic_depth as
+// its drop probability. INVALID_ARGUMENT for another name, images smaller
+// than 8x8 or a drop probability outside [0, 1).
 absl::StatusOr<std::unique_ptr<Sequential>> BuildResNet(const ModelConfig& config, uint64_t seed);
 
 }  // namespace aidn::engine

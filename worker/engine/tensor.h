@@ -83,6 +83,9 @@ struct Parameter {
   // the whole parameter's shape (empty: not a shard), which decides, as the
   // whole's would, whether weight decay applies.
   std::vector<int64_t> whole_shape;
+  // No rank used the parameter this step (DDP's find_unused_parameters):
+  // torch's "grad is None", the optimizer leaves it and its state alone.
+  bool no_grad = false;
 };
 
 }  // namespace aidn::engine

@@ -34,6 +34,9 @@ class TrainableModel {
   // State saved with the weights but not trained (BatchNorm's running
   // statistics); none by default.
   virtual std::vector<Parameter*> Buffers() const { return {}; }
+  // The parameters the last ForwardLoss did not use (stochastic depth);
+  // BackwardLoss reports no gradient of theirs ready.
+  virtual std::vector<Parameter*> UnusedParameters() const { return {}; }
   virtual void SetGradReadyCallback(GradReadyCallback callback) = 0;
   // units.h: the groups fully sharded strategies gather and free together,
   // and the hooks the model calls around them (not owned; null: none).
@@ -58,6 +61,7 @@ class Classifier final : public TrainableModel {
   explicit Classifier(Sequential* model) : model_(model) {}
   const std::vector<Parameter*>& Parameters() const override { return model_->Parameters(); }
   std::vector<Parameter*> Buffers() const override { return model_->Buffers(); }
+  std::vector<Parameter*> UnusedParameters() const override { return model_->UnusedParameters(); }
   void SetGradReadyCallback(GradReadyCallback callback) override {
     model_->SetGradReadyCallback(std::move(callback));
   }

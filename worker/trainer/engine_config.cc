@@ -15,6 +15,7 @@ engine::ModelConfig ModelConfigOf(const v1::JobSpec& spec) {
   config.hidden_sizes.assign(spec.model().hidden_sizes().begin(),
                              spec.model().hidden_sizes().end());
   config.dropout = spec.model().dropout();
+  config.stochastic_depth = spec.model().stochastic_depth();
   return config;
 }
 

@@ -269,6 +269,7 @@ std::optional<Failure> RankTraining::BuildSession() {
   o.powersgd = PowerSgdOf(spec_);
   o.half = HalfCompressionOf(spec_);
   o.broadcast_buffers = !spec_.ddp().has_broadcast_buffers() || spec_.ddp().broadcast_buffers();
+  o.find_unused_parameters = spec_.ddp().find_unused_parameters();
   if (Sharded() && spec_.device() == v1::JobSpec::CPU) {
     // The session makes the optimizer, over this rank's shards.
     o.sharding = ShardingOf(spec_);
@@ -573,7 +574,9 @@ std::optional<Failure> RankTraining::Execute() {
     }
     absl::StatusOr<StepResult> result = RunStep(*plan, step, indices);
     if (!result.ok()) {
-      // Already says what failed.
+      // Already says what failed. INVALID_ARGUMENT (a parameter without a
+      // gradient, a bad learning rate) fails the same way again.
+      if (absl::IsInvalidArgument(result.status())) return Failure{kExitPermanent, result.status()};
       const Failure f = FailureFor(result.status(), "step");
       return Failure{f.exit_code, result.status()};
     }

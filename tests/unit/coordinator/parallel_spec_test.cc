@@ -236,12 +236,23 @@ TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
        "model.hidden_sizes: must be empty for resnet18 (its layers are fixed)"},
       {[](JobSpec* s) { s->set_eval_max_samples(-1); },
        "eval_max_samples: must be between 0 and 1099511627776, got -1"},
+      {[](JobSpec* s) { s->mutable_model()->set_stochastic_depth(1.0); },
+       "model.stochastic_depth: must be a finite number in [0, 1), got 1"},
+      {[](JobSpec* s) {
+         s->mutable_ddp()->set_find_unused_parameters(true);
+         s->mutable_ddp()->set_compression(v1::DdpSpec::BF16);
+       },
+       "ddp.find_unused_parameters: does not go with compression: bf16 yet"},
   };
   for (const Case& c : cases) {
     JobSpec bad = Spec("resnet18", [](JobSpec*) {});
     c.edit(&bad);
     EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, bad).message()), c.message);
   }
+  const JobSpec cnn =
+      Spec("cnn", [](JobSpec* s) { s->mutable_model()->set_stochastic_depth(0.1); });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, cnn).message()),
+            "model.stochastic_depth: applies to resnet18 and resnet50 only");
   const JobSpec gpt = Spec("gpt", [](JobSpec* s) { s->set_eval_max_samples(5); });
   EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, gpt).message()),
             "eval_max_samples: applies to image models (gpt: dataset.eval_windows)");

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/engine/batchnorm.h"
@@ -339,6 +340,99 @@ TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward
       EXPECT_EQ(means[0], means[1]) << "with broadcast_buffers";
     } else {
       EXPECT_NE(means[0], means[1]) << "without broadcast_buffers";
+    }
+  }
+}
+
+// Stochastic depth skips residual branches, each rank its own: with
+// find_unused_parameters every step finishes, the ranks end with the same
+// weights, and a parameter no rank used in a step is not updated (its
+// weight decay and momentum too); without it the first such step fails,
+// naming the parameters.
+TEST(CpuSession, FindUnusedParametersLetsRanksSkipDifferentResidualBranches) {
+  constexpr int kRanks = 2;
+  ModelConfig config;
+  config.name = "resnet18";
+  config.height = 8;
+  config.width = 8;
+  config.stochastic_depth = 0.5;
+  const std::vector<int32_t> labels = {1, 2};
+  for (bool find_unused : {true, false}) {
+    std::vector<std::vector<float>> weights(kRanks);
+    std::vector<absl::Status> results(kRanks);
+    std::vector<int> skipped_globally(kRanks, 0);
+    InMemoryKeyValueStore store;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        GlooOptions options;
+        options.rank = r;
+        options.world_size = kRanks;
+        options.timeout = std::chrono::seconds(30);
+        options.prefix = "unused-test";
+        absl::StatusOr<std::unique_ptr<Communicator>> comm =
+            CreateGlooCommunicator(options, &store);
+        ASSERT_TRUE(comm.ok()) << comm.status();
+        std::unique_ptr<Sequential> model = *BuildModel(config, 4);
+        Classifier classifier(model.get());
+        OptimizerConfig o;
+        o.name = "sgd";
+        o.lr = 0.01;
+        o.momentum = 0.9;
+        o.weight_decay = 0.1;
+        std::unique_ptr<Optimizer> optimizer = *Optimizer::Create(o, model->Parameters());
+        absl::StatusOr<std::unique_ptr<CpuSession>> session =
+            CpuSession::Create({.communicator = comm->get(), .find_unused_parameters = find_unused},
+                               &classifier, optimizer.get());
+        ASSERT_TRUE(session.ok()) << session.status();
+        Tensor x({2, 1, 8, 8});
+        for (int64_t i = 0; i < x.numel(); ++i) x[i] = 0.01f * static_cast<float>(i % 37) - 0.2f;
+        for (uint64_t step = 0; step < 6 && results[static_cast<size_t>(r)].ok(); ++step) {
+          // Each rank its own draws, as a job's ranks have.
+          const uint64_t seed = 100 * step + static_cast<uint64_t>(r);
+          std::vector<std::vector<float>> before;
+          for (const Parameter* p : model->Parameters()) {
+            before.emplace_back(p->value.data(), p->value.data() + p->value.numel());
+          }
+          absl::StatusOr<double> loss = (*session)->Step({MicroBatch{&x, &labels, seed}}, 0.01);
+          if (!loss.ok()) {
+            results[static_cast<size_t>(r)] = loss.status();
+            break;
+          }
+          const std::vector<Parameter*>& params = model->Parameters();
+          for (size_t i = 0; i < params.size(); ++i) {
+            if (!params[i]->no_grad) continue;
+            ++skipped_globally[static_cast<size_t>(r)];
+            EXPECT_EQ(std::vector<float>(params[i]->value.data(),
+                                         params[i]->value.data() + params[i]->value.numel()),
+                      before[i])
+                << params[i]->name << " moved without a gradient";
+          }
+        }
+        for (const Parameter* p : model->Parameters()) {
+          weights[static_cast<size_t>(r)].insert(weights[static_cast<size_t>(r)].end(),
+                                                 p->value.data(),
+                                                 p->value.data() + p->value.numel());
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    if (find_unused) {
+      EXPECT_TRUE(results[0].ok()) << results[0];
+      EXPECT_TRUE(results[1].ok()) << results[1];
+      EXPECT_EQ(weights[0], weights[1]);
+      EXPECT_GT(skipped_globally[0], 0) << "no branch was skipped by both ranks in 6 steps";
+      EXPECT_EQ(skipped_globally[0], skipped_globally[1]);
+    } else {
+      // The first rank that skipped a branch names it (the other may then
+      // fail on its collectives).
+      bool named = false;
+      for (const absl::Status& s : results) {
+        named = named || (absl::IsInvalidArgument(s) &&
+                          absl::StrContains(s.message(), "got no gradient this step (layer"));
+      }
+      EXPECT_TRUE(named) << results[0] << " / " << results[1];
     }
   }
 }

@@ -179,8 +179,9 @@ TEST(DdpReducer, AMissingGradientIsAnErrorNotAHang) {
   (*reducer)->BeginBackward(true, 0.0f);
   (*reducer)->OnGradReady(params[1].get());
   absl::Status s = (*reducer)->Finish(nullptr, nullptr);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(s.message(), HasSubstr("misses 1"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("1 parameter got no gradient this step (p0)"));
+  EXPECT_THAT(s.message(), HasSubstr("find_unused_parameters: true"));
 }
 
 TEST(DdpReducer, OneRankLeavesGradientsInPlaceCommunicatesNothingAndStillCatchesAMissingOne) {
@@ -200,8 +201,19 @@ TEST(DdpReducer, OneRankLeavesGradientsInPlaceCommunicatesNothingAndStillCatches
   (*reducer)->BeginBackward(true, 0.0f);
   (*reducer)->OnGradReady(params[0].get());
   absl::Status s = (*reducer)->Finish(nullptr, nullptr);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(s.message(), HasSubstr("1 gradients missing"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("1 parameter got no gradient this step (p1)"));
+}
+
+TEST(DdpReducer, FindUnusedParametersIsRefusedWithCompressionOrShardedState) {
+  auto params = MakeParameters({10});
+  FakeCommunicator comm;
+  for (DdpOptions o : {DdpOptions{.shard_optimizer = true, .find_unused_parameters = true},
+                       DdpOptions{.half = HalfFormat::kFp16, .find_unused_parameters = true}}) {
+    auto reducer = DdpReducer::Create(o, Raw(params), &comm);
+    ASSERT_FALSE(reducer.ok());
+    EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("plain allreduced buckets"));
+  }
 }
 
 TEST(DdpReducer, ACommunicatorFailureComesBackFromFinishNamingTheBucket) {
@@ -316,6 +328,42 @@ TEST(DdpReducer, PowerSgdAtFullRankAveragesAsAPlainAllreduceDoes) {
       }
     });
   }
+}
+
+// find_unused_parameters over 2 Gloo ranks: rank 0 skips p1, rank 1 skips
+// p1 and p2. Every bucket still finishes; p1, which no rank used, is
+// marked no_grad; p2 is averaged with rank 1's zero.
+TEST(DdpReducer, FindUnusedParametersFinishesEveryBucketAndMarksTheGloballyUnused) {
+  OnRanks(2, [](int rank, Communicator* comm) {
+    auto params = MakeParameters({10, 20, 30});
+    auto reducer = DdpReducer::Create({.bucket_mb = 0.0001, .find_unused_parameters = true},
+                                      Raw(params), comm);
+    ASSERT_TRUE(reducer.ok()) << reducer.status();
+    ASSERT_GT((*reducer)->num_buckets(), 1);
+    std::vector<bool> used = {true, false, rank == 0};
+    std::vector<Parameter*> unused = {params[1].get()};
+    if (rank == 1) unused.push_back(params[2].get());
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (int64_t k = 0; k < params[i]->grad.numel(); ++k) params[i]->grad[k] = used[i] ? 2.0f : 0;
+    }
+    (*reducer)->BeginBackward(true, 1.0f, used, unused);
+    for (int i = 2; i >= 0; --i) {
+      if (used[static_cast<size_t>(i)])
+        (*reducer)->OnGradReady(params[static_cast<size_t>(i)].get());
+    }
+    ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+    EXPECT_FALSE(params[0]->no_grad);
+    EXPECT_TRUE(params[1]->no_grad);
+    EXPECT_FALSE(params[2]->no_grad);
+    EXPECT_EQ(params[0]->grad[3], 2.0f);
+    EXPECT_EQ(params[2]->grad[3], 1.0f);
+    EXPECT_EQ((*reducer)->averaged_extra(), 1.0f);
+    // The next step uses everything again.
+    (*reducer)->BeginBackward(true, 0.0f, {true, true, true}, {});
+    for (int i = 2; i >= 0; --i) (*reducer)->OnGradReady(params[static_cast<size_t>(i)].get());
+    ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
+    EXPECT_FALSE(params[1]->no_grad);
+  });
 }
 
 // fp16 and bf16 buckets (DdpOptions::half): each averaged gradient lies
