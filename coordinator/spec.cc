@@ -508,6 +508,16 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
 // the GPU engine do not carry them yet.
 absl::Status ValidateResNet(const v1::JobSpec& spec) {
   const std::string& name = spec.model().name();
+  if (spec.ddp().sync_batchnorm()) {
+    if (!IsResNet(name)) {
+      return Invalid("ddp.sync_batchnorm", "applies to models with BatchNorm (resnet18, resnet50)");
+    }
+    if (spec.model().stochastic_depth() > 0) {
+      // Each rank skips its own blocks: their BatchNorms' collectives
+      // would not line up.
+      return Invalid("ddp.sync_batchnorm", "does not go with model.stochastic_depth");
+    }
+  }
   if (!IsResNet(name)) return absl::OkStatus();
   if (spec.device() == v1::JobSpec::GPU) {
     return Invalid("model.name", absl::StrCat(name, " runs on device: cpu for now"));

@@ -145,5 +145,28 @@ TEST_F(ResNetJobTest, StochasticDepthNeedsFindUnusedParameters) {
   EXPECT_FALSE(Run(spec).empty());
 }
 
+// ddp.sync_batchnorm: the BatchNorm layers' statistics go over a second
+// communicator of the ranks, beside DDP's.
+TEST_F(ResNetJobTest, SyncBatchNormTrainsOverACommunicatorOfItsOwn) {
+  v1::JobSpec spec = Spec();
+  spec.clear_checkpoint();
+  spec.set_max_steps(3);
+  spec.mutable_ddp()->set_sync_batchnorm(true);
+  spec.mutable_ddp()->set_broadcast_buffers(false);
+  const std::string id = Run(spec);
+  ASSERT_FALSE(id.empty());
+  std::string logs;
+  for (const char* w : {"w1", "w2"}) {
+    for (int rank : {0, 1}) {
+      logs += ReadFileOrEmpty(
+          absl::StrCat(cluster().WorkDir(w), "/logs/", id, "/gen-1/rank-", rank, ".log"));
+    }
+  }
+  int ranks = 0;
+  const std::string line = "sync batchnorm: statistics over every rank's batch";
+  for (size_t at = logs.find(line); at != std::string::npos; at = logs.find(line, at + 1)) ++ranks;
+  EXPECT_EQ(ranks, 2) << logs;
+}
+
 }  // namespace
 }  // namespace aidn::testing

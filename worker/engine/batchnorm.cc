@@ -1,9 +1,11 @@
 #include "worker/engine/batchnorm.h"
 
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "worker/engine/layers.h"
 
 namespace aidn::engine {
@@ -29,40 +31,92 @@ std::string BatchNorm2d::Describe() const {
                       ", momentum=", momentum_, ", affine=True, track_running_stats=True)");
 }
 
+void BatchNorm2d::Statistics(const Tensor& input, std::vector<double>* mean,
+                             std::vector<double>* m2, double* count) {
+  const int64_t n = input.dim(0);
+  const int64_t plane = input.dim(2) * input.dim(3);
+  const float* x = input.data();
+  *count = static_cast<double>(n * plane);
+  mean->assign(static_cast<size_t>(channels_), 0.0);
+  m2->assign(static_cast<size_t>(channels_), 0.0);
+  for (int64_t c = 0; c < channels_; ++c) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xc = x + (i * channels_ + c) * plane;
+      for (int64_t j = 0; j < plane; ++j) sum += xc[j];
+    }
+    const double m = *count > 0 ? sum / *count : 0.0;
+    double squares = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xc = x + (i * channels_ + c) * plane;
+      for (int64_t j = 0; j < plane; ++j) {
+        const double d = xc[j] - m;
+        squares += d * d;
+      }
+    }
+    (*mean)[static_cast<size_t>(c)] = m;
+    (*m2)[static_cast<size_t>(c)] = squares;
+  }
+  if (sync_ == nullptr || sync_->world_size() == 1) return;
+  // [mean (C), m2 (C), count] of every rank, combined in rank order.
+  const size_t block = 2 * static_cast<size_t>(channels_) + 1;
+  const size_t world = static_cast<size_t>(sync_->world_size());
+  exchange_.resize(block * world);
+  float* mine = exchange_.data() + block * static_cast<size_t>(sync_->rank());
+  for (int64_t c = 0; c < channels_; ++c) {
+    mine[c] = static_cast<float>((*mean)[static_cast<size_t>(c)]);
+    mine[channels_ + c] = static_cast<float>((*m2)[static_cast<size_t>(c)]);
+  }
+  mine[2 * channels_] = static_cast<float>(*count);
+  if (absl::Status s = sync_->AllGather(mine, block, exchange_.data()); !s.ok()) {
+    // The rank's own statistics; the step fails on the kept error.
+    if (sync_status_.ok()) sync_status_ = Annotate(s, "sync batchnorm statistics");
+    return;
+  }
+  for (int64_t c = 0; c < channels_; ++c) {
+    double n_a = 0, mean_a = 0, m2_a = 0;
+    for (size_t r = 0; r < world; ++r) {
+      const float* b = exchange_.data() + block * r;
+      const double n_b = b[2 * channels_];
+      if (n_b <= 0) continue;
+      const double total = n_a + n_b;
+      const double delta = b[c] - mean_a;
+      mean_a += delta * n_b / total;
+      m2_a += b[channels_ + c] + delta * delta * n_a * n_b / total;
+      n_a = total;
+    }
+    (*mean)[static_cast<size_t>(c)] = mean_a;
+    (*m2)[static_cast<size_t>(c)] = m2_a;
+    *count = n_a;
+  }
+}
+
 void BatchNorm2d::Forward(const Tensor& input, Tensor* output, bool training) {
   AIDN_CHECK(input.rank() == 4 && input.dim(1) == channels_)
       << Describe() << " got input " << input.ShapeString();
   const int64_t n = input.dim(0);
   const int64_t plane = input.dim(2) * input.dim(3);
-  const int64_t count = n * plane;
-  AIDN_CHECK(!training || count > 1)
-      << Describe() << ": training needs more than one value per channel, got input "
-      << input.ShapeString();
   EnsureShape(output, input.shape());
   input_ = &input;
   training_ = training;
+  std::vector<double> batch_mean, batch_m2;
+  double count = 0;
+  if (training) {
+    Statistics(input, &batch_mean, &batch_m2, &count);
+    AIDN_CHECK(count > 1) << Describe()
+                          << ": training needs more than one value per channel, got input "
+                          << input.ShapeString();
+    global_count_ = count;
+  }
   const float* x = input.data();
   float* y = output->data();
   for (int64_t c = 0; c < channels_; ++c) {
     double mean = running_mean_.value[c];
     double var = running_var_.value[c];
     if (training) {
-      double sum = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* xc = x + (i * channels_ + c) * plane;
-        for (int64_t j = 0; j < plane; ++j) sum += xc[j];
-      }
-      mean = sum / static_cast<double>(count);
-      double squares = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* xc = x + (i * channels_ + c) * plane;
-        for (int64_t j = 0; j < plane; ++j) {
-          const double d = xc[j] - mean;
-          squares += d * d;
-        }
-      }
-      var = squares / static_cast<double>(count);
-      const double unbiased = squares / static_cast<double>(count - 1);
+      mean = batch_mean[static_cast<size_t>(c)];
+      var = batch_m2[static_cast<size_t>(c)] / count;
+      const double unbiased = batch_m2[static_cast<size_t>(c)] / (count - 1);
       float& rm = running_mean_.value.data()[c];
       float& rv = running_var_.value.data()[c];
       rm = static_cast<float>((1.0 - momentum_) * rm + momentum_ * mean);
@@ -93,22 +147,48 @@ void BatchNorm2d::Backward(const Tensor& grad_output, Tensor* grad_input) {
   if (grad_input != nullptr) EnsureShape(grad_input, input_->shape());
   const float* x = input_->data();
   const float* g = grad_output.data();
+  // Per channel: sum(dy) and sum(dy * xhat), xhat = (x - mean) * invstd.
+  std::vector<double> sum_dy(static_cast<size_t>(channels_), 0.0);
+  std::vector<double> sum_dy_xhat(static_cast<size_t>(channels_), 0.0);
   for (int64_t c = 0; c < channels_; ++c) {
     const float mean = mean_[static_cast<size_t>(c)];
     const float invstd = invstd_[static_cast<size_t>(c)];
-    // sum(dy) and sum(dy * xhat), xhat = (x - mean) * invstd.
-    double sum_dy = 0;
-    double sum_dy_xhat = 0;
     for (int64_t i = 0; i < n; ++i) {
       const float* xc = x + (i * channels_ + c) * plane;
       const float* gc = g + (i * channels_ + c) * plane;
       for (int64_t j = 0; j < plane; ++j) {
-        sum_dy += gc[j];
-        sum_dy_xhat += static_cast<double>(gc[j]) * ((xc[j] - mean) * invstd);
+        sum_dy[static_cast<size_t>(c)] += gc[j];
+        sum_dy_xhat[static_cast<size_t>(c)] +=
+            static_cast<double>(gc[j]) * ((xc[j] - mean) * invstd);
       }
     }
-    weight_.grad.data()[c] += static_cast<float>(sum_dy_xhat);
-    bias_.grad.data()[c] += static_cast<float>(sum_dy);
+    // The rank's own, for DDP to average.
+    weight_.grad.data()[c] += static_cast<float>(sum_dy_xhat[static_cast<size_t>(c)]);
+    bias_.grad.data()[c] += static_cast<float>(sum_dy[static_cast<size_t>(c)]);
+  }
+  double total = count;
+  if (training_ && sync_ != nullptr && sync_->world_size() > 1 && grad_input != nullptr) {
+    // The input gradient needs the sums over every rank's batch.
+    exchange_.resize(2 * static_cast<size_t>(channels_));
+    for (int64_t c = 0; c < channels_; ++c) {
+      exchange_[static_cast<size_t>(c)] = static_cast<float>(sum_dy[static_cast<size_t>(c)]);
+      exchange_[static_cast<size_t>(channels_ + c)] =
+          static_cast<float>(sum_dy_xhat[static_cast<size_t>(c)]);
+    }
+    if (absl::Status s = sync_->AllReduce(exchange_.data(), exchange_.size(), ReduceOp::kSum);
+        !s.ok()) {
+      if (sync_status_.ok()) sync_status_ = Annotate(s, "sync batchnorm gradients");
+    } else {
+      for (int64_t c = 0; c < channels_; ++c) {
+        sum_dy[static_cast<size_t>(c)] = exchange_[static_cast<size_t>(c)];
+        sum_dy_xhat[static_cast<size_t>(c)] = exchange_[static_cast<size_t>(channels_ + c)];
+      }
+      total = global_count_;
+    }
+  }
+  for (int64_t c = 0; c < channels_; ++c) {
+    const float mean = mean_[static_cast<size_t>(c)];
+    const float invstd = invstd_[static_cast<size_t>(c)];
     if (grad_input == nullptr) continue;
     float* dx = grad_input->data();
     const float w = weight_.value[c];
@@ -124,8 +204,8 @@ void BatchNorm2d::Backward(const Tensor& grad_output, Tensor* grad_input) {
     }
     // dx = weight * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
     const float k = w * invstd;
-    const float mean_dy = static_cast<float>(sum_dy / count);
-    const float mean_dy_xhat = static_cast<float>(sum_dy_xhat / count);
+    const float mean_dy = static_cast<float>(sum_dy[static_cast<size_t>(c)] / total);
+    const float mean_dy_xhat = static_cast<float>(sum_dy_xhat[static_cast<size_t>(c)] / total);
     for (int64_t i = 0; i < n; ++i) {
       const float* xc = x + (i * channels_ + c) * plane;
       const float* gc = g + (i * channels_ + c) * plane;

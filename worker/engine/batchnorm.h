@@ -10,6 +10,15 @@
 //             batch's mean and unbiased variance;
 //   eval      the same with running_mean and running_var.
 //
+// SyncBatchNorm (SetBatchNormSync): in training the statistics are every
+// rank's batch's, as torch's SyncBatchNorm computes them: each rank's
+// per-channel mean, sum of squared deviations and count all-gathered and
+// combined in rank order (Chan et al.'s parallel variance), so every rank
+// normalises with the same numbers; backward sums sum(dy) and
+// sum(dy * xhat) over the ranks for the input gradient (the weight and bias
+// gradients stay the rank's own, for DDP to average). Every rank must run
+// the same BatchNorm layers in the same order.
+//
 // weight starts at 1 and bias at 0 (parameters); running_mean at 0 and
 // running_var at 1 (buffers, Layer::Buffers). Sums run in double, so the
 // statistics do not depend on the order of a channel's elements to float
@@ -18,6 +27,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "worker/engine/model.h"
@@ -33,6 +43,10 @@ class BatchNorm2d final : public Layer {
   void Backward(const Tensor& grad_output, Tensor* grad_input) override;
   std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
   std::vector<Parameter*> Buffers() override { return {&running_mean_, &running_var_}; }
+  void SetBatchNormSync(Communicator* comm) override { sync_ = comm; }
+  absl::Status TakeCollectiveStatus() override {
+    return std::exchange(sync_status_, absl::OkStatus());
+  }
 
   int64_t channels() const { return channels_; }
   Parameter& weight() { return weight_; }
@@ -54,6 +68,16 @@ class BatchNorm2d final : public Layer {
   bool training_ = false;
   std::vector<float> mean_;
   std::vector<float> invstd_;
+  // SyncBatchNorm: the communicator, the last training forward's count over
+  // every rank, staging for the collectives, and the first error.
+  Communicator* sync_ = nullptr;
+  double global_count_ = 0;
+  std::vector<float> exchange_;
+  absl::Status sync_status_;
+  // Per channel: the mean and the sum of squared deviations of this rank's
+  // values, combined with the other ranks' when synced.
+  void Statistics(const Tensor& input, std::vector<double>* mean, std::vector<double>* m2,
+                  double* count);
 };
 
 }  // namespace aidn::engine

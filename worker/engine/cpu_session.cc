@@ -218,6 +218,11 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
       reducer_->BeginBackward(last, last ? static_cast<float>(loss) : 0.0f, used, unused);
     }
     model_->BackwardLoss();
+    // SyncBatchNorm's collectives: the step is void after one failed.
+    if (absl::Status s = model_->TakeCollectiveStatus(); !s.ok()) {
+      if (reducer_ != nullptr) (void)reducer_->Finish(nullptr, nullptr);
+      return s;
+    }
   }
   if (fsdp_ != nullptr) {
     if (absl::Status s = fsdp_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {

@@ -119,6 +119,16 @@ std::vector<Parameter*> Sequential::UnusedParameters() const {
   return unused;
 }
 
+void Sequential::SetBatchNormSync(Communicator* comm) {
+  for (const std::unique_ptr<Layer>& layer : layers_) layer->SetBatchNormSync(comm);
+}
+
+absl::Status Sequential::TakeCollectiveStatus() {
+  absl::Status first;
+  for (const std::unique_ptr<Layer>& layer : layers_) first.Update(layer->TakeCollectiveStatus());
+  return first;
+}
+
 std::vector<Parameter*> Sequential::ParametersOf(size_t begin, size_t end) const {
   std::vector<Parameter*> params;
   for (size_t i = begin; i < end && i < layers_.size(); ++i) {

@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/engine/comm/communicator.h"
 #include "worker/engine/tensor.h"
 #include "worker/engine/units.h"
 
@@ -38,6 +40,12 @@ class Layer {
   // stochastic depth dropped): Backward leaves their gradients alone, and
   // Sequential does not report them ready.
   virtual std::vector<Parameter*> UnusedParameters() { return {}; }
+  // SyncBatchNorm: BatchNorm layers (also inside blocks) normalise with
+  // the statistics of every rank's batch over `comm` (not owned; null:
+  // each rank its own). A collective error is kept for
+  // TakeCollectiveStatus, which returns it once.
+  virtual void SetBatchNormSync(Communicator* /*comm*/) {}
+  virtual absl::Status TakeCollectiveStatus() { return absl::OkStatus(); }
   // Sequential offers each layer it is given to the last layer it runs
   // before it. Returning true means this layer takes `next`'s computation
   // over: its Forward then produces what `next` would have output, its
@@ -116,6 +124,10 @@ class Sequential {
   // The parameters the last forward's layers did not use
   // (Layer::UnusedParameters).
   std::vector<Parameter*> UnusedParameters() const;
+  // Layer::SetBatchNormSync on every layer; the first layer's collective
+  // error (Layer::TakeCollectiveStatus), once.
+  void SetBatchNormSync(Communicator* comm);
+  absl::Status TakeCollectiveStatus();
   int64_t ParameterCount() const;
   std::string Describe() const;
 

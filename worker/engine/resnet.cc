@@ -142,6 +142,20 @@ std::vector<Parameter*> ResidualBlock::UnusedParameters() {
   return params;
 }
 
+void ResidualBlock::SetBatchNormSync(Communicator* comm) {
+  for (NamedLayers* layers : {&main_, &shortcut_}) {
+    for (auto& [name, layer] : *layers) layer->SetBatchNormSync(comm);
+  }
+}
+
+absl::Status ResidualBlock::TakeCollectiveStatus() {
+  absl::Status first;
+  for (NamedLayers* layers : {&main_, &shortcut_}) {
+    for (auto& [name, layer] : *layers) first.Update(layer->TakeCollectiveStatus());
+  }
+  return first;
+}
+
 std::vector<Conv2d*> ResidualBlock::Convolutions() {
   std::vector<Conv2d*> convs;
   for (NamedLayers* layers : {&main_, &shortcut_}) {

@@ -57,6 +57,8 @@ class ResidualBlock final : public Layer {
   std::vector<Parameter*> Buffers() override;
   std::vector<Parameter*> UnusedParameters() override;
   void SetSeed(uint64_t seed) override { rng_.seed(seed); }
+  void SetBatchNormSync(Communicator* comm) override;
+  absl::Status TakeCollectiveStatus() override;
 
   int64_t out_planes() const { return out_planes_; }
   // The convolutions in registration order (for initialisation).

@@ -37,6 +37,9 @@ class TrainableModel {
   // The parameters the last ForwardLoss did not use (stochastic depth);
   // BackwardLoss reports no gradient of theirs ready.
   virtual std::vector<Parameter*> UnusedParameters() const { return {}; }
+  // The first error of a collective inside the model (SyncBatchNorm) since
+  // the last call; OK by default.
+  virtual absl::Status TakeCollectiveStatus() { return absl::OkStatus(); }
   virtual void SetGradReadyCallback(GradReadyCallback callback) = 0;
   // units.h: the groups fully sharded strategies gather and free together,
   // and the hooks the model calls around them (not owned; null: none).
@@ -62,6 +65,7 @@ class Classifier final : public TrainableModel {
   const std::vector<Parameter*>& Parameters() const override { return model_->Parameters(); }
   std::vector<Parameter*> Buffers() const override { return model_->Buffers(); }
   std::vector<Parameter*> UnusedParameters() const override { return model_->UnusedParameters(); }
+  absl::Status TakeCollectiveStatus() override { return model_->TakeCollectiveStatus(); }
   void SetGradReadyCallback(GradReadyCallback callback) override {
     model_->SetGradReadyCallback(std::move(callback));
   }

@@ -294,6 +294,18 @@ std::optional<Failure> RankTraining::BuildSession() {
   owned_optimizer_ = *std::move(optimizer);
   optimizer_ = owned_optimizer_.get();
   if (spec_.device() == v1::JobSpec::GPU) return std::nullopt;  // SetupGpu, after the resume
+  if (spec_.ddp().sync_batchnorm() && rendezvous_.world_size() > 1) {
+    // Its own communicator: the statistics' collectives run on the
+    // training thread while DDP's buckets go on the reducer's.
+    engine::CpuCommunicatorOptions bn = comm_options_;
+    bn.gloo.prefix = "gloo-syncbn";
+    absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(bn, kv_.get());
+    if (!comm.ok()) return FailureFor(comm.status(), "sync_batchnorm communicator");
+    bn_comm_ = std::move(comm->communicator);
+    task_->mutable_sequential()->SetBatchNormSync(bn_comm_.get());
+    AIDN_LOG(INFO) << "sync batchnorm: statistics over every rank's batch"
+                   << Kv("transport", comm->transport);
+  }
   absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
       engine::CpuSession::Create(o, &task_->model(), optimizer_);
   if (!session.ok()) return Failure{kExitPermanent, session.status()};

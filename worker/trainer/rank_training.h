@@ -126,7 +126,8 @@ class RankTraining {
   std::optional<Failure> Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps);
   // Collectives completed, CPU and GPU ones together.
   int64_t CollectiveSequence() const {
-    return comm_->sequence() + (gpu_ != nullptr ? gpu_->collective_sequence() : 0);
+    return comm_->sequence() + (gpu_ != nullptr ? gpu_->collective_sequence() : 0) +
+           (bn_comm_ != nullptr ? bn_comm_->sequence() : 0);
   }
 
   const TrainerOptions options_;
@@ -138,6 +139,8 @@ class RankTraining {
   // The model and its data.
   std::unique_ptr<TrainingTask> task_;
   std::unique_ptr<engine::Communicator> comm_;
+  // ddp.sync_batchnorm: the BatchNorm layers' own.
+  std::unique_ptr<engine::Communicator> bn_comm_;
   // The optimizer: owned here (DDP), or the session's (ZeRO-1: over this
   // rank's shards).
   std::unique_ptr<engine::Optimizer> owned_optimizer_;

@@ -243,12 +243,21 @@ TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
          s->mutable_ddp()->set_compression(v1::DdpSpec::BF16);
        },
        "ddp.find_unused_parameters: does not go with compression: bf16 yet"},
+      {[](JobSpec* s) {
+         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
+         s->mutable_ddp()->set_sync_batchnorm(true);
+         s->mutable_model()->set_stochastic_depth(0.1);
+       },
+       "ddp.sync_batchnorm: does not go with model.stochastic_depth"},
   };
   for (const Case& c : cases) {
     JobSpec bad = Spec("resnet18", [](JobSpec*) {});
     c.edit(&bad);
     EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, bad).message()), c.message);
   }
+  const JobSpec mlp = Spec("mlp", [](JobSpec* s) { s->mutable_ddp()->set_sync_batchnorm(true); });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, mlp).message()),
+            "ddp.sync_batchnorm: applies to models with BatchNorm (resnet18, resnet50)");
   const JobSpec cnn =
       Spec("cnn", [](JobSpec* s) { s->mutable_model()->set_stochastic_depth(0.1); });
   EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, cnn).message()),
