@@ -72,21 +72,14 @@ inline float HalfToFloat(uint16_t half, HalfFormat format) {
   return format == HalfFormat::kFp16 ? Fp16ToFloat(half) : Bf16ToFloat(half);
 }
 
-// out[i] = half(in[i] * scale).
-inline void ToHalf(const float* in, size_t count, float scale, HalfFormat format, uint16_t* out) {
-  if (format == HalfFormat::kFp16) {
-    for (size_t i = 0; i < count; ++i) out[i] = FloatToFp16(in[i] * scale);
-  } else {
-    for (size_t i = 0; i < count; ++i) out[i] = FloatToBf16(in[i] * scale);
-  }
-}
-inline void FromHalf(const uint16_t* in, size_t count, HalfFormat format, float* out) {
-  if (format == HalfFormat::kFp16) {
-    for (size_t i = 0; i < count; ++i) out[i] = Fp16ToFloat(in[i]);
-  } else {
-    for (size_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(in[i]);
-  }
-}
+// Bulk conversions (half.cc; vectorised, as the scalar ones round):
+// out[i] = half(in[i] * scale); out[i] = float(in[i]); acc[i] += float(in[i]);
+// out[i] = half(float(a[i]) + float(b[i])).
+void ToHalf(const float* in, size_t count, float scale, HalfFormat format, uint16_t* out);
+void FromHalf(const uint16_t* in, size_t count, HalfFormat format, float* out);
+void AddHalves(const uint16_t* in, size_t count, HalfFormat format, float* acc);
+void SumHalves(const uint16_t* a, const uint16_t* b, size_t count, HalfFormat format,
+               uint16_t* out);
 
 }  // namespace aidn::engine
 

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -64,6 +66,59 @@ TEST(Bf16, EveryHalfSurvivesTheRoundTrip) {
     const float f = Bf16ToFloat(half);
     if (std::isnan(f)) continue;
     ASSERT_EQ(FloatToBf16(f), half) << std::hex << h;
+  }
+}
+
+// The bulk conversions (vectorised, without branches) give the scalar
+// ones' bits: every half, and floats across every binade, NaN, infinities
+// and fp32 subnormals.
+TEST(Half, BulkConversionsMatchTheScalarOnes) {
+  std::vector<uint16_t> halves(65536);
+  for (uint32_t h = 0; h <= 0xffff; ++h) halves[h] = static_cast<uint16_t>(h);
+  std::vector<float> floats;
+  std::mt19937 gen(3);
+  for (int i = 0; i < 200'000; ++i)
+    floats.push_back(std::bit_cast<float>(static_cast<uint32_t>(gen())));
+  for (float f : {0.0f, -0.0f, 65504.0f, 65520.0f, 1e-8f, std::ldexp(1.0f, -25),
+                  std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::denorm_min()}) {
+    floats.push_back(f);
+  }
+  for (HalfFormat format : {HalfFormat::kFp16, HalfFormat::kBf16}) {
+    std::vector<float> wide(halves.size());
+    FromHalf(halves.data(), halves.size(), format, wide.data());
+    for (size_t i = 0; i < halves.size(); ++i) {
+      const float want = HalfToFloat(halves[i], format);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(wide[i]));
+        continue;
+      }
+      ASSERT_EQ(std::bit_cast<uint32_t>(wide[i]), std::bit_cast<uint32_t>(want))
+          << HalfFormatName(format) << " " << std::hex << i;
+    }
+    std::vector<uint16_t> narrow(floats.size());
+    ToHalf(floats.data(), floats.size(), 1.0f, format, narrow.data());
+    for (size_t i = 0; i < floats.size(); ++i) {
+      // (A NaN's payload may differ: the F16C instructions keep it.)
+      if (std::isnan(floats[i])) {
+        ASSERT_TRUE(std::isnan(HalfToFloat(narrow[i], format)));
+        continue;
+      }
+      ASSERT_EQ(narrow[i], FloatToHalf(floats[i], format))
+          << HalfFormatName(format) << " " << floats[i];
+    }
+    std::vector<uint16_t> sum(halves.size());
+    std::vector<uint16_t> reversed(halves.rbegin(), halves.rend());
+    SumHalves(halves.data(), reversed.data(), halves.size(), format, sum.data());
+    std::vector<float> acc(halves.size(), 1.0f);
+    AddHalves(halves.data(), halves.size(), format, acc.data());
+    for (size_t i = 0; i < halves.size(); ++i) {
+      const float a = HalfToFloat(halves[i], format);
+      const uint16_t want = FloatToHalf(a + HalfToFloat(reversed[i], format), format);
+      if (std::isnan(HalfToFloat(want, format))) continue;
+      ASSERT_EQ(sum[i], want) << HalfFormatName(format) << " " << i;
+      if (!std::isnan(a)) ASSERT_EQ(acc[i], 1.0f + a);
+    }
   }
 }
 

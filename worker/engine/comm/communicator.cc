@@ -24,11 +24,9 @@ absl::Status Communicator::AllReduceHalf(uint16_t* data, size_t count, HalfForma
   }
   std::vector<float> sum(count, 0.0f);
   std::vector<uint16_t> halves(count);
-  std::vector<float> block(count);
   for (size_t r = 0; r < world; ++r) {
     if (count > 0) std::memcpy(halves.data(), gathered.data() + r * words, count * 2);
-    FromHalf(halves.data(), count, format, block.data());
-    for (size_t i = 0; i < count; ++i) sum[i] += block[i];
+    AddHalves(halves.data(), count, format, sum.data());
   }
   ToHalf(sum.data(), count, 1.0f, format, data);
   return absl::OkStatus();

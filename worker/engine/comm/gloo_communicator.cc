@@ -74,13 +74,9 @@ void SumFloats(void* c, const void* a, const void* b, size_t n) {
 
 // The same for 16-bit floats: each sum in float, rounded to the format.
 template <HalfFormat kFormat>
-void SumHalves(void* c, const void* a, const void* b, size_t n) {
-  uint16_t* out = static_cast<uint16_t*>(c);
-  const uint16_t* x = static_cast<const uint16_t*>(a);
-  const uint16_t* y = static_cast<const uint16_t*>(b);
-  for (size_t i = 0; i < n; ++i) {
-    out[i] = FloatToHalf(HalfToFloat(x[i], kFormat) + HalfToFloat(y[i], kFormat), kFormat);
-  }
+void SumHalfFloats(void* c, const void* a, const void* b, size_t n) {
+  SumHalves(static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), n, kFormat,
+            static_cast<uint16_t*>(c));
 }
 
 void AddInto(float* __restrict acc, const float* __restrict x, size_t n) {
@@ -232,8 +228,8 @@ class GlooCommunicator final : public Communicator {
           gloo::AllreduceOptions opts(context_);
           opts.setOutput<uint16_t>(data, count);
           opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
-          opts.setReduceFunction(format == HalfFormat::kFp16 ? &SumHalves<HalfFormat::kFp16>
-                                                             : &SumHalves<HalfFormat::kBf16>);
+          opts.setReduceFunction(format == HalfFormat::kFp16 ? &SumHalfFloats<HalfFormat::kFp16>
+                                                             : &SumHalfFloats<HalfFormat::kBf16>);
           opts.setTag(NextTag());
           opts.setTimeout(timeout_);
           gloo::allreduce(opts);
