@@ -8,7 +8,7 @@
 // left out. This is the engine's side of bench/torch_peer.py --world 1,
 // which times the same step in torch.
 //
-//   build/bench/engine_step --model mlp|cnn [--steps 2000] [--threads 1]
+//   build/bench/engine_step --model mlp|cnn|resnet18|resnet50 [--steps 2000] [--threads 1]
 //                           [--batch 64] [--warmup-frac 0.1] [--json]
 //
 // Timing as torch_peer.py: a timestamp after every optimizer step, the first
@@ -72,9 +72,9 @@ double Median(std::vector<double> v) {
 void PrintUsage(std::FILE* out, const char* argv0) {
   const Options d;
   std::fprintf(out,
-               "usage: %s --model mlp|cnn [--steps N] [--threads T] [--batch B]\n"
+               "usage: %s --model mlp|cnn|resnet18|resnet50 [--steps N] [--threads T] [--batch B]\n"
                "          [--warmup-frac F] [--seed S] [--data DIR] [--json]\n"
-               "  --model        mlp or cnn (default: %s)\n"
+               "  --model        mlp, cnn, resnet18 or resnet50 (default: %s)\n"
                "  --steps        training steps (default: %lld)\n"
                "  --threads      CPU threads (default: %d)\n"
                "  --batch        batch size (default: %lld)\n"
