@@ -1,7 +1,5 @@
 #include "worker/engine/layers.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <sstream>
 
@@ -29,8 +27,6 @@ using cpu::ReluKernel;
 using cpu::SumKernel;
 
 namespace {
-
-int Int(int64_t v) { return static_cast<int>(v); }
 
 std::string FormatDouble(double v) {
   std::ostringstream os;
@@ -265,8 +261,7 @@ void Conv2d::Forward(const Tensor& input, Tensor* output, bool /*training*/) {
     // conv [O, chunk*P] = W [O, CK] x columns [CK, chunk*P]. One sample's
     // [O, P] is its NCHW output already, unless a pool follows.
     float* conv = n1 - n0 == 1 && !fused_pool_ ? y + n0 * out_ * y_plane : rows_.data();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Int(out_), Int(ld), Int(ck), 1.0f, w,
-                Int(ck), col, Int(ld), 0.0f, conv, Int(ld));
+    Sgemm(false, false, out_, ld, ck, 1.0f, w, ck, col, ld, 0.0f, conv, ld);
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t o = 0; o < out_; ++o) {
         Epilogue(conv + o * ld + (n - n0) * plane, n, o, y + (n * out_ + o) * y_plane);
@@ -325,13 +320,11 @@ void Conv2d::Backward(const Tensor& grad_output, Tensor* grad_input) {
     // they cost less than a round trip of the whole batch's through memory.
     for (int64_t n = n0; n < n1; ++n) Im2Col(x + n * in_sample, s, col + (n - n0) * plane, ld);
     // dW [O, CK] += dconv [O, chunk*P] x columns^T [chunk*P, CK]
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Int(out_), Int(ck), Int(ld), 1.0f, dconv,
-                Int(ld), col, Int(ld), 1.0f, gw, Int(ck));
+    Sgemm(false, true, out_, ck, ld, 1.0f, dconv, ld, col, ld, 1.0f, gw, ck);
     if (gx == nullptr) continue;
     // dcolumns [CK, chunk*P] = W^T [CK, O] x dconv [O, chunk*P], then col2im.
     float* gcol = grad_columns_.data();
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Int(ck), Int(ld), Int(out_), 1.0f, w,
-                Int(ck), dconv, Int(ld), 0.0f, gcol, Int(ld));
+    Sgemm(true, false, ck, ld, out_, 1.0f, w, ck, dconv, ld, 0.0f, gcol, ld);
     for (int64_t n = n0; n < n1; ++n) {
       float* gx_n = gx + n * in_sample;
       std::fill(gx_n, gx_n + in_sample, 0.0f);

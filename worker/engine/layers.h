@@ -83,7 +83,8 @@ class ReLU final : public Layer {
 
 // 2-D convolution (cross-correlation, as torch), square kernel, stride and
 // zero padding. Input [N, C, H, W], output [N, O, OH, OW] with
-// OH = (H + 2 padding - kernel) / stride + 1. Implemented as im2col + GEMM,
+// OH = (H + 2 padding - kernel) / stride + 1. Implemented as im2col + GEMM
+// (gemm.h: oneDNN where every dimension is at least 32, else OpenBLAS),
 // a chunk of samples at a time so that each chunk's columns, GEMM output
 // and their gradients stay in cache (L2) between the passes over them:
 //   P = OH * OW >= kPerSampleMinPlane  one sample per chunk: the GEMM's rows
