@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "aidnctl/spec_io.h"
 #include "common/status.h"
+#include "coordinator/scaling_report.h"
 
 namespace aidn::ctl {
 namespace {
@@ -214,34 +215,6 @@ std::string CheckpointsTable(
   return FormatTable({"STEP", "GEN", "COMMITTED", "CREATED", "BYTES", "PATH", "NOTE"}, rows);
 }
 
-namespace {
-
-// A succeeded job's throughput (Job.throughput), "-" before.
-std::string ThroughputText(const v1::Throughput& t) {
-  if (t.steps() == 0) return "-";
-  std::string text = absl::StrFormat("%.1f samples/s", t.samples_per_second());
-  if (t.tokens_per_second() > 0) {
-    absl::StrAppendFormat(&text, ", %.0f tokens/s", t.tokens_per_second());
-  }
-  absl::StrAppend(&text, " over ", t.steps(), " steps at ", t.world_size(),
-                  t.world_size() == 1 ? " rank" : " ranks");
-  return text;
-}
-
-// Its scaling efficiency against its baseline, or why there is none.
-std::string ScalingText(const v1::Throughput& t) {
-  if (!t.baseline_job().empty()) {
-    return absl::StrFormat("efficiency %.2f against %s (%d %s, %.1f samples/s)",
-                           t.scaling_efficiency(), t.baseline_job(), t.baseline_world_size(),
-                           t.baseline_world_size() == 1 ? "rank" : "ranks",
-                           t.baseline_samples_per_second());
-  }
-  if (!t.note().empty()) return t.note();
-  return t.steps() == 0 ? "-" : "no baseline (no succeeded 1-rank job of the same spec)";
-}
-
-}  // namespace
-
 absl::StatusOr<std::string> DescribeJob(const v1::Job& job, absl::Time now) {
   const std::string restarts =
       job.spec().has_max_restarts()
@@ -269,8 +242,9 @@ absl::StatusOr<std::string> DescribeJob(const v1::Job& job, absl::Time now) {
       {"Started", TimeWithAge(job.started_at(), now)},
       {"Updated", TimeWithAge(job.updated_at(), now)},
       {"Finished", TimeWithAge(job.finished_at(), now)},
-      {"Throughput", ThroughputText(job.throughput())},
-      {"Scaling", ScalingText(job.throughput())},
+      // Set as the job succeeds.
+      {"Throughput",
+       job.throughput().steps() > 0 ? coordinator::ThroughputLine(job.throughput()) : "-"},
   };
   size_t width = 0;
   for (const auto& [key, value] : fields) width = std::max(width, key.size() + 1);

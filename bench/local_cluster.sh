@@ -1,7 +1,8 @@
 # Sourced by the benchmarks that run real aidn jobs: a coordinator and one
 # worker with SLOTS CPU slots on loopback, in a fresh RUN directory (kept
 # with KEEP=1), both stopped on exit. Needs BUILD set; exports AIDN_ADDR
-# and AIDN_TOKEN, sets AIDNCTL, and waits until the worker is ALIVE.
+# and AIDN_TOKEN, sets AIDNCTL, waits until the worker is ALIVE, and
+# defines run_job (below).
 #   SLOTS=2 source "$ROOT/bench/local_cluster.sh" aidn-name
 AIDNCTL=$BUILD/aidnctl/aidnctl
 for bin in "$BUILD/coordinator/aidn-coordinator" "$BUILD/worker/aidn-worker" "$AIDNCTL"; do
@@ -31,3 +32,16 @@ env -u LD_LIBRARY_PATH "$BUILD/worker/aidn-worker" --coordinator="$AIDN_ADDR" \
   --work-dir="$RUN/w1" >"$RUN/worker.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 100); do "$AIDNCTL" workers 2>/dev/null | grep -q ALIVE && break; sleep 0.1; done
+
+# Submits the spec file $1 and waits (up to an hour) for the job to end;
+# prints "JOB STATE".
+run_job() {
+  local job state=""
+  job=$("$AIDNCTL" -o json submit -f "$1" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
+  for _ in $(seq 7200); do
+    state=$("$AIDNCTL" -o json describe "$job" | grep -m1 -o '"state": "[A-Z_]*"' | cut -d'"' -f4)
+    case $state in SUCCEEDED | FAILED | CANCELLED) break ;; esac
+    sleep 0.5
+  done
+  echo "$job $state"
+}

@@ -58,12 +58,7 @@ EOF
 run_aidn() {  # model world
   local spec=$RUN/$1-w$2.yaml job state
   spec_of "$1" "$2" >"$spec"
-  job=$("$AIDNCTL" -o json submit -f "$spec" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
-  for _ in $(seq 3600); do
-    state=$("$AIDNCTL" -o json describe "$job" | grep -m1 -o '"state": "[A-Z_]*"' | cut -d'"' -f4)
-    case $state in SUCCEEDED | FAILED | CANCELLED) break ;; esac
-    sleep 0.5
-  done
+  read -r job state <<<"$(run_job "$spec")"
   if [[ $state != SUCCEEDED ]]; then
     echo "aidn $1 at $2 ranks: job $job ended $state" >&2
     echo '{}'

@@ -38,7 +38,7 @@ std::string ScalingKey(const v1::JobSpec& spec);
 // with a throughput). A baseline without one sets `note` instead.
 void CompareWithBaseline(const v1::Job& baseline, v1::Throughput* t);
 
-// One line for the job's event and the trainer-style summary:
+// One line for the job's event and `aidnctl describe`:
 // "2,345.6 samples/s over 300 steps at 2 ranks; scaling efficiency 0.91
 // against job-3 (1 rank, 1,290.4 samples/s)".
 std::string ThroughputLine(const v1::Throughput& t);

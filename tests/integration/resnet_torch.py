@@ -16,8 +16,6 @@
 #       writes DIR/torch.safetensors: "logits", "loss", "eval_logits", every
 #       gradient as "grad.<name>" and every buffer after the training
 #       forward under its name.
-import json
-import struct
 import sys
 
 import torch
@@ -25,34 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
-
-def load(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = info["data_offsets"]
-        t = torch.frombuffer(bytearray(raw[8 + n + a:8 + n + b]), dtype=torch.float32)
-        out[name] = t.reshape(info["shape"]).clone()
-    return out
-
-
-def save(path, tensors):
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        b = t.detach().contiguous().to(torch.float32).numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    text = json.dumps(header).encode("utf-8")
-    text += b" " * ((8 - len(text) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+# The safetensors reader and writer of the GPT oracle beside this script.
+from gpt_torch import load, save
 
 
 KINK_MARGIN = 1e-5
@@ -92,7 +64,7 @@ def main():
     model = getattr(torchvision.models, name)(num_classes=classes)
     model.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
-    missing, unexpected = model.load_state_dict(load(d + "/init.safetensors"), strict=False)
+    missing, unexpected = model.load_state_dict(load(d + "/init.safetensors")[0], strict=False)
     missing = [k for k in missing if not k.endswith("num_batches_tracked")]
     if missing or unexpected:
         sys.exit(f"state dict mismatch: missing {missing}, unexpected {unexpected}")

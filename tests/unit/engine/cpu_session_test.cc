@@ -65,6 +65,17 @@ Batch MakeBatch(uint32_t seed) {
   return b;
 }
 
+// Rank r of n in a thread, over `store`.
+absl::StatusOr<std::unique_ptr<Communicator>> GlooRank(int r, int n, const char* prefix,
+                                                       InMemoryKeyValueStore* store) {
+  GlooOptions options;
+  options.rank = r;
+  options.world_size = n;
+  options.timeout = std::chrono::seconds(30);
+  options.prefix = prefix;
+  return CreateGlooCommunicator(options, store);
+}
+
 void ExpectSameWeights(const Sequential& a, const Sequential& b) {
   ASSERT_EQ(a.Parameters().size(), b.Parameters().size());
   for (size_t i = 0; i < a.Parameters().size(); ++i) {
@@ -237,12 +248,8 @@ TEST(CpuSession, TwoGlooRanksApplyTheAverageOfTheirGradients) {
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       ConfigureCpu(1);
-      GlooOptions options;
-      options.rank = r;
-      options.world_size = kRanks;
-      options.timeout = std::chrono::seconds(30);
-      options.prefix = "cpu-session-test";
-      absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, &store);
+      absl::StatusOr<std::unique_ptr<Communicator>> comm =
+          GlooRank(r, kRanks, "cpu-session-test", &store);
       ASSERT_TRUE(comm.ok()) << comm.status();
       Net& net = nets[static_cast<size_t>(r)];
       net = Net::Make();
@@ -298,13 +305,8 @@ TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward
     std::vector<std::thread> threads;
     for (int r = 0; r < kRanks; ++r) {
       threads.emplace_back([&, r] {
-        GlooOptions options;
-        options.rank = r;
-        options.world_size = kRanks;
-        options.timeout = std::chrono::seconds(30);
-        options.prefix = "buffers-test";
         absl::StatusOr<std::unique_ptr<Communicator>> comm =
-            CreateGlooCommunicator(options, &store);
+            GlooRank(r, kRanks, "buffers-test", &store);
         ASSERT_TRUE(comm.ok()) << comm.status();
         Sequential model;
         model.Add(std::make_unique<Conv2d>(1, 4, 3, 1, 1, /*bias=*/false));
@@ -365,13 +367,8 @@ TEST(CpuSession, FindUnusedParametersLetsRanksSkipDifferentResidualBranches) {
     std::vector<std::thread> threads;
     for (int r = 0; r < kRanks; ++r) {
       threads.emplace_back([&, r] {
-        GlooOptions options;
-        options.rank = r;
-        options.world_size = kRanks;
-        options.timeout = std::chrono::seconds(30);
-        options.prefix = "unused-test";
         absl::StatusOr<std::unique_ptr<Communicator>> comm =
-            CreateGlooCommunicator(options, &store);
+            GlooRank(r, kRanks, "unused-test", &store);
         ASSERT_TRUE(comm.ok()) << comm.status();
         std::unique_ptr<Sequential> model = *BuildModel(config, 4);
         Classifier classifier(model.get());
