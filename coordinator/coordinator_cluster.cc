@@ -577,7 +577,7 @@ void Coordinator::LoadAwaitingCheckpoints(JobEntry* entry, Deferred* deferred) {
 }
 
 MetricsDurable Coordinator::DurableInMemory(JobEntry* entry) {
-  return [this, entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  return [entry](int64_t step, int64_t generation) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     // Only what this generation stored counts: its checkpoints lie past the
     // step it resumed from, whose steps an earlier generation stored, and
     // the coordinator's idea of that step may be wrong (a checkpoint rank 0

@@ -21,7 +21,12 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAIDN_ENABLE_CUDA=OFF \
   -DAIDN_ENGINE_ONLY=OFF -DAIDN_BUILD_TESTS=OFF -DAIDN_SANITIZE=ON -DAIDN_FUZZ=ON >/dev/null
 targets=(safetensors manifest idx text c10d spec grpc)
-ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >/dev/null
+# Ninja writes compiler errors to stdout: kept in a log, shown on failure.
+if ! ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >"$BUILD/build.log" 2>&1; then
+  echo "fuzz: building the targets failed; the end of $BUILD/build.log:" >&2
+  tail -60 "$BUILD/build.log" >&2
+  exit 1
+fi
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

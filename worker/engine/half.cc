@@ -3,6 +3,7 @@
 #include "worker/engine/simd.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -117,8 +118,15 @@ AIDN_F16C void SumFp16F16c(const uint16_t* a, const uint16_t* b, size_t n, uint1
   for (; i < n; ++i) out[i] = FloatToFp16(Fp16ToFloat(a[i]) + Fp16ToFloat(b[i]));
 }
 
+// GCC's __builtin_cpu_supports knows "f16c", clang 14's does not: the bit
+// is read from CPUID leaf 1 (ECX bit 29); "avx2" also covers the OS saving
+// the YMM registers.
 bool HaveF16c() {
-  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool have = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    return __builtin_cpu_supports("avx2") && (ecx & bit_F16C) != 0;
+  }();
   return have;
 }
 #else

@@ -117,7 +117,9 @@ TEST(Half, BulkConversionsMatchTheScalarOnes) {
       const uint16_t want = FloatToHalf(a + HalfToFloat(reversed[i], format), format);
       if (std::isnan(HalfToFloat(want, format))) continue;
       ASSERT_EQ(sum[i], want) << HalfFormatName(format) << " " << i;
-      if (!std::isnan(a)) ASSERT_EQ(acc[i], 1.0f + a);
+      if (!std::isnan(a)) {
+        ASSERT_EQ(acc[i], 1.0f + a);
+      }
     }
   }
 }
