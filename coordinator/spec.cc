@@ -124,8 +124,12 @@ std::string EnumName(NameFn name_fn, int value) {
 }
 
 absl::Status ValidateModel(const v1::ModelSpec& model) {
-  if (model.stochastic_depth() != 0 && !IsResNet(model.name())) {
-    return Invalid("model.stochastic_depth", "applies to resnet18 and resnet50 only");
+  if (model.stochastic_depth() != 0) {
+    if (!IsResNet(model.name()) && model.name() != kGptModel) {
+      return Invalid("model.stochastic_depth", "applies to resnet18, resnet50 and gpt only");
+    }
+    AIDN_RETURN_IF_ERROR(CheckRealRange("model.stochastic_depth", model.stochastic_depth(), 0, 1,
+                                        /*hi_inclusive=*/false));
   }
   if (model.name().empty()) {
     return Invalid("model.name", "required (known: mlp, cnn, resnet18, resnet50, gpt)");
@@ -148,10 +152,6 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
     }
     if (IsResNet(model.name()) && model.dropout() != 0) {
       return Invalid("model.dropout", absl::StrCat(model.name(), " has no dropout"));
-    }
-    if (IsResNet(model.name())) {
-      AIDN_RETURN_IF_ERROR(CheckRealRange("model.stochastic_depth", model.stochastic_depth(), 0, 1,
-                                          /*hi_inclusive=*/false));
     }
   } else {
     return Invalid("model.name", absl::StrCat("unknown model ", Quote(model.name()),
@@ -503,6 +503,20 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
   return CheckIntRange("ddp.powersgd_start_step", d.powersgd_start_step(), 0, kMaxSteps);
 }
 
+// Skipped blocks leave parameters without gradients: DDP's
+// find_unused_parameters copes, the sharded strategies and the
+// model-parallel schedules do not yet.
+absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
+  if (spec.model().stochastic_depth() <= 0) return absl::OkStatus();
+  if (spec.strategy() != v1::JobSpec::DDP) {
+    return Invalid("model.stochastic_depth", "trains with strategy: ddp only for now");
+  }
+  if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
+    return Invalid("model.stochastic_depth", "does not combine with parallel: yet");
+  }
+  return absl::OkStatus();
+}
+
 // A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
 // 0 writes the whole model); sharded and model-parallel checkpoints and
 // the GPU engine do not carry them yet.
@@ -608,6 +622,7 @@ absl::Status ValidateTrainerFields(const v1::JobSpec& spec) {
   AIDN_RETURN_IF_ERROR(ValidateParallel(spec));
   AIDN_RETURN_IF_ERROR(ValidateDdp(spec));
   AIDN_RETURN_IF_ERROR(ValidateResNet(spec));
+  AIDN_RETURN_IF_ERROR(ValidateStochasticDepth(spec));
   AIDN_RETURN_IF_ERROR(ValidatePrecision(spec));
   AIDN_RETURN_IF_ERROR(ValidateCommBackend(spec));
   return ValidateGpuOnlySwitches(spec);

@@ -4,6 +4,7 @@
 // with them, and a job resumed from its middle checkpoint ends with the
 // same weights and statistics, bit for bit.
 
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,36 @@ TEST_F(ResNetJobTest, StochasticDepthNeedsFindUnusedParameters) {
   EXPECT_EQ(failed.restarts(), 0);
   EXPECT_THAT(failed.message(), ::testing::HasSubstr("got no gradient this step (layer"));
   EXPECT_THAT(failed.message(), ::testing::HasSubstr("find_unused_parameters"));
+
+  spec.mutable_ddp()->set_find_unused_parameters(true);
+  EXPECT_FALSE(Run(spec).empty());
+}
+
+// The GPT's stochastic depth skips whole blocks, each rank its own: the
+// same failure naming the skipped blocks' parameters without
+// find_unused_parameters, and training with it.
+TEST_F(ResNetJobTest, AGptSkippingWholeBlocksNeedsFindUnusedParameters) {
+  const std::string corpus = cluster().Path("corpus.txt");
+  {
+    std::ofstream out(corpus);
+    for (int i = 0; i < 400; ++i) out << "Every morning the old man walked to the river. ";
+  }
+  v1::JobSpec spec = Spec();
+  spec.clear_checkpoint();
+  spec.clear_eval_max_samples();
+  spec.set_max_steps(4);
+  spec.mutable_model()->Clear();
+  spec.mutable_model()->set_name("gpt");
+  spec.mutable_model()->set_config("gpt-nano");
+  spec.mutable_model()->set_stochastic_depth(0.5);
+  spec.mutable_dataset()->set_kind("text");
+  spec.mutable_dataset()->add_files(corpus);
+  spec.mutable_dataset()->set_eval_windows(4);
+  absl::StatusOr<std::string> refused = cluster().Submit(spec);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  const v1::Job failed = cluster().WaitForEnd(*refused, kLong);
+  EXPECT_EQ(failed.state(), v1::Job::FAILED);
+  EXPECT_THAT(failed.message(), ::testing::HasSubstr("got no gradient this step (transformer.h."));
 
   spec.mutable_ddp()->set_find_unused_parameters(true);
   EXPECT_FALSE(Run(spec).empty());

@@ -195,16 +195,20 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   }
   // find_unused_parameters: whether any forward of the step used each
   // parameter, and what the last one left unused.
+  // A single rank (no reducer, no sharding) does the same on its own: what
+  // no forward of the step used is not updated, torch's "grad is None".
+  const bool alone = reducer_ == nullptr && fsdp_ == nullptr;
+  const bool track = find_unused_parameters_ || alone;
   std::vector<bool> used;
   std::vector<Parameter*> unused;
-  if (find_unused_parameters_) used.assign(model_->Parameters().size(), false);
+  if (track) used.assign(model_->Parameters().size(), false);
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatch& batch = micro[static_cast<size_t>(m)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
     if (absl::Status s = BroadcastBuffers(); !s.ok()) return s;
     const double micro_loss = model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum));
     loss += micro_loss / static_cast<double>(accum);
-    if (find_unused_parameters_) {
+    if (track) {
       unused = model_->UnusedParameters();
       const std::vector<Parameter*>& params = model_->Parameters();
       for (size_t i = 0; i < params.size(); ++i) {
@@ -238,6 +242,10 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
       return absl::Status(s.code(), absl::StrCat("gradient allreduce: ", s.message()));
     }
     loss = reducer_->averaged_extra();
+  }
+  if (alone) {
+    const std::vector<Parameter*>& params = model_->Parameters();
+    for (size_t i = 0; i < params.size(); ++i) params[i]->no_grad = !used[i];
   }
   if (absl::Status s = optimizer_->Step(lr); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("optimizer: ", s.message()));

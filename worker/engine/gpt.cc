@@ -52,6 +52,10 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpt dropout must be in [0, 1), got ", c.dropout));
   }
+  if (!(c.stochastic_depth >= 0.0 && c.stochastic_depth < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpt stochastic_depth must be in [0, 1), got ", c.stochastic_depth));
+  }
   const int64_t widest = std::max<int64_t>(c.vocab_size, 4 * int64_t{c.n_embd});
   if (widest * c.n_embd > (int64_t{1} << 31)) {
     return absl::InvalidArgumentError("gpt vocab_size * n_embd is beyond 2^31 elements");
@@ -417,10 +421,8 @@ void Gpt::BlockForward(Block& b, Activations& a, float* out, bool drop) {
   AttentionForward(a, drop);
   // mid = in + drop(y Wproj + b).
   RowParallelForward(a.y.data(), b.proj_w, b.proj_b, cl_, a.mid.data());
-  if (drop) {
-    cpu::DropoutMask(rng_, config_.dropout, a.attn_mask.data(), n * c);
-    for (int64_t i = 0; i < n * c; ++i) a.mid[i] *= a.attn_mask[i];
-  }
+  if (drop) cpu::DropoutMask(rng_, config_.dropout, a.attn_mask.data(), n * c);
+  ScaleBranch(a.attn_mask, drop, a.mid.data());
   cpu::AccumulateKernel(b.in.data(), a.mid.data(), n * c);
   LayerNormForward(a.mid.data(), b.ln2_w.value.data(), bias ? b.ln2_b.value.data() : nullptr, n, c,
                    a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data());
@@ -428,11 +430,19 @@ void Gpt::BlockForward(Block& b, Activations& a, float* out, bool drop) {
                 a.fc.data());
   GeluForward(a.fc.data(), a.gelu.data(), n * fl_);
   RowParallelForward(a.gelu.data(), b.fc_proj_w, b.fc_proj_b, fl_, out);
-  if (drop) {
-    cpu::DropoutMask(rng_, config_.dropout, a.mlp_mask.data(), n * c);
-    for (int64_t i = 0; i < n * c; ++i) out[i] *= a.mlp_mask[i];
-  }
+  if (drop) cpu::DropoutMask(rng_, config_.dropout, a.mlp_mask.data(), n * c);
+  ScaleBranch(a.mlp_mask, drop, out);
   cpu::AccumulateKernel(a.mid.data(), out, n * c);
+}
+
+void Gpt::ScaleBranch(const Tensor& mask, bool drop, float* branch) {
+  const int64_t count = batch_ * seq_len_ * config_.n_embd;
+  if (drop) {
+    for (int64_t i = 0; i < count; ++i) branch[i] *= mask[i];
+  }
+  if (branch_scale_ != 1.0f) {
+    for (int64_t i = 0; i < count; ++i) branch[i] *= branch_scale_;
+  }
 }
 
 void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training) {
@@ -441,6 +451,8 @@ void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training
   const bool bias = config_.bias;
   const bool drop = training && config_.dropout > 0.0;
   dropped_ = drop;
+  const bool depth = training && config_.stochastic_depth > 0.0;
+  branch_scale_ = depth ? static_cast<float>(1.0 / (1.0 - config_.stochastic_depth)) : 1.0f;
   if (hooks_ != nullptr) hooks_->BeforeForward(0);
   // Embeddings (or the previous stage's output) into the first block's
   // input (or out_ without blocks).
@@ -475,11 +487,16 @@ void Gpt::ForwardTrunk(const int32_t* tokens, const Tensor* input, bool training
     float* next = l + 1 < end ? blocks_[l + 1].in.data() : out_.data();
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeForward(unit);
-    if (checkpointing_) {
-      b.rng = rng_;
-      b.tp_rng = tp_rng_;
+    b.skipped = depth && static_cast<double>(rng_() >> 11) * 0x1p-53 < config_.stochastic_depth;
+    if (b.skipped) {
+      std::memcpy(next, b.in.data(), sizeof(float) * static_cast<size_t>(n * c));
+    } else {
+      if (checkpointing_) {
+        b.rng = rng_;
+        b.tp_rng = tp_rng_;
+      }
+      BlockForward(b, ActsOf(b), next, drop);
     }
-    BlockForward(b, ActsOf(b), next, drop);
     if (hooks_ != nullptr) hooks_->AfterForward(unit);
   }
   if (!has_head()) {
@@ -530,10 +547,29 @@ void Gpt::Ready(Parameter& weight, Parameter& bias) {
   if (config_.bias) grad_ready_(&bias);
 }
 
-const float* Gpt::BranchGrad(const Tensor& mask) {
-  if (!dropped_) return dx_.data();
-  cpu::MulKernel(dx_.data(), mask.data(), dbranch_.data(), dx_.numel());
+const float* Gpt::BranchGrad(const Tensor& mask, float scale) {
+  if (!dropped_ && scale == 1.0f) return dx_.data();
+  if (dropped_) {
+    cpu::MulKernel(dx_.data(), mask.data(), dbranch_.data(), dx_.numel());
+  } else {
+    std::memcpy(dbranch_.data(), dx_.data(), sizeof(float) * static_cast<size_t>(dx_.numel()));
+  }
+  if (scale != 1.0f) {
+    float* g = dbranch_.data();
+    for (int64_t i = 0; i < dbranch_.numel(); ++i) g[i] *= scale;
+  }
   return dbranch_.data();
+}
+
+std::vector<Parameter*> Gpt::UnusedParameters() {
+  std::vector<Parameter*> unused;
+  const std::vector<std::vector<Parameter*>> units = Units();
+  for (int l = first_block_; l < end_block_; ++l) {
+    if (!blocks_[static_cast<size_t>(l)].skipped) continue;
+    const std::vector<Parameter*>& unit = units[static_cast<size_t>(l) + 1];
+    unused.insert(unused.end(), unit.begin(), unit.end());
+  }
+  return unused;
 }
 
 void Gpt::Backward(double grad_scale) { BackwardStage(nullptr, nullptr, grad_scale); }
@@ -603,6 +639,11 @@ void Gpt::BlocksBackward() {
     Block& b = blocks_[l];
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) hooks_->BeforeBackward(unit);
+    if (b.skipped) {
+      // The stream passed through: dx_ is already the input's gradient.
+      if (hooks_ != nullptr) hooks_->AfterBackward(unit);
+      continue;
+    }
     Activations& a = ActsOf(b);
     if (checkpointing_) {
       // The block's forward again, from its kept input and with the masks
@@ -614,8 +655,8 @@ void Gpt::BlocksBackward() {
     // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
     // Under tensor parallelism the column-parallel layers' input gradients
     // are each rank's part, summed over the ranks.
-    LinearBackward(BranchGrad(a.mlp_mask), a.gelu.data(), b.fc_proj_w.value.data(), n, fl_, c,
-                   dbig_.data(), b.fc_proj_w.grad.data(), BiasGrad(b.fc_proj_b));
+    LinearBackward(BranchGrad(a.mlp_mask, branch_scale_), a.gelu.data(), b.fc_proj_w.value.data(),
+                   n, fl_, c, dbig_.data(), b.fc_proj_w.grad.data(), BiasGrad(b.fc_proj_b));
     GeluBackward(a.fc.data(), dbig_.data(), n * fl_);
     LinearBackward(dbig_.data(), a.ln2.data(), b.fc_w.value.data(), n, c, fl_, dtmp_.data(),
                    b.fc_w.grad.data(), BiasGrad(b.fc_b));
@@ -626,8 +667,8 @@ void Gpt::BlocksBackward() {
     Ready(b.fc_w, b.fc_b);
     Ready(b.ln2_w, b.ln2_b);
     // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
-    LinearBackward(BranchGrad(a.attn_mask), a.y.data(), b.proj_w.value.data(), n, cl_, c,
-                   dtmp_.data(), b.proj_w.grad.data(), BiasGrad(b.proj_b));
+    LinearBackward(BranchGrad(a.attn_mask, branch_scale_), a.y.data(), b.proj_w.value.data(), n,
+                   cl_, c, dtmp_.data(), b.proj_w.grad.data(), BiasGrad(b.proj_b));
     AttentionBackward(a, dtmp_.data(), dqkv_.data());
     LinearBackward(dqkv_.data(), a.ln1.data(), b.attn_w.value.data(), n, c, 3 * cl_, dtmp_.data(),
                    b.attn_w.grad.data(), BiasGrad(b.attn_b));
@@ -666,8 +707,12 @@ void Gpt::SwapActivations(Stash* s) {
   s->acts.resize(blocks);
   s->rng.resize(blocks);
   s->tp_rng.resize(blocks);
+  s->skipped.resize(blocks);
   for (int l = first_block_; l < end_block_; ++l) {
     Block& b = blocks_[static_cast<size_t>(l)];
+    const bool skipped = s->skipped[static_cast<size_t>(l)] != 0;
+    s->skipped[static_cast<size_t>(l)] = b.skipped ? 1 : 0;
+    b.skipped = skipped;
     std::swap(b.in, s->in[static_cast<size_t>(l)]);
     std::swap(b.acts, s->acts[static_cast<size_t>(l)]);
     std::swap(b.rng, s->rng[static_cast<size_t>(l)]);
@@ -683,6 +728,7 @@ void Gpt::SwapActivations(Stash* s) {
   std::swap(targets_, s->targets);
   std::swap(stage_rows_, s->rows);
   std::swap(dropped_, s->dropped);
+  std::swap(branch_scale_, s->branch_scale);
   // An empty stash brings batch 0: the next Forward sizes its buffers.
   std::swap(batch_, s->batch);
   std::swap(seq_len_, s->seq_len);

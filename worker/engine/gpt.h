@@ -57,6 +57,13 @@ struct GptConfig {
   double dropout = 0.0;
   // Biases in the linear layers and LayerNorms (GPT-2 has them).
   bool bias = true;
+  // Stochastic depth (LayerDrop): each block is skipped whole with this
+  // probability per training forward (the residual stream passes through,
+  // its parameters get no gradient that step), a kept block's two branches
+  // scaled by 1 / (1 - p), as the ResNets' blocks; in [0, 1). The draws come
+  // from the stream the embedding dropout uses, the same on every rank of a
+  // tensor-parallel group.
+  double stochastic_depth = 0.0;
 };
 
 // INVALID_ARGUMENT naming the field: sizes below 1, n_embd not a multiple
@@ -203,6 +210,9 @@ class Gpt {
 
   // In registration order: wte, wpe, each block's, ln_f.
   const std::vector<Parameter*>& Parameters() const { return parameters_; }
+  // The parameters of the blocks the last training Forward skipped
+  // (stochastic_depth); Backward reports none of them ready.
+  std::vector<Parameter*> UnusedParameters();
   int64_t ParameterCount() const;
   // The same count from a configuration alone (without building the model).
   static int64_t ParameterCount(const GptConfig& config);
@@ -244,6 +254,8 @@ class Gpt {
     // found them, so that the recomputation draws the same masks.
     std::mt19937_64 rng;
     std::mt19937_64 tp_rng;
+    // stochastic_depth: the last Forward passed the stream through.
+    bool skipped = false;
   };
 
   explicit Gpt(const GptConfig& config);
@@ -285,8 +297,11 @@ class Gpt {
   // Reports a layer's weight, then its bias when the model has biases.
   void Ready(Parameter& weight, Parameter& bias);
   // The gradient of a residual branch from the stream's (dx_): through the
-  // branch's dropout mask when the last Forward drew one.
-  const float* BranchGrad(const Tensor& mask);
+  // branch's dropout mask when the last Forward drew one, times `scale`.
+  const float* BranchGrad(const Tensor& mask, float scale = 1.0f);
+  // Multiplies a residual branch's output [N, C] by its dropout mask (when
+  // `drop`) and by branch_scale_.
+  void ScaleBranch(const Tensor& mask, bool drop, float* branch);
   // A bias's gradient, or null without biases.
   float* BiasGrad(Parameter& bias) { return config_.bias ? bias.grad.data() : nullptr; }
 
@@ -326,6 +341,7 @@ class Gpt {
   int64_t batch_ = 0;
   int64_t seq_len_ = 0;
   bool dropped_ = false;    // the last Forward drew dropout masks
+  float branch_scale_ = 1;  // stochastic_depth: a kept block's branches' factor
   int64_t stage_rows_ = 0;  // positions of the last Forward (0: none yet)
   std::vector<int32_t> tokens_;
   std::vector<int32_t> targets_;
@@ -356,10 +372,12 @@ class Gpt::Stash {
   std::vector<Tensor> in;
   std::vector<Activations> acts;
   std::vector<std::mt19937_64> rng, tp_rng;
+  std::vector<char> skipped;
   Tensor emb_mask, out, lnf, lnf_mean, lnf_rstd, grad_logits;
   std::vector<int32_t> tokens, targets;
   int64_t batch = 0, seq_len = 0, rows = 0;
   bool dropped = false;
+  float branch_scale = 1;
 };
 
 // The part of `whole` a tensor-parallel rank holds (Gpt::SplitOf): the

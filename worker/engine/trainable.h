@@ -90,6 +90,7 @@ class LanguageModel final : public TrainableModel {
  public:
   explicit LanguageModel(Gpt* model) : model_(model) {}
   const std::vector<Parameter*>& Parameters() const override { return model_->Parameters(); }
+  std::vector<Parameter*> UnusedParameters() const override { return model_->UnusedParameters(); }
   void SetGradReadyCallback(GradReadyCallback callback) override {
     model_->SetGradReadyCallback(std::move(callback));
   }

@@ -28,6 +28,7 @@ engine::GptConfig GptConfigOf(const v1::JobSpec& spec) {
   config.block_size = m.block_size();
   config.vocab_size = m.vocab_size();
   config.dropout = m.dropout();
+  config.stochastic_depth = m.stochastic_depth();
   config.bias = !m.has_bias() || m.bias();
   return config;
 }

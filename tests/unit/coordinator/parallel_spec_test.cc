@@ -261,7 +261,26 @@ TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
   const JobSpec cnn =
       Spec("cnn", [](JobSpec* s) { s->mutable_model()->set_stochastic_depth(0.1); });
   EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, cnn).message()),
-            "model.stochastic_depth: applies to resnet18 and resnet50 only");
+            "model.stochastic_depth: applies to resnet18, resnet50 and gpt only");
+  // The GPT skips whole blocks: DDP (find_unused_parameters) copes with the
+  // missing gradients, the sharded strategies and model parallelism not yet.
+  const JobSpec layer_drop =
+      Spec("gpt", [](JobSpec* s) { s->mutable_model()->set_stochastic_depth(0.2); });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, layer_drop).ok())
+      << ValidateJobSpec(SpecLimits{}, layer_drop);
+  const JobSpec sharded = Spec("gpt", [](JobSpec* s) {
+    s->mutable_model()->set_stochastic_depth(0.2);
+    s->set_strategy(JobSpec::FSDP);
+  });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, sharded).message()),
+            "model.stochastic_depth: trains with strategy: ddp only for now");
+  const JobSpec tensor = Spec("gpt", [](JobSpec* s) {
+    s->mutable_model()->set_stochastic_depth(0.2);
+    s->set_world_size(2);
+    s->mutable_parallel()->set_tensor(2);
+  });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, tensor).message()),
+            "model.stochastic_depth: does not combine with parallel: yet");
   const JobSpec gpt = Spec("gpt", [](JobSpec* s) { s->set_eval_max_samples(5); });
   EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, gpt).message()),
             "eval_max_samples: applies to image models (gpt: dataset.eval_windows)");

@@ -5,6 +5,7 @@
 
 #include "worker/engine/cpu_session.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -12,12 +13,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/engine/batchnorm.h"
 #include "worker/engine/comm/gloo_communicator.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/cpu.h"
+#include "worker/engine/gpt.h"
 #include "worker/engine/layers.h"
 #include "worker/engine/loss.h"
 #include "worker/engine/resnet.h"
@@ -346,92 +349,162 @@ TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward
   }
 }
 
-// Stochastic depth skips residual branches, each rank its own: with
-// find_unused_parameters every step finishes, the ranks end with the same
-// weights, and a parameter no rank used in a step is not updated (its
-// weight decay and momentum too); without it the first such step fails,
-// naming the parameters.
-TEST(CpuSession, FindUnusedParametersLetsRanksSkipDifferentResidualBranches) {
-  constexpr int kRanks = 2;
-  ModelConfig config;
-  config.name = "resnet18";
-  config.height = 8;
-  config.width = 8;
-  config.stochastic_depth = 0.5;
-  const std::vector<int32_t> labels = {1, 2};
-  for (bool find_unused : {true, false}) {
-    std::vector<std::vector<float>> weights(kRanks);
-    std::vector<absl::Status> results(kRanks);
-    std::vector<int> skipped_globally(kRanks, 0);
-    InMemoryKeyValueStore store;
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        absl::StatusOr<std::unique_ptr<Communicator>> comm =
-            GlooRank(r, kRanks, "unused-test", &store);
-        ASSERT_TRUE(comm.ok()) << comm.status();
-        std::unique_ptr<Sequential> model = *BuildModel(config, 4);
-        Classifier classifier(model.get());
-        OptimizerConfig o;
-        o.name = "sgd";
-        o.lr = 0.01;
-        o.momentum = 0.9;
-        o.weight_decay = 0.1;
-        std::unique_ptr<Optimizer> optimizer = *Optimizer::Create(o, model->Parameters());
-        absl::StatusOr<std::unique_ptr<CpuSession>> session =
-            CpuSession::Create({.communicator = comm->get(), .find_unused_parameters = find_unused},
-                               &classifier, optimizer.get());
-        ASSERT_TRUE(session.ok()) << session.status();
-        Tensor x({2, 1, 8, 8});
-        for (int64_t i = 0; i < x.numel(); ++i) x[i] = 0.01f * static_cast<float>(i % 37) - 0.2f;
-        for (uint64_t step = 0; step < 6 && results[static_cast<size_t>(r)].ok(); ++step) {
-          // Each rank its own draws, as a job's ranks have.
-          const uint64_t seed = 100 * step + static_cast<uint64_t>(r);
-          std::vector<std::vector<float>> before;
-          for (const Parameter* p : model->Parameters()) {
-            before.emplace_back(p->value.data(), p->value.data() + p->value.numel());
-          }
-          absl::StatusOr<double> loss = (*session)->Step({MicroBatch{&x, &labels, seed}}, 0.01);
-          if (!loss.ok()) {
-            results[static_cast<size_t>(r)] = loss.status();
-            break;
-          }
-          const std::vector<Parameter*>& params = model->Parameters();
-          for (size_t i = 0; i < params.size(); ++i) {
-            if (!params[i]->no_grad) continue;
-            ++skipped_globally[static_cast<size_t>(r)];
-            EXPECT_EQ(std::vector<float>(params[i]->value.data(),
-                                         params[i]->value.data() + params[i]->value.numel()),
-                      before[i])
-                << params[i]->name << " moved without a gradient";
-          }
-        }
-        for (const Parameter* p : model->Parameters()) {
-          weights[static_cast<size_t>(r)].insert(weights[static_cast<size_t>(r)].end(),
-                                                 p->value.data(),
-                                                 p->value.data() + p->value.numel());
-        }
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    ASSERT_FALSE(::testing::Test::HasFatalFailure());
-    if (find_unused) {
-      EXPECT_TRUE(results[0].ok()) << results[0];
-      EXPECT_TRUE(results[1].ok()) << results[1];
-      EXPECT_EQ(weights[0], weights[1]);
-      EXPECT_GT(skipped_globally[0], 0) << "no branch was skipped by both ranks in 6 steps";
-      EXPECT_EQ(skipped_globally[0], skipped_globally[1]);
-    } else {
-      // The first rank that skipped a branch names it (the other may then
-      // fail on its collectives).
-      bool named = false;
-      for (const absl::Status& s : results) {
-        named = named || (absl::IsInvalidArgument(s) &&
-                          absl::StrContains(s.message(), "got no gradient this step (layer"));
+// One rank's model for the stochastic-depth test: a ResNet-18 on 8x8
+// images or a 4-block GPT on bytes, each skipping blocks with p = 0.5.
+struct SkippingModel {
+  explicit SkippingModel(bool gpt) {
+    if (gpt) {
+      GptConfig c;
+      c.n_layer = 4;
+      c.n_head = 2;
+      c.n_embd = 16;
+      c.block_size = 8;
+      c.vocab_size = 11;
+      c.stochastic_depth = 0.5;
+      decoder = *Gpt::Create(c, 4);
+      trainable = std::make_unique<LanguageModel>(decoder.get());
+      for (int i = 0; i < 2 * 8; ++i) {
+        tokens.push_back(static_cast<int32_t>((i * 7) % 11));
+        targets.push_back(static_cast<int32_t>((i * 7 + 7) % 11));
       }
-      EXPECT_TRUE(named) << results[0] << " / " << results[1];
+      return;
+    }
+    ModelConfig config;
+    config.name = "resnet18";
+    config.height = 8;
+    config.width = 8;
+    config.stochastic_depth = 0.5;
+    classifier = *BuildModel(config, 4);
+    trainable = std::make_unique<Classifier>(classifier.get());
+    for (int64_t i = 0; i < x.numel(); ++i) x[i] = 0.01f * static_cast<float>(i % 37) - 0.2f;
+  }
+  MicroBatch Batch(uint64_t seed) const {
+    if (decoder != nullptr)
+      return MicroBatch{.labels = &targets, .seed = seed, .tokens = &tokens, .seq_len = 8};
+    return MicroBatch{&x, &labels, seed};
+  }
+
+  std::unique_ptr<Sequential> classifier;
+  std::unique_ptr<Gpt> decoder;
+  std::unique_ptr<TrainableModel> trainable;
+  Tensor x{{2, 1, 8, 8}};
+  std::vector<int32_t> labels = {1, 2};
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> targets;
+};
+
+// Stochastic depth skips residual blocks (ResNet) or whole blocks (GPT),
+// each rank its own: with find_unused_parameters every step finishes, the
+// ranks end with the same weights, and a parameter no rank used in a step
+// is not updated (its weight decay and momentum too); without it the first
+// such step fails, naming the parameters.
+TEST(CpuSession, FindUnusedParametersLetsRanksSkipDifferentBlocks) {
+  constexpr int kRanks = 2;
+  for (bool gpt : {false, true}) {
+    for (bool find_unused : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(gpt ? "gpt" : "resnet18", find_unused ? ", find_unused" : ""));
+      std::vector<std::vector<float>> weights(kRanks);
+      std::vector<absl::Status> results(kRanks);
+      std::vector<int> skipped_globally(kRanks, 0);
+      InMemoryKeyValueStore store;
+      std::vector<std::thread> threads;
+      for (int r = 0; r < kRanks; ++r) {
+        threads.emplace_back([&, r] {
+          absl::StatusOr<std::unique_ptr<Communicator>> comm =
+              GlooRank(r, kRanks, "unused-test", &store);
+          ASSERT_TRUE(comm.ok()) << comm.status();
+          SkippingModel model(gpt);
+          const std::vector<Parameter*>& params = model.trainable->Parameters();
+          OptimizerConfig o;
+          o.name = "sgd";
+          o.lr = 0.01;
+          o.momentum = 0.9;
+          o.weight_decay = 0.1;
+          std::unique_ptr<Optimizer> optimizer = *Optimizer::Create(o, params);
+          absl::StatusOr<std::unique_ptr<CpuSession>> session = CpuSession::Create(
+              {.communicator = comm->get(), .find_unused_parameters = find_unused},
+              model.trainable.get(), optimizer.get());
+          ASSERT_TRUE(session.ok()) << session.status();
+          for (uint64_t step = 0; step < 6 && results[static_cast<size_t>(r)].ok(); ++step) {
+            // Each rank its own draws, as a job's ranks have.
+            const uint64_t seed = 100 * step + static_cast<uint64_t>(r);
+            std::vector<std::vector<float>> before;
+            for (const Parameter* p : params) {
+              before.emplace_back(p->value.data(), p->value.data() + p->value.numel());
+            }
+            absl::StatusOr<double> loss = (*session)->Step({model.Batch(seed)}, 0.01);
+            if (!loss.ok()) {
+              results[static_cast<size_t>(r)] = loss.status();
+              break;
+            }
+            for (size_t i = 0; i < params.size(); ++i) {
+              if (!params[i]->no_grad) continue;
+              ++skipped_globally[static_cast<size_t>(r)];
+              EXPECT_EQ(std::vector<float>(params[i]->value.data(),
+                                           params[i]->value.data() + params[i]->value.numel()),
+                        before[i])
+                  << params[i]->name << " moved without a gradient";
+            }
+          }
+          for (const Parameter* p : params) {
+            weights[static_cast<size_t>(r)].insert(weights[static_cast<size_t>(r)].end(),
+                                                   p->value.data(),
+                                                   p->value.data() + p->value.numel());
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      ASSERT_FALSE(::testing::Test::HasFatalFailure());
+      if (find_unused) {
+        EXPECT_TRUE(results[0].ok()) << results[0];
+        EXPECT_TRUE(results[1].ok()) << results[1];
+        EXPECT_EQ(weights[0], weights[1]);
+        EXPECT_GT(skipped_globally[0], 0) << "no block was skipped by both ranks in 6 steps";
+        EXPECT_EQ(skipped_globally[0], skipped_globally[1]);
+      } else {
+        // The first rank that skipped a block names it (the other may then
+        // fail on its collectives).
+        bool named = false;
+        for (const absl::Status& s : results) {
+          named = named || (absl::IsInvalidArgument(s) &&
+                            absl::StrContains(s.message(), "got no gradient this step ("));
+        }
+        EXPECT_TRUE(named) << results[0] << " / " << results[1];
+      }
     }
   }
+}
+
+// A single rank (no DDP) leaves what its forward skipped alone as well.
+TEST(CpuSession, ASingleRankDoesNotUpdateWhatItsForwardSkipped) {
+  SkippingModel model(/*gpt=*/true);
+  const std::vector<Parameter*>& params = model.trainable->Parameters();
+  OptimizerConfig o;
+  o.name = "adamw";
+  o.lr = 0.01;
+  o.weight_decay = 0.1;
+  std::unique_ptr<Optimizer> optimizer = *Optimizer::Create(o, params);
+  std::unique_ptr<CpuSession> session =
+      *CpuSession::Create({}, model.trainable.get(), optimizer.get());
+  int skipped = 0;
+  for (uint64_t step = 0; step < 4; ++step) {
+    std::vector<std::vector<float>> before;
+    for (const Parameter* p : params) {
+      before.emplace_back(p->value.data(), p->value.data() + p->value.numel());
+    }
+    ASSERT_TRUE(session->Step({model.Batch(step)}, 0.01).ok());
+    const std::vector<Parameter*> unused = model.decoder->UnusedParameters();
+    skipped += static_cast<int>(unused.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const bool was_unused = std::find(unused.begin(), unused.end(), params[i]) != unused.end();
+      EXPECT_EQ(params[i]->no_grad, was_unused) << params[i]->name;
+      const bool moved =
+          std::vector<float>(params[i]->value.data(),
+                             params[i]->value.data() + params[i]->value.numel()) != before[i];
+      EXPECT_EQ(moved, !was_unused) << params[i]->name << " at step " << step;
+    }
+  }
+  EXPECT_GT(skipped, 0) << "no block skipped in 4 steps";
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "worker/engine/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -168,9 +169,19 @@ void CheckGradients(const GptConfig& config, int64_t b, int64_t t) {
   gpt->SetSeed(kSeed);
   gpt->Forward(tokens.data(), targets.data(), b, t, /*training=*/true);
   gpt->Backward();
-  // Every parameter reported ready once, wte last.
-  EXPECT_EQ(ready.size(), gpt->Parameters().size());
+  // Every parameter a kept block holds reported ready once, wte last; a
+  // skipped block's (stochastic_depth) none, their gradients zero.
+  const std::vector<Parameter*> unused = gpt->UnusedParameters();
+  if (config.stochastic_depth > 0) {
+    EXPECT_FALSE(unused.empty()) << "the seed skips no block";
+    EXPECT_LT(unused.size() + 6, gpt->Parameters().size()) << "the seed skips every block";
+  }
+  EXPECT_EQ(ready.size() + unused.size(), gpt->Parameters().size());
   EXPECT_EQ(ready.back(), "transformer.wte.weight");
+  for (const Parameter* p : unused) {
+    EXPECT_EQ(std::count(ready.begin(), ready.end(), p->name), 0) << p->name;
+    for (int64_t i = 0; i < p->grad.numel(); ++i) ASSERT_EQ(p->grad[i], 0.0f) << p->name;
+  }
 
   for (Parameter* p : gpt->Parameters()) {
     std::vector<float> direction(static_cast<size_t>(p->value.numel()));
@@ -199,6 +210,53 @@ TEST(Gpt, GradientsMatchFiniteDifferencesWithoutBiasesOnShortSequences) {
   CheckGradients(Tiny(0.0, false), 2, 5);
 }
 
+GptConfig Deep(double dropout, double stochastic_depth) {
+  GptConfig c = Tiny(dropout);
+  c.n_layer = 4;
+  c.stochastic_depth = stochastic_depth;
+  return c;
+}
+
+TEST(Gpt, GradientsMatchFiniteDifferencesWithStochasticDepth) {
+  // The same seed skips the same blocks in every Forward.
+  CheckGradients(Deep(0.0, 0.5), 2, 8);
+  CheckGradients(Deep(0.1, 0.5), 2, 6);
+}
+
+// A skipped block is the identity and a kept one's branches are scaled by
+// 1 / (1 - p): the same loss as a model without stochastic depth whose
+// residual projections (c_proj's weight and bias, which end each branch)
+// are zero in the skipped blocks and scaled in the kept ones. Evaluation
+// runs every block unscaled.
+TEST(Gpt, StochasticDepthSkipsWholeBlocksAndScalesTheKeptBranches) {
+  constexpr double kDrop = 0.5;
+  const std::vector<int32_t> tokens = Tokens(16, 11, 1);
+  const std::vector<int32_t> targets = Tokens(16, 11, 2);
+  std::unique_ptr<Gpt> gpt = *Gpt::Create(Deep(0.0, kDrop), 3);
+  std::unique_ptr<Gpt> plain = *Gpt::Create(Deep(0.0, 0.0), 3);
+  const Tensor& eval_logits = gpt->Logits(tokens.data(), 2, 8);
+  const std::vector<float> want(eval_logits.data(), eval_logits.data() + eval_logits.numel());
+  const Tensor& plain_logits = plain->Logits(tokens.data(), 2, 8);
+  EXPECT_EQ(std::vector<float>(plain_logits.data(), plain_logits.data() + plain_logits.numel()),
+            want);
+
+  gpt->SetSeed(7);
+  const double loss = gpt->Forward(tokens.data(), targets.data(), 2, 8, /*training=*/true);
+  std::vector<std::string> unused;
+  for (const Parameter* p : gpt->UnusedParameters()) unused.push_back(p->name);
+  ASSERT_FALSE(unused.empty()) << "seed 7 skips no block";
+  ASSERT_LT(unused.size(), 4u * 12) << "seed 7 skips every block";
+  for (Parameter* p : plain->Parameters()) {
+    if (p->name.find("c_proj") == std::string::npos) continue;
+    const bool skipped = std::find(unused.begin(), unused.end(), p->name) != unused.end();
+    const float scale = skipped ? 0.0f : static_cast<float>(1.0 / (1.0 - kDrop));
+    for (int64_t i = 0; i < p->value.numel(); ++i) p->value[i] *= scale;
+  }
+  const double emulated = plain->Forward(tokens.data(), targets.data(), 2, 8, /*training=*/true);
+  EXPECT_NEAR(loss, emulated, 1e-5 * std::abs(emulated));
+  EXPECT_TRUE(plain->UnusedParameters().empty());
+}
+
 TEST(Gpt, BackwardAccumulatesAndScales) {
   std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(), 3);
   const std::vector<int32_t> tokens = Tokens(16, 11, 1);
@@ -216,37 +274,39 @@ TEST(Gpt, BackwardAccumulatesAndScales) {
 }
 
 // Activation checkpointing recomputes each block's forward in backward with
-// the dropout masks of the first run: the same losses and gradients, bit
-// for bit, over micro-steps that do not reseed (the stream goes on as
+// the dropout masks (and skipped blocks) of the first run: the same losses
+// and gradients, bit for bit, over micro-steps that do not reseed (the stream goes on as
 // without it), and switching it off again gives the first mode back.
 TEST(Gpt, ActivationCheckpointingGivesTheSameGradientsBitwise) {
   const std::vector<int32_t> tokens = Tokens(24, 11, 1);
   const std::vector<int32_t> targets = Tokens(24, 11, 2);
-  auto run = [&](bool checkpointing, bool toggle) {
-    std::unique_ptr<Gpt> gpt = *Gpt::Create(Tiny(/*dropout=*/0.2), 3);
-    gpt->SetSeed(5);
-    gpt->ZeroGrad();
-    std::vector<double> losses;
-    for (int micro = 0; micro < 3; ++micro) {
-      gpt->SetActivationCheckpointing(toggle ? micro % 2 == 1 : checkpointing);
-      losses.push_back(gpt->Forward(tokens.data(), targets.data(), 3, 8, /*training=*/true));
-      gpt->Backward(1.0 / 3);
+  for (const double depth : {0.0, 0.5}) {
+    auto run = [&](bool checkpointing, bool toggle) {
+      std::unique_ptr<Gpt> gpt = *Gpt::Create(Deep(/*dropout=*/0.2, depth), 3);
+      gpt->SetSeed(5);
+      gpt->ZeroGrad();
+      std::vector<double> losses;
+      for (int micro = 0; micro < 3; ++micro) {
+        gpt->SetActivationCheckpointing(toggle ? micro % 2 == 1 : checkpointing);
+        losses.push_back(gpt->Forward(tokens.data(), targets.data(), 3, 8, /*training=*/true));
+        gpt->Backward(1.0 / 3);
+      }
+      std::vector<float> grads;
+      for (const Parameter* p : gpt->Parameters()) {
+        grads.insert(grads.end(), p->grad.data(), p->grad.data() + p->grad.numel());
+      }
+      return std::pair{losses, grads};
+    };
+    const auto plain = run(false, false);
+    for (const auto& [name, other] :
+         {std::pair{"checkpointing", run(true, false)}, std::pair{"toggled", run(false, true)}}) {
+      EXPECT_EQ(other.first, plain.first) << name;
+      ASSERT_EQ(other.second.size(), plain.second.size());
+      EXPECT_EQ(std::memcmp(other.second.data(), plain.second.data(),
+                            sizeof(float) * plain.second.size()),
+                0)
+          << name << ", stochastic_depth " << depth;
     }
-    std::vector<float> grads;
-    for (const Parameter* p : gpt->Parameters()) {
-      grads.insert(grads.end(), p->grad.data(), p->grad.data() + p->grad.numel());
-    }
-    return std::pair{losses, grads};
-  };
-  const auto plain = run(false, false);
-  for (const auto& [name, other] :
-       {std::pair{"checkpointing", run(true, false)}, std::pair{"toggled", run(false, true)}}) {
-    EXPECT_EQ(other.first, plain.first) << name;
-    ASSERT_EQ(other.second.size(), plain.second.size());
-    EXPECT_EQ(
-        std::memcmp(other.second.data(), plain.second.data(), sizeof(float) * plain.second.size()),
-        0)
-        << name;
   }
 }
 
