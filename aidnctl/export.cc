@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "aidnctl/output.h"
+#include "common/checkpoint_check.h"
 #include "common/checkpoint_manifest.h"
 #include "common/crc32c.h"
 #include "common/digest.h"
@@ -35,28 +36,6 @@ constexpr char kSuffix[] = ".safetensors";
 constexpr size_t kCopyChunk = 1 << 20;
 // Longest invalid_reason quoted in an error.
 constexpr size_t kReasonChars = 120;
-
-bool Exportable(const v1::Checkpoint& c) { return c.committed() && c.invalid_reason().empty(); }
-
-// "committed, valid steps: 10, 20" or "no checkpoint is committed and valid".
-std::string Exportables(const google::protobuf::RepeatedPtrField<v1::Checkpoint>& checkpoints) {
-  std::vector<int64_t> steps;
-  for (const v1::Checkpoint& c : checkpoints) {
-    if (Exportable(c)) steps.push_back(c.step());
-  }
-  if (steps.empty()) return "no checkpoint is committed and valid";
-  std::sort(steps.begin(), steps.end());
-  return absl::StrCat("committed, valid steps: ", absl::StrJoin(steps, ", "));
-}
-
-// Why `c` cannot be exported ("not committed (1/2 ranks reported)").
-std::string WhyNot(const v1::Checkpoint& c) {
-  if (!c.invalid_reason().empty()) {
-    return absl::StrCat("found invalid: ", OneLine(c.invalid_reason(), kReasonChars));
-  }
-  return absl::StrCat("not committed (", c.ranks_reported_size(), "/", c.ranks_expected_size(),
-                      " ranks reported)");
-}
 
 // Checked before asking the coordinator anything, so a typo costs no call.
 absl::Status CheckOutputPath(const ExportOptions& options) {
@@ -90,56 +69,15 @@ absl::Status CheckOutputPath(const ExportOptions& options) {
   return absl::OkStatus();
 }
 
-// The checkpoint directory, reachable and verified; returns the manifest
-// entry of the weights, or none for a sharded checkpoint (whose weights are
-// in one file per rank).
+// The checkpoint verified (checkpoint_check.h), its errors saying nothing
+// was written.
 absl::StatusOr<std::optional<ManifestEntry>> VerifyCheckpoint(const v1::Checkpoint& checkpoint) {
-  const std::string& dir = checkpoint.path();
-  const std::string what = absl::StrCat("checkpoint of step ", checkpoint.step());
-  if (dir.empty() || dir[0] != '/') {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the coordinator holds no absolute directory for the ", what, " (path \"", dir, "\")"));
+  absl::StatusOr<std::optional<ManifestEntry>> model = VerifyCommittedCheckpoint(checkpoint);
+  if (!model.ok() && model.status().code() != absl::StatusCode::kNotFound) {
+    return absl::Status(model.status().code(),
+                        absl::StrCat(model.status().message(), "; nothing written"));
   }
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0) {
-    if (errno == ENOENT || errno == ENOTDIR) {
-      return absl::NotFoundError(absl::StrCat(
-          "the ", what, " is at ", dir,
-          ", which is not reachable from this machine: checkpoints live on the workers' "
-          "checkpoint storage (the workers' --checkpoint-root, or the job's absolute "
-          "checkpoint.dir); run aidnctl where that storage is mounted at the same path"));
-    }
-    return PosixError(absl::StrCat("cannot read the ", what, " at ", dir), errno);
-  }
-  absl::StatusOr<Manifest> manifest = VerifyCheckpointDir(dir);
-  if (!manifest.ok()) {
-    return absl::Status(manifest.status().code(),
-                        absl::StrCat("the ", what, " at ", dir, " fails verification: ",
-                                     manifest.status().message(), "; nothing written"));
-  }
-  if (manifest->step != checkpoint.step()) {
-    return absl::DataLossError(absl::StrCat("the ", what, " at ", dir, " holds step ",
-                                            manifest->step, " by its ", kManifestName,
-                                            "; nothing written"));
-  }
-  // The manifest verified, but it may be another write of the same step
-  // than the one the coordinator committed (a later generation's, or
-  // another job's sharing the directory): the digest tells.
-  if (!checkpoint.manifest_sha256().empty()) {
-    AIDN_ASSIGN_OR_RETURN(const std::string text,
-                          ReadFileToString(absl::StrCat(dir, "/", kManifestName)));
-    const std::string digest = Sha256Hex(text);
-    if (digest != checkpoint.manifest_sha256()) {
-      return absl::DataLossError(absl::StrCat(
-          kManifestName, " in ", dir, " is not the one committed for step ", checkpoint.step(),
-          " (SHA-256 ", digest, ", the coordinator recorded ", checkpoint.manifest_sha256(),
-          "): the directory was rewritten; nothing written"));
-    }
-  }
-  for (const ManifestEntry& entry : manifest->files) {
-    if (entry.name == kModelFile) return entry;
-  }
-  return std::nullopt;
+  return model;
 }
 
 // The weights of sharded checkpoint `dir` put together into `to`, through
@@ -257,12 +195,12 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
     for (const v1::Checkpoint& c : checkpoints) {
       if (c.step() != *step) continue;
       if (Exportable(c)) return c;
-      return absl::FailedPreconditionError(absl::StrCat("the checkpoint of job ", job_id,
-                                                        " at step ", *step, " is ", WhyNot(c), "; ",
-                                                        Exportables(checkpoints)));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint of job ", job_id, " at step ", *step, " is ",
+          OneLine(WhyNotExportable(c), kReasonChars), "; ", ExportableSteps(checkpoints)));
     }
     return absl::NotFoundError(absl::StrCat("job ", job_id, " has no checkpoint at step ", *step,
-                                            "; ", Exportables(checkpoints)));
+                                            "; ", ExportableSteps(checkpoints)));
   }
   const v1::Checkpoint* newest = nullptr;
   for (const v1::Checkpoint& c : checkpoints) {
@@ -271,7 +209,7 @@ absl::StatusOr<v1::Checkpoint> ChooseCheckpoint(
   if (newest != nullptr) return *newest;
   std::vector<std::string> why;
   for (const v1::Checkpoint& c : checkpoints) {
-    why.push_back(absl::StrCat("step ", c.step(), " ", WhyNot(c)));
+    why.push_back(absl::StrCat("step ", c.step(), " ", OneLine(WhyNotExportable(c), kReasonChars)));
   }
   return absl::NotFoundError(absl::StrCat(
       "job ", job_id, " has no committed, valid checkpoint: ", absl::StrJoin(why, "; ")));
