@@ -24,6 +24,7 @@
 #include "common/metrics/http_server.h"
 #include "common/metrics/process_stats.h"
 #include "common/metrics/registry.h"
+#include "coordinator/web/web_server.h"
 #include "common/status.h"
 #include "common/stop_signals.h"
 #include "common/tls.h"
@@ -74,6 +75,15 @@ ABSL_FLAG(std::string, metrics_token_file, "",
           "answer /metrics only to requests with this file's token as a bearer token");
 ABSL_FLAG(std::string, metrics_addr_file, "",
           "write the host:port /metrics is served on to this file once serving");
+ABSL_FLAG(std::string, web_addr, "",
+          "host:port for the web UI (port 0 picks one); empty (the default) turns it off");
+ABSL_FLAG(bool, web_tls, false,
+          "serve the web UI over HTTPS with the gRPC port's certificate (needed off loopback, "
+          "unless --insecure)");
+ABSL_FLAG(std::string, web_addr_file, "",
+          "write the host:port the web UI is served on to this file once serving");
+ABSL_FLAG(std::string, web_chartjs, "/usr/share/javascript/chart.js/chart.min.js",
+          "Chart.js for the web UI's charts (Debian's libjs-chart.js)");
 ABSL_FLAG(absl::Duration, metrics_retention, absl::Minutes(10),
           "how long a finished job's series stay on /metrics (and its steps in memory)");
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(1),
@@ -148,6 +158,9 @@ struct Config {
   bool metrics_tls = false;
   std::string metrics_token_file;
   aidn::metrics::HttpServerOptions metrics;  // filled in by Serve
+  bool web_tls = false;
+  std::string web_addr_file;
+  aidn::coordinator::web::WebServerOptions web;  // address empty: no web UI
   std::string log_level;
   // TLS: --tls-cert/--tls-key, or made in <state-dir>/tls; or plaintext.
   std::string tls_cert;
@@ -172,6 +185,10 @@ absl::StatusOr<Config> ConfigFromFlags() {
   config.metrics.address = config.metrics_addr;
   AIDN_ASSIGN_OR_RETURN(config.metrics.bearer_token,
                         aidn::metrics::ReadMetricsToken(config.metrics_token_file));
+  config.web.address = absl::GetFlag(FLAGS_web_addr);
+  config.web_tls = absl::GetFlag(FLAGS_web_tls);
+  config.web_addr_file = absl::GetFlag(FLAGS_web_addr_file);
+  config.web.chartjs_file = absl::GetFlag(FLAGS_web_chartjs);
   config.log_level = absl::GetFlag(FLAGS_log_level);
   config.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   config.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -190,6 +207,18 @@ absl::StatusOr<Config> ConfigFromFlags() {
   if (config.insecure && config.metrics_tls) {
     return absl::InvalidArgumentError(
         "flags: --metrics-tls serves /metrics with the gRPC certificate, which --insecure has not");
+  }
+  if (config.insecure && config.web_tls) {
+    return absl::InvalidArgumentError(
+        "flags: --web-tls serves the web UI with the gRPC certificate, which --insecure has not");
+  }
+  if (const std::string& web = config.web.address; !web.empty() && !config.web_tls) {
+    if (!aidn::IsLoopbackHost(web.substr(0, web.rfind(':'))) && !config.insecure) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flags: --web-addr ", web,
+          " is not a loopback address: the browser's tokens would cross the network in the "
+          "clear; add --web-tls (or --insecure to accept that)"));
+    }
   }
   config.tick = Millis(absl::GetFlag(FLAGS_tick_interval));
   aidn::coordinator::CoordinatorOptions& options = config.coordinator;
@@ -247,6 +276,7 @@ void LogConfiguration(const Config& config) {
        {"tick_interval", Format(config.tick)},
        {"metrics_addr", config.metrics_addr},
        {"metrics_retention", Format(options.metrics_retention)},
+       {"web_addr", config.web.address.empty() ? "off" : config.web.address},
        {"job_retention", Format(options.job_retention)},
        {"max_log_bytes_per_job", absl::StrCat(options.logs.max_bytes_per_job)},
        {"log_retention", Format(options.logs.retention)},
@@ -288,11 +318,17 @@ absl::StatusOr<std::string> SetUpTls(Config* config) {
     AIDN_ASSIGN_OR_RETURN(config->server.tls_client_ca_pem,
                           aidn::ReadCaFile(config->tls_client_ca));
   }
+  const std::string cert_file =
+      config->tls_cert.empty() ? config->state_dir + "/tls/server.pem" : config->tls_cert;
+  const std::string key_file =
+      config->tls_key.empty() ? config->state_dir + "/tls/server.key" : config->tls_key;
   if (config->metrics_tls) {
-    config->metrics.tls_cert_file =
-        config->tls_cert.empty() ? config->state_dir + "/tls/server.pem" : config->tls_cert;
-    config->metrics.tls_key_file =
-        config->tls_key.empty() ? config->state_dir + "/tls/server.key" : config->tls_key;
+    config->metrics.tls_cert_file = cert_file;
+    config->metrics.tls_key_file = key_file;
+  }
+  if (config->web_tls) {
+    config->web.tls_cert_file = cert_file;
+    config->web.tls_key_file = key_file;
   }
   AIDN_LOG(INFO) << "TLS on"
                  << Kv("certificate_expires",
@@ -324,6 +360,21 @@ int Serve(Config config, const sigset_t& signals) {
   auto metrics_server =
       aidn::metrics::StartMetricsEndpoint(config.metrics, config.metrics_addr_file, &registry);
   if (!metrics_server.ok()) return Fail(metrics_server.status());
+  std::unique_ptr<aidn::coordinator::web::WebServer> web_server;
+  if (!config.web.address.empty()) {
+    auto web = aidn::coordinator::web::WebServer::Start(config.web, (*server)->InProcessChannel());
+    if (!web.ok()) return Fail(web.status());
+    web_server = *std::move(web);
+    AIDN_LOG(INFO) << "serving the web UI" << Kv("address", web_server->address())
+                   << Kv("https", config.web_tls ? "on" : "off");
+    if (!config.web_addr_file.empty()) {
+      if (absl::Status s =
+              aidn::WriteFileAtomically(config.web_addr_file, web_server->address() + "\n");
+          !s.ok()) {
+        return Fail(s);
+      }
+    }
+  }
 
   const std::string& address = (*server)->address();
   if (!config.addr_file.empty()) {
@@ -339,6 +390,8 @@ int Serve(Config config, const sigset_t& signals) {
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   AIDN_LOG(INFO) << "shutting down" << Kv("signal", signal_number);
+  // The web UI's calls go to the gRPC server: it goes first.
+  web_server.reset();
   (*coordinator)->Shutdown();
   (*server)->Shutdown(std::chrono::seconds(2));
   (*coordinator)->StopTicker();

@@ -1,0 +1,155 @@
+#include "coordinator/web/web_server.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/file.h"
+#include "common/log.h"
+#include "common/metrics/http_listener.h"
+#include "common/status.h"
+#include "coordinator/web/web_api.h"
+#include "coordinator/web/web_assets.h"
+
+namespace aidn::coordinator::web {
+namespace {
+
+constexpr size_t kMaxBodyBytes = 64 * 1024;
+constexpr size_t kFileChunk = 1 << 20;
+
+void SecurityHeaders(httplib::Response& res) {
+  res.set_header("Content-Security-Policy",
+                 "default-src 'self'; img-src 'self' data: blob:; frame-ancestors 'none'; "
+                 "base-uri 'none'; form-action 'none'");
+  res.set_header("X-Content-Type-Options", "nosniff");
+  res.set_header("X-Frame-Options", "DENY");
+  res.set_header("Referrer-Policy", "no-referrer");
+}
+
+// Streams `r`'s file, checking the bytes against the CRC-32C the checkpoint
+// manifest recorded; cuts the connection (no complete answer) when the
+// file ends early or its bytes differ.
+void StreamFile(const WebResponse& r, httplib::Response& res) {
+  auto fd = std::make_shared<ScopedFd>(::open(r.file_path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd->get() < 0) {
+    res.status = 500;
+    res.set_content(absl::StrCat("{\"error\": \"cannot open the checkpoint's weights\"}"),
+                    "application/json");
+    return;
+  }
+  res.set_header("Content-Disposition",
+                 absl::StrCat("attachment; filename=\"", r.download_name, "\""));
+  struct Progress {
+    int64_t offset = 0;
+    uint32_t crc = 0;
+  };
+  auto progress = std::make_shared<Progress>();
+  const int64_t total = r.file_bytes;
+  const uint32_t want_crc = r.file_crc32c;
+  const std::string path = r.file_path;
+  res.set_content_provider(
+      static_cast<size_t>(total), r.content_type,
+      [fd, progress, total, want_crc, path](size_t offset, size_t length, httplib::DataSink& sink) {
+        if (static_cast<int64_t>(offset) != progress->offset) return false;  // no ranges
+        std::vector<char> buffer(std::min(length, kFileChunk));
+        const ssize_t n = ::read(fd->get(), buffer.data(), buffer.size());
+        if (n <= 0) {
+          AIDN_LOG(WARNING) << "web: a checkpoint's weights ended early" << Kv("path", path);
+          return false;
+        }
+        progress->crc = Crc32c(buffer.data(), static_cast<size_t>(n), progress->crc);
+        progress->offset += n;
+        if (progress->offset == total && progress->crc != want_crc) {
+          AIDN_LOG(WARNING) << "web: a checkpoint's weights changed while sent" << Kv("path", path);
+          return false;
+        }
+        return sink.write(buffer.data(), static_cast<size_t>(n));
+      });
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(const WebServerOptions& options,
+                                                            std::shared_ptr<grpc::Channel> channel) {
+  const metrics::HttpListenOptions listen{.address = options.address,
+                                          .tls_cert_file = options.tls_cert_file,
+                                          .tls_key_file = options.tls_key_file,
+                                          .threads = options.threads,
+                                          .what = "web UI"};
+  AIDN_ASSIGN_OR_RETURN(std::unique_ptr<httplib::Server> server, metrics::NewHttpServer(listen));
+  std::unique_ptr<WebServer> web(new WebServer());
+  web->api_ = std::make_unique<WebApi>(std::move(channel), options.call_timeout);
+  if (absl::StatusOr<std::string> chart = ReadFileToString(options.chartjs_file); chart.ok()) {
+    web->chartjs_ = std::move(*chart);
+  } else {
+    AIDN_LOG(WARNING) << "web UI: no Chart.js, the pages show no charts (apt-get install "
+                         "libjs-chart.js)"
+                      << Kv("file", options.chartjs_file);
+  }
+  server->set_payload_max_length(kMaxBodyBytes);
+  WebServer* raw = web.get();
+
+  auto api = [raw](const httplib::Request& req, httplib::Response& res) {
+    WebRequest request;
+    request.method = req.method;
+    request.path = req.path;
+    for (const auto& [key, value] : req.params) request.query[key] = value;
+    request.body = req.body;
+    request.authorization = req.get_header_value("Authorization");
+    const WebResponse r = raw->api_->Handle(request);
+    SecurityHeaders(res);
+    res.set_header("Cache-Control", "no-store");
+    res.status = r.status;
+    if (!r.file_path.empty()) return StreamFile(r, res);
+    res.set_content(r.body, r.content_type);
+  };
+  server->Get(R"(/api/.*)", api);
+  server->Post(R"(/api/.*)", api);
+  server->Put(R"(/api/.*)", api);
+  server->Delete(R"(/api/.*)", api);
+  server->Patch(R"(/api/.*)", api);
+
+  server->Get("/chart.js", [raw](const httplib::Request&, httplib::Response& res) {
+    SecurityHeaders(res);
+    if (raw->chartjs_.empty()) {
+      res.status = 404;
+      res.set_content("Chart.js is not installed (Debian's libjs-chart.js)\n",
+                      "text/plain; charset=utf-8");
+      return;
+    }
+    res.set_header("Cache-Control", "max-age=3600");
+    res.set_content(raw->chartjs_, "text/javascript; charset=utf-8");
+  });
+  server->Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("ok\n", "text/plain; charset=utf-8");
+  });
+  server->Get(R"(/.*)", [](const httplib::Request& req, httplib::Response& res) {
+    SecurityHeaders(res);
+    const WebAsset* asset = FindWebAsset(req.path == "/index.html" ? "/" : req.path);
+    if (asset == nullptr) {
+      res.status = 404;
+      res.set_content("not found\n", "text/plain; charset=utf-8");
+      return;
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_content(std::string(asset->body), std::string(asset->content_type));
+  });
+
+  AIDN_ASSIGN_OR_RETURN(web->listener_, metrics::HttpListener::Start(std::move(server), listen));
+  return web;
+}
+
+WebServer::~WebServer() {
+  // The listener's threads call into api_: stop them first.
+  listener_.reset();
+}
+
+std::string WebServer::address() const { return listener_->address(); }
+
+}  // namespace aidn::coordinator::web
