@@ -37,6 +37,8 @@ PACKAGES=(
   # the Python client (python/aidn): gRPC and protobuf matching the C++ ones, CRC-32C at
   # disk speed for checkpoint manifests, YAML job specs and config
   python3-grpcio python3-protobuf python3-crc32c python3-yaml
+  # the web UI draws its charts with Debian's Chart.js; its test drives headless Chromium
+  libjs-chart.js chromium chromium-driver python3-selenium
 )
 
 missing=()

@@ -11,6 +11,8 @@
     'SUCCEEDED', 'FAILED', 'CANCELLED'];
   const ACTIVE_STATES = new Set(['PENDING', 'SCHEDULED', 'RUNNING', 'RESTARTING', 'PAUSED']);
   const FINISHED_STATES = new Set(['SUCCEEDED', 'FAILED', 'CANCELLED']);
+  // Polls after a job ended that wait for its last metric records.
+  const FINAL_TRIES = 30;
   // Jobs holding workers (placed, running or coming back after a failure).
   const RUNNING_STATES = new Set(['SCHEDULED', 'RUNNING', 'RESTARTING']);
   // Jobs waiting for free workers.
@@ -813,8 +815,9 @@
     const ranks = num(t.world_size);
     line += ` on ${ranks} ${ranks === 1 ? 'rank' : 'ranks'}`;
     if (t.baseline_job) {
+      const baseRanks = num(t.baseline_world_size);
       line += `; scaling efficiency ${fixed(t.scaling_efficiency, 2)} vs job ${t.baseline_job}` +
-        ` (${fixed(t.baseline_samples_per_second, 1)} samples/s on ${num(t.baseline_world_size)})`;
+        ` (${fixed(t.baseline_samples_per_second, 1)} samples/s on ${baseRanks} ${baseRanks === 1 ? 'rank' : 'ranks'})`;
     } else if (t.note) {
       line += `; ${t.note}`;
     }
@@ -1218,7 +1221,7 @@
         el('td', { text: c.committed ? 'yes' : 'no' }),
         el('td', { className: 'num', title: c.path || null, text: num(c.bytes) > 0 ? humanBytes(c.bytes) : '—' }),
         el('td', { className: 'nowrap' }, timeEl(c.created_at, false)),
-        el('td', null, valid ? el('span', { className: 'badge state-valid', text: 'valid' })
+        el('td', { className: 'state-cell' }, valid ? el('span', { className: 'badge state-valid', text: 'valid' })
           : el('span', null, el('span', { className: 'badge state-invalid', text: 'invalid' }), `: ${c.invalid_reason}`)),
         el('td', null, exportCell));
     }
@@ -1294,10 +1297,11 @@
       } catch (e) {
         if (!page.alive) return null;
         errors.show(e);
-        if (e.status === 404 && !s.built) {
+        if (!s.built && e.status === 404) {
           loading.textContent = `Job ${jobId} not found.`;
           return JOB_SLOW_MS;
         }
+        if (!s.built && e.status !== 0) loading.hidden = true;
         return s.finished ? JOB_SLOW_MS : JOB_FAST_MS;
       }
       if (!page.alive) return null;
@@ -1306,7 +1310,10 @@
       renderHeader(job);
       const finished = FINISHED_STATES.has(job.state);
       s.finished = finished;
-      if (!finished) s.finalDone = false;
+      if (!finished) {
+        s.finalDone = false;
+        s.finalTries = 0;
+      }
       if (finished && s.finalDone) return JOB_SLOW_MS;
 
       // While running: metrics and events every second, checkpoints every
@@ -1321,6 +1328,10 @@
       if (failed) errors.show(failed.reason);
       if (finished) {
         if (failed) return JOB_FAST_MS;
+        // The last records may be stored a moment after the job ended:
+        // keep reading (for at most FINAL_TRIES polls) until they are in.
+        s.finalTries = (s.finalTries || 0) + 1;
+        if (s.nextStep < num(job.last_step) && s.finalTries < FINAL_TRIES) return JOB_FAST_MS;
         s.finalDone = true;
         return JOB_SLOW_MS;
       }
