@@ -23,7 +23,7 @@ trap cleanup EXIT
 echo "==> starting aidn-coordinator (log: $DEMO/coordinator.log)"
 "$BIN/coordinator/aidn-coordinator" --listen=127.0.0.1:0 --state-dir="$DEMO/state" \
   --addr-file="$DEMO/addr" --metrics-addr=127.0.0.1:0 --metrics-addr-file="$DEMO/metrics.addr" \
-  >"$DEMO/coordinator.log" 2>&1 &
+  --web-addr=127.0.0.1:0 --web-addr-file="$DEMO/web.addr" >"$DEMO/coordinator.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 200); do [ -s "$DEMO/addr" ] && break; sleep 0.1; done
 [ -s "$DEMO/addr" ] || { echo "coordinator did not start"; cat "$DEMO/coordinator.log"; exit 1; }
@@ -69,8 +69,11 @@ curl_metrics() {
     "http://$(cat "$DEMO/metrics.addr")/metrics"
 }
 curl_metrics | grep -E "^aidn_job_(step|loss|test_accuracy|samples_per_second)\{" || true
+echo; echo "==> the web UI: http://$(cat "$DEMO/web.addr")/#/jobs/$JOB (its token: the admin"
+echo "    token in $DEMO/state/admin.token; AIDN_DEMO_HOLD=1 keeps the cluster up for it)"
 accuracy=$(ctl metrics "$JOB" -o csv | awk -F, '$1 == "EVAL" { a = $13 } END { print a }')
 echo
+if [ -n "${AIDN_DEMO_HOLD:-}" ]; then read -r -p "==> press Enter to stop the cluster " _; fi
 if [ "$watched" -eq 0 ]; then
   echo "==> $JOB SUCCEEDED: final test accuracy $accuracy"
 else

@@ -277,5 +277,47 @@ class WebUiTest(unittest.TestCase):
             return None
 
 
+class WebFlagsTest(unittest.TestCase):
+    """The web UI's address and TLS flags, without a browser."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="aidn-webflags-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def test_off_loopback_it_wants_https(self):
+        argv = [binary("AIDN_COORDINATOR_BIN"), "--listen=127.0.0.1:0",
+                f"--state-dir={self.dir}/state", "--metrics-addr=", "--web-addr=0.0.0.0:0"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("--web-addr 0.0.0.0:0 is not a loopback address", result.stderr)
+        self.assertIn("--web-tls", result.stderr)
+        result = subprocess.run(argv[:-1] + ["--insecure", "--web-tls", "--web-addr=127.0.0.1:0"],
+                                capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("--web-tls serves the web UI with the gRPC certificate", result.stderr)
+
+    def test_over_https_with_the_coordinators_certificate(self):
+        port = free_port()
+        coordinator = Coordinator(os.path.join(self.dir, "state"),
+                                  ["--web-tls", f"--web-addr=127.0.0.1:{port}"])
+        coordinator.start()
+        self.addCleanup(coordinator.stop)
+        import ssl
+        context = ssl.create_default_context(cafile=coordinator.ca_file)
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/", context=context,
+                                    timeout=30) as r:
+            self.assertEqual(r.status, 200)
+            self.assertIn(b"/app.js", r.read())
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/api/v1/workers",
+                                         headers={"Authorization":
+                                                  f"Bearer {coordinator.admin_token}"})
+        with urllib.request.urlopen(request, context=context, timeout=30) as r:
+            self.assertEqual(json.loads(r.read()), {"workers": []})
+        with self.assertRaises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/api/v1/workers", context=context,
+                                   timeout=30)
+        self.assertEqual(refused.exception.code, 401)
+
+
 if __name__ == "__main__":
     unittest.main()
