@@ -1,6 +1,10 @@
 #include "common/checkpoint_check.h"
 
+#include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -8,11 +12,53 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/crc32c.h"
 #include "common/digest.h"
 #include "common/file.h"
 #include "common/status.h"
 
 namespace aidn {
+namespace {
+
+constexpr size_t kReadChunk = 1 << 20;
+
+// `path` opened for reading with no symbolic link followed in any of its
+// components.
+absl::StatusOr<std::shared_ptr<ScopedFd>> OpenWithoutLinks(const std::string& path) {
+  open_how how{};
+  how.flags = O_RDONLY | O_CLOEXEC;
+  how.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+  const int fd =
+      static_cast<int>(::syscall(SYS_openat2, AT_FDCWD, path.c_str(), &how, sizeof(how)));
+  if (fd >= 0) return std::make_shared<ScopedFd>(fd);
+  if (errno == ELOOP || errno == EXDEV) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " goes through a symbolic link: not sent"));
+  }
+  if (errno == ENOENT || errno == ENOTDIR) {
+    return absl::NotFoundError(absl::StrCat(
+        path,
+        " is not reachable from this machine: checkpoints live on the workers' checkpoint "
+        "storage, mounted here at the same path or not at all"));
+  }
+  return PosixError(absl::StrCat("cannot open ", path), errno);
+}
+
+// All of `fd`'s bytes, at most `limit`.
+absl::StatusOr<std::string> ReadAll(int fd, const std::string& path, size_t limit) {
+  std::string text;
+  char buffer[4096];
+  while (true) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return PosixError(absl::StrCat("cannot read ", path), errno);
+    if (n == 0) return text;
+    text.append(buffer, static_cast<size_t>(n));
+    if (text.size() > limit) return absl::DataLossError(absl::StrCat(path, " is too large"));
+  }
+}
+
+}  // namespace
 
 bool Exportable(const v1::Checkpoint& c) { return c.committed() && c.invalid_reason().empty(); }
 
@@ -79,6 +125,66 @@ absl::StatusOr<std::optional<ManifestEntry>> VerifyCommittedCheckpoint(
     if (entry.name == kCheckpointModelFile) return entry;
   }
   return std::nullopt;
+}
+
+absl::StatusOr<std::optional<OpenedWeights>> OpenCommittedWeights(
+    const v1::Checkpoint& checkpoint) {
+  const std::string& dir = checkpoint.path();
+  const std::string what = absl::StrCat("checkpoint of step ", checkpoint.step());
+  if (dir.empty() || dir[0] != '/') {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator holds no absolute directory for the ", what, " (path \"", dir, "\")"));
+  }
+  if (checkpoint.manifest_sha256().empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the coordinator recorded no MANIFEST digest for the ", what,
+                     ": only aidnctl export, where the storage is mounted, reads it"));
+  }
+  const std::string manifest_path = absl::StrCat(dir, "/", kManifestName);
+  AIDN_ASSIGN_OR_RETURN(const std::shared_ptr<ScopedFd> manifest_file,
+                        OpenWithoutLinks(manifest_path));
+  AIDN_ASSIGN_OR_RETURN(const std::string text,
+                        ReadAll(manifest_file->get(), manifest_path, size_t{1} << 20));
+  if (Sha256Hex(text) != checkpoint.manifest_sha256()) {
+    return absl::DataLossError(absl::StrCat(kManifestName, " in ", dir,
+                                            " is not the one committed for step ",
+                                            checkpoint.step(), ": the directory was rewritten"));
+  }
+  AIDN_ASSIGN_OR_RETURN(const Manifest manifest, ParseManifest(text));
+  if (manifest.step != checkpoint.step()) {
+    return absl::DataLossError(absl::StrCat("the ", what, " at ", dir, " holds step ",
+                                            manifest.step, " by its ", kManifestName));
+  }
+  const ManifestEntry* model = nullptr;
+  for (const ManifestEntry& entry : manifest.files) {
+    if (entry.name == kCheckpointModelFile) model = &entry;
+  }
+  if (model == nullptr) return std::nullopt;
+  const std::string path = absl::StrCat(dir, "/", kCheckpointModelFile);
+  OpenedWeights weights{.entry = *model};
+  AIDN_ASSIGN_OR_RETURN(weights.file, OpenWithoutLinks(path));
+  struct stat st;
+  if (::fstat(weights.file->get(), &st) != 0) return PosixError(path, errno);
+  if (!S_ISREG(st.st_mode) || st.st_size != model->bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": not a regular file of ", model->bytes,
+                                            " bytes, as the manifest says"));
+  }
+  // The bytes through the descriptor that will send them.
+  std::vector<char> buffer(kReadChunk);
+  uint32_t crc = 0;
+  for (int64_t offset = 0; offset < model->bytes;) {
+    const ssize_t n = ::pread(weights.file->get(), buffer.data(), buffer.size(), offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return PosixError(absl::StrCat("cannot read ", path), errno);
+    if (n == 0) return absl::DataLossError(absl::StrCat(path, " ended early"));
+    crc = Crc32c(buffer.data(), static_cast<size_t>(n), crc);
+    offset += n;
+  }
+  if (crc != model->crc32c) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": its CRC-32C is not the manifest's (the file changed)"));
+  }
+  return weights;
 }
 
 }  // namespace aidn

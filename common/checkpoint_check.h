@@ -9,12 +9,14 @@
 // SHA-256 the coordinator recorded at commit time (not a later rewrite of
 // the same step).
 
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "aidn/v1/job.pb.h"
 #include "common/checkpoint_manifest.h"
+#include "common/file.h"
 #include "google/protobuf/repeated_ptr_field.h"
 
 namespace aidn {
@@ -38,6 +40,26 @@ std::string ExportableSteps(const google::protobuf::RepeatedPtrField<v1::Checkpo
 // checkpoints live), DATA_LOSS for a file or manifest that does not match.
 absl::StatusOr<std::optional<ManifestEntry>> VerifyCommittedCheckpoint(
     const v1::Checkpoint& checkpoint);
+
+// A committed checkpoint's whole-model weights opened to be sent to
+// someone else (the web UI's download), so that no file but those weights
+// can be read through it:
+// - MANIFEST and the weights are opened without following a symbolic link
+//   anywhere in their paths (openat2 RESOLVE_NO_SYMLINKS), and read through
+//   the descriptors opened;
+// - the MANIFEST's SHA-256 must be the one the coordinator recorded at
+//   commit time (FAILED_PRECONDITION when none was recorded), its step the
+//   checkpoint's;
+// - the weights must be a regular file of the manifest's size whose bytes
+//   have its CRC-32C (DATA_LOSS otherwise).
+// nullopt for a sharded checkpoint (no whole-model file). The errors of
+// VerifyCommittedCheckpoint otherwise; FAILED_PRECONDITION for a path
+// through a symbolic link.
+struct OpenedWeights {
+  std::shared_ptr<ScopedFd> file;
+  ManifestEntry entry;
+};
+absl::StatusOr<std::optional<OpenedWeights>> OpenCommittedWeights(const v1::Checkpoint& checkpoint);
 
 }  // namespace aidn
 

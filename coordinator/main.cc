@@ -24,7 +24,6 @@
 #include "common/metrics/http_server.h"
 #include "common/metrics/process_stats.h"
 #include "common/metrics/registry.h"
-#include "coordinator/web/web_server.h"
 #include "common/status.h"
 #include "common/stop_signals.h"
 #include "common/tls.h"
@@ -32,6 +31,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/server.h"
 #include "coordinator/store.h"
+#include "coordinator/web/web_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "host:port to serve on; port 0 picks one");
 ABSL_FLAG(std::string, state_dir, "./aidn-state", "directory for the SQLite state and tokens");

@@ -69,6 +69,9 @@ std::vector<std::string> Server::ServedServices() {
 
 std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
   grpc::ChannelArguments args;
+  // No client-side limit: the server's own limits decide, and an in-process
+  // caller (the web UI) takes the large answers aidnctl takes in pages.
+  args.SetMaxReceiveMessageSize(-1);
   return server_->InProcessChannel(args);
 }
 

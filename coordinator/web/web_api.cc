@@ -92,8 +92,9 @@ absl::StatusOr<int64_t> IntParam(const WebRequest& request, const std::string& n
   if (it == request.query.end()) return fallback;
   int64_t value = 0;
   if (!absl::SimpleAtoi(it->second, &value) || value < lo || value > hi) {
-    return absl::InvalidArgumentError(absl::StrCat("query parameter ", name, ": want an integer in [",
-                                                   lo, ", ", hi, "], got \"", it->second, "\""));
+    return absl::InvalidArgumentError(absl::StrCat("query parameter ", name,
+                                                   ": want an integer in [", lo, ", ", hi,
+                                                   "], got \"", it->second, "\""));
   }
   return value;
 }
@@ -126,7 +127,8 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
   }
   const std::vector<std::string> parts = absl::StrSplit(rest, '/');
   auto prepare = [&](grpc::ClientContext* context) {
-    if (!request.authorization.empty()) context->AddMetadata("authorization", request.authorization);
+    if (!request.authorization.empty())
+      context->AddMetadata("authorization", request.authorization);
     context->set_deadline(std::chrono::system_clock::now() + timeout_);
   };
   auto want = [&](const char* method) -> std::optional<WebResponse> {
@@ -163,7 +165,8 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
       }
     }
     if (auto it = request.query.find("label"); it != request.query.end()) {
-      const std::pair<std::string, std::string> kv = absl::StrSplit(it->second, absl::MaxSplits('=', 1));
+      const std::pair<std::string, std::string> kv =
+          absl::StrSplit(it->second, absl::MaxSplits('=', 1));
       if (kv.first.empty()) {
         return Error(400, absl::StatusCode::kInvalidArgument,
                      "query parameter label: want key=value");
@@ -178,9 +181,11 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
       const grpc::Status s = stub_->ListJobs(&context, list, &response);
       if (!s.ok()) return FromRpc(s);
       for (v1::Job& job : *response.mutable_jobs()) *all.add_jobs() = std::move(job);
+      // Non-empty after the last page read: the list goes on (more than
+      // kJobPages pages).
+      all.set_next_page_token(response.next_page_token());
       if (response.next_page_token().empty()) break;
       list.set_page_token(response.next_page_token());
-      all.set_next_page_token(response.next_page_token());
     }
     return Json(all);
   }
@@ -268,7 +273,7 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
       return Error(409, absl::StatusCode::kFailedPrecondition,
                    absl::StrCat("the checkpoint of step ", step, " is ", WhyNotExportable(*found)));
     }
-    absl::StatusOr<std::optional<ManifestEntry>> model = VerifyCommittedCheckpoint(*found);
+    absl::StatusOr<std::optional<OpenedWeights>> model = OpenCommittedWeights(*found);
     if (!model.ok()) return FromStatus(model.status());
     if (!model->has_value()) {
       return Error(409, absl::StatusCode::kFailedPrecondition,
@@ -278,9 +283,9 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
     }
     WebResponse r;
     r.content_type = "application/octet-stream";
-    r.file_path = absl::StrCat(found->path(), "/", kCheckpointModelFile);
-    r.file_bytes = (*model)->bytes;
-    r.file_crc32c = (*model)->crc32c;
+    r.file = (*model)->file;
+    r.file_bytes = (*model)->entry.bytes;
+    r.file_crc32c = (*model)->entry.crc32c;
     r.download_name = absl::StrCat(job_id, "-step", step, ".safetensors");
     return r;
   }
@@ -338,8 +343,9 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
       }
       if (auto it = body.find("reason"); it != body.end()) {
         if (!it->is_string() || it->get<std::string>().size() > kMaxReasonBytes) {
-          return Error(400, absl::StatusCode::kInvalidArgument,
-                       absl::StrCat("reason: want a string of at most ", kMaxReasonBytes, " bytes"));
+          return Error(
+              400, absl::StatusCode::kInvalidArgument,
+              absl::StrCat("reason: want a string of at most ", kMaxReasonBytes, " bytes"));
         }
         if (!it->get<std::string>().empty()) cancel.set_reason(it->get<std::string>());
       }

@@ -14,8 +14,10 @@
 //   GET  /api/v1/jobs/ID/events?after_seq=N[&limit=L]                ListEvents
 //   GET  /api/v1/jobs/ID/checkpoints             ListCheckpoints
 //   GET  /api/v1/jobs/ID/checkpoints/STEP/model.safetensors
-//        the checkpoint's whole-model weights, after checkpoint_check.h's
-//        verification, where the coordinator's machine reaches them
+//        the checkpoint's whole-model weights, opened and verified by
+//        OpenCommittedWeights (no symbolic links, the recorded MANIFEST
+//        digest, size and CRC-32C), where the coordinator's machine
+//        reaches them
 //   GET  /api/v1/jobs/ID/logs?tail=N[&rank=R][&generation=G]         ReadLogs
 //   POST /api/v1/jobs/ID/cancel   {"reason": "..."}                  CancelJob
 //
@@ -36,6 +38,7 @@
 #include <string>
 
 #include "aidn/v1/coordinator.grpc.pb.h"
+#include "common/file.h"
 #include "grpcpp/channel.h"
 
 namespace aidn::coordinator::web {
@@ -54,10 +57,11 @@ struct WebResponse {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
-  // Set: the answer is this file's first file_bytes bytes, which the
-  // server streams, checking their CRC-32C against file_crc32c as they
-  // pass (the connection is cut on a mismatch), as download_name.
-  std::string file_path;
+  // Set: the answer is this open file's file_bytes bytes (verified
+  // checkpoint weights, checkpoint_check.h), which the server streams,
+  // checking their CRC-32C against file_crc32c again as a whole download
+  // passes (the connection is cut on a mismatch), as download_name.
+  std::shared_ptr<ScopedFd> file;
   int64_t file_bytes = 0;
   uint32_t file_crc32c = 0;
   std::string download_name;

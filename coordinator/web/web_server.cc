@@ -32,42 +32,40 @@ void SecurityHeaders(httplib::Response& res) {
   res.set_header("Referrer-Policy", "no-referrer");
 }
 
-// Streams `r`'s file, checking the bytes against the CRC-32C the checkpoint
-// manifest recorded; cuts the connection (no complete answer) when the
-// file ends early or its bytes differ.
+// Streams `r`'s open file (read with pread, so ranges work too); a whole
+// download's bytes are checked against the CRC-32C the checkpoint manifest
+// recorded once more as they pass, and the connection is cut (no complete
+// answer) when they differ or the file ends early.
 void StreamFile(const WebResponse& r, httplib::Response& res) {
-  auto fd = std::make_shared<ScopedFd>(::open(r.file_path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd->get() < 0) {
-    res.status = 500;
-    res.set_content(absl::StrCat("{\"error\": \"cannot open the checkpoint's weights\"}"),
-                    "application/json");
-    return;
-  }
   res.set_header("Content-Disposition",
                  absl::StrCat("attachment; filename=\"", r.download_name, "\""));
   struct Progress {
-    int64_t offset = 0;
+    int64_t offset = 0;  // of the bytes read in order from the start
     uint32_t crc = 0;
   };
   auto progress = std::make_shared<Progress>();
   const int64_t total = r.file_bytes;
   const uint32_t want_crc = r.file_crc32c;
-  const std::string path = r.file_path;
+  std::shared_ptr<ScopedFd> file = r.file;
   res.set_content_provider(
       static_cast<size_t>(total), r.content_type,
-      [fd, progress, total, want_crc, path](size_t offset, size_t length, httplib::DataSink& sink) {
-        if (static_cast<int64_t>(offset) != progress->offset) return false;  // no ranges
+      [file, progress, total, want_crc](size_t offset, size_t length, httplib::DataSink& sink) {
         std::vector<char> buffer(std::min(length, kFileChunk));
-        const ssize_t n = ::read(fd->get(), buffer.data(), buffer.size());
+        ssize_t n = 0;
+        do {
+          n = ::pread(file->get(), buffer.data(), buffer.size(), static_cast<off_t>(offset));
+        } while (n < 0 && errno == EINTR);
         if (n <= 0) {
-          AIDN_LOG(WARNING) << "web: a checkpoint's weights ended early" << Kv("path", path);
+          AIDN_LOG(WARNING) << "web: a checkpoint's weights ended early";
           return false;
         }
-        progress->crc = Crc32c(buffer.data(), static_cast<size_t>(n), progress->crc);
-        progress->offset += n;
-        if (progress->offset == total && progress->crc != want_crc) {
-          AIDN_LOG(WARNING) << "web: a checkpoint's weights changed while sent" << Kv("path", path);
-          return false;
+        if (static_cast<int64_t>(offset) == progress->offset) {
+          progress->crc = Crc32c(buffer.data(), static_cast<size_t>(n), progress->crc);
+          progress->offset += n;
+          if (progress->offset == total && progress->crc != want_crc) {
+            AIDN_LOG(WARNING) << "web: a checkpoint's weights changed while sent";
+            return false;
+          }
         }
         return sink.write(buffer.data(), static_cast<size_t>(n));
       });
@@ -75,8 +73,8 @@ void StreamFile(const WebResponse& r, httplib::Response& res) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(const WebServerOptions& options,
-                                                            std::shared_ptr<grpc::Channel> channel) {
+absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(
+    const WebServerOptions& options, std::shared_ptr<grpc::Channel> channel) {
   const metrics::HttpListenOptions listen{.address = options.address,
                                           .tls_cert_file = options.tls_cert_file,
                                           .tls_key_file = options.tls_key_file,
@@ -106,7 +104,7 @@ absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(const WebServerOptio
     SecurityHeaders(res);
     res.set_header("Cache-Control", "no-store");
     res.status = r.status;
-    if (!r.file_path.empty()) return StreamFile(r, res);
+    if (r.file != nullptr) return StreamFile(r, res);
     res.set_content(r.body, r.content_type);
   };
   server->Get(R"(/api/.*)", api);

@@ -19,9 +19,9 @@
 namespace aidn::coordinator::web {
 namespace {
 
-using ::testing::HasSubstr;
 using test_util::CoordinatorTest;
 using test_util::Spec;
+using ::testing::HasSubstr;
 
 class WebApiTest : public CoordinatorTest {
  protected:
@@ -139,8 +139,8 @@ TEST_F(WebApiTest, AJobsRecordsComeAsProtobufJson) {
   const nlohmann::json events = Body(Call("GET", "/api/v1/jobs/" + id + "/events", "tok-alice"));
   ASSERT_FALSE(events["events"].empty());
   const std::string first_seq = events["events"][0]["seq"];
-  const nlohmann::json later = Body(
-      Call("GET", "/api/v1/jobs/" + id + "/events", "tok-alice", {{"after_seq", first_seq}}));
+  const nlohmann::json later =
+      Body(Call("GET", "/api/v1/jobs/" + id + "/events", "tok-alice", {{"after_seq", first_seq}}));
   EXPECT_EQ(later["events"].size() + 1, events["events"].size());
 
   const nlohmann::json workers = Body(Call("GET", "/api/v1/workers", "tok-alice"));
@@ -166,10 +166,13 @@ TEST_F(WebApiTest, BadInputIsRefusedNamingIt) {
     std::string message;
   };
   const Case cases[] = {
-      {"GET", "/api/v1/jobs/" + id + "/metrics", {{"from_step", "x"}}, "", 400,
+      {"GET",
+       "/api/v1/jobs/" + id + "/metrics",
+       {{"from_step", "x"}},
+       "",
+       400,
        "query parameter from_step: want an integer"},
-      {"GET", "/api/v1/jobs/" + id + "/events", {{"limit", "0"}}, "", 400,
-       "query parameter limit"},
+      {"GET", "/api/v1/jobs/" + id + "/events", {{"limit", "0"}}, "", 400, "query parameter limit"},
       {"GET", "/api/v1/jobs/" + id + "/logs", {{"tail", "-3"}}, "", 400, "query parameter tail"},
       {"GET", "/api/v1/jobs", {{"state", "RUNNING,BOGUS"}}, "", 400, "unknown state \"BOGUS\""},
       {"GET", "/api/v1/jobs", {{"label", "=x"}}, "", 400, "want key=value"},
@@ -178,9 +181,17 @@ TEST_F(WebApiTest, BadInputIsRefusedNamingIt) {
       {"GET", "/api/v1/jobs/" + id + "/cancel", {}, "", 405, "answers POST only"},
       {"DELETE", "/api/v1/jobs/" + id, {}, "", 405, "answers GET only"},
       {"GET", "/api/v1/nothing", {}, "", 404, "no API path /api/v1/nothing"},
-      {"GET", "/api/v1/jobs/" + id + "/checkpoints/x/model.safetensors", {}, "", 404,
+      {"GET",
+       "/api/v1/jobs/" + id + "/checkpoints/x/model.safetensors",
+       {},
+       "",
+       404,
        "no API path"},
-      {"GET", "/api/v1/jobs/" + id + "/checkpoints/7/model.safetensors", {}, "", 404,
+      {"GET",
+       "/api/v1/jobs/" + id + "/checkpoints/7/model.safetensors",
+       {},
+       "",
+       404,
        "has no checkpoint at step 7 (no checkpoint is committed and valid)"},
       {"GET", "/api/v1/jobs/no-such-job", {}, "", 404, "no-such-job"},
   };

@@ -21,9 +21,9 @@
 namespace aidn::coordinator::web {
 namespace {
 
-using ::testing::HasSubstr;
 using test_util::CoordinatorTest;
 using test_util::TempDir;
+using ::testing::HasSubstr;
 
 class WebServerTest : public CoordinatorTest {
  protected:
@@ -71,10 +71,10 @@ TEST_F(WebServerTest, ServesItsPagesWithHeadersThatKeepThemToThemselves) {
     const char* type;
     const char* contains;
   };
-  for (const Page& p : {Page{"/", "text/html", "<title>"}, Page{"/index.html", "text/html", "/app.js"},
-                        Page{"/app.js", "text/javascript", "use strict"},
-                        Page{"/style.css", "text/css", "{"},
-                        Page{"/chart.js", "text/javascript", "var Chart"}}) {
+  for (const Page& p :
+       {Page{"/", "text/html", "<title>"}, Page{"/index.html", "text/html", "/app.js"},
+        Page{"/app.js", "text/javascript", "use strict"}, Page{"/style.css", "text/css", "{"},
+        Page{"/chart.js", "text/javascript", "var Chart"}}) {
     const httplib::Result r = client_->Get(p.path);
     ASSERT_TRUE(r) << p.path;
     EXPECT_EQ(r->status, 200) << p.path;
