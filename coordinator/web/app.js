@@ -880,13 +880,15 @@
       d.created = el('span');
       d.started = el('span');
       d.finished = el('span');
+      d.pause = el('button', { type: 'button', id: 'pause-job', text: 'Pause', hidden: true });
+      d.resume = el('button', { type: 'button', id: 'resume-job', text: 'Resume', hidden: true });
       d.cancel = el('button', { type: 'button', id: 'cancel-job', className: 'danger', text: 'Cancel job', hidden: true });
       d.action = el('p', { id: 'action-message', className: 'action-message', role: 'status', 'aria-live': 'polite' });
 
       const header = el('section', { className: 'job-header', 'aria-label': 'Job' },
         el('div', { className: 'job-title' },
           el('h1', null, 'Job ', d.id, ' ', d.name),
-          el('div', { className: 'job-actions' }, d.cancel)),
+          el('div', { className: 'job-actions' }, d.pause, d.resume, d.cancel)),
         el('div', { className: 'job-status' },
           d.state,
           el('span', { className: 'step-line' }, 'Step ', d.step, ' ', d.stepTotal),
@@ -972,7 +974,9 @@
         el('section', { 'aria-labelledby': 'events-title' },
           el('h2', { id: 'events-title', text: 'Events' }), el('div', { className: 'scroll-y' }, d.events.wrap)));
 
-      d.cancel.addEventListener('click', cancelJob);
+      d.cancel.addEventListener('click', () => jobAction('cancel'));
+      d.pause.addEventListener('click', () => jobAction('pause'));
+      d.resume.addEventListener('click', () => jobAction('resume'));
       d.follow.addEventListener('change', () => {
         if (d.follow.checked) refreshLogs();
       });
@@ -1013,6 +1017,8 @@
       d.started.replaceChildren(timeEl(job.started_at, false));
       d.finished.replaceChildren(timeEl(job.finished_at, false));
       d.cancel.hidden = FINISHED_STATES.has(job.state);
+      d.pause.hidden = FINISHED_STATES.has(job.state) || job.state === 'PAUSED';
+      d.resume.hidden = job.state !== 'PAUSED';
       s.placement = Array.isArray(job.placement) ? job.placement : [];
 
       const specText = JSON.stringify(spec, null, 2);
@@ -1264,27 +1270,39 @@
 
     // ---- cancel
 
-    async function cancelJob() {
+    // Cancel, pause or resume, each confirmed first.
+    const ACTIONS = {
+      cancel: { ask: 'Cancel', doing: 'Cancelling…', done: 'Cancelled.', reason: 'cancelled from the web UI' },
+      pause: {
+        ask: 'Pause', doing: 'Asking to pause…', reason: 'paused from the web UI',
+        done: 'Pause asked: the ranks checkpoint at a step they agree on, then the job stops.',
+      },
+      resume: { ask: 'Resume', doing: 'Resuming…', done: 'Queued again: it resumes from its newest checkpoint.' },
+    };
+
+    async function jobAction(verb) {
       const d = s.dom;
-      if (!window.confirm(`Cancel job ${jobId}?`)) return;
-      d.cancel.disabled = true;
+      const action = ACTIONS[verb];
+      if (!window.confirm(`${action.ask} job ${jobId}?`)) return;
+      const buttons = [d.cancel, d.pause, d.resume];
+      for (const b of buttons) b.disabled = true;
       d.action.classList.remove('error');
-      d.action.textContent = 'Cancelling…';
+      d.action.textContent = action.doing;
       try {
-        const job = await api(`${base}/cancel`, {
+        const job = await api(`${base}/${verb}`, {
           method: 'POST',
-          body: JSON.stringify({ reason: 'cancelled from the web UI' }),
+          body: JSON.stringify(action.reason ? { reason: action.reason } : {}),
         });
         if (!page.alive) return;
-        d.action.textContent = `Job ${job.id || jobId} is ${job.state || 'UNKNOWN'}${job.message ? `: ${job.message}` : ''}.`;
+        d.action.textContent = action.done;
         renderHeader(job);
         poll.now();
       } catch (e) {
         if (!page.alive) return;
         d.action.classList.add('error');
-        d.action.textContent = `Could not cancel job ${jobId}: ${e.message}`;
+        d.action.textContent = `Could not ${verb} job ${jobId}: ${e.message}`;
       } finally {
-        d.cancel.disabled = false;
+        for (const b of buttons) b.disabled = false;
       }
     }
 

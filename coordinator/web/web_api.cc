@@ -331,11 +331,10 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
     return r;
   }
 
-  if (n == 3 && what == "cancel") {
+  if (n == 3 && (what == "cancel" || what == "pause" || what == "resume")) {
     if (auto bad = want("POST")) return *bad;
-    v1::CancelJobRequest cancel;
-    cancel.set_job_id(job_id);
-    cancel.set_reason("cancelled from the web UI");
+    std::string reason =
+        absl::StrCat(what == "cancel" ? "cancelled" : "paused", " from the web UI");
     if (!request.body.empty()) {
       const nlohmann::json body = nlohmann::json::parse(request.body, nullptr, false);
       if (body.is_discarded() || !body.is_object()) {
@@ -347,13 +346,28 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
               400, absl::StatusCode::kInvalidArgument,
               absl::StrCat("reason: want a string of at most ", kMaxReasonBytes, " bytes"));
         }
-        if (!it->get<std::string>().empty()) cancel.set_reason(it->get<std::string>());
+        if (!it->get<std::string>().empty()) reason = it->get<std::string>();
       }
     }
     grpc::ClientContext context;
     prepare(&context);
     v1::Job job;
-    const grpc::Status s = stub_->CancelJob(&context, cancel, &job);
+    grpc::Status s;
+    if (what == "cancel") {
+      v1::CancelJobRequest cancel;
+      cancel.set_job_id(job_id);
+      cancel.set_reason(reason);
+      s = stub_->CancelJob(&context, cancel, &job);
+    } else if (what == "pause") {
+      v1::PauseJobRequest pause;
+      pause.set_job_id(job_id);
+      pause.set_reason(reason);
+      s = stub_->PauseJob(&context, pause, &job);
+    } else {
+      v1::ResumeJobRequest resume;
+      resume.set_job_id(job_id);
+      s = stub_->ResumeJob(&context, resume, &job);
+    }
     return s.ok() ? Json(job) : FromRpc(s);
   }
 

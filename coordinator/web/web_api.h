@@ -20,6 +20,8 @@
 //        reaches them
 //   GET  /api/v1/jobs/ID/logs?tail=N[&rank=R][&generation=G]         ReadLogs
 //   POST /api/v1/jobs/ID/cancel   {"reason": "..."}                  CancelJob
+//   POST /api/v1/jobs/ID/pause    {"reason": "..."}                  PauseJob
+//   POST /api/v1/jobs/ID/resume                                      ResumeJob
 //
 // Answers are protobuf's JSON mapping of the responses (snake_case names,
 // default values printed, int64 as strings); the logs' lines are text

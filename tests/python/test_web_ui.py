@@ -233,8 +233,8 @@ class WebUiTest(unittest.TestCase):
         self.assertIn("ALIVE", self.browser.find_element(By.ID, "app").text)
         self.shot("06-cluster")
 
-    def test_cancel_from_the_page_and_nothing_of_anothers(self):
-        job = self.alice.submit(cnn_spec(100000))
+    def test_pause_resume_and_cancel_from_the_page_and_nothing_of_anothers(self):
+        job = self.alice.submit(cnn_spec(100000, os.path.join(self.dir, "ckpt")))
         wait_for(lambda: self.alice.get(job.id).last_step > 0, UI_TIMEOUT, "training")
 
         # Bob sees none of Alice's jobs, and cannot change them.
@@ -256,19 +256,35 @@ class WebUiTest(unittest.TestCase):
         status, _ = self.api("jobs", "")
         self.assertEqual(status, 401)
 
-        # Alice cancels it from its page, confirming.
+        # Alice pauses it, resumes it and cancels it from its page, each
+        # confirmed; a dismissed confirmation changes nothing.
         self.set_token(ALICE)
         self.browser.get(self.url + f"#/jobs/{job.id}")
         self.browser.refresh()
-        button = wait_for(lambda: [b for b in self.browser.find_elements(By.ID, "cancel-job")
-                                   if b.is_displayed()], UI_TIMEOUT, "the cancel button")[0]
-        button.click()
-        alert = wait_for(lambda: self.alert(), UI_TIMEOUT, "the confirmation")
-        self.assertIn(job.id, alert.text)
-        alert.accept()
+        self.click_and_confirm("cancel-job", job.id, accept=False)
+        self.click_and_confirm("pause-job", job.id)
+        wait_for(lambda: self.text("job-state") == "PAUSED", 120, "PAUSED")
+        self.assertGreater(self.alice.get(job.id).last_checkpoint_step, 0)
+        self.shot("08-job-paused")
+        self.click_and_confirm("resume-job", job.id)
+        wait_for(lambda: self.text("job-state") == "RUNNING", UI_TIMEOUT, "RUNNING again")
+        self.click_and_confirm("cancel-job", job.id)
         wait_for(lambda: self.text("job-state") == "CANCELLED", UI_TIMEOUT, "CANCELLED")
         self.assertEqual(self.alice.get(job.id).state, 7)  # Job.CANCELLED
-        self.shot("08-job-cancelled")
+        self.shot("09-job-cancelled")
+
+    def click_and_confirm(self, button_id, job_id, accept=True):
+        button = wait_for(lambda: [b for b in self.browser.find_elements(By.ID, button_id)
+                                   if b.is_displayed() and b.is_enabled()], UI_TIMEOUT,
+                          button_id)[0]
+        button.click()
+        alert = wait_for(lambda: self.alert(), UI_TIMEOUT, "the confirmation")
+        self.assertIn(job_id, alert.text)
+        if accept:
+            alert.accept()
+        else:
+            alert.dismiss()
+            self.assertNotIn(self.alice.get(job_id).state, (7, 8))  # not CANCELLED, PAUSED
 
     def alert(self):
         try:

@@ -100,8 +100,19 @@ TEST_F(WebApiTest, AUserSeesAndChangesOnlyItsOwnJobs) {
   for (const char* what : {"/metrics", "/events", "/checkpoints", "/logs"}) {
     EXPECT_EQ(Call("GET", "/api/v1/jobs/" + theirs + what, "tok-alice").status, 403) << what;
   }
-  EXPECT_EQ(Call("POST", "/api/v1/jobs/" + theirs + "/cancel", "tok-alice").status, 403);
+  for (const char* action : {"/cancel", "/pause", "/resume"}) {
+    EXPECT_EQ(Call("POST", "/api/v1/jobs/" + theirs + action, "tok-alice").status, 403) << action;
+  }
   EXPECT_EQ(Get(theirs).state(), v1::Job::PENDING) << "another user's job was changed";
+
+  // A queued job pauses at once, and resumes to the queue.
+  const WebResponse pause = Call("POST", "/api/v1/jobs/" + theirs + "/pause", "tok-bob");
+  ASSERT_EQ(pause.status, 200) << pause.body;
+  EXPECT_EQ(Body(pause)["state"], "PAUSED");
+  EXPECT_EQ(Call("POST", "/api/v1/jobs/" + theirs + "/pause", "tok-bob").status, 409);
+  const WebResponse resume = Call("POST", "/api/v1/jobs/" + theirs + "/resume", "tok-bob");
+  ASSERT_EQ(resume.status, 200) << resume.body;
+  EXPECT_EQ(Body(resume)["state"], "PENDING");
 
   const WebResponse cancel =
       Call("POST", "/api/v1/jobs/" + mine + "/cancel", "tok-alice", {}, R"({"reason": "typo"})");
@@ -179,6 +190,8 @@ TEST_F(WebApiTest, BadInputIsRefusedNamingIt) {
       {"POST", "/api/v1/jobs/" + id + "/cancel", {}, "not json", 400, "a JSON object"},
       {"POST", "/api/v1/jobs/" + id + "/cancel", {}, R"({"reason": 3})", 400, "reason: want"},
       {"GET", "/api/v1/jobs/" + id + "/cancel", {}, "", 405, "answers POST only"},
+      {"GET", "/api/v1/jobs/" + id + "/pause", {}, "", 405, "answers POST only"},
+      {"POST", "/api/v1/jobs/" + id + "/pause", {}, "[1]", 400, "a JSON object"},
       {"DELETE", "/api/v1/jobs/" + id, {}, "", 405, "answers GET only"},
       {"GET", "/api/v1/nothing", {}, "", 404, "no API path /api/v1/nothing"},
       {"GET",
