@@ -133,6 +133,7 @@ class WebUiTest(unittest.TestCase):
         panel = self.browser.find_element(By.ID, "token-panel")
         if not panel.is_displayed():
             self.browser.find_element(By.ID, "token-button").click()
+        wait_for(panel.is_displayed, UI_TIMEOUT, "the token form open")
         field = self.browser.find_element(By.ID, "token-input")
         field.clear()
         if token:
@@ -239,6 +240,9 @@ class WebUiTest(unittest.TestCase):
 
         # Bob sees none of Alice's jobs, and cannot change them.
         self.browser.get(self.url)
+        # Without a token the page opens the token form itself.
+        wait_for(lambda: self.browser.find_element(By.ID, "token-panel").is_displayed(),
+                 UI_TIMEOUT, "the token form")
         self.set_token(BOB)
         wait_for(lambda: "No jobs" in self.browser.find_element(By.ID, "app").text
                  or "0 running" in self.browser.find_element(By.ID, "app").text,
