@@ -56,7 +56,8 @@ set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 set(CPACK_DEBIAN_PACKAGE_DEPENDS "python3, python3-grpcio, python3-protobuf, adduser")
 # YAML specs and fast checkpoint manifests in the Python client; the dataset
 # the examples train on.
-set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "python3-yaml, python3-crc32c, dataset-fashion-mnist")
+set(CPACK_DEBIAN_PACKAGE_RECOMMENDS
+  "python3-yaml, python3-crc32c, dataset-fashion-mnist, libjs-chart.js")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA
     ${PROJECT_SOURCE_DIR}/deploy/debian/postinst
     ${PROJECT_SOURCE_DIR}/deploy/debian/prerm

@@ -113,7 +113,7 @@ class FlagFilesTest(unittest.TestCase):
         coordinator = self.start(
             [binary("AIDN_COORDINATOR_BIN"), f"--flagfile={flags}/coordinator.flags",
              f"--state_dir={state}", "--listen=127.0.0.1:0", f"--addr_file={addr_file}",
-             "--metrics_addr="], "coordinator")
+             "--metrics_addr=", "--web_addr="], "coordinator")
 
         def address():
             self.assertIsNone(coordinator.poll(), self.log("coordinator"))
