@@ -460,13 +460,6 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
     return Invalid("ddp", absl::StrCat("applies to strategy: ddp only (this job's is ",
                                        v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
   }
-  if (d.find_unused_parameters() && d.compression() != DdpSpec::NONE &&
-      d.compression() != DdpSpec::COMPRESSION_UNSPECIFIED) {
-    return Invalid(
-        "ddp.find_unused_parameters",
-        absl::StrCat("does not go with compression: ",
-                     absl::AsciiStrToLower(DdpSpec::Compression_Name(d.compression())), " yet"));
-  }
   switch (d.compression()) {
     case DdpSpec::NONE:
       if (d.powersgd_rank() != 0 || d.has_powersgd_start_step() ||

@@ -174,6 +174,11 @@ TEST_F(ResNetJobTest, AGptSkippingWholeBlocksNeedsFindUnusedParameters) {
 
   spec.mutable_ddp()->set_find_unused_parameters(true);
   EXPECT_FALSE(Run(spec).empty());
+  // With compressed buckets too.
+  for (const auto compression : {v1::DdpSpec::BF16, v1::DdpSpec::POWERSGD}) {
+    spec.mutable_ddp()->set_compression(compression);
+    EXPECT_FALSE(Run(spec).empty()) << v1::DdpSpec::Compression_Name(compression);
+  }
 }
 
 // ddp.sync_batchnorm: the BatchNorm layers' statistics go over a second

@@ -65,11 +65,10 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   if (options.powersgd.has_value() && options.powersgd->rank < 1) {
     return absl::InvalidArgumentError("ddp: PowerSGD's rank must be >= 1");
   }
-  if (options.find_unused_parameters &&
-      (options.shard_optimizer || options.powersgd.has_value() || options.half.has_value())) {
+  if (options.find_unused_parameters && options.shard_optimizer) {
     return absl::InvalidArgumentError(
-        "ddp: find_unused_parameters goes with plain allreduced buckets only (not ZeRO-1, "
-        "PowerSGD, fp16 or bf16)");
+        "ddp: find_unused_parameters goes with allreduced buckets only (not ZeRO-1's "
+        "reduce-scatter)");
   }
   std::vector<int64_t> numels;
   for (const Parameter* p : parameters) numels.push_back(p->value.numel());
@@ -245,6 +244,8 @@ void DdpReducer::BeginBackward(bool communicate, float extra, const std::vector<
   Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
   extra_bucket[extra_bucket.numel() - 1] = extra;
   if (find_unused_) {
+    used_ = used;
+    used_.resize(parameters_.size(), true);
     // The used flags just before the loss, averaged with the last bucket.
     float* flags =
         extra_bucket.data() + extra_bucket.numel() - 1 - static_cast<int64_t>(parameters_.size());
@@ -257,15 +258,10 @@ void DdpReducer::BeginBackward(bool communicate, float extra, const std::vector<
     allreduce_seconds_ = 0.0;
     bytes_sent_ = 0;
     bytes_uncompressed_ = 0;
-    // A bucket with no parameters (a model without any) goes at once.
-    for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
-      if (buckets_[i].pending == 0) {
-        queue_.push_back(i);
-        ++in_flight_;
-      }
-    }
-    if (!queue_.empty()) cv_.notify_all();
+    next_launch_ = 0;
   }
+  // A bucket with no parameters (a model without any) goes at once.
+  LaunchReadyBuckets();
   // What the last forward did not use is ready now: its gradient is what
   // earlier micro-batches left (zero if none).
   if (find_unused_) {
@@ -287,14 +283,21 @@ void DdpReducer::OnGradReady(Parameter* parameter) {
   if (it == slots_.end()) return;
   // The gradient is already in the bucket (a view).
   Bucket& bucket = buckets_[it->second.bucket];
-  if (--bucket.pending == 0) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(it->second.bucket);
+  if (--bucket.pending == 0) LaunchReadyBuckets();
+}
+
+void DdpReducer::LaunchReadyBuckets() {
+  bool launched = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (next_launch_ < static_cast<int>(buckets_.size()) &&
+           buckets_[static_cast<size_t>(next_launch_)].pending == 0) {
+      queue_.push_back(next_launch_++);
       ++in_flight_;
+      launched = true;
     }
-    cv_.notify_all();
   }
+  if (launched) cv_.notify_all();
 }
 
 void DdpReducer::CommLoop() {
@@ -385,11 +388,28 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   // Every bucket of this step went through it.
   if (powersgd_ != nullptr) powersgd_->EndStep();
   if (!error_.ok()) return error_;
+  lock.unlock();
+  if (find_unused_ && (half_.has_value() || powersgd_ != nullptr)) {
+    // Compression would touch the used flags (PowerSGD's error feedback
+    // adds last step's residue to everything in a bucket): they go alone,
+    // summed exactly.
+    std::vector<float> flags(parameters_.size());
+    for (size_t i = 0; i < flags.size(); ++i) flags[i] = used_[i] ? 1.0f : 0.0f;
+    if (absl::Status s = communicator_->AllReduce(flags.data(), flags.size(), ReduceOp::kSum);
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("ddp: the used flags: ", s.message()));
+    }
+    for (size_t i = 0; i < flags.size(); ++i) parameters_[i]->no_grad = flags[i] == 0.0f;
+    if (!half_.has_value()) {
+      const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
+      averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
+      return absl::OkStatus();
+    }
+  }
   if (shard_ || half_.has_value()) {
     // A reduce-scatter leaves the extra slot with one rank, and 16 bits
     // would round the loss: average it alone.
     float extra = extra_;
-    lock.unlock();
     if (absl::Status s = communicator_->AllReduce(&extra, 1, ReduceOp::kAvg); !s.ok()) {
       return absl::Status(
           s.code(), absl::StrCat(shard_ ? "zero" : "ddp", ": the step's loss: ", s.message()));

@@ -72,10 +72,10 @@ struct DdpOptions {
   // gradient (a forward that skipped them). BeginBackward marks those the
   // last forward did not use ready at once (their buckets still finish),
   // and one float per parameter rides in the last bucket saying whether
-  // the rank used it in any forward of the step; a parameter no rank used
-  // is marked no_grad for the optimizer (torch's "grad is None"). Without
-  // it such a step fails, naming the parameters. Not with shard_optimizer,
-  // powersgd or half.
+  // the rank used it in any forward of the step (with compression, in an
+  // allreduce of its own, exact); a parameter no rank used is marked
+  // no_grad for the optimizer (torch's "grad is None"). Without it such a
+  // step fails, naming the parameters. Not with shard_optimizer.
   bool find_unused_parameters = false;
 };
 
@@ -184,6 +184,8 @@ class DdpReducer {
   // DdpOptions::half: bucket `index` averaged through 16 bits (the extra
   // slot left out). Its payload bytes go into *sent.
   absl::Status ReduceHalf(int index, int64_t* sent);
+  // Queues the ready buckets from next_launch_ on, in index order.
+  void LaunchReadyBuckets();
   // INVALID_ARGUMENT naming the parameters not reported ready.
   absl::Status MissingGradients() const;
   // shard_optimizer: lays out the weights and this rank's shards.
@@ -208,7 +210,7 @@ class DdpReducer {
   std::unordered_map<Parameter*, size_t> index_;
   std::vector<bool> ready_;
   bool find_unused_ = false;
-  // find_unused_parameters with one rank: this step's used flags.
+  // find_unused_parameters: this step's used flags.
   std::vector<bool> used_;
   bool shard_ = false;
   // shard_optimizer: the buckets' shards (shard_map.h).
@@ -221,7 +223,12 @@ class DdpReducer {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<int> queue_;  // buckets ready to reduce
-  int in_flight_ = 0;      // queued or being reduced
+  // The next bucket to queue: buckets go in index order only, so that every
+  // rank's collectives come in the same order whatever order its gradients
+  // (or, with find_unused_parameters, its unused parameters) were ready
+  // in, as torch's reducer launches them.
+  int next_launch_ = 0;
+  int in_flight_ = 0;  // queued or being reduced
   bool stop_ = false;
   absl::Status error_;
   double allreduce_seconds_ = 0.0;

@@ -239,11 +239,6 @@ TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
       {[](JobSpec* s) { s->mutable_model()->set_stochastic_depth(1.0); },
        "model.stochastic_depth: must be a finite number in [0, 1), got 1"},
       {[](JobSpec* s) {
-         s->mutable_ddp()->set_find_unused_parameters(true);
-         s->mutable_ddp()->set_compression(v1::DdpSpec::BF16);
-       },
-       "ddp.find_unused_parameters: does not go with compression: bf16 yet"},
-      {[](JobSpec* s) {
          s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
          s->mutable_ddp()->set_sync_batchnorm(true);
          s->mutable_model()->set_stochastic_depth(0.1);

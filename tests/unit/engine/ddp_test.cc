@@ -205,15 +205,13 @@ TEST(DdpReducer, OneRankLeavesGradientsInPlaceCommunicatesNothingAndStillCatches
   EXPECT_THAT(s.message(), HasSubstr("1 parameter got no gradient this step (p1)"));
 }
 
-TEST(DdpReducer, FindUnusedParametersIsRefusedWithCompressionOrShardedState) {
+TEST(DdpReducer, FindUnusedParametersIsRefusedWithShardedState) {
   auto params = MakeParameters({10});
   FakeCommunicator comm;
-  for (DdpOptions o : {DdpOptions{.shard_optimizer = true, .find_unused_parameters = true},
-                       DdpOptions{.half = HalfFormat::kFp16, .find_unused_parameters = true}}) {
-    auto reducer = DdpReducer::Create(o, Raw(params), &comm);
-    ASSERT_FALSE(reducer.ok());
-    EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("plain allreduced buckets"));
-  }
+  auto reducer = DdpReducer::Create({.shard_optimizer = true, .find_unused_parameters = true},
+                                    Raw(params), &comm);
+  ASSERT_FALSE(reducer.ok());
+  EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("allreduced buckets only"));
 }
 
 TEST(DdpReducer, ACommunicatorFailureComesBackFromFinishNamingTheBucket) {
@@ -364,6 +362,61 @@ TEST(DdpReducer, FindUnusedParametersFinishesEveryBucketAndMarksTheGloballyUnuse
     ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok());
     EXPECT_FALSE(params[1]->no_grad);
   });
+}
+
+// Ranks that skip different parameters have different buckets ready
+// first: the buckets still go in the same order on every rank (a mismatch
+// would pair one rank's bucket with another's). Plain buckets, and
+// compressed ones: fp16, bf16 and PowerSGD (compressing from the first
+// step, error feedback on, over several steps so that the error it feeds
+// back is not zero). The used flags are exact; the loss is averaged.
+TEST(DdpReducer, FindUnusedParametersWorksWithCompressedBuckets) {
+  struct Case {
+    const char* name;
+    DdpOptions options;
+  };
+  const Case cases[] = {
+      {"plain", {.bucket_mb = 0.0001, .find_unused_parameters = true}},
+      {"fp16", {.bucket_mb = 0.0001, .half = HalfFormat::kFp16, .find_unused_parameters = true}},
+      {"bf16", {.bucket_mb = 0.0001, .half = HalfFormat::kBf16, .find_unused_parameters = true}},
+      {"powersgd",
+       {.bucket_mb = 0.0001,
+        .powersgd = PowerSgdOptions{.rank = 1, .start_step = 0, .min_compression_rate = 1.0},
+        .find_unused_parameters = true}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    OnRanks(2, [&](int rank, Communicator* comm) {
+      auto params = MakeParameters({16, 64, 30});
+      params[1]->grad = Tensor({8, 8});
+      params[1]->value = Tensor({8, 8});
+      auto reducer = DdpReducer::Create(c.options, Raw(params), comm);
+      ASSERT_TRUE(reducer.ok()) << reducer.status();
+      for (int step = 0; step < 4; ++step) {
+        // p0 always used; p1 by rank 0 on even steps only; p2 by nobody on
+        // step 2, else by rank 1.
+        const std::vector<bool> used = {true, rank == 0 && step % 2 == 0, rank == 1 && step != 2};
+        std::vector<Parameter*> unused;
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (!used[i]) unused.push_back(params[i].get());
+          for (int64_t k = 0; k < params[i]->grad.numel(); ++k) {
+            params[i]->grad[k] = used[i] ? std::sin(static_cast<float>(k + step + rank)) : 0.0f;
+          }
+        }
+        (*reducer)->BeginBackward(true, 2.0f + static_cast<float>(rank), used, unused);
+        for (int i = 2; i >= 0; --i) {
+          if (used[static_cast<size_t>(i)]) {
+            (*reducer)->OnGradReady(params[static_cast<size_t>(i)].get());
+          }
+        }
+        ASSERT_TRUE((*reducer)->Finish(nullptr, nullptr).ok()) << "step " << step;
+        EXPECT_FALSE(params[0]->no_grad) << "step " << step;
+        EXPECT_EQ(params[1]->no_grad, step % 2 == 1) << "step " << step;
+        EXPECT_EQ(params[2]->no_grad, step == 2) << "step " << step;
+        EXPECT_EQ((*reducer)->averaged_extra(), 2.5f) << "step " << step;
+      }
+    });
+  }
 }
 
 // fp16 and bf16 buckets (DdpOptions::half): each averaged gradient lies
