@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz: safetensors, checkpoint manifests,
 # IDX files, text corpora, the c10d store protocol, job specs, the
-# coordinator's gRPC services) with clang,
+# coordinator's gRPC services, the web UI's API) with clang,
 # ASan and UBSan in build-fuzz/, and runs each for SECONDS (default 30) from
 # its seed corpus, as many at once as there are cores. Fails on any crash,
 # sanitizer report, leak or timeout; prints each target's executions.
@@ -20,7 +20,7 @@ BUILD=${AIDN_FUZZ_BUILD_DIR:-build-fuzz}
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAIDN_ENABLE_CUDA=OFF \
   -DAIDN_ENGINE_ONLY=OFF -DAIDN_BUILD_TESTS=OFF -DAIDN_SANITIZE=ON -DAIDN_FUZZ=ON >/dev/null
-targets=(safetensors manifest idx text c10d spec grpc)
+targets=(safetensors manifest idx text c10d spec grpc web)
 # Ninja writes compiler errors to stdout: kept in a log, shown on failure.
 if ! ninja -C "$BUILD" "${targets[@]/%/_fuzz}" >"$BUILD/build.log" 2>&1; then
   echo "fuzz: building the targets failed; the end of $BUILD/build.log:" >&2

@@ -1,8 +1,8 @@
 // The coordinator's gRPC services as any client may call them: a method, a
 // bearer token and request bytes, all from the fuzz input, through a real
 // gRPC server (an in-process channel, so no socket) into the real service
-// and coordinator code. The coordinator holds a small cluster: one worker,
-// running and queued jobs of two users, a trainer token for one of them.
+// and coordinator code. The coordinator holds a small cluster
+// (fuzz_cluster.h).
 //
 // After every call the service refused (any status but OK, and not our own
 // cancellation of a call that waits), the coordinator's state must be
@@ -22,26 +22,19 @@
 #include <vector>
 
 #include "common/log.h"
-#include "coordinator/auth.h"
-#include "coordinator/coordinator.h"
-#include "coordinator/server.h"
-#include "coordinator/store.h"
 #include "google/protobuf/stubs/logging.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "tests/fuzz/fuzz_cluster.h"
 
 namespace {
 
-namespace v1 = aidn::v1;
-using aidn::coordinator::Authenticator;
-using aidn::coordinator::Coordinator;
-using aidn::coordinator::CoordinatorOptions;
-using aidn::coordinator::Principal;
-using aidn::coordinator::Role;
-using aidn::coordinator::Server;
-using aidn::coordinator::ServerOptions;
-using aidn::coordinator::Store;
+using aidn::fuzz::Compare;
+using aidn::fuzz::Die;
+using aidn::fuzz::kTokenCount;
+using aidn::fuzz::kTokens;
+using aidn::fuzz::Snapshot;
+using aidn::fuzz::State;
 
 constexpr const char* kMethods[] = {
     "/aidn.v1.CoordinatorService/SubmitJob",
@@ -74,85 +67,11 @@ constexpr const char* kMethods[] = {
 };
 constexpr size_t kMethodCount = sizeof(kMethods) / sizeof(kMethods[0]);
 
-// "" sends no authorization at all.
-constexpr const char* kTokens[] = {"",
-                                   "Bearer nonsense",
-                                   "Bearer t-admin",
-                                   "Bearer t-alice",
-                                   "Bearer t-bob",
-                                   "Bearer t-worker",
-                                   "Bearer t-trainer"};
-constexpr size_t kTokenCount = sizeof(kTokens) / sizeof(kTokens[0]);
-
 // A call that has not finished after this long is waiting for something
 // (a held heartbeat, a rendezvous, a key, a watch): it is cancelled.
 constexpr std::chrono::milliseconds kWait{50};
 // Rebuilt once the fuzzer has made this many jobs, so calls stay cheap.
 constexpr int kMaxJobs = 64;
-
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "grpc_fuzz: %s\n", what.c_str());
-  std::abort();
-}
-
-// What a refused call must leave as it was.
-struct State {
-  v1::ListJobsResponse jobs;
-  v1::ListWorkersResponse workers;
-  v1::ListEventsResponse events;
-  std::vector<v1::ListCheckpointsResponse> checkpoints;
-};
-
-State Snapshot(Coordinator* coordinator) {
-  State s;
-  v1::ListJobsRequest all;
-  all.set_page_size(1000);
-  absl::StatusOr<v1::ListJobsResponse> jobs = coordinator->ListJobs(all);
-  if (!jobs.ok()) Die("ListJobs: " + jobs.status().ToString());
-  s.jobs = *std::move(jobs);
-  s.workers = coordinator->ListWorkers();
-  v1::ListEventsRequest events;
-  events.set_limit(10000);
-  absl::StatusOr<v1::ListEventsResponse> listed = coordinator->ListEvents(events);
-  if (!listed.ok()) Die("ListEvents: " + listed.status().ToString());
-  s.events = *std::move(listed);
-  for (const v1::Job& job : s.jobs.jobs()) {
-    absl::StatusOr<v1::ListCheckpointsResponse> c = coordinator->ListCheckpoints(job.id());
-    if (!c.ok()) Die("ListCheckpoints: " + c.status().ToString());
-    s.checkpoints.push_back(*std::move(c));
-  }
-  return s;
-}
-
-// `after`'s events less those a refusal may record: the ones past
-// `before`'s last whose type ends in ".refused".
-v1::ListEventsResponse WithoutRefusals(const v1::ListEventsResponse& before,
-                                       const v1::ListEventsResponse& after) {
-  const int64_t last = before.events().empty() ? 0 : before.events().rbegin()->seq();
-  v1::ListEventsResponse kept = after;
-  kept.clear_events();
-  for (const v1::Event& e : after.events()) {
-    if (e.seq() > last && e.type().ends_with(".refused")) continue;
-    *kept.add_events() = e;
-  }
-  return kept;
-}
-
-// Empty when equal, else the first difference.
-std::string Compare(const State& a, const State& b) {
-  using google::protobuf::util::MessageDifferencer;
-  std::string diff;
-  MessageDifferencer d;
-  d.ReportDifferencesToString(&diff);
-  if (!d.Compare(a.jobs, b.jobs)) return "jobs: " + diff;
-  if (!d.Compare(a.workers, b.workers)) return "workers: " + diff;
-  if (!d.Compare(a.events, WithoutRefusals(a.events, b.events))) return "events: " + diff;
-  if (a.checkpoints.size() != b.checkpoints.size()) return "checkpoint lists";
-  for (size_t i = 0; i < a.checkpoints.size(); ++i) {
-    if (!d.Compare(a.checkpoints[i], b.checkpoints[i])) return "checkpoints: " + diff;
-  }
-  return "";
-}
 
 // One call over the generic stub: one request message, every answer read.
 class Call final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
@@ -193,68 +112,15 @@ class Call final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBu
   std::promise<void> done_;
 };
 
-v1::JobSpec SmallSpec(const std::string& project) {
-  v1::JobSpec spec;
-  spec.set_world_size(1);
-  spec.mutable_model()->set_name("mlp");
-  if (!project.empty()) (*spec.mutable_labels())["project"] = project;
-  return spec;
-}
-
-// A coordinator (fake clock, SQLite in memory) and its server.
+// The shared cluster and a generic stub to its server.
 class Cluster {
  public:
-  Cluster() {
-    auth_ = Authenticator::CreateEmpty();
-    auth_->AddToken("t-admin", Principal{.role = Role::kAdmin, .name = "admin"});
-    auth_->AddToken("t-alice",
-                    Principal{.role = Role::kUser, .name = "alice", .projects = {"vision"}});
-    auth_->AddToken("t-bob", Principal{.role = Role::kUser, .name = "bob"});
-    auth_->AddToken("t-worker", Principal{.role = Role::kWorker, .name = "worker"});
-    auto store = Store::Open({.path = ":memory:"});
-    if (!store.ok()) Die(store.status().ToString());
-    CoordinatorOptions options;
-    options.clock = &clock_;
-    auto coordinator = Coordinator::Create(options, *std::move(store), auth_.get());
-    if (!coordinator.ok()) Die(coordinator.status().ToString());
-    coordinator_ = *std::move(coordinator);
-
-    // One worker with one slot: alice's first job runs, the rest queue.
-    v1::RegisterWorkerRequest reg;
-    reg.mutable_info()->set_id("w1");
-    reg.mutable_info()->set_address("127.0.0.1");
-    reg.mutable_info()->set_cpu_slots(1);
-    reg.mutable_info()->set_runs_commands(true);
-    if (auto r = coordinator_->RegisterWorker(reg); !r.ok()) Die(r.status().ToString());
-    auto running = coordinator_->SubmitJob(SmallSpec(""), "alice");
-    if (!running.ok()) Die(running.status().ToString());
-    auth_->AddToken("t-trainer", Principal{.role = Role::kTrainer,
-                                           .name = "trainer:" + running->id(),
-                                           .job_id = running->id()});
-    for (const auto& [owner, project] :
-         {std::pair<std::string, std::string>{"bob", ""}, {"bob", "vision"}, {"alice", ""}}) {
-      if (auto j = coordinator_->SubmitJob(SmallSpec(project), owner); !j.ok()) {
-        Die(j.status().ToString());
-      }
-    }
-    coordinator_->Tick();  // places the first job
-
-    ServerOptions server_options;
-    server_options.listen = "127.0.0.1:0";
-    auto server = Server::Start(server_options, coordinator_.get(), auth_.get());
-    if (!server.ok()) Die(server.status().ToString());
-    server_ = *std::move(server);
-    stub_ = std::make_unique<grpc::GenericStub>(server_->InProcessChannel());
-  }
-  ~Cluster() {
-    coordinator_->Shutdown();
-    server_->Shutdown(std::chrono::milliseconds(0));
-  }
+  Cluster() : stub_(std::make_unique<grpc::GenericStub>(cluster_.server()->InProcessChannel())) {}
 
   void RunOne(const uint8_t* data, size_t size) {
     const char* method = kMethods[data[0] % kMethodCount];
     const char* token = kTokens[data[1] % kTokenCount];
-    const State before = Snapshot(coordinator_.get());
+    const State before = Snapshot(cluster_.coordinator());
     jobs_ = before.jobs.jobs_size();
     bool waited = false;
     grpc::Status status;
@@ -267,7 +133,7 @@ class Cluster {
     const bool judge = !status.ok() && !waited && !after_wait_;
     after_wait_ = waited;
     if (!judge) return;
-    const State after = Snapshot(coordinator_.get());
+    const State after = Snapshot(cluster_.coordinator());
     if (std::string diff = Compare(before, after); !diff.empty()) {
       Die(std::string("a refused call changed the coordinator's state: ") + method + " with " +
           (token[0] == '\0' ? "no token" : token) + " refused (" +
@@ -279,10 +145,7 @@ class Cluster {
   int jobs() const { return jobs_; }
 
  private:
-  aidn::FakeClock clock_;
-  std::unique_ptr<Authenticator> auth_;
-  std::unique_ptr<Coordinator> coordinator_;
-  std::unique_ptr<Server> server_;
+  aidn::fuzz::FuzzCluster cluster_;
   std::unique_ptr<grpc::GenericStub> stub_;
   int jobs_ = 0;
   bool after_wait_ = false;
