@@ -3,6 +3,10 @@
 # path|media type|file (each served as UTF-8).
 set(assets
   "/|text/html|index.html"
+  "/common.js|text/javascript|common.js"
+  "/jobs.js|text/javascript|jobs.js"
+  "/cluster.js|text/javascript|cluster.js"
+  "/job.js|text/javascript|job.js"
   "/app.js|text/javascript|app.js"
   "/style.css|text/css|style.css")
 set(out "// Generated from coordinator/web/ by embed_assets.cmake; do not edit.\n")

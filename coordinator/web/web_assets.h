@@ -11,7 +11,7 @@
 namespace aidn::coordinator::web {
 
 struct WebAsset {
-  std::string_view path;  // "/", "/app.js", "/style.css"
+  std::string_view path;  // "/", "/app.js", "/style.css", ...
   std::string_view content_type;
   std::string_view body;
 };

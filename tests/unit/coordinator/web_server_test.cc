@@ -73,7 +73,9 @@ TEST_F(WebServerTest, ServesItsPagesWithHeadersThatKeepThemToThemselves) {
   };
   for (const Page& p :
        {Page{"/", "text/html", "<title>"}, Page{"/index.html", "text/html", "/app.js"},
-        Page{"/app.js", "text/javascript", "use strict"}, Page{"/style.css", "text/css", "{"},
+        Page{"/app.js", "text/javascript", "use strict"},
+        Page{"/common.js", "text/javascript", "window.aidnUi"},
+        Page{"/job.js", "text/javascript", "renderJobPage"}, Page{"/style.css", "text/css", "{"},
         Page{"/chart.js", "text/javascript", "var Chart"}}) {
     const httplib::Result r = client_->Get(p.path);
     ASSERT_TRUE(r) << p.path;
