@@ -137,6 +137,7 @@ WebResponse WebApi::Handle(const WebRequest& request) const {
     }
     WebResponse r = Error(405, absl::StatusCode::kInvalidArgument,
                           absl::StrCat(request.path, " answers ", method, " only"));
+    r.allow = std::string(method) == "GET" ? "GET, HEAD" : method;
     return r;
   };
   const size_t n = parts.size();

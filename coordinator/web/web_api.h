@@ -67,6 +67,8 @@ struct WebResponse {
   int64_t file_bytes = 0;
   uint32_t file_crc32c = 0;
   std::string download_name;
+  // 405: the methods the path answers (the Allow header).
+  std::string allow;
 };
 
 class WebApi {

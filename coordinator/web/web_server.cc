@@ -91,6 +91,17 @@ absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(
                       << Kv("file", options.chartjs_file);
   }
   server->set_payload_max_length(kMaxBodyBytes);
+  // What httplib answers itself (a body over the limit, a request it cannot
+  // parse) carries the same headers, and a JSON error under /api/.
+  server->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.has_header("Content-Security-Policy")) SecurityHeaders(res);
+    if (res.body.empty() && absl::StartsWith(req.path, "/api/")) {
+      res.set_content(
+          absl::StrCat("{\"error\": \"HTTP ", res.status, "\", \"code\": \"",
+                       res.status == 413 ? "RESOURCE_EXHAUSTED" : "INVALID_ARGUMENT", "\"}"),
+          "application/json");
+    }
+  });
   WebServer* raw = web.get();
 
   auto api = [raw](const httplib::Request& req, httplib::Response& res) {
@@ -104,6 +115,7 @@ absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(
     SecurityHeaders(res);
     res.set_header("Cache-Control", "no-store");
     res.status = r.status;
+    if (!r.allow.empty()) res.set_header("Allow", r.allow);
     if (r.file != nullptr) return StreamFile(r, res);
     res.set_content(r.body, r.content_type);
   };

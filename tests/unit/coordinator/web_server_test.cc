@@ -115,6 +115,22 @@ TEST_F(WebServerTest, PassesTheBrowsersTokenOnAndAnswersJson) {
   EXPECT_EQ(Get(id).state(), v1::Job::CANCELLED);
 }
 
+TEST_F(WebServerTest, WhatHttplibRefusesItselfCarriesTheHeadersToo) {
+  StartWeb();
+  const httplib::Result big =
+      client_->Post("/api/v1/jobs/job-1/cancel", {{"Authorization", "Bearer tok-alice"}},
+                    std::string(100 * 1024, 'x'), "application/json");
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->status, 413);
+  EXPECT_THAT(big->get_header_value("Content-Security-Policy"), HasSubstr("default-src 'self'"));
+  EXPECT_THAT(big->body, HasSubstr("RESOURCE_EXHAUSTED"));
+  const httplib::Result wrong = client_->Delete("/api/v1/jobs", {{"Authorization", "Bearer x"}});
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 405);
+  EXPECT_EQ(wrong->get_header_value("Allow"), "GET, HEAD");
+  EXPECT_EQ(wrong->get_header_value("Content-Security-Policy").empty(), false);
+}
+
 TEST_F(WebServerTest, WithoutChartJsItSaysWhatToInstall) {
   StartWeb();  // no file at chartjs_
   const httplib::Result r = client_->Get("/chart.js");
