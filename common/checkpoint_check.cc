@@ -58,6 +58,49 @@ absl::StatusOr<std::string> ReadAll(int fd, const std::string& path, size_t limi
   }
 }
 
+// "checkpoint of step N", for messages.
+std::string What(const v1::Checkpoint& checkpoint) {
+  return absl::StrCat("checkpoint of step ", checkpoint.step());
+}
+
+// FAILED_PRECONDITION unless the coordinator holds an absolute directory.
+absl::Status CheckAbsoluteDir(const v1::Checkpoint& checkpoint) {
+  const std::string& dir = checkpoint.path();
+  if (!dir.empty() && dir[0] == '/') return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("the coordinator holds no absolute directory for the ", What(checkpoint),
+                   " (path \"", dir, "\")"));
+}
+
+// DATA_LOSS unless the manifest names the checkpoint's step.
+absl::Status CheckStep(const v1::Checkpoint& checkpoint, const Manifest& manifest) {
+  if (manifest.step == checkpoint.step()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat("the ", What(checkpoint), " at ", checkpoint.path(),
+                                          " holds step ", manifest.step, " by its ",
+                                          kManifestName));
+}
+
+// DATA_LOSS unless the MANIFEST `text` is the one committed (its SHA-256
+// the recorded one). A manifest that verifies may still be another write of
+// the same step (a later generation's, or another job's sharing the
+// directory): the digest tells.
+absl::Status CheckDigest(const v1::Checkpoint& checkpoint, const std::string& text) {
+  const std::string digest = Sha256Hex(text);
+  if (digest == checkpoint.manifest_sha256()) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat(kManifestName, " in ", checkpoint.path(), " is not the one committed for step ",
+                   checkpoint.step(), " (SHA-256 ", digest, ", the coordinator recorded ",
+                   checkpoint.manifest_sha256(), "): the directory was rewritten"));
+}
+
+// The manifest's whole-model weights, or null (a sharded checkpoint).
+const ManifestEntry* ModelEntry(const Manifest& manifest) {
+  for (const ManifestEntry& entry : manifest.files) {
+    if (entry.name == kCheckpointModelFile) return &entry;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 bool Exportable(const v1::Checkpoint& c) { return c.committed() && c.invalid_reason().empty(); }
@@ -80,12 +123,9 @@ std::string ExportableSteps(const google::protobuf::RepeatedPtrField<v1::Checkpo
 
 absl::StatusOr<std::optional<ManifestEntry>> VerifyCommittedCheckpoint(
     const v1::Checkpoint& checkpoint) {
+  AIDN_RETURN_IF_ERROR(CheckAbsoluteDir(checkpoint));
   const std::string& dir = checkpoint.path();
-  const std::string what = absl::StrCat("checkpoint of step ", checkpoint.step());
-  if (dir.empty() || dir[0] != '/') {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the coordinator holds no absolute directory for the ", what, " (path \"", dir, "\")"));
-  }
+  const std::string what = What(checkpoint);
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0) {
     if (errno == ENOENT || errno == ENOTDIR) {
@@ -103,41 +143,25 @@ absl::StatusOr<std::optional<ManifestEntry>> VerifyCommittedCheckpoint(
                         absl::StrCat("the ", what, " at ", dir,
                                      " fails verification: ", manifest.status().message()));
   }
-  if (manifest->step != checkpoint.step()) {
-    return absl::DataLossError(absl::StrCat("the ", what, " at ", dir, " holds step ",
-                                            manifest->step, " by its ", kManifestName));
-  }
-  // The manifest verified, but it may be another write of the same step
-  // than the one the coordinator committed (a later generation's, or
-  // another job's sharing the directory): the digest tells.
+  AIDN_RETURN_IF_ERROR(CheckStep(checkpoint, *manifest));
+  // Without a recorded digest (older commits) the step is all it is held to.
   if (!checkpoint.manifest_sha256().empty()) {
     AIDN_ASSIGN_OR_RETURN(const std::string text,
                           ReadFileToString(absl::StrCat(dir, "/", kManifestName)));
-    const std::string digest = Sha256Hex(text);
-    if (digest != checkpoint.manifest_sha256()) {
-      return absl::DataLossError(
-          absl::StrCat(kManifestName, " in ", dir, " is not the one committed for step ",
-                       checkpoint.step(), " (SHA-256 ", digest, ", the coordinator recorded ",
-                       checkpoint.manifest_sha256(), "): the directory was rewritten"));
-    }
+    AIDN_RETURN_IF_ERROR(CheckDigest(checkpoint, text));
   }
-  for (const ManifestEntry& entry : manifest->files) {
-    if (entry.name == kCheckpointModelFile) return entry;
-  }
-  return std::nullopt;
+  const ManifestEntry* model = ModelEntry(*manifest);
+  if (model == nullptr) return std::nullopt;
+  return *model;
 }
 
 absl::StatusOr<std::optional<OpenedWeights>> OpenCommittedWeights(
     const v1::Checkpoint& checkpoint) {
+  AIDN_RETURN_IF_ERROR(CheckAbsoluteDir(checkpoint));
   const std::string& dir = checkpoint.path();
-  const std::string what = absl::StrCat("checkpoint of step ", checkpoint.step());
-  if (dir.empty() || dir[0] != '/') {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the coordinator holds no absolute directory for the ", what, " (path \"", dir, "\")"));
-  }
   if (checkpoint.manifest_sha256().empty()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("the coordinator recorded no MANIFEST digest for the ", what,
+        absl::StrCat("the coordinator recorded no MANIFEST digest for the ", What(checkpoint),
                      ": only aidnctl export, where the storage is mounted, reads it"));
   }
   const std::string manifest_path = absl::StrCat(dir, "/", kManifestName);
@@ -145,20 +169,10 @@ absl::StatusOr<std::optional<OpenedWeights>> OpenCommittedWeights(
                         OpenWithoutLinks(manifest_path));
   AIDN_ASSIGN_OR_RETURN(const std::string text,
                         ReadAll(manifest_file->get(), manifest_path, size_t{1} << 20));
-  if (Sha256Hex(text) != checkpoint.manifest_sha256()) {
-    return absl::DataLossError(absl::StrCat(kManifestName, " in ", dir,
-                                            " is not the one committed for step ",
-                                            checkpoint.step(), ": the directory was rewritten"));
-  }
+  AIDN_RETURN_IF_ERROR(CheckDigest(checkpoint, text));
   AIDN_ASSIGN_OR_RETURN(const Manifest manifest, ParseManifest(text));
-  if (manifest.step != checkpoint.step()) {
-    return absl::DataLossError(absl::StrCat("the ", what, " at ", dir, " holds step ",
-                                            manifest.step, " by its ", kManifestName));
-  }
-  const ManifestEntry* model = nullptr;
-  for (const ManifestEntry& entry : manifest.files) {
-    if (entry.name == kCheckpointModelFile) model = &entry;
-  }
+  AIDN_RETURN_IF_ERROR(CheckStep(checkpoint, manifest));
+  const ManifestEntry* model = ModelEntry(manifest);
   if (model == nullptr) return std::nullopt;
   const std::string path = absl::StrCat(dir, "/", kCheckpointModelFile);
   OpenedWeights weights{.entry = *model};

@@ -18,10 +18,12 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "common/log.h"
 #include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/server.h"
 #include "coordinator/store.h"
+#include "google/protobuf/stubs/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 
 namespace aidn::fuzz {
@@ -45,6 +47,13 @@ inline constexpr const char* kTokens[] = {"",
                                           "Bearer t-worker",
                                           "Bearer t-trainer"};
 inline constexpr size_t kTokenCount = sizeof(kTokens) / sizeof(kTokens[0]);
+
+// Refusals are the point of these targets: logs kept to errors, and
+// protobuf's complaints about malformed strings left out.
+inline void QuietLogs() {
+  aidn::SetMinLogLevel(aidn::LogLevel::kError);
+  google::protobuf::SetLogHandler(nullptr);
+}
 
 [[noreturn]] inline void Die(const std::string& what) {
   std::fprintf(stderr, "fuzz: %s\n", what.c_str());

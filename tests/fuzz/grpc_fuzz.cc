@@ -21,8 +21,6 @@
 #include <string>
 #include <vector>
 
-#include "common/log.h"
-#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "tests/fuzz/fuzz_cluster.h"
@@ -154,10 +152,7 @@ class Cluster {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  // Refusals are the point here: keep the logs to errors, and protobuf's
-  // complaints about malformed strings out.
-  aidn::SetMinLogLevel(aidn::LogLevel::kError);
-  google::protobuf::SetLogHandler(nullptr);
+  aidn::fuzz::QuietLogs();
   return 0;
 }
 

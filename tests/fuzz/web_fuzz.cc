@@ -20,9 +20,7 @@
 
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
-#include "common/log.h"
 #include "coordinator/web/web_api.h"
-#include "google/protobuf/stubs/logging.h"
 #include "tests/fuzz/fuzz_cluster.h"
 
 namespace {
@@ -86,8 +84,7 @@ class Cluster {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  aidn::SetMinLogLevel(aidn::LogLevel::kError);
-  google::protobuf::SetLogHandler(nullptr);
+  aidn::fuzz::QuietLogs();
   return 0;
 }
 

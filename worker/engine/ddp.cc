@@ -389,7 +389,8 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   if (powersgd_ != nullptr) powersgd_->EndStep();
   if (!error_.ok()) return error_;
   lock.unlock();
-  if (find_unused_ && (half_.has_value() || powersgd_ != nullptr)) {
+  const bool compressed = half_.has_value() || powersgd_ != nullptr;
+  if (find_unused_ && compressed) {
     // Compression would touch the used flags (PowerSGD's error feedback
     // adds last step's residue to everything in a bucket): they go alone,
     // summed exactly.
@@ -400,11 +401,6 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
       return absl::Status(s.code(), absl::StrCat("ddp: the used flags: ", s.message()));
     }
     for (size_t i = 0; i < flags.size(); ++i) parameters_[i]->no_grad = flags[i] == 0.0f;
-    if (!half_.has_value()) {
-      const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
-      averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
-      return absl::OkStatus();
-    }
   }
   if (shard_ || half_.has_value()) {
     // A reduce-scatter leaves the extra slot with one rank, and 16 bits
@@ -419,7 +415,7 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   }
   const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
   averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
-  if (find_unused_) {
+  if (find_unused_ && !compressed) {
     const float* flags =
         extra_bucket.data() + extra_bucket.numel() - 1 - static_cast<int64_t>(parameters_.size());
     for (size_t i = 0; i < parameters_.size(); ++i) parameters_[i]->no_grad = flags[i] == 0.0f;

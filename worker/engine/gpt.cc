@@ -563,6 +563,11 @@ const float* Gpt::BranchGrad(const Tensor& mask, float scale) {
 
 std::vector<Parameter*> Gpt::UnusedParameters() {
   std::vector<Parameter*> unused;
+  // Asked after every forward: nothing built unless a block was skipped.
+  const auto skipped = [](const Block& b) { return b.skipped; };
+  if (std::none_of(blocks_.begin() + first_block_, blocks_.begin() + end_block_, skipped)) {
+    return unused;
+  }
   const std::vector<std::vector<Parameter*>> units = Units();
   for (int l = first_block_; l < end_block_; ++l) {
     if (!blocks_[static_cast<size_t>(l)].skipped) continue;
