@@ -213,29 +213,42 @@ absl::StatusOr<Dataset> LoadIdx(const std::string& images_path, const std::strin
   data.cols = static_cast<int>(cols);
   data.classes = classes;
 
+  // Memory follows the bytes that arrive, never the header's claim: a
+  // header announcing 2^32 pixels over a few bytes of data fails as
+  // truncated without allocating for them.
+  std::vector<unsigned char> raw(kChunk);
+
   // Labels first: small, and a bad one fails before the big read.
-  std::vector<unsigned char> raw(std::max<size_t>(count, kChunk));
-  AIDN_ASSIGN_OR_RETURN(size_t got, labels.Read(raw.data(), count));
-  if (got < count) return Truncated(labels, "labels", count, got);
-  AIDN_RETURN_IF_ERROR(ExpectEnd(labels, count));
-  data.labels.resize(count);
-  for (uint32_t i = 0; i < count; ++i) {
-    if (raw[i] >= classes) {
-      return absl::DataLossError(absl::StrCat(labels_path, ": label ", raw[i], " at index ", i,
-                                              " is out of range [0, ", classes, ")"));
+  while (data.labels.size() < count) {
+    const size_t done = data.labels.size();
+    const size_t want = std::min<size_t>(count - done, kChunk);
+    AIDN_ASSIGN_OR_RETURN(size_t n, labels.Read(raw.data(), want));
+    for (size_t i = 0; i < n; ++i) {
+      if (raw[i] >= classes) {
+        return absl::DataLossError(absl::StrCat(labels_path, ": label ", raw[i], " at index ",
+                                                done + i, " is out of range [0, ", classes, ")"));
+      }
     }
-    data.labels[i] = raw[i];
+    data.labels.insert(data.labels.end(), raw.begin(), raw.begin() + n);
+    if (n < want) return Truncated(labels, "labels", count, done + n);
   }
+  AIDN_RETURN_IF_ERROR(ExpectEnd(labels, count));
 
   // Pixels: streamed in chunks through a lookup table, computed as
   // torchvision's ToTensor (x / 255 in float) then Normalize ((x - m) / s).
+  // Capacity doubles up to the announced count, so a whole file ends in
+  // exactly `pixels` floats.
   std::array<float, 256> table;
   for (int b = 0; b < 256; ++b) table[b] = (static_cast<float>(b) / 255.0f - mean) / stddev;
-  data.images.resize(pixels);
   uint64_t done = 0;
   while (done < pixels) {
     const size_t want = static_cast<size_t>(std::min<uint64_t>(pixels - done, kChunk));
     AIDN_ASSIGN_OR_RETURN(size_t n, images.Read(raw.data(), want));
+    if (done + n > data.images.capacity()) {
+      data.images.reserve(static_cast<size_t>(
+          std::min<uint64_t>(pixels, std::max<uint64_t>(2 * data.images.capacity(), done + n))));
+    }
+    data.images.resize(done + n);
     float* out = data.images.data() + done;
     for (size_t i = 0; i < n; ++i) out[i] = table[raw[i]];
     done += n;

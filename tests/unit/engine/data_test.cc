@@ -1,6 +1,7 @@
 #include "worker/engine/data.h"
 
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -291,6 +292,24 @@ TEST_F(IdxFiles, AbsurdDimensionsAreRefusedBeforeAllocating) {
   const std::string empty = Write("empty", Header(0x803, {0, 28, 28}));
   ExpectError(LoadIdx(empty, labels, 0, 1).status(), absl::StatusCode::kInvalidArgument, empty,
               {"no images"});
+}
+
+// A header may announce as many as kMaxPixels pixels; memory follows the
+// bytes that are really there, so a short file fails as truncated without
+// first allocating what its header claims (16 GiB of floats here).
+TEST_F(IdxFiles, AHugeHeaderOverAFewBytesIsTruncationNotAnAllocation) {
+  rusage before{};
+  ASSERT_EQ(getrusage(RUSAGE_SELF, &before), 0);
+  const std::string images = Write("img", Images(1u << 20, 64, 64, 10));
+  const std::string few_labels = Write("few", Header(0x801, {1u << 20}) + "\x01\x02\x03");
+  ExpectError(LoadIdx(images, few_labels, 0, 1).status(), absl::StatusCode::kDataLoss, few_labels,
+              {"truncated", "expected 1048576 bytes of labels, got 3"});
+  const std::string labels = Write("lbl", Labels(std::vector<uint8_t>(1u << 20, 1)));
+  ExpectError(LoadIdx(images, labels, 0, 1).status(), absl::StatusCode::kDataLoss, images,
+              {"truncated", "expected 4294967296 bytes of pixels, got 10"});
+  rusage after{};
+  ASSERT_EQ(getrusage(RUSAGE_SELF, &after), 0);
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 256 * 1024) << "KiB of peak growth";
 }
 
 TEST_F(IdxFiles, ALabelOutOfRangeIsDataLossNamingItsIndex) {
