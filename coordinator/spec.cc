@@ -456,8 +456,11 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
   using v1::DdpSpec;
   if (!spec.has_ddp()) return absl::OkStatus();
   const DdpSpec& d = spec.ddp();
-  if (spec.strategy() != v1::JobSpec::DDP) {
-    return Invalid("ddp", absl::StrCat("applies to strategy: ddp only (this job's is ",
+  // ZeRO-1 is DDP with a sharded optimizer (torch: DDP with
+  // ZeroRedundancyOptimizer): buffers and unused parameters work alike.
+  const bool zero1 = spec.strategy() == v1::JobSpec::ZERO1;
+  if (spec.strategy() != v1::JobSpec::DDP && !zero1) {
+    return Invalid("ddp", absl::StrCat("applies to strategies ddp and zero1 only (this job's is ",
                                        v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
   }
   switch (d.compression()) {
@@ -479,6 +482,11 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
                                   " (known: none, powersgd, fp16, bf16)"));
   }
   const std::string name = absl::AsciiStrToLower(DdpSpec::Compression_Name(d.compression()));
+  if (zero1) {
+    return Invalid("ddp.compression", absl::StrCat(name,
+                                                   " compresses allreduced buckets; strategy "
+                                                   "zero1 reduce-scatters them (use strategy: ddp)"));
+  }
   if (spec.device() == v1::JobSpec::GPU) {
     return Invalid("ddp.compression", absl::StrCat(name, " runs on device: cpu for now"));
   }
@@ -496,14 +504,11 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
   return CheckIntRange("ddp.powersgd_start_step", d.powersgd_start_step(), 0, kMaxSteps);
 }
 
-// Skipped blocks leave parameters without gradients: DDP's
-// find_unused_parameters copes, the sharded strategies and the
-// model-parallel schedules do not yet.
+// Skipped blocks leave parameters without gradients: DDP's and ZeRO-1's
+// find_unused_parameters cope, ZeRO-2 and FSDP reduce-scatter zeros for
+// them; the model-parallel schedules do not yet.
 absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
   if (spec.model().stochastic_depth() <= 0) return absl::OkStatus();
-  if (spec.strategy() != v1::JobSpec::DDP) {
-    return Invalid("model.stochastic_depth", "trains with strategy: ddp only for now");
-  }
   if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
     return Invalid("model.stochastic_depth", "does not combine with parallel: yet");
   }
@@ -511,8 +516,9 @@ absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
 }
 
 // A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
-// 0 writes the whole model); sharded and model-parallel checkpoints and
-// the GPU engine do not carry them yet.
+// 0 writes the whole model) and, as rank 0's whole tensors, into ZeRO's
+// and FSDP's sharded ones; model-parallel checkpoints and the GPU engine
+// do not carry them yet.
 absl::Status ValidateResNet(const v1::JobSpec& spec) {
   const std::string& name = spec.model().name();
   if (spec.ddp().sync_batchnorm()) {
@@ -528,9 +534,6 @@ absl::Status ValidateResNet(const v1::JobSpec& spec) {
   if (!IsResNet(name)) return absl::OkStatus();
   if (spec.device() == v1::JobSpec::GPU) {
     return Invalid("model.name", absl::StrCat(name, " runs on device: cpu for now"));
-  }
-  if (spec.strategy() != v1::JobSpec::DDP) {
-    return Invalid("strategy", absl::StrCat(name, " trains with strategy: ddp only for now"));
   }
   if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
     return Invalid("parallel", absl::StrCat(name, " does not combine with parallel: yet"));

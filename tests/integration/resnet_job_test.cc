@@ -1,8 +1,9 @@
 // End to end: a ResNet-18 job on two real workers (DDP over Gloo, rank 0's
 // BatchNorm statistics broadcast before each forward) writes its running
-// statistics into its checkpoints, evaluates on the first test samples
-// with them, and a job resumed from its middle checkpoint ends with the
-// same weights and statistics, bit for bit.
+// statistics into its checkpoints (DDP's, and FSDP's sharded ones),
+// evaluates on the first test samples with them, and a job resumed from
+// its middle checkpoint ends with the same weights and statistics, bit
+// for bit.
 
 #include <fstream>
 #include <string>
@@ -174,6 +175,10 @@ TEST_F(ResNetJobTest, AGptSkippingWholeBlocksNeedsFindUnusedParameters) {
 
   spec.mutable_ddp()->set_find_unused_parameters(true);
   EXPECT_FALSE(Run(spec).empty());
+  // ZeRO-1 takes the same option.
+  v1::JobSpec zero1 = spec;
+  zero1.set_strategy(v1::JobSpec::ZERO1);
+  EXPECT_FALSE(Run(zero1).empty()) << "zero1";
   // With compressed buckets too (PowerSGD from the first step).
   for (const auto compression : {v1::DdpSpec::BF16, v1::DdpSpec::POWERSGD}) {
     spec.mutable_ddp()->set_compression(compression);
@@ -182,10 +187,42 @@ TEST_F(ResNetJobTest, AGptSkippingWholeBlocksNeedsFindUnusedParameters) {
   }
 }
 
+// FSDP (full_shard) with stochastic depth: every rank writes its shard,
+// rank 0 the running statistics whole; the export holds them, and a job
+// resumed from the middle checkpoint ends bitwise where the uninterrupted
+// one ended (which blocks each rank skipped included).
+TEST_F(ResNetJobTest, ShardedCheckpointsCarryTheStatisticsAndResumeBitwise) {
+  v1::JobSpec spec = Spec();
+  spec.set_strategy(v1::JobSpec::FSDP);
+  spec.mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+  spec.mutable_model()->set_stochastic_depth(0.3);
+  // Every rank writes there: one directory both workers see.
+  spec.mutable_checkpoint()->set_dir(cluster().Path("shared-runs"));
+  const std::string reference = Run(spec);
+  ASSERT_FALSE(reference.empty());
+  const std::string file = Export(reference, kSteps);
+  const std::string all = ReadFileOrEmpty(file);
+  for (const char* name : {"\"conv1.weight\"", "\"bn1.running_mean\"",
+                           "\"layer4.1.bn2.running_var\"", "\"fc.bias\""}) {
+    EXPECT_TRUE(absl::StrContains(all, name)) << name;
+  }
+  v1::JobSpec resumed = spec;
+  resumed.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
+  resumed.mutable_checkpoint()->mutable_resume_from()->set_step(kSteps / 2);
+  const std::string id = Run(resumed);
+  ASSERT_FALSE(id.empty());
+  const std::string a = TensorBytes(file);
+  ASSERT_FALSE(a.empty());
+  EXPECT_TRUE(a == TensorBytes(Export(id, kSteps)))
+      << "weights or running statistics differ from the uninterrupted run's";
+}
+
 // ddp.sync_batchnorm: the BatchNorm layers' statistics go over a second
-// communicator of the ranks, beside DDP's.
+// communicator of the ranks, beside the gradients' (here ZeRO-1's; DDP's
+// path sets it up the same way).
 TEST_F(ResNetJobTest, SyncBatchNormTrainsOverACommunicatorOfItsOwn) {
   v1::JobSpec spec = Spec();
+  spec.set_strategy(v1::JobSpec::ZERO1);
   spec.clear_checkpoint();
   spec.set_max_steps(3);
   spec.mutable_ddp()->set_sync_batchnorm(true);

@@ -237,6 +237,18 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
       return absl::Status(s.code(), absl::StrCat("the step's loss: ", s.message()));
     }
     loss = mean;
+    if (track) {
+      // What no rank used is not stepped, as under DDP.
+      std::vector<float> flags(used.size());
+      for (size_t i = 0; i < used.size(); ++i) flags[i] = used[i] ? 1.0f : 0.0f;
+      if (absl::Status s = communicator_->AllReduce(flags.data(), flags.size(), ReduceOp::kSum);
+          !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("the used flags: ", s.message()));
+      }
+      const std::vector<Parameter*>& params = model_->Parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i]->no_grad = flags[i] == 0.0f;
+      fsdp_->CopyNoGradToShards();
+    }
   } else if (reducer_ != nullptr) {
     if (absl::Status s = reducer_->Finish(&wait_seconds_, &allreduce_seconds_); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("gradient allreduce: ", s.message()));

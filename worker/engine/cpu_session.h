@@ -83,8 +83,14 @@ struct CpuSessionOptions {
   // With a communicator: rank 0's buffers (TrainableModel::Buffers) copied
   // to every rank before each forward, as torch's DDP broadcast_buffers.
   bool broadcast_buffers = true;
-  // DDP: DdpOptions::find_unused_parameters, fed with the parameters each
-  // forward did not use (TrainableModel::UnusedParameters).
+  // DdpOptions::find_unused_parameters (DDP and ZeRO-1), fed with the
+  // parameters each forward did not use (TrainableModel::UnusedParameters).
+  // ZeRO-2 and FSDP: a skipped unit still runs its hooks and
+  // reduce-scatters zeros (the collectives stay in step); with this set,
+  // the used flags are summed over the ranks after the step's backward
+  // and a parameter no rank used is not stepped, as under DDP. Without
+  // it, torch's FSDP semantics: such a parameter is stepped with a zero
+  // gradient.
   bool find_unused_parameters = false;
 };
 

@@ -65,16 +65,14 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   if (options.powersgd.has_value() && options.powersgd->rank < 1) {
     return absl::InvalidArgumentError("ddp: PowerSGD's rank must be >= 1");
   }
-  if (options.find_unused_parameters && options.shard_optimizer) {
-    return absl::InvalidArgumentError(
-        "ddp: find_unused_parameters goes with allreduced buckets only (not ZeRO-1's "
-        "reduce-scatter)");
-  }
   std::vector<int64_t> numels;
   for (const Parameter* p : parameters) numels.push_back(p->value.numel());
   // The extra value rides at the end of the last bucket to be launched.
-  // find_unused_parameters: each parameter's used flag before it.
-  const size_t extras = 1 + (options.find_unused_parameters ? parameters.size() : 0);
+  // find_unused_parameters: each parameter's used flag before it, where
+  // the bucket is summed exactly (a float allreduce).
+  const bool flags_in_bucket = options.find_unused_parameters && !options.shard_optimizer &&
+                               !options.half.has_value() && !options.powersgd.has_value();
+  const size_t extras = 1 + (flags_in_bucket ? parameters.size() : 0);
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, extras));
   const int world = communicator->world_size();
   if (options.shard_optimizer && world > 1) {
@@ -95,6 +93,7 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
   reducer->parameters_ = parameters;
   reducer->find_unused_ = options.find_unused_parameters;
+  reducer->flags_in_bucket_ = flags_in_bucket;
   reducer->ready_.assign(parameters.size(), false);
   for (size_t i = 0; i < parameters.size(); ++i) reducer->index_[parameters[i]] = i;
   reducer->single_ = world == 1;
@@ -246,6 +245,8 @@ void DdpReducer::BeginBackward(bool communicate, float extra, const std::vector<
   if (find_unused_) {
     used_ = used;
     used_.resize(parameters_.size(), true);
+  }
+  if (flags_in_bucket_) {
     // The used flags just before the loss, averaged with the last bucket.
     float* flags =
         extra_bucket.data() + extra_bucket.numel() - 1 - static_cast<int64_t>(parameters_.size());
@@ -389,11 +390,11 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   if (powersgd_ != nullptr) powersgd_->EndStep();
   if (!error_.ok()) return error_;
   lock.unlock();
-  const bool compressed = half_.has_value() || powersgd_ != nullptr;
-  if (find_unused_ && compressed) {
+  if (find_unused_ && !flags_in_bucket_) {
     // Compression would touch the used flags (PowerSGD's error feedback
-    // adds last step's residue to everything in a bucket): they go alone,
-    // summed exactly.
+    // adds last step's residue to everything in a bucket), and a
+    // reduce-scatter leaves each with one rank: they go alone, summed
+    // exactly.
     std::vector<float> flags(parameters_.size());
     for (size_t i = 0; i < flags.size(); ++i) flags[i] = used_[i] ? 1.0f : 0.0f;
     if (absl::Status s = communicator_->AllReduce(flags.data(), flags.size(), ReduceOp::kSum);
@@ -401,6 +402,7 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
       return absl::Status(s.code(), absl::StrCat("ddp: the used flags: ", s.message()));
     }
     for (size_t i = 0; i < flags.size(); ++i) parameters_[i]->no_grad = flags[i] == 0.0f;
+    if (map_ != nullptr) map_->CopyNoGradToShards();
   }
   if (shard_ || half_.has_value()) {
     // A reduce-scatter leaves the extra slot with one rank, and 16 bits
@@ -415,7 +417,7 @@ absl::Status DdpReducer::Finish(double* wait_seconds, double* allreduce_seconds)
   }
   const Tensor& extra_bucket = buckets_[extra_bucket_].buffer;
   averaged_extra_ = extra_bucket[extra_bucket.numel() - 1];
-  if (find_unused_ && !compressed) {
+  if (flags_in_bucket_) {
     const float* flags =
         extra_bucket.data() + extra_bucket.numel() - 1 - static_cast<int64_t>(parameters_.size());
     for (size_t i = 0; i < parameters_.size(); ++i) parameters_[i]->no_grad = flags[i] == 0.0f;

@@ -71,11 +71,14 @@ struct DdpOptions {
   // torch's find_unused_parameters: a step may leave parameters without a
   // gradient (a forward that skipped them). BeginBackward marks those the
   // last forward did not use ready at once (their buckets still finish),
-  // and one float per parameter rides in the last bucket saying whether
-  // the rank used it in any forward of the step (with compression, in an
-  // allreduce of its own, exact); a parameter no rank used is marked
-  // no_grad for the optimizer (torch's "grad is None"). Without it such a
-  // step fails, naming the parameters. Not with shard_optimizer.
+  // and one float per parameter says whether the rank used it in any
+  // forward of the step: in the last bucket's allreduce, or (compressed or
+  // shard_optimizer, where the bucket's values are not summed exactly
+  // everywhere) in an exact allreduce of their own. A parameter no rank
+  // used is marked no_grad for the optimizer (torch's "grad is None"), and
+  // with shard_optimizer so are its shards (torch's
+  // ZeroRedundancyOptimizer skips it likewise). Without the option such a
+  // step fails, naming the parameters.
   bool find_unused_parameters = false;
 };
 
@@ -210,6 +213,9 @@ class DdpReducer {
   std::unordered_map<Parameter*, size_t> index_;
   std::vector<bool> ready_;
   bool find_unused_ = false;
+  // find_unused_parameters: whether the used flags ride in the last bucket
+  // (an exact float allreduce), or go alone.
+  bool flags_in_bucket_ = false;
   // find_unused_parameters: this step's used flags.
   std::vector<bool> used_;
   bool shard_ = false;

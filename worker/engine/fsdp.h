@@ -108,6 +108,8 @@ class FsdpReducer final : public UnitHooks {
   // After the optimizer stepped the shards: the weights the next forward
   // gathers are the updated ones.
   void AfterUpdate();
+  // The shards' no_grad from their parameters' (ShardMap::CopyNoGradToShards).
+  void CopyNoGradToShards() { map_->CopyNoGradToShards(); }
 
   // Every unit's whole, current weights in the parameters (a collective:
   // every rank calls it at the same point), until ReleaseFullParameters;

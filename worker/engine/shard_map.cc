@@ -108,6 +108,10 @@ void ShardMap::MakeShards(const std::function<float*(int)>& value_slice,
   for (const auto& s : shards_) shard_view_.push_back(s.get());
 }
 
+void ShardMap::CopyNoGradToShards() {
+  for (size_t k = 0; k < shards_.size(); ++k) shards_[k]->no_grad = places_[k].whole->no_grad;
+}
+
 std::vector<ShardMap::Piece> ShardMap::WeightPieces() const {
   std::vector<Piece> pieces;
   for (size_t k = 0; k < shards_.size(); ++k) {

@@ -77,6 +77,9 @@ class ShardMap {
                   const std::function<float*(int)>& grad_slice);
   // In the registration order of the parameters they are pieces of.
   const std::vector<Parameter*>& shards() const { return shard_view_; }
+  // Each shard's no_grad from its whole parameter's (a parameter no rank
+  // used this step is not stepped, in any of its pieces).
+  void CopyNoGradToShards();
 
   // A piece of a whole tensor that this rank holds: flat elements [begin,
   // end) of `whole`, a parameter ("fc1.weight") or a whole-parameter

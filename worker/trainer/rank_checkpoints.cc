@@ -202,8 +202,20 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
       absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces = cpu_->StatePieces();
       if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
       contents.optimizer_state = *std::move(pieces);
+      // Buffers (BatchNorm's running statistics) are whole on every rank:
+      // rank 0's go in, as DDP's checkpoint holds them.
+      if (rendezvous_.rank() == 0) {
+        for (const engine::Parameter* b : task_->model().Buffers()) {
+          contents.weights.push_back({b->name, b->name, b->value.shape(), 0,
+                                      static_cast<size_t>(b->value.numel()), &b->value});
+        }
+      }
     }
+    // The model's order (TrainingTask::ModelState): parameters, then buffers.
     for (const engine::Parameter* p : task_->Parameters()) contents.parameters.push_back(p->name);
+    for (const engine::Parameter* b : task_->model().Buffers()) {
+      if (parallel_ == nullptr) contents.parameters.push_back(b->name);
+    }
     contents.model_metadata = std::move(metadata);
     contents.state = state.Encode();
     written = engine::WriteShardedCheckpoint(checkpoint_dir_, step,

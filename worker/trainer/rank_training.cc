@@ -270,6 +270,12 @@ std::optional<Failure> RankTraining::BuildSession() {
   o.half = HalfCompressionOf(spec_);
   o.broadcast_buffers = !spec_.ddp().has_broadcast_buffers() || spec_.ddp().broadcast_buffers();
   o.find_unused_parameters = spec_.ddp().find_unused_parameters();
+  // ZeRO-2 and FSDP have no ddp: block: a model that skips blocks has its
+  // unused parameters left alone as DDP's find_unused_parameters does.
+  if (spec_.strategy() == v1::JobSpec::ZERO2 || spec_.strategy() == v1::JobSpec::FSDP) {
+    o.find_unused_parameters = spec_.model().stochastic_depth() > 0;
+  }
+  if (std::optional<Failure> f = SetupSyncBatchNorm(); f.has_value()) return f;
   if (Sharded() && spec_.device() == v1::JobSpec::CPU) {
     // The session makes the optimizer, over this rank's shards.
     o.sharding = ShardingOf(spec_);
@@ -294,22 +300,28 @@ std::optional<Failure> RankTraining::BuildSession() {
   owned_optimizer_ = *std::move(optimizer);
   optimizer_ = owned_optimizer_.get();
   if (spec_.device() == v1::JobSpec::GPU) return std::nullopt;  // SetupGpu, after the resume
-  if (spec_.ddp().sync_batchnorm() && rendezvous_.world_size() > 1) {
-    // Its own communicator: the statistics' collectives run on the
-    // training thread while DDP's buckets go on the reducer's.
-    engine::CpuCommunicatorOptions bn = comm_options_;
-    bn.gloo.prefix = "gloo-syncbn";
-    absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(bn, kv_.get());
-    if (!comm.ok()) return FailureFor(comm.status(), "sync_batchnorm communicator");
-    bn_comm_ = std::move(comm->communicator);
-    task_->mutable_sequential()->SetBatchNormSync(bn_comm_.get());
-    AIDN_LOG(INFO) << "sync batchnorm: statistics over every rank's batch"
-                   << Kv("transport", comm->transport);
-  }
   absl::StatusOr<std::unique_ptr<engine::CpuSession>> session =
       engine::CpuSession::Create(o, &task_->model(), optimizer_);
   if (!session.ok()) return Failure{kExitPermanent, session.status()};
   cpu_ = *std::move(session);
+  return std::nullopt;
+}
+
+std::optional<Failure> RankTraining::SetupSyncBatchNorm() {
+  if (!spec_.ddp().sync_batchnorm() || rendezvous_.world_size() == 1 ||
+      spec_.device() != v1::JobSpec::CPU) {
+    return std::nullopt;
+  }
+  // Its own communicator: the statistics' collectives run on the training
+  // thread while the gradient buckets go on the reducer's.
+  engine::CpuCommunicatorOptions bn = comm_options_;
+  bn.gloo.prefix = "gloo-syncbn";
+  absl::StatusOr<engine::CpuCommunicator> comm = engine::CreateCpuCommunicator(bn, kv_.get());
+  if (!comm.ok()) return FailureFor(comm.status(), "sync_batchnorm communicator");
+  bn_comm_ = std::move(comm->communicator);
+  task_->mutable_sequential()->SetBatchNormSync(bn_comm_.get());
+  AIDN_LOG(INFO) << "sync batchnorm: statistics over every rank's batch"
+                 << Kv("transport", comm->transport);
   return std::nullopt;
 }
 

@@ -89,6 +89,8 @@ class RankTraining {
   // or every rank's under ZeRO and FSDP), reporting each one that does not.
   std::optional<Failure> LoadNewestCheckpoint();
   std::optional<Failure> BuildSession();
+  // ddp.sync_batchnorm on CPU: a communicator of its own for the statistics.
+  std::optional<Failure> SetupSyncBatchNorm();
   void ReportInvalid(const v1::Checkpoint& checkpoint, const std::string& path,
                      const absl::Status& why);
   absl::StatusOr<Plan> MakePlan(const engine::DistributedSampler& sampler) const;

@@ -174,7 +174,10 @@ TEST(DdpSpec, PowerSgdGetsTorchsDefaultsAndBadFieldsAreNamed) {
       {[](JobSpec* s) { s->mutable_ddp()->set_powersgd_start_step(-1); },
        "ddp.powersgd_start_step: must be between 0 and 1000000000000, got -1"},
       {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); },
-       "ddp: applies to strategy: ddp only (this job's is ZERO1)"},
+       "ddp.compression: powersgd compresses allreduced buckets; strategy zero1 reduce-scatters "
+       "them (use strategy: ddp)"},
+      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); },
+       "ddp: applies to strategies ddp and zero1 only (this job's is ZERO2)"},
       {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
        "ddp.compression: powersgd runs on device: cpu for now"},
       {[](JobSpec* s) {
@@ -216,7 +219,7 @@ TEST(DdpSpec, BroadcastBuffersIsOnByDefault) {
   EXPECT_FALSE(off.ddp().broadcast_buffers());
 }
 
-TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
+TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
   for (const char* name : {"resnet18", "resnet50"}) {
     const JobSpec spec = Spec(name, [](JobSpec* s) { s->set_eval_max_samples(512); });
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
@@ -228,8 +231,6 @@ TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
   const Case cases[] = {
       {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
        "model.name: resnet18 runs on device: cpu for now"},
-      {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO1); },
-       "strategy: resnet18 trains with strategy: ddp only for now"},
       {[](JobSpec* s) { s->mutable_model()->set_dropout(0.1); },
        "model.dropout: resnet18 has no dropout"},
       {[](JobSpec* s) { s->mutable_model()->add_hidden_sizes(4); },
@@ -257,18 +258,33 @@ TEST(ResNetSpec, RunsOnCpuUnderDdpAndBadFieldsAreNamed) {
       Spec("cnn", [](JobSpec* s) { s->mutable_model()->set_stochastic_depth(0.1); });
   EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, cnn).message()),
             "model.stochastic_depth: applies to resnet18, resnet50 and gpt only");
-  // The GPT skips whole blocks: DDP (find_unused_parameters) copes with the
-  // missing gradients, the sharded strategies and model parallelism not yet.
-  const JobSpec layer_drop =
-      Spec("gpt", [](JobSpec* s) { s->mutable_model()->set_stochastic_depth(0.2); });
-  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, layer_drop).ok())
-      << ValidateJobSpec(SpecLimits{}, layer_drop);
-  const JobSpec sharded = Spec("gpt", [](JobSpec* s) {
-    s->mutable_model()->set_stochastic_depth(0.2);
-    s->set_strategy(JobSpec::FSDP);
+  // The GPT skips whole blocks: DDP and ZeRO-1 (find_unused_parameters)
+  // and ZeRO-2 and FSDP cope with the missing gradients, model parallelism
+  // not yet.
+  for (JobSpec::Strategy strategy :
+       {JobSpec::DDP, JobSpec::ZERO1, JobSpec::ZERO2, JobSpec::FSDP}) {
+    const JobSpec layer_drop = Spec("gpt", [strategy](JobSpec* s) {
+      s->mutable_model()->set_stochastic_depth(0.2);
+      s->set_strategy(strategy);
+    });
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, layer_drop).ok())
+        << ValidateJobSpec(SpecLimits{}, layer_drop);
+  }
+  // ResNets train under every data-parallel strategy; ZeRO-1 takes DDP's
+  // buffer and unused-parameter options.
+  for (JobSpec::Strategy strategy :
+       {JobSpec::DDP, JobSpec::ZERO1, JobSpec::ZERO2, JobSpec::FSDP}) {
+    const JobSpec resnet =
+        Spec("resnet18", [strategy](JobSpec* s) { s->set_strategy(strategy); });
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, resnet).ok())
+        << ValidateJobSpec(SpecLimits{}, resnet);
+  }
+  const JobSpec zero1 = Spec("resnet18", [](JobSpec* s) {
+    s->set_strategy(JobSpec::ZERO1);
+    s->mutable_ddp()->set_sync_batchnorm(true);
+    s->mutable_ddp()->set_find_unused_parameters(true);
   });
-  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, sharded).message()),
-            "model.stochastic_depth: trains with strategy: ddp only for now");
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1).ok()) << ValidateJobSpec(SpecLimits{}, zero1);
   const JobSpec tensor = Spec("gpt", [](JobSpec* s) {
     s->mutable_model()->set_stochastic_depth(0.2);
     s->set_world_size(2);

@@ -205,15 +205,6 @@ TEST(DdpReducer, OneRankLeavesGradientsInPlaceCommunicatesNothingAndStillCatches
   EXPECT_THAT(s.message(), HasSubstr("1 parameter got no gradient this step (p1)"));
 }
 
-TEST(DdpReducer, FindUnusedParametersIsRefusedWithShardedState) {
-  auto params = MakeParameters({10});
-  FakeCommunicator comm;
-  auto reducer = DdpReducer::Create({.shard_optimizer = true, .find_unused_parameters = true},
-                                    Raw(params), &comm);
-  ASSERT_FALSE(reducer.ok());
-  EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("allreduced buckets only"));
-}
-
 TEST(DdpReducer, ACommunicatorFailureComesBackFromFinishNamingTheBucket) {
   auto params = MakeParameters({100, 200, 300});
   FakeCommunicator comm(/*fail_at=*/2);

@@ -40,11 +40,13 @@ struct RankModel {
   std::unique_ptr<Gpt> gpt;
   std::unique_ptr<TrainableModel> trainable;
 
-  static RankModel Make(bool gpt) {
+  // skip: a 4-block GPT that drops each block with p = 0.5.
+  static RankModel Make(bool gpt, bool skip = false) {
     RankModel m;
     if (gpt) {
       GptConfig c;
-      c.n_layer = 2;
+      c.n_layer = skip ? 4 : 2;
+      c.stochastic_depth = skip ? 0.5 : 0.0;
       c.n_head = 2;
       c.n_embd = 24;
       c.block_size = 16;
@@ -119,10 +121,13 @@ struct RankRun {
   // The shards' groups' floats (ZeRO-2, FSDP: the units').
   std::vector<size_t> group_floats;
   CpuSession::Memory memory;
+  // Parameters no rank used, summed over the steps (skip).
+  int globally_unused = 0;
 };
 
-// Every rank's run of kSteps steps.
-std::vector<RankRun> Train(bool gpt, int world, Sharding sharding) {
+// Every rank's run of kSteps steps. skip: a GPT skipping blocks, each rank
+// its own, with find_unused_parameters.
+std::vector<RankRun> Train(bool gpt, int world, Sharding sharding, bool skip = false) {
   std::vector<RankRun> runs(static_cast<size_t>(world));
   InMemoryKeyValueStore store;
   std::vector<std::thread> threads;
@@ -136,13 +141,16 @@ std::vector<RankRun> Train(bool gpt, int world, Sharding sharding) {
       options.prefix = "zero-test";
       absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateGlooCommunicator(options, &store);
       ASSERT_TRUE(comm.ok()) << comm.status();
-      RankModel model = RankModel::Make(gpt);
+      RankModel model = RankModel::Make(gpt, skip);
       // full_shard's GPT also recomputes each block in backward: the
       // gradients are DDP's bit for bit either way.
       if (gpt && sharding == Sharding::kFullShard) model.gpt->SetActivationCheckpointing(true);
       // Small buckets: several of them, parameters split across slices.
       absl::StatusOr<std::unique_ptr<CpuSession>> session =
-          CpuSession::Create({.communicator = comm->get(), .bucket_mb = 0.02, .sharding = sharding},
+          CpuSession::Create({.communicator = comm->get(),
+                              .bucket_mb = 0.02,
+                              .sharding = sharding,
+                              .find_unused_parameters = skip},
                              model.trainable.get(), Adam());
       ASSERT_TRUE(session.ok()) << session.status();
       RankRun& run = runs[static_cast<size_t>(r)];
@@ -164,6 +172,7 @@ std::vector<RankRun> Train(bool gpt, int world, Sharding sharding) {
         absl::StatusOr<double> loss = (*session)->Step(micro, 3e-3);
         ASSERT_TRUE(loss.ok()) << loss.status();
         run.losses.push_back(*loss);
+        for (const Parameter* p : model.trainable->Parameters()) run.globally_unused += p->no_grad;
       }
       ASSERT_TRUE((*session)->GatherFullParameters().ok());
       for (const Parameter* p : model.trainable->Parameters()) {
@@ -366,6 +375,54 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat(NameOf(std::get<0>(info.param)), std::get<1>(info.param) ? "Gpt" : "Mlp",
                           std::get<2>(info.param), "Ranks");
     });
+
+// Stochastic depth: each rank skips its own blocks. Under every strategy
+// the collectives stay in step (ZeRO-2 and FSDP reduce-scatter zeros for
+// a skipped unit) and a parameter no rank used is not stepped, so 20
+// steps end where DDP's find_unused_parameters ends, with 2 and 3 ranks.
+TEST(ZeroSession, SkippedBlocksEndWhereDdpEndsUnderEveryStrategy) {
+  for (int world : {2, 3}) {
+    const std::vector<RankRun> ddp = Train(true, world, Sharding::kNone, /*skip=*/true);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    EXPECT_GT(ddp[0].globally_unused, 0) << "no block was skipped by every rank";
+    for (Sharding sharding : {Sharding::kOptimizer, Sharding::kGradients, Sharding::kShardGradOp,
+                              Sharding::kFullShard}) {
+      SCOPED_TRACE(absl::StrCat(NameOf(sharding), ", ", world, " ranks"));
+      const std::vector<RankRun> zero = Train(true, world, sharding, /*skip=*/true);
+      ASSERT_FALSE(::testing::Test::HasFatalFailure());
+      // ZeRO-2 and FSDP reduce-scatter every micro-batch and sum the
+      // averages (fsdp.h), DDP averages the sum once: with 3 ranks the
+      // division by 3 rounds differently, and the 4 blocks the ranks drop
+      // in different places carry it further than TwentyStepsEndWhereDdpEnds
+      // does (measured: at most 3.1e-6; 1e-7 without accumulation).
+      const bool per_micro = sharding != Sharding::kOptimizer && world == 3;
+      const double tolerance = per_micro ? 1e-5 : 1e-6;
+      for (int r = 0; r < world; ++r) {
+        const RankRun& run = zero[static_cast<size_t>(r)];
+        EXPECT_EQ(run.globally_unused, ddp[0].globally_unused) << "rank " << r;
+        ASSERT_EQ(run.weights.size(), ddp[0].weights.size());
+        for (size_t i = 0; i < run.weights.size(); ++i) {
+          // c_attn.bias's key third: see TwentyStepsEndWhereDdpEnds.
+          const int64_t n = run.weights[i].numel();
+          const bool bias = run.names[i].ends_with("attn.c_attn.bias");
+          for (int64_t third = 0; third < (bias ? 3 : 1); ++third) {
+            if (bias && third == 1) continue;
+            const int64_t c = bias ? n / 3 : n;
+            EXPECT_LT(Relative(run.weights[i].data() + third * c,
+                               ddp[0].weights[i].data() + third * c, c),
+                      tolerance)
+                << "rank " << r << " " << run.names[i];
+          }
+        }
+        for (int s = 0; s < kSteps; ++s) {
+          EXPECT_FLOAT_EQ(static_cast<float>(run.losses[static_cast<size_t>(s)]),
+                          static_cast<float>(ddp[0].losses[static_cast<size_t>(s)]))
+              << "step " << s;
+        }
+      }
+    }
+  }
+}
 
 // A rank and world size only: the sessions below refuse before any
 // collective.
