@@ -213,8 +213,9 @@ int64_t Conv2d::ChunkSamples() const {
   const int64_t plane = out_height_ * out_width_;
   if (plane >= kPerSampleMinPlane) return 1;
   const int64_t per_sample = (fan_in() + out_) * plane;
-  return std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(per_sample, 1), 1,
-                             std::max<int64_t>(batch_, 1));
+  const int64_t cached = kChunkFloats / std::max<int64_t>(per_sample, 1);
+  const int64_t wide = (kMinGemmColumns + plane - 1) / std::max<int64_t>(plane, 1);
+  return std::clamp<int64_t>(std::max(cached, wide), 1, std::max<int64_t>(batch_, 1));
 }
 
 void Conv2d::Forward(const Tensor& input, Tensor* output, bool /*training*/) {

@@ -135,6 +135,7 @@ class Conv2d final : public Layer {
   bool has_bias_;
   static constexpr int64_t kPerSampleMinPlane = 256;
   static constexpr int64_t kChunkFloats = int64_t{1} << 17;  // 512 KiB
+  static constexpr int64_t kMinGemmColumns = 256;
   // Samples per chunk.
   int64_t ChunkSamples() const;
 
