@@ -28,6 +28,16 @@ AIDN_VECTOR_CLONES void ReluKernel(const float* __restrict x, float* __restrict 
   for (; i < n; ++i) y[i] = std::max(x[i], 0.0f);
 }
 
+AIDN_VECTOR_CLONES void ScaledAddReluKernel(const float* __restrict a, float scale,
+                                            const float* __restrict b, float* __restrict y,
+                                            int64_t n) {
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    for (int64_t j = 0; j < kBlock; ++j) y[i + j] = std::max(a[i + j] * scale + b[i + j], 0.0f);
+  }
+  for (; i < n; ++i) y[i] = std::max(a[i] * scale + b[i], 0.0f);
+}
+
 // gx = x > 0 ? g : 0
 AIDN_VECTOR_CLONES void ReluGradKernel(const float* __restrict x, const float* __restrict g,
                                        float* __restrict gx, int64_t n) {
@@ -167,6 +177,56 @@ inline void AddSpan(const float* __restrict src, float* __restrict dst, int64_t 
   for (; i < n; ++i) dst[i] += src[i];
 }
 
+
+// Each kernel column's valid output columns [lo, hi) (ValidColumns), for
+// kernels up to kMaxKernel wide; wider ones compute them per row.
+constexpr int64_t kMaxKernel = 16;
+struct ColumnRanges {
+  int64_t lo[kMaxKernel];
+  int64_t hi[kMaxKernel];
+  explicit ColumnRanges(const ConvShape& s) {
+    for (int64_t kj = 0; kj < std::min(s.kernel, kMaxKernel); ++kj) {
+      ValidColumns(kj, s.stride, s.padding, s.width, s.out_width, &lo[kj], &hi[kj]);
+    }
+  }
+  void Get(const ConvShape& s, int64_t kj, int64_t* l, int64_t* h) const {
+    if (kj < kMaxKernel) {
+      *l = lo[kj];
+      *h = hi[kj];
+    } else {
+      ValidColumns(kj, s.stride, s.padding, s.width, s.out_width, l, h);
+    }
+  }
+};
+
+// Stride 1 with "same" padding (output as wide as the input: 3x3 with
+// padding 1): a kernel row's valid output rows read one contiguous run of
+// the input, shifted by kj - padding. One copy of the run, then the
+// |shift| columns at the row ends that the shift wrapped into the
+// neighbouring input row are zeroed; the copy leaves out the run's first
+// or last |shift| values, which would lie outside the plane.
+void Im2ColSameRow(const float* __restrict xp, const ConvShape& s, int64_t ki, int64_t kj,
+                   float* __restrict d) {
+  const int64_t w = s.width;
+  const int64_t shift = kj - s.padding;
+  const int64_t oh0 = std::clamp<int64_t>(s.padding - ki, 0, s.out_height);
+  const int64_t oh1 = std::clamp<int64_t>(s.height + s.padding - ki, oh0, s.out_height);
+  std::fill(d, d + oh0 * w, 0.0f);
+  std::fill(d + oh1 * w, d + s.out_height * w, 0.0f);
+  if (oh1 == oh0) return;
+  const int64_t run = (oh1 - oh0) * w;
+  const int64_t src = (oh0 - s.padding + ki) * w + shift;
+  const int64_t t0 = shift < 0 ? -shift : 0;
+  const int64_t t1 = run - (shift > 0 ? shift : 0);
+  float* out = d + oh0 * w;
+  std::memcpy(out + t0, xp + src + t0, static_cast<size_t>(t1 - t0) * sizeof(float));
+  for (int64_t oh = 0; oh < oh1 - oh0; ++oh) {
+    float* r = out + oh * w;
+    if (shift < 0) std::fill(r, r - shift, 0.0f);
+    if (shift > 0) std::fill(r + w - shift, r + w, 0.0f);
+  }
+}
+
 }  // namespace
 
 // im2col of one sample x [C, H, W]: row (c, ki, kj), at dst + row * ld,
@@ -175,14 +235,20 @@ AIDN_VECTOR_CLONES void Im2Col(const float* __restrict x, const ConvShape& s, fl
                                int64_t ld) {
   const int64_t k = s.kernel;
   const int64_t ow_n = s.out_width;
+  const bool same = s.stride == 1 && s.out_width == s.width && s.padding < s.width;
+  const ColumnRanges ranges(s);
   for (int64_t c = 0; c < s.channels; ++c) {
     const float* xp = x + c * s.height * s.width;
     for (int64_t ki = 0; ki < k; ++ki) {
       for (int64_t kj = 0; kj < k; ++kj) {
+        float* row = dst + ((c * k + ki) * k + kj) * ld;
+        if (same) {
+          Im2ColSameRow(xp, s, ki, kj, row);
+          continue;
+        }
         int64_t lo;
         int64_t hi;
-        ValidColumns(kj, s.stride, s.padding, s.width, ow_n, &lo, &hi);
-        float* row = dst + ((c * k + ki) * k + kj) * ld;
+        ranges.Get(s, kj, &lo, &hi);
         for (int64_t oh = 0; oh < s.out_height; ++oh) {
           const int64_t ih = oh * s.stride - s.padding + ki;
           float* d = row + oh * ow_n;
@@ -211,17 +277,24 @@ AIDN_VECTOR_CLONES void Col2Im(const float* __restrict src, int64_t ld, const Co
                                float* __restrict gx) {
   const int64_t k = s.kernel;
   const int64_t ow_n = s.out_width;
+  const ColumnRanges ranges(s);
   for (int64_t c = 0; c < s.channels; ++c) {
     float* xp = gx + c * s.height * s.width;
     for (int64_t ki = 0; ki < k; ++ki) {
+      // The output rows whose input row ih = oh * stride - padding + ki is
+      // in the plane.
+      const int64_t first = s.padding - ki;
+      const int64_t oh0 =
+          std::clamp<int64_t>(first <= 0 ? 0 : (first + s.stride - 1) / s.stride, 0, s.out_height);
+      const int64_t last = s.height - 1 + s.padding - ki;
+      const int64_t oh1 = last < 0 ? oh0 : std::clamp<int64_t>(last / s.stride + 1, oh0, s.out_height);
       for (int64_t kj = 0; kj < k; ++kj) {
         int64_t lo;
         int64_t hi;
-        ValidColumns(kj, s.stride, s.padding, s.width, ow_n, &lo, &hi);
+        ranges.Get(s, kj, &lo, &hi);
         const float* row = src + ((c * k + ki) * k + kj) * ld;
-        for (int64_t oh = 0; oh < s.out_height; ++oh) {
+        for (int64_t oh = oh0; oh < oh1; ++oh) {
           const int64_t ih = oh * s.stride - s.padding + ki;
-          if (ih < 0 || ih >= s.height) continue;
           const float* r = row + oh * ow_n;
           const int64_t base = ih * s.width + kj - s.padding;
           if (s.stride == 1) {

@@ -35,6 +35,9 @@ void ReluGradKernel(const float* __restrict x, const float* __restrict g, float*
                     int64_t n);
 // y = max(y, 0)
 void ReluInPlace(float* y, int64_t n);
+// y = max(a * scale + b, 0) (a residual sum: a * 1 is a, exactly)
+void ScaledAddReluKernel(const float* __restrict a, float scale, const float* __restrict b,
+                         float* __restrict y, int64_t n);
 // y = max(x + c, 0)
 void AddScalarReluKernel(const float* __restrict x, float c, float* __restrict y, int64_t n);
 // y += c

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "worker/engine/cpu_kernels.h"
 
 namespace aidn::engine {
 namespace {
@@ -181,8 +182,7 @@ void ResidualBlock::Forward(const Tensor& input, Tensor* output, bool training) 
   const float* b = shortcut->data();
   if (dropped_) {
     EnsureShape(output, shortcut->shape());
-    float* y = output->data();
-    for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(b[i], 0.0f);
+    cpu::ReluKernel(b, output->data(), output->numel());
     output_ = output;
     return;
   }
@@ -191,13 +191,7 @@ void ResidualBlock::Forward(const Tensor& input, Tensor* output, bool training) 
       << Describe() << ": main path " << main->ShapeString() << ", shortcut "
       << shortcut->ShapeString();
   EnsureShape(output, main->shape());
-  const float* a = main->data();
-  float* y = output->data();
-  if (scale_ == 1.0f) {
-    for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(a[i] + b[i], 0.0f);
-  } else {
-    for (int64_t i = 0; i < output->numel(); ++i) y[i] = std::max(a[i] * scale_ + b[i], 0.0f);
-  }
+  cpu::ScaledAddReluKernel(main->data(), scale_, b, output->data(), output->numel());
   output_ = output;
 }
 
@@ -206,10 +200,8 @@ void ResidualBlock::Backward(const Tensor& grad_output, Tensor* grad_input) {
       << Describe() << " backward got " << grad_output.ShapeString();
   // Through the final ReLU: the gradient of the sum, which both paths get.
   EnsureShape(&sum_grad_, grad_output.shape());
-  const float* y = output_->data();
-  const float* g = grad_output.data();
   float* gs = sum_grad_.data();
-  for (int64_t i = 0; i < sum_grad_.numel(); ++i) gs[i] = y[i] > 0.0f ? g[i] : 0.0f;
+  cpu::ReluGradKernel(output_->data(), grad_output.data(), gs, sum_grad_.numel());
   if (dropped_) {
     // The shortcut alone; the main path's gradients stay as they were.
     if (shortcut_.empty()) {
@@ -238,9 +230,7 @@ void ResidualBlock::Backward(const Tensor& grad_output, Tensor* grad_input) {
     RunBackward(shortcut_, short_grad_, sum_grad_, &short_grad_[0]);
     extra = &short_grad_[0];
   }
-  float* dx = grad_input->data();
-  const float* e = extra->data();
-  for (int64_t i = 0; i < grad_input->numel(); ++i) dx[i] += e[i];
+  cpu::AccumulateKernel(extra->data(), grad_input->data(), grad_input->numel());
 }
 
 void GlobalAvgPool2d::Forward(const Tensor& input, Tensor* output, bool /*training*/) {

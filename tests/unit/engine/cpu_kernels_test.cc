@@ -64,6 +64,58 @@ TEST(CpuKernels, Col2ImIsTheAdjointOfIm2Col) {
   }
 }
 
+// Im2Col and Col2Im against their definitions, element by element: the
+// general path (stride 2, no padding, a kernel wider than the padding) and
+// stride 1 with "same" padding (its contiguous-run path: 3x3, 5x5, 1x1,
+// planes of one row or column), several samples' columns side by side
+// (ld > the plane) and a tail of the buffer left alone.
+TEST(CpuKernels, Im2ColAndCol2ImFollowTheirDefinitions) {
+  for (const ConvShape& s :
+       {ConvShape{2, 5, 6, 3, 1, 0, 3, 4}, ConvShape{3, 7, 7, 3, 2, 1, 4, 4},
+        ConvShape{1, 4, 9, 2, 1, 1, 5, 10}, ConvShape{3, 6, 5, 3, 1, 1, 6, 5},
+        ConvShape{2, 7, 9, 5, 1, 2, 7, 9}, ConvShape{4, 3, 3, 1, 1, 0, 3, 3},
+        ConvShape{2, 1, 4, 3, 1, 1, 1, 4}, ConvShape{2, 4, 1, 3, 1, 1, 4, 1},
+        ConvShape{1, 2, 2, 3, 1, 1, 2, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "C " << s.channels << " " << s.height << "x" << s.width
+                                      << " k " << s.kernel << " stride " << s.stride << " pad "
+                                      << s.padding);
+    const int64_t k = s.kernel;
+    const int64_t plane = s.out_height * s.out_width;
+    const int64_t ld = plane + 3;  // a second sample's columns would start there
+    const int64_t rows = s.channels * k * k;
+    const std::vector<float> x = Random(static_cast<size_t>(s.channels * s.height * s.width), 3);
+    std::vector<float> columns(static_cast<size_t>(rows * ld), -7.0f);
+    Im2Col(x.data(), s, columns.data(), ld);
+    const std::vector<float> g = Random(static_cast<size_t>(rows * ld), 4);
+    std::vector<float> gx(x.size(), 0.5f);
+    Col2Im(g.data(), ld, s, gx.data());
+    std::vector<double> want_gx(x.size(), 0.5);
+    for (int64_t c = 0; c < s.channels; ++c) {
+      for (int64_t ki = 0; ki < k; ++ki) {
+        for (int64_t kj = 0; kj < k; ++kj) {
+          const int64_t row = (c * k + ki) * k + kj;
+          for (int64_t oh = 0; oh < s.out_height; ++oh) {
+            for (int64_t ow = 0; ow < s.out_width; ++ow) {
+              const int64_t ih = oh * s.stride - s.padding + ki;
+              const int64_t iw = ow * s.stride - s.padding + kj;
+              const bool inside = ih >= 0 && ih < s.height && iw >= 0 && iw < s.width;
+              const int64_t at = (c * s.height + ih) * s.width + iw;
+              const size_t col = static_cast<size_t>(row * ld + oh * s.out_width + ow);
+              ASSERT_EQ(columns[col], inside ? x[static_cast<size_t>(at)] : 0.0f)
+                  << "row " << row << " (" << oh << ", " << ow << ")";
+              if (inside) want_gx[static_cast<size_t>(at)] += g[col];
+            }
+          }
+          for (int64_t t = plane; t < ld; ++t) {
+            ASSERT_EQ(columns[static_cast<size_t>(row * ld + t)], -7.0f) << "past row " << row;
+          }
+        }
+      }
+    }
+    for (size_t i = 0; i < gx.size(); ++i) EXPECT_NEAR(gx[i], want_gx[i], 1e-5) << i;
+  }
+}
+
 TEST(CpuKernels, SumKernelAddsEveryElementOnce) {
   for (int64_t n : {0, 1, 15, 16, 17, 100, 1023}) {
     std::vector<float> x(static_cast<size_t>(n));
