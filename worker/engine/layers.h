@@ -91,9 +91,11 @@ class ReLU final : public Layer {
 //       are long enough, and its [O, P] output is the sample's NCHW output
 //       (and the gradient's input) as it is (the CNN's first layer: CK = 9,
 //       P = 676).
-//   smaller planes  several samples, up to kChunkFloats of columns and rows,
-//       to keep the GEMM's N large, at the price of a scatter to NCHW in
-//       Forward and a gather in Backward (the second layer: P = 121).
+//   smaller planes  several samples, up to kChunkFloats of columns and rows
+//       and at least kMinGemmColumns columns, to keep the GEMM's N large, at
+//       the price of a scatter to NCHW in Forward and a gather in Backward
+//       (the CNN's second layer: P = 121; a ResNet's 7x7 and 4x4 stages,
+//       whose columns outgrow L2 rather than run GEMMs of N = 49 or 16).
 // Backward rebuilds the columns from the input (the layer keeps a pointer
 // to it) instead of keeping the whole batch's from Forward: a rebuild into
 // cache costs less than their round trip through memory.
