@@ -48,7 +48,7 @@ STD = 0.3530
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=["mlp", "cnn", "resnet18"], required=True)
+    p.add_argument("--model", choices=["mlp", "cnn", "resnet18", "resnet50"], required=True)
     p.add_argument("--world", type=int, default=1, help="number of ranks (WORLD_SIZE)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps to run")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -80,10 +80,10 @@ def load_train(data_dir, model):
 
 
 def build_model(name):
-    if name == "resnet18":
+    if name in ("resnet18", "resnet50"):
         # torchvision's, with aidn's small-image stem (3x3 conv1, no max pool).
         import torchvision
-        model = torchvision.models.resnet18(num_classes=10)
+        model = getattr(torchvision.models, name)(num_classes=10)
         model.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
         return model

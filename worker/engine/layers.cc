@@ -243,8 +243,13 @@ void Conv2d::Forward(const Tensor& input, Tensor* output, bool /*training*/) {
   EnsureShape(output, {batch_, out_, y_height, y_width});
   input_ = &input;
   output_ = output;
-  EnsureShape(&columns_, {ck, chunk * plane});
+  // A 1x1 convolution of stride 1 without padding reads one sample's input
+  // [C, P] as its columns; several samples' still go through im2col.
+  const bool direct = Pointwise() && chunk == 1;
+  if (!direct) EnsureShape(&columns_, {ck, chunk * plane});
   EnsureShape(&rows_, {out_, chunk * plane});
+  // One chunk: Backward finds its columns still here.
+  columns_kept_ = !direct && chunk >= batch_;
   if (fused_pool_) {
     EnsureShape(&plane_, {plane});
     argmax_.resize(static_cast<size_t>(batch_ * out_ * y_plane));
@@ -258,11 +263,14 @@ void Conv2d::Forward(const Tensor& input, Tensor* output, bool /*training*/) {
   for (int64_t n0 = 0; n0 < batch_; n0 += chunk) {
     const int64_t n1 = std::min(batch_, n0 + chunk);
     const int64_t ld = (n1 - n0) * plane;
-    for (int64_t n = n0; n < n1; ++n) Im2Col(x + n * in_sample, s, col + (n - n0) * plane, ld);
+    const float* columns = direct ? x + n0 * in_sample : col;
+    for (int64_t n = n0; n < n1 && !direct; ++n) {
+      Im2Col(x + n * in_sample, s, col + (n - n0) * plane, ld);
+    }
     // conv [O, chunk*P] = W [O, CK] x columns [CK, chunk*P]. One sample's
     // [O, P] is its NCHW output already, unless a pool follows.
     float* conv = n1 - n0 == 1 && !fused_pool_ ? y + n0 * out_ * y_plane : rows_.data();
-    Sgemm(false, false, out_, ld, ck, 1.0f, w, ck, col, ld, 0.0f, conv, ld);
+    Sgemm(false, false, out_, ld, ck, 1.0f, w, ck, columns, ld, 0.0f, conv, ld);
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t o = 0; o < out_; ++o) {
         Epilogue(conv + o * ld + (n - n0) * plane, n, o, y + (n * out_ + o) * y_plane);
@@ -288,7 +296,8 @@ void Conv2d::Backward(const Tensor& grad_output, Tensor* grad_input) {
   if (grad_input != nullptr) EnsureShape(grad_input, {batch_, in_, height_, width_});
   if (batch_ == 0) return;
   const bool fused = fused_relu_ || fused_pool_;
-  if (grad_input != nullptr) EnsureShape(&grad_columns_, {ck, chunk * plane});
+  const bool direct = Pointwise() && chunk == 1;
+  if (grad_input != nullptr && !direct) EnsureShape(&grad_columns_, {ck, chunk * plane});
   const float* x = input_->data();
   const float* g = grad_output.data();
   const float* w = weight_.value.data();
@@ -319,10 +328,19 @@ void Conv2d::Backward(const Tensor& grad_output, Tensor* grad_input) {
     }
     // The columns again rather than kept from Forward: rebuilt into cache
     // they cost less than a round trip of the whole batch's through memory.
-    for (int64_t n = n0; n < n1; ++n) Im2Col(x + n * in_sample, s, col + (n - n0) * plane, ld);
+    // (A layer whose batch was one chunk still has them.)
+    const float* columns = direct ? x + n0 * in_sample : col;
+    for (int64_t n = n0; n < n1 && !direct && !columns_kept_; ++n) {
+      Im2Col(x + n * in_sample, s, col + (n - n0) * plane, ld);
+    }
     // dW [O, CK] += dconv [O, chunk*P] x columns^T [chunk*P, CK]
-    Sgemm(false, true, out_, ck, ld, 1.0f, dconv, ld, col, ld, 1.0f, gw, ck);
+    Sgemm(false, true, out_, ck, ld, 1.0f, dconv, ld, columns, ld, 1.0f, gw, ck);
     if (gx == nullptr) continue;
+    if (direct) {
+      // The columns' gradient is the input's: [C, P].
+      Sgemm(true, false, ck, ld, out_, 1.0f, w, ck, dconv, ld, 0.0f, gx + n0 * in_sample, ld);
+      continue;
+    }
     // dcolumns [CK, chunk*P] = W^T [CK, O] x dconv [O, chunk*P], then col2im.
     float* gcol = grad_columns_.data();
     Sgemm(true, false, ck, ld, out_, 1.0f, w, ck, dconv, ld, 0.0f, gcol, ld);

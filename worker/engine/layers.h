@@ -98,7 +98,10 @@ class ReLU final : public Layer {
 //       whose columns outgrow L2 rather than run GEMMs of N = 49 or 16).
 // Backward rebuilds the columns from the input (the layer keeps a pointer
 // to it) instead of keeping the whole batch's from Forward: a rebuild into
-// cache costs less than their round trip through memory.
+// cache costs less than their round trip through memory. A batch that was
+// one chunk keeps its columns, and a 1x1 convolution of stride 1 without
+// padding (a bottleneck's) uses a sample's input as its columns and writes
+// its input gradient straight from the GEMM.
 class Conv2d final : public Layer {
  public:
   // Without `bias` (torch's bias=False, as before a BatchNorm) the layer
@@ -140,6 +143,8 @@ class Conv2d final : public Layer {
   static constexpr int64_t kMinGemmColumns = 256;
   // Samples per chunk.
   int64_t ChunkSamples() const;
+  // 1x1, stride 1, no padding: a sample's input is its columns.
+  bool Pointwise() const { return kernel_ == 1 && stride_ == 1 && padding_ == 0; }
 
   // The output plane (n, o) from the convolution's plane `conv` (bias not
   // yet added): bias, then the fused ReLU and pool.
@@ -164,6 +169,9 @@ class Conv2d final : public Layer {
   Tensor columns_;
   Tensor rows_;
   Tensor grad_columns_;
+  // Whether columns_ holds the last Forward's columns of its whole batch
+  // (one chunk), which Backward then uses as they are.
+  bool columns_kept_ = false;
   // Fused pool: one plane [P] after bias and ReLU, before pooling.
   Tensor plane_;
   const Tensor* input_ = nullptr;

@@ -395,8 +395,10 @@ TEST(Conv2d, PerSampleFormMatchesTheDefinitionAndFiniteDifferences) {
   struct Geometry {
     int64_t size, kernel, stride, padding;
   };
-  // Output planes 16x16, 17x17 (stride 1, padding 1) and 16x16 (stride 2).
-  for (Geometry g : {Geometry{18, 3, 1, 0}, Geometry{17, 3, 1, 1}, Geometry{33, 3, 2, 1}}) {
+  // Output planes 16x16, 17x17 (stride 1, padding 1), 16x16 (stride 2) and
+  // 16x16 from a 1x1 kernel (the input is the columns).
+  for (Geometry g : {Geometry{18, 3, 1, 0}, Geometry{17, 3, 1, 1}, Geometry{33, 3, 2, 1},
+                     Geometry{16, 1, 1, 0}}) {
     SCOPED_TRACE(testing::Message()
                  << "size " << g.size << " stride " << g.stride << " padding " << g.padding);
     std::mt19937_64 rng(static_cast<uint64_t>(g.size));
