@@ -17,6 +17,9 @@ constexpr int32_t kMaxMicroBatches = 1024;
 int LayersWithParameters(const v1::ModelSpec& model) {
   if (model.name() == "mlp") return model.hidden_sizes_size() + 1;
   if (model.name() == "cnn") return 4;
+  // conv1, bn1, the residual blocks, fc.
+  if (model.name() == "resnet18") return 3 + 8;
+  if (model.name() == "resnet50") return 3 + 16;
   return 0;
 }
 

@@ -516,9 +516,9 @@ absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
 }
 
 // A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
-// 0 writes the whole model) and, as rank 0's whole tensors, into ZeRO's
-// and FSDP's sharded ones; model-parallel checkpoints and the GPU engine
-// do not carry them yet.
+// 0 writes the whole model), as rank 0's whole tensors into ZeRO's and
+// FSDP's sharded ones, and a pipeline stage writes its own; the GPU engine
+// does not have BatchNorm yet.
 absl::Status ValidateResNet(const v1::JobSpec& spec) {
   const std::string& name = spec.model().name();
   if (spec.ddp().sync_batchnorm()) {
@@ -530,13 +530,14 @@ absl::Status ValidateResNet(const v1::JobSpec& spec) {
       // would not line up.
       return Invalid("ddp.sync_batchnorm", "does not go with model.stochastic_depth");
     }
+    if (spec.parallel().pipeline() > 1) {
+      // A stage's statistics would have to meet its replicas' only.
+      return Invalid("ddp.sync_batchnorm", "does not combine with parallel.pipeline yet");
+    }
   }
   if (!IsResNet(name)) return absl::OkStatus();
   if (spec.device() == v1::JobSpec::GPU) {
     return Invalid("model.name", absl::StrCat(name, " runs on device: cpu for now"));
-  }
-  if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
-    return Invalid("parallel", absl::StrCat(name, " does not combine with parallel: yet"));
   }
   return absl::OkStatus();
 }

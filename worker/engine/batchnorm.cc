@@ -197,8 +197,10 @@ void BatchNorm2d::Forward(const Tensor& input, Tensor* output, bool training) {
       const double unbiased = batch_m2[static_cast<size_t>(c)] / (count - 1);
       float& rm = running_mean_.value.data()[c];
       float& rv = running_var_.value.data()[c];
-      rm = static_cast<float>((1.0 - momentum_) * rm + momentum_ * mean);
-      rv = static_cast<float>((1.0 - momentum_) * rv + momentum_ * unbiased);
+      if (!frozen_) {
+        rm = static_cast<float>((1.0 - momentum_) * rm + momentum_ * mean);
+        rv = static_cast<float>((1.0 - momentum_) * rv + momentum_ * unbiased);
+      }
     }
     const float invstd = static_cast<float>(1.0 / std::sqrt(var + eps_));
     mean_[static_cast<size_t>(c)] = static_cast<float>(mean);

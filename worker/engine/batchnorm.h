@@ -44,6 +44,7 @@ class BatchNorm2d final : public Layer {
   std::vector<Parameter*> Parameters() override { return {&weight_, &bias_}; }
   std::vector<Parameter*> Buffers() override { return {&running_mean_, &running_var_}; }
   void SetBatchNormSync(Communicator* comm) override { sync_ = comm; }
+  void FreezeRunningStatistics(bool frozen) override { frozen_ = frozen; }
   absl::Status TakeCollectiveStatus() override {
     return std::exchange(sync_status_, absl::OkStatus());
   }
@@ -66,6 +67,8 @@ class BatchNorm2d final : public Layer {
   // 1/sqrt(var + eps) it normalised with.
   const Tensor* input_ = nullptr;
   bool training_ = false;
+  // Layer::FreezeRunningStatistics.
+  bool frozen_ = false;
   std::vector<float> mean_;
   std::vector<float> invstd_;
   // SyncBatchNorm: the communicator, the last training forward's count over

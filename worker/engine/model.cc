@@ -26,10 +26,12 @@ void Sequential::Add(std::unique_ptr<Layer> layer, const std::string& name) {
     p->name = absl::StrCat(prefix, ".", p->name);
     parameters_.push_back(p);
   }
-  for (Parameter* b : layer->Buffers()) {
+  std::vector<Parameter*> buffers = layer->Buffers();
+  for (Parameter* b : buffers) {
     b->name = absl::StrCat(prefix, ".", b->name);
     buffers_.push_back(b);
   }
+  layer_buffers_.push_back(std::move(buffers));
   if (!params.empty() && first_trainable_ < 0) first_trainable_ = static_cast<int>(index);
   // Only parameter-free layers are fused: a fused layer's gradients would
   // never be reported ready.
@@ -123,6 +125,10 @@ void Sequential::SetBatchNormSync(Communicator* comm) {
   for (const std::unique_ptr<Layer>& layer : layers_) layer->SetBatchNormSync(comm);
 }
 
+void Sequential::FreezeRunningStatistics(bool frozen) {
+  for (const std::unique_ptr<Layer>& layer : layers_) layer->FreezeRunningStatistics(frozen);
+}
+
 absl::Status Sequential::TakeCollectiveStatus() {
   absl::Status first;
   for (const std::unique_ptr<Layer>& layer : layers_) first.Update(layer->TakeCollectiveStatus());
@@ -135,6 +141,14 @@ std::vector<Parameter*> Sequential::ParametersOf(size_t begin, size_t end) const
     params.insert(params.end(), layer_parameters_[i].begin(), layer_parameters_[i].end());
   }
   return params;
+}
+
+std::vector<Parameter*> Sequential::BuffersOf(size_t begin, size_t end) const {
+  std::vector<Parameter*> buffers;
+  for (size_t i = begin; i < end && i < layers_.size(); ++i) {
+    buffers.insert(buffers.end(), layer_buffers_[i].begin(), layer_buffers_[i].end());
+  }
+  return buffers;
 }
 
 std::vector<std::vector<Parameter*>> Sequential::Units() const {

@@ -46,6 +46,11 @@ class Layer {
   // TakeCollectiveStatus, which returns it once.
   virtual void SetBatchNormSync(Communicator* /*comm*/) {}
   virtual absl::Status TakeCollectiveStatus() { return absl::OkStatus(); }
+  // While frozen, BatchNorm layers (also inside blocks) leave their running
+  // statistics alone in training forwards: a pipeline stage running a
+  // micro-batch's forward again before its backward (pipeline_session.h)
+  // updates them once per micro-batch, as a one-rank run does.
+  virtual void FreezeRunningStatistics(bool /*frozen*/) {}
   // Sequential offers each layer it is given to the last layer it runs
   // before it. Returning true means this layer takes `next`'s computation
   // over: its Forward then produces what `next` would have output, its
@@ -100,8 +105,10 @@ class Sequential {
   // gradient of `input` into it. Forward and Backward are the whole range.
   void ForwardRange(size_t begin, size_t end, const Tensor& input, Tensor* output, bool training);
   void BackwardRange(size_t begin, size_t end, const Tensor& grad_output, Tensor* grad_input);
-  // The parameters of layers [begin, end), in registration order.
+  // The parameters, and the buffers, of layers [begin, end), in
+  // registration order.
   std::vector<Parameter*> ParametersOf(size_t begin, size_t end) const;
+  std::vector<Parameter*> BuffersOf(size_t begin, size_t end) const;
   // Whether layer i has parameters (a unit's layer; a stage starts at one).
   bool HasParameters(size_t i) const { return !layer_parameters_[i].empty(); }
   void SetGradReadyCallback(GradReadyCallback callback) { grad_ready_ = std::move(callback); }
@@ -128,6 +135,8 @@ class Sequential {
   // error (Layer::TakeCollectiveStatus), once.
   void SetBatchNormSync(Communicator* comm);
   absl::Status TakeCollectiveStatus();
+  // Layer::FreezeRunningStatistics on every layer.
+  void FreezeRunningStatistics(bool frozen);
   int64_t ParameterCount() const;
   std::string Describe() const;
 
@@ -141,6 +150,7 @@ class Sequential {
   std::vector<Parameter*> buffers_;
   // layers_[i]'s parameters, for the grad-ready callbacks.
   std::vector<std::vector<Parameter*>> layer_parameters_;
+  std::vector<std::vector<Parameter*>> layer_buffers_;
   // Index of the first layer with parameters (-1: none); Backward computes
   // no input gradient at or below it.
   int first_trainable_ = -1;

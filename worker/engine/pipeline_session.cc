@@ -108,10 +108,22 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
     input_bytes -= 4 * t.numel();
     t = Tensor();
   };
-  auto forward = [&](int mb) {
+  const std::vector<Parameter*> buffers = model_->Buffers();
+  const bool broadcast = options_.broadcast_buffers && !buffers.empty() &&
+                         options_.data != nullptr && options_.data->world_size() > 1;
+  // `again`: the forward run a second time before its backward.
+  auto forward = [&](int mb, bool again) -> absl::StatusOr<double> {
     const MicroBatch& batch = micro[static_cast<size_t>(mb)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
+    if (broadcast && !again) {
+      // DDP's buckets run only in the step's last backward, after every
+      // forward: the data communicator is free here.
+      AIDN_RETURN_IF_ERROR(Annotate(DdpReducer::BroadcastParameters(buffers, options_.data),
+                                    "broadcast_buffers"));
+    }
+    if (again) model_->FreezeRunningStatistics(true);
     const double l = model_->Forward(batch, inputs_[static_cast<size_t>(mb)], scale, &output_);
+    if (again) model_->FreezeRunningStatistics(false);
     resident_ = mb;
     return l;
   };
@@ -131,8 +143,9 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
                                       "receiving the activation", mb));
         break;
       }
-      case PipelineAction::kForward:
-        *loss += forward(mb) * scale;
+      case PipelineAction::kForward: {
+        AIDN_ASSIGN_OR_RETURN(const double l, forward(mb, /*again=*/false));
+        *loss += l * scale;
         stats_.peak_in_flight = std::max(stats_.peak_in_flight, ++in_flight);
         if (model_->Keep(mb)) {
           // The activations hold what backward needs; the input is spent.
@@ -143,6 +156,7 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
         peak();
         stats_.compute_seconds += SecondsSince(t0);
         break;
+      }
       case PipelineAction::kSendActivation:
         AIDN_RETURN_IF_ERROR(transfer(
             options_.next->Send(output_.data(), static_cast<size_t>(model_->OutputFloats(batch))),
@@ -158,7 +172,7 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
         if (kept_[static_cast<size_t>(mb)]) {
           model_->Restore(mb);
         } else if (resident_ != mb) {
-          forward(mb);
+          AIDN_RETURN_IF_ERROR(forward(mb, /*again=*/true).status());
           ++stats_.recomputed;
         }
         const bool final = ++backwards == static_cast<int>(micro.size());

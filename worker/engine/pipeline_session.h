@@ -22,6 +22,10 @@
 // runs the forward again, with the same dropout seed, just before the
 // backward (GPipe's re-materialisation); a backward that directly follows
 // its own forward (the last stage's under 1F1B) needs no second forward.
+// The second forward leaves BatchNorm's running statistics alone, so each
+// micro-batch updates them once, in micro-batch order, as the one-rank
+// run's accumulation does (its batch statistics are the micro-batch's, as
+// they are there).
 //
 // With data parallelism (D replicas of the pipeline) each stage's gradients
 // are averaged over its replicas in DDP buckets during the last backward
@@ -64,6 +68,10 @@ struct PipelineSessionOptions {
   Communicator* tied = nullptr;
   // DDP gradient bucket size in MB.
   double bucket_mb = 25.0;
+  // With replicas: the first replica's buffers (BatchNorm's running
+  // statistics) copied to the others' before each micro-batch's forward,
+  // as CpuSessionOptions::broadcast_buffers.
+  bool broadcast_buffers = true;
   // With tensor parallelism inside the stage: the stage's sum of squares
   // over its tensor group (TensorParallelSumOfSquares), before the
   // pipeline's; null: this rank's is the stage's.

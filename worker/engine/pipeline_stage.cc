@@ -40,9 +40,12 @@ class ClassifierStage final : public PipelineStageModel {
         end_(end),
         in_sample_(std::move(in_sample)),
         out_sample_(std::move(out_sample)),
-        parameters_(model->ParametersOf(begin, end)) {}
+        parameters_(model->ParametersOf(begin, end)),
+        buffers_(model->BuffersOf(begin, end)) {}
 
   const std::vector<Parameter*>& Parameters() const override { return parameters_; }
+  std::vector<Parameter*> Buffers() const override { return buffers_; }
+  void FreezeRunningStatistics(bool frozen) override { model_->FreezeRunningStatistics(frozen); }
   std::vector<int64_t> InputShape(const MicroBatch& batch) const override {
     return first() ? std::vector<int64_t>{} : Batched(batch, in_sample_);
   }
@@ -89,6 +92,7 @@ class ClassifierStage final : public PipelineStageModel {
   // One sample's activation entering and leaving the stage.
   const std::vector<int64_t> in_sample_, out_sample_;
   std::vector<Parameter*> parameters_;
+  std::vector<Parameter*> buffers_;
   Tensor logits_;
   Tensor grad_logits_;
 };

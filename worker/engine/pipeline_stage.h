@@ -58,6 +58,11 @@ class PipelineStageModel {
 
   // The parameters this stage holds, in the model's registration order.
   virtual const std::vector<Parameter*>& Parameters() const = 0;
+  // The buffers this stage holds (BatchNorm's running statistics), in the
+  // model's registration order.
+  virtual std::vector<Parameter*> Buffers() const { return {}; }
+  // Layer::FreezeRunningStatistics on the stage's layers.
+  virtual void FreezeRunningStatistics(bool /*frozen*/) {}
   // The parameter the first and last stages both hold (a GPT's wte); null
   // for a model without one or a stage at neither end.
   virtual Parameter* tied() { return nullptr; }

@@ -149,6 +149,12 @@ void ResidualBlock::SetBatchNormSync(Communicator* comm) {
   }
 }
 
+void ResidualBlock::FreezeRunningStatistics(bool frozen) {
+  for (NamedLayers* layers : {&main_, &shortcut_}) {
+    for (auto& [name, layer] : *layers) layer->FreezeRunningStatistics(frozen);
+  }
+}
+
 absl::Status ResidualBlock::TakeCollectiveStatus() {
   absl::Status first;
   for (NamedLayers* layers : {&main_, &shortcut_}) {

@@ -58,6 +58,7 @@ class ResidualBlock final : public Layer {
   std::vector<Parameter*> UnusedParameters() override;
   void SetSeed(uint64_t seed) override { rng_.seed(seed); }
   void SetBatchNormSync(Communicator* comm) override;
+  void FreezeRunningStatistics(bool frozen) override;
   absl::Status TakeCollectiveStatus() override;
 
   int64_t out_planes() const { return out_planes_; }

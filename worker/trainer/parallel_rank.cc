@@ -70,6 +70,7 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
                                                   : engine::PipelineSchedule::k1F1B;
     engine::PipelineSessionOptions o = r->comms_.SessionOptions(schedule, BucketMbOf(spec));
     o.stage_sum_of_squares = within;
+    o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
     AIDN_ASSIGN_OR_RETURN(
         r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(), OptimizerConfigOf(spec)));
     return r;
@@ -77,6 +78,7 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
   engine::CpuSessionOptions o;
   o.communicator = r->replicas() > 1 ? r->comms_.data.get() : nullptr;
   o.bucket_mb = BucketMbOf(spec);
+  o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
   AIDN_ASSIGN_OR_RETURN(r->cpu_,
                         engine::CpuSession::Create(o, &task->model(), OptimizerConfigOf(spec)));
   if (within) r->cpu_->optimizer().SetSumOfSquaresReduction(within);
@@ -85,6 +87,10 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
 
 const std::vector<engine::Parameter*>& ParallelRank::Mine() const {
   return stage_ != nullptr ? stage_->Parameters() : task_->Parameters();
+}
+
+std::vector<engine::Parameter*> ParallelRank::MyBuffers() const {
+  return stage_ != nullptr ? stage_->Buffers() : task_->model().Buffers();
 }
 
 bool ParallelRank::counts_samples() const {
@@ -130,11 +136,13 @@ engine::CpuSession::Memory ParallelRank::memory() const {
 absl::Status ParallelRank::GatherWholeModel() {
   if (stage_ == nullptr) return absl::OkStatus();
   stage_->Widen();
-  // Every stage's weights, zeros where it holds none, summed over the
-  // pipeline: each parameter's owner's values (the tied one the first
-  // stage's). One collective.
-  const std::vector<engine::Parameter*>& all = task_->Parameters();
-  const std::vector<engine::Parameter*>& mine = stage_->Parameters();
+  // Every stage's weights and buffers, zeros where it holds none, summed
+  // over the pipeline: each tensor's owner's values (the tied parameter
+  // the first stage's). One collective.
+  std::vector<engine::Parameter*> all = task_->Parameters();
+  std::vector<engine::Parameter*> mine = stage_->Parameters();
+  for (engine::Parameter* b : task_->model().Buffers()) all.push_back(b);
+  for (engine::Parameter* b : stage_->Buffers()) mine.push_back(b);
   engine::Parameter* tied = stage_->first() ? nullptr : stage_->tied();
   int64_t total = 0;
   for (const engine::Parameter* p : all) total += p->value.numel();
@@ -227,6 +235,14 @@ ParallelRank::Pieces ParallelRank::CheckpointPieces() {
   for (const engine::Parameter* p : Mine()) {
     by_name[p->name] = p;
     if (Writes(*p)) AddPieces(p->name, *p, p->value, &pieces.weights);
+  }
+  // Buffers are whole on every tensor rank: tensor rank 0 writes its
+  // stage's.
+  if (coords_.tensor == 0) {
+    for (const engine::Parameter* b : MyBuffers()) {
+      pieces.weights.push_back({b->name, b->name, b->value.shape(), 0,
+                                static_cast<size_t>(b->value.numel()), &b->value});
+    }
   }
   // "<parameter>.<buffer>".
   for (const auto& [name, tensor] : optimizer().State()) {

@@ -20,12 +20,13 @@
 //             one optimizer step after them all. Clipping takes the norm of
 //             the whole model's gradient (split parameters summed over the
 //             tensor group, whole ones once, every stage's).
-//   evaluate  a pipeline's stages' weights gathered on each of its ranks
-//             (WholeModel); each tensor group evaluates a share of the set.
+//   evaluate  a pipeline's stages' weights and buffers gathered on each of
+//             its ranks (WholeModel); each tensor group evaluates a share of
+//             the set.
 //   checkpoint  the ranks of the first replica write the pieces they own:
-//             their stage's parameters and optimizer state (the tied
-//             embedding the first stage's), a tensor-parallel slice as the
-//             element ranges of the whole tensor it covers, a parameter
+//             their stage's parameters, buffers and optimizer state (the
+//             tied embedding the first stage's), a tensor-parallel slice as
+//             the element ranges of the whole tensor it covers, a tensor
 //             every tensor rank holds whole by tensor rank 0; one sharded
 //             checkpoint over the replica's group.
 //
@@ -110,8 +111,9 @@ class ParallelRank {
 
  private:
   explicit ParallelRank(engine::ProcessGrid grid) : grid_(std::move(grid)) {}
-  // The parameters this rank holds (its stage's, or all).
+  // The parameters this rank holds (its stage's, or all), and the buffers.
   const std::vector<engine::Parameter*>& Mine() const;
+  std::vector<engine::Parameter*> MyBuffers() const;
   // Whether this rank writes `p`: not the tied parameter on the last stage
   // (the first stage writes it), a whole one on tensor rank 0 only.
   bool Writes(const engine::Parameter& p) const;

@@ -214,7 +214,7 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
     // The model's order (TrainingTask::ModelState): parameters, then buffers.
     for (const engine::Parameter* p : task_->Parameters()) contents.parameters.push_back(p->name);
     for (const engine::Parameter* b : task_->model().Buffers()) {
-      if (parallel_ == nullptr) contents.parameters.push_back(b->name);
+      contents.parameters.push_back(b->name);
     }
     contents.model_metadata = std::move(metadata);
     contents.state = state.Encode();

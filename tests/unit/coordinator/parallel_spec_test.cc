@@ -279,6 +279,28 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, resnet).ok())
         << ValidateJobSpec(SpecLimits{}, resnet);
   }
+  // And cut into pipeline stages (not tensor-parallel, and without
+  // SyncBatchNorm there).
+  const JobSpec staged = Spec("resnet18", [](JobSpec* s) {
+    s->set_world_size(2);
+    s->mutable_parallel()->set_pipeline(2);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, staged).ok()) << ValidateJobSpec(SpecLimits{}, staged);
+  const JobSpec staged_sync = Spec("resnet18", [](JobSpec* s) {
+    s->set_world_size(2);
+    s->mutable_parallel()->set_pipeline(2);
+    s->mutable_ddp()->set_sync_batchnorm(true);
+  });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, staged_sync).message()),
+            "ddp.sync_batchnorm: does not combine with parallel.pipeline yet");
+  const JobSpec too_many = Spec("resnet18", [](JobSpec* s) {
+    s->set_world_size(12);
+    s->set_batch_size(12);
+    s->mutable_parallel()->set_pipeline(12);
+  });
+  EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, too_many).message()),
+            "parallel.pipeline: 12 stages, but model resnet18 has 11 layers with parameters to "
+            "give them");
   const JobSpec zero1 = Spec("resnet18", [](JobSpec* s) {
     s->set_strategy(JobSpec::ZERO1);
     s->mutable_ddp()->set_sync_batchnorm(true);

@@ -1,5 +1,5 @@
 // Pipeline parallelism (PipelineSession over stages of a model): an MLP
-// with dropout and a GPT, cut into 2 and 3 stages and run with GPipe and
+// with dropout, a GPT and a ResNet-18 (below), cut into 2 and 3 stages and run with GPipe and
 // 1F1B over shared memory (and Gloo), with and without data parallelism
 // (2 x 2), AdamW and clipping, end 20 steps with the losses and weights of
 // one rank that accumulates the same micro-batches, within 1e-5 relative.
@@ -314,6 +314,175 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{true, 1, 2, PS::k1F1B, CpuTransport::kGloo},
                       Shape{true, 1, 3, PS::kGPipe, kShm, /*checkpointing=*/true}),
     ShapeName);
+
+// A ResNet-18 (BatchNorm, residual blocks) on 16x16 images in 2 stages, as
+// one rank accumulating the same micro-batches: the BatchNorms normalise
+// with each micro-batch's statistics in both, and update their running
+// statistics once per micro-batch in micro-batch order (a stage's second
+// forward before a backward leaves them alone), so losses, weights and
+// running statistics agree. With 2 replicas the first replica's buffers go
+// to the second before each forward, and the weights still agree.
+struct ResNetRun {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> weights;  // buffers included
+  std::vector<int> recomputed;                        // per rank
+};
+
+constexpr int kResNetSteps = 4;
+constexpr int kResNetMicro = 2;
+
+std::unique_ptr<Sequential> MakeResNet() {
+  ModelConfig c;
+  c.name = "resnet18";
+  c.height = 16;
+  c.width = 16;
+  return *BuildModel(c, 5);
+}
+
+// SGD, and images large enough for 12 values a channel in the last
+// stage's BatchNorms: with fewer, a channel's tiny variance multiplies the
+// rounding of replicas summing in another order than one rank, and AdamW
+// turns near-zero gradients' noise into steps of about lr.
+OptimizerConfig Sgd() {
+  OptimizerConfig o;
+  o.name = "sgd";
+  o.lr = 0.01;
+  o.momentum = 0.9;
+  o.weight_decay = 1e-4;
+  return o;
+}
+
+std::unique_ptr<Batch> MakeImageBatch(int step, int replica, int micro) {
+  std::mt19937 gen(static_cast<uint32_t>(500 * step + 50 * replica + micro));
+  std::normal_distribution<float> normal;
+  auto b = std::make_unique<Batch>();
+  b->images = Tensor({kRows, 1, 16, 16});
+  for (int64_t i = 0; i < b->images.numel(); ++i) b->images[i] = normal(gen);
+  for (int64_t r = 0; r < kRows; ++r) b->labels.push_back(static_cast<int32_t>(gen() % 10));
+  b->micro.images = &b->images;
+  b->micro.labels = &b->labels;
+  return b;
+}
+
+ResNetRun ResNetReference(int replicas) {
+  ConfigureCpu(1);  // the GEMMs the ranks run (gemm.h), for the same rounding
+  std::unique_ptr<Sequential> model = MakeResNet();
+  Classifier trainable(model.get());
+  auto session = CpuSession::Create({}, &trainable, Sgd());
+  EXPECT_TRUE(session.ok()) << session.status();
+  ResNetRun run;
+  for (int step = 0; step < kResNetSteps; ++step) {
+    std::vector<std::unique_ptr<Batch>> batches;
+    std::vector<MicroBatch> micro;
+    for (int d = 0; d < replicas; ++d) {
+      for (int m = 0; m < kResNetMicro; ++m) {
+        batches.push_back(MakeImageBatch(step, d, m));
+        micro.push_back(batches.back()->micro);
+      }
+    }
+    absl::StatusOr<double> loss = (*session)->Step(micro, 0.01);
+    EXPECT_TRUE(loss.ok()) << loss.status();
+    run.losses.push_back(loss.value_or(0));
+  }
+  for (const Parameter* p : model->Parameters()) {
+    run.weights[p->name].assign(p->value.data(), p->value.data() + p->value.numel());
+  }
+  for (const Parameter* b : model->Buffers()) {
+    run.weights[b->name].assign(b->value.data(), b->value.data() + b->value.numel());
+  }
+  return run;
+}
+
+ResNetRun ResNetPipelined(int replicas, PipelineSchedule schedule) {
+  constexpr int kStages = 2;
+  const int world = replicas * kStages;
+  ResNetRun run;
+  run.recomputed.resize(static_cast<size_t>(world));
+  std::vector<std::vector<double>> losses(static_cast<size_t>(world));
+  std::vector<std::map<std::string, std::vector<float>>> weights(static_cast<size_t>(world));
+  std::vector<absl::Status> results =
+      testing::RunRanks(world, [&](int rank, KeyValueStore& store) -> absl::Status {
+        ConfigureCpu(1);
+        AIDN_ASSIGN_OR_RETURN(ProcessGrid grid, ProcessGrid::Create(world, {replicas, 1, kStages}));
+        CpuCommunicatorOptions options;
+        options.gloo.rank = rank;
+        options.gloo.world_size = world;
+        options.gloo.timeout = std::chrono::seconds(60);
+        options.transport = CpuTransport::kShm;
+        options.shm_slot_bytes = size_t{64} << 10;
+        AIDN_ASSIGN_OR_RETURN(GridCommunicators comms,
+                              CreateGridCommunicators(options, grid, &store));
+        const GridCoords at = grid.CoordsOf(rank);
+        std::unique_ptr<Sequential> model = MakeResNet();
+        AIDN_ASSIGN_OR_RETURN(std::unique_ptr<PipelineStageModel> stage,
+                              MakeClassifierStage(model.get(), {1, 16, 16}, kStages, at.pipeline));
+        AIDN_ASSIGN_OR_RETURN(std::unique_ptr<PipelineSession> session,
+                              PipelineSession::Create(comms.SessionOptions(schedule, 0.5),
+                                                      stage.get(), Sgd()));
+        for (int step = 0; step < kResNetSteps; ++step) {
+          std::vector<std::unique_ptr<Batch>> batches;
+          std::vector<MicroBatch> micro;
+          for (int m = 0; m < kResNetMicro; ++m) {
+            batches.push_back(MakeImageBatch(step, at.data, m));
+            micro.push_back(batches.back()->micro);
+          }
+          AIDN_ASSIGN_OR_RETURN(double loss, session->Step(micro, 0.01));
+          losses[static_cast<size_t>(rank)].push_back(loss);
+        }
+        run.recomputed[static_cast<size_t>(rank)] = session->last_stats().recomputed;
+        std::vector<Parameter*> state = stage->Parameters();
+        // The first replica's running statistics are the ones to compare.
+        if (at.data == 0) {
+          for (Parameter* b : stage->Buffers()) state.push_back(b);
+        }
+        for (const Parameter* p : state) {
+          weights[static_cast<size_t>(rank)][p->name].assign(p->value.data(),
+                                                             p->value.data() + p->value.numel());
+        }
+        return absl::OkStatus();
+      });
+  EXPECT_TRUE(testing::AllOk(results));
+  run.losses = losses[0];
+  for (int r = 0; r < world; ++r) {
+    for (auto& [name, w] : weights[static_cast<size_t>(r)]) {
+      auto [it, added] = run.weights.emplace(name, w);
+      if (!added) {
+        EXPECT_EQ(it->second, w) << name << " differs between replicas";
+      }
+    }
+  }
+  return run;
+}
+
+TEST(PipelineSession, AResNetsStagesEndWhereOneRankAccumulatingEnds) {
+  for (const auto& [replicas, schedule] :
+       {std::pair{1, PipelineSchedule::kGPipe}, std::pair{1, PipelineSchedule::k1F1B},
+        std::pair{2, PipelineSchedule::k1F1B}}) {
+    SCOPED_TRACE(absl::StrCat(replicas, " replica(s), ",
+                              schedule == PipelineSchedule::kGPipe ? "GPipe" : "1F1B"));
+    const ResNetRun want = ResNetReference(replicas);
+    const ResNetRun got = ResNetPipelined(replicas, schedule);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    for (size_t s = 0; s < want.losses.size(); ++s) {
+      EXPECT_NEAR(got.losses[s], want.losses[s], 1e-5 * std::max(1.0, std::abs(want.losses[s])))
+          << "step " << s;
+    }
+    int buffers = 0;
+    for (const auto& [name, w] : want.weights) {
+      const bool buffer = name.ends_with("running_mean") || name.ends_with("running_var");
+      // With replicas, a running statistic is its replica's micro-batches'.
+      if (buffer && replicas > 1) continue;
+      buffers += buffer;
+      ASSERT_TRUE(got.weights.contains(name)) << name;
+      EXPECT_LT(Relative(got.weights.at(name), w), 1e-5) << name;
+    }
+    if (replicas == 1) {
+      EXPECT_EQ(buffers, 2 * 20) << "every BatchNorm's two statistics";
+    }
+    // The first stage ran forwards again (and kept its statistics still).
+    EXPECT_GT(got.recomputed[0], 0);
+  }
+}
 
 TEST(SplitStages, SpreadsUnitsEvenlyEarlierStagesTakingTheExtra) {
   EXPECT_EQ(*SplitStages(6, 3), (std::vector<std::pair<int, int>>{{0, 2}, {2, 4}, {4, 6}}));
