@@ -219,7 +219,7 @@ void Im2ColSameRow(const float* __restrict xp, const ConvShape& s, int64_t ki, i
   const int64_t t0 = shift < 0 ? -shift : 0;
   const int64_t t1 = run - (shift > 0 ? shift : 0);
   float* out = d + oh0 * w;
-  std::memcpy(out + t0, xp + src + t0, static_cast<size_t>(t1 - t0) * sizeof(float));
+  std::memcpy(out + t0, xp + (src + t0), static_cast<size_t>(t1 - t0) * sizeof(float));
   for (int64_t oh = 0; oh < oh1 - oh0; ++oh) {
     float* r = out + oh * w;
     if (shift < 0) std::fill(r, r - shift, 0.0f);

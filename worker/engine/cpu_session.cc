@@ -205,7 +205,9 @@ absl::StatusOr<double> CpuSession::Step(const std::vector<MicroBatch>& micro, do
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatch& batch = micro[static_cast<size_t>(m)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
-    if (absl::Status s = BroadcastBuffers(); !s.ok()) return s;
+    if (m == 0) {
+      if (absl::Status s = BroadcastBuffers(); !s.ok()) return s;
+    }
     const double micro_loss = model_->ForwardLoss(batch, 1.0 / static_cast<double>(accum));
     loss += micro_loss / static_cast<double>(accum);
     if (track) {

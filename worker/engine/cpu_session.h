@@ -81,7 +81,10 @@ struct CpuSessionOptions {
   std::optional<PowerSgdOptions> powersgd;
   std::optional<HalfFormat> half;
   // With a communicator: rank 0's buffers (TrainableModel::Buffers) copied
-  // to every rank before each forward, as torch's DDP broadcast_buffers.
+  // to every rank before each step's first forward, as torch's DDP
+  // broadcast_buffers does (its forwards under no_sync, and the one after
+  // them, skip it). Once a step, before any collective of the step: ZeRO-2's
+  // and FSDP's communication thread is idle then, and only then.
   bool broadcast_buffers = true;
   // DdpOptions::find_unused_parameters (DDP and ZeRO-1), fed with the
   // parameters each forward did not use (TrainableModel::UnusedParameters).
@@ -184,7 +187,7 @@ class CpuSession {
   Memory memory() const;
 
  private:
-  // CpuSessionOptions::broadcast_buffers, before a forward.
+  // CpuSessionOptions::broadcast_buffers, before a step's first forward.
   absl::Status BroadcastBuffers();
   CpuSession(TrainableModel* model, Optimizer* optimizer) : model_(model), optimizer_(optimizer) {}
 

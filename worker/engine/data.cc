@@ -58,11 +58,13 @@ class GzReader {
       return absl::ResourceExhaustedError(absl::StrCat(path, ": zlib could not open the file"));
     }
     gzbuffer(file, 1 << 18);
-    return GzReader(path, file);
+    return GzReader(path, file, static_cast<uint64_t>(st.st_size));
   }
 
   GzReader(GzReader&& other) noexcept
-      : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+      : path_(std::move(other.path_)),
+        file_(std::exchange(other.file_, nullptr)),
+        file_bytes_(other.file_bytes_) {}
   GzReader& operator=(GzReader&&) = delete;
   GzReader(const GzReader&) = delete;
   ~GzReader() {
@@ -70,6 +72,10 @@ class GzReader {
   }
 
   const std::string& path() const { return path_; }
+  // After a first read: whether the file is plain (not gzip), so that its
+  // size is its content's.
+  bool Plain() const { return gzdirect(file_) == 1; }
+  uint64_t file_bytes() const { return file_bytes_; }
 
   // Reads up to `n` bytes, stopping early only at the end of the data.
   // Returns how many were read; DATA_LOSS for corrupt compressed data.
@@ -101,7 +107,8 @@ class GzReader {
   }
 
  private:
-  GzReader(std::string path, gzFile file) : path_(std::move(path)), file_(file) {}
+  GzReader(std::string path, gzFile file, uint64_t file_bytes)
+      : path_(std::move(path)), file_(file), file_bytes_(file_bytes) {}
 
   absl::Status Error() const {
     int err = Z_OK;
@@ -113,6 +120,7 @@ class GzReader {
 
   std::string path_;
   gzFile file_;
+  uint64_t file_bytes_ = 0;
 };
 
 uint32_t BigEndian32(const unsigned char* p) {
@@ -237,7 +245,11 @@ absl::StatusOr<Dataset> LoadIdx(const std::string& images_path, const std::strin
   // Pixels: streamed in chunks through a lookup table, computed as
   // torchvision's ToTensor (x / 255 in float) then Normalize ((x - m) / s).
   // Capacity doubles up to the announced count, so a whole file ends in
-  // exactly `pixels` floats.
+  // exactly `pixels` floats; a plain file whose size holds them all (the
+  // decompressed cache's) gets them at once.
+  if (images.Plain() && images.file_bytes() >= 16 + pixels) {
+    data.images.reserve(static_cast<size_t>(pixels));
+  }
   std::array<float, 256> table;
   for (int b = 0; b < 256; ++b) table[b] = (static_cast<float>(b) / 255.0f - mean) / stddev;
   uint64_t done = 0;

@@ -115,9 +115,9 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
   auto forward = [&](int mb, bool again) -> absl::StatusOr<double> {
     const MicroBatch& batch = micro[static_cast<size_t>(mb)];
     if (batch.seed.has_value()) model_->SetSeed(*batch.seed);
-    if (broadcast && !again) {
-      // DDP's buckets run only in the step's last backward, after every
-      // forward: the data communicator is free here.
+    if (broadcast && !again && mb == 0) {
+      // Every stage runs micro-batch 0's forward first, before DDP's
+      // buckets (the step's last backward) use the data communicator.
       AIDN_RETURN_IF_ERROR(Annotate(DdpReducer::BroadcastParameters(buffers, options_.data),
                                     "broadcast_buffers"));
     }

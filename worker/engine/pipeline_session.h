@@ -69,8 +69,8 @@ struct PipelineSessionOptions {
   // DDP gradient bucket size in MB.
   double bucket_mb = 25.0;
   // With replicas: the first replica's buffers (BatchNorm's running
-  // statistics) copied to the others' before each micro-batch's forward,
-  // as CpuSessionOptions::broadcast_buffers.
+  // statistics) copied to the others' before the step's first forward, as
+  // CpuSessionOptions::broadcast_buffers.
   bool broadcast_buffers = true;
   // With tensor parallelism inside the stage: the stage's sum of squares
   // over its tensor group (TensorParallelSumOfSquares), before the

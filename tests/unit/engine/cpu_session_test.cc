@@ -292,7 +292,7 @@ TEST(CpuSession, TwoGlooRanksApplyTheAverageOfTheirGradients) {
 // rank before each forward (torch's DDP), so ranks that trained on
 // different batches and then on the same one end with the same statistics;
 // without it, each rank keeps its own.
-TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward) {
+TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAStep) {
   constexpr int kRanks = 2;
   auto images = [](uint32_t seed) {
     std::mt19937 gen(seed);
@@ -303,7 +303,7 @@ TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward
   };
   const std::vector<int32_t> labels = {0, 1, 2, 3, 4, 5, 6, 7};
   for (bool broadcast : {true, false}) {
-    std::vector<std::vector<float>> means(kRanks);
+    std::vector<std::vector<float>> means(kRanks), accumulated(kRanks);
     InMemoryKeyValueStore store;
     std::vector<std::thread> threads;
     for (int r = 0; r < kRanks; ++r) {
@@ -337,6 +337,16 @@ TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward
         }
         const Tensor& m = model.Buffers()[0]->value;
         means[static_cast<size_t>(r)].assign(m.data(), m.data() + m.numel());
+        // A step of two micro-batches, each rank's own then the shared one:
+        // the copy comes once, before the first (as torch's DDP skips it
+        // in the forwards of an accumulation), so the ranks end apart.
+        const Tensor own = images(20 + r), shared = images(99);
+        ASSERT_TRUE((*session)
+                        ->Step({MicroBatch{&own, &labels, std::nullopt},
+                                MicroBatch{&shared, &labels, std::nullopt}},
+                               0.01)
+                        .ok());
+        accumulated[static_cast<size_t>(r)].assign(m.data(), m.data() + m.numel());
       });
     }
     for (std::thread& t : threads) t.join();
@@ -346,6 +356,7 @@ TEST(CpuSession, BroadcastBuffersGivesEveryRankRankZerosStatisticsBeforeAForward
     } else {
       EXPECT_NE(means[0], means[1]) << "without broadcast_buffers";
     }
+    EXPECT_NE(accumulated[0], accumulated[1]) << "a copy before the step's second micro-batch";
   }
 }
 
