@@ -188,15 +188,19 @@ TEST_F(ResNetJobTest, AGptSkippingWholeBlocksNeedsFindUnusedParameters) {
   }
 }
 
-// FSDP (full_shard) with stochastic depth: every rank writes its shard,
-// rank 0 the running statistics whole; the export holds them, and a job
-// resumed from the middle checkpoint ends bitwise where the uninterrupted
-// one ended (which blocks each rank skipped included).
+// FSDP (full_shard) with stochastic depth and gradient accumulation: every
+// rank writes its shard, rank 0 the running statistics whole; the export
+// holds them, and a job resumed from the middle checkpoint ends bitwise
+// where the uninterrupted one ended (which blocks each rank skipped
+// included).
 TEST_F(ResNetJobTest, ShardedCheckpointsCarryTheStatisticsAndResumeBitwise) {
   v1::JobSpec spec = Spec();
   spec.set_strategy(v1::JobSpec::FSDP);
   spec.mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
   spec.mutable_model()->set_stochastic_depth(0.3);
+  // Two micro-batches a step: the buffers' copy must not meet the units'
+  // reduce-scatters of the first.
+  spec.set_grad_accum_steps(2);
   // Every rank writes there: one directory both workers see.
   spec.mutable_checkpoint()->set_dir(cluster().Path("shared-runs"));
   const std::string reference = Run(spec);
