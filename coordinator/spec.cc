@@ -483,9 +483,10 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
   }
   const std::string name = absl::AsciiStrToLower(DdpSpec::Compression_Name(d.compression()));
   if (zero1) {
-    return Invalid("ddp.compression", absl::StrCat(name,
-                                                   " compresses allreduced buckets; strategy "
-                                                   "zero1 reduce-scatters them (use strategy: ddp)"));
+    return Invalid("ddp.compression",
+                   absl::StrCat(name,
+                                " compresses allreduced buckets; strategy "
+                                "zero1 reduce-scatters them (use strategy: ddp)"));
   }
   if (spec.device() == v1::JobSpec::GPU) {
     return Invalid("ddp.compression", absl::StrCat(name, " runs on device: cpu for now"));

@@ -177,7 +177,6 @@ inline void AddSpan(const float* __restrict src, float* __restrict dst, int64_t 
   for (; i < n; ++i) dst[i] += src[i];
 }
 
-
 // Each kernel column's valid output columns [lo, hi) (ValidColumns), for
 // kernels up to kMaxKernel wide; wider ones compute them per row.
 constexpr int64_t kMaxKernel = 16;
@@ -287,7 +286,8 @@ AIDN_VECTOR_CLONES void Col2Im(const float* __restrict src, int64_t ld, const Co
       const int64_t oh0 =
           std::clamp<int64_t>(first <= 0 ? 0 : (first + s.stride - 1) / s.stride, 0, s.out_height);
       const int64_t last = s.height - 1 + s.padding - ki;
-      const int64_t oh1 = last < 0 ? oh0 : std::clamp<int64_t>(last / s.stride + 1, oh0, s.out_height);
+      const int64_t oh1 =
+          last < 0 ? oh0 : std::clamp<int64_t>(last / s.stride + 1, oh0, s.out_height);
       for (int64_t kj = 0; kj < k; ++kj) {
         int64_t lo;
         int64_t hi;

@@ -118,8 +118,8 @@ absl::Status PipelineSession::RunSchedule(const std::vector<MicroBatch>& micro, 
     if (broadcast && !again && mb == 0) {
       // Every stage runs micro-batch 0's forward first, before DDP's
       // buckets (the step's last backward) use the data communicator.
-      AIDN_RETURN_IF_ERROR(Annotate(DdpReducer::BroadcastParameters(buffers, options_.data),
-                                    "broadcast_buffers"));
+      AIDN_RETURN_IF_ERROR(
+          Annotate(DdpReducer::BroadcastParameters(buffers, options_.data), "broadcast_buffers"));
     }
     if (again) model_->FreezeRunningStatistics(true);
     const double l = model_->Forward(batch, inputs_[static_cast<size_t>(mb)], scale, &output_);

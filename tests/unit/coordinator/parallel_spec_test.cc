@@ -261,8 +261,7 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
   // The GPT skips whole blocks: DDP and ZeRO-1 (find_unused_parameters)
   // and ZeRO-2 and FSDP cope with the missing gradients, model parallelism
   // not yet.
-  for (JobSpec::Strategy strategy :
-       {JobSpec::DDP, JobSpec::ZERO1, JobSpec::ZERO2, JobSpec::FSDP}) {
+  for (JobSpec::Strategy strategy : {JobSpec::DDP, JobSpec::ZERO1, JobSpec::ZERO2, JobSpec::FSDP}) {
     const JobSpec layer_drop = Spec("gpt", [strategy](JobSpec* s) {
       s->mutable_model()->set_stochastic_depth(0.2);
       s->set_strategy(strategy);
@@ -272,10 +271,8 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
   }
   // ResNets train under every data-parallel strategy; ZeRO-1 takes DDP's
   // buffer and unused-parameter options.
-  for (JobSpec::Strategy strategy :
-       {JobSpec::DDP, JobSpec::ZERO1, JobSpec::ZERO2, JobSpec::FSDP}) {
-    const JobSpec resnet =
-        Spec("resnet18", [strategy](JobSpec* s) { s->set_strategy(strategy); });
+  for (JobSpec::Strategy strategy : {JobSpec::DDP, JobSpec::ZERO1, JobSpec::ZERO2, JobSpec::FSDP}) {
+    const JobSpec resnet = Spec("resnet18", [strategy](JobSpec* s) { s->set_strategy(strategy); });
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, resnet).ok())
         << ValidateJobSpec(SpecLimits{}, resnet);
   }

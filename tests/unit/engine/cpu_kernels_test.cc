@@ -70,15 +70,14 @@ TEST(CpuKernels, Col2ImIsTheAdjointOfIm2Col) {
 // planes of one row or column), several samples' columns side by side
 // (ld > the plane) and a tail of the buffer left alone.
 TEST(CpuKernels, Im2ColAndCol2ImFollowTheirDefinitions) {
-  for (const ConvShape& s :
-       {ConvShape{2, 5, 6, 3, 1, 0, 3, 4}, ConvShape{3, 7, 7, 3, 2, 1, 4, 4},
-        ConvShape{1, 4, 9, 2, 1, 1, 5, 10}, ConvShape{3, 6, 5, 3, 1, 1, 6, 5},
-        ConvShape{2, 7, 9, 5, 1, 2, 7, 9}, ConvShape{4, 3, 3, 1, 1, 0, 3, 3},
-        ConvShape{2, 1, 4, 3, 1, 1, 1, 4}, ConvShape{2, 4, 1, 3, 1, 1, 4, 1},
-        ConvShape{1, 2, 2, 3, 1, 1, 2, 2}}) {
-    SCOPED_TRACE(::testing::Message() << "C " << s.channels << " " << s.height << "x" << s.width
-                                      << " k " << s.kernel << " stride " << s.stride << " pad "
-                                      << s.padding);
+  for (const ConvShape& s : {ConvShape{2, 5, 6, 3, 1, 0, 3, 4}, ConvShape{3, 7, 7, 3, 2, 1, 4, 4},
+                             ConvShape{1, 4, 9, 2, 1, 1, 5, 10}, ConvShape{3, 6, 5, 3, 1, 1, 6, 5},
+                             ConvShape{2, 7, 9, 5, 1, 2, 7, 9}, ConvShape{4, 3, 3, 1, 1, 0, 3, 3},
+                             ConvShape{2, 1, 4, 3, 1, 1, 1, 4}, ConvShape{2, 4, 1, 3, 1, 1, 4, 1},
+                             ConvShape{1, 2, 2, 3, 1, 1, 2, 2}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "C " << s.channels << " " << s.height << "x" << s.width << " k " << s.kernel
+                 << " stride " << s.stride << " pad " << s.padding);
     const int64_t k = s.kernel;
     const int64_t plane = s.out_height * s.out_width;
     const int64_t ld = plane + 3;  // a second sample's columns would start there

@@ -416,9 +416,9 @@ ResNetRun ResNetPipelined(int replicas, PipelineSchedule schedule) {
         std::unique_ptr<Sequential> model = MakeResNet();
         AIDN_ASSIGN_OR_RETURN(std::unique_ptr<PipelineStageModel> stage,
                               MakeClassifierStage(model.get(), {1, 16, 16}, kStages, at.pipeline));
-        AIDN_ASSIGN_OR_RETURN(std::unique_ptr<PipelineSession> session,
-                              PipelineSession::Create(comms.SessionOptions(schedule, 0.5),
-                                                      stage.get(), Sgd()));
+        AIDN_ASSIGN_OR_RETURN(
+            std::unique_ptr<PipelineSession> session,
+            PipelineSession::Create(comms.SessionOptions(schedule, 0.5), stage.get(), Sgd()));
         for (int step = 0; step < kResNetSteps; ++step) {
           std::vector<std::unique_ptr<Batch>> batches;
           std::vector<MicroBatch> micro;
