@@ -71,6 +71,27 @@ class ResNetJobTest : public ClusterFixture {
     EXPECT_EQ(exported.exit_code, 0) << exported.err;
     return out;
   }
+
+  // `reference` (a succeeded run of `spec`) exported at its last step holds
+  // tensors of every one of `names`; `spec` resumed from its middle
+  // checkpoint ends with the same bytes, weights and running statistics.
+  void ExpectExportedAndResumedBitwise(const v1::JobSpec& spec, const std::string& reference,
+                                       const std::vector<std::string>& names) {
+    const std::string file = Export(reference, kSteps);
+    const std::string all = ReadFileOrEmpty(file);
+    for (const std::string& name : names) {
+      EXPECT_TRUE(absl::StrContains(all, absl::StrCat("\"", name, "\""))) << name;
+    }
+    v1::JobSpec resumed = spec;
+    resumed.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
+    resumed.mutable_checkpoint()->mutable_resume_from()->set_step(kSteps / 2);
+    const std::string id = Run(resumed);
+    ASSERT_FALSE(id.empty());
+    const std::string a = TensorBytes(file);
+    ASSERT_FALSE(a.empty());
+    EXPECT_TRUE(a == TensorBytes(Export(id, kSteps)))
+        << "weights or running statistics differ from the uninterrupted run's";
+  }
 };
 
 TEST_F(ResNetJobTest, BatchNormStatisticsAreCheckpointedAndAResumedJobEndsBitwiseEqual) {
@@ -107,24 +128,11 @@ TEST_F(ResNetJobTest, BatchNormStatisticsAreCheckpointedAndAResumedJobEndsBitwis
     EXPECT_GT(s.test_loss(), 0.0);
   }
   EXPECT_EQ(evals, 1);
-  const std::string file = Export(reference, kSteps);
-  const std::string all = ReadFileOrEmpty(file);
   // torchvision's names, the statistics among them.
-  for (const char* name :
-       {"\"conv1.weight\"", "\"layer1.0.bn1.running_mean\"", "\"layer4.1.bn2.running_var\"",
-        "\"layer2.0.downsample.1.weight\"", "\"fc.bias\""}) {
-    EXPECT_TRUE(absl::StrContains(all, name)) << name;
-  }
-
-  v1::JobSpec resumed = Spec();
-  resumed.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
-  resumed.mutable_checkpoint()->mutable_resume_from()->set_step(kSteps / 2);
-  const std::string id = Run(resumed);
-  ASSERT_FALSE(id.empty());
-  const std::string a = TensorBytes(file);
-  ASSERT_FALSE(a.empty());
-  EXPECT_TRUE(a == TensorBytes(Export(id, kSteps)))
-      << "weights or running statistics differ from the uninterrupted run's";
+  ExpectExportedAndResumedBitwise(
+      Spec(), reference,
+      {"conv1.weight", "layer1.0.bn1.running_mean", "layer4.1.bn2.running_var",
+       "layer2.0.downsample.1.weight", "fc.bias"});
 }
 
 // Stochastic depth: each rank skips its own residual branches. Without
@@ -205,21 +213,8 @@ TEST_F(ResNetJobTest, ShardedCheckpointsCarryTheStatisticsAndResumeBitwise) {
   spec.mutable_checkpoint()->set_dir(cluster().Path("shared-runs"));
   const std::string reference = Run(spec);
   ASSERT_FALSE(reference.empty());
-  const std::string file = Export(reference, kSteps);
-  const std::string all = ReadFileOrEmpty(file);
-  for (const char* name : {"\"conv1.weight\"", "\"bn1.running_mean\"",
-                           "\"layer4.1.bn2.running_var\"", "\"fc.bias\""}) {
-    EXPECT_TRUE(absl::StrContains(all, name)) << name;
-  }
-  v1::JobSpec resumed = spec;
-  resumed.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
-  resumed.mutable_checkpoint()->mutable_resume_from()->set_step(kSteps / 2);
-  const std::string id = Run(resumed);
-  ASSERT_FALSE(id.empty());
-  const std::string a = TensorBytes(file);
-  ASSERT_FALSE(a.empty());
-  EXPECT_TRUE(a == TensorBytes(Export(id, kSteps)))
-      << "weights or running statistics differ from the uninterrupted run's";
+  ExpectExportedAndResumedBitwise(
+      spec, reference, {"conv1.weight", "bn1.running_mean", "layer4.1.bn2.running_var", "fc.bias"});
 }
 
 // Two pipeline stages (1F1B): each writes its own layers' weights and
@@ -239,22 +234,10 @@ TEST_F(ResNetJobTest, PipelineStagesCheckpointTheirStatisticsAndResumeBitwise) {
     EXPECT_GT(s.test_loss(), 0.0);
   }
   EXPECT_EQ(evals, 1);
-  const std::string file = Export(reference, kSteps);
-  const std::string all = ReadFileOrEmpty(file);
   // bn1 on the first stage, layer4 on the second.
-  for (const char* name : {"\"bn1.running_mean\"", "\"layer4.1.bn2.running_var\"",
-                           "\"layer4.1.bn2.weight\"", "\"fc.bias\""}) {
-    EXPECT_TRUE(absl::StrContains(all, name)) << name;
-  }
-  v1::JobSpec resumed = spec;
-  resumed.mutable_checkpoint()->mutable_resume_from()->set_job(reference);
-  resumed.mutable_checkpoint()->mutable_resume_from()->set_step(kSteps / 2);
-  const std::string id = Run(resumed);
-  ASSERT_FALSE(id.empty());
-  const std::string a = TensorBytes(file);
-  ASSERT_FALSE(a.empty());
-  EXPECT_TRUE(a == TensorBytes(Export(id, kSteps)))
-      << "weights or running statistics differ from the uninterrupted run's";
+  ExpectExportedAndResumedBitwise(
+      spec, reference,
+      {"bn1.running_mean", "layer4.1.bn2.running_var", "layer4.1.bn2.weight", "fc.bias"});
 }
 
 // ddp.sync_batchnorm: the BatchNorm layers' statistics go over a second

@@ -158,6 +158,18 @@ void PrintTo(const Shape& s, std::ostream* os) {
       << (s.checkpointing ? " checkpointing" : "");
 }
 
+// Rank `rank`'s communicators of `grid`, meeting through `store`.
+absl::StatusOr<GridCommunicators> GridOf(int rank, const ProcessGrid& grid, CpuTransport transport,
+                                         KeyValueStore& store) {
+  CpuCommunicatorOptions options;
+  options.gloo.rank = rank;
+  options.gloo.world_size = grid.world_size();
+  options.gloo.timeout = std::chrono::seconds(60);
+  options.transport = transport;
+  options.shm_slot_bytes = size_t{64} << 10;
+  return CreateGridCommunicators(options, grid, &store);
+}
+
 TrainedRun Pipelined(const Shape& shape) {
   const int world = shape.data * shape.stages;
   TrainedRun run;
@@ -169,14 +181,7 @@ TrainedRun Pipelined(const Shape& shape) {
         ConfigureCpu(1);
         AIDN_ASSIGN_OR_RETURN(ProcessGrid grid,
                               ProcessGrid::Create(world, {shape.data, 1, shape.stages}));
-        CpuCommunicatorOptions options;
-        options.gloo.rank = rank;
-        options.gloo.world_size = world;
-        options.gloo.timeout = std::chrono::seconds(60);
-        options.transport = shape.transport;
-        options.shm_slot_bytes = size_t{64} << 10;
-        AIDN_ASSIGN_OR_RETURN(GridCommunicators comms,
-                              CreateGridCommunicators(options, grid, &store));
+        AIDN_ASSIGN_OR_RETURN(GridCommunicators comms, GridOf(rank, grid, shape.transport, store));
         const GridCoords at = grid.CoordsOf(rank);
         Model model = Model::Make(shape.gpt);
         if (shape.checkpointing) model.gpt->SetActivationCheckpointing(true);
@@ -404,14 +409,8 @@ ResNetRun ResNetPipelined(int replicas, PipelineSchedule schedule) {
       testing::RunRanks(world, [&](int rank, KeyValueStore& store) -> absl::Status {
         ConfigureCpu(1);
         AIDN_ASSIGN_OR_RETURN(ProcessGrid grid, ProcessGrid::Create(world, {replicas, 1, kStages}));
-        CpuCommunicatorOptions options;
-        options.gloo.rank = rank;
-        options.gloo.world_size = world;
-        options.gloo.timeout = std::chrono::seconds(60);
-        options.transport = CpuTransport::kShm;
-        options.shm_slot_bytes = size_t{64} << 10;
         AIDN_ASSIGN_OR_RETURN(GridCommunicators comms,
-                              CreateGridCommunicators(options, grid, &store));
+                              GridOf(rank, grid, CpuTransport::kShm, store));
         const GridCoords at = grid.CoordsOf(rank);
         std::unique_ptr<Sequential> model = MakeResNet();
         AIDN_ASSIGN_OR_RETURN(std::unique_ptr<PipelineStageModel> stage,
