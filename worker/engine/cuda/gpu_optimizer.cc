@@ -151,9 +151,10 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
     measured_norm_ = true;
   }
   if (config_.name == "sgd") {
-    const SgdArgs& a = args_.sgd;
     for (size_t k = 0; k < params_.size(); ++k) {
       GpuParameter* p = params_[k];
+      SgdArgs a = args_.sgd;
+      a.apply_decay = a.apply_decay && Decays(*p);
       AIDN_RETURN_IF_ERROR(LaunchSgd(
           stream, p->value.data(), p->grad.data(), a.use_momentum ? momentum_[k].data() : nullptr,
           p->value.numel(), a, scale, in_memory != nullptr ? &in_memory->sgd : nullptr));
@@ -161,8 +162,10 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
   } else {
     for (size_t k = 0; k < params_.size(); ++k) {
       GpuParameter* p = params_[k];
+      AdamWArgs a = args_.adamw;
+      a.apply_decay = a.apply_decay && Decays(*p);
       AIDN_RETURN_IF_ERROR(LaunchAdamW(stream, p->value.data(), p->grad.data(), exp_avg_[k].data(),
-                                       exp_avg_sq_[k].data(), p->value.numel(), args_.adamw, scale,
+                                       exp_avg_sq_[k].data(), p->value.numel(), a, scale,
                                        in_memory != nullptr ? &in_memory->adamw : nullptr));
     }
   }

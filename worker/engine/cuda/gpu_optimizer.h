@@ -100,6 +100,12 @@ class GpuOptimizer {
   GpuOptimizer(GpuContext* ctx, const OptimizerConfig& config, std::vector<GpuParameter*> params)
       : ctx_(ctx), config_(config), params_(std::move(params)) {}
 
+  // Whether the weight decay applies to `p`: always, or with
+  // decay_matrices_only to matrices and embeddings (as Optimizer::Decays).
+  bool Decays(const GpuParameter& p) const {
+    return !config_.decay_matrices_only || p.value.rank() >= 2;
+  }
+
   GpuContext* ctx_;
   OptimizerConfig config_;
   std::vector<GpuParameter*> params_;

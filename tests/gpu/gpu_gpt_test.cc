@@ -1,0 +1,228 @@
+// The GPU decoder (worker/engine/cuda/gpu_gpt.h) against the CPU decoder,
+// the reference every GPU kernel is checked against: logits, loss and
+// every gradient of one step, then the weights after 20 AdamW steps, in
+// fp32; bf16 within its rounding; repeatability; what it refuses. Skips
+// without a device.
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/gpu/gpu_test_util.h"
+#include "worker/engine/cuda/gpu_gpt.h"
+#include "worker/engine/cuda/gpu_optimizer.h"
+#include "worker/engine/gpt.h"
+#include "worker/engine/optimizer.h"
+
+namespace aidn::engine::cuda {
+namespace {
+
+using testing::MaxRelError;
+using testing::ToHost;
+
+GptConfig Small(bool bias = true) {
+  GptConfig c;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_embd = 64;
+  c.block_size = 48;
+  c.vocab_size = 97;
+  c.bias = bias;
+  return c;
+}
+
+std::unique_ptr<Gpt> MakeCpu(const GptConfig& config, uint64_t seed = 7) {
+  absl::StatusOr<std::unique_ptr<Gpt>> gpt = Gpt::Create(config, seed);
+  EXPECT_TRUE(gpt.ok()) << gpt.status();
+  return std::move(gpt).value();
+}
+
+// Random tokens and their next-token targets: [batch, seq_len] each.
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+Batch RandomBatch(const GptConfig& config, int64_t batch, int64_t seq_len, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, config.vocab_size - 1);
+  Batch b;
+  for (int64_t i = 0; i < batch * seq_len; ++i) {
+    b.tokens.push_back(tok(rng));
+    b.targets.push_back(tok(rng));
+  }
+  // A token repeated across positions and sequences: wte's gradient rows
+  // that sum several positions.
+  b.tokens[0] = b.tokens[1] = b.tokens[static_cast<size_t>(seq_len)] = 3;
+  return b;
+}
+
+void ExpectForwardBackwardMatch(const GptConfig& config, int64_t batch, int64_t seq_len) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
+  std::unique_ptr<Gpt> cpu = MakeCpu(config);
+  absl::StatusOr<std::unique_ptr<GpuGpt>> gpu = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const Batch b = RandomBatch(config, batch, seq_len, 11);
+
+  cpu->ZeroGrad();
+  const double cpu_loss =
+      cpu->Forward(b.tokens.data(), b.targets.data(), batch, seq_len, /*training=*/true);
+  cpu->Backward(0.5);
+  ASSERT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), batch, seq_len, true).ok());
+  absl::StatusOr<double> gpu_loss = (*gpu)->ReadLoss();
+  ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+  EXPECT_NEAR(*gpu_loss, cpu_loss, 1e-5 * std::fabs(cpu_loss));
+  EXPECT_LE(MaxRelError(ToHost(ctx.get(), (*gpu)->logits()), cpu->logits()), 1e-5);
+
+  std::vector<std::string> ready;
+  ASSERT_TRUE((*gpu)
+                  ->Backward(0.5,
+                             [&ready](const std::vector<GpuParameter*>& ps) {
+                               for (const GpuParameter* p : ps) ready.push_back(p->name);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  std::unique_ptr<Gpt> grads = MakeCpu(config);
+  grads->ZeroGrad();
+  ASSERT_TRUE((*gpu)->CopyGradsTo(grads.get()).ok());
+  const std::vector<Parameter*>& want = cpu->Parameters();
+  const std::vector<Parameter*>& got = grads->Parameters();
+  ASSERT_EQ(ready.size(), want.size()) << "every parameter reported ready once";
+  EXPECT_EQ(ready.back(), "transformer.wte.weight");
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double err = MaxRelError(got[i]->grad, want[i]->grad);
+    EXPECT_LE(err, 1e-4) << want[i]->name;
+  }
+}
+
+TEST(GpuGpt, OneStepMatchesTheCpu) { ExpectForwardBackwardMatch(Small(), 3, 48); }
+
+TEST(GpuGpt, ShortSequencesWithoutBiasesMatchTheCpu) {
+  ExpectForwardBackwardMatch(Small(/*bias=*/false), 2, 13);
+}
+
+TEST(GpuGpt, TwentyAdamWStepsMatchTheCpu) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
+  const GptConfig config = Small();
+  std::unique_ptr<Gpt> cpu = MakeCpu(config);
+  absl::StatusOr<std::unique_ptr<GpuGpt>> gpu = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  OptimizerConfig opt;
+  opt.name = "adamw";
+  opt.lr = 3e-3;
+  opt.weight_decay = 0.1;
+  opt.decay_matrices_only = true;
+  opt.grad_clip_norm = 1.0;
+  auto cpu_opt = Optimizer::Create(opt, cpu->Parameters());
+  ASSERT_TRUE(cpu_opt.ok()) << cpu_opt.status();
+  auto gpu_opt = GpuOptimizer::Create(ctx.get(), opt, (*gpu)->Parameters());
+  ASSERT_TRUE(gpu_opt.ok()) << gpu_opt.status();
+  for (int step = 0; step < 20; ++step) {
+    const Batch b = RandomBatch(config, 2, 32, 100 + static_cast<uint64_t>(step));
+    cpu->ZeroGrad();
+    cpu->Forward(b.tokens.data(), b.targets.data(), 2, 32, true);
+    cpu->Backward();
+    ASSERT_TRUE((*cpu_opt)->Step(opt.lr).ok());
+    ASSERT_TRUE((*gpu)->ZeroGrad().ok());
+    ASSERT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), 2, 32, true).ok());
+    ASSERT_TRUE((*gpu)->Backward().ok());
+    ASSERT_TRUE((*gpu_opt)->Step(opt.lr).ok());
+  }
+  std::unique_ptr<Gpt> after = MakeCpu(config);
+  ASSERT_TRUE((*gpu)->CopyWeightsTo(after.get()).ok());
+  for (size_t i = 0; i < cpu->Parameters().size(); ++i) {
+    const Parameter* want = cpu->Parameters()[i];
+    EXPECT_LE(MaxRelError(after->Parameters()[i]->value, want->value), 1e-4) << want->name;
+  }
+}
+
+TEST(GpuGpt, Bf16StaysWithinItsRounding) {
+  GpuContextOptions options;
+  options.precision = Precision::kBf16;
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, options);
+  const GptConfig config = Small();
+  std::unique_ptr<Gpt> cpu = MakeCpu(config);
+  auto gpu = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const Batch b = RandomBatch(config, 2, 48, 5);
+  cpu->ZeroGrad();
+  const double want = cpu->Forward(b.tokens.data(), b.targets.data(), 2, 48, true);
+  cpu->Backward();
+  ASSERT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), 2, 48, true).ok());
+  ASSERT_TRUE((*gpu)->Backward().ok());
+  absl::StatusOr<double> got = (*gpu)->ReadLoss();
+  ASSERT_TRUE(got.ok()) << got.status();
+  // 8-bit mantissas in every product, summed in fp32.
+  EXPECT_NEAR(*got, want, 1e-2 * want);
+  std::unique_ptr<Gpt> grads = MakeCpu(config);
+  grads->ZeroGrad();
+  ASSERT_TRUE((*gpu)->CopyGradsTo(grads.get()).ok());
+  for (size_t i = 0; i < cpu->Parameters().size(); ++i) {
+    const Parameter* p = cpu->Parameters()[i];
+    EXPECT_LE(MaxRelError(grads->Parameters()[i]->grad, p->grad), 5e-2) << p->name;
+  }
+}
+
+TEST(GpuGpt, DropoutRunsRepeatBitForBitAndDiffer) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
+  GptConfig config = Small();
+  config.dropout = 0.2;
+  std::unique_ptr<Gpt> cpu = MakeCpu(config);
+  const Batch b = RandomBatch(config, 2, 40, 9);
+  auto run = [&](uint64_t seed, std::vector<Tensor>* grads) -> double {
+    auto gpu = GpuGpt::Create(ctx.get(), *cpu);
+    EXPECT_TRUE(gpu.ok()) << gpu.status();
+    (*gpu)->SetSeed(seed);
+    EXPECT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), 2, 40, true).ok());
+    EXPECT_TRUE((*gpu)->Backward().ok());
+    for (GpuParameter* p : (*gpu)->Parameters()) grads->push_back(ToHost(ctx.get(), p->grad));
+    return (*gpu)->ReadLoss().value();
+  };
+  std::vector<Tensor> first, again, other;
+  const double l1 = run(1, &first);
+  const double l2 = run(1, &again);
+  const double l3 = run(2, &other);
+  EXPECT_EQ(l1, l2);
+  EXPECT_NE(l1, l3);
+  ASSERT_EQ(first.size(), again.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_EQ(MaxRelError(again[i], first[i]), 0.0) << i;
+  }
+  // Evaluation draws no masks: the CPU's eval loss.
+  auto gpu = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok());
+  ASSERT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), 2, 40, false).ok());
+  const double want = cpu->Forward(b.tokens.data(), b.targets.data(), 2, 40, false);
+  EXPECT_NEAR((*gpu)->ReadLoss().value(), want, 1e-5 * want);
+  EXPECT_EQ((*gpu)->Backward().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(GpuGpt, RefusesWhatItCannotRun) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
+  GptConfig depth = Small();
+  depth.stochastic_depth = 0.1;
+  EXPECT_EQ(GpuGpt::Create(ctx.get(), *MakeCpu(depth)).status().code(),
+            absl::StatusCode::kUnimplemented);
+  std::unique_ptr<Gpt> cpu = MakeCpu(Small());
+  cpu->SetActivationCheckpointing(true);
+  EXPECT_EQ(GpuGpt::Create(ctx.get(), *cpu).status().code(), absl::StatusCode::kUnimplemented);
+  cpu->SetActivationCheckpointing(false);
+  auto gpu = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok());
+  Batch b = RandomBatch(Small(), 1, 49, 1);
+  EXPECT_EQ((*gpu)->Forward(b.tokens.data(), b.targets.data(), 1, 49, true).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "longer than block_size";
+  b = RandomBatch(Small(), 1, 8, 1);
+  b.tokens[5] = 97;
+  const absl::Status bad = (*gpu)->Forward(b.tokens.data(), b.targets.data(), 1, 8, true);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("token 97 at 5"), std::string::npos) << bad;
+  EXPECT_EQ((*gpu)->Backward().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace aidn::engine::cuda

@@ -1,0 +1,542 @@
+#include "worker/engine/cuda/gpu_gpt.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/dropout_mask.h"
+#include "worker/engine/cuda/gpt_kernels.h"
+#include "worker/engine/cuda/kernels.h"
+#include "worker/engine/cuda/status.h"
+
+namespace aidn::engine::cuda {
+namespace {
+
+absl::Status EnsureDeviceBytes(GpuContext* ctx, DeviceBuffer* buf, size_t bytes) {
+  if (buf->bytes() >= bytes && buf->data() != nullptr) return absl::OkStatus();
+  buf->Release();
+  AIDN_ASSIGN_OR_RETURN(*buf, ctx->allocator().Allocate(std::max<size_t>(bytes, 1)));
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status UploadVector(GpuContext* ctx, const std::vector<T>& host, DeviceBuffer* buf) {
+  const size_t bytes = sizeof(T) * host.size();
+  AIDN_RETURN_IF_ERROR(EnsureDeviceBytes(ctx, buf, bytes));
+  if (bytes == 0) return absl::OkStatus();
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(buf->data(), host.data(), bytes, cudaMemcpyHostToDevice, ctx->stream()));
+  return absl::OkStatus();
+}
+
+GemmOperand AsStored(const float* data, int64_t ld) { return {data, ld, false, 0}; }
+GemmOperand AsTransposed(const float* data, int64_t ld) { return {data, ld, true, 0}; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(GpuContext* ctx, const Gpt& cpu) {
+  const GptConfig& config = cpu.config();
+  if (config.stochastic_depth > 0.0) {
+    return absl::UnimplementedError("the GPU decoder has no stochastic depth yet");
+  }
+  if (cpu.tensor_parallel_size() > 1) {
+    return absl::UnimplementedError("the GPU decoder has no tensor parallelism yet");
+  }
+  if (cpu.StageParameters().size() != cpu.Parameters().size()) {
+    return absl::UnimplementedError("the GPU decoder runs whole models, not pipeline stages");
+  }
+  if (cpu.activation_checkpointing()) {
+    return absl::UnimplementedError("the GPU decoder has no activation checkpointing yet");
+  }
+  std::unique_ptr<GpuGpt> gpt(new GpuGpt(ctx, config));
+  std::map<std::string, GpuParameter*> by_name;
+  for (const Parameter* p : cpu.Parameters()) {
+    auto gp = std::make_unique<GpuParameter>();
+    gp->name = p->name;
+    AIDN_ASSIGN_OR_RETURN(gp->value, GpuTensor::FromHost(ctx, p->value));
+    AIDN_ASSIGN_OR_RETURN(gp->grad, GpuTensor::Empty(ctx, p->value.shape()));
+    AIDN_RETURN_IF_ERROR(gp->grad.Zero(ctx));
+    by_name[p->name] = gp.get();
+    gpt->params_.push_back(std::move(gp));
+  }
+  auto find = [&by_name](const std::string& name) -> GpuParameter* {
+    auto it = by_name.find(name);
+    return it == by_name.end() ? nullptr : it->second;
+  };
+  gpt->wte_ = find("transformer.wte.weight");
+  gpt->wpe_ = find("transformer.wpe.weight");
+  gpt->lnf_w_ = find("transformer.ln_f.weight");
+  gpt->lnf_b_ = find("transformer.ln_f.bias");
+  gpt->blocks_.resize(static_cast<size_t>(config.n_layer));
+  for (size_t l = 0; l < gpt->blocks_.size(); ++l) {
+    Block& b = gpt->blocks_[l];
+    const std::string h = absl::StrCat("transformer.h.", l, ".");
+    b.ln1_w = find(h + "ln_1.weight");
+    b.ln1_b = find(h + "ln_1.bias");
+    b.attn_w = find(h + "attn.c_attn.weight");
+    b.attn_b = find(h + "attn.c_attn.bias");
+    b.proj_w = find(h + "attn.c_proj.weight");
+    b.proj_b = find(h + "attn.c_proj.bias");
+    b.ln2_w = find(h + "ln_2.weight");
+    b.ln2_b = find(h + "ln_2.bias");
+    b.fc_w = find(h + "mlp.c_fc.weight");
+    b.fc_b = find(h + "mlp.c_fc.bias");
+    b.fc_proj_w = find(h + "mlp.c_proj.weight");
+    b.fc_proj_b = find(h + "mlp.c_proj.bias");
+  }
+  AIDN_RETURN_IF_ERROR(EnsureDeviceBytes(ctx, &gpt->loss_, sizeof(double)));
+  return gpt;
+}
+
+std::vector<GpuParameter*> GpuGpt::Parameters() {
+  std::vector<GpuParameter*> out;
+  out.reserve(params_.size());
+  for (auto& p : params_) out.push_back(p.get());
+  return out;
+}
+
+absl::Status GpuGpt::CopyWeightsFrom(const Gpt& cpu) {
+  const std::vector<Parameter*>& src = cpu.Parameters();
+  if (src.size() != params_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the CPU decoder has ", src.size(),
+                                                   " parameters, the GPU one ", params_.size()));
+  }
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (src[i]->name != params_[i]->name || src[i]->value.shape() != params_[i]->value.shape()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", i, " is ", src[i]->name, " on the CPU and ", params_[i]->name,
+                       " ", params_[i]->value.ShapeString(), " on the GPU"));
+    }
+  }
+  for (size_t i = 0; i < src.size(); ++i) {
+    AIDN_RETURN_IF_ERROR(params_[i]->value.CopyFromHost(ctx_, src[i]->value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuGpt::CopyWeightsTo(Gpt* cpu) const {
+  const std::vector<Parameter*>& dst = cpu->Parameters();
+  if (dst.size() != params_.size()) return absl::InvalidArgumentError("a different decoder");
+  for (size_t i = 0; i < dst.size(); ++i) {
+    if (dst[i]->name != params_[i]->name) return absl::InvalidArgumentError(dst[i]->name);
+    AIDN_RETURN_IF_ERROR(params_[i]->value.CopyToHost(ctx_, &dst[i]->value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuGpt::CopyGradsTo(Gpt* cpu) const {
+  const std::vector<Parameter*>& dst = cpu->Parameters();
+  if (dst.size() != params_.size()) return absl::InvalidArgumentError("a different decoder");
+  for (size_t i = 0; i < dst.size(); ++i) {
+    if (dst[i]->name != params_[i]->name) return absl::InvalidArgumentError(dst[i]->name);
+    AIDN_RETURN_IF_ERROR(params_[i]->grad.CopyToHost(ctx_, &dst[i]->grad));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuGpt::ZeroGrad() {
+  for (auto& p : params_) AIDN_RETURN_IF_ERROR(p->grad.Zero(ctx_));
+  return absl::OkStatus();
+}
+
+void GpuGpt::SetSeed(uint64_t seed) {
+  seed_ = seed;
+  draws_ = 0;
+}
+
+uint64_t GpuGpt::Key(uint64_t site) const {
+  // draws_ counts the forward in flight (1 for the first after SetSeed).
+  const uint64_t sites = 1 + 3 * blocks_.size();
+  return DropoutKey(seed_, (draws_ - 1) * sites + site);
+}
+
+absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
+  if (batch < 1 || seq_len < 1 || seq_len > config_.block_size) {
+    return absl::InvalidArgumentError(absl::StrCat("gpt: batch ", batch, ", sequence length ",
+                                                   seq_len, " (block_size ", config_.block_size,
+                                                   ")"));
+  }
+  batch_ = batch;
+  seq_len_ = seq_len;
+  const int64_t n = batch * seq_len;
+  const int64_t c = config_.n_embd;
+  const int64_t h = config_.n_head;
+  for (Block& b : blocks_) {
+    for (auto [t, shape] : std::initializer_list<std::pair<GpuTensor*, std::vector<int64_t>>>{
+             {&b.in, {n, c}},
+             {&b.ln1, {n, c}},
+             {&b.ln1_mean, {n}},
+             {&b.ln1_rstd, {n}},
+             {&b.qkv, {n, 3 * c}},
+             {&b.y, {n, c}},
+             {&b.att_max, {batch * h * seq_len}},
+             {&b.att_inv, {batch * h * seq_len}},
+             {&b.mid, {n, c}},
+             {&b.ln2, {n, c}},
+             {&b.ln2_mean, {n}},
+             {&b.ln2_rstd, {n}},
+             {&b.fc, {n, 4 * c}},
+             {&b.gelu, {n, 4 * c}}}) {
+      AIDN_RETURN_IF_ERROR(t->Resize(ctx_, shape));
+    }
+  }
+  const int64_t v = config_.vocab_size;
+  for (auto [t, shape] : std::initializer_list<std::pair<GpuTensor*, std::vector<int64_t>>>{
+           {&out_, {n, c}},
+           {&lnf_, {n, c}},
+           {&lnf_mean_, {n}},
+           {&lnf_rstd_, {n}},
+           {&logits_, {n, v}},
+           {&grad_logits_, {n, v}},
+           {&dx_, {n, c}},
+           {&dtmp_, {n, c}},
+           {&dbranch_, {n, c}},
+           {&dbig_, {n, 4 * c}},
+           {&dqkv_, {n, 3 * c}},
+           {&gn_, {n, c}},
+           {&scores_, {h, seq_len, seq_len}},
+           {&dscores_, {h, seq_len, seq_len}},
+           {&pdrop_, {config_.dropout > 0.0 ? h : 0, seq_len, seq_len}}}) {
+    AIDN_RETURN_IF_ERROR(t->Resize(ctx_, shape));
+  }
+  int64_t partials = 0;
+  for (const int64_t cols : {c, 3 * c, 4 * c}) {
+    partials = std::max(partials, BiasGradScratchFloats(n, cols, 1));
+  }
+  AIDN_RETURN_IF_ERROR(bias_partials_.Resize(ctx_, {std::max<int64_t>(partials, 1)}));
+  return EnsureDeviceBytes(ctx_, &row_loss_, sizeof(double) * static_cast<size_t>(n));
+}
+
+absl::Status GpuGpt::UploadTokens(const int32_t* tokens, const int32_t* targets, bool training) {
+  const int64_t n = batch_ * seq_len_;
+  const int32_t vocab = config_.vocab_size;
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("gpt: token ", tokens[i], " at ", i,
+                                                     " is outside the vocabulary of ", vocab));
+    }
+    if (targets != nullptr && (targets[i] < 0 || targets[i] >= vocab)) {
+      return absl::InvalidArgumentError(absl::StrCat("gpt: target ", targets[i], " at ", i,
+                                                     " is outside the vocabulary of ", vocab));
+    }
+  }
+  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, std::vector<int32_t>(tokens, tokens + n), &tokens_d_));
+  if (targets != nullptr) {
+    AIDN_RETURN_IF_ERROR(
+        UploadVector(ctx_, std::vector<int32_t>(targets, targets + n), &targets_d_));
+  }
+  if (!training) return absl::OkStatus();
+  // The positions grouped by token, ascending within each (a counting
+  // sort): the order the CPU adds them to wte's gradient.
+  std::vector<int32_t> count(static_cast<size_t>(vocab) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++count[static_cast<size_t>(tokens[i]) + 1];
+  grad_tokens_.clear();
+  grad_offsets_.assign(1, 0);
+  for (int32_t t = 0; t < vocab; ++t) {
+    if (count[static_cast<size_t>(t) + 1] == 0) continue;
+    grad_tokens_.push_back(t);
+    grad_offsets_.push_back(grad_offsets_.back() + count[static_cast<size_t>(t) + 1]);
+  }
+  for (int32_t t = 0; t < vocab; ++t) count[static_cast<size_t>(t) + 1] += count[t];
+  grad_positions_.assign(static_cast<size_t>(n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    grad_positions_[static_cast<size_t>(count[static_cast<size_t>(tokens[i])]++)] =
+        static_cast<int32_t>(i);
+  }
+  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, grad_tokens_, &grad_tokens_d_));
+  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, grad_offsets_, &grad_offsets_d_));
+  return UploadVector(ctx_, grad_positions_, &grad_positions_d_);
+}
+
+absl::Status GpuGpt::Linear(const float* x, const GpuParameter& w, const GpuParameter* b,
+                            int64_t in, int64_t out, float* y) {
+  const int64_t n = batch_ * seq_len_;
+  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, out, in, 1.0f, AsStored(x, in),
+                                    AsStored(w.value.data(), out), 0.0f, y, out, 0, 1,
+                                    &gemm_scratch_));
+  if (b == nullptr) return absl::OkStatus();
+  return LaunchBiasActivation(ctx_->stream(), y, b->value.data(), y, n * out, out, 1, false);
+}
+
+absl::Status GpuGpt::ColumnSums(const float* g, int64_t rows, int64_t cols, float* into) {
+  return LaunchBiasGrad(ctx_->stream(), g, into, rows, cols, 1, bias_partials_.data(),
+                        bias_partials_.numel());
+}
+
+absl::Status GpuGpt::LinearBackward(const float* dy, const float* x, GpuParameter& w,
+                                    GpuParameter* b, int64_t in, int64_t out, float* dx) {
+  const int64_t n = batch_ * seq_len_;
+  if (dx != nullptr) {
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, in, out, 1.0f, AsStored(dy, out),
+                                      AsTransposed(w.value.data(), out), 0.0f, dx, in, 0, 1,
+                                      &gemm_scratch_));
+  }
+  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, in, out, n, 1.0f, AsTransposed(x, in), AsStored(dy, out),
+                                    1.0f, w.grad.data(), out, 0, 1, &gemm_scratch_));
+  if (b == nullptr) return absl::OkStatus();
+  return ColumnSums(dy, n, out, b->grad.data());
+}
+
+absl::Status GpuGpt::LayerNormBackward(const float* dout, const float* x, GpuParameter& w,
+                                       GpuParameter* b, const GpuTensor& mean,
+                                       const GpuTensor& rstd, float* dx) {
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  AIDN_RETURN_IF_ERROR(LaunchLayerNormBackward(ctx_->stream(), dout, x, w.value.data(), mean.data(),
+                                               rstd.data(), n, c, dx, gn_.data()));
+  AIDN_RETURN_IF_ERROR(ColumnSums(gn_.data(), n, c, w.grad.data()));
+  if (b == nullptr) return absl::OkStatus();
+  return ColumnSums(dout, n, c, b->grad.data());
+}
+
+absl::Status GpuGpt::DropBranch(float* x, uint64_t site) {
+  const double p = config_.dropout;
+  return LaunchDropout(ctx_->stream(), x, x, batch_ * seq_len_ * config_.n_embd, Key(site),
+                       DropoutThreshold(p), static_cast<float>(1.0 / (1.0 - p)));
+}
+
+absl::StatusOr<const float*> GpuGpt::BranchGrad(uint64_t site) {
+  if (!dropped_) return static_cast<const float*>(dx_.data());
+  const double p = config_.dropout;
+  AIDN_RETURN_IF_ERROR(LaunchDropout(ctx_->stream(), dx_.data(), dbranch_.data(), dx_.numel(),
+                                     Key(site), DropoutThreshold(p),
+                                     static_cast<float>(1.0 / (1.0 - p))));
+  return static_cast<const float*>(dbranch_.data());
+}
+
+absl::Status GpuGpt::AttentionForward(size_t l, bool drop) {
+  Block& b = blocks_[l];
+  const int64_t t = seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t heads = config_.n_head;
+  const int64_t hd = c / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const double p = config_.dropout;
+  for (int64_t s = 0; s < batch_; ++s) {
+    const float* q = b.qkv.data() + s * t * 3 * c;
+    const float* k = q + c;
+    const float* v = q + 2 * c;
+    // scores[h] = scale q_h k_h^T, every head at once (heads hd apart).
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, t, hd, scale, {q, 3 * c, false, hd},
+                                      {k, 3 * c, true, hd}, 0.0f, scores_.data(), t, t * t, heads,
+                                      &gemm_scratch_));
+    const int64_t rows = heads * t;
+    AIDN_RETURN_IF_ERROR(LaunchCausalSoftmax(ctx_->stream(), scores_.data(), rows, t,
+                                             b.att_max.data() + s * rows,
+                                             b.att_inv.data() + s * rows));
+    const float* probs = scores_.data();
+    if (drop) {
+      AIDN_RETURN_IF_ERROR(LaunchDropout(ctx_->stream(), scores_.data(), pdrop_.data(), rows * t,
+                                         Mix64(Key(AttentionSite(l)) + s), DropoutThreshold(p),
+                                         static_cast<float>(1.0 / (1.0 - p))));
+      probs = pdrop_.data();
+    }
+    // y_h = P_h v_h into the sequence's rows, head h at column h * hd.
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, hd, t, 1.0f, {probs, t, false, t * t},
+                                      {v, 3 * c, false, hd}, 0.0f, b.y.data() + s * t * c, c, hd,
+                                      heads, &gemm_scratch_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuGpt::AttentionBackward(size_t l, const float* dy, float* dqkv) {
+  Block& b = blocks_[l];
+  const int64_t t = seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t heads = config_.n_head;
+  const int64_t hd = c / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const double p = config_.dropout;
+  const int64_t rows = heads * t;
+  for (int64_t s = 0; s < batch_; ++s) {
+    const float* q = b.qkv.data() + s * t * 3 * c;
+    const float* k = q + c;
+    const float* v = q + 2 * c;
+    float* dq = dqkv + s * t * 3 * c;
+    float* dk = dq + c;
+    float* dv = dq + 2 * c;
+    const float* g = dy + s * t * c;
+    // The probabilities again, from the same product and statistics.
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, t, hd, scale, {q, 3 * c, false, hd},
+                                      {k, 3 * c, true, hd}, 0.0f, scores_.data(), t, t * t, heads,
+                                      &gemm_scratch_));
+    AIDN_RETURN_IF_ERROR(LaunchCausalSoftmaxRecompute(ctx_->stream(), scores_.data(), rows, t,
+                                                      b.att_max.data() + s * rows,
+                                                      b.att_inv.data() + s * rows));
+    const float* probs = scores_.data();
+    const uint64_t key = dropped_ ? Mix64(Key(AttentionSite(l)) + s) : 0;
+    const float keep_scale = static_cast<float>(1.0 / (1.0 - p));
+    if (dropped_) {
+      AIDN_RETURN_IF_ERROR(LaunchDropout(ctx_->stream(), scores_.data(), pdrop_.data(), rows * t,
+                                         key, DropoutThreshold(p), keep_scale));
+      probs = pdrop_.data();
+    }
+    // dP = dy v^T; dv = P^T dy.
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, t, hd, 1.0f, {g, c, false, hd}, {v, 3 * c, true, hd},
+                                      0.0f, dscores_.data(), t, t * t, heads, &gemm_scratch_));
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, hd, t, 1.0f, {probs, t, true, t * t},
+                                      {g, c, false, hd}, 0.0f, dv, 3 * c, hd, heads,
+                                      &gemm_scratch_));
+    if (dropped_) {
+      AIDN_RETURN_IF_ERROR(LaunchDropout(ctx_->stream(), dscores_.data(), dscores_.data(), rows * t,
+                                         key, DropoutThreshold(p), keep_scale));
+    }
+    AIDN_RETURN_IF_ERROR(
+        LaunchCausalSoftmaxBackward(ctx_->stream(), scores_.data(), dscores_.data(), rows, t));
+    // S = scale q k^T: dq = scale dS k, dk = scale dS^T q.
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, hd, t, scale, {dscores_.data(), t, false, t * t},
+                                      {k, 3 * c, false, hd}, 0.0f, dq, 3 * c, hd, heads,
+                                      &gemm_scratch_));
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, t, hd, t, scale, {dscores_.data(), t, true, t * t},
+                                      {q, 3 * c, false, hd}, 0.0f, dk, 3 * c, hd, heads,
+                                      &gemm_scratch_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuGpt::BlockForward(size_t l, float* out, bool drop) {
+  Block& b = blocks_[l];
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  cudaStream_t stream = ctx_->stream();
+  AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, b.in.data(), b.ln1_w->value.data(),
+                                       b.ln1_b != nullptr ? b.ln1_b->value.data() : nullptr, n, c,
+                                       b.ln1.data(), b.ln1_mean.data(), b.ln1_rstd.data()));
+  AIDN_RETURN_IF_ERROR(Linear(b.ln1.data(), *b.attn_w, b.attn_b, c, 3 * c, b.qkv.data()));
+  AIDN_RETURN_IF_ERROR(AttentionForward(l, drop));
+  // mid = in + drop(y Wproj + b).
+  AIDN_RETURN_IF_ERROR(Linear(b.y.data(), *b.proj_w, b.proj_b, c, c, b.mid.data()));
+  if (drop) AIDN_RETURN_IF_ERROR(DropBranch(b.mid.data(), AttentionBranchSite(l)));
+  AIDN_RETURN_IF_ERROR(LaunchAdd(stream, b.mid.data(), b.in.data(), b.mid.data(), n * c));
+  AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, b.mid.data(), b.ln2_w->value.data(),
+                                       b.ln2_b != nullptr ? b.ln2_b->value.data() : nullptr, n, c,
+                                       b.ln2.data(), b.ln2_mean.data(), b.ln2_rstd.data()));
+  AIDN_RETURN_IF_ERROR(Linear(b.ln2.data(), *b.fc_w, b.fc_b, c, 4 * c, b.fc.data()));
+  AIDN_RETURN_IF_ERROR(LaunchGelu(stream, b.fc.data(), b.gelu.data(), n * 4 * c));
+  AIDN_RETURN_IF_ERROR(Linear(b.gelu.data(), *b.fc_proj_w, b.fc_proj_b, 4 * c, c, out));
+  if (drop) AIDN_RETURN_IF_ERROR(DropBranch(out, MlpBranchSite(l)));
+  return LaunchAdd(stream, out, b.mid.data(), out, n * c);
+}
+
+absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch,
+                             int64_t seq_len, bool training) {
+  has_forward_ = false;
+  AIDN_RETURN_IF_ERROR(Shape(batch, seq_len));
+  AIDN_RETURN_IF_ERROR(UploadTokens(tokens, targets, training));
+  const int64_t n = batch * seq_len;
+  const int64_t c = config_.n_embd;
+  const bool drop = training && config_.dropout > 0.0;
+  dropped_ = drop;
+  if (training) ++draws_;
+  cudaStream_t stream = ctx_->stream();
+  float* x = blocks_.empty() ? out_.data() : blocks_[0].in.data();
+  AIDN_RETURN_IF_ERROR(LaunchEmbedding(stream, static_cast<const int32_t*>(tokens_d_.data()),
+                                       wte_->value.data(), wpe_->value.data(), x, n, seq_len, c));
+  if (drop) AIDN_RETURN_IF_ERROR(DropBranch(x, 0));
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
+    AIDN_RETURN_IF_ERROR(BlockForward(l, next, drop));
+  }
+  AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, out_.data(), lnf_w_->value.data(),
+                                       lnf_b_ != nullptr ? lnf_b_->value.data() : nullptr, n, c,
+                                       lnf_.data(), lnf_mean_.data(), lnf_rstd_.data()));
+  // logits = ln_f(x) wte^T.
+  const int64_t v = config_.vocab_size;
+  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, v, c, 1.0f, AsStored(lnf_.data(), c),
+                                    AsTransposed(wte_->value.data(), c), 0.0f, logits_.data(), v, 0,
+                                    1, &gemm_scratch_));
+  if (targets == nullptr) return absl::OkStatus();
+  AIDN_RETURN_IF_ERROR(LaunchSoftmaxCrossEntropy(
+      stream, logits_.data(), static_cast<const int32_t*>(targets_d_.data()), n, v,
+      training ? grad_logits_.data() : nullptr, 1.0, static_cast<double*>(row_loss_.data()),
+      static_cast<double*>(loss_.data())));
+  has_forward_ = training;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> GpuGpt::ReadLoss() const {
+  double loss = 0;
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(&loss, loss_.data(), sizeof(double), cudaMemcpyDeviceToHost, ctx_->stream()));
+  AIDN_RETURN_IF_ERROR(ctx_->Synchronize());
+  return loss;
+}
+
+absl::Status GpuGpt::BlockBackward(size_t l) {
+  Block& b = blocks_[l];
+  const int64_t c = config_.n_embd;
+  // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
+  AIDN_ASSIGN_OR_RETURN(const float* dmlp, BranchGrad(MlpBranchSite(l)));
+  AIDN_RETURN_IF_ERROR(
+      LinearBackward(dmlp, b.gelu.data(), *b.fc_proj_w, b.fc_proj_b, 4 * c, c, dbig_.data()));
+  AIDN_RETURN_IF_ERROR(
+      LaunchGeluBackward(ctx_->stream(), b.fc.data(), dbig_.data(), dbig_.numel()));
+  AIDN_RETURN_IF_ERROR(
+      LinearBackward(dbig_.data(), b.ln2.data(), *b.fc_w, b.fc_b, c, 4 * c, dtmp_.data()));
+  AIDN_RETURN_IF_ERROR(LayerNormBackward(dtmp_.data(), b.mid.data(), *b.ln2_w, b.ln2_b, b.ln2_mean,
+                                         b.ln2_rstd, dx_.data()));
+  // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
+  AIDN_ASSIGN_OR_RETURN(const float* dattn, BranchGrad(AttentionBranchSite(l)));
+  AIDN_RETURN_IF_ERROR(LinearBackward(dattn, b.y.data(), *b.proj_w, b.proj_b, c, c, dtmp_.data()));
+  AIDN_RETURN_IF_ERROR(AttentionBackward(l, dtmp_.data(), dqkv_.data()));
+  AIDN_RETURN_IF_ERROR(
+      LinearBackward(dqkv_.data(), b.ln1.data(), *b.attn_w, b.attn_b, c, 3 * c, dtmp_.data()));
+  return LayerNormBackward(dtmp_.data(), b.in.data(), *b.ln1_w, b.ln1_b, b.ln1_mean, b.ln1_rstd,
+                           dx_.data());
+}
+
+absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
+  if (!has_forward_) {
+    return absl::FailedPreconditionError("gpt: Backward without a training Forward with targets");
+  }
+  has_forward_ = false;
+  const int64_t n = batch_ * seq_len_;
+  const int64_t c = config_.n_embd;
+  const int64_t v = config_.vocab_size;
+  cudaStream_t stream = ctx_->stream();
+  auto ready = [&on_ready](std::vector<GpuParameter*> ps) -> absl::Status {
+    if (!on_ready) return absl::OkStatus();
+    std::erase(ps, nullptr);
+    return on_ready(ps);
+  };
+  if (grad_scale != 1.0) {
+    AIDN_RETURN_IF_ERROR(
+        LaunchScale(stream, grad_logits_.data(), n * v, static_cast<float>(grad_scale)));
+  }
+  // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
+  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, c, v, 1.0f, AsStored(grad_logits_.data(), v),
+                                    AsStored(wte_->value.data(), c), 0.0f, dtmp_.data(), c, 0, 1,
+                                    &gemm_scratch_));
+  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, v, c, n, 1.0f, AsTransposed(grad_logits_.data(), v),
+                                    AsStored(lnf_.data(), c), 1.0f, wte_->grad.data(), c, 0, 1,
+                                    &gemm_scratch_));
+  AIDN_RETURN_IF_ERROR(dx_.Zero(ctx_));
+  AIDN_RETURN_IF_ERROR(LayerNormBackward(dtmp_.data(), out_.data(), *lnf_w_, lnf_b_, lnf_mean_,
+                                         lnf_rstd_, dx_.data()));
+  AIDN_RETURN_IF_ERROR(ready({lnf_w_, lnf_b_}));
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    AIDN_RETURN_IF_ERROR(BlockBackward(l));
+    const Block& b = blocks_[l];
+    AIDN_RETURN_IF_ERROR(ready({b.fc_proj_w, b.fc_proj_b, b.fc_w, b.fc_b, b.ln2_w, b.ln2_b,
+                                b.proj_w, b.proj_b, b.attn_w, b.attn_b, b.ln1_w, b.ln1_b}));
+  }
+  // The embeddings.
+  AIDN_ASSIGN_OR_RETURN(const float* demb, BranchGrad(0));
+  AIDN_RETURN_IF_ERROR(LaunchTokenGrad(stream, demb, wte_->grad.data(),
+                                       static_cast<const int32_t*>(grad_tokens_d_.data()),
+                                       static_cast<const int32_t*>(grad_offsets_d_.data()),
+                                       static_cast<const int32_t*>(grad_positions_d_.data()),
+                                       static_cast<int64_t>(grad_tokens_.size()), c));
+  AIDN_RETURN_IF_ERROR(LaunchPositionGrad(stream, demb, wpe_->grad.data(), batch_, seq_len_, c));
+  return ready({wpe_, wte_});
+}
+
+}  // namespace aidn::engine::cuda

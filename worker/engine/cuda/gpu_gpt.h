@@ -1,0 +1,156 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_GPU_GPT_H_
+#define AIDN_WORKER_ENGINE_CUDA_GPU_GPT_H_
+
+// The GPT decoder (worker/engine/gpt.h) on the GPU: the same definition,
+// parameter names, layouts and operation order, with cuBLAS for the matrix
+// products (gpu_gemm.h) and gpt_kernels.h for the rest. In fp32 it computes
+// what the CPU decoder computes up to summation order; in bf16 / fp16 the
+// matrix products (attention's too) take 16-bit operands with fp32
+// accumulation, everything else stays fp32.
+//
+// Attention is exact and causal. It is computed one sequence at a time
+// with all its heads batched: the scores of that sequence ([n_head, T, T])
+// live in a scratch shared by every block and sequence, and Forward keeps
+// only each row's maximum and 1/sum. Backward computes the scores again
+// (one more product) and recomputes the probabilities from the kept
+// statistics bit for bit, as flash attention recomputes them per tile. So
+// the attention memory is one sequence's scores, not the CPU's
+// [B, n_head, T, T] a block.
+//
+// Dropout draws GPU masks (dropout_mask.h, keyed by the seed, the forward's
+// count and the site), which are not the CPU's stream: with dropout the
+// two agree in distribution only.
+//
+// Not there on the GPU: stochastic depth, tensor parallelism, pipeline
+// stages and activation checkpointing (Create refuses a model set up for
+// them).
+//
+// Everything is queued on the context's stream; the host waits only where
+// it reads results (ReadLoss, copies to the host). Not thread-safe.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/cuda/allocator.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_gemm.h"
+#include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/gpt.h"
+
+namespace aidn::engine::cuda {
+
+class GpuGpt {
+ public:
+  // Called during Backward with parameters whose gradients are final for
+  // this pass (queued), in the CPU decoder's order: ln_f, each block's from
+  // the last, then wpe and wte. DDP starts its allreduces from here.
+  using GradReadyFn = std::function<absl::Status(const std::vector<GpuParameter*>&)>;
+
+  // A GPU copy of `cpu` (configuration and weights). UNIMPLEMENTED for
+  // stochastic depth, tensor parallelism, a pipeline stage or activation
+  // checkpointing.
+  static absl::StatusOr<std::unique_ptr<GpuGpt>> Create(GpuContext* ctx, const Gpt& cpu);
+
+  // As Gpt::Forward, with host arrays of tokens and targets ([batch,
+  // seq_len] each); the loss stays on the device (ReadLoss). INVALID_ARGUMENT
+  // for a sequence beyond block_size or a token or target out of range.
+  absl::Status Forward(const int32_t* tokens, const int32_t* targets, int64_t batch,
+                       int64_t seq_len, bool training);
+  // The last Forward's loss (waits for the stream).
+  absl::StatusOr<double> ReadLoss() const;
+  // The loss as one device double, valid after the last Forward's kernels.
+  const double* device_loss() const { return static_cast<const double*>(loss_.data()); }
+  // [batch * seq_len, vocab_size] of the last Forward.
+  const GpuTensor& logits() const { return logits_; }
+
+  // Accumulates (+=) every parameter's gradient of the last training
+  // Forward's loss times `grad_scale`. FAILED_PRECONDITION without one.
+  absl::Status Backward(double grad_scale = 1.0, const GradReadyFn& on_ready = nullptr);
+  absl::Status ZeroGrad();
+  // Reseeds the dropout masks of the next Forwards.
+  void SetSeed(uint64_t seed);
+
+  // In the CPU decoder's registration order, named as there.
+  std::vector<GpuParameter*> Parameters();
+  const GptConfig& config() const { return config_; }
+  // Weights (and gradients) between this model and a CPU decoder of the
+  // same configuration, by name. INVALID_ARGUMENT for a mismatch.
+  absl::Status CopyWeightsFrom(const Gpt& cpu);
+  absl::Status CopyWeightsTo(Gpt* cpu) const;
+  absl::Status CopyGradsTo(Gpt* cpu) const;
+
+ private:
+  struct Block {
+    GpuParameter *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b;
+    GpuParameter *ln2_w, *ln2_b, *fc_w, *fc_b, *fc_proj_w, *fc_proj_b;
+    // The last Forward's activations.
+    GpuTensor in, ln1, ln1_mean, ln1_rstd, qkv, y, att_max, att_inv, mid, ln2, ln2_mean, ln2_rstd,
+        fc, gelu;
+  };
+
+  GpuGpt(GpuContext* ctx, const GptConfig& config) : ctx_(ctx), config_(config) {}
+  absl::Status Shape(int64_t batch, int64_t seq_len);
+  absl::Status UploadTokens(const int32_t* tokens, const int32_t* targets, bool training);
+  // y [N, out] = x [N, in] W [in, out] (+ b).
+  absl::Status Linear(const float* x, const GpuParameter& w, const GpuParameter* b, int64_t in,
+                      int64_t out, float* y);
+  // dx = dy W^T (null: not wanted), dW += x^T dy, db += column sums of dy.
+  absl::Status LinearBackward(const float* dy, const float* x, GpuParameter& w, GpuParameter* b,
+                              int64_t in, int64_t out, float* dx);
+  absl::Status LayerNormBackward(const float* dout, const float* x, GpuParameter& w,
+                                 GpuParameter* b, const GpuTensor& mean, const GpuTensor& rstd,
+                                 float* dx);
+  // Column sums of g [rows, cols] added to `into`.
+  absl::Status ColumnSums(const float* g, int64_t rows, int64_t cols, float* into);
+  absl::Status BlockForward(size_t l, float* out, bool drop);
+  absl::Status AttentionForward(size_t l, bool drop);
+  absl::Status AttentionBackward(size_t l, const float* dy, float* dqkv);
+  absl::Status BlockBackward(size_t l);
+  // Multiplies a residual branch [N, C] by its dropout mask in place.
+  absl::Status DropBranch(float* x, uint64_t site);
+  // The gradient of a residual branch from the stream's (dx_): dx_ itself,
+  // or through the branch's mask into dbranch_ when the Forward dropped.
+  absl::StatusOr<const float*> BranchGrad(uint64_t site);
+  uint64_t Key(uint64_t site) const;
+  // Dropout sites: the embedding, then each block's attention
+  // probabilities, attention branch and MLP branch.
+  uint64_t AttentionSite(size_t l) const { return 1 + 3 * l; }
+  uint64_t AttentionBranchSite(size_t l) const { return 2 + 3 * l; }
+  uint64_t MlpBranchSite(size_t l) const { return 3 + 3 * l; }
+
+  GpuContext* ctx_;
+  GptConfig config_;
+  std::vector<std::unique_ptr<GpuParameter>> params_;
+  GpuParameter *wte_ = nullptr, *wpe_ = nullptr, *lnf_w_ = nullptr, *lnf_b_ = nullptr;
+  std::vector<Block> blocks_;
+
+  uint64_t seed_ = 0;
+  uint64_t draws_ = 0;        // training forwards since SetSeed
+  bool dropped_ = false;      // the last Forward drew masks
+  bool has_forward_ = false;  // a training Forward Backward may follow
+  int64_t batch_ = 0;
+  int64_t seq_len_ = 0;
+
+  // Tokens and targets on the device, and the positions grouped by token
+  // for the embedding's gradient (host copies kept while copies are queued).
+  DeviceBuffer tokens_d_, targets_d_, grad_tokens_d_, grad_offsets_d_, grad_positions_d_;
+  std::vector<int32_t> grad_tokens_, grad_offsets_, grad_positions_;
+
+  GpuTensor out_, lnf_, lnf_mean_, lnf_rstd_, logits_, grad_logits_;
+  DeviceBuffer row_loss_, loss_;
+  // Backward scratch.
+  GpuTensor dx_, dtmp_, dbranch_, dbig_, dqkv_, gn_, bias_partials_;
+  // One sequence's attention: scores / probabilities, their gradient, and
+  // the probabilities after dropout.
+  GpuTensor scores_, dscores_, pdrop_;
+  GemmScratch gemm_scratch_;
+};
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_GPU_GPT_H_
