@@ -16,9 +16,15 @@ the RESULT, its tokens/s counting every rank's tokens.
 Run it with /usr/bin/python3 and
 LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp (else torch runs
 on Debian's reference BLAS).
+
+With --device cuda (bench/gpu_gpt.sh) the step runs on the GPU, attention
+through F.scaled_dot_product_attention (flash attention, causal) where the
+torch has it, as nanoGPT does; --precision bf16 under torch.autocast, and
+--compile through torch.compile. Each step ends with the loss read back.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -52,9 +58,13 @@ class Block(nn.Module):
         q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
         hd = c // self.n_head
         q, k, v = (z.view(b, t, self.n_head, hd).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = F.softmax(att.masked_fill(~mask[:t, :t], float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        if x.is_cuda and hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            att = F.softmax(att.masked_fill(~mask[:t, :t], float("-inf")), dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
         x = x + self.c_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
@@ -77,7 +87,7 @@ class Gpt(nn.Module):
 
     def forward(self, idx):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x, self.mask)
         return self.ln_f(x) @ self.wte.weight.t()
@@ -92,12 +102,20 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--world", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
     n_layer, n_head, n_embd, block, vocab = CONFIGS[args.config]
-    model = Gpt(n_layer, n_head, n_embd, block, vocab)
+    device = torch.device(args.device)
+    model = Gpt(n_layer, n_head, n_embd, block, vocab).to(device)
+    model.mask = model.mask.to(device)
     params = list(model.parameters())
+    autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+                if args.precision == "bf16" else contextlib.nullcontext())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rank = 0
     if args.world > 1:
         import os
@@ -106,6 +124,7 @@ def main():
         dist.init_process_group("gloo", rank=rank, world_size=args.world)
         model = torch.nn.parallel.DistributedDataParallel(model)
         torch.manual_seed(100 + rank)  # each rank its own batches
+    forward = torch.compile(model) if args.compile else model
     decay = [q for q in params if q.dim() >= 2]
     rest = [q for q in params if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -119,14 +138,18 @@ def main():
         if step == args.warmup:
             window_start = time.perf_counter()
             cpu_start = time.process_time()
-        x = torch.randint(0, vocab, (args.batch, args.seq))
-        y = torch.randint(0, vocab, (args.batch, args.seq))
+        x = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+        y = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+        sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        with autocast:
+            logits = forward(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        final_loss = loss.item()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     wall = time.perf_counter() - window_start
@@ -136,11 +159,13 @@ def main():
     flops_per_token = 6 * n_params + 6 * n_layer * args.seq * n_embd
     print("RESULT " + json.dumps({
         "config": args.config, "threads": args.threads, "world": args.world,
+        "device": args.device, "precision": args.precision, "compile": args.compile,
+        "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0),
         "batch": args.batch, "seq": args.seq,
         "tokens_per_s": tokens_per_s, "median_step_ms": 1e3 * statistics.median(times),
         "model_gflops_per_s": flops_per_token * tokens_per_s / 1e9,
         "flops_per_token": flops_per_token,
-        "cpu_s_per_step": cpu / window, "final_loss": loss.item(), "parameters": n_params,
+        "cpu_s_per_step": cpu / window, "final_loss": final_loss, "parameters": n_params,
         "torch": torch.__version__}), flush=True)
     if args.world > 1:
         torch.distributed.destroy_process_group()

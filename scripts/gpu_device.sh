@@ -11,15 +11,17 @@
 #                                  # carried: every GPU test, then bench/gpu_step.sh
 #   scripts/gpu_device.sh pack-service   # here: the service binaries from build/
 #                                  # (coordinator, aidn-worker-gpu, aidnctl), the
-#                                  # GPU job test, their libraries and Debian's
-#                                  # Fashion-MNIST into .devcarry-service/
+#                                  # GPU job test, their libraries, Debian's
+#                                  # Fashion-MNIST and fortunes into .devcarry-service/
 #   scripts/gpu_device.sh run-service    # there, with .devcarry-service/ carried:
 #                                  # integration_gpu_job_test (a device: gpu job
 #                                  # through a real coordinator and worker)
 #
 # `run` finds cuDNN and NCCL in the toolkit or in PyTorch's nvidia-* wheels,
 # writes logs under $OUT (or /tmp/aidn-gpu-out) and prints a short summary
-# last. Knobs for run: TESTS=0 or BENCH=0 to skip a part, REPS / MODELS /
+# last. Knobs for run: TESTS=0, BENCH=0 (bench/gpu_step.sh) or GPT=0
+# (bench/gpu_gpt.sh; GPT_STEPS, GPT_REPS and its CONFIG / BATCH / SEQ /
+# PRECISION) to skip a part, REPS / MODELS /
 # BATCHES / STEPS / CONV_MODES as bench/gpu_step.sh, GTEST_FILTER, PROFILE=1
 # (per-kernel times of the CNN step from ncu, aidn and PyTorch; PROFILE_BATCH,
 # PROFILE_CONV=deterministic|fast).
@@ -39,7 +41,8 @@ pack() {
   ninja -C "$build" >/dev/null
   rm -rf "$CARRY"
   mkdir -p "$CARRY/bin" "$CARRY/lib"
-  cp "$build"/tests/gpu/gpu_*_test "$build/bench/gpu_step" "$CARRY/bin/"
+  cp "$build"/tests/gpu/gpu_*_test "$build/bench/gpu_step" "$build/bench/gpu_gpt_step" \
+    "$CARRY/bin/"
   ldd "$CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
     grep -Ev "$NOT_CARRIED" | while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
   tar -C "$CARRY" -cJf "$CARRY/lib.tar.xz" lib
@@ -65,6 +68,10 @@ pack_service() {
   tar -C "$SERVICE_CARRY" -cJf "$SERVICE_CARRY/bin-lib.tar.xz" bin lib
   rm -rf "$SERVICE_CARRY/bin" "$SERVICE_CARRY/lib"
   cp /usr/share/datasets/fashion-mnist/*.gz "$SERVICE_CARRY/data/"
+  mkdir -p "$SERVICE_CARRY/data/fortunes"
+  # The corpus of the GPT example and job test: the directory's regular files
+  # (LoadText skips symbolic links).
+  find /usr/share/games/fortunes -maxdepth 1 -type f -exec cp {} "$SERVICE_CARRY/data/fortunes/" \;
   du -sh "$SERVICE_CARRY"
 }
 
@@ -131,6 +138,12 @@ run() {
     GPU_STEP_BIN=/tmp/aidn-bin/gpu_step PYTHON=python3 "$ROOT/bench/gpu_step.sh" 2>&1 |
       tee "$out/gpu_step.log" | tail -12 >>"$summary"
   fi
+  if [[ ${GPT:-1} == 1 ]]; then
+    # GPT-2 124M in bf16 against torch eager and torch.compile.
+    GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step PYTHON=python3 STEPS=${GPT_STEPS:-30} \
+      REPS=${GPT_REPS:-1} "$ROOT/bench/gpu_gpt.sh" 2>&1 |
+      tee "$out/gpu_gpt.log" | tail -5 >>"$summary"
+  fi
   if [[ ${PROFILE:-0} == 1 ]]; then profile "$out" >>"$summary" 2>&1; fi
   echo "==== summary"
   cat "$summary"
@@ -189,6 +202,8 @@ run_service() {
   done <"$SERVICE_CARRY/paths"
   mkdir -p /usr/share/datasets/fashion-mnist
   cp -n "$SERVICE_CARRY"/data/*.gz /usr/share/datasets/fashion-mnist/
+  mkdir -p /usr/share/games/fortunes
+  cp -n "$SERVICE_CARRY"/data/fortunes/* /usr/share/games/fortunes/
   local test_bin
   test_bin=$(grep integration_gpu_job_test "$SERVICE_CARRY/paths")
   LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH timeout 900 "$test_bin" 2>&1 | tee "$out/gpu_job_test.log" |

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/data.h"
+#include "worker/engine/gpt.h"
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
@@ -79,6 +80,14 @@ class GpuSession {
   static absl::StatusOr<std::unique_ptr<GpuSession>> Create(const GpuSessionOptions& options,
                                                             const Sequential& model,
                                                             const OptimizerConfig& optimizer);
+  // The same for a GPT decoder (cuda/gpu_gpt.h), whose micro-batches carry
+  // tokens, targets (MicroBatch::labels) and their sequence length.
+  // UNIMPLEMENTED for precision fp16 (the decoder has no loss scaling yet),
+  // CUDA graphs, and what the GPU decoder lacks (stochastic depth, tensor
+  // or pipeline parallelism, activation checkpointing).
+  static absl::StatusOr<std::unique_ptr<GpuSession>> CreateForGpt(const GpuSessionOptions& options,
+                                                                  const Gpt& model,
+                                                                  const OptimizerConfig& optimizer);
   virtual ~GpuSession() = default;
 
   // As Sequential::SetSeed (dropout).

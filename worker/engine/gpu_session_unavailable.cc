@@ -5,12 +5,26 @@ namespace aidn::engine {
 
 bool GpuSessionAvailable() { return false; }
 
-absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::Create(const GpuSessionOptions&,
-                                                               const Sequential&,
-                                                               const OptimizerConfig&) {
+namespace {
+
+absl::Status NoGpuSupport() {
   return absl::UnimplementedError(
       "device: gpu: this trainer binary has no GPU support (run aidn-worker-gpu, built when nvcc "
       "is present, on GPU nodes; or run the job with device: cpu)");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::Create(const GpuSessionOptions&,
+                                                               const Sequential&,
+                                                               const OptimizerConfig&) {
+  return NoGpuSupport();
+}
+
+absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::CreateForGpt(const GpuSessionOptions&,
+                                                                     const Gpt&,
+                                                                     const OptimizerConfig&) {
+  return NoGpuSupport();
 }
 
 }  // namespace aidn::engine

@@ -193,7 +193,8 @@ std::optional<Failure> RankTraining::Setup() {
       TrainingTask::Create(spec_, options_.cache_dir);
   if (!task.ok()) return Failure{kExitPermanent, task.status()};
   task_ = *std::move(task);
-  if (spec_.device() == v1::JobSpec::GPU && task_->sequential() == nullptr) {
+  if (spec_.device() == v1::JobSpec::GPU && task_->sequential() == nullptr &&
+      task_->gpt() == nullptr) {
     return Failure{kExitPermanent,
                    absl::InvalidArgumentError(absl::StrCat(
                        "device: gpu: the GPU engine has no model ", spec_.model().name()))};
@@ -353,7 +354,9 @@ std::optional<Failure> RankTraining::SetupGpu() {
     o.store = kv_.get();
   }
   absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
-      engine::GpuSession::Create(o, *task_->sequential(), OptimizerConfigOf(spec_));
+      task_->gpt() != nullptr
+          ? engine::GpuSession::CreateForGpt(o, *task_->gpt(), OptimizerConfigOf(spec_))
+          : engine::GpuSession::Create(o, *task_->sequential(), OptimizerConfigOf(spec_));
   if (!session.ok()) {
     if (session.status().code() == absl::StatusCode::kUnimplemented ||
         session.status().code() == absl::StatusCode::kInvalidArgument) {

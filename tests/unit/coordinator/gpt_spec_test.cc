@@ -88,8 +88,31 @@ TEST(GptSpec, BadFieldsAreNamed) {
          s->mutable_dataset()->set_dir("/usr/share/datasets/fashion-mnist");
        },
        "dataset.kind: model gpt trains on dataset.kind \"text\", got \"fashion-mnist\""},
-      {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
-       "device: model gpt trains on device: cpu (the GPU engine has mlp and cnn)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->mutable_model()->set_stochastic_depth(0.1);
+       },
+       "model.stochastic_depth: runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->mutable_model()->set_activation_checkpointing(true);
+       },
+       "model.activation_checkpointing: runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_precision(JobSpec::FP16);
+       },
+       "precision: fp16 has no loss scaling for model gpt on the GPU yet (use bf16)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_cuda_graphs(true);
+       },
+       "cuda_graphs: captures mlp and cnn steps only for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_strategy(JobSpec::FSDP);
+       },
+       "strategy: FSDP runs on device: cpu for now (use ddp on a GPU)"},
       {[](JobSpec* s) { s->mutable_dataset()->set_val_fraction(0.7); },
        "dataset.val_fraction: must be in (0, 0.5], got 0.7"},
       {[](JobSpec* s) { s->mutable_dataset()->set_val_fraction(0); },
@@ -109,6 +132,17 @@ TEST(GptSpec, BadFieldsAreNamed) {
     const absl::Status s = ValidateJobSpec(SpecLimits{}, spec);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.message;
     EXPECT_EQ(std::string(s.message()), c.message);
+  }
+}
+
+TEST(GptSpec, TrainsOnAGpuInFp32AndBf16) {
+  for (const JobSpec::Precision precision : {JobSpec::FP32, JobSpec::BF16}) {
+    JobSpec spec = GptSpec();
+    spec.set_device(JobSpec::GPU);
+    spec.set_precision(precision);
+    spec.set_world_size(2);
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok())
+        << JobSpec::Precision_Name(precision) << ": " << ValidateJobSpec(SpecLimits{}, spec);
   }
 }
 

@@ -19,12 +19,7 @@
 #include "common/status.h"
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_model.h"
-#include "worker/engine/cuda/status.h"
-#include "worker/engine/device.h"
-#if AIDN_HAVE_NCCL
-#include "worker/engine/comm/nccl_communicator.h"
-#include "worker/engine/cuda/gpu_ddp.h"
-#endif
+#include "worker/engine/cuda/session_setup.h"
 
 namespace aidn::engine {
 namespace {
@@ -36,54 +31,10 @@ class CudaGpuSession final : public GpuSession {
   static absl::StatusOr<std::unique_ptr<GpuSession>> Make(const GpuSessionOptions& options,
                                                           const Sequential& model,
                                                           const OptimizerConfig& optimizer) {
-    if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "gpu session: rank ", options.rank, " is not in a world of size ", options.world_size));
-    }
-    cuda::Precision precision = cuda::Precision::kFp32;
-    if (options.precision == "bf16") {
-      precision = cuda::Precision::kBf16;
-    } else if (options.precision == "fp16") {
-      precision = cuda::Precision::kFp16;
-    } else if (options.precision != "fp32") {
-      return absl::InvalidArgumentError(absl::StrCat("gpu session: precision \"", options.precision,
-                                                     "\" (known: fp32, bf16, fp16)"));
-    }
-    if (options.world_size > 1 && options.store == nullptr) {
-      return absl::InvalidArgumentError("gpu session: more than one rank needs a store for NCCL");
-    }
-    DeviceInventory inventory = DiscoverDevices();
-    if (inventory.gpus.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("device: gpu: no CUDA device here (", inventory.gpu_note, ")"));
-    }
-    if (options.device < 0 || options.device >= static_cast<int>(inventory.gpus.size())) {
-      return absl::FailedPreconditionError(absl::StrCat("device: gpu: device ", options.device,
-                                                        " not found; this process sees ",
-                                                        inventory.gpus.size()));
-    }
+    AIDN_ASSIGN_OR_RETURN(cuda::SessionDevice device, cuda::SetUpSessionDevice(options));
     std::unique_ptr<CudaGpuSession> s(new CudaGpuSession());
-    s->description_ = absl::StrCat(inventory.gpus[static_cast<size_t>(options.device)].name,
-                                   " (device ", options.device, "), ", options.precision);
-    cuda::GpuContextOptions context;
-    context.device = options.device;
-    context.allow_tf32 = options.allow_tf32;
-    context.precision = precision;
-    if (options.fast_convolutions) {
-      context.allow_transform_convolutions = true;
-      context.deterministic_convolutions = false;
-    }
-    AIDN_ASSIGN_OR_RETURN(s->ctx_, cuda::GpuContext::Create(context));
-    if (precision == cuda::Precision::kBf16) {
-      int major = 0;
-      AIDN_RETURN_IF_CUDA_ERROR(
-          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, options.device));
-      if (major < 8) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "precision: bf16 needs a GPU of compute capability 8.0 or newer (Ampere); ",
-            s->description_, " is ", major, ".x (use fp16 or fp32)"));
-      }
-    }
+    s->ctx_ = std::move(device.ctx);
+    s->description_ = std::move(device.description);
     AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuModel::Create(s->ctx_.get(), model));
     AIDN_ASSIGN_OR_RETURN(s->trainer_,
                           cuda::GpuTrainer::Create(s->ctx_.get(), s->model_.get(), optimizer));
@@ -93,29 +44,17 @@ class CudaGpuSession final : public GpuSession {
     } else if (options.cuda_graphs) {
       absl::StrAppend(&s->description_, ", CUDA graphs not used (not with NCCL yet)");
     }
-    if (options.world_size > 1) {
+    AIDN_RETURN_IF_ERROR(cuda::SetUpSessionDdp(options, s->ctx_.get(), s->model_->Parameters(),
+                                               &s->ddp_, &s->description_));
 #if AIDN_HAVE_NCCL
-      NcclOptions nccl;
-      nccl.rank = options.rank;
-      nccl.world_size = options.world_size;
-      nccl.device = options.device;
-      nccl.timeout = options.timeout;
-      AIDN_ASSIGN_OR_RETURN(s->nccl_, NcclCommunicator::Create(nccl, options.store));
-      AIDN_ASSIGN_OR_RETURN(s->reducer_, cuda::GpuDdpReducer::Create(
-                                             s->ctx_.get(), s->model_->Parameters(), s->nccl_.get(),
-                                             DdpOptions{.bucket_mb = options.bucket_mb}));
-      absl::StrAppend(&s->description_, ", NCCL ", options.world_size, " ranks, ",
-                      s->reducer_->num_buckets(), " gradient buckets");
-      cuda::GpuDdpReducer* reducer = s->reducer_.get();
+    if (s->ddp_.reducer != nullptr) {
+      cuda::GpuDdpReducer* reducer = s->ddp_.reducer.get();
       s->trainer_->SetGradReady(
           [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
       s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
       s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
-#else
-      return absl::UnimplementedError(
-          "device: gpu with more than one rank needs NCCL, which this build lacks");
-#endif
     }
+#endif
     return std::unique_ptr<GpuSession>(std::move(s));
   }
 
@@ -127,14 +66,14 @@ class CudaGpuSession final : public GpuSession {
 
   double last_allreduce_seconds() const override {
 #if AIDN_HAVE_NCCL
-    if (reducer_ != nullptr) return reducer_->last_allreduce_seconds();
+    if (ddp_.reducer != nullptr) return ddp_.reducer->last_allreduce_seconds();
 #endif
     return 0;
   }
 
   double last_allreduce_wait_seconds() const override {
 #if AIDN_HAVE_NCCL
-    if (reducer_ != nullptr) return reducer_->last_exposed_seconds();
+    if (ddp_.reducer != nullptr) return ddp_.reducer->last_exposed_seconds();
 #endif
     return 0;
   }
@@ -153,7 +92,7 @@ class CudaGpuSession final : public GpuSession {
 
   int64_t collective_sequence() const override {
 #if AIDN_HAVE_NCCL
-    if (nccl_ != nullptr) return nccl_->sequence();
+    if (ddp_.nccl != nullptr) return ddp_.nccl->sequence();
 #endif
     return 0;
   }
@@ -184,10 +123,7 @@ class CudaGpuSession final : public GpuSession {
   std::unique_ptr<cuda::GpuContext> ctx_;
   std::unique_ptr<cuda::GpuModel> model_;
   std::unique_ptr<cuda::GpuTrainer> trainer_;
-#if AIDN_HAVE_NCCL
-  std::unique_ptr<NcclCommunicator> nccl_;
-  std::unique_ptr<cuda::GpuDdpReducer> reducer_;
-#endif
+  cuda::SessionDdp ddp_;
   std::string description_;
 };
 

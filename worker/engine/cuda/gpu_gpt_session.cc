@@ -1,0 +1,216 @@
+// GpuSession for a GPT decoder: GpuGpt + GpuOptimizer, and for more than
+// one rank the NCCL communicator and DDP reducer of session_setup.h, fed
+// from the decoder's grad-ready reports during the last micro-batch's
+// backward (the stream order is gpu_session.cc's).
+//
+// A step: gradients zeroed; per micro-batch its seed, the tokens uploaded,
+// forward, the loss copied into the step's slot, backward scaled by 1/k;
+// the reducer's allreduces waited for on the device; the update; the
+// losses copied into pinned memory; one host wait.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/gpu_gpt.h"
+#include "worker/engine/cuda/gpu_optimizer.h"
+#include "worker/engine/cuda/session_setup.h"
+#include "worker/engine/cuda/status.h"
+#include "worker/engine/gpu_session.h"
+
+namespace aidn::engine {
+namespace {
+
+class CudaGptSession final : public GpuSession {
+ public:
+  using GpuSession::Step;
+
+  static absl::StatusOr<std::unique_ptr<GpuSession>> Make(const GpuSessionOptions& options,
+                                                          const Gpt& model,
+                                                          const OptimizerConfig& optimizer) {
+    if (options.precision == "fp16") {
+      return absl::UnimplementedError(
+          "precision: fp16 has no loss scaling for model gpt on the GPU yet (use bf16)");
+    }
+    if (options.cuda_graphs) {
+      return absl::UnimplementedError(
+          "cuda_graphs: the GPU engine captures mlp and cnn steps only for now");
+    }
+    AIDN_ASSIGN_OR_RETURN(cuda::SessionDevice device, cuda::SetUpSessionDevice(options));
+    std::unique_ptr<CudaGptSession> s(new CudaGptSession());
+    s->ctx_ = std::move(device.ctx);
+    s->description_ = std::move(device.description);
+    AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuGpt::Create(s->ctx_.get(), model));
+    AIDN_ASSIGN_OR_RETURN(s->optimizer_, cuda::GpuOptimizer::Create(s->ctx_.get(), optimizer,
+                                                                    s->model_->Parameters()));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&s->done_, cudaEventDisableTiming));
+    AIDN_RETURN_IF_ERROR(cuda::SetUpSessionDdp(options, s->ctx_.get(), s->model_->Parameters(),
+                                               &s->ddp_, &s->description_));
+    return std::unique_ptr<GpuSession>(std::move(s));
+  }
+
+  ~CudaGptSession() override {
+    if (done_ != nullptr) {
+      cudaEventSynchronize(done_);
+      cudaEventDestroy(done_);
+    }
+    if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
+  }
+
+  void SetSeed(uint64_t seed) override { model_->SetSeed(seed); }
+
+  absl::StatusOr<double> Step(const std::vector<MicroBatch>& micro, double lr) override {
+    if (micro.empty()) return absl::InvalidArgumentError("a step needs at least one micro-batch");
+    for (size_t i = 0; i < micro.size(); ++i) {
+      const MicroBatch& b = micro[i];
+      if (b.tokens == nullptr || b.labels == nullptr || b.seq_len <= 0 ||
+          b.tokens->size() != b.labels->size() ||
+          static_cast<int64_t>(b.tokens->size()) % b.seq_len != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("micro-batch ", i, " needs tokens and targets of [N, seq_len] each"));
+      }
+    }
+    const int64_t k = static_cast<int64_t>(micro.size());
+    AIDN_RETURN_IF_ERROR(ReserveLossSlots(k));
+    double* slots = static_cast<double*>(device_losses_.data());
+    cudaStream_t stream = ctx_->stream();
+    const double grad_scale = 1.0 / static_cast<double>(k);
+    AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
+    cuda::GpuGpt::GradReadyFn on_ready;
+#if AIDN_HAVE_NCCL
+    if (ddp_.reducer != nullptr) {
+      cuda::GpuDdpReducer* reducer = ddp_.reducer.get();
+      on_ready = [reducer](const std::vector<cuda::GpuParameter*>& p) {
+        return reducer->OnGradReady(p);
+      };
+    }
+#endif
+    for (int64_t i = 0; i < k; ++i) {
+      const MicroBatch& b = micro[static_cast<size_t>(i)];
+      if (b.seed.has_value()) model_->SetSeed(*b.seed);
+      const int64_t rows = static_cast<int64_t>(b.tokens->size()) / b.seq_len;
+      AIDN_RETURN_IF_ERROR(
+          model_->Forward(b.tokens->data(), b.labels->data(), rows, b.seq_len, true));
+      AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slots + i, model_->device_loss(), sizeof(double),
+                                                cudaMemcpyDeviceToDevice, stream));
+      AIDN_RETURN_IF_ERROR(model_->Backward(grad_scale, i == k - 1 ? on_ready : nullptr));
+    }
+#if AIDN_HAVE_NCCL
+    if (ddp_.reducer != nullptr) AIDN_RETURN_IF_ERROR(ddp_.reducer->AfterBackward());
+#endif
+    AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(host_losses_, slots, sizeof(double) * k, cudaMemcpyDeviceToHost, stream));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, stream));
+#if AIDN_HAVE_NCCL
+    if (ddp_.reducer != nullptr) {
+      AIDN_RETURN_IF_ERROR(ddp_.reducer->Wait(done_));
+    } else {
+      AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+    }
+#else
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+#endif
+    // As the CPU trainer: the mean of the micro-batches' losses.
+    double loss = 0;
+    for (int64_t i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
+    return loss;
+  }
+
+  double last_allreduce_seconds() const override {
+#if AIDN_HAVE_NCCL
+    if (ddp_.reducer != nullptr) return ddp_.reducer->last_allreduce_seconds();
+#endif
+    return 0;
+  }
+  double last_allreduce_wait_seconds() const override {
+#if AIDN_HAVE_NCCL
+    if (ddp_.reducer != nullptr) return ddp_.reducer->last_exposed_seconds();
+#endif
+    return 0;
+  }
+  bool last_step_skipped() const override { return false; }
+  std::optional<LossScaleState> loss_scale_state() const override { return std::nullopt; }
+  absl::Status RestoreLossScale(const LossScaleState&) override {
+    return absl::FailedPreconditionError("a GPT session has no loss scale (fp32 or bf16)");
+  }
+  int64_t collective_sequence() const override {
+#if AIDN_HAVE_NCCL
+    if (ddp_.nccl != nullptr) return ddp_.nccl->sequence();
+#endif
+    return 0;
+  }
+
+  absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) override {
+    const std::vector<cuda::GpuParameter*> params = model_->Parameters();
+    if (cpu.size() != params.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("the GPU decoder has ", params.size(),
+                                                     " parameters, the CPU list ", cpu.size()));
+    }
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      if (cpu[i]->name != params[i]->name) {
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", i, " is ", params[i]->name,
+                                                       " on the GPU, ", cpu[i]->name, " here"));
+      }
+      AIDN_RETURN_IF_ERROR(params[i]->value.CopyToHost(ctx_.get(), &cpu[i]->value));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> OptimizerState() override {
+    return optimizer_->StateToHost();
+  }
+  int64_t optimizer_steps() const override { return optimizer_->steps(); }
+  absl::Status LoadOptimizerState(const std::vector<std::pair<std::string, const Tensor*>>& state,
+                                  int64_t steps) override {
+    return optimizer_->LoadStateFromHost(state, steps);
+  }
+
+  std::string Describe() const override { return description_; }
+
+ private:
+  CudaGptSession() = default;
+
+  // Room for k losses on the device and in pinned host memory.
+  absl::Status ReserveLossSlots(int64_t k) {
+    if (k <= slots_) return absl::OkStatus();
+    if (host_losses_ != nullptr) {
+      AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+      cudaFreeHost(host_losses_);
+      host_losses_ = nullptr;
+    }
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&host_losses_), sizeof(double) * k));
+    device_losses_.Release();
+    AIDN_ASSIGN_OR_RETURN(device_losses_, ctx_->allocator().Allocate(sizeof(double) * k));
+    slots_ = k;
+    return absl::OkStatus();
+  }
+
+  // Destroyed in reverse: the reducer and communicator first, the context
+  // last.
+  std::unique_ptr<cuda::GpuContext> ctx_;
+  std::unique_ptr<cuda::GpuGpt> model_;
+  std::unique_ptr<cuda::GpuOptimizer> optimizer_;
+  cuda::DeviceBuffer device_losses_;
+  double* host_losses_ = nullptr;
+  int64_t slots_ = 0;
+  cudaEvent_t done_ = nullptr;
+  cuda::SessionDdp ddp_;
+  std::string description_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::CreateForGpt(
+    const GpuSessionOptions& options, const Gpt& model, const OptimizerConfig& optimizer) {
+  return CudaGptSession::Make(options, model, optimizer);
+}
+
+}  // namespace aidn::engine

@@ -1,0 +1,93 @@
+#include "worker/engine/cuda/session_setup.h"
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/engine/cuda/status.h"
+#include "worker/engine/device.h"
+
+namespace aidn::engine::cuda {
+
+absl::StatusOr<SessionDevice> SetUpSessionDevice(const GpuSessionOptions& options) {
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu session: rank ", options.rank, " is not in a world of size ", options.world_size));
+  }
+  Precision precision = Precision::kFp32;
+  if (options.precision == "bf16") {
+    precision = Precision::kBf16;
+  } else if (options.precision == "fp16") {
+    precision = Precision::kFp16;
+  } else if (options.precision != "fp32") {
+    return absl::InvalidArgumentError(absl::StrCat("gpu session: precision \"", options.precision,
+                                                   "\" (known: fp32, bf16, fp16)"));
+  }
+  if (options.world_size > 1 && options.store == nullptr) {
+    return absl::InvalidArgumentError("gpu session: more than one rank needs a store for NCCL");
+  }
+  DeviceInventory inventory = DiscoverDevices();
+  if (inventory.gpus.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: gpu: no CUDA device here (", inventory.gpu_note, ")"));
+  }
+  if (options.device < 0 || options.device >= static_cast<int>(inventory.gpus.size())) {
+    return absl::FailedPreconditionError(absl::StrCat("device: gpu: device ", options.device,
+                                                      " not found; this process sees ",
+                                                      inventory.gpus.size()));
+  }
+  SessionDevice out;
+  out.description = absl::StrCat(inventory.gpus[static_cast<size_t>(options.device)].name,
+                                 " (device ", options.device, "), ", options.precision);
+  GpuContextOptions context;
+  context.device = options.device;
+  context.allow_tf32 = options.allow_tf32;
+  context.precision = precision;
+  if (options.fast_convolutions) {
+    context.allow_transform_convolutions = true;
+    context.deterministic_convolutions = false;
+  }
+  AIDN_ASSIGN_OR_RETURN(out.ctx, GpuContext::Create(context));
+  if (precision == Precision::kBf16) {
+    int major = 0;
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, options.device));
+    if (major < 8) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("precision: bf16 needs a GPU of compute capability 8.0 or newer (Ampere); ",
+                       out.description, " is ", major, ".x (use fp16 or fp32)"));
+    }
+  }
+  return out;
+}
+
+absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
+                             const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
+                             std::string* description) {
+  if (options.world_size <= 1) return absl::OkStatus();
+#if AIDN_HAVE_NCCL
+  NcclOptions nccl;
+  nccl.rank = options.rank;
+  nccl.world_size = options.world_size;
+  nccl.device = options.device;
+  nccl.timeout = options.timeout;
+  AIDN_ASSIGN_OR_RETURN(ddp->nccl, NcclCommunicator::Create(nccl, options.store));
+  AIDN_ASSIGN_OR_RETURN(ddp->reducer,
+                        GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
+                                              DdpOptions{.bucket_mb = options.bucket_mb}));
+  absl::StrAppend(description, ", NCCL ", options.world_size, " ranks, ",
+                  ddp->reducer->num_buckets(), " gradient buckets");
+  return absl::OkStatus();
+#else
+  (void)ctx;
+  (void)parameters;
+  (void)ddp;
+  (void)description;
+  return absl::UnimplementedError(
+      "device: gpu with more than one rank needs NCCL, which this build lacks");
+#endif
+}
+
+}  // namespace aidn::engine::cuda

@@ -1,0 +1,53 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_SESSION_SETUP_H_
+#define AIDN_WORKER_ENGINE_CUDA_SESSION_SETUP_H_
+
+// What every GpuSession implementation (gpu_session.cc: a Sequential's;
+// gpu_gpt_session.cc: a GPT's) sets up the same way: the options checked,
+// the device found and its context made, and with more than one rank the
+// NCCL communicator and the DDP reducer over the model's parameters.
+// Internal to aidn_gpu_session.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/gpu_session.h"
+#if AIDN_HAVE_NCCL
+#include "worker/engine/comm/nccl_communicator.h"
+#include "worker/engine/cuda/gpu_ddp.h"
+#endif
+
+namespace aidn::engine::cuda {
+
+struct SessionDevice {
+  std::unique_ptr<GpuContext> ctx;
+  // "NVIDIA H100 80GB HBM3 (device 0), bf16"
+  std::string description;
+};
+
+// INVALID_ARGUMENT for a bad rank, precision or a missing store;
+// FAILED_PRECONDITION without the device, or for bf16 below compute
+// capability 8.0.
+absl::StatusOr<SessionDevice> SetUpSessionDevice(const GpuSessionOptions& options);
+
+// The gradient averaging of world_size > 1 (nothing for one rank): the
+// communicator (its id through options.store) and a reducer over
+// `parameters` in registration order, appended to `description`.
+// UNIMPLEMENTED in a build without NCCL.
+struct SessionDdp {
+#if AIDN_HAVE_NCCL
+  std::unique_ptr<NcclCommunicator> nccl;
+  std::unique_ptr<GpuDdpReducer> reducer;
+#endif
+};
+absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
+                             const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
+                             std::string* description);
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_SESSION_SETUP_H_
