@@ -21,6 +21,7 @@
 
 #include "worker/engine/safetensors.h"
 #include "worker/engine/tensor.h"
+#include "worker/engine/token_positions.h"
 
 namespace aidn::engine {
 namespace {
@@ -321,6 +322,41 @@ TEST(Gpt, LaterPositionsDoNotChangeEarlierLogits) {
   bool changed = false;
   for (int64_t i = 5 * 11; i < 8 * 11; ++i) changed |= logits[i] != before[static_cast<size_t>(i)];
   EXPECT_TRUE(changed);
+}
+
+// The GPU decoder's embedding gradient sums each token's positions in
+// the order these groups give: every position once, grouped by token,
+// ascending, tokens ascending.
+TEST(TokenPositions, GroupEveryPositionByTokenInAscendingOrder) {
+  const std::vector<int32_t> tokens = {5, 0, 5, 9, 0, 5, 3};
+  const TokenPositions g = GroupPositionsByToken(tokens.data(), 7, 10);
+  EXPECT_EQ(g.tokens, (std::vector<int32_t>{0, 3, 5, 9}));
+  EXPECT_EQ(g.offsets, (std::vector<int32_t>{0, 2, 3, 6, 7}));
+  EXPECT_EQ(g.positions, (std::vector<int32_t>{1, 4, 6, 0, 2, 5, 3}));
+
+  std::mt19937_64 rng(4);
+  std::vector<int32_t> many(5000);
+  for (int32_t& t : many) t = static_cast<int32_t>(rng() % 300);
+  const TokenPositions h = GroupPositionsByToken(many.data(), 5000, 300);
+  ASSERT_EQ(h.offsets.size(), h.tokens.size() + 1);
+  ASSERT_EQ(h.offsets.back(), 5000);
+  std::vector<int> seen(5000, 0);
+  for (size_t u = 0; u < h.tokens.size(); ++u) {
+    if (u > 0) {
+      EXPECT_LT(h.tokens[u - 1], h.tokens[u]);
+    }
+    EXPECT_LT(h.offsets[u], h.offsets[u + 1]) << "no empty group";
+    for (int32_t k = h.offsets[u]; k < h.offsets[u + 1]; ++k) {
+      const int32_t pos = h.positions[static_cast<size_t>(k)];
+      EXPECT_EQ(many[static_cast<size_t>(pos)], h.tokens[u]);
+      if (k > h.offsets[u]) {
+        EXPECT_LT(h.positions[static_cast<size_t>(k) - 1], pos);
+      }
+      ++seen[static_cast<size_t>(pos)];
+    }
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 5000);
+  EXPECT_TRUE(GroupPositionsByToken(nullptr, 0, 4).tokens.empty());
 }
 
 TEST(GptGenerate, GreedyPicksTheArgmaxAndTopOneIsGreedy) {

@@ -16,6 +16,7 @@
 #include "worker/engine/cuda/gpt_kernels.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
+#include "worker/engine/token_positions.h"
 
 namespace aidn::engine::cuda {
 namespace {
@@ -234,26 +235,12 @@ absl::Status GpuGpt::UploadTokens(const int32_t* tokens, const int32_t* targets,
         UploadVector(ctx_, std::vector<int32_t>(targets, targets + n), &targets_d_));
   }
   if (!training) return absl::OkStatus();
-  // The positions grouped by token, ascending within each (a counting
-  // sort): the order the CPU adds them to wte's gradient.
-  std::vector<int32_t> count(static_cast<size_t>(vocab) + 1, 0);
-  for (int64_t i = 0; i < n; ++i) ++count[static_cast<size_t>(tokens[i]) + 1];
-  grad_tokens_.clear();
-  grad_offsets_.assign(1, 0);
-  for (int32_t t = 0; t < vocab; ++t) {
-    if (count[static_cast<size_t>(t) + 1] == 0) continue;
-    grad_tokens_.push_back(t);
-    grad_offsets_.push_back(grad_offsets_.back() + count[static_cast<size_t>(t) + 1]);
-  }
-  for (int32_t t = 0; t < vocab; ++t) count[static_cast<size_t>(t) + 1] += count[t];
-  grad_positions_.assign(static_cast<size_t>(n), 0);
-  for (int64_t i = 0; i < n; ++i) {
-    grad_positions_[static_cast<size_t>(count[static_cast<size_t>(tokens[i])]++)] =
-        static_cast<int32_t>(i);
-  }
-  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, grad_tokens_, &grad_tokens_d_));
-  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, grad_offsets_, &grad_offsets_d_));
-  return UploadVector(ctx_, grad_positions_, &grad_positions_d_);
+  // The positions grouped by token: the order the CPU adds them to wte's
+  // gradient.
+  grad_groups_ = GroupPositionsByToken(tokens, n, vocab);
+  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, grad_groups_.tokens, &grad_tokens_d_));
+  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, grad_groups_.offsets, &grad_offsets_d_));
+  return UploadVector(ctx_, grad_groups_.positions, &grad_positions_d_);
 }
 
 absl::Status GpuGpt::Linear(const float* x, const GpuParameter& w, const GpuParameter* b,
@@ -534,7 +521,7 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
                                        static_cast<const int32_t*>(grad_tokens_d_.data()),
                                        static_cast<const int32_t*>(grad_offsets_d_.data()),
                                        static_cast<const int32_t*>(grad_positions_d_.data()),
-                                       static_cast<int64_t>(grad_tokens_.size()), c));
+                                       static_cast<int64_t>(grad_groups_.tokens.size()), c));
   AIDN_RETURN_IF_ERROR(LaunchPositionGrad(stream, demb, wpe_->grad.data(), batch_, seq_len_, c));
   return ready({wpe_, wte_});
 }

@@ -41,6 +41,7 @@
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_tensor.h"
 #include "worker/engine/gpt.h"
+#include "worker/engine/token_positions.h"
 
 namespace aidn::engine::cuda {
 
@@ -139,7 +140,7 @@ class GpuGpt {
   // Tokens and targets on the device, and the positions grouped by token
   // for the embedding's gradient (host copies kept while copies are queued).
   DeviceBuffer tokens_d_, targets_d_, grad_tokens_d_, grad_offsets_d_, grad_positions_d_;
-  std::vector<int32_t> grad_tokens_, grad_offsets_, grad_positions_;
+  TokenPositions grad_groups_;
 
   GpuTensor out_, lnf_, lnf_mean_, lnf_rstd_, logits_, grad_logits_;
   DeviceBuffer row_loss_, loss_;
