@@ -488,7 +488,7 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
                                 " compresses allreduced buckets; strategy "
                                 "zero1 reduce-scatters them (use strategy: ddp)"));
   }
-  if (spec.device() == v1::JobSpec::GPU) {
+  if (spec.device() == v1::JobSpec::GPU && d.compression() == DdpSpec::POWERSGD) {
     return Invalid("ddp.compression", absl::StrCat(name, " runs on device: cpu for now"));
   }
   if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {

@@ -32,6 +32,7 @@
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/data.h"
 #include "worker/engine/gpt.h"
+#include "worker/engine/half.h"
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
@@ -63,6 +64,9 @@ struct GpuSessionOptions {
   std::chrono::milliseconds timeout{300'000};
   // DDP gradient bucket size (spec bucket_mb), world_size > 1.
   double bucket_mb = 25.0;
+  // Buckets allreduced in 16 bits (spec ddp.compression fp16 | bf16; the
+  // CPU reducer's semantics, cuda/gpu_ddp.h), world_size > 1.
+  std::optional<HalfFormat> compression;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA

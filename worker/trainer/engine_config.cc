@@ -134,6 +134,7 @@ engine::GpuSessionOptions GpuSessionOptionsOf(const v1::JobSpec& spec, int rank,
   o.timeout = PeerTimeoutOf(spec);
   o.bucket_mb = BucketMbOf(spec);
   o.cuda_graphs = spec.cuda_graphs();
+  o.compression = HalfCompressionOf(spec);
   switch (spec.precision()) {
     case v1::JobSpec::BF16:
       o.precision = "bf16";

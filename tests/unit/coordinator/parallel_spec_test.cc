@@ -192,12 +192,6 @@ TEST(DdpSpec, PowerSgdGetsTorchsDefaultsAndBadFieldsAreNamed) {
       {[](JobSpec* s) { s->mutable_ddp()->set_compression(v1::DdpSpec::BF16); },
        "ddp: the powersgd_ fields apply to compression: powersgd only"},
       {[](JobSpec* s) {
-         s->mutable_ddp()->Clear();
-         s->mutable_ddp()->set_compression(v1::DdpSpec::FP16);
-         s->set_device(JobSpec::GPU);
-       },
-       "ddp.compression: fp16 runs on device: cpu for now"},
-      {[](JobSpec* s) {
          s->mutable_ddp()->set_compression(static_cast<v1::DdpSpec::Compression>(9));
        },
        "ddp.compression: unknown value 9 (known: none, powersgd, fp16, bf16)"},
@@ -316,11 +310,16 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
             "eval_max_samples: applies to image models (gpt: dataset.eval_windows)");
 }
 
-TEST(DdpSpec, Fp16AndBf16CompressionAreValidOnCpu) {
-  for (v1::DdpSpec::Compression c : {v1::DdpSpec::FP16, v1::DdpSpec::BF16}) {
-    const JobSpec spec = Spec("mlp", [c](JobSpec* s) { s->mutable_ddp()->set_compression(c); });
-    EXPECT_FALSE(spec.ddp().has_powersgd_start_step());
-    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+TEST(DdpSpec, Fp16AndBf16CompressionAreValidOnCpuAndGpu) {
+  for (const JobSpec::Device device : {JobSpec::CPU, JobSpec::GPU}) {
+    for (v1::DdpSpec::Compression c : {v1::DdpSpec::FP16, v1::DdpSpec::BF16}) {
+      const JobSpec spec = Spec("mlp", [c, device](JobSpec* s) {
+        s->mutable_ddp()->set_compression(c);
+        s->set_device(device);
+      });
+      EXPECT_FALSE(spec.ddp().has_powersgd_start_step());
+      EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+    }
   }
 }
 

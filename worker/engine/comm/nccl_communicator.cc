@@ -235,20 +235,26 @@ absl::Status NcclCommunicator::AllReduce(float* data, size_t count, ReduceOp op)
   return Complete(what);
 }
 
-absl::Status NcclCommunicator::AllReduceHalf(uint16_t* data, size_t count, HalfFormat format) {
+absl::Status NcclCommunicator::EnqueueAllReduceHalf(uint16_t* data, size_t count,
+                                                    HalfFormat format) {
   AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce of halves: null buffer");
+  return Queued(
+      absl::StrCat("nccl allreduce of ", count, " ", HalfFormatName(format), " values"),
+      ncclAllReduce(data, data, count, format == HalfFormat::kFp16 ? ncclFloat16 : ncclBfloat16,
+                    ncclSum, comm_, stream_));
+}
+
+absl::Status NcclCommunicator::AllReduceHalf(uint16_t* data, size_t count, HalfFormat format) {
+  const std::string what =
+      absl::StrCat("nccl allreduce of ", count, " ", HalfFormatName(format), " values");
+  AIDN_RETURN_IF_ERROR(EnqueueAllReduceHalf(data, count, format));
   if (count == 0) {
     ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
-  if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce of halves: null buffer");
-  const std::string what =
-      absl::StrCat("nccl allreduce of ", count, " ", HalfFormatName(format), " values");
-  AIDN_RETURN_IF_ERROR(Queued(
-      what,
-      ncclAllReduce(data, data, count, format == HalfFormat::kFp16 ? ncclFloat16 : ncclBfloat16,
-                    ncclSum, comm_, stream_)));
   return Complete(what);
 }
 

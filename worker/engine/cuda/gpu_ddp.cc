@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/engine/cuda/gpt_kernels.h"
+#include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 
 namespace aidn::engine::cuda {
@@ -22,8 +24,13 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     }
     numels.push_back(parameters[k]->grad.numel());
   }
+  if (options.shard_optimizer || options.powersgd.has_value() || options.find_unused_parameters) {
+    return absl::UnimplementedError(
+        "gpu ddp: ZeRO-1 sharding, PowerSGD and unused parameters run on the CPU only");
+  }
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 0));
   std::unique_ptr<GpuDdpReducer> r(new GpuDdpReducer(ctx, nccl));
+  r->half_ = options.half;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     Bucket& bucket = r->buckets_.emplace_back();
     bucket.floats = plan.floats[b];
@@ -50,6 +57,10 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     // too (allocator.h's one-stream rule): they are freed only in the
     // destructor, after both streams are synchronised.
     AIDN_ASSIGN_OR_RETURN(bucket.buffer, ctx->allocator().Allocate(sizeof(float) * bucket.floats));
+    if (r->half_.has_value()) {
+      AIDN_ASSIGN_OR_RETURN(bucket.half,
+                            ctx->allocator().Allocate(sizeof(uint16_t) * bucket.floats));
+    }
     float* base = static_cast<float*>(bucket.buffer.data());
     // The padding between gradients is reduced too: zeros, not garbage.
     AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(base, 0, sizeof(float) * bucket.floats, stream));
@@ -114,12 +125,27 @@ absl::Status GpuDdpReducer::Launch(int index) {
   AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, ready_, 0));
   if (launched_ == 0) AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(start_, comm));
   ++launched_;
-  absl::Status s = nccl_->EnqueueAllReduce(static_cast<float*>(bucket.buffer.data()), bucket.floats,
-                                           ReduceOp::kAvg);
+  absl::Status s = half_.has_value()
+                       ? LaunchHalf(bucket)
+                       : nccl_->EnqueueAllReduce(static_cast<float*>(bucket.buffer.data()),
+                                                 bucket.floats, ReduceOp::kAvg);
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("ddp bucket ", index, ": ", s.message()));
   }
   return absl::OkStatus();
+}
+
+absl::Status GpuDdpReducer::LaunchHalf(Bucket& bucket) {
+  if (bucket.floats == 0) return absl::OkStatus();
+  cudaStream_t comm = nccl_->stream();
+  float* data = static_cast<float*>(bucket.buffer.data());
+  const int64_t n = static_cast<int64_t>(bucket.floats);
+  const HalfType type = *half_ == HalfFormat::kFp16 ? HalfType::kFp16 : HalfType::kBf16;
+  AIDN_RETURN_IF_ERROR(LaunchScale(comm, data, n, 1.0f / static_cast<float>(nccl_->world_size())));
+  AIDN_RETURN_IF_ERROR(LaunchToHalf(comm, data, bucket.half.data(), n, type));
+  AIDN_RETURN_IF_ERROR(nccl_->EnqueueAllReduceHalf(static_cast<uint16_t*>(bucket.half.data()),
+                                                   bucket.floats, *half_));
+  return LaunchFromHalf(comm, bucket.half.data(), data, n, type, /*accumulate=*/false);
 }
 
 absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parameters) {

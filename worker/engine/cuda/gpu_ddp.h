@@ -26,6 +26,12 @@
 // Only the last micro-batch of a step (gradient accumulation) reports its
 // gradients ready; the earlier ones accumulate locally.
 //
+// Compression (DdpOptions::half, spec ddp.compression fp16 | bf16, the CPU
+// reducer's semantics): each bucket is multiplied by 1 / world size,
+// rounded to 16 bits and summed in 16 bits by NCCL, then widened back, all
+// on the NCCL stream. PowerSGD, ZeRO-1's sharding and unused parameters
+// are the CPU reducer's only (Create answers UNIMPLEMENTED).
+//
 // A step that failed part-way (an error from a hook, a backward error)
 // leaves the reducer's per-step state behind: the trainer fails the
 // generation then, and a new generation builds a new reducer.
@@ -38,6 +44,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -92,9 +99,14 @@ class GpuDdpReducer {
     DeviceBuffer buffer;
     size_t floats = 0;
     int pending = 0;  // gradients still to come in this backward
+    // Compression (DdpOptions::half): the bucket's 16-bit copy.
+    DeviceBuffer half;
   };
 
   GpuDdpReducer(GpuContext* ctx, NcclCommunicator* nccl) : ctx_(ctx), nccl_(nccl) {}
+  // A compressed bucket's allreduce on the NCCL stream: scaled by 1 /
+  // world size, rounded to 16 bits, summed, widened back into the bucket.
+  absl::Status LaunchHalf(Bucket& bucket);
   absl::Status Launch(int bucket);
 
   GpuContext* ctx_;
@@ -103,6 +115,7 @@ class GpuDdpReducer {
   std::unordered_map<GpuParameter*, int> bucket_of_;
   std::unordered_map<GpuParameter*, bool> reported_;
   int launched_ = 0;
+  std::optional<HalfFormat> half_;
   // ready_: compute stream -> NCCL stream (reused: a wait binds to the
   // record before it). start_, end_: the NCCL stream's span, timed; the
   // compute stream waits for end_.

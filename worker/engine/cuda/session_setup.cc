@@ -74,11 +74,15 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
   nccl.device = options.device;
   nccl.timeout = options.timeout;
   AIDN_ASSIGN_OR_RETURN(ddp->nccl, NcclCommunicator::Create(nccl, options.store));
-  AIDN_ASSIGN_OR_RETURN(ddp->reducer,
-                        GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
-                                              DdpOptions{.bucket_mb = options.bucket_mb}));
+  AIDN_ASSIGN_OR_RETURN(
+      ddp->reducer, GpuDdpReducer::Create(
+                        ctx, parameters, ddp->nccl.get(),
+                        DdpOptions{.bucket_mb = options.bucket_mb, .half = options.compression}));
   absl::StrAppend(description, ", NCCL ", options.world_size, " ranks, ",
                   ddp->reducer->num_buckets(), " gradient buckets");
+  if (options.compression.has_value()) {
+    absl::StrAppend(description, " allreduced in ", HalfFormatName(*options.compression));
+  }
   return absl::OkStatus();
 #else
   (void)ctx;
