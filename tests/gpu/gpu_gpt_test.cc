@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -54,9 +55,11 @@ Batch RandomBatch(const GptConfig& config, int64_t batch, int64_t seq_len, uint6
     b.tokens.push_back(tok(rng));
     b.targets.push_back(tok(rng));
   }
-  // A token repeated across positions and sequences: wte's gradient rows
+  // A token repeated across positions (and sequences): wte's gradient rows
   // that sum several positions.
-  b.tokens[0] = b.tokens[1] = b.tokens[static_cast<size_t>(seq_len)] = 3;
+  b.tokens[0] = 3;
+  if (seq_len > 1) b.tokens[1] = 3;
+  if (batch > 1) b.tokens[static_cast<size_t>(seq_len)] = 3;
   return b;
 }
 
@@ -91,7 +94,9 @@ void ExpectForwardBackwardMatch(const GptConfig& config, int64_t batch, int64_t 
   const std::vector<Parameter*>& want = cpu->Parameters();
   const std::vector<Parameter*>& got = grads->Parameters();
   ASSERT_EQ(ready.size(), want.size()) << "every parameter reported ready once";
-  EXPECT_EQ(ready.back(), "transformer.wte.weight");
+  // The embeddings come last.
+  EXPECT_EQ(std::set<std::string>(ready.end() - 2, ready.end()),
+            (std::set<std::string>{"transformer.wte.weight", "transformer.wpe.weight"}));
   for (size_t i = 0; i < want.size(); ++i) {
     const double err = MaxRelError(got[i]->grad, want[i]->grad);
     EXPECT_LE(err, 1e-4) << want[i]->name;
@@ -116,6 +121,12 @@ TEST(GpuGpt, TwentyAdamWStepsMatchTheCpu) {
   opt.weight_decay = 0.1;
   opt.decay_matrices_only = true;
   opt.grad_clip_norm = 1.0;
+  // With torch's eps of 1e-8 an element whose gradient is rounding noise
+  // (the key third of c_attn's bias has a zero gradient in exact
+  // arithmetic: softmax ignores a constant added to a row) moves by up to
+  // lr whatever its sign, so two correct implementations that sum in
+  // different orders drift apart by ~1e-3; 1e-6 keeps such elements still.
+  opt.eps = 1e-6;
   auto cpu_opt = Optimizer::Create(opt, cpu->Parameters());
   ASSERT_TRUE(cpu_opt.ok()) << cpu_opt.status();
   auto gpu_opt = GpuOptimizer::Create(ctx.get(), opt, (*gpu)->Parameters());

@@ -544,6 +544,31 @@ TEST(GpuOptimizer, ClippingMatchesCpu) {
   CompareOptimizer(ctx.get(), c, kFp32);
 }
 
+// The clipping norm's sum of squares: one block for a small tensor, many
+// blocks and a second pass for a large one; the CPU's double sum to
+// rounding, and the same bits every run.
+TEST(GpuKernels, SumOfSquaresOfSmallAndLargeTensors) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
+  DeviceBuffer out = ctx->allocator().Allocate(2 * sizeof(double)).value();
+  DeviceBuffer scratch = ctx->allocator().Allocate(kSumOfSquaresBlocks * sizeof(double)).value();
+  for (const int64_t n : {int64_t{0}, int64_t{1000}, int64_t{3'000'001}}) {
+    const Tensor host = RandomTensor({std::max<int64_t>(n, 1)}, 5 + n);
+    const GpuTensor g = ToDevice(ctx.get(), host);
+    double want = 0;
+    for (int64_t i = 0; i < n; ++i) want += static_cast<double>(host[i]) * host[i];
+    double* sums = static_cast<double*>(out.data());
+    double* partial = static_cast<double*>(scratch.data());
+    ASSERT_TRUE(LaunchSumOfSquares(ctx->stream(), g.data(), n, sums, partial).ok());
+    ASSERT_TRUE(LaunchSumOfSquares(ctx->stream(), g.data(), n, sums + 1, partial).ok());
+    double got[2] = {-1, -1};
+    ASSERT_EQ(cudaMemcpyAsync(got, sums, sizeof(got), cudaMemcpyDeviceToHost, ctx->stream()),
+              cudaSuccess);
+    ASSERT_TRUE(ctx->Synchronize().ok());
+    EXPECT_NEAR(got[0], want, 1e-12 * std::max(want, 1.0)) << n;
+    EXPECT_EQ(got[0], got[1]) << n;
+  }
+}
+
 TEST(CachingAllocatorGpu, ReusesFreedBlocksBySize) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
   CachingAllocator alloc;

@@ -512,8 +512,9 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
   for (size_t l = blocks_.size(); l-- > 0;) {
     AIDN_RETURN_IF_ERROR(BlockBackward(l));
     const Block& b = blocks_[l];
-    AIDN_RETURN_IF_ERROR(ready({b.fc_proj_w, b.fc_proj_b, b.fc_w, b.fc_b, b.ln2_w, b.ln2_b,
-                                b.proj_w, b.proj_b, b.attn_w, b.attn_b, b.ln1_w, b.ln1_b}));
+    // In registration order, as the reducer expects each report's list.
+    AIDN_RETURN_IF_ERROR(ready({b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w,
+                                b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}));
   }
   // The embeddings.
   AIDN_ASSIGN_OR_RETURN(const float* demb, BranchGrad(0));
@@ -523,7 +524,7 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
                                        static_cast<const int32_t*>(grad_positions_d_.data()),
                                        static_cast<int64_t>(grad_groups_.tokens.size()), c));
   AIDN_RETURN_IF_ERROR(LaunchPositionGrad(stream, demb, wpe_->grad.data(), batch_, seq_len_, c));
-  return ready({wpe_, wte_});
+  return ready({wte_, wpe_});
 }
 
 }  // namespace aidn::engine::cuda

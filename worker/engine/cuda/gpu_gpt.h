@@ -48,8 +48,9 @@ namespace aidn::engine::cuda {
 class GpuGpt {
  public:
   // Called during Backward with parameters whose gradients are final for
-  // this pass (queued), in the CPU decoder's order: ln_f, each block's from
-  // the last, then wpe and wte. DDP starts its allreduces from here.
+  // this pass (queued): ln_f's, each block's from the last, then wte and
+  // wpe, each list in registration order (GpuDdpReducer::OnGradReady's
+  // expectation). DDP starts its allreduces from here.
   using GradReadyFn = std::function<absl::Status(const std::vector<GpuParameter*>&)>;
 
   // A GPU copy of `cpu` (configuration and weights). UNIMPLEMENTED for
@@ -138,7 +139,7 @@ class GpuGpt {
   int64_t seq_len_ = 0;
 
   // Tokens and targets on the device, and the positions grouped by token
-  // for the embedding's gradient (host copies kept while copies are queued).
+  // for the embedding's gradient.
   DeviceBuffer tokens_d_, targets_d_, grad_tokens_d_, grad_offsets_d_, grad_positions_d_;
   TokenPositions grad_groups_;
 

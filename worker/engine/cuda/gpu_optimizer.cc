@@ -49,6 +49,8 @@ absl::StatusOr<std::unique_ptr<GpuOptimizer>> GpuOptimizer::Create(
   if (config.grad_clip_norm > 0) {
     CachingAllocator& alloc = ctx->allocator();
     AIDN_ASSIGN_OR_RETURN(opt->sum_sq_, alloc.Allocate(sizeof(double) * params.size()));
+    AIDN_ASSIGN_OR_RETURN(opt->sum_sq_scratch_,
+                          alloc.Allocate(sizeof(double) * kSumOfSquaresBlocks));
     AIDN_ASSIGN_OR_RETURN(opt->norm_, alloc.Allocate(sizeof(double)));
     AIDN_ASSIGN_OR_RETURN(opt->coef_, alloc.Allocate(sizeof(float)));
   }
@@ -142,7 +144,8 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
     double* sum_sq = static_cast<double*>(sum_sq_.data());
     for (size_t k = 0; k < params_.size(); ++k) {
       AIDN_RETURN_IF_ERROR(LaunchSumOfSquares(stream, params_[k]->grad.data(),
-                                              params_[k]->grad.numel(), sum_sq + k));
+                                              params_[k]->grad.numel(), sum_sq + k,
+                                              static_cast<double*>(sum_sq_scratch_.data())));
     }
     AIDN_RETURN_IF_ERROR(LaunchClipCoefficient(
         stream, sum_sq, static_cast<int>(params_.size()), config_.grad_clip_norm,

@@ -117,6 +117,7 @@ class GpuOptimizer {
   // Clipping: per-parameter sums of squares (double), the norm (double) and
   // the coefficient (float).
   DeviceBuffer sum_sq_;
+  DeviceBuffer sum_sq_scratch_;  // LaunchSumOfSquares's partial sums
   DeviceBuffer norm_;
   DeviceBuffer coef_;
   bool measured_norm_ = false;

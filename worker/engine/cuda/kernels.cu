@@ -234,13 +234,22 @@ __global__ void MeanKernel(const double* values, int64_t n, double* mean) {
   if (threadIdx.x == 0) *mean = s / static_cast<double>(n);
 }
 
-// One block.
-__global__ void SumOfSquaresKernel(const float* g, int64_t n, double* out) {
+// Block b sums elements b * blockDim.x + t, strided by the grid, into
+// partial[b].
+__global__ void SumOfSquaresKernel(const float* g, int64_t n, double* partial) {
   double s = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
     const double v = g[i];
     s += v * v;
   }
+  s = BlockSum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// One block: *out = the sum of partial[0..count).
+__global__ void SumPartialsKernel(const double* partial, int count, double* out) {
+  double s = 0.0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
   s = BlockSum(s);
   if (threadIdx.x == 0) *out = s;
 }
@@ -496,10 +505,22 @@ absl::Status LaunchSoftmaxCrossEntropy(cudaStream_t stream, const float* logits,
   return absl::OkStatus();
 }
 
-absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq) {
-  // n == 0 still launches, to write 0.
-  SumOfSquaresKernel<<<1, 1024, 0, stream>>>(g, n, sum_sq);
+absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq,
+                                double* scratch) {
+  // A block per 16 elements a thread, at most kSumOfSquaresBlocks. n == 0
+  // still launches, to write 0.
+  const int64_t per_block = int64_t{1024} * 16;
+  const int blocks = static_cast<int>(
+      std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kSumOfSquaresBlocks));
+  if (blocks == 1) {
+    SumOfSquaresKernel<<<1, 1024, 0, stream>>>(g, n, sum_sq);
+    AIDN_RETURN_IF_LAUNCH_FAILED("SumOfSquaresKernel");
+    return absl::OkStatus();
+  }
+  SumOfSquaresKernel<<<static_cast<unsigned>(blocks), 1024, 0, stream>>>(g, n, scratch);
   AIDN_RETURN_IF_LAUNCH_FAILED("SumOfSquaresKernel");
+  SumPartialsKernel<<<1, 256, 0, stream>>>(scratch, blocks, sum_sq);
+  AIDN_RETURN_IF_LAUNCH_FAILED("SumPartialsKernel");
   return absl::OkStatus();
 }
 

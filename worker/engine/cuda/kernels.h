@@ -71,8 +71,14 @@ absl::Status LaunchFromHalf(cudaStream_t stream, const void* x, float* y, int64_
 absl::Status LaunchUnscaleAndCheck(cudaStream_t stream, float* g, int64_t n, float inv_scale,
                                    int32_t* found);
 
-// sum_sq[slot] = sum of g[i]^2 over n elements, in double.
-absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq);
+// *sum_sq = sum of g[i]^2 over n elements, in double, in an order fixed by
+// n: up to kSumOfSquaresBlocks blocks each sum a strided share into
+// `scratch` (device memory of kSumOfSquaresBlocks doubles, reused by the
+// next call on the stream), and one block sums those. A large tensor (a
+// GPT's embedding) is read by many SMs, not one.
+inline constexpr int kSumOfSquaresBlocks = 256;
+absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq,
+                                double* scratch);
 
 // From the per-tensor sums of squares `sum_sq[0..count)`: *norm = sqrt of
 // their sum, *coef = the torch clip coefficient max_norm / (norm + 1e-6) as
