@@ -519,7 +519,7 @@ absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
 // A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
 // 0 writes the whole model), as rank 0's whole tensors into ZeRO's and
 // FSDP's sharded ones, and a pipeline stage writes its own; the GPU engine
-// does not have BatchNorm yet.
+// has BatchNorm but not SyncBatchNorm, nor stochastic depth.
 absl::Status ValidateResNet(const v1::JobSpec& spec) {
   const std::string& name = spec.model().name();
   if (spec.ddp().sync_batchnorm()) {
@@ -536,9 +536,12 @@ absl::Status ValidateResNet(const v1::JobSpec& spec) {
       return Invalid("ddp.sync_batchnorm", "does not combine with parallel.pipeline yet");
     }
   }
-  if (!IsResNet(name)) return absl::OkStatus();
-  if (spec.device() == v1::JobSpec::GPU) {
-    return Invalid("model.name", absl::StrCat(name, " runs on device: cpu for now"));
+  if (spec.device() != v1::JobSpec::GPU) return absl::OkStatus();
+  if (spec.ddp().sync_batchnorm()) {
+    return Invalid("ddp.sync_batchnorm", "runs on device: cpu for now");
+  }
+  if (IsResNet(name) && spec.model().stochastic_depth() > 0) {
+    return Invalid("model.stochastic_depth", "runs on device: cpu for now");
   }
   return absl::OkStatus();
 }

@@ -11,14 +11,17 @@
 #include <gtest/gtest.h>
 
 #include "tests/gpu/gpu_test_util.h"
+#include "worker/engine/batchnorm.h"
 #include "worker/engine/cuda/dropout_mask.h"
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_model.h"
 #include "worker/engine/cuda/gpu_optimizer.h"
+#include "worker/engine/cuda/gpu_resnet.h"
 #include "worker/engine/layers.h"
 #include "worker/engine/loss.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/resnet.h"
 
 namespace aidn::engine::cuda {
 namespace {
@@ -542,6 +545,68 @@ TEST(GpuOptimizer, ClippingMatchesCpu) {
   c.momentum = 0;
   c.lr = 1e-3;
   CompareOptimizer(ctx.get(), c, kFp32);
+}
+
+// BatchNorm2d: cuDNN's statistics in fp32 against the CPU's in double.
+TEST(GpuBatchNorm2d, MatchesCpuInTrainingAndEval) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
+  BatchNorm2d cpu(6);
+  std::unique_ptr<GpuLayer> gpu = Mirror(ctx.get(), &cpu, 3);
+  ASSERT_NE(gpu, nullptr);
+  Tensor x = RandomTensor({4, 6, 5, 7}, 11, 2.0f);
+  for (int64_t i = 0; i < x.numel(); ++i) x[i] += 0.5f;  // a mean away from 0
+  CompareLayer("BatchNorm2d training", ctx.get(), &cpu, gpu.get(), x, 1e-4);
+  // The running statistics moved alike (towards the unbiased variance).
+  std::vector<Parameter*> buffers = cpu.Buffers();
+  std::vector<GpuParameter*> gpu_buffers = gpu->Buffers();
+  ASSERT_EQ(buffers.size(), 2u);
+  ASSERT_EQ(gpu_buffers.size(), 2u);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_EQ(gpu_buffers[i]->name, buffers[i]->name);
+    ExpectClose(buffers[i]->name, ToHost(ctx.get(), gpu_buffers[i]->value), buffers[i]->value,
+                1e-5);
+  }
+  // Eval: the running statistics normalise.
+  Tensor y;
+  cpu.Forward(x, &y, /*training=*/false);
+  GpuTensor gx = ToDevice(ctx.get(), x);
+  GpuTensor gy;
+  ASSERT_TRUE(gpu->Forward(gx, &gy, /*training=*/false).ok());
+  ExpectClose("BatchNorm2d eval", ToHost(ctx.get(), gy), y, 1e-5);
+  GpuTensor gdx;
+  EXPECT_EQ(gpu->Backward(gy, &gdx).code(), absl::StatusCode::kFailedPrecondition);
+  GpuTensor bad = ToDevice(ctx.get(), RandomTensor({2, 5, 3, 3}, 1));
+  EXPECT_EQ(gpu->Forward(bad, &gy, true).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Basic blocks and bottlenecks, with the identity and with a downsampling
+// shortcut: both paths, the sum, the ReLU, every gradient.
+TEST(GpuResidualBlock, BasicAndBottleneckBlocksMatchCpu) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
+  struct Shape {
+    int64_t in, planes, stride;
+    bool bottleneck;
+  };
+  for (const Shape& b : {Shape{4, 4, 1, false}, Shape{4, 8, 2, false}, Shape{8, 4, 1, true},
+                         Shape{16, 4, 2, true}}) {
+    ResidualBlock cpu(b.in, b.planes, b.stride, b.bottleneck);
+    std::unique_ptr<GpuLayer> gpu = Mirror(ctx.get(), &cpu, 20 + b.in);
+    ASSERT_NE(gpu, nullptr);
+    EXPECT_EQ(gpu->Buffers().size(), cpu.Buffers().size());
+    const Tensor x = RandomTensor({2, b.in, 8, 8}, 30 + b.planes);
+    CompareLayer(cpu.Describe(), ctx.get(), &cpu, gpu.get(), x, 1e-4);
+  }
+  ResidualBlock dropping(4, 4, 1, false, /*drop_prob=*/0.2);
+  EXPECT_EQ(MirrorLayer(ctx.get(), dropping).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST(GpuGlobalAvgPool2d, MatchesCpu) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Fp32());
+  GlobalAvgPool2d cpu;
+  std::unique_ptr<GpuLayer> gpu = Mirror(ctx.get(), &cpu, 1);
+  ASSERT_NE(gpu, nullptr);
+  CompareLayer("AdaptiveAvgPool2d", ctx.get(), &cpu, gpu.get(), RandomTensor({3, 5, 4, 6}, 2),
+               1e-6);
 }
 
 // The clipping norm's sum of squares: one block for a small tensor, many

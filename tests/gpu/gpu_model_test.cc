@@ -61,7 +61,7 @@ ModelConfig Cnn() {
   return c;
 }
 
-void CompareForwardBackward(const ModelConfig& config) {
+void CompareForwardBackward(const ModelConfig& config, double tolerance = kFp32) {
   SCOPED_TRACE(config.name);
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
   std::printf("%s forward/backward, batch 64\n", config.name.c_str());
@@ -84,14 +84,14 @@ void CompareForwardBackward(const ModelConfig& config) {
   GpuTensor glogits;
   ASSERT_TRUE((*gpu)->ZeroGrad().ok());
   ASSERT_TRUE((*gpu)->Forward(x, &glogits, true).ok());
-  ExpectClose("logits", ToHost(ctx.get(), glogits), logits, kFp32);
+  ExpectClose("logits", ToHost(ctx.get(), glogits), logits, tolerance);
   GpuCrossEntropy xent(ctx.get());
   GpuTensor ggrad;
   ASSERT_TRUE(xent.Compute(glogits, b.labels, &ggrad).ok());
   absl::StatusOr<double> gloss = xent.Loss();
   ASSERT_TRUE(gloss.ok());
   std::printf("  loss %.8f vs CPU %.8f\n", *gloss, loss);
-  EXPECT_NEAR(*gloss, loss, kFp32 * loss);
+  EXPECT_NEAR(*gloss, loss, tolerance * loss);
   ASSERT_TRUE((*gpu)->Backward(ggrad).ok());
 
   // Gradients into a second CPU model's parameters, compared by name.
@@ -100,7 +100,13 @@ void CompareForwardBackward(const ModelConfig& config) {
   ASSERT_TRUE((*gpu)->CopyGradientsTo(copy->Parameters()).ok());
   for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
     ExpectClose(cpu->Parameters()[k]->name + " gradient", copy->Parameters()[k]->grad,
-                cpu->Parameters()[k]->grad, kFp32);
+                cpu->Parameters()[k]->grad, tolerance);
+  }
+  // Running statistics (a ResNet's), moved by the training forward alike.
+  ASSERT_TRUE((*gpu)->CopyBuffersTo(copy->Buffers()).ok());
+  for (size_t k = 0; k < cpu->Buffers().size(); ++k) {
+    ExpectClose(cpu->Buffers()[k]->name, copy->Buffers()[k]->value, cpu->Buffers()[k]->value,
+                tolerance);
   }
   // Weights come back exactly as they went in.
   auto back = Cpu(config, 99);
@@ -111,6 +117,21 @@ void CompareForwardBackward(const ModelConfig& config) {
 }
 
 TEST(GpuModel, MlpForwardBackwardMatchesCpu) { CompareForwardBackward(Mlp()); }
+
+// ResNets on Fashion-MNIST-shaped images (1 x 28 x 28): every convolution,
+// BatchNorm (batch statistics in fp32 on the GPU, in double on the CPU),
+// residual sum and the pooling, 1e-3 over 18 or 50 layers.
+TEST(GpuModel, ResNet18ForwardBackwardMatchesCpu) {
+  ModelConfig c;
+  c.name = "resnet18";
+  CompareForwardBackward(c, 1e-3);
+}
+
+TEST(GpuModel, ResNet50ForwardBackwardMatchesCpu) {
+  ModelConfig c;
+  c.name = "resnet50";
+  CompareForwardBackward(c, 1e-3);
+}
 TEST(GpuModel, CnnForwardBackwardMatchesCpu) { CompareForwardBackward(Cnn()); }
 
 TEST(GpuModel, RefusesParametersThatDoNotMatch) {

@@ -137,6 +137,50 @@ TEST(GpuSession, OneRankTrainsAsTheCpuDoesAndResumesFromItsState) {
   EXPECT_EQ(*a, *r) << "same weights, same state, same batch";
 }
 
+// A ResNet-18 session against the CPU model: losses over 5 SGD steps, and
+// the running statistics it hands back for checkpoints and evaluation.
+TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
+  DeviceInventory inventory = DiscoverDevices();
+  if (inventory.gpus.empty()) GTEST_SKIP() << "no CUDA device: " << inventory.gpu_note;
+  ModelConfig resnet;
+  resnet.name = "resnet18";
+  auto cpu = BuildModel(resnet, 5);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto session = GpuSession::Create(GpuSessionOptions(), **cpu, SgdMomentum());
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto cpu_opt = Optimizer::Create(SgdMomentum(), (*cpu)->Parameters());
+  ASSERT_TRUE(cpu_opt.ok());
+  Tensor logits, grad;
+  double max_rel = 0;
+  for (int step = 0; step < 5; ++step) {
+    const Batch b = RandomBatch(200 + step);
+    (*cpu)->ZeroGrad();
+    (*cpu)->Forward(b.images, &logits, true);
+    const double cpu_loss = SoftmaxCrossEntropy(logits, b.labels, &grad);
+    (*cpu)->Backward(grad);
+    ASSERT_TRUE((*cpu_opt)->Step(0.01).ok());
+    absl::StatusOr<double> gpu_loss = (*session)->Step(b.images, b.labels, 0.01);
+    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+    max_rel = std::max(max_rel, std::fabs(*gpu_loss - cpu_loss) / cpu_loss);
+  }
+  std::printf("max rel loss difference over 5 steps: %.3g\n", max_rel);
+  EXPECT_LE(max_rel, 1e-3);
+  auto copy = BuildModel(resnet, 9);
+  ASSERT_TRUE(copy.ok());
+  ASSERT_TRUE((*session)->CopyBuffersTo((*copy)->Buffers()).ok());
+  ASSERT_EQ((*copy)->Buffers().size(), (*cpu)->Buffers().size());
+  for (size_t i = 0; i < (*cpu)->Buffers().size(); ++i) {
+    const Tensor& want = (*cpu)->Buffers()[i]->value;
+    const Tensor& got = (*copy)->Buffers()[i]->value;
+    double diff = 0, ref = 0;
+    for (int64_t j = 0; j < want.numel(); ++j) {
+      diff = std::max(diff, static_cast<double>(std::fabs(got[j] - want[j])));
+      ref = std::max(ref, static_cast<double>(std::fabs(want[j])));
+    }
+    EXPECT_LE(diff, 1e-3 * ref) << (*cpu)->Buffers()[i]->name;
+  }
+}
+
 GptConfig TinyGpt() {
   GptConfig c;
   c.n_layer = 2;

@@ -108,6 +108,42 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
   EXPECT_TRUE(absl::StrContains(log, gpu_name_)) << log;
 }
 
+// A ResNet-18 on the GPU: BatchNorm through cuDNN, its running statistics
+// copied down for the epoch's evaluation and the checkpoint; the loss
+// falls and the test accuracy is a trained model's.
+TEST_F(GpuJobTest, AResNetTrainsOnOneGpu) {
+  v1::JobSpec spec;
+  spec.set_name("gpu-resnet");
+  spec.set_device(v1::JobSpec::GPU);
+  spec.set_world_size(1);
+  spec.mutable_model()->set_name("resnet18");
+  spec.mutable_optimizer()->set_name("sgd");
+  spec.mutable_optimizer()->set_lr(0.05);
+  spec.mutable_optimizer()->set_momentum(0.9);
+  spec.set_batch_size(64);
+  spec.set_max_steps(300);
+  spec.set_eval_max_samples(2000);
+  spec.set_seed(2);
+  spec.set_max_restarts(0);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty());
+  v1::Job job = cluster().WaitForEnd(id, kLong);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  double first_loss = 0, last_loss = 0, accuracy = -1;
+  for (const v1::StepMetrics& s : cluster().Metrics(id)) {
+    if (s.kind() == v1::MetricRecord::EVAL) {
+      accuracy = s.test_accuracy();
+      continue;
+    }
+    if (s.step() == 1) first_loss = s.loss();
+    if (s.step() == 300) last_loss = s.loss();
+  }
+  EXPECT_GT(first_loss, 1.5);
+  EXPECT_LT(last_loss, 0.9);
+  EXPECT_GT(accuracy, 0.72);
+  EXPECT_TRUE(absl::StrContains(TrainerLog(id, 1), "training on the GPU"));
+}
+
 // The GPT example's model on Debian's fortunes, one GPU rank in bf16 with
 // the CPU example's 32 windows a step: the job succeeds and the validation
 // loss is a trained model's (the 2-rank CPU example reaches 2.00 nats per

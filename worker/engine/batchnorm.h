@@ -50,6 +50,8 @@ class BatchNorm2d final : public Layer {
   }
 
   int64_t channels() const { return channels_; }
+  double eps() const { return eps_; }
+  double momentum() const { return momentum_; }
   Parameter& weight() { return weight_; }
   Parameter& bias() { return bias_; }
   Parameter& running_mean() { return running_mean_; }

@@ -67,6 +67,10 @@ struct GpuSessionOptions {
   // Buckets allreduced in 16 bits (spec ddp.compression fp16 | bf16; the
   // CPU reducer's semantics, cuda/gpu_ddp.h), world_size > 1.
   std::optional<HalfFormat> compression;
+  // Rank 0's buffers (BatchNorm's running statistics) broadcast to every
+  // rank before each step's first forward (spec ddp.broadcast_buffers,
+  // torch's default), world_size > 1.
+  bool broadcast_buffers = true;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA
@@ -126,6 +130,9 @@ class GpuSession {
   // The device's weights into CPU parameters of the same model (checkpoints,
   // evaluation).
   virtual absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) = 0;
+  // The same for the model's buffers (Sequential::Buffers(): running
+  // statistics; none for a GPT).
+  virtual absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) = 0;
   // Optimizer state, named as Optimizer::State() names it, and its steps.
   virtual absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> OptimizerState() = 0;
   virtual int64_t optimizer_steps() const = 0;

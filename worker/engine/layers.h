@@ -129,6 +129,7 @@ class Conv2d final : public Layer {
   int64_t padding() const { return padding_; }
   Parameter& weight() { return weight_; }
   Parameter& bias() { return bias_; }
+  bool has_bias() const { return has_bias_; }
 
  private:
   int64_t in_;

@@ -62,6 +62,15 @@ class ResidualBlock final : public Layer {
   absl::Status TakeCollectiveStatus() override;
 
   int64_t out_planes() const { return out_planes_; }
+  double drop_prob() const { return drop_prob_; }
+  // The main path's and the shortcut's layers (empty: the identity), in
+  // order, with their names (the GPU engine mirrors them).
+  const std::vector<std::pair<std::string, std::unique_ptr<Layer>>>& main_path() const {
+    return main_;
+  }
+  const std::vector<std::pair<std::string, std::unique_ptr<Layer>>>& shortcut() const {
+    return shortcut_;
+  }
   // The convolutions in registration order (for initialisation).
   std::vector<Conv2d*> Convolutions();
 

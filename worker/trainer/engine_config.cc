@@ -135,6 +135,7 @@ engine::GpuSessionOptions GpuSessionOptionsOf(const v1::JobSpec& spec, int rank,
   o.bucket_mb = BucketMbOf(spec);
   o.cuda_graphs = spec.cuda_graphs();
   o.compression = HalfCompressionOf(spec);
+  o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
   switch (spec.precision()) {
     case v1::JobSpec::BF16:
       o.precision = "bf16";

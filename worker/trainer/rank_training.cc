@@ -390,6 +390,10 @@ std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
   if (absl::Status s = gpu_->CopyParametersTo(task_->Parameters()); !s.ok()) {
     return Failure{kExitFailure, s};
   }
+  // Running statistics: checkpoints and evaluation read the CPU copies.
+  if (absl::Status s = gpu_->CopyBuffersTo(task_->model().Buffers()); !s.ok()) {
+    return Failure{kExitFailure, s};
+  }
   if (!optimizer_state) return std::nullopt;
   absl::StatusOr<std::vector<std::pair<std::string, engine::Tensor>>> state =
       gpu_->OptimizerState();

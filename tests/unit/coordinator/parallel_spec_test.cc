@@ -223,8 +223,19 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
     std::string message;
   };
   const Case cases[] = {
-      {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
-       "model.name: resnet18 runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->mutable_model()->set_stochastic_depth(0.1);
+         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
+         s->mutable_ddp()->set_find_unused_parameters(true);
+       },
+       "model.stochastic_depth: runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
+         s->mutable_ddp()->set_sync_batchnorm(true);
+       },
+       "ddp.sync_batchnorm: runs on device: cpu for now"},
       {[](JobSpec* s) { s->mutable_model()->set_dropout(0.1); },
        "model.dropout: resnet18 has no dropout"},
       {[](JobSpec* s) { s->mutable_model()->add_hidden_sizes(4); },
@@ -245,6 +256,13 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
     c.edit(&bad);
     EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, bad).message()), c.message);
   }
+  // A ResNet on a GPU: DDP over NCCL, buffers broadcast, bf16 operands.
+  const JobSpec gpu = Spec("resnet50", [](JobSpec* s) {
+    s->set_device(JobSpec::GPU);
+    s->set_precision(JobSpec::BF16);
+    s->set_world_size(2);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, gpu).ok()) << ValidateJobSpec(SpecLimits{}, gpu);
   const JobSpec mlp = Spec("mlp", [](JobSpec* s) { s->mutable_ddp()->set_sync_batchnorm(true); });
   EXPECT_EQ(std::string(ValidateJobSpec(SpecLimits{}, mlp).message()),
             "ddp.sync_batchnorm: applies to models with BatchNorm (resnet18, resnet50)");

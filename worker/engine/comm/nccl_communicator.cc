@@ -258,21 +258,26 @@ absl::Status NcclCommunicator::AllReduceHalf(uint16_t* data, size_t count, HalfF
   return Complete(what);
 }
 
-absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
+absl::Status NcclCommunicator::EnqueueBroadcast(float* data, size_t count, int root) {
   AIDN_RETURN_IF_ERROR(Usable());
   if (root < 0 || root >= options_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "nccl broadcast: root ", root, " is not in a world of size ", options_.world_size));
   }
+  if (count == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("nccl broadcast: null buffer");
+  return Queued(absl::StrCat("nccl broadcast of ", count, " floats from ", root),
+                ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_));
+}
+
+absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
+  AIDN_RETURN_IF_ERROR(EnqueueBroadcast(data, count, root));
   if (count == 0) {
     ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
-  const std::string what = absl::StrCat("nccl broadcast of ", count, " floats from ", root);
-  AIDN_RETURN_IF_ERROR(
-      Queued(what, ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_)));
-  return Complete(what);
+  return Complete(absl::StrCat("nccl broadcast of ", count, " floats from ", root));
 }
 
 absl::Status NcclCommunicator::AllGather(const float* in, size_t count, float* out) {

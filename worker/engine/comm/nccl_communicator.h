@@ -91,6 +91,8 @@ class NcclCommunicator final : public Communicator {
   // WaitForEvent() (or any later synchronous call) reports its outcome and
   // counts it in sequence().
   absl::Status EnqueueAllReduce(float* data, size_t count, ReduceOp op);
+  // Queues an in-place broadcast from `root` on stream(), as EnqueueAllReduce.
+  absl::Status EnqueueBroadcast(float* data, size_t count, int root);
   // The same for an in-place sum of 16-bit floats (AllReduceHalf's).
   absl::Status EnqueueAllReduceHalf(uint16_t* data, size_t count, HalfFormat format);
   // Waits until everything queued on stream() has completed, polling for

@@ -47,6 +47,7 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->start_));
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->end_));
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->backward_end_));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&r->buffers_done_, cudaEventDisableTiming));
   // The gradients move into the buckets (stream order keeps their values:
   // the copies are queued before anything that writes them again).
   cudaStream_t stream = ctx->stream();
@@ -107,6 +108,7 @@ GpuDdpReducer::~GpuDdpReducer() {
   if (start_ != nullptr) cudaEventDestroy(start_);
   if (end_ != nullptr) cudaEventDestroy(end_);
   if (backward_end_ != nullptr) cudaEventDestroy(backward_end_);
+  if (buffers_done_ != nullptr) cudaEventDestroy(buffers_done_);
 }
 
 std::vector<std::vector<std::string>> GpuDdpReducer::BucketLayout() const {
@@ -146,6 +148,23 @@ absl::Status GpuDdpReducer::LaunchHalf(Bucket& bucket) {
   AIDN_RETURN_IF_ERROR(nccl_->EnqueueAllReduceHalf(static_cast<uint16_t*>(bucket.half.data()),
                                                    bucket.floats, *half_));
   return LaunchFromHalf(comm, bucket.half.data(), data, n, type, /*accumulate=*/false);
+}
+
+absl::Status GpuDdpReducer::BroadcastBuffers(const std::vector<GpuParameter*>& buffers) {
+  if (buffers.empty()) return absl::OkStatus();
+  cudaStream_t comm = nccl_->stream();
+  // After the last step's forward updated them on the compute stream.
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(ready_, ctx_->stream()));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, ready_, 0));
+  for (GpuParameter* b : buffers) {
+    absl::Status s = nccl_->EnqueueBroadcast(b->value.data(), static_cast<size_t>(b->value.numel()),
+                                             /*root=*/0);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("buffer ", b->name, ": ", s.message()));
+  }
+  // This step's forward reads them.
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(buffers_done_, comm));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(ctx_->stream(), buffers_done_, 0));
+  return absl::OkStatus();
 }
 
 absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parameters) {

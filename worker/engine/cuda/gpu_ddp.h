@@ -79,6 +79,11 @@ class GpuDdpReducer {
   // naming the bucket if one never launched (a parameter got no gradient),
   // after launching it anyway so the ranks stay in step.
   absl::Status AfterBackward();
+  // broadcast_buffers: rank 0's `buffers` (running statistics) to every
+  // rank, on the NCCL stream after what the compute stream queued so far,
+  // and the compute stream ordered after it; no host wait (Wait reports an
+  // error). Call before a step's first forward, on every rank alike.
+  absl::Status BroadcastBuffers(const std::vector<GpuParameter*>& buffers);
   // Waits for `done` (recorded on the compute stream after the update),
   // polling NCCL; then measures the allreduce time.
   absl::Status Wait(cudaEvent_t done);
@@ -124,6 +129,8 @@ class GpuDdpReducer {
   cudaEvent_t end_ = nullptr;
   // Backward's end on the compute stream, timed.
   cudaEvent_t backward_end_ = nullptr;
+  // BroadcastBuffers: the NCCL stream's broadcasts done.
+  cudaEvent_t buffers_done_ = nullptr;
   bool timed_ = false;
   double allreduce_seconds_ = 0;
   double exposed_seconds_ = 0;

@@ -163,6 +163,14 @@ class CudaGptSession final : public GpuSession {
     return absl::OkStatus();
   }
 
+  absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) override {
+    if (!cpu.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a GPT has no buffers; asked for ", cpu.size()));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> OptimizerState() override {
     return optimizer_->StateToHost();
   }

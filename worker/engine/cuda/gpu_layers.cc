@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "worker/engine/cuda/dropout_mask.h"
+#include "worker/engine/cuda/gpu_resnet.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 #include "worker/engine/layers.h"
@@ -297,7 +298,8 @@ absl::Status GpuReLU::Backward(const GpuTensor& grad_output, GpuTensor* grad_inp
 
 absl::StatusOr<std::unique_ptr<GpuConv2d>> GpuConv2d::Create(GpuContext* ctx, int64_t in_channels,
                                                              int64_t out_channels, int64_t kernel,
-                                                             int64_t stride, int64_t padding) {
+                                                             int64_t stride, int64_t padding,
+                                                             bool bias) {
   if (in_channels <= 0 || out_channels <= 0 || kernel <= 0 || stride <= 0 || padding < 0 ||
       !FitsInt(in_channels) || !FitsInt(out_channels) || !FitsInt(kernel) || !FitsInt(padding) ||
       !FitsInt(stride)) {
@@ -307,6 +309,7 @@ absl::StatusOr<std::unique_ptr<GpuConv2d>> GpuConv2d::Create(GpuContext* ctx, in
   }
   std::unique_ptr<GpuConv2d> layer(
       new GpuConv2d(ctx, in_channels, out_channels, kernel, stride, padding));
+  layer->has_bias_ = bias;
   AIDN_RETURN_IF_ERROR(layer->Init());
   return layer;
 }
@@ -343,6 +346,7 @@ std::string GpuConv2d::Describe() const {
   std::string s = absl::StrCat("Conv2d(", in_, ", ", out_, ", kernel_size=(", kernel_, ", ",
                                kernel_, "), stride=(", stride_, ", ", stride_, ")");
   if (padding_ != 0) absl::StrAppend(&s, ", padding=(", padding_, ", ", padding_, ")");
+  if (!has_bias_) s += ", bias=False";
   return s + ")";
 }
 
@@ -739,6 +743,21 @@ absl::Status CopyParameters(GpuContext* ctx, const Layer& cpu, GpuLayer* gpu) {
     AIDN_RETURN_IF_ERROR(to[i]->value.CopyFromHost(ctx, from[i]->value));
     AIDN_RETURN_IF_ERROR(to[i]->grad.Zero(ctx));
   }
+  // Buffers (running statistics): names and values.
+  std::vector<Parameter*> buffers = const_cast<Layer&>(cpu).Buffers();
+  std::vector<GpuParameter*> gpu_buffers = gpu->Buffers();
+  if (buffers.size() != gpu_buffers.size()) {
+    return absl::InternalError(absl::StrCat(cpu.Describe(), ": ", buffers.size(), " CPU buffers, ",
+                                            gpu_buffers.size(), " GPU buffers"));
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (buffers[i]->value.shape() != gpu_buffers[i]->value.shape()) {
+      return absl::InternalError(absl::StrCat(cpu.Describe(), ": buffer ", buffers[i]->name,
+                                              " has shape ", buffers[i]->value.ShapeString()));
+    }
+    gpu_buffers[i]->name = buffers[i]->name;
+    AIDN_RETURN_IF_ERROR(gpu_buffers[i]->value.CopyFromHost(ctx, buffers[i]->value));
+  }
   return absl::OkStatus();
 }
 
@@ -751,14 +770,22 @@ absl::StatusOr<std::unique_ptr<GpuLayer>> MirrorLayer(GpuContext* ctx, const Lay
   } else if (dynamic_cast<const ReLU*>(&cpu) != nullptr) {
     gpu = std::make_unique<GpuReLU>(ctx);
   } else if (const auto* c = dynamic_cast<const Conv2d*>(&cpu)) {
-    AIDN_ASSIGN_OR_RETURN(gpu, GpuConv2d::Create(ctx, c->in_channels(), c->out_channels(),
-                                                 c->kernel(), c->stride(), c->padding()));
+    AIDN_ASSIGN_OR_RETURN(
+        gpu, GpuConv2d::Create(ctx, c->in_channels(), c->out_channels(), c->kernel(), c->stride(),
+                               c->padding(), c->has_bias()));
   } else if (const auto* p = dynamic_cast<const MaxPool2d*>(&cpu)) {
     AIDN_ASSIGN_OR_RETURN(gpu, GpuMaxPool2d::Create(ctx, p->kernel(), p->stride()));
   } else if (dynamic_cast<const Flatten*>(&cpu) != nullptr) {
     gpu = std::make_unique<GpuFlatten>();
   } else if (const auto* d = dynamic_cast<const Dropout*>(&cpu)) {
     gpu = std::make_unique<GpuDropout>(ctx, d->p());
+  } else if (const auto* bn = dynamic_cast<const BatchNorm2d*>(&cpu)) {
+    AIDN_ASSIGN_OR_RETURN(gpu,
+                          GpuBatchNorm2d::Create(ctx, bn->channels(), bn->eps(), bn->momentum()));
+  } else if (const auto* block = dynamic_cast<const ResidualBlock*>(&cpu)) {
+    AIDN_ASSIGN_OR_RETURN(gpu, GpuResidualBlock::Create(ctx, *block));
+  } else if (dynamic_cast<const GlobalAvgPool2d*>(&cpu) != nullptr) {
+    gpu = std::make_unique<GpuGlobalAvgPool2d>(ctx);
   } else {
     return absl::UnimplementedError("no GPU implementation of " + cpu.Describe());
   }

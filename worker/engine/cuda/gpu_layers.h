@@ -54,6 +54,9 @@ class GpuLayer {
   virtual absl::Status Forward(const GpuTensor& input, GpuTensor* output, bool training) = 0;
   virtual absl::Status Backward(const GpuTensor& grad_output, GpuTensor* grad_input) = 0;
   virtual std::vector<GpuParameter*> Parameters() { return {}; }
+  // State that is not trained but saved with the weights (BatchNorm's
+  // running statistics; only `value` is used), as Layer::Buffers.
+  virtual std::vector<GpuParameter*> Buffers() { return {}; }
   // As Layer::Fuse: true when this layer takes `next`'s computation over.
   virtual bool Fuse(const GpuLayer& /*next*/) { return false; }
   virtual void SetSeed(uint64_t /*seed*/) {}
@@ -108,14 +111,20 @@ class GpuReLU final : public GpuLayer {
 
 class GpuConv2d final : public GpuLayer {
  public:
+  // Without `bias` (torch's bias=False, as before a BatchNorm) the bias
+  // stays zero and is not a parameter.
   static absl::StatusOr<std::unique_ptr<GpuConv2d>> Create(GpuContext* ctx, int64_t in_channels,
                                                            int64_t out_channels, int64_t kernel,
-                                                           int64_t stride, int64_t padding);
+                                                           int64_t stride, int64_t padding,
+                                                           bool bias = true);
   ~GpuConv2d() override;
   std::string Describe() const override;
   absl::Status Forward(const GpuTensor& input, GpuTensor* output, bool training) override;
   absl::Status Backward(const GpuTensor& grad_output, GpuTensor* grad_input) override;
-  std::vector<GpuParameter*> Parameters() override { return {&weight_, &bias_}; }
+  std::vector<GpuParameter*> Parameters() override {
+    if (!has_bias_) return {&weight_};
+    return {&weight_, &bias_};
+  }
   bool Fuse(const GpuLayer& next) override;
   GpuParameter& weight() { return weight_; }
   GpuParameter& bias() { return bias_; }
@@ -155,6 +164,7 @@ class GpuConv2d final : public GpuLayer {
   int64_t kernel_;
   int64_t stride_;
   int64_t padding_;
+  bool has_bias_ = true;
   GpuParameter weight_;
   GpuParameter bias_;
   bool fused_relu_ = false;

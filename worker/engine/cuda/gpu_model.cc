@@ -14,6 +14,30 @@ namespace aidn::engine::cuda {
 
 // ---------------------------------------------------------------- GpuModel
 
+namespace {
+
+// The same names and shapes in the same order, else INVALID_ARGUMENT naming
+// the first difference ("parameter 3: CPU fc.bias [10], GPU fc.weight ...").
+absl::Status Matching(const char* what, const std::vector<GpuParameter*>& gpu,
+                      const std::vector<Parameter*>& cpu) {
+  if (cpu.size() != gpu.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cpu.size(), " CPU ", what, "s for ", gpu.size(), " GPU ", what, "s"));
+  }
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    const GpuParameter* g = gpu[k];
+    if (cpu[k] == nullptr || cpu[k]->name != g->name || cpu[k]->value.shape() != g->value.shape()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " ", k, ": CPU ", cpu[k] == nullptr ? "null" : cpu[k]->name, " ",
+                       cpu[k] == nullptr ? "" : cpu[k]->value.ShapeString(), ", GPU ", g->name, " ",
+                       g->value.ShapeString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(GpuContext* ctx, const Sequential& cpu) {
   std::unique_ptr<GpuModel> model(new GpuModel(ctx));
   int last_run = -1;
@@ -21,6 +45,7 @@ absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(GpuContext* ctx, cons
     AIDN_ASSIGN_OR_RETURN(std::unique_ptr<GpuLayer> layer, MirrorLayer(ctx, cpu.layer(i)));
     std::vector<GpuParameter*> params = layer->Parameters();
     for (GpuParameter* p : params) model->parameters_.push_back(p);
+    for (GpuParameter* b : layer->Buffers()) model->buffers_.push_back(b);
     model->layer_parameters_.push_back(params);
     if (!params.empty() && model->first_trainable_ < 0) {
       model->first_trainable_ = static_cast<int>(i);
@@ -39,6 +64,7 @@ absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(GpuContext* ctx, cons
   model->grads_.resize(model->layers_.size());
   // The names were copied from the CPU layers; check the whole list too.
   AIDN_RETURN_IF_ERROR(model->Matches(cpu.Parameters()));
+  AIDN_RETURN_IF_ERROR(Matching("buffer", model->buffers_, cpu.Buffers()));
   return model;
 }
 
@@ -114,18 +140,21 @@ std::string GpuModel::Describe() const {
 }
 
 absl::Status GpuModel::Matches(const std::vector<Parameter*>& cpu) const {
-  if (cpu.size() != parameters_.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(cpu.size(), " CPU parameters for ", parameters_.size(), " GPU parameters"));
-  }
+  return Matching("parameter", parameters_, cpu);
+}
+
+absl::Status GpuModel::CopyBuffersTo(const std::vector<Parameter*>& cpu) const {
+  AIDN_RETURN_IF_ERROR(Matching("buffer", buffers_, cpu));
   for (size_t k = 0; k < cpu.size(); ++k) {
-    const GpuParameter* g = parameters_[k];
-    if (cpu[k] == nullptr || cpu[k]->name != g->name || cpu[k]->value.shape() != g->value.shape()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter ", k, ": CPU ", cpu[k] == nullptr ? "null" : cpu[k]->name, " ",
-                       cpu[k] == nullptr ? "" : cpu[k]->value.ShapeString(), ", GPU ", g->name, " ",
-                       g->value.ShapeString()));
-    }
+    AIDN_RETURN_IF_ERROR(buffers_[k]->value.CopyToHost(ctx_, &cpu[k]->value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::CopyBuffersFrom(const std::vector<Parameter*>& cpu) {
+  AIDN_RETURN_IF_ERROR(Matching("buffer", buffers_, cpu));
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    AIDN_RETURN_IF_ERROR(buffers_[k]->value.CopyFromHost(ctx_, cpu[k]->value));
   }
   return absl::OkStatus();
 }
@@ -344,7 +373,7 @@ void GpuTrainer::InvalidateGraph() {
 std::string GpuTrainer::GraphBlocker() const {
   if (!graphs_) return "CUDA graphs off";
   if (graphs_failed_) return graph_note_;
-  if (grad_ready_ || after_backward_ || wait_) {
+  if (grad_ready_ || after_backward_ || wait_ || before_forward_) {
     return "CUDA graphs not used: the step has hooks (DDP, or a test's)";
   }
   if (scaler_) return "CUDA graphs not used: fp16 loss scaling waits on the host mid-step";
@@ -570,6 +599,7 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
     InvalidateGraph();
   }
   AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
+  if (before_forward_) AIDN_RETURN_IF_ERROR(before_forward_());
   for (int i = 0; i < k; ++i) {
     const MicroBatch& b = micro[static_cast<size_t>(i)];
     if (b.seed.has_value()) model_->SetSeed(*b.seed);

@@ -73,6 +73,9 @@ class GpuModel {
   void SetSeed(uint64_t seed);
 
   const std::vector<GpuParameter*>& Parameters() const { return parameters_; }
+  // The layers' buffers (BatchNorm's running statistics), in
+  // Sequential::Buffers() order with its names.
+  const std::vector<GpuParameter*>& Buffers() const { return buffers_; }
   // Whether a dropout layer with p > 0 is there (its masks are keyed on the
   // host at each forward, so a CUDA graph would replay one mask).
   bool HasDropout() const;
@@ -86,6 +89,9 @@ class GpuModel {
   absl::Status CopyParametersFrom(const std::vector<Parameter*>& cpu);
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) const;
   absl::Status CopyGradientsTo(const std::vector<Parameter*>& cpu) const;
+  // Buffer values to / from CPU buffers in Buffers() order, likewise.
+  absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) const;
+  absl::Status CopyBuffersFrom(const std::vector<Parameter*>& cpu);
 
  private:
   explicit GpuModel(GpuContext* ctx) : ctx_(ctx) {}
@@ -95,6 +101,7 @@ class GpuModel {
   std::vector<std::unique_ptr<GpuLayer>> layers_;
   std::vector<bool> fused_;
   std::vector<GpuParameter*> parameters_;
+  std::vector<GpuParameter*> buffers_;
   // Per layer, its parameters (empty for most).
   std::vector<std::vector<GpuParameter*>> layer_parameters_;
   int first_trainable_ = -1;
@@ -167,6 +174,10 @@ class GpuTrainer {
   // default cudaEventSynchronize; DDP polls NCCL for errors meanwhile, since
   // a dead peer would leave `done` pending forever.
   void SetWait(std::function<absl::Status(cudaEvent_t done)> wait) { wait_ = std::move(wait); }
+  // Runs once per Step before the first micro-batch's forward (DDP's
+  // broadcast_buffers: rank 0's running statistics to every rank, as torch
+  // broadcasts them before a step's first forward). An error fails the Step.
+  void SetBeforeForward(std::function<absl::Status()> hook) { before_forward_ = std::move(hook); }
 
   // Precision::kFp16 contexts: dynamic loss scaling (loss_scale.h), with
   // torch GradScaler's defaults from Create or these options. Each step's
@@ -230,6 +241,7 @@ class GpuTrainer {
   GpuModel::GradReadyFn grad_ready_;
   std::function<absl::Status()> after_backward_;
   std::function<absl::Status(cudaEvent_t)> wait_;
+  std::function<absl::Status()> before_forward_;
   // The step's losses, copied here (pinned) before `done_`.
   double* host_losses_ = nullptr;
   size_t host_slots_ = 0;

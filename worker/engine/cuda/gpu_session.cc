@@ -53,6 +53,11 @@ class CudaGpuSession final : public GpuSession {
           [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
       s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
       s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
+      if (options.broadcast_buffers && !s->model_->Buffers().empty()) {
+        cuda::GpuModel* gpu_model = s->model_.get();
+        s->trainer_->SetBeforeForward(
+            [reducer, gpu_model] { return reducer->BroadcastBuffers(gpu_model->Buffers()); });
+      }
     }
 #endif
     return std::unique_ptr<GpuSession>(std::move(s));
@@ -99,6 +104,10 @@ class CudaGpuSession final : public GpuSession {
 
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) override {
     return model_->CopyParametersTo(cpu);
+  }
+
+  absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) override {
+    return model_->CopyBuffersTo(cpu);
   }
 
   absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> OptimizerState() override {

@@ -226,6 +226,24 @@ __global__ void SoftmaxCrossEntropyKernel(const float* logits, const int32_t* la
   }
 }
 
+// One warp per plane.
+__global__ void PlaneMeanKernel(const float* x, int64_t planes, int64_t plane, float* y) {
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (p >= planes) return;
+  double sum = 0.0;
+  for (int64_t j = lane; j < plane; j += 32) sum += x[p * plane + j];
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+  if (lane == 0) y[p] = static_cast<float>(sum / static_cast<double>(plane));
+}
+
+__global__ void PlaneMeanBackwardKernel(const float* g, int64_t planes, int64_t plane, float scale,
+                                        float* dx) {
+  for (int64_t i = GlobalIndex(); i < planes * plane; i += GridStride()) {
+    dx[i] = __fmul_rn(g[i / plane], scale);
+  }
+}
+
 // One block.
 __global__ void MeanKernel(const double* values, int64_t n, double* mean) {
   double s = 0.0;
@@ -480,6 +498,27 @@ absl::Status LaunchDropout(cudaStream_t stream, const float* x, float* y, int64_
   if (n == 0) return absl::OkStatus();
   DropoutKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, y, n, key, threshold, scale);
   AIDN_RETURN_IF_LAUNCH_FAILED("DropoutKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchPlaneMean(cudaStream_t stream, const float* x, int64_t planes, int64_t plane,
+                             float* y) {
+  if (planes == 0) return absl::OkStatus();
+  const int64_t per_block = kThreads / 32;
+  PlaneMeanKernel<<<static_cast<unsigned>((planes + per_block - 1) / per_block), kThreads, 0,
+                    stream>>>(x, planes, plane, y);
+  AIDN_RETURN_IF_LAUNCH_FAILED("PlaneMeanKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchPlaneMeanBackward(cudaStream_t stream, const float* g, int64_t planes,
+                                     int64_t plane, float* dx) {
+  if (planes * plane == 0) return absl::OkStatus();
+  // As the CPU: the gradient times 1/plane, the factor in float.
+  const float scale = 1.0f / static_cast<float>(plane);
+  PlaneMeanBackwardKernel<<<BlocksFor(planes * plane), kThreads, 0, stream>>>(g, planes, plane,
+                                                                              scale, dx);
+  AIDN_RETURN_IF_LAUNCH_FAILED("PlaneMeanBackwardKernel");
   return absl::OkStatus();
 }
 

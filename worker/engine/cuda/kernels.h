@@ -45,6 +45,14 @@ absl::Status LaunchBiasGrad(cudaStream_t stream, const float* g, float* dbias, i
 absl::Status LaunchDropout(cudaStream_t stream, const float* x, float* y, int64_t n, uint64_t key,
                            uint64_t threshold, float scale);
 
+// Global average pooling (ResNet's AdaptiveAvgPool2d((1, 1))): y[p] =
+// the mean of plane p of x ([planes, plane]), summed in double as the CPU
+// sums; its backward dx[p, j] = g[p] * (1 / plane).
+absl::Status LaunchPlaneMean(cudaStream_t stream, const float* x, int64_t planes, int64_t plane,
+                             float* y);
+absl::Status LaunchPlaneMeanBackward(cudaStream_t stream, const float* g, int64_t planes,
+                                     int64_t plane, float* dx);
+
 // Softmax cross-entropy as engine::SoftmaxCrossEntropy, in double where that
 // computes in double. logits [n, classes], labels [n] in [0, classes).
 // Writes grad_logits (may be null) = (softmax - onehot) * grad_scale / n and

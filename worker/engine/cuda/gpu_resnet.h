@@ -1,0 +1,125 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_GPU_RESNET_H_
+#define AIDN_WORKER_ENGINE_CUDA_GPU_RESNET_H_
+
+// The ResNets' layers (worker/engine/batchnorm.h, resnet.h) on the GPU,
+// with the CPU layers' contracts (gpu_layers.h), so that MirrorLayer, and
+// with it GpuModel, mirror a ResNet:
+//
+//   GpuBatchNorm2d     cuDNN's spatial batch normalisation: training
+//                      normalises with the batch's statistics and moves
+//                      the running ones by `momentum` (cuDNN keeps the
+//                      unbiased variance, as torch); eval uses the running
+//                      ones; backward accumulates the weight's and bias's
+//                      gradients. Statistics in fp32 (the CPU sums in
+//                      double), whatever the context's precision.
+//   GpuResidualBlock   a BasicBlock or Bottleneck: the main path and the
+//                      shortcut (identity, or conv1x1 + BatchNorm) mirrored
+//                      from the CPU block, relu(main + shortcut).
+//   GpuGlobalAvgPool2d AdaptiveAvgPool2d((1, 1)) by plane means.
+//
+// Not on the GPU: SyncBatchNorm and stochastic depth (MirrorLayer answers
+// UNIMPLEMENTED for a block that drops its main path).
+
+#include <cudnn.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/batchnorm.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/resnet.h"
+
+namespace aidn::engine::cuda {
+
+class GpuBatchNorm2d final : public GpuLayer {
+ public:
+  // Weight 1, bias 0, running mean 0 and variance 1 (MirrorLayer then
+  // copies the CPU layer's).
+  static absl::StatusOr<std::unique_ptr<GpuBatchNorm2d>> Create(GpuContext* ctx, int64_t channels,
+                                                                double eps, double momentum);
+  ~GpuBatchNorm2d() override;
+  std::string Describe() const override;
+  absl::Status Forward(const GpuTensor& input, GpuTensor* output, bool training) override;
+  // FAILED_PRECONDITION after an eval Forward (nothing to differentiate).
+  absl::Status Backward(const GpuTensor& grad_output, GpuTensor* grad_input) override;
+  std::vector<GpuParameter*> Parameters() override { return {&weight_, &bias_}; }
+  std::vector<GpuParameter*> Buffers() override { return {&running_mean_, &running_var_}; }
+
+ private:
+  GpuBatchNorm2d(GpuContext* ctx, int64_t channels, double eps, double momentum)
+      : ctx_(ctx), channels_(channels), eps_(eps), momentum_(momentum) {}
+  // Describes an input of `shape` to cuDNN (once per shape).
+  absl::Status Prepare(const std::vector<int64_t>& shape);
+
+  GpuContext* ctx_;
+  int64_t channels_;
+  double eps_;
+  double momentum_;
+  GpuParameter weight_, bias_, running_mean_, running_var_;
+  cudnnTensorDescriptor_t x_desc_ = nullptr;
+  cudnnTensorDescriptor_t bn_desc_ = nullptr;
+  std::vector<int64_t> shape_;
+  // The last training Forward's mean and 1/sqrt(var + eps), for Backward.
+  GpuTensor save_mean_, save_inv_var_;
+  const GpuTensor* input_ = nullptr;
+  bool training_ = false;
+  GpuTensor unused_grad_;  // Backward's input gradient when none is wanted
+};
+
+class GpuResidualBlock final : public GpuLayer {
+ public:
+  // Mirrors `cpu`'s layers (weights, running statistics and names).
+  // UNIMPLEMENTED with stochastic depth.
+  static absl::StatusOr<std::unique_ptr<GpuResidualBlock>> Create(GpuContext* ctx,
+                                                                  const ResidualBlock& cpu);
+  std::string Describe() const override { return describe_; }
+  absl::Status Forward(const GpuTensor& input, GpuTensor* output, bool training) override;
+  absl::Status Backward(const GpuTensor& grad_output, GpuTensor* grad_input) override;
+  // The main path's, then the shortcut's, as ResidualBlock lists them.
+  std::vector<GpuParameter*> Parameters() override;
+  std::vector<GpuParameter*> Buffers() override;
+
+ private:
+  explicit GpuResidualBlock(GpuContext* ctx) : ctx_(ctx) {}
+  // One path's layers, their outputs, and the gradients of their inputs.
+  struct Path {
+    std::vector<std::unique_ptr<GpuLayer>> layers;
+    std::vector<GpuTensor> out;
+    std::vector<GpuTensor> grad;
+  };
+  static absl::Status RunForward(Path& path, const GpuTensor& input, bool training,
+                                 const GpuTensor** result);
+  // The gradient of the path's input into `grad_input` (may be null).
+  static absl::Status RunBackward(Path& path, const GpuTensor& grad_output, GpuTensor* grad_input);
+
+  GpuContext* ctx_;
+  std::string describe_;
+  Path main_;
+  Path shortcut_;  // no layers: the identity
+  const GpuTensor* output_ = nullptr;
+  GpuTensor sum_grad_;    // the gradient through the final ReLU
+  GpuTensor short_grad_;  // the shortcut's input gradient
+};
+
+class GpuGlobalAvgPool2d final : public GpuLayer {
+ public:
+  explicit GpuGlobalAvgPool2d(GpuContext* ctx) : ctx_(ctx) {}
+  std::string Describe() const override { return "AdaptiveAvgPool2d(output_size=(1, 1))"; }
+  absl::Status Forward(const GpuTensor& input, GpuTensor* output, bool training) override;
+  absl::Status Backward(const GpuTensor& grad_output, GpuTensor* grad_input) override;
+
+ private:
+  GpuContext* ctx_;
+  std::vector<int64_t> input_shape_;
+};
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_GPU_RESNET_H_
