@@ -619,8 +619,11 @@ TEST(GpuKernels, SumOfSquaresOfSmallAndLargeTensors) {
   for (const int64_t n : {int64_t{0}, int64_t{1000}, int64_t{3'000'001}}) {
     const Tensor host = RandomTensor({std::max<int64_t>(n, 1)}, 5 + n);
     const GpuTensor g = ToDevice(ctx.get(), host);
-    double want = 0;
-    for (int64_t i = 0; i < n; ++i) want += static_cast<double>(host[i]) * host[i];
+    // In long double: a plain double sum of 3M squares is itself off by
+    // ~1e-12 relative.
+    long double exact = 0;
+    for (int64_t i = 0; i < n; ++i) exact += static_cast<long double>(host[i]) * host[i];
+    const double want = static_cast<double>(exact);
     double* sums = static_cast<double*>(out.data());
     double* partial = static_cast<double*>(scratch.data());
     ASSERT_TRUE(LaunchSumOfSquares(ctx->stream(), g.data(), n, sums, partial).ok());

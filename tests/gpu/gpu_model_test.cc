@@ -61,7 +61,10 @@ ModelConfig Cnn() {
   return c;
 }
 
-void CompareForwardBackward(const ModelConfig& config, double tolerance = kFp32) {
+// `grad_l2` > 0: gradients compared by their relative L2 error within it
+// (deep networks), else element by element within `tolerance`.
+void CompareForwardBackward(const ModelConfig& config, double tolerance = kFp32,
+                            double grad_l2 = 0) {
   SCOPED_TRACE(config.name);
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
   std::printf("%s forward/backward, batch 64\n", config.name.c_str());
@@ -99,8 +102,17 @@ void CompareForwardBackward(const ModelConfig& config, double tolerance = kFp32)
   ASSERT_NE(copy, nullptr);
   ASSERT_TRUE((*gpu)->CopyGradientsTo(copy->Parameters()).ok());
   for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
-    ExpectClose(cpu->Parameters()[k]->name + " gradient", copy->Parameters()[k]->grad,
-                cpu->Parameters()[k]->grad, tolerance);
+    const std::string name = cpu->Parameters()[k]->name;
+    if (grad_l2 > 0) {
+      const double err =
+          testing::RelL2Error(copy->Parameters()[k]->grad, cpu->Parameters()[k]->grad);
+      std::printf("  %-40s rel L2 error %.3g (tolerance %.0e)\n", (name + " gradient").c_str(), err,
+                  grad_l2);
+      EXPECT_LE(err, grad_l2) << name;
+    } else {
+      ExpectClose(name + " gradient", copy->Parameters()[k]->grad, cpu->Parameters()[k]->grad,
+                  tolerance);
+    }
   }
   // Running statistics (a ResNet's), moved by the training forward alike.
   ASSERT_TRUE((*gpu)->CopyBuffersTo(copy->Buffers()).ok());
@@ -120,17 +132,22 @@ TEST(GpuModel, MlpForwardBackwardMatchesCpu) { CompareForwardBackward(Mlp()); }
 
 // ResNets on Fashion-MNIST-shaped images (1 x 28 x 28): every convolution,
 // BatchNorm (batch statistics in fp32 on the GPU, in double on the CPU),
-// residual sum and the pooling, 1e-3 over 18 or 50 layers.
+// residual sum and the pooling. Logits, loss and running statistics to
+// 1e-3; gradients by their relative L2 error: the CPU model alone, its
+// weights and input nudged by one ulp, moves some gradient elements by
+// 2e-2 (ResNet-18) and 1e-1 (ResNet-50) of their tensor's largest, as
+// activations at the ReLU's edge cross it, but the tensors by 2.4e-3 and
+// 2.2e-2 in L2.
 TEST(GpuModel, ResNet18ForwardBackwardMatchesCpu) {
   ModelConfig c;
   c.name = "resnet18";
-  CompareForwardBackward(c, 1e-3);
+  CompareForwardBackward(c, 1e-3, 1e-2);
 }
 
 TEST(GpuModel, ResNet50ForwardBackwardMatchesCpu) {
   ModelConfig c;
   c.name = "resnet50";
-  CompareForwardBackward(c, 1e-3);
+  CompareForwardBackward(c, 1e-3, 5e-2);
 }
 TEST(GpuModel, CnnForwardBackwardMatchesCpu) { CompareForwardBackward(Cnn()); }
 

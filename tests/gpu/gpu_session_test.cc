@@ -137,8 +137,11 @@ TEST(GpuSession, OneRankTrainsAsTheCpuDoesAndResumesFromItsState) {
   EXPECT_EQ(*a, *r) << "same weights, same state, same batch";
 }
 
-// A ResNet-18 session against the CPU model: losses over 5 SGD steps, and
+// A ResNet-18 session against the CPU model: losses over 2 SGD steps, and
 // the running statistics it hands back for checkpoints and evaluation.
+// (Longer runs drift apart as rounding moves activations across ReLUs:
+// the CPU model against itself nudged by one ulp differs by 1e-3 in loss
+// after 5 steps, by 5e-6 after 2.)
 TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
   DeviceInventory inventory = DiscoverDevices();
   if (inventory.gpus.empty()) GTEST_SKIP() << "no CUDA device: " << inventory.gpu_note;
@@ -152,7 +155,7 @@ TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
   ASSERT_TRUE(cpu_opt.ok());
   Tensor logits, grad;
   double max_rel = 0;
-  for (int step = 0; step < 5; ++step) {
+  for (int step = 0; step < 2; ++step) {
     const Batch b = RandomBatch(200 + step);
     (*cpu)->ZeroGrad();
     (*cpu)->Forward(b.images, &logits, true);
@@ -163,8 +166,8 @@ TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
     ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
     max_rel = std::max(max_rel, std::fabs(*gpu_loss - cpu_loss) / cpu_loss);
   }
-  std::printf("max rel loss difference over 5 steps: %.3g\n", max_rel);
-  EXPECT_LE(max_rel, 1e-3);
+  std::printf("max rel loss difference over 2 steps: %.3g\n", max_rel);
+  EXPECT_LE(max_rel, 1e-4);
   auto copy = BuildModel(resnet, 9);
   ASSERT_TRUE(copy.ok());
   ASSERT_TRUE((*session)->CopyBuffersTo((*copy)->Buffers()).ok());
@@ -177,7 +180,8 @@ TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
       diff = std::max(diff, static_cast<double>(std::fabs(got[j] - want[j])));
       ref = std::max(ref, static_cast<double>(std::fabs(want[j])));
     }
-    EXPECT_LE(diff, 1e-3 * ref) << (*cpu)->Buffers()[i]->name;
+    // Against max(ref, 1): a running mean can be ~1e-4 everywhere.
+    EXPECT_LE(diff, 1e-3 * std::max(ref, 1.0)) << (*cpu)->Buffers()[i]->name;
   }
 }
 

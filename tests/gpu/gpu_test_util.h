@@ -76,6 +76,23 @@ inline double MaxRelError(const Tensor& got, const Tensor& want) {
   return max_diff / max_ref;
 }
 
+// ||got - want|| / ||want|| (L2 over the whole tensor): for gradients of
+// deep networks, where an activation at the ReLU's edge that rounding
+// moves across it changes single elements a lot and the whole little.
+inline double RelL2Error(const Tensor& got, const Tensor& want) {
+  EXPECT_EQ(got.shape(), want.shape());
+  if (got.shape() != want.shape()) return INFINITY;
+  double diff = 0;
+  double ref = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    diff += d * d;
+    ref += static_cast<double>(want[i]) * want[i];
+  }
+  if (std::isnan(diff)) return INFINITY;
+  return ref == 0 ? std::sqrt(diff) : std::sqrt(diff / ref);
+}
+
 inline Tensor ToHost(GpuContext* ctx, const GpuTensor& t) {
   absl::StatusOr<Tensor> host = t.ToHost(ctx);
   EXPECT_TRUE(host.ok()) << host.status();

@@ -125,6 +125,14 @@ TEST(NcclCommunicator, WorldSizeOneCollectivesThroughTheKvRendezvous) {
   ASSERT_TRUE((*comm)->EnqueueAllReduce(data, values.size(), ReduceOp::kSum).ok());
   ASSERT_TRUE((*comm)->Wait("queued allreduce").ok());
   EXPECT_EQ(Download(data, values.size()), values);
+  // Several buffers' broadcasts in one group (BatchNorm statistics), an
+  // empty one among them; a root outside the world refused.
+  ASSERT_TRUE((*comm)
+                  ->EnqueueBroadcasts({{data, 500}, {out, 0}, {data + 500, values.size() - 500}}, 0)
+                  .ok());
+  ASSERT_TRUE((*comm)->Wait("queued broadcasts").ok());
+  EXPECT_EQ(Download(data, values.size()), values);
+  EXPECT_EQ((*comm)->EnqueueBroadcasts({{data, 1}}, 1).code(), absl::StatusCode::kInvalidArgument);
   cudaFree(out);
   cudaFree(data);
 }

@@ -270,6 +270,36 @@ absl::Status NcclCommunicator::EnqueueBroadcast(float* data, size_t count, int r
                 ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_));
 }
 
+absl::Status NcclCommunicator::EnqueueBroadcasts(
+    const std::vector<std::pair<float*, size_t>>& buffers, int root) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (root < 0 || root >= options_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nccl broadcast: root ", root, " is not in a world of size ", options_.world_size));
+  }
+  size_t floats = 0;
+  for (const auto& [data, count] : buffers) {
+    if (count > 0 && data == nullptr) {
+      return absl::InvalidArgumentError("nccl broadcast: null buffer");
+    }
+    floats += count;
+  }
+  if (floats == 0) return absl::OkStatus();
+  const std::string what = absl::StrCat("nccl broadcast of ", buffers.size(), " buffers (", floats,
+                                        " floats) from ", root);
+  ncclResult_t result = ncclGroupStart();
+  if (result != ncclSuccess) return Fail(NcclError(what, result));
+  for (const auto& [data, count] : buffers) {
+    if (count == 0) continue;
+    result = ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_);
+    if (result != ncclSuccess && result != ncclInProgress) {
+      ncclGroupEnd();
+      return Fail(NcclError(what, result));
+    }
+  }
+  return Queued(what, ncclGroupEnd());
+}
+
 absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
   AIDN_RETURN_IF_ERROR(EnqueueBroadcast(data, count, root));
   if (count == 0) {

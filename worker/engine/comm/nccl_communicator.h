@@ -35,6 +35,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -93,6 +95,10 @@ class NcclCommunicator final : public Communicator {
   absl::Status EnqueueAllReduce(float* data, size_t count, ReduceOp op);
   // Queues an in-place broadcast from `root` on stream(), as EnqueueAllReduce.
   absl::Status EnqueueBroadcast(float* data, size_t count, int root);
+  // Broadcasts of several buffers from `root` in one NCCL group (one launch,
+  // not one per buffer: BatchNorm's running statistics), counted as one
+  // collective.
+  absl::Status EnqueueBroadcasts(const std::vector<std::pair<float*, size_t>>& buffers, int root);
   // The same for an in-place sum of 16-bit floats (AllReduceHalf's).
   absl::Status EnqueueAllReduceHalf(uint16_t* data, size_t count, HalfFormat format);
   // Waits until everything queued on stream() has completed, polling for

@@ -156,11 +156,12 @@ absl::Status GpuDdpReducer::BroadcastBuffers(const std::vector<GpuParameter*>& b
   // After the last step's forward updated them on the compute stream.
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(ready_, ctx_->stream()));
   AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, ready_, 0));
+  std::vector<std::pair<float*, size_t>> all;
   for (GpuParameter* b : buffers) {
-    absl::Status s = nccl_->EnqueueBroadcast(b->value.data(), static_cast<size_t>(b->value.numel()),
-                                             /*root=*/0);
-    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("buffer ", b->name, ": ", s.message()));
+    all.emplace_back(b->value.data(), static_cast<size_t>(b->value.numel()));
   }
+  absl::Status s = nccl_->EnqueueBroadcasts(all, /*root=*/0);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("buffers: ", s.message()));
   // This step's forward reads them.
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(buffers_done_, comm));
   AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(ctx_->stream(), buffers_done_, 0));

@@ -152,6 +152,7 @@ const Perf* PickAlgorithm(const std::vector<Perf>& perf, int returned,
 // was) is not null, into `masked`; then the bias gradient, its scratch in
 // `partials` (grown as needed). Returns the gradient of the pre-activation
 // output: `grad_output`'s data, or `masked`'s.
+// dbias may be null (a layer without a bias): the ReLU's mask alone.
 absl::StatusOr<const float*> ReluAndBiasBackward(GpuContext* ctx, const GpuTensor& grad_output,
                                                  const GpuTensor* output, int64_t batch,
                                                  int64_t channels, int64_t inner, GpuTensor* masked,
@@ -163,6 +164,7 @@ absl::StatusOr<const float*> ReluAndBiasBackward(GpuContext* ctx, const GpuTenso
         LaunchReluBackward(ctx->stream(), output->data(), g, masked->data(), grad_output.numel()));
     g = masked->data();
   }
+  if (dbias == nullptr) return g;
   const int64_t floats = std::max<int64_t>(BiasGradScratchFloats(batch, channels, inner), 1);
   AIDN_RETURN_IF_ERROR(partials->Resize(ctx, {floats}));
   AIDN_RETURN_IF_ERROR(LaunchBiasGrad(ctx->stream(), g, dbias->data(), batch, channels, inner,
@@ -526,6 +528,10 @@ absl::Status GpuConv2d::Forward(const GpuTensor& input, GpuTensor* output, bool 
         ctx_->cudnn(), &kOne, x_desc_, input.data(), w_desc_, weight_.value.data(), conv_desc_,
         current_->forward, ws, current_->workspace_bytes, &kZero, y_desc_, output->data()));
   }
+  if (!has_bias_) {
+    return fused_relu_ ? LaunchRelu(ctx_->stream(), output->data(), output->data(), output->numel())
+                       : absl::OkStatus();
+  }
   return LaunchBiasActivation(ctx_->stream(), output->data(), bias_.value.data(), output->data(),
                               output->numel(), out_, oh * ow, fused_relu_);
 }
@@ -541,10 +547,10 @@ absl::Status GpuConv2d::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
   if (grad_input != nullptr) AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, x.shape()));
   if (n == 0) return absl::OkStatus();
   AIDN_RETURN_IF_ERROR(Prepare(n, x.dim(2), x.dim(3)));
-  AIDN_ASSIGN_OR_RETURN(
-      const float* g,
-      ReluAndBiasBackward(ctx_, grad_output, fused_relu_ ? output_ : nullptr, n, out_,
-                          out_h_ * out_w_, &masked_grad_, &bias_partials_, &bias_.grad));
+  AIDN_ASSIGN_OR_RETURN(const float* g,
+                        ReluAndBiasBackward(ctx_, grad_output, fused_relu_ ? output_ : nullptr, n,
+                                            out_, out_h_ * out_w_, &masked_grad_, &bias_partials_,
+                                            has_bias_ ? &bias_.grad : nullptr));
   AIDN_ASSIGN_OR_RETURN(void* ws, ctx_->Workspace(current_->workspace_bytes));
   if (IsHalf(ctx_)) return BackwardHalf(g, ws, grad_input);
   // beta = 1: accumulate into the weight gradient, as the CPU layer does.

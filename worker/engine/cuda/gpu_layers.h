@@ -111,8 +111,8 @@ class GpuReLU final : public GpuLayer {
 
 class GpuConv2d final : public GpuLayer {
  public:
-  // Without `bias` (torch's bias=False, as before a BatchNorm) the bias
-  // stays zero and is not a parameter.
+  // Without `bias` (torch's bias=False, as before a BatchNorm) there is no
+  // bias to add or differentiate (bias() stays zero and is not a parameter).
   static absl::StatusOr<std::unique_ptr<GpuConv2d>> Create(GpuContext* ctx, int64_t in_channels,
                                                            int64_t out_channels, int64_t kernel,
                                                            int64_t stride, int64_t padding,

@@ -16,7 +16,9 @@
 
 // cuDNN 9 marks its batch-normalisation calls deprecated in favour of its
 // graph API; they are still there (PyTorch uses them) and do what torch's
-// BatchNorm2d does.
+// BatchNorm2d does. (Pushed and popped: in a unity build the files after
+// this one keep the warning.)
+#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace aidn::engine::cuda {
@@ -101,6 +103,12 @@ absl::Status GpuBatchNorm2d::Forward(const GpuTensor& input, GpuTensor* output, 
   AIDN_RETURN_IF_ERROR(output->Resize(ctx_, input.shape()));
   input_ = &input;
   training_ = training;
+  if (training && input.dim(0) * input.dim(2) * input.dim(3) <= 1) {
+    // As the CPU layer (and torch): one value per channel has no variance.
+    return absl::InvalidArgumentError(
+        absl::StrCat(Describe(), " needs more than one value per channel to train, got input ",
+                     input.ShapeString()));
+  }
   if (training) {
     // The running statistics move by `momentum` towards the batch's (the
     // variance's unbiased estimate), as torch's.
@@ -267,3 +275,5 @@ absl::Status GpuGlobalAvgPool2d::Backward(const GpuTensor& grad_output, GpuTenso
 }
 
 }  // namespace aidn::engine::cuda
+
+#pragma GCC diagnostic pop
