@@ -49,8 +49,9 @@ pack() {
     "$CARRY/bin/"
   ldd "$CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
     grep -Ev "$NOT_CARRIED" | while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
-  tar -C "$CARRY" -cJf "$CARRY/lib.tar.xz" lib
-  rm -rf "$CARRY/lib"
+  # One archive: what travels to the GPU machine is size-limited.
+  tar -C "$CARRY" -cJf "$CARRY/carry.tar.xz" bin lib
+  rm -rf "$CARRY/bin" "$CARRY/lib"
   du -sh "$CARRY"
 }
 
@@ -67,11 +68,29 @@ pack_service() {
     # The test runs the binaries by the paths it was built with.
     echo "$build/$t" >>"$SERVICE_CARRY/paths"
   done
+  # Libraries .devcarry/ already has (pack first) are not carried twice.
+  local have=""
+  [[ -f $CARRY/carry.tar.xz ]] && have=$(tar -tJf "$CARRY/carry.tar.xz" | sed -n 's|^lib/||p')
   ldd "$SERVICE_CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
-    grep -Ev "$NOT_CARRIED" | while read -r lib; do cp -L "$lib" "$SERVICE_CARRY/lib/"; done
+    grep -Ev "$NOT_CARRIED" | while read -r lib; do
+      grep -qxF "$(basename "$lib")" <<<"$have" || cp -L "$lib" "$SERVICE_CARRY/lib/"
+    done
   tar -C "$SERVICE_CARRY" -cJf "$SERVICE_CARRY/bin-lib.tar.xz" bin lib
   rm -rf "$SERVICE_CARRY/bin" "$SERVICE_CARRY/lib"
-  cp /usr/share/datasets/fashion-mnist/*.gz "$SERVICE_CARRY/data/"
+  # Fashion-MNIST with the first 20,000 training images (the GPU jobs train
+  # a few hundred steps of 64), so that both carries fit one call.
+  cp /usr/share/datasets/fashion-mnist/t10k-*.gz "$SERVICE_CARRY/data/"
+  python3 - "$SERVICE_CARRY/data" <<'PY'
+import gzip, struct, sys
+src = "/usr/share/datasets/fashion-mnist/"
+keep = 20000
+for name, item in (("train-images-idx3-ubyte.gz", 784), ("train-labels-idx1-ubyte.gz", 1)):
+    data = gzip.open(src + name).read()
+    header = 16 if item > 1 else 8
+    out = data[:4] + struct.pack(">I", keep) + data[8:header] + data[header:header + keep * item]
+    with gzip.open(f"{sys.argv[1]}/{name}", "wb") as f:
+        f.write(out)
+PY
   mkdir -p "$SERVICE_CARRY/data/fortunes"
   # The corpus of the GPT example and job test: the directory's regular files
   # (LoadText skips symbolic links).
@@ -106,25 +125,26 @@ library_path() {
 
 run() {
   local out=${OUT:-/tmp/aidn-gpu-out}
-  mkdir -p "$out" /tmp/aidn-lib
-  tar -C /tmp/aidn-lib -xJf "$CARRY/lib.tar.xz" --strip-components=1
-  library_path /tmp/aidn-lib
+  mkdir -p "$out" /tmp/aidn-carry
+  tar -C /tmp/aidn-carry -xJf "$CARRY/carry.tar.xz"
+  local bins=/tmp/aidn-carry/bin
+  library_path /tmp/aidn-carry/lib
   local dirs=$AIDN_LIBRARY_PATH
   mkdir -p /tmp/aidn-bin
-  for b in "$CARRY"/bin/*; do
+  for b in "$bins"/*; do
     printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$dirs" "$b" >"/tmp/aidn-bin/$(basename "$b")"
     chmod +x "/tmp/aidn-bin/$(basename "$b")"
   done
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
   python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version())' 2>&1
-  if LD_LIBRARY_PATH=$dirs ldd "$CARRY"/bin/* | grep -q 'not found'; then
-    LD_LIBRARY_PATH=$dirs ldd "$CARRY"/bin/* | grep 'not found' | sort -u
+  if LD_LIBRARY_PATH=$dirs ldd "$bins"/* | grep -q 'not found'; then
+    LD_LIBRARY_PATH=$dirs ldd "$bins"/* | grep 'not found' | sort -u
   fi
 
   local summary=$out/summary.txt
   : >"$summary"
   if [[ ${TESTS:-1} == 1 ]]; then
-    for t in "$CARRY"/bin/gpu_*_test; do
+    for t in "$bins"/gpu_*_test; do
       local name start rc log
       name=$(basename "$t")
       log=/tmp/aidn-$name.log
@@ -164,7 +184,7 @@ profile() {
   echo "==== kernel profile, cnn batch $batch (${PROFILE_CONV:-deterministic})"
   local fast="" det="--deterministic"
   [[ ${PROFILE_CONV:-deterministic} == fast ]] && fast="--fast-conv" && det=""
-  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH ncu "${ncu_flags[@]}" "$CARRY/bin/gpu_step" --model cnn \
+  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH ncu "${ncu_flags[@]}" /tmp/aidn-carry/bin/gpu_step --model cnn \
     --batch "$batch" --steps 10 --warmup 50 --profile $fast >"$out/ncu_aidn.csv" 2>/dev/null
   ncu "${ncu_flags[@]}" python3 "$ROOT/bench/gpu_step_torch.py" --model cnn --batch "$batch" \
     --steps 10 --warmup 50 --profile $det >"$out/ncu_torch.csv" 2>/dev/null
@@ -196,7 +216,11 @@ run_service() {
   local out=${OUT:-/tmp/aidn-gpu-out}
   mkdir -p "$out" /tmp/aidn-service
   tar -C /tmp/aidn-service -xJf "$SERVICE_CARRY/bin-lib.tar.xz"
-  library_path /tmp/aidn-service/lib
+  # The libraries it shares with .devcarry/ come from there.
+  if [[ -f $CARRY/carry.tar.xz && ! -d /tmp/aidn-carry/lib ]]; then
+    mkdir -p /tmp/aidn-carry && tar -C /tmp/aidn-carry -xJf "$CARRY/carry.tar.xz" lib
+  fi
+  library_path /tmp/aidn-service/lib:/tmp/aidn-carry/lib
   # The binaries where the test was built to find them, and the dataset
   # where Debian puts it.
   while read -r path; do
@@ -228,7 +252,7 @@ run_all() {
   OUT=$out timeout "$limit" "$0" run-service 2>&1 | tail -40
   echo "==== service done after $((SECONDS - start)) s"
   # The library path of `run` (set up by the first part).
-  library_path /tmp/aidn-lib >/dev/null
+  library_path /tmp/aidn-carry/lib >/dev/null
   GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step PYTHON=python3 STEPS=${GPT_STEPS:-20} REPS=1 \
     timeout "$limit" "$ROOT/bench/gpu_gpt.sh" 2>&1 | tee "$out/gpu_gpt.log" | tail -8
   echo "==== gpt bench done after $((SECONDS - start)) s"
