@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "worker/engine/cuda/dropout_mask.h"
+#include "worker/engine/cuda/flash_attention.h"
 #include "worker/engine/cuda/gpt_kernels.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
@@ -159,6 +160,11 @@ uint64_t GpuGpt::Key(uint64_t site) const {
   return DropoutKey(seed_, (draws_ - 1) * sites + site);
 }
 
+bool GpuGpt::FusedAttention() const {
+  return fused_allowed_ && ctx_->options().precision != Precision::kFp32 &&
+         config_.dropout == 0.0 && FlashAttentionSupports(config_.n_embd / config_.n_head);
+}
+
 absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
   if (batch < 1 || seq_len < 1 || seq_len > config_.block_size) {
     return absl::InvalidArgumentError(absl::StrCat("gpt: batch ", batch, ", sequence length ",
@@ -203,8 +209,9 @@ absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
            {&dbig_, {n, 4 * c}},
            {&dqkv_, {n, 3 * c}},
            {&gn_, {n, c}},
-           {&scores_, {h, seq_len, seq_len}},
-           {&dscores_, {h, seq_len, seq_len}},
+           {&attn_delta_, {FusedAttention() ? batch * h * seq_len : 0}},
+           {&scores_, {FusedAttention() ? 0 : h, seq_len, seq_len}},
+           {&dscores_, {FusedAttention() ? 0 : h, seq_len, seq_len}},
            {&pdrop_, {config_.dropout > 0.0 ? h : 0, seq_len, seq_len}}}) {
     AIDN_RETURN_IF_ERROR(t->Resize(ctx_, shape));
   }
@@ -307,6 +314,11 @@ absl::Status GpuGpt::AttentionForward(size_t l, bool drop) {
   const int64_t hd = c / heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const double p = config_.dropout;
+  if (FusedAttention()) {
+    // The log-sum-exp of each row in att_max.
+    return LaunchFlashAttentionForward(ctx_->stream(), b.qkv.data(), batch_, t, heads, hd, scale,
+                                       b.y.data(), b.att_max.data());
+  }
   for (int64_t s = 0; s < batch_; ++s) {
     const float* q = b.qkv.data() + s * t * 3 * c;
     const float* k = q + c;
@@ -343,6 +355,11 @@ absl::Status GpuGpt::AttentionBackward(size_t l, const float* dy, float* dqkv) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const double p = config_.dropout;
   const int64_t rows = heads * t;
+  if (FusedAttention()) {
+    return LaunchFlashAttentionBackward(ctx_->stream(), b.qkv.data(), b.y.data(), dy,
+                                        b.att_max.data(), batch_, t, heads, hd, scale, dqkv,
+                                        attn_delta_.data());
+  }
   for (int64_t s = 0; s < batch_; ++s) {
     const float* q = b.qkv.data() + s * t * 3 * c;
     const float* k = q + c;

@@ -8,14 +8,16 @@
 // matrix products (attention's too) take 16-bit operands with fp32
 // accumulation, everything else stays fp32.
 //
-// Attention is exact and causal. It is computed one sequence at a time
-// with all its heads batched: the scores of that sequence ([n_head, T, T])
-// live in a scratch shared by every block and sequence, and Forward keeps
-// only each row's maximum and 1/sum. Backward computes the scores again
-// (one more product) and recomputes the probabilities from the kept
-// statistics bit for bit, as flash attention recomputes them per tile. So
-// the attention memory is one sequence's scores, not the CPU's
-// [B, n_head, T, T] a block.
+// Attention is exact and causal. In bf16 / fp16 without attention dropout,
+// for head sizes 32, 64, 96 and 128, it is fused (flash_attention.h: no
+// [T, T] matrix in memory; SetFusedAttention(false) turns that off).
+// Otherwise it is computed one sequence at a time with all its heads
+// batched through cuBLAS: the scores of that sequence ([n_head, T, T]) live
+// in a scratch shared by every block and sequence, and Forward keeps only
+// each row's maximum and 1/sum; Backward computes the scores again (one more
+// product) and recomputes the probabilities from the kept statistics bit
+// for bit. Either way the attention memory is at most one sequence's
+// scores, not the CPU's [B, n_head, T, T] a block.
 //
 // Dropout draws GPU masks (dropout_mask.h, keyed by the seed, the forward's
 // count and the site), which are not the CPU's stream: with dropout the
@@ -76,6 +78,10 @@ class GpuGpt {
   absl::Status ZeroGrad();
   // Reseeds the dropout masks of the next Forwards.
   void SetSeed(uint64_t seed);
+  // Whether attention may use the fused kernels where they apply (on by
+  // default); FusedAttention() says whether it does.
+  void SetFusedAttention(bool on) { fused_allowed_ = on; }
+  bool FusedAttention() const;
 
   // In the CPU decoder's registration order, named as there.
   std::vector<GpuParameter*> Parameters();
@@ -131,6 +137,7 @@ class GpuGpt {
   GpuParameter *wte_ = nullptr, *wpe_ = nullptr, *lnf_w_ = nullptr, *lnf_b_ = nullptr;
   std::vector<Block> blocks_;
 
+  bool fused_allowed_ = true;
   uint64_t seed_ = 0;
   uint64_t draws_ = 0;        // training forwards since SetSeed
   bool dropped_ = false;      // the last Forward drew masks
@@ -150,6 +157,8 @@ class GpuGpt {
   // One sequence's attention: scores / probabilities, their gradient, and
   // the probabilities after dropout.
   GpuTensor scores_, dscores_, pdrop_;
+  // Fused attention's backward scratch ([B, n_head, T]).
+  GpuTensor attn_delta_;
   GemmScratch gemm_scratch_;
 };
 
