@@ -446,6 +446,41 @@ bool FlashAttentionSupports(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
 }
 
+namespace {
+
+template <int HD>
+constexpr size_t LargestSmem() {
+  return std::max({ForwardSmem<HD>(), BackwardKvSmem<HD>(), BackwardQSmem<HD>()});
+}
+
+}  // namespace
+
+bool FlashAttentionFits(int64_t head_dim, int device) {
+  if (!FlashAttentionSupports(head_dim)) return false;
+  int limit = 0;
+  if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+      cudaSuccess) {
+    cudaGetLastError();  // not sticky; clear it
+    return false;
+  }
+  size_t need = 0;
+  switch (head_dim) {
+    case 32:
+      need = LargestSmem<32>();
+      break;
+    case 64:
+      need = LargestSmem<64>();
+      break;
+    case 96:
+      need = LargestSmem<96>();
+      break;
+    default:
+      need = LargestSmem<128>();
+      break;
+  }
+  return need <= static_cast<size_t>(limit);
+}
+
 absl::Status LaunchFlashAttentionForward(cudaStream_t stream, const float* qkv, int64_t batch,
                                          int64_t t_len, int64_t heads, int64_t head_dim,
                                          float scale, float* y, float* lse) {

@@ -95,6 +95,9 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(GpuContext* ctx, const Gp
     b.fc_proj_b = find(h + "mlp.c_proj.bias");
   }
   AIDN_RETURN_IF_ERROR(EnsureDeviceBytes(ctx, &gpt->loss_, sizeof(double)));
+  // Fused attention rounds to bf16 (fp16 keeps the cuBLAS path, in fp16).
+  gpt->fused_possible_ = ctx->options().precision == Precision::kBf16 && config.dropout == 0.0 &&
+                         FlashAttentionFits(config.n_embd / config.n_head, ctx->device());
   return gpt;
 }
 
@@ -160,11 +163,6 @@ uint64_t GpuGpt::Key(uint64_t site) const {
   return DropoutKey(seed_, (draws_ - 1) * sites + site);
 }
 
-bool GpuGpt::FusedAttention() const {
-  return fused_allowed_ && ctx_->options().precision != Precision::kFp32 &&
-         config_.dropout == 0.0 && FlashAttentionSupports(config_.n_embd / config_.n_head);
-}
-
 absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
   if (batch < 1 || seq_len < 1 || seq_len > config_.block_size) {
     return absl::InvalidArgumentError(absl::StrCat("gpt: batch ", batch, ", sequence length ",
@@ -173,6 +171,8 @@ absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
   }
   batch_ = batch;
   seq_len_ = seq_len;
+  // Fixed here for this Forward and its Backward.
+  fused_now_ = FusedAttention();
   const int64_t n = batch * seq_len;
   const int64_t c = config_.n_embd;
   const int64_t h = config_.n_head;
@@ -209,9 +209,9 @@ absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
            {&dbig_, {n, 4 * c}},
            {&dqkv_, {n, 3 * c}},
            {&gn_, {n, c}},
-           {&attn_delta_, {FusedAttention() ? batch * h * seq_len : 0}},
-           {&scores_, {FusedAttention() ? 0 : h, seq_len, seq_len}},
-           {&dscores_, {FusedAttention() ? 0 : h, seq_len, seq_len}},
+           {&attn_delta_, {fused_now_ ? batch * h * seq_len : 0}},
+           {&scores_, {fused_now_ ? 0 : h, seq_len, seq_len}},
+           {&dscores_, {fused_now_ ? 0 : h, seq_len, seq_len}},
            {&pdrop_, {config_.dropout > 0.0 ? h : 0, seq_len, seq_len}}}) {
     AIDN_RETURN_IF_ERROR(t->Resize(ctx_, shape));
   }
@@ -314,7 +314,7 @@ absl::Status GpuGpt::AttentionForward(size_t l, bool drop) {
   const int64_t hd = c / heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const double p = config_.dropout;
-  if (FusedAttention()) {
+  if (fused_now_) {
     // The log-sum-exp of each row in att_max.
     return LaunchFlashAttentionForward(ctx_->stream(), b.qkv.data(), batch_, t, heads, hd, scale,
                                        b.y.data(), b.att_max.data());
@@ -355,7 +355,7 @@ absl::Status GpuGpt::AttentionBackward(size_t l, const float* dy, float* dqkv) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const double p = config_.dropout;
   const int64_t rows = heads * t;
-  if (FusedAttention()) {
+  if (fused_now_) {
     return LaunchFlashAttentionBackward(ctx_->stream(), b.qkv.data(), b.y.data(), dy,
                                         b.att_max.data(), batch_, t, heads, hd, scale, dqkv,
                                         attn_delta_.data());

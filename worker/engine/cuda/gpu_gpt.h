@@ -8,9 +8,10 @@
 // matrix products (attention's too) take 16-bit operands with fp32
 // accumulation, everything else stays fp32.
 //
-// Attention is exact and causal. In bf16 / fp16 without attention dropout,
-// for head sizes 32, 64, 96 and 128, it is fused (flash_attention.h: no
-// [T, T] matrix in memory; SetFusedAttention(false) turns that off).
+// Attention is exact and causal. In bf16 without attention dropout, for
+// head sizes 32, 64, 96 and 128 where the GPU's shared memory holds the
+// tiles, it is fused (flash_attention.h: no [T, T] matrix in memory;
+// SetFusedAttention(false) turns that off).
 // Otherwise it is computed one sequence at a time with all its heads
 // batched through cuBLAS: the scores of that sequence ([n_head, T, T]) live
 // in a scratch shared by every block and sequence, and Forward keeps only
@@ -78,10 +79,12 @@ class GpuGpt {
   absl::Status ZeroGrad();
   // Reseeds the dropout masks of the next Forwards.
   void SetSeed(uint64_t seed);
-  // Whether attention may use the fused kernels where they apply (on by
-  // default); FusedAttention() says whether it does.
+  // Whether attention may use the fused kernels where they apply (bf16, no
+  // attention dropout, a supported head size, shared memory enough on this
+  // GPU; on by default); FusedAttention() says whether the next Forward
+  // will. A Forward's choice holds for its Backward.
   void SetFusedAttention(bool on) { fused_allowed_ = on; }
-  bool FusedAttention() const;
+  bool FusedAttention() const { return fused_allowed_ && fused_possible_; }
 
   // In the CPU decoder's registration order, named as there.
   std::vector<GpuParameter*> Parameters();
@@ -138,6 +141,8 @@ class GpuGpt {
   std::vector<Block> blocks_;
 
   bool fused_allowed_ = true;
+  bool fused_possible_ = false;  // Create's verdict for this model and GPU
+  bool fused_now_ = false;       // the last Forward's choice
   uint64_t seed_ = 0;
   uint64_t draws_ = 0;        // training forwards since SetSeed
   bool dropped_ = false;      // the last Forward drew masks
