@@ -178,6 +178,7 @@ nlohmann::ordered_json StepMetricsToJson(const v1::StepMetrics& step) {
       {"tokens", step.tokens()},
       {"tokens_per_second", step.tokens_per_second()},
       {"peak_memory_bytes", step.peak_memory_bytes()},
+      {"device_peak_memory_bytes", step.device_peak_memory_bytes()},
       {"parameter_bytes", step.parameter_bytes()},
       {"gradient_bytes", step.gradient_bytes()},
       {"optimizer_state_bytes", step.optimizer_state_bytes()},

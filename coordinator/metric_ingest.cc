@@ -181,12 +181,26 @@ void MetricIngest::RemoveSeriesOfJobs(const std::set<std::string>& job_ids) {
   CoordinatorMetrics& cm = *metrics_;
   cm.job_steps_total.RemoveWhere("job_id", doomed);
   cm.job_samples_total.RemoveWhere("job_id", doomed);
-  for (metrics::Family<metrics::Gauge>* f :
-       {&cm.job_state, &cm.job_step, &cm.job_total_steps, &cm.job_epoch, &cm.job_loss,
-        &cm.job_samples_per_second, &cm.job_tokens_per_second, &cm.job_peak_memory_bytes,
-        &cm.job_step_seconds, &cm.job_allreduce_seconds, &cm.job_restarts, &cm.job_generation,
-        &cm.job_world_size, &cm.job_last_checkpoint_step, &cm.job_test_accuracy, &cm.job_test_loss,
-        &cm.rank_step, &cm.rank_last_progress_age_seconds, &cm.rank_straggler}) {
+  for (metrics::Family<metrics::Gauge>* f : {&cm.job_state,
+                                             &cm.job_step,
+                                             &cm.job_total_steps,
+                                             &cm.job_epoch,
+                                             &cm.job_loss,
+                                             &cm.job_samples_per_second,
+                                             &cm.job_tokens_per_second,
+                                             &cm.job_peak_memory_bytes,
+                                             &cm.job_device_peak_memory_bytes,
+                                             &cm.job_step_seconds,
+                                             &cm.job_allreduce_seconds,
+                                             &cm.job_restarts,
+                                             &cm.job_generation,
+                                             &cm.job_world_size,
+                                             &cm.job_last_checkpoint_step,
+                                             &cm.job_test_accuracy,
+                                             &cm.job_test_loss,
+                                             &cm.rank_step,
+                                             &cm.rank_last_progress_age_seconds,
+                                             &cm.rank_straggler}) {
     f->RemoveWhere("job_id", doomed);
   }
   cm.rank_step_seconds.RemoveWhere("job_id", doomed);
@@ -229,6 +243,10 @@ bool MetricIngest::CollectJob(const Job& job, JobMetrics* m, const JobHealth& he
       if (t->tokens() > 0) cm.job_tokens_per_second.Add(labels).Set(t->tokens_per_second());
       if (t->peak_memory_bytes() > 0) {
         cm.job_peak_memory_bytes.Add(labels).Set(static_cast<double>(t->peak_memory_bytes()));
+      }
+      if (t->device_peak_memory_bytes() > 0) {
+        cm.job_device_peak_memory_bytes.Add(labels).Set(
+            static_cast<double>(t->device_peak_memory_bytes()));
       }
       cm.job_step_seconds.Add(labels).Set(t->step_seconds());
       cm.job_allreduce_seconds.Add(labels).Set(t->allreduce_seconds());

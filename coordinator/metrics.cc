@@ -141,6 +141,10 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
           r->AddGauge("aidn_job_peak_memory_bytes",
                       "The largest peak resident memory of the job's rank processes, as of the "
                       "newest step.")),
+      job_device_peak_memory_bytes(r->AddGauge(
+          "aidn_job_device_peak_memory_bytes",
+          "The most GPU memory any of the job's ranks has held, as of the newest step (GPU "
+          "jobs).")),
       job_step_seconds(
           r->AddGauge("aidn_job_step_seconds", "The slowest rank's time for the newest step.")),
       job_allreduce_seconds(

@@ -35,6 +35,7 @@ struct CoordinatorMetrics {
   metrics::Family<metrics::Gauge>& job_samples_per_second;
   metrics::Family<metrics::Gauge>& job_tokens_per_second;
   metrics::Family<metrics::Gauge>& job_peak_memory_bytes;
+  metrics::Family<metrics::Gauge>& job_device_peak_memory_bytes;
   metrics::Family<metrics::Gauge>& job_step_seconds;
   metrics::Family<metrics::Gauge>& job_allreduce_seconds;
   metrics::Family<metrics::Gauge>& job_restarts;

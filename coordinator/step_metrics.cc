@@ -41,6 +41,8 @@ v1::StepMetrics CombineRecords(const std::vector<v1::MetricRecord>& records, int
     out.set_gradient_bytes(std::max(out.gradient_bytes(), r.gradient_bytes()));
     out.set_optimizer_state_bytes(std::max(out.optimizer_state_bytes(), r.optimizer_state_bytes()));
     out.set_buffer_bytes(std::max(out.buffer_bytes(), r.buffer_bytes()));
+    out.set_device_peak_memory_bytes(
+        std::max(out.device_peak_memory_bytes(), r.device_peak_memory_bytes()));
     if (train && r.rank() >= 0) {
       out.set_rank_step_seconds(r.rank(), r.step_seconds());
       out.set_rank_allreduce_seconds(r.rank(), r.allreduce_seconds());

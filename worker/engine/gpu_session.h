@@ -140,6 +140,8 @@ class GpuSession {
   virtual absl::Status LoadOptimizerState(
       const std::vector<std::pair<std::string, const Tensor*>>& state, int64_t steps) = 0;
 
+  // The most device memory the session's allocator has held so far.
+  virtual int64_t device_peak_bytes() const = 0;
   // "NVIDIA H100 80GB HBM3 (device 0), NCCL 2 ranks" for the trainer's log.
   virtual std::string Describe() const = 0;
 };

@@ -514,6 +514,7 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_lr(result.lr);
   record.set_tokens(share * plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
+  if (gpu_ != nullptr) record.set_device_peak_memory_bytes(gpu_->device_peak_bytes());
   if (cpu_ != nullptr || parallel_ != nullptr) {
     // ZeRO-2's and FSDP's buffers grow to their size in the first step.
     memory_ = parallel_ ? parallel_->memory() : cpu_->memory();

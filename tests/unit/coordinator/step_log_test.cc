@@ -71,6 +71,17 @@ TEST(CombineRecords, TakesMeanLossSummedSamplesAndTheSlowestRank) {
   EXPECT_EQ(s.rank_allreduce_seconds_size(), 4);
 }
 
+TEST(CombineRecords, MemoryFiguresAreTheLargestRanks) {
+  std::vector<v1::MetricRecord> records = {Record(3, 0), Record(3, 1)};
+  records[0].set_peak_memory_bytes(5 << 20);
+  records[1].set_peak_memory_bytes(3 << 20);
+  records[0].set_device_peak_memory_bytes(int64_t{7} << 30);
+  records[1].set_device_peak_memory_bytes(int64_t{9} << 30);
+  const v1::StepMetrics s = CombineRecords(records, 2);
+  EXPECT_EQ(s.peak_memory_bytes(), 5 << 20);
+  EXPECT_EQ(s.device_peak_memory_bytes(), int64_t{9} << 30);
+}
+
 TEST(CombineRecords, EvaluationsAverageTheTestFiguresAndHaveNoStepTimes) {
   v1::StepMetrics s = CombineRecords(
       {Record(9, 0, v1::MetricRecord::EVAL), Record(9, 1, v1::MetricRecord::EVAL)}, 2);

@@ -123,6 +123,10 @@ class CudaGpuSession final : public GpuSession {
 
   std::string Describe() const override { return description_; }
 
+  int64_t device_peak_bytes() const override {
+    return static_cast<int64_t>(ctx_->allocator().stats().peak_bytes_in_use);
+  }
+
  private:
   CudaGpuSession() = default;
 
