@@ -133,6 +133,16 @@ TEST(NcclCommunicator, WorldSizeOneCollectivesThroughTheKvRendezvous) {
   ASSERT_TRUE((*comm)->Wait("queued broadcasts").ok());
   EXPECT_EQ(Download(data, values.size()), values);
   EXPECT_EQ((*comm)->EnqueueBroadcasts({{data, 1}}, 1).code(), absl::StatusCode::kInvalidArgument);
+  // A split (a process grid's group): of one rank, a communicator of its
+  // own that reduces as the parent does; a negative color refused.
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> group = (*comm)->Split(0, 0);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ((*group)->rank(), 0);
+  EXPECT_EQ((*group)->world_size(), 1);
+  ASSERT_TRUE((*group)->AllReduce(data, values.size(), ReduceOp::kSum).ok());
+  EXPECT_EQ(Download(data, values.size()), values);
+  EXPECT_EQ((*comm)->Split(-1, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  group->reset();
   cudaFree(out);
   cudaFree(data);
 }

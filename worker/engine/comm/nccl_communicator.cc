@@ -101,6 +101,42 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   return c;
 }
 
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int color, int key) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (color < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("nccl split: color ", color, " is negative"));
+  }
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(options_));
+  c->options_.prefix = absl::StrCat(options_.prefix, "/split-", color);
+  AIDN_RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMalloc(&c->barrier_, sizeof(float)));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(c->barrier_, 0, sizeof(float), c->stream_));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const std::string what =
+      absl::StrCat("nccl split of rank ", options_.rank, " (color ", color, ", key ", key, ")");
+  const ncclResult_t started = ncclCommSplit(comm_, color, key, &c->comm_, &config);
+  if (started != ncclSuccess && started != ncclInProgress) return Fail(NcclError(what, started));
+  // Both ends of a non-blocking split may still be in progress.
+  AIDN_RETURN_IF_ERROR(Poll(what, nullptr, "did not complete", " (does every rank split?)"));
+  if (c->comm_ == nullptr) {
+    return Fail(absl::InternalError(absl::StrCat(what, ": no communicator came back")));
+  }
+  AIDN_RETURN_IF_ERROR(c->Poll(what, nullptr, "did not complete", " (does every rank split?)"));
+  int rank = 0;
+  int count = 0;
+  if (ncclResult_t r = ncclCommUserRank(c->comm_, &rank); r != ncclSuccess) {
+    return c->Fail(NcclError(what, r));
+  }
+  if (ncclResult_t r = ncclCommCount(c->comm_, &count); r != ncclSuccess) {
+    return c->Fail(NcclError(what, r));
+  }
+  c->options_.rank = rank;
+  c->options_.world_size = count;
+  return c;
+}
+
 NcclCommunicator::~NcclCommunicator() {
   if (comm_ != nullptr) {
     if (failed_.ok()) {

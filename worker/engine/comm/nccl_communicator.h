@@ -112,6 +112,15 @@ class NcclCommunicator final : public Communicator {
   // bounded.
   absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what);
 
+  // A communicator of the ranks that pass the same `color` (>= 0), ranked
+  // by `key` (ncclCommSplit), with a stream of its own: a process grid's
+  // tensor, pipeline or data group. Collective over this communicator:
+  // every rank calls it, in the same order. Waits (bounded by the timeout)
+  // until the new communicator is ready; a failure fails this one too (its
+  // peers are in the middle of the split). INVALID_ARGUMENT for a
+  // negative color.
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> Split(int color, int key);
+
   // Aborts the communicator now (a failure elsewhere in the generation);
   // later calls answer FAILED_PRECONDITION. Call it from the thread that
   // makes the collectives, never while one of them waits: it frees the NCCL
@@ -137,7 +146,8 @@ class NcclCommunicator final : public Communicator {
   absl::Status Complete(absl::string_view what);
   absl::Status Fail(absl::Status status);
 
-  const NcclOptions options_;
+  // Const but for Split, which sets a new communicator's rank and size.
+  NcclOptions options_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   // A one-float device buffer for Barrier.
