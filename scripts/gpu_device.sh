@@ -238,9 +238,9 @@ run_service() {
     grep -E '^\[ +(RUN|OK|FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|Skipped'
 }
 
-# Everything a lent GPU machine should run, most important first, in one
-# command that fits one call (a session's device time is short, and one
-# command may run 600 s): every GPU test, the service's GPU jobs, GPT-2
+# Everything a GPU machine should run, most important first, in one command
+# of under 600 s (GPU time is scarce and each call starts a machine): every
+# GPU test, the service's GPU jobs, GPT-2
 # against PyTorch, then the MLP and CNN steps in bf16 with CUDA graphs. Each
 # part has a time limit in seconds (TEST_LIMIT 170, SERVICE_LIMIT 170,
 # GPT_LIMIT 170, STEP_LIMIT 60); the summary and logs go under $OUT.
