@@ -115,7 +115,8 @@ absl::Status ValidateGptModel(const v1::JobSpec& spec) {
                      "fp16 has no loss scaling for model gpt on the GPU yet (use bf16)");
     }
     if (spec.cuda_graphs()) {
-      return Invalid("cuda_graphs", "captures mlp and cnn steps only for now");
+      return Invalid("cuda_graphs",
+                     "not for model gpt yet (mlp, cnn and resnet steps are captured)");
     }
   }
   return CheckRealRange("model.dropout", m.dropout(), 0, 1, /*hi_inclusive=*/false);

@@ -143,8 +143,8 @@ CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* r)
                       "newest step.")),
       job_device_peak_memory_bytes(r->AddGauge(
           "aidn_job_device_peak_memory_bytes",
-          "The most GPU memory any of the job's ranks has held, as of the newest step (GPU "
-          "jobs).")),
+          "The largest peak bytes in use of the job's ranks' GPU allocators, as of the newest "
+          "step (GPU jobs; the CUDA libraries' own memory not counted).")),
       job_step_seconds(
           r->AddGauge("aidn_job_step_seconds", "The slowest rank's time for the newest step.")),
       job_allreduce_seconds(

@@ -543,6 +543,9 @@ absl::Status ValidateResNet(const v1::JobSpec& spec) {
   if (IsResNet(name) && spec.model().stochastic_depth() > 0) {
     return Invalid("model.stochastic_depth", "runs on device: cpu for now");
   }
+  if (spec.ddp().find_unused_parameters()) {
+    return Invalid("ddp.find_unused_parameters", "runs on device: cpu for now");
+  }
   return absl::OkStatus();
 }
 

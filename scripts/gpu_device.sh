@@ -4,11 +4,12 @@
 # OpenBLAS or oneDNN, and no apt to install them): build here, run there.
 #
 #   scripts/gpu_device.sh pack     # here: engine-only build for sm_90 into
-#                                  # build-gpu/, then .devcarry/ = the GPU test
-#                                  # binaries, gpu_step and a tarball of the
-#                                  # non-CUDA shared libraries they load
+#                                  # build-gpu/, then .devcarry/carry.tar.xz =
+#                                  # the GPU test binaries, gpu_step, gpu_gpt_step
+#                                  # and the non-CUDA shared libraries they load
 #   scripts/gpu_device.sh run      # there, from the repo root with .devcarry/
 #                                  # carried: every GPU test, then bench/gpu_step.sh
+#                                  # and bench/gpu_gpt.sh
 #   scripts/gpu_device.sh pack-service   # here: the service binaries from build/
 #                                  # (coordinator, aidn-worker-gpu, aidnctl), the
 #                                  # GPU job test, their libraries, Debian's
@@ -24,8 +25,8 @@
 # `run` finds cuDNN and NCCL in the toolkit or in PyTorch's nvidia-* wheels,
 # writes logs under $OUT (or /tmp/aidn-gpu-out) and prints a short summary
 # last. Knobs for run: TESTS=0, BENCH=0 (bench/gpu_step.sh) or GPT=0
-# (bench/gpu_gpt.sh; GPT_STEPS, GPT_REPS and its CONFIG / BATCH / SEQ /
-# PRECISION) to skip a part, REPS / MODELS /
+# (bench/gpu_gpt.sh; GPT_STEPS, GPT_REPS, GPT_PRECISION and its CONFIG /
+# BATCH / SEQ) to skip a part, REPS / MODELS /
 # BATCHES / STEPS / CONV_MODES as bench/gpu_step.sh, GTEST_FILTER, PROFILE=1
 # (per-kernel times of the CNN step from ncu, aidn and PyTorch; PROFILE_BATCH,
 # PROFILE_CONV=deterministic|fast).
@@ -49,7 +50,7 @@ pack() {
     "$CARRY/bin/"
   ldd "$CARRY"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
     grep -Ev "$NOT_CARRIED" | while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
-  # One archive: what travels to the GPU machine is size-limited.
+  # One compressed archive keeps the copy small.
   tar -C "$CARRY" -cJf "$CARRY/carry.tar.xz" bin lib
   rm -rf "$CARRY/bin" "$CARRY/lib"
   du -sh "$CARRY"
@@ -78,7 +79,7 @@ pack_service() {
   tar -C "$SERVICE_CARRY" -cJf "$SERVICE_CARRY/bin-lib.tar.xz" bin lib
   rm -rf "$SERVICE_CARRY/bin" "$SERVICE_CARRY/lib"
   # Fashion-MNIST with the first 20,000 training images (the GPU jobs train
-  # a few hundred steps of 64), so that both carries fit one call.
+  # a few hundred steps of 64), to keep the copy small.
   cp /usr/share/datasets/fashion-mnist/t10k-*.gz "$SERVICE_CARRY/data/"
   python3 - "$SERVICE_CARRY/data" <<'PY'
 import gzip, struct, sys
@@ -165,7 +166,7 @@ run() {
   if [[ ${GPT:-1} == 1 ]]; then
     # GPT-2 124M in bf16 against torch eager and torch.compile.
     GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step PYTHON=python3 STEPS=${GPT_STEPS:-30} \
-      REPS=${GPT_REPS:-1} "$ROOT/bench/gpu_gpt.sh" 2>&1 |
+      REPS=${GPT_REPS:-1} PRECISION=${GPT_PRECISION:-bf16} "$ROOT/bench/gpu_gpt.sh" 2>&1 |
       tee "$out/gpu_gpt.log" | tail -5 >>"$summary"
   fi
   if [[ ${PROFILE:-0} == 1 ]]; then profile "$out" >>"$summary" 2>&1; fi
@@ -239,8 +240,7 @@ run_service() {
 }
 
 # Everything a GPU machine should run, most important first, in one command
-# of under 600 s (GPU time is scarce and each call starts a machine): every
-# GPU test, the service's GPU jobs, GPT-2
+# of under 600 s: every GPU test, the service's GPU jobs, GPT-2
 # against PyTorch, then the MLP and CNN steps in bf16 with CUDA graphs. Each
 # part has a time limit in seconds (TEST_LIMIT 170, SERVICE_LIMIT 170,
 # GPT_LIMIT 170, STEP_LIMIT 60); the summary and logs go under $OUT.
@@ -255,7 +255,8 @@ run_all() {
   # The library path of `run` (set up by the first part).
   library_path /tmp/aidn-carry/lib >/dev/null
   GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step PYTHON=python3 STEPS=${GPT_STEPS:-20} REPS=1 \
-    timeout "${GPT_LIMIT:-170}" "$ROOT/bench/gpu_gpt.sh" 2>&1 | tee "$out/gpu_gpt.log" | tail -8
+    PRECISION=${GPT_PRECISION:-bf16} timeout "${GPT_LIMIT:-170}" "$ROOT/bench/gpu_gpt.sh" 2>&1 |
+    tee "$out/gpu_gpt.log" | tail -8
   echo "==== gpt bench done after $((SECONDS - start)) s"
   GPU_STEP_BIN=/tmp/aidn-bin/gpu_step PYTHON=python3 REPS=1 STEPS=200 PRECISION=bf16 GRAPHS=1 \
     BATCHES="256" timeout "${STEP_LIMIT:-60}" "$ROOT/bench/gpu_step.sh" 2>&1 |

@@ -203,6 +203,38 @@ TEST(GpuDdp, CompressedBucketsComeBackRoundedTo16Bits) {
             absl::StatusCode::kUnimplemented);
 }
 
+// broadcast_buffers: rank 0's running statistics to every rank, ordered
+// between the compute stream and NCCL's. Over one rank they come back as
+// they were (which a no-op would too: what this pins down is that the
+// calls, events and group complete).
+TEST(GpuDdp, BufferBroadcastsOfAWorldOfOneLeaveTheStatisticsAsTheyWere) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  ModelConfig resnet;
+  resnet.name = "resnet18";
+  auto model = GpuModel::Build(ctx.get(), resnet, 4);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<GpuParameter*>& buffers = (*model)->Buffers();
+  ASSERT_FALSE(buffers.empty());
+  std::vector<Tensor> values;
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    values.push_back(RandomTensor(buffers[k]->value.shape(), 90 + k));
+    ASSERT_TRUE(buffers[k]->value.CopyFromHost(ctx.get(), values.back()).ok());
+  }
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto reducer = GpuDdpReducer::Create(ctx.get(), (*model)->Parameters(), nccl.get(),
+                                       DdpOptions{.bucket_mb = 1});
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  ASSERT_TRUE((*reducer)->BroadcastBuffers(buffers).ok());
+  ASSERT_TRUE(nccl->Wait("buffer broadcasts").ok());
+  ASSERT_TRUE(ctx->Synchronize().ok());
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError(ToHost(ctx.get(), buffers[k]->value), values[k]), 0.0)
+        << buffers[k]->name;
+  }
+}
+
 TEST(GpuDdp, AGradientThatNeverComesOrComesTwiceFailsTheStep) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
   auto model = GpuModel::Build(ctx.get(), Cnn(), 4);

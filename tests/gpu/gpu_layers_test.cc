@@ -577,6 +577,10 @@ TEST(GpuBatchNorm2d, MatchesCpuInTrainingAndEval) {
   EXPECT_EQ(gpu->Backward(gy, &gdx).code(), absl::StatusCode::kFailedPrecondition);
   GpuTensor bad = ToDevice(ctx.get(), RandomTensor({2, 5, 3, 3}, 1));
   EXPECT_EQ(gpu->Forward(bad, &gy, true).code(), absl::StatusCode::kInvalidArgument);
+  // One value per channel has no variance to train with (the CPU aborts).
+  GpuTensor single = ToDevice(ctx.get(), RandomTensor({1, 6, 1, 1}, 2));
+  EXPECT_EQ(gpu->Forward(single, &gy, true).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(gpu->Forward(single, &gy, false).ok()) << "eval needs no batch statistics";
 }
 
 // Basic blocks and bottlenecks, with the identity and with a downsampling

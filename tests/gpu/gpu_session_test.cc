@@ -204,6 +204,10 @@ TEST(GpuSession, GptWithoutADeviceSaysWhyAndRefusesFp16) {
       GpuSession::CreateForGpt(o, **gpt, OptimizerConfig());
   ASSERT_FALSE(session.ok());
   EXPECT_EQ(session.status().code(), absl::StatusCode::kUnimplemented) << session.status();
+  // Refused for its precision wherever the binary has a GPU engine at all.
+  if (GpuSessionAvailable()) {
+    EXPECT_THAT(session.status().message(), HasSubstr("fp16")) << session.status();
+  }
   DeviceInventory inventory = DiscoverDevices();
   if (!inventory.gpus.empty()) return;
   session = GpuSession::CreateForGpt(GpuSessionOptions(), **gpt, OptimizerConfig());

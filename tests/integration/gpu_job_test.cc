@@ -5,6 +5,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -180,16 +181,19 @@ TEST_F(GpuJobTest, AGptLearnsFortunesOnOneGpuInBf16) {
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   int train = 0;
   double first_loss = 0, val_loss = -1;
+  int64_t device_peak = 0;
   for (const v1::StepMetrics& s : cluster().Metrics(id)) {
     if (s.kind() == v1::MetricRecord::EVAL) {
       val_loss = s.test_loss();
       continue;
     }
+    device_peak = std::max(device_peak, s.device_peak_memory_bytes());
     ++train;
     if (s.step() == 1) first_loss = s.loss();
   }
   EXPECT_EQ(train, 600);
   EXPECT_GT(first_loss, 5.0);
+  EXPECT_GT(device_peak, int64_t{1} << 20) << "the GPU's peak memory in the step records";
   EXPECT_GT(val_loss, 0.0);
   EXPECT_LT(val_loss, 2.5);
   const std::string log = TrainerLog(id, 1);

@@ -132,6 +132,8 @@ TEST(Metrics, HalvesThePageWhileTheAnswerIsTooLarge) {
 TEST(Metrics, JsonIsOneArrayOfObjectsWithNumbers) {
   FakeServer server;
   Steps(&server.fake, 14);
+  // A GPU job's step: the GPU's peak memory too.
+  server.fake.steps_[0].set_device_peak_memory_bytes(int64_t{3} << 30);
   server.Start();
   server.env.options.format = OutputFormat::kJson;
   MetricsOptions options;
@@ -146,6 +148,8 @@ TEST(Metrics, JsonIsOneArrayOfObjectsWithNumbers) {
   EXPECT_EQ(json[0]["samples"], 128);
   EXPECT_DOUBLE_EQ(json[0]["loss"].get<double>(), 2.499);
   EXPECT_EQ(json[0]["rank_step_seconds"].size(), 2u);
+  EXPECT_EQ(json[0]["device_peak_memory_bytes"], int64_t{3} << 30);
+  EXPECT_EQ(json[1]["device_peak_memory_bytes"], 0);
   EXPECT_EQ(json[7]["kind"], "EVAL");
   EXPECT_EQ(json[7]["step"], 7);
   EXPECT_DOUBLE_EQ(json[7]["test_accuracy"].get<double>(), 0.8);

@@ -213,7 +213,7 @@ TEST(DdpSpec, BroadcastBuffersIsOnByDefault) {
   EXPECT_FALSE(off.ddp().broadcast_buffers());
 }
 
-TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
+TEST(ResNetSpec, BadFieldsAreNamed) {
   for (const char* name : {"resnet18", "resnet50"}) {
     const JobSpec spec = Spec(name, [](JobSpec* s) { s->set_eval_max_samples(512); });
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
@@ -236,6 +236,12 @@ TEST(ResNetSpec, RunsOnCpuAndBadFieldsAreNamed) {
          s->mutable_ddp()->set_sync_batchnorm(true);
        },
        "ddp.sync_batchnorm: runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
+         s->mutable_ddp()->set_find_unused_parameters(true);
+       },
+       "ddp.find_unused_parameters: runs on device: cpu for now"},
       {[](JobSpec* s) { s->mutable_model()->set_dropout(0.1); },
        "model.dropout: resnet18 has no dropout"},
       {[](JobSpec* s) { s->mutable_model()->add_hidden_sizes(4); },

@@ -2,7 +2,7 @@
 #define AIDN_WORKER_ENGINE_CUDA_FLASH_ATTENTION_H_
 
 // Exact causal attention without the [T, T] matrices in memory (FlashAttention-2's
-// scheme), for the GPT decoder in bf16 / fp16 (gpu_gpt.h): Q, K and V are
+// scheme), for the GPT decoder in bf16 (gpu_gpt.h): Q, K and V are
 // rounded to bf16 as they are loaded, products run on the tensor cores
 // (WMMA 16x16x16, fp32 accumulation), the softmax is computed online in fp32
 // per 64 x 64 tile, and forward keeps one log-sum-exp per row.

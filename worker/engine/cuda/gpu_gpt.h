@@ -8,7 +8,8 @@
 // matrix products (attention's too) take 16-bit operands with fp32
 // accumulation, everything else stays fp32.
 //
-// Attention is exact and causal. In bf16 without attention dropout, for
+// Attention is exact and causal. In bf16 with dropout 0 (one setting for
+// the whole model), for
 // head sizes 32, 64, 96 and 128 where the GPU's shared memory holds the
 // tiles, it is fused (flash_attention.h: no [T, T] matrix in memory;
 // SetFusedAttention(false) turns that off).

@@ -40,7 +40,7 @@ class CudaGptSession final : public GpuSession {
     }
     if (options.cuda_graphs) {
       return absl::UnimplementedError(
-          "cuda_graphs: the GPU engine captures mlp and cnn steps only for now");
+          "cuda_graphs: not for model gpt yet (mlp, cnn and resnet steps are captured)");
     }
     AIDN_ASSIGN_OR_RETURN(cuda::SessionDevice device, cuda::SetUpSessionDevice(options));
     std::unique_ptr<CudaGptSession> s(new CudaGptSession());

@@ -27,7 +27,7 @@ namespace {
 constexpr float kBnOne = 1.0f;
 constexpr float kBnZero = 0.0f;
 
-// `shape`'s storage, zeroed, and a zeroed gradient of the same shape.
+// A [channels] parameter filled with `value`, and its zeroed gradient.
 absl::Status ZeroedParameter(GpuContext* ctx, const std::string& name, int64_t channels,
                              float value, GpuParameter* p) {
   p->name = name;
