@@ -151,14 +151,6 @@ absl::Status GpuModel::CopyBuffersTo(const std::vector<Parameter*>& cpu) const {
   return absl::OkStatus();
 }
 
-absl::Status GpuModel::CopyBuffersFrom(const std::vector<Parameter*>& cpu) {
-  AIDN_RETURN_IF_ERROR(Matching("buffer", buffers_, cpu));
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    AIDN_RETURN_IF_ERROR(buffers_[k]->value.CopyFromHost(ctx_, cpu[k]->value));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status GpuModel::CopyParametersFrom(const std::vector<Parameter*>& cpu) {
   AIDN_RETURN_IF_ERROR(Matches(cpu));
   for (size_t k = 0; k < cpu.size(); ++k) {

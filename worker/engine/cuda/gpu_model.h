@@ -89,9 +89,8 @@ class GpuModel {
   absl::Status CopyParametersFrom(const std::vector<Parameter*>& cpu);
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) const;
   absl::Status CopyGradientsTo(const std::vector<Parameter*>& cpu) const;
-  // Buffer values to / from CPU buffers in Buffers() order, likewise.
+  // Buffer values to CPU buffers in Buffers() order, likewise.
   absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) const;
-  absl::Status CopyBuffersFrom(const std::vector<Parameter*>& cpu);
 
  private:
   explicit GpuModel(GpuContext* ctx) : ctx_(ctx) {}
