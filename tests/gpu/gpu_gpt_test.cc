@@ -93,7 +93,7 @@ void ExpectForwardBackwardMatch(const GptConfig& config, int64_t batch, int64_t 
                   .ok());
   std::unique_ptr<Gpt> grads = MakeCpu(config);
   grads->ZeroGrad();
-  ASSERT_TRUE((*gpu)->CopyGradsTo(grads.get()).ok());
+  ASSERT_TRUE((*gpu)->CopyGradsTo(grads->Parameters()).ok());
   const std::vector<Parameter*>& want = cpu->Parameters();
   const std::vector<Parameter*>& got = grads->Parameters();
   ASSERT_EQ(ready.size(), want.size()) << "every parameter reported ready once";
@@ -149,7 +149,7 @@ TEST(GpuGpt, TwentyAdamWStepsMatchTheCpu) {
     ASSERT_TRUE((*gpu_opt)->Step(opt.lr).ok());
   }
   std::unique_ptr<Gpt> after = MakeCpu(config);
-  ASSERT_TRUE((*gpu)->CopyWeightsTo(after.get()).ok());
+  ASSERT_TRUE((*gpu)->CopyWeightsTo(after->Parameters()).ok());
   for (size_t i = 0; i < cpu->Parameters().size(); ++i) {
     const Parameter* want = cpu->Parameters()[i];
     EXPECT_LE(MaxRelError(after->Parameters()[i]->value, want->value), 1e-4) << want->name;
@@ -176,7 +176,7 @@ TEST(GpuGpt, Bf16StaysWithinItsRounding) {
   EXPECT_NEAR(*got, want, 1e-2 * want);
   std::unique_ptr<Gpt> grads = MakeCpu(config);
   grads->ZeroGrad();
-  ASSERT_TRUE((*gpu)->CopyGradsTo(grads.get()).ok());
+  ASSERT_TRUE((*gpu)->CopyGradsTo(grads->Parameters()).ok());
   for (size_t i = 0; i < cpu->Parameters().size(); ++i) {
     const Parameter* p = cpu->Parameters()[i];
     EXPECT_LE(MaxRelError(grads->Parameters()[i]->grad, p->grad), 5e-2) << p->name;

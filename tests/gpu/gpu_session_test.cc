@@ -5,6 +5,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -55,6 +56,17 @@ Batch RandomBatch(uint64_t seed) {
   b.labels.resize(64);
   for (auto& l : b.labels) l = static_cast<int32_t>(rng() % 10);
   return b;
+}
+
+// max |got - want| and max |want| over the elements.
+std::pair<double, double> MaxDiffAndRef(const Tensor& got, const Tensor& want) {
+  EXPECT_EQ(got.shape(), want.shape());
+  double diff = 0, ref = 0;
+  for (int64_t j = 0; j < want.numel() && j < got.numel(); ++j) {
+    diff = std::max(diff, static_cast<double>(std::fabs(got[j] - want[j])));
+    ref = std::max(ref, static_cast<double>(std::fabs(want[j])));
+  }
+  return {diff, ref};
 }
 
 TEST(GpuSession, WithoutADeviceCreateSaysWhy) {
@@ -173,13 +185,8 @@ TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
   ASSERT_TRUE((*session)->CopyBuffersTo((*copy)->Buffers()).ok());
   ASSERT_EQ((*copy)->Buffers().size(), (*cpu)->Buffers().size());
   for (size_t i = 0; i < (*cpu)->Buffers().size(); ++i) {
-    const Tensor& want = (*cpu)->Buffers()[i]->value;
-    const Tensor& got = (*copy)->Buffers()[i]->value;
-    double diff = 0, ref = 0;
-    for (int64_t j = 0; j < want.numel(); ++j) {
-      diff = std::max(diff, static_cast<double>(std::fabs(got[j] - want[j])));
-      ref = std::max(ref, static_cast<double>(std::fabs(want[j])));
-    }
+    const auto [diff, ref] =
+        MaxDiffAndRef((*copy)->Buffers()[i]->value, (*cpu)->Buffers()[i]->value);
     // Against max(ref, 1): a running mean can be ~1e-4 everywhere.
     EXPECT_LE(diff, 1e-3 * std::max(ref, 1.0)) << (*cpu)->Buffers()[i]->name;
   }
@@ -270,13 +277,8 @@ TEST(GpuSession, OneRankTrainsAGptAsTheCpuDoes) {
   ASSERT_TRUE(copy.ok());
   ASSERT_TRUE((*session)->CopyParametersTo((*copy)->Parameters()).ok());
   for (size_t i = 0; i < (*cpu)->Parameters().size(); ++i) {
-    const Tensor& want = (*cpu)->Parameters()[i]->value;
-    const Tensor& got = (*copy)->Parameters()[i]->value;
-    double diff = 0, ref = 0;
-    for (int64_t j = 0; j < want.numel(); ++j) {
-      diff = std::max(diff, static_cast<double>(std::fabs(got[j] - want[j])));
-      ref = std::max(ref, static_cast<double>(std::fabs(want[j])));
-    }
+    const auto [diff, ref] =
+        MaxDiffAndRef((*copy)->Parameters()[i]->value, (*cpu)->Parameters()[i]->value);
     EXPECT_LE(diff, 1e-4 * ref) << (*cpu)->Parameters()[i]->name;
   }
 }

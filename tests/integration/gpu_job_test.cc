@@ -62,25 +62,31 @@ class GpuJobTest : public ClusterFixture {
         absl::StrFormat("%s/runs/%s/step-%08d/state.txt", cluster().Path("ckpt"), id, step));
   }
 
+  // One GPU rank training `model` on Fashion-MNIST (below).
+  void ExpectAClassifierTrains(const std::string& model, uint64_t seed, int64_t eval_max_samples);
+
   std::string gpu_name_;
   int gpus_ = 0;
 };
 
-// One rank on the GPU: the job succeeds, every step is reported, the loss
-// falls and the test accuracy is a trained model's; the rank's log says it
-// trained on the GPU the worker registered.
-TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
+// One GPU rank training `model` on Fashion-MNIST for 300 SGD steps of 64:
+// the job succeeds, every step is reported, the loss falls and the test
+// accuracy is a trained model's (as the CPU job of training_test: ~0.8);
+// the rank's log says it trained on the GPU the worker registered.
+void GpuJobTest::ExpectAClassifierTrains(const std::string& model, uint64_t seed,
+                                         int64_t eval_max_samples) {
   v1::JobSpec spec;
-  spec.set_name("gpu-job-test");
+  spec.set_name("gpu-" + model);
   spec.set_device(v1::JobSpec::GPU);
   spec.set_world_size(1);
-  spec.mutable_model()->set_name("mlp");
+  spec.mutable_model()->set_name(model);
   spec.mutable_optimizer()->set_name("sgd");
   spec.mutable_optimizer()->set_lr(0.05);
   spec.mutable_optimizer()->set_momentum(0.9);
   spec.set_batch_size(64);
   spec.set_max_steps(300);
-  spec.set_seed(1);
+  spec.set_eval_max_samples(eval_max_samples);
+  spec.set_seed(seed);
   spec.set_max_restarts(0);
   const std::string id = Submit(spec);
   ASSERT_FALSE(id.empty());
@@ -89,6 +95,7 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
 
   int train = 0;
   double first_loss = 0, last_loss = 0, accuracy = -1;
+  int64_t device_peak = 0;
   for (const v1::StepMetrics& s : cluster().Metrics(id)) {
     if (s.kind() == v1::MetricRecord::EVAL) {
       accuracy = s.test_accuracy();
@@ -96,53 +103,28 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
     }
     ++train;
     EXPECT_EQ(s.step(), train);
+    device_peak = std::max(device_peak, s.device_peak_memory_bytes());
     if (s.step() == 1) first_loss = s.loss();
     if (s.step() == 300) last_loss = s.loss();
   }
   EXPECT_EQ(train, 300);
   EXPECT_GT(first_loss, 1.5);
   EXPECT_LT(last_loss, 0.9);
-  // As the CPU job of training_test: ~0.8 after 300 steps of 64.
   EXPECT_GT(accuracy, 0.72);
+  EXPECT_GT(device_peak, 0) << "the GPU's peak memory in the step records";
   const std::string log = TrainerLog(id, 1);
   EXPECT_TRUE(absl::StrContains(log, "training on the GPU")) << log;
   EXPECT_TRUE(absl::StrContains(log, gpu_name_)) << log;
 }
 
-// A ResNet-18 on the GPU: BatchNorm through cuDNN, its running statistics
-// copied down for the epoch's evaluation and the checkpoint; the loss
-// falls and the test accuracy is a trained model's.
+TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
+  ExpectAClassifierTrains("mlp", 1, /*eval_max_samples=*/0);
+}
+
+// A ResNet-18: BatchNorm through cuDNN, its running statistics copied down
+// for the evaluation and the checkpoint.
 TEST_F(GpuJobTest, AResNetTrainsOnOneGpu) {
-  v1::JobSpec spec;
-  spec.set_name("gpu-resnet");
-  spec.set_device(v1::JobSpec::GPU);
-  spec.set_world_size(1);
-  spec.mutable_model()->set_name("resnet18");
-  spec.mutable_optimizer()->set_name("sgd");
-  spec.mutable_optimizer()->set_lr(0.05);
-  spec.mutable_optimizer()->set_momentum(0.9);
-  spec.set_batch_size(64);
-  spec.set_max_steps(300);
-  spec.set_eval_max_samples(2000);
-  spec.set_seed(2);
-  spec.set_max_restarts(0);
-  const std::string id = Submit(spec);
-  ASSERT_FALSE(id.empty());
-  v1::Job job = cluster().WaitForEnd(id, kLong);
-  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
-  double first_loss = 0, last_loss = 0, accuracy = -1;
-  for (const v1::StepMetrics& s : cluster().Metrics(id)) {
-    if (s.kind() == v1::MetricRecord::EVAL) {
-      accuracy = s.test_accuracy();
-      continue;
-    }
-    if (s.step() == 1) first_loss = s.loss();
-    if (s.step() == 300) last_loss = s.loss();
-  }
-  EXPECT_GT(first_loss, 1.5);
-  EXPECT_LT(last_loss, 0.9);
-  EXPECT_GT(accuracy, 0.72);
-  EXPECT_TRUE(absl::StrContains(TrainerLog(id, 1), "training on the GPU"));
+  ExpectAClassifierTrains("resnet18", 2, /*eval_max_samples=*/2000);
 }
 
 // The GPT example's model on Debian's fortunes, one GPU rank in bf16 with

@@ -237,6 +237,16 @@ __device__ void ProbabilitiesAndScoreGrads(const float* sw, const float* dpw, co
   }
 }
 
+// The log-sum-exp and delta of a query tile's rows (from `at` in the
+// [B, H, T] arrays; zeros past `rows`) into shared memory.
+__device__ void LoadRowStats(const float* lse, const float* delta, int64_t at, int rows,
+                             float* lse_s, float* delta_s) {
+  for (int i = threadIdx.x; i < kTile; i += kThreads) {
+    lse_s[i] = i < rows ? lse[at + i] : 0.0f;
+    delta_s[i] = i < rows ? delta[at + i] : 0.0f;
+  }
+}
+
 // dK and dV of one key tile, summed over the query tiles at and after it.
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
@@ -279,11 +289,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the last query tile is read no more
     LoadTile<HD>(qkv + (row0 + q0) * ld3 + h * HD, ld3, queries, qs, ldh);
     LoadTile<HD>(dy + (row0 + q0) * c + h * HD, c, queries, dos, ldh);
-    for (int i = threadIdx.x; i < kTile; i += kThreads) {
-      const int64_t at = static_cast<int64_t>(bh) * t_len + q0 + i;
-      lse_s[i] = i < queries ? lse[at] : 0.0f;
-      delta_s[i] = i < queries ? delta[at] : 0.0f;
-    }
+    LoadRowStats(lse, delta, static_cast<int64_t>(bh) * t_len + q0, queries, lse_s, delta_s);
     __syncthreads();
     float* sw = ss + warp * 16 * kScoreLd;
     float* dpw = dps + warp * 16 * kScoreLd;
@@ -339,11 +345,7 @@ __global__ void __launch_bounds__(kThreads)
   const int queries = min(kTile, t_len - q0);
   LoadTile<HD>(qkv + (row0 + q0) * ld3 + h * HD, ld3, queries, qs, ldh);
   LoadTile<HD>(dy + (row0 + q0) * c + h * HD, c, queries, dos, ldh);
-  for (int i = threadIdx.x; i < kTile; i += kThreads) {
-    const int64_t at = static_cast<int64_t>(bh) * t_len + q0 + i;
-    lse_s[i] = i < queries ? lse[at] : 0.0f;
-    delta_s[i] = i < queries ? delta[at] : 0.0f;
-  }
+  LoadRowStats(lse, delta, static_cast<int64_t>(bh) * t_len + q0, queries, lse_s, delta_s);
   ZeroFloats(dqs, kTile * ldo);
   float* sw = ss + warp * 16 * kScoreLd;
   float* dpw = dps + warp * 16 * kScoreLd;

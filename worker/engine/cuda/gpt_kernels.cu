@@ -174,14 +174,6 @@ __global__ void GeluBackwardKernel(const float* x, float* g, int64_t n) {
   }
 }
 
-__global__ void AddKernel(const float* a, const float* b, float* y, int64_t n) {
-  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) y[i] = __fadd_rn(a[i], b[i]);
-}
-
-__global__ void ScaleKernel(float* x, int64_t n, float s) {
-  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) x[i] = __fmul_rn(x[i], s);
-}
-
 __global__ void CausalSoftmaxKernel(float* s, int64_t rows, int64_t t_len, float* row_max,
                                     float* row_inv) {
   const int64_t row = WarpRow(rows);
@@ -295,20 +287,6 @@ absl::Status LaunchGeluBackward(cudaStream_t stream, const float* x, float* g, i
   if (n == 0) return absl::OkStatus();
   GeluBackwardKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, g, n);
   AIDN_RETURN_IF_LAUNCH_FAILED("GeluBackwardKernel");
-  return absl::OkStatus();
-}
-
-absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, float* y, int64_t n) {
-  if (n == 0) return absl::OkStatus();
-  AddKernel<<<BlocksFor(n), kThreads, 0, stream>>>(a, b, y, n);
-  AIDN_RETURN_IF_LAUNCH_FAILED("AddKernel");
-  return absl::OkStatus();
-}
-
-absl::Status LaunchScale(cudaStream_t stream, float* x, int64_t n, float s) {
-  if (n == 0) return absl::OkStatus();
-  ScaleKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, n, s);
-  AIDN_RETURN_IF_LAUNCH_FAILED("ScaleKernel");
   return absl::OkStatus();
 }
 

@@ -5,7 +5,7 @@
 // (worker/engine/gpt.cc, gpt_kernels.cc) operation for operation: token and
 // position embeddings and their gradients, LayerNorm and its backward, the
 // tanh GELU, the causal softmax of attention scores (and its recomputation
-// and backward), and small elementwise helpers. Host functions queue them on
+// and backward). Host functions queue them on
 // `stream` and return the launch status; all pointers are device pointers;
 // a count of zero queues nothing.
 //
@@ -58,11 +58,6 @@ absl::Status LaunchLayerNormBackward(cudaStream_t stream, const float* dout, con
 absl::Status LaunchGelu(cudaStream_t stream, const float* x, float* y, int64_t n);
 // g *= gelu'(x), in place.
 absl::Status LaunchGeluBackward(cudaStream_t stream, const float* x, float* g, int64_t n);
-
-// y = a + b (y may equal a or b).
-absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, float* y, int64_t n);
-// x *= s.
-absl::Status LaunchScale(cudaStream_t stream, float* x, int64_t n, float s);
 
 // The causal softmax of `rows` score rows of one (sequence, head) block of
 // [t_len, t_len] each: row r is position r % t_len and keeps columns

@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "worker/engine/cuda/gpt_kernels.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 

@@ -2,6 +2,7 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -23,20 +24,24 @@ int64_t OperandSpan(const GemmOperand& x, int64_t rows, int64_t cols, int64_t ba
   return (rows - 1) * x.ld + cols + (batch - 1) * x.stride;
 }
 
-absl::StatusOr<const void*> RoundedOperand(GpuContext* ctx, const float* src, int64_t n,
-                                           DeviceBuffer* buf) {
-  const size_t bytes = 2 * static_cast<size_t>(n);
+}  // namespace
+
+absl::StatusOr<void*> HalfScratch(GpuContext* ctx, DeviceBuffer* buf, int64_t n) {
+  const size_t bytes = 2 * static_cast<size_t>(std::max<int64_t>(n, 1));
   if (buf->bytes() < bytes) {
     buf->Release();
     AIDN_ASSIGN_OR_RETURN(*buf, ctx->allocator().Allocate(bytes));
   }
-  const HalfType type =
-      ctx->options().precision == Precision::kBf16 ? HalfType::kBf16 : HalfType::kFp16;
-  AIDN_RETURN_IF_ERROR(LaunchToHalf(ctx->stream(), src, buf->data(), n, type));
   return buf->data();
 }
 
-}  // namespace
+absl::StatusOr<void*> RoundToHalf(GpuContext* ctx, const float* src, int64_t n, DeviceBuffer* buf) {
+  AIDN_ASSIGN_OR_RETURN(void* half, HalfScratch(ctx, buf, n));
+  const HalfType type =
+      ctx->options().precision == Precision::kBf16 ? HalfType::kBf16 : HalfType::kFp16;
+  AIDN_RETURN_IF_ERROR(LaunchToHalf(ctx->stream(), src, half, n, type));
+  return half;
+}
 
 absl::Status RowMajorGemm(GpuContext* ctx, int64_t m, int64_t n, int64_t k, float alpha,
                           const GemmOperand& a, const GemmOperand& b, float beta, float* c,
@@ -67,10 +72,8 @@ absl::Status RowMajorGemm(GpuContext* ctx, int64_t m, int64_t n, int64_t k, floa
   const void* ah = nullptr;
   const void* bh = nullptr;
   if (k > 0) {
-    AIDN_ASSIGN_OR_RETURN(ah,
-                          RoundedOperand(ctx, a.data, OperandSpan(a, m, k, batch), &scratch->a));
-    AIDN_ASSIGN_OR_RETURN(bh,
-                          RoundedOperand(ctx, b.data, OperandSpan(b, k, n, batch), &scratch->b));
+    AIDN_ASSIGN_OR_RETURN(ah, RoundToHalf(ctx, a.data, OperandSpan(a, m, k, batch), &scratch->a));
+    AIDN_ASSIGN_OR_RETURN(bh, RoundToHalf(ctx, b.data, OperandSpan(b, k, n, batch), &scratch->b));
   }
   const cudaDataType_t t = ctx->options().precision == Precision::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
   AIDN_RETURN_IF_CUBLAS_ERROR(cublasGemmStridedBatchedEx(

@@ -21,6 +21,13 @@
 
 namespace aidn::engine::cuda {
 
+// Room for `n` 16-bit values in `buf` (grown as needed; contents then
+// unspecified).
+absl::StatusOr<void*> HalfScratch(GpuContext* ctx, DeviceBuffer* buf, int64_t n);
+// `n` floats of `src` rounded (nearest-even) into `buf`, in the context's
+// 16-bit type (bf16 or fp16), queued on its stream.
+absl::StatusOr<void*> RoundToHalf(GpuContext* ctx, const float* src, int64_t n, DeviceBuffer* buf);
+
 // One operand: a row-major matrix at `data` with leading dimension `ld`,
 // used as stored or transposed; the batch's next matrix `stride` floats on.
 struct GemmOperand {

@@ -127,22 +127,21 @@ absl::Status GpuGpt::CopyWeightsFrom(const Gpt& cpu) {
   return absl::OkStatus();
 }
 
-absl::Status GpuGpt::CopyWeightsTo(Gpt* cpu) const {
-  const std::vector<Parameter*>& dst = cpu->Parameters();
-  if (dst.size() != params_.size()) return absl::InvalidArgumentError("a different decoder");
-  for (size_t i = 0; i < dst.size(); ++i) {
-    if (dst[i]->name != params_[i]->name) return absl::InvalidArgumentError(dst[i]->name);
-    AIDN_RETURN_IF_ERROR(params_[i]->value.CopyToHost(ctx_, &dst[i]->value));
+absl::Status GpuGpt::CopyDown(const std::vector<Parameter*>& cpu, bool grads) const {
+  if (cpu.size() != params_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the GPU decoder has ", params_.size(),
+                                                   " parameters, the CPU list ", cpu.size()));
   }
-  return absl::OkStatus();
-}
-
-absl::Status GpuGpt::CopyGradsTo(Gpt* cpu) const {
-  const std::vector<Parameter*>& dst = cpu->Parameters();
-  if (dst.size() != params_.size()) return absl::InvalidArgumentError("a different decoder");
-  for (size_t i = 0; i < dst.size(); ++i) {
-    if (dst[i]->name != params_[i]->name) return absl::InvalidArgumentError(dst[i]->name);
-    AIDN_RETURN_IF_ERROR(params_[i]->grad.CopyToHost(ctx_, &dst[i]->grad));
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (cpu[i]->name != params_[i]->name) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", i, " is ", params_[i]->name,
+                                                     " on the GPU, ", cpu[i]->name, " here"));
+    }
+  }
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const GpuParameter& p = *params_[i];
+    AIDN_RETURN_IF_ERROR(grads ? p.grad.CopyToHost(ctx_, &cpu[i]->grad)
+                               : p.value.CopyToHost(ctx_, &cpu[i]->value));
   }
   return absl::OkStatus();
 }

@@ -93,8 +93,13 @@ class GpuGpt {
   // Weights (and gradients) between this model and a CPU decoder of the
   // same configuration, by name. INVALID_ARGUMENT for a mismatch.
   absl::Status CopyWeightsFrom(const Gpt& cpu);
-  absl::Status CopyWeightsTo(Gpt* cpu) const;
-  absl::Status CopyGradsTo(Gpt* cpu) const;
+  // Into CPU parameters of the decoder's, in its order (Gpt::Parameters()).
+  absl::Status CopyWeightsTo(const std::vector<Parameter*>& cpu) const {
+    return CopyDown(cpu, /*grads=*/false);
+  }
+  absl::Status CopyGradsTo(const std::vector<Parameter*>& cpu) const {
+    return CopyDown(cpu, /*grads=*/true);
+  }
 
  private:
   struct Block {
@@ -106,6 +111,8 @@ class GpuGpt {
   };
 
   GpuGpt(GpuContext* ctx, const GptConfig& config) : ctx_(ctx), config_(config) {}
+  // Checks names, then copies values (or gradients) to the host.
+  absl::Status CopyDown(const std::vector<Parameter*>& cpu, bool grads) const;
   absl::Status Shape(int64_t batch, int64_t seq_len);
   absl::Status UploadTokens(const int32_t* tokens, const int32_t* targets, bool training);
   // y [N, out] = x [N, in] W [in, out] (+ b).

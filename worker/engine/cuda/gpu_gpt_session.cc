@@ -108,59 +108,32 @@ class CudaGptSession final : public GpuSession {
     AIDN_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(host_losses_, slots, sizeof(double) * k, cudaMemcpyDeviceToHost, stream));
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, stream));
+    bool waited = false;
 #if AIDN_HAVE_NCCL
+    // Polling NCCL: a dead peer would leave `done_` pending forever.
     if (ddp_.reducer != nullptr) {
       AIDN_RETURN_IF_ERROR(ddp_.reducer->Wait(done_));
-    } else {
-      AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+      waited = true;
     }
-#else
-    AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
 #endif
+    if (!waited) AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
     // As the CPU trainer: the mean of the micro-batches' losses.
     double loss = 0;
     for (int64_t i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
     return loss;
   }
 
-  double last_allreduce_seconds() const override {
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) return ddp_.reducer->last_allreduce_seconds();
-#endif
-    return 0;
-  }
-  double last_allreduce_wait_seconds() const override {
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) return ddp_.reducer->last_exposed_seconds();
-#endif
-    return 0;
-  }
+  double last_allreduce_seconds() const override { return ddp_.allreduce_seconds(); }
+  double last_allreduce_wait_seconds() const override { return ddp_.exposed_seconds(); }
   bool last_step_skipped() const override { return false; }
   std::optional<LossScaleState> loss_scale_state() const override { return std::nullopt; }
   absl::Status RestoreLossScale(const LossScaleState&) override {
     return absl::FailedPreconditionError("a GPT session has no loss scale (fp32 or bf16)");
   }
-  int64_t collective_sequence() const override {
-#if AIDN_HAVE_NCCL
-    if (ddp_.nccl != nullptr) return ddp_.nccl->sequence();
-#endif
-    return 0;
-  }
+  int64_t collective_sequence() const override { return ddp_.collective_sequence(); }
 
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) override {
-    const std::vector<cuda::GpuParameter*> params = model_->Parameters();
-    if (cpu.size() != params.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("the GPU decoder has ", params.size(),
-                                                     " parameters, the CPU list ", cpu.size()));
-    }
-    for (size_t i = 0; i < cpu.size(); ++i) {
-      if (cpu[i]->name != params[i]->name) {
-        return absl::InvalidArgumentError(absl::StrCat("parameter ", i, " is ", params[i]->name,
-                                                       " on the GPU, ", cpu[i]->name, " here"));
-      }
-      AIDN_RETURN_IF_ERROR(params[i]->value.CopyToHost(ctx_.get(), &cpu[i]->value));
-    }
-    return absl::OkStatus();
+    return model_->CopyWeightsTo(cpu);
   }
 
   absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) override {

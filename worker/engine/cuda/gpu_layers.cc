@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "worker/engine/cuda/dropout_mask.h"
+#include "worker/engine/cuda/gpu_gemm.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 #include "worker/engine/layers.h"
@@ -63,24 +64,6 @@ cudnnDataType_t CudnnDataType(const GpuContext* ctx) {
       break;
   }
   return CUDNN_DATA_FLOAT;
-}
-
-// Room for `n` 16-bit values in `buf` (grown as needed; contents then
-// unspecified).
-absl::StatusOr<void*> HalfScratch(GpuContext* ctx, DeviceBuffer* buf, int64_t n) {
-  const size_t bytes = 2 * static_cast<size_t>(std::max<int64_t>(n, 1));
-  if (buf->bytes() < bytes) {
-    buf->Release();
-    AIDN_ASSIGN_OR_RETURN(*buf, ctx->allocator().Allocate(bytes));
-  }
-  return buf->data();
-}
-
-// `n` floats of `src` rounded into `buf`, in the context's 16-bit type.
-absl::StatusOr<void*> ToHalf(GpuContext* ctx, const float* src, int64_t n, DeviceBuffer* buf) {
-  AIDN_ASSIGN_OR_RETURN(void* half, HalfScratch(ctx, buf, n));
-  AIDN_RETURN_IF_ERROR(LaunchToHalf(ctx->stream(), src, half, n, HalfOf(ctx)));
-  return half;
 }
 
 // C (fp32, column-major m x n, ld ldc) = alpha op(A) op(B) + beta C with A
@@ -220,8 +203,8 @@ absl::Status GpuLinear::Forward(const GpuTensor& input, GpuTensor* output, bool 
   const int k = static_cast<int>(in_);
   if (IsHalf(ctx_)) {
     // Backward reuses both rounded operands.
-    AIDN_ASSIGN_OR_RETURN(void* xh, ToHalf(ctx_, input.data(), n * in_, &x_half_));
-    AIDN_ASSIGN_OR_RETURN(void* wh, ToHalf(ctx_, weight_.value.data(), out_ * in_, &w_half_));
+    AIDN_ASSIGN_OR_RETURN(void* xh, RoundToHalf(ctx_, input.data(), n * in_, &x_half_));
+    AIDN_ASSIGN_OR_RETURN(void* wh, RoundToHalf(ctx_, weight_.value.data(), out_ * in_, &w_half_));
     AIDN_RETURN_IF_ERROR(HalfGemm(ctx_, CUBLAS_OP_T, CUBLAS_OP_N, m, static_cast<int>(n), k, wh, k,
                                   xh, k, kZero, output->data(), m));
   } else {
@@ -252,7 +235,7 @@ absl::Status GpuLinear::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
   const bool half = IsHalf(ctx_);
   void* gh = nullptr;
   if (half && n > 0) {
-    AIDN_ASSIGN_OR_RETURN(gh, ToHalf(ctx_, g, n * out_, &g_half_));
+    AIDN_ASSIGN_OR_RETURN(gh, RoundToHalf(ctx_, g, n * out_, &g_half_));
   }
   if (n > 0) {
     if (half) {
@@ -513,9 +496,9 @@ absl::Status GpuConv2d::Forward(const GpuTensor& input, GpuTensor* output, bool 
   AIDN_RETURN_IF_CUDNN_ERROR(cudnnSetConvolutionMathType(conv_desc_, current_->forward_math));
   if (IsHalf(ctx_)) {
     // Backward reuses both rounded operands; the output comes back to fp32.
-    AIDN_ASSIGN_OR_RETURN(void* xh, ToHalf(ctx_, input.data(), input.numel(), &x_half_));
+    AIDN_ASSIGN_OR_RETURN(void* xh, RoundToHalf(ctx_, input.data(), input.numel(), &x_half_));
     AIDN_ASSIGN_OR_RETURN(void* wh,
-                          ToHalf(ctx_, weight_.value.data(), weight_.value.numel(), &w_half_));
+                          RoundToHalf(ctx_, weight_.value.data(), weight_.value.numel(), &w_half_));
     AIDN_ASSIGN_OR_RETURN(void* yh, HalfScratch(ctx_, &y_half_, output->numel()));
     AIDN_RETURN_IF_CUDNN_ERROR(cudnnConvolutionForward(
         ctx_->cudnn(), &kOne, x_desc_, xh, w_desc_, wh, conv_desc_, current_->forward, ws,
@@ -572,7 +555,7 @@ absl::Status GpuConv2d::Backward(const GpuTensor& grad_output, GpuTensor* grad_i
 absl::Status GpuConv2d::BackwardHalf(const float* g, void* ws, GpuTensor* grad_input) {
   const GpuTensor& x = *input_;
   const int64_t g_numel = x.dim(0) * out_ * out_h_ * out_w_;
-  AIDN_ASSIGN_OR_RETURN(void* gh, ToHalf(ctx_, g, g_numel, &g_half_));
+  AIDN_ASSIGN_OR_RETURN(void* gh, RoundToHalf(ctx_, g, g_numel, &g_half_));
   // The 16-bit weight gradient, then added into the fp32 one.
   AIDN_ASSIGN_OR_RETURN(void* dwh, HalfScratch(ctx_, &dw_half_, weight_.grad.numel()));
   AIDN_RETURN_IF_CUDNN_ERROR(

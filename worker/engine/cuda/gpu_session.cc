@@ -69,19 +69,9 @@ class CudaGpuSession final : public GpuSession {
     return trainer_->Step(micro, lr);
   }
 
-  double last_allreduce_seconds() const override {
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) return ddp_.reducer->last_allreduce_seconds();
-#endif
-    return 0;
-  }
+  double last_allreduce_seconds() const override { return ddp_.allreduce_seconds(); }
 
-  double last_allreduce_wait_seconds() const override {
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) return ddp_.reducer->last_exposed_seconds();
-#endif
-    return 0;
-  }
+  double last_allreduce_wait_seconds() const override { return ddp_.exposed_seconds(); }
 
   bool last_step_skipped() const override { return trainer_->last_step_skipped(); }
 
@@ -95,12 +85,7 @@ class CudaGpuSession final : public GpuSession {
     return trainer_->RestoreLossScale(state);
   }
 
-  int64_t collective_sequence() const override {
-#if AIDN_HAVE_NCCL
-    if (ddp_.nccl != nullptr) return ddp_.nccl->sequence();
-#endif
-    return 0;
-  }
+  int64_t collective_sequence() const override { return ddp_.collective_sequence(); }
 
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) override {
     return model_->CopyParametersTo(cpu);

@@ -113,6 +113,14 @@ __global__ void UnscaleAndCheckKernel(float* g, int64_t n, float inv_scale, int3
   if (__any_sync(kFullMask, bad) && (threadIdx.x & 31) == 0) *found = 1;
 }
 
+__global__ void AddKernel(const float* a, const float* b, float* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) y[i] = __fadd_rn(a[i], b[i]);
+}
+
+__global__ void ScaleKernel(float* x, int64_t n, float s) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) x[i] = __fmul_rn(x[i], s);
+}
+
 __global__ void ReluKernel(const float* x, float* y, int64_t n) {
   for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
     const float v = x[i];
@@ -410,6 +418,20 @@ absl::Status LaunchUnscaleAndCheck(cudaStream_t stream, float* g, int64_t n, flo
   if (n == 0) return absl::OkStatus();
   UnscaleAndCheckKernel<<<BlocksFor(n), kThreads, 0, stream>>>(g, n, inv_scale, found);
   AIDN_RETURN_IF_LAUNCH_FAILED("UnscaleAndCheckKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, float* y, int64_t n) {
+  if (n == 0) return absl::OkStatus();
+  AddKernel<<<BlocksFor(n), kThreads, 0, stream>>>(a, b, y, n);
+  AIDN_RETURN_IF_LAUNCH_FAILED("AddKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchScale(cudaStream_t stream, float* x, int64_t n, float s) {
+  if (n == 0) return absl::OkStatus();
+  ScaleKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, n, s);
+  AIDN_RETURN_IF_LAUNCH_FAILED("ScaleKernel");
   return absl::OkStatus();
 }
 

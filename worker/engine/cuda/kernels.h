@@ -23,6 +23,11 @@ namespace aidn::engine::cuda {
 absl::Status LaunchBiasActivation(cudaStream_t stream, const float* x, const float* bias, float* y,
                                   int64_t n, int64_t channels, int64_t inner, bool relu);
 
+// y = a + b (y may equal a or b).
+absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, float* y, int64_t n);
+// x *= s.
+absl::Status LaunchScale(cudaStream_t stream, float* x, int64_t n, float s);
+
 // y = max(x, 0). x may equal y.
 absl::Status LaunchRelu(cudaStream_t stream, const float* x, float* y, int64_t n);
 

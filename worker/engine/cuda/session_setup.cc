@@ -63,6 +63,27 @@ absl::StatusOr<SessionDevice> SetUpSessionDevice(const GpuSessionOptions& option
   return out;
 }
 
+double SessionDdp::allreduce_seconds() const {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->last_allreduce_seconds();
+#endif
+  return 0;
+}
+
+double SessionDdp::exposed_seconds() const {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->last_exposed_seconds();
+#endif
+  return 0;
+}
+
+int64_t SessionDdp::collective_sequence() const {
+#if AIDN_HAVE_NCCL
+  if (nccl != nullptr) return nccl->sequence();
+#endif
+  return 0;
+}
+
 absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
                              std::string* description) {

@@ -43,6 +43,12 @@ struct SessionDdp {
   std::unique_ptr<NcclCommunicator> nccl;
   std::unique_ptr<GpuDdpReducer> reducer;
 #endif
+  // The last step's allreduce span and the part of it backward did not
+  // hide, and the collectives completed (0 with one rank): GpuSession's
+  // figures.
+  double allreduce_seconds() const;
+  double exposed_seconds() const;
+  int64_t collective_sequence() const;
 };
 absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
