@@ -488,8 +488,12 @@ absl::Status ValidateDdp(const v1::JobSpec& spec) {
                                 " compresses allreduced buckets; strategy "
                                 "zero1 reduce-scatters them (use strategy: ddp)"));
   }
-  if (spec.device() == v1::JobSpec::GPU && d.compression() == DdpSpec::POWERSGD) {
-    return Invalid("ddp.compression", absl::StrCat(name, " runs on device: cpu for now"));
+  if (d.compression() == DdpSpec::POWERSGD && spec.precision() == v1::JobSpec::FP16) {
+    // The loss-scaled gradients of a step that overflowed would leave the
+    // error feedback non-finite for good.
+    return Invalid("ddp.compression",
+                   "powersgd does not go with precision: fp16 (use bf16 or fp32); an overflowed "
+                   "step would poison its error feedback");
   }
   if (spec.parallel().tensor() > 1 || spec.parallel().pipeline() > 1) {
     return Invalid("ddp.compression", absl::StrCat(name, " does not combine with parallel: yet"));
@@ -519,7 +523,7 @@ absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
 // A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
 // 0 writes the whole model), as rank 0's whole tensors into ZeRO's and
 // FSDP's sharded ones, and a pipeline stage writes its own; the GPU engine
-// has BatchNorm but not SyncBatchNorm, nor stochastic depth.
+// has BatchNorm and SyncBatchNorm, but not stochastic depth.
 absl::Status ValidateResNet(const v1::JobSpec& spec) {
   const std::string& name = spec.model().name();
   if (spec.ddp().sync_batchnorm()) {
@@ -537,9 +541,6 @@ absl::Status ValidateResNet(const v1::JobSpec& spec) {
     }
   }
   if (spec.device() != v1::JobSpec::GPU) return absl::OkStatus();
-  if (spec.ddp().sync_batchnorm()) {
-    return Invalid("ddp.sync_batchnorm", "runs on device: cpu for now");
-  }
   if (IsResNet(name) && spec.model().stochastic_depth() > 0) {
     return Invalid("model.stochastic_depth", "runs on device: cpu for now");
   }

@@ -46,10 +46,7 @@ absl::StatusOr<BucketPlan> PlanBuckets(const std::vector<int64_t>& numels, doubl
   return plan;
 }
 
-absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
-    const DdpOptions& options, const std::vector<Parameter*>& parameters,
-    Communicator* communicator) {
-  if (communicator == nullptr) return absl::InvalidArgumentError("ddp: no communicator");
+absl::Status CheckDdpOptions(const DdpOptions& options) {
   if (options.powersgd.has_value() && options.shard_optimizer) {
     return absl::InvalidArgumentError(
         "ddp: PowerSGD compresses allreduced buckets, not ZeRO-1's reduce-scatter");
@@ -65,6 +62,14 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   if (options.powersgd.has_value() && options.powersgd->rank < 1) {
     return absl::InvalidArgumentError("ddp: PowerSGD's rank must be >= 1");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
+    const DdpOptions& options, const std::vector<Parameter*>& parameters,
+    Communicator* communicator) {
+  if (communicator == nullptr) return absl::InvalidArgumentError("ddp: no communicator");
+  AIDN_RETURN_IF_ERROR(CheckDdpOptions(options));
   std::vector<int64_t> numels;
   for (const Parameter* p : parameters) numels.push_back(p->value.numel());
   // The extra value rides at the end of the last bucket to be launched.

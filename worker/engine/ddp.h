@@ -82,6 +82,11 @@ struct DdpOptions {
   bool find_unused_parameters = false;
 };
 
+// INVALID_ARGUMENT for options that do not combine (compression with
+// shard_optimizer, PowerSGD with fp16/bf16) or a PowerSGD rank below 1:
+// the CPU and GPU reducers' common checks.
+absl::Status CheckDdpOptions(const DdpOptions& options);
+
 // Where each gradient lives in the flat bucket buffers, for the CPU reducer
 // below and the GPU one (cuda/gpu_ddp.h) alike: parameters in reverse
 // registration order (the order backward produces their gradients), a new

@@ -36,6 +36,7 @@
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/powersgd.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -67,10 +68,18 @@ struct GpuSessionOptions {
   // Buckets allreduced in 16 bits (spec ddp.compression fp16 | bf16; the
   // CPU reducer's semantics, cuda/gpu_ddp.h), world_size > 1.
   std::optional<HalfFormat> compression;
+  // PowerSGD compression of the buckets (spec ddp.compression powersgd;
+  // the CPU reducer's semantics, cuda/gpu_powersgd.h), world_size > 1. Not
+  // with `compression`.
+  std::optional<PowerSgdOptions> powersgd;
   // Rank 0's buffers (BatchNorm's running statistics) broadcast to every
   // rank before each step's first forward (spec ddp.broadcast_buffers,
   // torch's default), world_size > 1.
   bool broadcast_buffers = true;
+  // BatchNorm over every rank's batch (spec ddp.sync_batchnorm; torch's
+  // SyncBatchNorm, batchnorm.h's exchange on the DDP communicator's NCCL
+  // stream), world_size > 1.
+  bool sync_batchnorm = false;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA
@@ -115,6 +124,10 @@ class GpuSession {
   virtual double last_allreduce_seconds() const = 0;
   // The part of it that backward did not hide (the step waited for it).
   virtual double last_allreduce_wait_seconds() const = 0;
+  // Bytes the last Step handed NCCL per rank for its gradients, and what
+  // uncompressed float buckets would have taken (0 with one rank).
+  virtual int64_t last_bytes_sent() const = 0;
+  virtual int64_t last_bytes_uncompressed() const = 0;
   // fp16: whether the last Step skipped its update (its gradients
   // overflowed).
   virtual bool last_step_skipped() const = 0;

@@ -68,15 +68,47 @@ absl::Status PowerSgd::Reduce(int bucket, float* buffer,
   return Reduce(bucket, grads, comm);
 }
 
-absl::Status PowerSgd::Reduce(int bucket, const std::vector<Gradient>& grads, Communicator* comm) {
-  std::vector<int64_t> numels;
-  int64_t total = 0;
-  for (const Gradient& g : grads) {
+PowerSgdPlan PlanPowerSgd(const std::vector<std::vector<int64_t>>& shapes,
+                          const PowerSgdOptions& options) {
+  PowerSgdPlan plan;
+  for (const std::vector<int64_t>& s : shapes) {
     int64_t numel = 1;
-    for (const int64_t d : g.shape) numel *= d;
-    numels.push_back(numel);
-    total += numel;
+    for (const int64_t d : s) numel *= d;
+    const int64_t n = s.empty() ? 1 : s[0];
+    const int64_t m = n > 0 ? numel / n : 0;
+    const int64_t r = std::min<int64_t>({n, m, options.rank});
+    PowerSgdPlan::Matrix& mat = plan.grads.emplace_back();
+    mat.numel = numel;
+    mat.n = n;
+    mat.m = m;
+    plan.total_floats += numel;
+    if (numel > 0 && static_cast<double>((n + m) * r) * options.min_compression_rate <
+                         static_cast<double>(n * m)) {
+      mat.r = r;
+      plan.p_floats += n * r;
+      plan.q_floats += m * r;
+    } else {
+      plan.plain_floats += numel;
+    }
   }
+  return plan;
+}
+
+void RandomPowerSgdQ(const PowerSgdOptions& options, int64_t step, int bucket, float* q,
+                     int64_t count) {
+  std::mt19937_64 rng(options.seed * 1'000'003 + static_cast<uint64_t>(step) * 131 +
+                      static_cast<uint64_t>(bucket));
+  std::normal_distribution<float> normal;
+  for (int64_t i = 0; i < count; ++i) q[i] = normal(rng);
+}
+
+absl::Status PowerSgd::Reduce(int bucket, const std::vector<Gradient>& grads, Communicator* comm) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const Gradient& g : grads) shapes.push_back(g.shape);
+  const PowerSgdPlan plan = PlanPowerSgd(shapes, options_);
+  std::vector<int64_t> numels;
+  for (size_t g = 0; g < grads.size(); ++g) numels.push_back(plan.grads[g].numel);
+  const int64_t total = plan.total_floats;
   const float world = static_cast<float>(comm->world_size());
   last_uncompressed_ = total;
   // Every element of the bucket in order, wherever it lies.
@@ -107,37 +139,24 @@ absl::Status PowerSgd::Reduce(int bucket, const std::vector<Gradient>& grads, Co
   // Which gradients are compressed; the others go as they are, packed.
   std::vector<Matrix> matrices;
   std::vector<std::pair<float*, int64_t>> plain;
-  int64_t plain_floats = 0, p_floats = 0, q_floats = 0;
   for (size_t g = 0; g < grads.size(); ++g) {
-    const std::vector<int64_t>& s = grads[g].shape;
-    const int64_t numel = numels[g];
-    float* at = grads[g].data;
-    const int64_t n = s.empty() ? 1 : s[0];
-    const int64_t m = n > 0 ? numel / n : 0;
-    const int64_t r = std::min<int64_t>({n, m, options_.rank});
-    if (numel > 0 && static_cast<double>((n + m) * r) * options_.min_compression_rate <
-                         static_cast<double>(n * m)) {
-      matrices.push_back({at, n, m, r});
-      p_floats += n * r;
-      q_floats += m * r;
+    const PowerSgdPlan::Matrix& mat = plan.grads[g];
+    if (mat.r > 0) {
+      matrices.push_back({grads[g].data, mat.n, mat.m, mat.r});
     } else {
-      plain.emplace_back(at, numel);
-      plain_floats += numel;
+      plain.emplace_back(grads[g].data, numels[g]);
     }
   }
-  last_sent_ = plain_floats + p_floats + q_floats;
+  const int64_t plain_floats = plan.plain_floats;
+  const int64_t q_floats = plan.q_floats;
+  last_sent_ = plan.floats_sent();
   // Q: random (the same on every rank) the first time or without warm
   // start, else the last step's; orthogonalised either way.
   const bool fresh =
       !options_.warm_start || !state.has_q || static_cast<int64_t>(state.q.size()) != q_floats;
-  state.p.resize(static_cast<size_t>(p_floats));
+  state.p.resize(static_cast<size_t>(plan.p_floats));
   state.q.resize(static_cast<size_t>(q_floats));
-  if (fresh) {
-    std::mt19937_64 rng(options_.seed * 1'000'003 + static_cast<uint64_t>(step_) * 131 +
-                        static_cast<uint64_t>(bucket));
-    std::normal_distribution<float> normal;
-    for (float& v : state.q) v = normal(rng);
-  }
+  if (fresh) RandomPowerSgdQ(options_, step_, bucket, state.q.data(), q_floats);
   {
     int64_t q_at = 0;
     for (const Matrix& mat : matrices) {

@@ -96,6 +96,31 @@ class PowerSgd {
   int64_t last_uncompressed_ = 0;
 };
 
+// How a bucket's gradients go (the same on every device): each viewed as
+// a matrix [n, m] (shape[0], the rest folded) compressed at rank r, or,
+// where that does not pay (r == 0 here), allreduced as it is.
+struct PowerSgdPlan {
+  struct Matrix {
+    int64_t numel = 0;
+    int64_t n = 0, m = 0, r = 0;
+  };
+  std::vector<Matrix> grads;  // in the bucket's order
+  int64_t total_floats = 0;   // every gradient's values
+  int64_t plain_floats = 0;   // the uncompressed ones'
+  int64_t p_floats = 0;       // sum of n r over the compressed
+  int64_t q_floats = 0;       // sum of m r over the compressed
+  // Floats one compressed pass allreduces: plain, P and Q.
+  int64_t floats_sent() const { return plain_floats + p_floats + q_floats; }
+};
+PowerSgdPlan PlanPowerSgd(const std::vector<std::vector<int64_t>>& shapes,
+                          const PowerSgdOptions& options);
+
+// A bucket's fresh Q before orthogonalisation: `count` standard normal
+// values from aidn's generator, seeded by the options' seed, the step and
+// the bucket (every rank the same).
+void RandomPowerSgdQ(const PowerSgdOptions& options, int64_t step, int bucket, float* q,
+                     int64_t count);
+
 // Orthonormalises the columns of `matrix` [rows, cols] (row-major; cols <=
 // rows) in place by Gram-Schmidt with a second pass, so that the columns
 // come out orthonormal also when the matrix has lower rank (torch takes a

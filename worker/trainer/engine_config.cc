@@ -135,7 +135,9 @@ engine::GpuSessionOptions GpuSessionOptionsOf(const v1::JobSpec& spec, int rank,
   o.bucket_mb = BucketMbOf(spec);
   o.cuda_graphs = spec.cuda_graphs();
   o.compression = HalfCompressionOf(spec);
+  o.powersgd = PowerSgdOf(spec);
   o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
+  o.sync_batchnorm = spec.ddp().sync_batchnorm();
   switch (spec.precision()) {
     case v1::JobSpec::BF16:
       o.precision = "bf16";

@@ -477,18 +477,20 @@ absl::StatusOr<RankTraining::StepResult> RankTraining::RunStep(
     }
     result.allreduce_seconds = gpu_->last_allreduce_seconds();
     result.wait_seconds = gpu_->last_allreduce_wait_seconds();
+    result.comm_bytes = gpu_->last_bytes_sent();
+    result.comm_bytes_uncompressed = gpu_->last_bytes_uncompressed();
   } else {
     // "gradient allreduce: ..." or "optimizer: ...".
     AIDN_ASSIGN_OR_RETURN(result.loss, cpu_->Step(micro, result.lr));
     result.comm_bytes = cpu_->last_bytes_sent();
     result.comm_bytes_uncompressed = cpu_->last_bytes_uncompressed();
-    if (result.comm_bytes != result.comm_bytes_uncompressed && (step + 1) % plan.log_every == 0) {
-      AIDN_LOG(INFO) << "compressed gradients" << Kv("step", step + 1)
-                     << Kv("bytes_sent", result.comm_bytes)
-                     << Kv("uncompressed", result.comm_bytes_uncompressed);
-    }
     result.allreduce_seconds = cpu_->last_allreduce_seconds();
     result.wait_seconds = cpu_->last_allreduce_wait_seconds();
+  }
+  if (result.comm_bytes != result.comm_bytes_uncompressed && (step + 1) % plan.log_every == 0) {
+    AIDN_LOG(INFO) << "compressed gradients" << Kv("step", step + 1)
+                   << Kv("bytes_sent", result.comm_bytes)
+                   << Kv("uncompressed", result.comm_bytes_uncompressed);
   }
   result.seconds = SecondsSince(start);
   return result;

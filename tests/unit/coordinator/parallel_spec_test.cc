@@ -164,6 +164,12 @@ TEST(DdpSpec, PowerSgdGetsTorchsDefaultsAndBadFieldsAreNamed) {
   EXPECT_TRUE(spec.ddp().powersgd_error_feedback());
   EXPECT_TRUE(spec.ddp().powersgd_warm_start());
   EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+  for (const JobSpec::Precision precision : {JobSpec::FP32, JobSpec::BF16}) {
+    JobSpec gpu = spec;
+    gpu.set_device(JobSpec::GPU);
+    gpu.set_precision(precision);
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, gpu).ok()) << ValidateJobSpec(SpecLimits{}, gpu);
+  }
   struct Case {
     std::function<void(JobSpec*)> edit;
     std::string message;
@@ -178,8 +184,12 @@ TEST(DdpSpec, PowerSgdGetsTorchsDefaultsAndBadFieldsAreNamed) {
        "them (use strategy: ddp)"},
       {[](JobSpec* s) { s->set_strategy(JobSpec::ZERO2); },
        "ddp: applies to strategies ddp and zero1 only (this job's is ZERO2)"},
-      {[](JobSpec* s) { s->set_device(JobSpec::GPU); },
-       "ddp.compression: powersgd runs on device: cpu for now"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_precision(JobSpec::FP16);
+       },
+       "ddp.compression: powersgd does not go with precision: fp16 (use bf16 or fp32); an "
+       "overflowed step would poison its error feedback"},
       {[](JobSpec* s) {
          s->mutable_parallel()->set_tensor(1);
          s->mutable_parallel()->set_pipeline(2);
@@ -217,6 +227,13 @@ TEST(ResNetSpec, BadFieldsAreNamed) {
   for (const char* name : {"resnet18", "resnet50"}) {
     const JobSpec spec = Spec(name, [](JobSpec* s) { s->set_eval_max_samples(512); });
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+    // SyncBatchNorm on either device.
+    const JobSpec synced = Spec(name, [](JobSpec* s) {
+      s->set_device(JobSpec::GPU);
+      s->mutable_ddp()->set_sync_batchnorm(true);
+    });
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, synced).ok())
+        << ValidateJobSpec(SpecLimits{}, synced);
   }
   struct Case {
     std::function<void(JobSpec*)> edit;
@@ -230,12 +247,6 @@ TEST(ResNetSpec, BadFieldsAreNamed) {
          s->mutable_ddp()->set_find_unused_parameters(true);
        },
        "model.stochastic_depth: runs on device: cpu for now"},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
-         s->mutable_ddp()->set_sync_batchnorm(true);
-       },
-       "ddp.sync_batchnorm: runs on device: cpu for now"},
       {[](JobSpec* s) {
          s->set_device(JobSpec::GPU);
          s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);

@@ -171,6 +171,7 @@ NcclCommunicator::~NcclCommunicator() {
     }
   }
   if (barrier_ != nullptr) cudaFree(barrier_);
+  if (order_ != nullptr) cudaEventDestroy(order_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -346,16 +347,48 @@ absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
   return Complete(absl::StrCat("nccl broadcast of ", count, " floats from ", root));
 }
 
-absl::Status NcclCommunicator::AllGather(const float* in, size_t count, float* out) {
+absl::Status NcclCommunicator::EnqueueAllGather(const float* in, size_t count, float* out) {
   AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (in == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError("nccl allgather: null buffer");
+  }
+  return Queued(absl::StrCat("nccl allgather of ", count, " floats"),
+                ncclAllGather(in, out, count, ncclFloat, comm_, stream_));
+}
+
+absl::Status NcclCommunicator::AllGather(const float* in, size_t count, float* out) {
+  AIDN_RETURN_IF_ERROR(EnqueueAllGather(in, count, out));
   if (count == 0) {
     ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
-  const std::string what = absl::StrCat("nccl allgather of ", count, " floats");
-  AIDN_RETURN_IF_ERROR(Queued(what, ncclAllGather(in, out, count, ncclFloat, comm_, stream_)));
-  return Complete(what);
+  return Complete(absl::StrCat("nccl allgather of ", count, " floats"));
+}
+
+absl::Status NcclCommunicator::AllGatherOn(cudaStream_t stream, const float* in, size_t count,
+                                           float* out) {
+  AIDN_RETURN_IF_ERROR(WaitFor(stream));
+  AIDN_RETURN_IF_ERROR(EnqueueAllGather(in, count, out));
+  return Before(stream);
+}
+
+absl::Status NcclCommunicator::AllReduceSumOn(cudaStream_t stream, float* data, size_t count) {
+  AIDN_RETURN_IF_ERROR(WaitFor(stream));
+  AIDN_RETURN_IF_ERROR(EnqueueAllReduce(data, count, ReduceOp::kSum));
+  return Before(stream);
+}
+
+absl::Status NcclCommunicator::Order(cudaStream_t first, cudaStream_t then) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (order_ == nullptr) {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&order_, cudaEventDisableTiming));
+  }
+  // One event serves every ordering: a wait binds to the record before it.
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(order_, first));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(then, order_, 0));
+  return absl::OkStatus();
 }
 
 absl::Status NcclCommunicator::ReduceScatter(const float* in, size_t count, float* out,

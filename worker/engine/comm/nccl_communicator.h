@@ -43,6 +43,7 @@
 #include "absl/strings/string_view.h"
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/comm/kv_store.h"
+#include "worker/engine/cuda/stream_collectives.h"
 
 namespace aidn::engine {
 
@@ -68,7 +69,7 @@ absl::Status NcclError(absl::string_view context, ncclResult_t result);
 // key after options.timeout). Needs no GPU.
 absl::StatusOr<ncclUniqueId> ExchangeNcclUniqueId(const NcclOptions& options, KeyValueStore* store);
 
-class NcclCommunicator final : public Communicator {
+class NcclCommunicator final : public Communicator, public cuda::StreamCollectives {
  public:
   // Exchanges the id, then initialises (non-blocking) on options.device
   // with a stream of its own.
@@ -99,6 +100,20 @@ class NcclCommunicator final : public Communicator {
   // not one per buffer: BatchNorm's running statistics), counted as one
   // collective.
   absl::Status EnqueueBroadcasts(const std::vector<std::pair<float*, size_t>>& buffers, int root);
+  // Queues AllGather's all-gather on stream() without waiting.
+  absl::Status EnqueueAllGather(const float* in, size_t count, float* out);
+  // cuda::StreamCollectives: WaitFor(stream), the Enqueue* call,
+  // Before(stream). The layer's stream then waits for everything queued on
+  // stream() before too (the gradient buckets' allreduces: torch's
+  // SyncBatchNorm shares DDP's NCCL stream likewise).
+  absl::Status AllGatherOn(cudaStream_t stream, const float* in, size_t count, float* out) override;
+  absl::Status AllReduceSumOn(cudaStream_t stream, float* data, size_t count) override;
+  // Orders stream() after what `other` has queued so far, and `other`
+  // after what stream() has: a collective enqueued between the two on
+  // another stream's data (SyncBatchNorm's statistics on the compute
+  // stream), with no host wait.
+  absl::Status WaitFor(cudaStream_t other) { return Order(other, stream_); }
+  absl::Status Before(cudaStream_t other) { return Order(stream_, other); }
   // The same for an in-place sum of 16-bit floats (AllReduceHalf's).
   absl::Status EnqueueAllReduceHalf(uint16_t* data, size_t count, HalfFormat format);
   // Waits until everything queued on stream() has completed, polling for
@@ -145,11 +160,15 @@ class NcclCommunicator final : public Communicator {
   // Wait(), then counts the collectives queued so far as completed.
   absl::Status Complete(absl::string_view what);
   absl::Status Fail(absl::Status status);
+  // `then` waits for what `first` has queued so far.
+  absl::Status Order(cudaStream_t first, cudaStream_t then);
 
   // Const but for Split, which sets a new communicator's rank and size.
   NcclOptions options_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  // WaitFor / Before's event (made at first use).
+  cudaEvent_t order_ = nullptr;
   // A one-float device buffer for Barrier.
   float* barrier_ = nullptr;
   absl::Status failed_;

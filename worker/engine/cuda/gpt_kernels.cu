@@ -9,33 +9,28 @@
 #include <cstdint>
 
 #include "worker/engine/cuda/gpt_kernels.h"
+#include "worker/engine/cuda/kernel_util.cuh"
 #include "worker/engine/cuda/status.h"
 
 namespace aidn::engine::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using kernel::BlocksFor;
+using kernel::GlobalIndex;
+using kernel::GridStride;
+using kernel::kFullMask;
+using kernel::kThreads;
+
 constexpr int kRowsPerBlock = kThreads / 32;
-constexpr int64_t kMaxBlocks = 65536;
-constexpr unsigned kFullMask = 0xffffffffu;
 // gpt_kernels.cc's.
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCube = 0.044715f;
 constexpr float kLayerNormEps = 1e-5f;
 
-unsigned BlocksFor(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
-}
 unsigned RowBlocksFor(int64_t rows) {
   return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
-__device__ __forceinline__ int64_t GlobalIndex() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t GridStride() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 // The warp's row, or -1 past the end (the whole warp retires together).
 __device__ __forceinline__ int64_t WarpRow(int64_t rows) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);

@@ -23,13 +23,17 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     }
     numels.push_back(parameters[k]->grad.numel());
   }
-  if (options.shard_optimizer || options.powersgd.has_value() || options.find_unused_parameters) {
+  AIDN_RETURN_IF_ERROR(CheckDdpOptions(options));
+  if (options.shard_optimizer || options.find_unused_parameters) {
     return absl::UnimplementedError(
-        "gpu ddp: ZeRO-1 sharding, PowerSGD and unused parameters run on the CPU only");
+        "gpu ddp: ZeRO-1 sharding and unused parameters run on the CPU only");
   }
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 0));
   std::unique_ptr<GpuDdpReducer> r(new GpuDdpReducer(ctx, nccl));
   r->half_ = options.half;
+  if (options.powersgd.has_value()) {
+    AIDN_ASSIGN_OR_RETURN(r->powersgd_, GpuPowerSgd::Create(ctx, nccl, *options.powersgd));
+  }
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     Bucket& bucket = r->buckets_.emplace_back();
     bucket.floats = plan.floats[b];
@@ -124,12 +128,28 @@ absl::Status GpuDdpReducer::Launch(int index) {
   cudaStream_t comm = nccl_->stream();
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(ready_, ctx_->stream()));
   AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, ready_, 0));
-  if (launched_ == 0) AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(start_, comm));
+  if (launched_ == 0) {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(start_, comm));
+    bytes_sent_ = 0;
+    bytes_uncompressed_ = 0;
+  }
   ++launched_;
-  absl::Status s = half_.has_value()
-                       ? LaunchHalf(bucket)
-                       : nccl_->EnqueueAllReduce(static_cast<float*>(bucket.buffer.data()),
-                                                 bucket.floats, ReduceOp::kAvg);
+  const int64_t bytes = static_cast<int64_t>(sizeof(float) * bucket.floats);
+  bytes_uncompressed_ += bytes;
+  float* data = static_cast<float*>(bucket.buffer.data());
+  absl::Status s;
+  if (half_.has_value()) {
+    s = LaunchHalf(bucket);
+    bytes_sent_ += bytes / 2;
+  } else if (powersgd_ != nullptr && powersgd_->active()) {
+    std::vector<GpuPowerSgd::Gradient> grads;
+    for (GpuParameter* p : bucket.parameters) grads.push_back({p->grad.data(), p->grad.shape()});
+    s = powersgd_->Reduce(index, data, bucket.floats, grads);
+    bytes_sent_ += powersgd_->last_floats_sent() * static_cast<int64_t>(sizeof(float));
+  } else {
+    s = nccl_->EnqueueAllReduce(data, bucket.floats, ReduceOp::kAvg);
+    bytes_sent_ += bytes;
+  }
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("ddp bucket ", index, ": ", s.message()));
   }
@@ -205,6 +225,7 @@ absl::Status GpuDdpReducer::AfterBackward() {
   reported_.clear();
   timed_ = launched_ > 0;
   launched_ = 0;
+  if (timed_ && powersgd_ != nullptr) powersgd_->EndStep();
   if (timed_) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(backward_end_, ctx_->stream()));
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(end_, nccl_->stream()));

@@ -29,8 +29,10 @@
 // Compression (DdpOptions::half, spec ddp.compression fp16 | bf16, the CPU
 // reducer's semantics): each bucket is multiplied by 1 / world size,
 // rounded to 16 bits and summed in 16 bits by NCCL, then widened back, all
-// on the NCCL stream. PowerSGD, ZeRO-1's sharding and unused parameters
-// are the CPU reducer's only (Create answers UNIMPLEMENTED).
+// on the NCCL stream. PowerSGD (DdpOptions::powersgd, cuda/gpu_powersgd.h)
+// compresses each bucket on the NCCL stream too, once its start_step is
+// reached. ZeRO-1's sharding and unused parameters are the CPU reducer's
+// only (Create answers UNIMPLEMENTED).
 //
 // A step that failed part-way (an error from a hook, a backward error)
 // leaves the reducer's per-step state behind: the trainer fails the
@@ -55,6 +57,7 @@
 #include "worker/engine/cuda/allocator.h"
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/cuda/gpu_powersgd.h"
 #include "worker/engine/ddp.h"
 
 namespace aidn::engine::cuda {
@@ -94,6 +97,13 @@ class GpuDdpReducer {
   // The part of it backward did not hide: from the end of backward on the
   // compute stream to the end of the last allreduce (0 if that came first).
   double last_exposed_seconds() const { return exposed_seconds_; }
+  // Bytes the last step handed NCCL per rank (PowerSGD: its P, Q and
+  // uncompressed gradients; fp16 / bf16: two bytes a value), and what
+  // plain float allreduces would have taken (DdpReducer's figures).
+  int64_t last_bytes_sent() const { return bytes_sent_; }
+  int64_t last_bytes_uncompressed() const { return bytes_uncompressed_; }
+  // PowerSGD's state (null without it): tests read its error.
+  const GpuPowerSgd* powersgd() const { return powersgd_.get(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Parameter names per bucket, in launch order.
   std::vector<std::vector<std::string>> BucketLayout() const;
@@ -121,6 +131,9 @@ class GpuDdpReducer {
   std::unordered_map<GpuParameter*, bool> reported_;
   int launched_ = 0;
   std::optional<HalfFormat> half_;
+  std::unique_ptr<GpuPowerSgd> powersgd_;
+  int64_t bytes_sent_ = 0;
+  int64_t bytes_uncompressed_ = 0;
   // ready_: compute stream -> NCCL stream (reused: a wait binds to the
   // record before it). start_, end_: the NCCL stream's span, timed; the
   // compute stream waits for end_.

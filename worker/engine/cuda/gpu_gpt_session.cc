@@ -125,6 +125,9 @@ class CudaGptSession final : public GpuSession {
 
   double last_allreduce_seconds() const override { return ddp_.allreduce_seconds(); }
   double last_allreduce_wait_seconds() const override { return ddp_.exposed_seconds(); }
+
+  int64_t last_bytes_sent() const override { return ddp_.bytes_sent(); }
+  int64_t last_bytes_uncompressed() const override { return ddp_.bytes_uncompressed(); }
   bool last_step_skipped() const override { return false; }
   std::optional<LossScaleState> loss_scale_state() const override { return std::nullopt; }
   absl::Status RestoreLossScale(const LossScaleState&) override {

@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/cuda/stream_collectives.h"
 #include "worker/engine/model.h"
 
 namespace aidn::engine::cuda {
@@ -60,6 +61,10 @@ class GpuLayer {
   // As Layer::Fuse: true when this layer takes `next`'s computation over.
   virtual bool Fuse(const GpuLayer& /*next*/) { return false; }
   virtual void SetSeed(uint64_t /*seed*/) {}
+  // As Layer::SetBatchNormSync: BatchNorm layers (those inside blocks too)
+  // normalise with the statistics of every rank's batch, exchanged through
+  // `sync` (not owned; null: the rank's own batch).
+  virtual void SetBatchNormSync(StreamCollectives* /*sync*/) {}
 };
 
 // A GPU layer computing what `cpu` computes, with a copy of its parameters

@@ -117,6 +117,10 @@ void GpuModel::SetSeed(uint64_t seed) {
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->SetSeed(LayerSeed(seed, i));
 }
 
+void GpuModel::SetBatchNormSync(StreamCollectives* sync) {
+  for (auto& layer : layers_) layer->SetBatchNormSync(sync);
+}
+
 bool GpuModel::HasDropout() const {
   for (const auto& layer : layers_) {
     const auto* dropout = dynamic_cast<const GpuDropout*>(layer.get());

@@ -71,6 +71,9 @@ class GpuModel {
   // As Sequential::SetSeed (the same per-layer seeds; GPU dropout masks are
   // still not the CPU's, see dropout_mask.h).
   void SetSeed(uint64_t seed);
+  // As Sequential::SetBatchNormSync: every BatchNorm layer's statistics
+  // over every rank's batch, through `sync` (GpuLayer::SetBatchNormSync).
+  void SetBatchNormSync(StreamCollectives* sync);
 
   const std::vector<GpuParameter*>& Parameters() const { return parameters_; }
   // The layers' buffers (BatchNorm's running statistics), in

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/engine/cuda/ddp_kernels.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 
@@ -108,6 +109,8 @@ absl::Status GpuBatchNorm2d::Forward(const GpuTensor& input, GpuTensor* output, 
         absl::StrCat(Describe(), " needs more than one value per channel to train, got input ",
                      input.ShapeString()));
   }
+  synced_ = training && sync_ != nullptr;
+  if (synced_) return SyncedForward(input, output);
   if (training) {
     // The running statistics move by `momentum` towards the batch's (the
     // variance's unbiased estimate), as torch's.
@@ -133,6 +136,7 @@ absl::Status GpuBatchNorm2d::Backward(const GpuTensor& grad_output, GpuTensor* g
     return absl::InvalidArgumentError(
         absl::StrCat(Describe(), " got grad_output ", grad_output.ShapeString()));
   }
+  if (synced_) return SyncedBackward(grad_output, grad_input);
   GpuTensor* dx = grad_input != nullptr ? grad_input : &unused_grad_;
   AIDN_RETURN_IF_ERROR(dx->Resize(ctx_, input_->shape()));
   // Data gradient written (beta 0), the weight's and bias's added to
@@ -143,6 +147,51 @@ absl::Status GpuBatchNorm2d::Backward(const GpuTensor& grad_output, GpuTensor* g
       weight_.value.data(), weight_.grad.data(), bias_.grad.data(), eps_, save_mean_.data(),
       save_inv_var_.data()));
   return absl::OkStatus();
+}
+
+absl::Status GpuBatchNorm2d::SyncedForward(const GpuTensor& input, GpuTensor* output) {
+  const int64_t n = input.dim(0);
+  const int64_t plane = input.dim(2) * input.dim(3);
+  const int64_t block = 2 * channels_ + 1;
+  cudaStream_t stream = ctx_->stream();
+  AIDN_RETURN_IF_ERROR(moments_.Resize(ctx_, {block}));
+  AIDN_RETURN_IF_ERROR(gathered_.Resize(ctx_, {sync_->world_size() * block}));
+  if (count_.data() == nullptr) {
+    AIDN_ASSIGN_OR_RETURN(count_, ctx_->allocator().Allocate(sizeof(double)));
+  }
+  AIDN_RETURN_IF_ERROR(
+      LaunchChannelMoments(stream, input.data(), n, channels_, plane, moments_.data()));
+  AIDN_RETURN_IF_ERROR(Annotate(
+      sync_->AllGatherOn(stream, moments_.data(), static_cast<size_t>(block), gathered_.data()),
+      "sync batchnorm statistics"));
+  AIDN_RETURN_IF_ERROR(LaunchCombineMoments(
+      stream, gathered_.data(), sync_->world_size(), channels_, eps_, momentum_, /*update=*/true,
+      save_mean_.data(), save_inv_var_.data(), static_cast<double*>(count_.data()),
+      running_mean_.value.data(), running_var_.value.data()));
+  return LaunchNormalizeChannels(stream, input.data(), save_mean_.data(), save_inv_var_.data(),
+                                 weight_.value.data(), bias_.value.data(), n, channels_, plane,
+                                 output->data());
+}
+
+absl::Status GpuBatchNorm2d::SyncedBackward(const GpuTensor& grad_output, GpuTensor* grad_input) {
+  const int64_t n = input_->dim(0);
+  const int64_t plane = input_->dim(2) * input_->dim(3);
+  cudaStream_t stream = ctx_->stream();
+  AIDN_RETURN_IF_ERROR(sums_.Resize(ctx_, {2 * channels_}));
+  AIDN_RETURN_IF_ERROR(LaunchChannelGradientSums(
+      stream, grad_output.data(), input_->data(), save_mean_.data(), save_inv_var_.data(), n,
+      channels_, plane, sums_.data(), weight_.grad.data(), bias_.grad.data()));
+  // The input gradient needs the sums over every rank's batch (none wanted:
+  // no exchange, as on the CPU, and the same on every rank).
+  if (grad_input == nullptr) return absl::OkStatus();
+  AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, input_->shape()));
+  AIDN_RETURN_IF_ERROR(
+      Annotate(sync_->AllReduceSumOn(stream, sums_.data(), static_cast<size_t>(2 * channels_)),
+               "sync batchnorm gradients"));
+  return LaunchBatchNormInputGradient(stream, grad_output.data(), input_->data(), save_mean_.data(),
+                                      save_inv_var_.data(), weight_.value.data(), sums_.data(),
+                                      static_cast<const double*>(count_.data()), n, channels_,
+                                      plane, grad_input->data());
 }
 
 // ---------------------------------------------------------- ResidualBlock
@@ -185,6 +234,12 @@ std::vector<GpuParameter*> GpuResidualBlock::Buffers() {
     }
   }
   return buffers;
+}
+
+void GpuResidualBlock::SetBatchNormSync(StreamCollectives* sync) {
+  for (Path* path : {&main_, &shortcut_}) {
+    for (auto& layer : path->layers) layer->SetBatchNormSync(sync);
+  }
 }
 
 absl::Status GpuResidualBlock::RunForward(Path& path, const GpuTensor& input, bool training,

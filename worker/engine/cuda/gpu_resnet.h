@@ -12,13 +12,20 @@
 //                      ones; backward accumulates the weight's and bias's
 //                      gradients. Statistics in fp32 (the CPU sums in
 //                      double), whatever the context's precision.
+//                      SyncBatchNorm (SetBatchNormSync): training runs on
+//                      the engine's own kernels (ddp_kernels.h) with the
+//                      CPU layer's exchange: each rank's per-channel mean,
+//                      sum of squared deviations and count all-gathered
+//                      and combined in rank order, sum(dy) and
+//                      sum(dy xhat) summed over the ranks in backward (the
+//                      weight's and bias's gradients stay the rank's own).
 //   GpuResidualBlock   a BasicBlock or Bottleneck: the main path and the
 //                      shortcut (identity, or conv1x1 + BatchNorm) mirrored
 //                      from the CPU block, relu(main + shortcut).
 //   GpuGlobalAvgPool2d AdaptiveAvgPool2d((1, 1)) by plane means.
 //
-// Not on the GPU: SyncBatchNorm and stochastic depth (MirrorLayer answers
-// UNIMPLEMENTED for a block that drops its main path).
+// Not on the GPU: stochastic depth (MirrorLayer answers UNIMPLEMENTED for a
+// block that drops its main path).
 
 #include <cudnn.h>
 
@@ -51,12 +58,16 @@ class GpuBatchNorm2d final : public GpuLayer {
   absl::Status Backward(const GpuTensor& grad_output, GpuTensor* grad_input) override;
   std::vector<GpuParameter*> Parameters() override { return {&weight_, &bias_}; }
   std::vector<GpuParameter*> Buffers() override { return {&running_mean_, &running_var_}; }
+  void SetBatchNormSync(StreamCollectives* sync) override { sync_ = sync; }
 
  private:
   GpuBatchNorm2d(GpuContext* ctx, int64_t channels, double eps, double momentum)
       : ctx_(ctx), channels_(channels), eps_(eps), momentum_(momentum) {}
   // Describes an input of `shape` to cuDNN (once per shape).
   absl::Status Prepare(const std::vector<int64_t>& shape);
+  // SyncBatchNorm's training forward and backward.
+  absl::Status SyncedForward(const GpuTensor& input, GpuTensor* output);
+  absl::Status SyncedBackward(const GpuTensor& grad_output, GpuTensor* grad_input);
 
   GpuContext* ctx_;
   int64_t channels_;
@@ -71,6 +82,12 @@ class GpuBatchNorm2d final : public GpuLayer {
   const GpuTensor* input_ = nullptr;
   bool training_ = false;
   GpuTensor unused_grad_;  // Backward's input gradient when none is wanted
+  // SyncBatchNorm: the exchange, this rank's moments [2C + 1], every
+  // rank's, backward's sums [2C], and the count over every rank (a double).
+  StreamCollectives* sync_ = nullptr;
+  GpuTensor moments_, gathered_, sums_;
+  DeviceBuffer count_;
+  bool synced_ = false;  // the last training Forward was synced
 };
 
 class GpuResidualBlock final : public GpuLayer {
@@ -85,6 +102,7 @@ class GpuResidualBlock final : public GpuLayer {
   // The main path's, then the shortcut's, as ResidualBlock lists them.
   std::vector<GpuParameter*> Parameters() override;
   std::vector<GpuParameter*> Buffers() override;
+  void SetBatchNormSync(StreamCollectives* sync) override;
 
  private:
   explicit GpuResidualBlock(GpuContext* ctx) : ctx_(ctx) {}

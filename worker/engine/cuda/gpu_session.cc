@@ -53,6 +53,11 @@ class CudaGpuSession final : public GpuSession {
           [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
       s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
       s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
+      if (options.sync_batchnorm) {
+        // The statistics' collectives on the DDP communicator's stream.
+        s->model_->SetBatchNormSync(s->ddp_.nccl.get());
+        absl::StrAppend(&s->description_, ", SyncBatchNorm");
+      }
       if (options.broadcast_buffers && !s->model_->Buffers().empty()) {
         cuda::GpuModel* gpu_model = s->model_.get();
         s->trainer_->SetBeforeForward(
@@ -72,6 +77,9 @@ class CudaGpuSession final : public GpuSession {
   double last_allreduce_seconds() const override { return ddp_.allreduce_seconds(); }
 
   double last_allreduce_wait_seconds() const override { return ddp_.exposed_seconds(); }
+
+  int64_t last_bytes_sent() const override { return ddp_.bytes_sent(); }
+  int64_t last_bytes_uncompressed() const override { return ddp_.bytes_uncompressed(); }
 
   bool last_step_skipped() const override { return trainer_->last_step_skipped(); }
 

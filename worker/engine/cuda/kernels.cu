@@ -24,48 +24,20 @@
 #include <cstdint>
 
 #include "worker/engine/cuda/dropout_mask.h"
+#include "worker/engine/cuda/kernel_util.cuh"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 
 namespace aidn::engine::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65536;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-unsigned BlocksFor(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t GlobalIndex() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t GridStride() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-template <typename T>
-__device__ __forceinline__ T WarpSum(T v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(kFullMask, v, offset);
-  return v;
-}
-
-// The sum over the block (blockDim.x a multiple of 32, at most 1024), valid
-// in thread 0. Call at most once per kernel (it reuses its shared memory).
-template <typename T>
-__device__ T BlockSum(T v) {
-  __shared__ T partial[32];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  v = WarpSum(v);
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  const int warps = blockDim.x >> 5;
-  v = threadIdx.x < warps ? partial[threadIdx.x] : T(0);
-  if (warp == 0) v = WarpSum(v);
-  return v;
-}
+using kernel::BlocksFor;
+using kernel::BlockSum;
+using kernel::GlobalIndex;
+using kernel::GridStride;
+using kernel::kFullMask;
+using kernel::kThreads;
+using kernel::WarpSum;
 
 // ------------------------------------------------------------ elementwise
 

@@ -84,6 +84,20 @@ int64_t SessionDdp::collective_sequence() const {
   return 0;
 }
 
+int64_t SessionDdp::bytes_sent() const {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->last_bytes_sent();
+#endif
+  return 0;
+}
+
+int64_t SessionDdp::bytes_uncompressed() const {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->last_bytes_uncompressed();
+#endif
+  return 0;
+}
+
 absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
                              std::string* description) {
@@ -95,14 +109,19 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
   nccl.device = options.device;
   nccl.timeout = options.timeout;
   AIDN_ASSIGN_OR_RETURN(ddp->nccl, NcclCommunicator::Create(nccl, options.store));
-  AIDN_ASSIGN_OR_RETURN(
-      ddp->reducer, GpuDdpReducer::Create(
-                        ctx, parameters, ddp->nccl.get(),
-                        DdpOptions{.bucket_mb = options.bucket_mb, .half = options.compression}));
+  AIDN_ASSIGN_OR_RETURN(ddp->reducer,
+                        GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
+                                              DdpOptions{.bucket_mb = options.bucket_mb,
+                                                         .powersgd = options.powersgd,
+                                                         .half = options.compression}));
   absl::StrAppend(description, ", NCCL ", options.world_size, " ranks, ",
                   ddp->reducer->num_buckets(), " gradient buckets");
   if (options.compression.has_value()) {
     absl::StrAppend(description, " allreduced in ", HalfFormatName(*options.compression));
+  }
+  if (options.powersgd.has_value()) {
+    absl::StrAppend(description, " compressed by PowerSGD of rank ", options.powersgd->rank,
+                    " from step ", options.powersgd->start_step);
   }
   return absl::OkStatus();
 #else

@@ -36,7 +36,8 @@ absl::StatusOr<SessionDevice> SetUpSessionDevice(const GpuSessionOptions& option
 
 // The gradient averaging of world_size > 1 (nothing for one rank): the
 // communicator (its id through options.store) and a reducer over
-// `parameters` in registration order, appended to `description`.
+// `parameters` in registration order (compressed as the options say),
+// appended to `description`.
 // UNIMPLEMENTED in a build without NCCL.
 struct SessionDdp {
 #if AIDN_HAVE_NCCL
@@ -49,6 +50,9 @@ struct SessionDdp {
   double allreduce_seconds() const;
   double exposed_seconds() const;
   int64_t collective_sequence() const;
+  // The reducer's bytes figures (0 with one rank).
+  int64_t bytes_sent() const;
+  int64_t bytes_uncompressed() const;
 };
 absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
