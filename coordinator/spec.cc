@@ -523,7 +523,7 @@ absl::Status ValidateStochasticDepth(const v1::JobSpec& spec) {
 // A ResNet's BatchNorm running statistics go into DDP's checkpoints (rank
 // 0 writes the whole model), as rank 0's whole tensors into ZeRO's and
 // FSDP's sharded ones, and a pipeline stage writes its own; the GPU engine
-// has BatchNorm and SyncBatchNorm, but not stochastic depth.
+// has BatchNorm, SyncBatchNorm and stochastic depth too.
 absl::Status ValidateResNet(const v1::JobSpec& spec) {
   const std::string& name = spec.model().name();
   if (spec.ddp().sync_batchnorm()) {
@@ -539,13 +539,6 @@ absl::Status ValidateResNet(const v1::JobSpec& spec) {
       // A stage's statistics would have to meet its replicas' only.
       return Invalid("ddp.sync_batchnorm", "does not combine with parallel.pipeline yet");
     }
-  }
-  if (spec.device() != v1::JobSpec::GPU) return absl::OkStatus();
-  if (IsResNet(name) && spec.model().stochastic_depth() > 0) {
-    return Invalid("model.stochastic_depth", "runs on device: cpu for now");
-  }
-  if (spec.ddp().find_unused_parameters()) {
-    return Invalid("ddp.find_unused_parameters", "runs on device: cpu for now");
   }
   return absl::OkStatus();
 }

@@ -235,6 +235,99 @@ TEST(GpuDdp, BufferBroadcastsOfAWorldOfOneLeaveTheStatisticsAsTheyWere) {
   }
 }
 
+// Stochastic depth through the reducer (find_unused_parameters): the
+// skipped blocks' parameters are ready at once, the used flags summed, and
+// what no rank used is left alone, so over one rank it trains bit for bit
+// as a trainer without DDP (which leaves them alone itself). Without the
+// option the first step that skips a block fails, naming a parameter.
+TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  ModelConfig config;
+  config.name = "resnet18";
+  config.stochastic_depth = 0.5;
+  auto cpu = BuildModel(config, 3);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto plain = GpuModel::Create(ctx.get(), **cpu);
+  auto ddp = GpuModel::Create(ctx.get(), **cpu);
+  ASSERT_TRUE(plain.ok() && ddp.ok());
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.05;
+  opt.momentum = 0.9;
+  auto plain_trainer = GpuTrainer::Create(ctx.get(), plain->get(), opt);
+  auto ddp_trainer = GpuTrainer::Create(ctx.get(), ddp->get(), opt);
+  ASSERT_TRUE(plain_trainer.ok() && ddp_trainer.ok());
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto reducer = GpuDdpReducer::Create(ctx.get(), (*ddp)->Parameters(), nccl.get(),
+                                       DdpOptions{.bucket_mb = 1, .find_unused_parameters = true});
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  Hook(ddp_trainer->get(), reducer->get());
+  GpuDdpReducer* r = reducer->get();
+  (*ddp_trainer)
+      ->SetBeforeLastBackward(
+          [r](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
+            return r->BeginBackward(used, unused_now);
+          });
+  const Tensor images = RandomTensor({16, 1, 28, 28}, 5);
+  std::vector<int32_t> labels(16);
+  for (int j = 0; j < 16; ++j) labels[static_cast<size_t>(j)] = j % 10;
+  int skipping_steps = 0;
+  for (uint64_t step = 0; step < 6; ++step) {
+    const std::vector<MicroBatch> micro = {{&images, &labels, 40 + step}};
+    absl::StatusOr<double> a = (*plain_trainer)->Step(micro, opt.lr);
+    absl::StatusOr<double> b = (*ddp_trainer)->Step(micro, opt.lr);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(*a, *b) << "step " << step;
+    int skipped = 0;
+    for (size_t k = 0; k < (*ddp)->Parameters().size(); ++k) {
+      EXPECT_EQ((*ddp)->Parameters()[k]->no_grad, (*plain)->Parameters()[k]->no_grad);
+      skipped += (*ddp)->Parameters()[k]->no_grad ? 1 : 0;
+    }
+    if (skipped > 0) ++skipping_steps;
+  }
+  EXPECT_GT(skipping_steps, 0) << "no step skipped a block: the test shows nothing";
+  auto want = BuildModel(config, 8);
+  auto got = BuildModel(config, 9);
+  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
+  ASSERT_TRUE((*ddp)->CopyParametersTo((*got)->Parameters()).ok());
+  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
+              0.0)
+        << (*want)->Parameters()[k]->name;
+  }
+
+  // Without the option.
+  auto strict_model = GpuModel::Create(ctx.get(), **cpu);
+  ASSERT_TRUE(strict_model.ok());
+  auto strict_trainer = GpuTrainer::Create(ctx.get(), strict_model->get(), opt);
+  ASSERT_TRUE(strict_trainer.ok());
+  InMemoryKeyValueStore strict_store;
+  std::unique_ptr<NcclCommunicator> strict_nccl = WorldOfOne(&strict_store);
+  ASSERT_NE(strict_nccl, nullptr);
+  auto strict = GpuDdpReducer::Create(ctx.get(), (*strict_model)->Parameters(), strict_nccl.get(),
+                                      DdpOptions{.bucket_mb = 1});
+  ASSERT_TRUE(strict.ok());
+  Hook(strict_trainer->get(), strict->get());
+  GpuDdpReducer* sr = strict->get();
+  (*strict_trainer)
+      ->SetBeforeLastBackward(
+          [sr](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
+            return sr->BeginBackward(used, unused_now);
+          });
+  absl::Status failed;
+  for (uint64_t step = 0; step < 6 && failed.ok(); ++step) {
+    const std::vector<MicroBatch> micro = {{&images, &labels, 40 + step}};
+    failed = (*strict_trainer)->Step(micro, opt.lr).status();
+  }
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInvalidArgument) << failed;
+  EXPECT_THAT(failed.message(), HasSubstr("set ddp.find_unused_parameters: true"));
+  // The step failed before the update and after every bucket launched.
+  EXPECT_TRUE(strict_nccl->Wait("buckets").ok());
+}
+
 TEST(GpuDdp, AGradientThatNeverComesOrComesTwiceFailsTheStep) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
   auto model = GpuModel::Build(ctx.get(), Cnn(), 4);
@@ -250,9 +343,10 @@ TEST(GpuDdp, AGradientThatNeverComesOrComesTwiceFailsTheStep) {
   // Only the last layer's gradients: the earlier buckets never fill.
   ASSERT_TRUE((*reducer)->OnGradReady({params[params.size() - 2], params.back()}).ok());
   absl::Status missing = (*reducer)->AfterBackward();
-  EXPECT_EQ(missing.code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(missing.message(), HasSubstr("bucket"));
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(missing.message(), HasSubstr("got no gradient"));
+  EXPECT_THAT(missing.message(), HasSubstr(params.front()->name));
+  EXPECT_THAT(missing.message(), HasSubstr("set ddp.find_unused_parameters: true"));
 
   ASSERT_TRUE((*reducer)->OnGradReady({params.back()}).ok());
   absl::Status twice = (*reducer)->OnGradReady({params.back()});

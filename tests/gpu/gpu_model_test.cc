@@ -151,6 +151,103 @@ TEST(GpuModel, ResNet50ForwardBackwardMatchesCpu) {
 }
 TEST(GpuModel, CnnForwardBackwardMatchesCpu) { CompareForwardBackward(Cnn()); }
 
+// Stochastic depth: from the same seeds the GPU blocks skip what the CPU's
+// skip (their parameters unused, their gradients left at zero, the kept
+// paths scaled), and a one-rank trainer leaves the skipped parameters and
+// their optimizer state alone (torch's "grad is None").
+TEST(GpuModel, ResNetStochasticDepthSkipsWhatTheCpuSkips) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
+  ModelConfig config;
+  config.name = "resnet18";
+  config.stochastic_depth = 0.5;
+  auto cpu = Cpu(config, 7);
+  ASSERT_NE(cpu, nullptr);
+  auto gpu = GpuModel::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_TRUE((*gpu)->DrawsOnTheHost());
+  Batch b = std::move(RandomBatches(1, 32, 3)[0]);
+  // A seed whose draws skip some blocks and keep others.
+  uint64_t seed = 1;
+  Tensor logits;
+  for (;; ++seed) {
+    cpu->SetSeed(seed);
+    cpu->Forward(b.images, &logits, true);
+    const size_t unused = cpu->UnusedParameters().size();
+    if (unused > 0 && unused < cpu->Parameters().size() / 2) break;
+    ASSERT_LT(seed, 100u);
+  }
+  // Again from the seed on both (the forward above moved the CPU's
+  // running statistics: a fresh copy of the model runs it).
+  cpu = Cpu(config, 7);
+  cpu->SetSeed(seed);
+  (*gpu)->SetSeed(seed);
+  cpu->ZeroGrad();
+  cpu->Forward(b.images, &logits, true);
+  Tensor grad;
+  (void)SoftmaxCrossEntropy(logits, b.labels, &grad);
+  cpu->Backward(grad);
+  GpuTensor x = ToDevice(ctx.get(), b.images);
+  GpuTensor glogits;
+  ASSERT_TRUE((*gpu)->ZeroGrad().ok());
+  ASSERT_TRUE((*gpu)->Forward(x, &glogits, true).ok());
+  ExpectClose("logits", ToHost(ctx.get(), glogits), logits, 1e-3);
+  std::vector<std::string> want_unused, got_unused;
+  for (const Parameter* p : cpu->UnusedParameters()) want_unused.push_back(p->name);
+  for (const GpuParameter* p : (*gpu)->UnusedParameters()) got_unused.push_back(p->name);
+  EXPECT_EQ(got_unused, want_unused);
+  std::printf("  seed %llu skips %zu of %zu parameters\n", static_cast<unsigned long long>(seed),
+              want_unused.size(), cpu->Parameters().size());
+  GpuCrossEntropy xent(ctx.get());
+  GpuTensor ggrad;
+  ASSERT_TRUE(xent.Compute(glogits, b.labels, &ggrad).ok());
+  std::vector<std::string> reported;
+  ASSERT_TRUE((*gpu)
+                  ->Backward(ggrad,
+                             [&](const std::vector<GpuParameter*>& ready) {
+                               for (const GpuParameter* p : ready) reported.push_back(p->name);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  EXPECT_EQ(reported.size() + want_unused.size(), cpu->Parameters().size())
+      << "every used parameter reported ready, no unused one";
+  auto copy = Cpu(config, 7);
+  ASSERT_TRUE((*gpu)->CopyGradientsTo(copy->Parameters()).ok());
+  for (size_t k = 0; k < cpu->Parameters().size(); ++k) {
+    const std::string& name = cpu->Parameters()[k]->name;
+    const Tensor& got = copy->Parameters()[k]->grad;
+    if (std::find(want_unused.begin(), want_unused.end(), name) != want_unused.end()) {
+      for (int64_t i = 0; i < got.numel(); ++i) ASSERT_EQ(got[i], 0.0f) << name;
+      continue;
+    }
+    EXPECT_LE(testing::RelL2Error(got, cpu->Parameters()[k]->grad), 1e-2) << name;
+  }
+
+  // One rank's step: the skipped parameters keep their values.
+  OptimizerConfig opt;
+  opt.name = "adamw";
+  opt.lr = 1e-3;
+  auto trainer = GpuTrainer::Create(ctx.get(), gpu->get(), opt);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  auto before = Cpu(config, 8);
+  ASSERT_TRUE((*gpu)->CopyParametersTo(before->Parameters()).ok());
+  ASSERT_TRUE((*trainer)->Step({MicroBatch{&b.images, &b.labels, seed}}, opt.lr).ok());
+  auto after = Cpu(config, 9);
+  ASSERT_TRUE((*gpu)->CopyParametersTo(after->Parameters()).ok());
+  int skipped = 0;
+  for (size_t k = 0; k < after->Parameters().size(); ++k) {
+    const GpuParameter* p = (*gpu)->Parameters()[k];
+    const double moved =
+        testing::MaxRelError(after->Parameters()[k]->value, before->Parameters()[k]->value);
+    if (p->no_grad) {
+      ++skipped;
+      EXPECT_EQ(moved, 0.0) << p->name << " was skipped but moved";
+    } else {
+      EXPECT_GT(moved, 0.0) << p->name << " was used but did not move";
+    }
+  }
+  EXPECT_EQ(skipped, static_cast<int>(want_unused.size()));
+}
+
 TEST(GpuModel, RefusesParametersThatDoNotMatch) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions());
   auto gpu = GpuModel::Build(ctx.get(), Mlp(), 1);

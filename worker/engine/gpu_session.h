@@ -80,6 +80,11 @@ struct GpuSessionOptions {
   // SyncBatchNorm, batchnorm.h's exchange on the DDP communicator's NCCL
   // stream), world_size > 1.
   bool sync_batchnorm = false;
+  // DDP's find_unused_parameters (spec ddp.find_unused_parameters;
+  // cuda/gpu_ddp.h): a forward may skip parameters (stochastic depth),
+  // world_size > 1. With one rank what no forward of a step used is left
+  // alone without it.
+  bool find_unused_parameters = false;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA

@@ -138,6 +138,7 @@ engine::GpuSessionOptions GpuSessionOptionsOf(const v1::JobSpec& spec, int rank,
   o.powersgd = PowerSgdOf(spec);
   o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
   o.sync_batchnorm = spec.ddp().sync_batchnorm();
+  o.find_unused_parameters = spec.ddp().find_unused_parameters();
   switch (spec.precision()) {
     case v1::JobSpec::BF16:
       o.precision = "bf16";

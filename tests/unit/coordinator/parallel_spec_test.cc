@@ -227,32 +227,27 @@ TEST(ResNetSpec, BadFieldsAreNamed) {
   for (const char* name : {"resnet18", "resnet50"}) {
     const JobSpec spec = Spec(name, [](JobSpec* s) { s->set_eval_max_samples(512); });
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
-    // SyncBatchNorm on either device.
+    // SyncBatchNorm, stochastic depth and unused parameters on either
+    // device.
     const JobSpec synced = Spec(name, [](JobSpec* s) {
       s->set_device(JobSpec::GPU);
       s->mutable_ddp()->set_sync_batchnorm(true);
     });
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, synced).ok())
         << ValidateJobSpec(SpecLimits{}, synced);
+    const JobSpec dropping = Spec(name, [](JobSpec* s) {
+      s->set_device(JobSpec::GPU);
+      s->mutable_model()->set_stochastic_depth(0.1);
+      s->mutable_ddp()->set_find_unused_parameters(true);
+    });
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, dropping).ok())
+        << ValidateJobSpec(SpecLimits{}, dropping);
   }
   struct Case {
     std::function<void(JobSpec*)> edit;
     std::string message;
   };
   const Case cases[] = {
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->mutable_model()->set_stochastic_depth(0.1);
-         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
-         s->mutable_ddp()->set_find_unused_parameters(true);
-       },
-       "model.stochastic_depth: runs on device: cpu for now"},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
-         s->mutable_ddp()->set_find_unused_parameters(true);
-       },
-       "ddp.find_unused_parameters: runs on device: cpu for now"},
       {[](JobSpec* s) { s->mutable_model()->set_dropout(0.1); },
        "model.dropout: resnet18 has no dropout"},
       {[](JobSpec* s) { s->mutable_model()->add_hidden_sizes(4); },

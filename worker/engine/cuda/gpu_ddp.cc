@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
@@ -24,13 +25,22 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     numels.push_back(parameters[k]->grad.numel());
   }
   AIDN_RETURN_IF_ERROR(CheckDdpOptions(options));
-  if (options.shard_optimizer || options.find_unused_parameters) {
-    return absl::UnimplementedError(
-        "gpu ddp: ZeRO-1 sharding and unused parameters run on the CPU only");
+  if (options.shard_optimizer) {
+    return absl::UnimplementedError("gpu ddp: ZeRO-1 sharding runs on the CPU only");
   }
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 0));
   std::unique_ptr<GpuDdpReducer> r(new GpuDdpReducer(ctx, nccl));
   r->half_ = options.half;
+  r->parameters_ = parameters;
+  r->find_unused_ = options.find_unused_parameters;
+  if (r->find_unused_ && !parameters.empty()) {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMallocHost(&r->used_host_, sizeof(float) * parameters.size()));
+    // A step whose trainer reports nothing (BeginBackward not called) used
+    // everything.
+    std::fill(r->used_host_, r->used_host_ + parameters.size(), 1.0f);
+    AIDN_ASSIGN_OR_RETURN(r->used_, ctx->allocator().Allocate(sizeof(float) * parameters.size()));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&r->used_done_, cudaEventDisableTiming));
+  }
   if (options.powersgd.has_value()) {
     AIDN_ASSIGN_OR_RETURN(r->powersgd_, GpuPowerSgd::Create(ctx, nccl, *options.powersgd));
   }
@@ -112,6 +122,8 @@ GpuDdpReducer::~GpuDdpReducer() {
   if (end_ != nullptr) cudaEventDestroy(end_);
   if (backward_end_ != nullptr) cudaEventDestroy(backward_end_);
   if (buffers_done_ != nullptr) cudaEventDestroy(buffers_done_);
+  if (used_done_ != nullptr) cudaEventDestroy(used_done_);
+  if (used_host_ != nullptr) cudaFreeHost(used_host_);
 }
 
 std::vector<std::vector<std::string>> GpuDdpReducer::BucketLayout() const {
@@ -207,18 +219,62 @@ absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parame
   return absl::OkStatus();
 }
 
+absl::Status GpuDdpReducer::BeginBackward(const std::vector<bool>& used,
+                                          const std::vector<GpuParameter*>& unused_now) {
+  if (!find_unused_) return absl::OkStatus();
+  if (used.size() != parameters_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu ddp: ", used.size(), " used flags for ",
+                                                   parameters_.size(), " parameters"));
+  }
+  // The previous step's sums were read (its AfterBackward waited), so the
+  // pinned flags are free.
+  for (size_t i = 0; i < used.size(); ++i) used_host_[i] = used[i] ? 1.0f : 0.0f;
+  // Their gradients stay zero (ZeroGrad): ready now, so the buckets finish.
+  return unused_now.empty() ? absl::OkStatus() : OnGradReady(unused_now);
+}
+
+absl::Status GpuDdpReducer::MissingGradients() const {
+  std::vector<std::string> names;
+  for (const GpuParameter* p : parameters_) {
+    if (reported_.count(const_cast<GpuParameter*>(p)) == 0) names.push_back(p->name);
+  }
+  const size_t shown = std::min<size_t>(names.size(), 5);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "ddp: ", names.size(), names.size() == 1 ? " parameter" : " parameters",
+      " got no gradient this step (",
+      absl::StrJoin(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+      names.size() > shown ? ", ..." : "",
+      "): the forward did not use them; set ddp.find_unused_parameters: true for a model that "
+      "skips parts of itself"));
+}
+
+absl::Status GpuDdpReducer::ExchangeUsedFlags() {
+  const size_t n = parameters_.size();
+  if (n == 0) return absl::OkStatus();
+  cudaStream_t comm = nccl_->stream();
+  float* device = static_cast<float*>(used_.data());
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(device, used_host_, sizeof(float) * n, cudaMemcpyHostToDevice, comm));
+  // Sums of zeros and ones: exact in float.
+  AIDN_RETURN_IF_ERROR(Annotate(nccl_->EnqueueAllReduce(device, n, ReduceOp::kSum),
+                                "gpu ddp: used parameter flags"));
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(used_host_, device, sizeof(float) * n, cudaMemcpyDeviceToHost, comm));
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(used_done_, comm));
+  AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(used_done_, "used parameter flags"));
+  for (size_t i = 0; i < n; ++i) parameters_[i]->no_grad = used_host_[i] == 0.0f;
+  std::fill(used_host_, used_host_ + n, 1.0f);
+  return absl::OkStatus();
+}
+
 absl::Status GpuDdpReducer::AfterBackward() {
   absl::Status missing;
   // Buckets launch in plan order on every rank only if every gradient
   // came; a bucket still pending is launched now (so the ranks' NCCL calls
-  // still match) and the step fails.
+  // still match) and the step fails, naming what did not come.
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].pending == 0) continue;
-    if (missing.ok()) {
-      missing = absl::InternalError(absl::StrCat("gpu ddp: bucket ", b, " still misses ",
-                                                 buckets_[b].pending,
-                                                 " gradients (a parameter got no gradient?)"));
-    }
+    if (missing.ok()) missing = MissingGradients();
     AIDN_RETURN_IF_ERROR(Launch(static_cast<int>(b)));
   }
   for (Bucket& bucket : buckets_) bucket.pending = static_cast<int>(bucket.parameters.size());
@@ -232,6 +288,9 @@ absl::Status GpuDdpReducer::AfterBackward() {
     // The optimizer (queued next on the compute stream) reads the averages.
     AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(ctx_->stream(), end_, 0));
   }
+  // Every rank exchanges its flags, also when this one failed (its peers'
+  // allreduce would wait for it).
+  if (find_unused_) missing.Update(ExchangeUsedFlags());
   return missing;
 }
 

@@ -31,8 +31,20 @@
 // rounded to 16 bits and summed in 16 bits by NCCL, then widened back, all
 // on the NCCL stream. PowerSGD (DdpOptions::powersgd, cuda/gpu_powersgd.h)
 // compresses each bucket on the NCCL stream too, once its start_step is
-// reached. ZeRO-1's sharding and unused parameters are the CPU reducer's
-// only (Create answers UNIMPLEMENTED).
+// reached. ZeRO-1's sharding is the CPU reducer's only (Create answers
+// UNIMPLEMENTED).
+//
+// Unused parameters (a forward that skipped a block: GpuTrainer's
+// before-last-backward hook calls BeginBackward): without
+// find_unused_parameters a step that leaves one without a gradient fails,
+// naming it (its bucket is still launched, so the ranks stay in step).
+// With it, as the CPU reducer and torch: the last forward's unused
+// parameters are ready at once (their zero gradients join the averages),
+// and after the buckets one float per parameter, whether the rank used it
+// in any forward of the step, is summed over the ranks; what no rank used
+// is marked no_grad for the optimizer. That sum is read on the host before
+// the update (a wait bounded by the communicator's timeout), as torch's
+// reducer reads its used map.
 //
 // A step that failed part-way (an error from a hook, a backward error)
 // leaves the reducer's per-step state behind: the trainer fails the
@@ -78,9 +90,15 @@ class GpuDdpReducer {
   // reducer does not know; FAILED_PRECONDITION for one reported twice in a
   // backward.
   absl::Status OnGradReady(const std::vector<GpuParameter*>& parameters);
-  // Orders the compute stream after every bucket's allreduce. INTERNAL
-  // naming the bucket if one never launched (a parameter got no gradient),
-  // after launching it anyway so the ranks stay in step.
+  // Before the last micro-batch's backward (GpuTrainer::UsedFn): `used` in
+  // registration order. INVALID_ARGUMENT for a size that is not the
+  // parameters'.
+  absl::Status BeginBackward(const std::vector<bool>& used,
+                             const std::vector<GpuParameter*>& unused_now);
+  // Orders the compute stream after every bucket's allreduce
+  // (find_unused_parameters: and sets no_grad from the summed used flags).
+  // INVALID_ARGUMENT naming the parameters that got no gradient, after
+  // launching their buckets anyway so the ranks stay in step.
   absl::Status AfterBackward();
   // broadcast_buffers: rank 0's `buffers` (running statistics) to every
   // rank, on the NCCL stream after what the compute stream queued so far,
@@ -123,12 +141,26 @@ class GpuDdpReducer {
   // world size, rounded to 16 bits, summed, widened back into the bucket.
   absl::Status LaunchHalf(Bucket& bucket);
   absl::Status Launch(int bucket);
+  // find_unused_parameters: the used flags summed over the ranks, read on
+  // the host, and each parameter's no_grad set from them.
+  absl::Status ExchangeUsedFlags();
+  // "ddp: 2 parameters got no gradient this step (a, b): ..." for what no
+  // backward reported.
+  absl::Status MissingGradients() const;
 
   GpuContext* ctx_;
   NcclCommunicator* nccl_;
   std::vector<Bucket> buckets_;
   std::unordered_map<GpuParameter*, int> bucket_of_;
   std::unordered_map<GpuParameter*, bool> reported_;
+  // Registration order (find_unused_parameters' flags follow it).
+  std::vector<GpuParameter*> parameters_;
+  bool find_unused_ = false;
+  // The rank's used flags (pinned: uploaded on the NCCL stream, then the
+  // sums read back into it) and their device copy.
+  float* used_host_ = nullptr;
+  DeviceBuffer used_;
+  cudaEvent_t used_done_ = nullptr;
   int launched_ = 0;
   std::optional<HalfFormat> half_;
   std::unique_ptr<GpuPowerSgd> powersgd_;

@@ -45,6 +45,10 @@ struct GpuParameter {
   std::string name;
   GpuTensor value;
   GpuTensor grad;
+  // As Parameter::no_grad: no forward of the step used it (on any rank,
+  // with DDP), so the optimizer leaves it and its state alone (torch's
+  // "grad is None").
+  bool no_grad = false;
 };
 
 class GpuLayer {
@@ -61,6 +65,12 @@ class GpuLayer {
   // As Layer::Fuse: true when this layer takes `next`'s computation over.
   virtual bool Fuse(const GpuLayer& /*next*/) { return false; }
   virtual void SetSeed(uint64_t /*seed*/) {}
+  // As Layer::UnusedParameters: those the last Forward did not use (a
+  // residual block that skipped its main path).
+  virtual std::vector<GpuParameter*> UnusedParameters() { return {}; }
+  // Whether Forward draws on the host (dropout masks, stochastic depth), so
+  // that a CUDA graph would replay one draw.
+  virtual bool DrawsOnTheHost() const { return false; }
   // As Layer::SetBatchNormSync: BatchNorm layers (those inside blocks too)
   // normalise with the statistics of every rank's batch, exchanged through
   // `sync` (not owned; null: the rank's own batch).
@@ -247,6 +257,7 @@ class GpuDropout final : public GpuLayer {
     seed_ = seed;
     draws_ = 0;
   }
+  bool DrawsOnTheHost() const override { return p_ > 0; }
   // The key of the last training Forward's mask (dropout_mask.h).
   uint64_t last_key() const { return key_; }
   double p() const { return p_; }

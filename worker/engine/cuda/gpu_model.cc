@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -100,7 +101,18 @@ absl::Status GpuModel::Backward(const GpuTensor& grad_logits, const GradReadyFn&
     AIDN_RETURN_IF_ERROR(
         Annotate(layers_[at]->Backward(*g, grad_input), absl::StrCat("layer ", i, " backward")));
     if (on_ready && !layer_parameters_[at].empty()) {
-      AIDN_RETURN_IF_ERROR(on_ready(layer_parameters_[at]));
+      // What the forward did not use gets no gradient (as
+      // Sequential::Backward): the reducer decides what that means.
+      const std::vector<GpuParameter*> unused = layers_[at]->UnusedParameters();
+      if (unused.empty()) {
+        AIDN_RETURN_IF_ERROR(on_ready(layer_parameters_[at]));
+      } else {
+        std::vector<GpuParameter*> used;
+        for (GpuParameter* p : layer_parameters_[at]) {
+          if (std::find(unused.begin(), unused.end(), p) == unused.end()) used.push_back(p);
+        }
+        if (!used.empty()) AIDN_RETURN_IF_ERROR(on_ready(used));
+      }
     }
     if (grad_input == nullptr) break;
     g = grad_input;
@@ -121,12 +133,19 @@ void GpuModel::SetBatchNormSync(StreamCollectives* sync) {
   for (auto& layer : layers_) layer->SetBatchNormSync(sync);
 }
 
-bool GpuModel::HasDropout() const {
+bool GpuModel::DrawsOnTheHost() const {
   for (const auto& layer : layers_) {
-    const auto* dropout = dynamic_cast<const GpuDropout*>(layer.get());
-    if (dropout != nullptr && dropout->p() > 0) return true;
+    if (layer->DrawsOnTheHost()) return true;
   }
   return false;
+}
+
+std::vector<GpuParameter*> GpuModel::UnusedParameters() const {
+  std::vector<GpuParameter*> unused;
+  for (const auto& layer : layers_) {
+    for (GpuParameter* p : layer->UnusedParameters()) unused.push_back(p);
+  }
+  return unused;
 }
 
 int64_t GpuModel::ParameterCount() const {
@@ -373,7 +392,9 @@ std::string GpuTrainer::GraphBlocker() const {
     return "CUDA graphs not used: the step has hooks (DDP, or a test's)";
   }
   if (scaler_) return "CUDA graphs not used: fp16 loss scaling waits on the host mid-step";
-  if (model_->HasDropout()) return "CUDA graphs not used: dropout masks are keyed on the host";
+  if (model_->DrawsOnTheHost()) {
+    return "CUDA graphs not used: dropout masks and stochastic depth are drawn on the host";
+  }
   return "";
 }
 
@@ -596,15 +617,28 @@ absl::StatusOr<double> GpuTrainer::Step(const std::vector<MicroBatch>& micro, do
   }
   AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
   if (before_forward_) AIDN_RETURN_IF_ERROR(before_forward_());
+  // Which parameters some forward of the step used (stochastic depth skips
+  // blocks); all of them for most models.
+  const std::vector<GpuParameter*>& params = model_->Parameters();
+  std::vector<bool> used(params.size(), false);
+  std::vector<GpuParameter*> unused;
   for (int i = 0; i < k; ++i) {
     const MicroBatch& b = micro[static_cast<size_t>(i)];
     if (b.seed.has_value()) model_->SetSeed(*b.seed);
     AIDN_RETURN_IF_ERROR(input_.CopyFromHost(ctx_, *b.images));
     AIDN_RETURN_IF_ERROR(model_->Forward(input_, &logits_, /*training=*/true));
     AIDN_RETURN_IF_ERROR(loss_.Compute(logits_, *b.labels, &grad_logits_, grad_scale, i));
+    unused = model_->UnusedParameters();
+    for (size_t j = 0; j < params.size(); ++j) {
+      if (std::find(unused.begin(), unused.end(), params[j]) == unused.end()) used[j] = true;
+    }
     const bool last = i == k - 1;
+    if (last && before_last_backward_) AIDN_RETURN_IF_ERROR(before_last_backward_(used, unused));
     AIDN_RETURN_IF_ERROR(
         model_->Backward(grad_logits_, last ? grad_ready_ : GpuModel::GradReadyFn()));
+  }
+  if (!grad_ready_) {
+    for (size_t j = 0; j < params.size(); ++j) params[j]->no_grad = !used[j];
   }
   if (after_backward_) AIDN_RETURN_IF_ERROR(after_backward_());
   if (scaler_) {

@@ -79,9 +79,11 @@ class GpuModel {
   // The layers' buffers (BatchNorm's running statistics), in
   // Sequential::Buffers() order with its names.
   const std::vector<GpuParameter*>& Buffers() const { return buffers_; }
-  // Whether a dropout layer with p > 0 is there (its masks are keyed on the
-  // host at each forward, so a CUDA graph would replay one mask).
-  bool HasDropout() const;
+  // Whether a layer draws on the host at each forward (dropout with p > 0,
+  // stochastic depth), so that a CUDA graph would replay one draw.
+  bool DrawsOnTheHost() const;
+  // As Sequential::UnusedParameters: what the last Forward did not use.
+  std::vector<GpuParameter*> UnusedParameters() const;
   int64_t ParameterCount() const;
   // Sequential::Describe()'s text.
   std::string Describe() const;
@@ -180,6 +182,15 @@ class GpuTrainer {
   // broadcast_buffers: rank 0's running statistics to every rank, as torch
   // broadcasts them before a step's first forward). An error fails the Step.
   void SetBeforeForward(std::function<absl::Status()> hook) { before_forward_ = std::move(hook); }
+  // Runs before the last micro-batch's backward with, in registration
+  // order, whether any forward of the step used each parameter, and what
+  // the last forward left unused (DDP's find_unused_parameters, as the CPU
+  // reducer's BeginBackward). Without a grad-ready hook (one rank) the
+  // trainer itself marks what no forward of the step used no_grad, so the
+  // optimizer leaves it alone (torch's "grad is None").
+  using UsedFn = std::function<absl::Status(const std::vector<bool>& used,
+                                            const std::vector<GpuParameter*>& unused_now)>;
+  void SetBeforeLastBackward(UsedFn hook) { before_last_backward_ = std::move(hook); }
 
   // Precision::kFp16 contexts: dynamic loss scaling (loss_scale.h), with
   // torch GradScaler's defaults from Create or these options. Each step's
@@ -244,6 +255,7 @@ class GpuTrainer {
   std::function<absl::Status()> after_backward_;
   std::function<absl::Status(cudaEvent_t)> wait_;
   std::function<absl::Status()> before_forward_;
+  UsedFn before_last_backward_;
   // The step's losses, copied here (pinned) before `done_`.
   double* host_losses_ = nullptr;
   size_t host_slots_ = 0;

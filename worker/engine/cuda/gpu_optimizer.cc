@@ -156,6 +156,7 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
   if (config_.name == "sgd") {
     for (size_t k = 0; k < params_.size(); ++k) {
       GpuParameter* p = params_[k];
+      if (p->no_grad) continue;
       SgdArgs a = args_.sgd;
       a.apply_decay = a.apply_decay && Decays(*p);
       AIDN_RETURN_IF_ERROR(LaunchSgd(
@@ -165,6 +166,7 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
   } else {
     for (size_t k = 0; k < params_.size(); ++k) {
       GpuParameter* p = params_[k];
+      if (p->no_grad) continue;
       AdamWArgs a = args_.adamw;
       a.apply_decay = a.apply_decay && Decays(*p);
       AIDN_RETURN_IF_ERROR(LaunchAdamW(stream, p->value.data(), p->grad.data(), exp_avg_[k].data(),

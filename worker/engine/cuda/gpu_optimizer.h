@@ -43,8 +43,8 @@ class GpuOptimizer {
   GpuOptimizer(const GpuOptimizer&) = delete;
   GpuOptimizer& operator=(const GpuOptimizer&) = delete;
 
-  // Queues one update of every parameter with learning rate `lr`: Prepare,
-  // then Queue(false). INVALID_ARGUMENT for a negative or non-finite lr,
+  // Queues one update of every parameter (but those marked no_grad) with learning rate `lr`:
+  // Prepare, then Queue(false). INVALID_ARGUMENT for a negative or non-finite lr,
   // FAILED_PRECONDITION if a parameter changed shape.
   absl::Status Step(double lr);
 

@@ -198,12 +198,9 @@ absl::Status GpuBatchNorm2d::SyncedBackward(const GpuTensor& grad_output, GpuTen
 
 absl::StatusOr<std::unique_ptr<GpuResidualBlock>> GpuResidualBlock::Create(
     GpuContext* ctx, const ResidualBlock& cpu) {
-  if (cpu.drop_prob() > 0) {
-    return absl::UnimplementedError(
-        absl::StrCat(cpu.Describe(), ": stochastic depth runs on the CPU only"));
-  }
   std::unique_ptr<GpuResidualBlock> block(new GpuResidualBlock(ctx));
   block->describe_ = cpu.Describe();
+  block->drop_prob_ = cpu.drop_prob();
   for (auto [from, to] : {std::pair{&cpu.main_path(), &block->main_},
                           std::pair{&cpu.shortcut(), &block->shortcut_}}) {
     for (const auto& [name, layer] : *from) {
@@ -264,20 +261,44 @@ absl::Status GpuResidualBlock::RunBackward(Path& path, const GpuTensor& grad_out
   return absl::OkStatus();
 }
 
+std::vector<GpuParameter*> GpuResidualBlock::UnusedParameters() {
+  if (!dropped_) return {};
+  std::vector<GpuParameter*> params;
+  for (auto& layer : main_.layers) {
+    for (GpuParameter* p : layer->Parameters()) params.push_back(p);
+  }
+  return params;
+}
+
 absl::Status GpuResidualBlock::Forward(const GpuTensor& input, GpuTensor* output, bool training) {
+  dropped_ = false;
+  scale_ = 1.0f;
+  if (training && drop_prob_ > 0) {
+    // ResidualBlock::Forward's draw, from the same generator.
+    const double u = static_cast<double>(rng_() >> 11) * 0x1p-53;
+    dropped_ = u < drop_prob_;
+    scale_ = static_cast<float>(1.0 / (1.0 - drop_prob_));
+  }
   const GpuTensor* shortcut = nullptr;
-  const GpuTensor* main = nullptr;
   AIDN_RETURN_IF_ERROR(RunForward(shortcut_, input, training, &shortcut));
+  if (dropped_) {
+    // relu(shortcut): the main path is not computed.
+    AIDN_RETURN_IF_ERROR(output->Resize(ctx_, shortcut->shape()));
+    AIDN_RETURN_IF_ERROR(
+        LaunchRelu(ctx_->stream(), shortcut->data(), output->data(), output->numel()));
+    output_ = output;
+    return absl::OkStatus();
+  }
+  const GpuTensor* main = nullptr;
   AIDN_RETURN_IF_ERROR(RunForward(main_, input, training, &main));
   if (main->shape() != shortcut->shape()) {
     return absl::InvalidArgumentError(absl::StrCat(describe_, ": main path ", main->ShapeString(),
                                                    ", shortcut ", shortcut->ShapeString()));
   }
   AIDN_RETURN_IF_ERROR(output->Resize(ctx_, main->shape()));
-  // relu(main + shortcut), as the CPU's ScaledAddRelu with scale 1.
-  AIDN_RETURN_IF_ERROR(
-      LaunchAdd(ctx_->stream(), main->data(), shortcut->data(), output->data(), output->numel()));
-  AIDN_RETURN_IF_ERROR(LaunchRelu(ctx_->stream(), output->data(), output->data(), output->numel()));
+  // relu(main * scale + shortcut), the CPU's ScaledAddReluKernel.
+  AIDN_RETURN_IF_ERROR(LaunchScaledAddRelu(ctx_->stream(), main->data(), scale_, shortcut->data(),
+                                           output->data(), output->numel()));
   output_ = output;
   return absl::OkStatus();
 }
@@ -287,11 +308,26 @@ absl::Status GpuResidualBlock::Backward(const GpuTensor& grad_output, GpuTensor*
     return absl::InvalidArgumentError(
         absl::StrCat(describe_, " backward got ", grad_output.ShapeString()));
   }
+  cudaStream_t stream = ctx_->stream();
   // Through the final ReLU: the gradient of the sum, which both paths get.
   AIDN_RETURN_IF_ERROR(sum_grad_.Resize(ctx_, grad_output.shape()));
-  AIDN_RETURN_IF_ERROR(LaunchReluBackward(ctx_->stream(), output_->data(), grad_output.data(),
+  AIDN_RETURN_IF_ERROR(LaunchReluBackward(stream, output_->data(), grad_output.data(),
                                           sum_grad_.data(), sum_grad_.numel()));
-  AIDN_RETURN_IF_ERROR(RunBackward(main_, sum_grad_, grad_input));
+  if (dropped_) {
+    // The shortcut alone; the main path's gradients stay as they were.
+    if (!shortcut_.layers.empty()) return RunBackward(shortcut_, sum_grad_, grad_input);
+    if (grad_input == nullptr) return absl::OkStatus();
+    AIDN_RETURN_IF_ERROR(grad_input->Resize(ctx_, sum_grad_.shape()));
+    return grad_input->CopyFrom(ctx_, sum_grad_);
+  }
+  const GpuTensor* main_grad = &sum_grad_;
+  if (scale_ != 1.0f) {
+    AIDN_RETURN_IF_ERROR(scaled_grad_.Resize(ctx_, sum_grad_.shape()));
+    AIDN_RETURN_IF_ERROR(scaled_grad_.CopyFrom(ctx_, sum_grad_));
+    AIDN_RETURN_IF_ERROR(LaunchScale(stream, scaled_grad_.data(), scaled_grad_.numel(), scale_));
+    main_grad = &scaled_grad_;
+  }
+  AIDN_RETURN_IF_ERROR(RunBackward(main_, *main_grad, grad_input));
   if (grad_input == nullptr) {
     return shortcut_.layers.empty() ? absl::OkStatus() : RunBackward(shortcut_, sum_grad_, nullptr);
   }
@@ -300,7 +336,7 @@ absl::Status GpuResidualBlock::Backward(const GpuTensor& grad_output, GpuTensor*
     AIDN_RETURN_IF_ERROR(RunBackward(shortcut_, sum_grad_, &short_grad_));
     extra = &short_grad_;
   }
-  return LaunchAdd(ctx_->stream(), grad_input->data(), extra->data(), grad_input->data(),
+  return LaunchAdd(stream, grad_input->data(), extra->data(), grad_input->data(),
                    grad_input->numel());
 }
 

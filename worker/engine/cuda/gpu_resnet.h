@@ -21,16 +21,18 @@
 //                      weight's and bias's gradients stay the rank's own).
 //   GpuResidualBlock   a BasicBlock or Bottleneck: the main path and the
 //                      shortcut (identity, or conv1x1 + BatchNorm) mirrored
-//                      from the CPU block, relu(main + shortcut).
+//                      from the CPU block, relu(main + shortcut). Stochastic
+//                      depth as the CPU block: the same draws from the same
+//                      seeds (on the host), a skipped main path not computed
+//                      and its parameters unused, a kept one scaled by
+//                      1 / (1 - drop_prob).
 //   GpuGlobalAvgPool2d AdaptiveAvgPool2d((1, 1)) by plane means.
 //
-// Not on the GPU: stochastic depth (MirrorLayer answers UNIMPLEMENTED for a
-// block that drops its main path).
-
 #include <cudnn.h>
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -92,8 +94,8 @@ class GpuBatchNorm2d final : public GpuLayer {
 
 class GpuResidualBlock final : public GpuLayer {
  public:
-  // Mirrors `cpu`'s layers (weights, running statistics and names).
-  // UNIMPLEMENTED with stochastic depth.
+  // Mirrors `cpu`'s layers (weights, running statistics and names) and its
+  // drop probability.
   static absl::StatusOr<std::unique_ptr<GpuResidualBlock>> Create(GpuContext* ctx,
                                                                   const ResidualBlock& cpu);
   std::string Describe() const override { return describe_; }
@@ -103,6 +105,11 @@ class GpuResidualBlock final : public GpuLayer {
   std::vector<GpuParameter*> Parameters() override;
   std::vector<GpuParameter*> Buffers() override;
   void SetBatchNormSync(StreamCollectives* sync) override;
+  void SetSeed(uint64_t seed) override { rng_.seed(seed); }
+  std::vector<GpuParameter*> UnusedParameters() override;
+  bool DrawsOnTheHost() const override { return drop_prob_ > 0; }
+  // Whether the last Forward skipped the main path.
+  bool dropped() const { return dropped_; }
 
  private:
   explicit GpuResidualBlock(GpuContext* ctx) : ctx_(ctx) {}
@@ -124,6 +131,13 @@ class GpuResidualBlock final : public GpuLayer {
   const GpuTensor* output_ = nullptr;
   GpuTensor sum_grad_;    // the gradient through the final ReLU
   GpuTensor short_grad_;  // the shortcut's input gradient
+  // Stochastic depth: the CPU block's generator and draw, and the last
+  // forward's choice; the main path's gradient scaled.
+  double drop_prob_ = 0;
+  std::mt19937_64 rng_{0};
+  bool dropped_ = false;
+  float scale_ = 1.0f;
+  GpuTensor scaled_grad_;
 };
 
 class GpuGlobalAvgPool2d final : public GpuLayer {

@@ -52,6 +52,11 @@ class CudaGpuSession final : public GpuSession {
       s->trainer_->SetGradReady(
           [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
       s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
+      s->trainer_->SetBeforeLastBackward(
+          [reducer](const std::vector<bool>& used,
+                    const std::vector<cuda::GpuParameter*>& unused_now) {
+            return reducer->BeginBackward(used, unused_now);
+          });
       s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
       if (options.sync_batchnorm) {
         // The statistics' collectives on the DDP communicator's stream.

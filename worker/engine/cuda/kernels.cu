@@ -89,6 +89,13 @@ __global__ void AddKernel(const float* a, const float* b, float* y, int64_t n) {
   for (int64_t i = GlobalIndex(); i < n; i += GridStride()) y[i] = __fadd_rn(a[i], b[i]);
 }
 
+__global__ void ScaledAddReluKernel(const float* a, float s, const float* b, float* y, int64_t n) {
+  for (int64_t i = GlobalIndex(); i < n; i += GridStride()) {
+    const float v = __fadd_rn(__fmul_rn(a[i], s), b[i]);
+    y[i] = v < 0.0f ? 0.0f : v;
+  }
+}
+
 __global__ void ScaleKernel(float* x, int64_t n, float s) {
   for (int64_t i = GlobalIndex(); i < n; i += GridStride()) x[i] = __fmul_rn(x[i], s);
 }
@@ -397,6 +404,14 @@ absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, floa
   if (n == 0) return absl::OkStatus();
   AddKernel<<<BlocksFor(n), kThreads, 0, stream>>>(a, b, y, n);
   AIDN_RETURN_IF_LAUNCH_FAILED("AddKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchScaledAddRelu(cudaStream_t stream, const float* a, float s, const float* b,
+                                 float* y, int64_t n) {
+  if (n == 0) return absl::OkStatus();
+  ScaledAddReluKernel<<<BlocksFor(n), kThreads, 0, stream>>>(a, s, b, y, n);
+  AIDN_RETURN_IF_LAUNCH_FAILED("ScaledAddReluKernel");
   return absl::OkStatus();
 }
 

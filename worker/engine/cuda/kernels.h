@@ -25,6 +25,10 @@ absl::Status LaunchBiasActivation(cudaStream_t stream, const float* x, const flo
 
 // y = a + b (y may equal a or b).
 absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, float* y, int64_t n);
+// y = max(a * s + b, 0) (a residual block's join, the CPU's
+// ScaledAddReluKernel; y may equal a or b).
+absl::Status LaunchScaledAddRelu(cudaStream_t stream, const float* a, float s, const float* b,
+                                 float* y, int64_t n);
 // x *= s.
 absl::Status LaunchScale(cudaStream_t stream, float* x, int64_t n, float s);
 

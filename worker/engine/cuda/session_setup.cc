@@ -109,11 +109,13 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
   nccl.device = options.device;
   nccl.timeout = options.timeout;
   AIDN_ASSIGN_OR_RETURN(ddp->nccl, NcclCommunicator::Create(nccl, options.store));
-  AIDN_ASSIGN_OR_RETURN(ddp->reducer,
-                        GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
-                                              DdpOptions{.bucket_mb = options.bucket_mb,
-                                                         .powersgd = options.powersgd,
-                                                         .half = options.compression}));
+  AIDN_ASSIGN_OR_RETURN(
+      ddp->reducer,
+      GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
+                            DdpOptions{.bucket_mb = options.bucket_mb,
+                                       .powersgd = options.powersgd,
+                                       .half = options.compression,
+                                       .find_unused_parameters = options.find_unused_parameters}));
   absl::StrAppend(description, ", NCCL ", options.world_size, " ranks, ",
                   ddp->reducer->num_buckets(), " gradient buckets");
   if (options.compression.has_value()) {
