@@ -140,6 +140,9 @@ void ExpectPowerSgdAsOnTheCpu(GpuContext* ctx, const PowerSgdOptions& options,
     ASSERT_EQ(
         cudaMemcpy(bucket.data(), flat.data(), sizeof(float) * flat.size(), cudaMemcpyHostToDevice),
         cudaSuccess);
+    // The upload and the zeroing before it (on the compute stream) done
+    // before the NCCL stream reads the bucket.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<std::vector<float>> inputs = grads;
     ASSERT_TRUE(cpu.Reduce(0, cpu_grads, &host_comm).ok());
     const std::vector<std::vector<float>>& cpu_out = grads;
@@ -213,6 +216,7 @@ TEST(GpuPowerSgd, AtFullRankEveryGradientComesBackAsItWent) {
   ASSERT_TRUE(gpu.ok());
   Tensor flat = RandomTensor({static_cast<int64_t>(layout.floats)}, 5);
   GpuTensor bucket = ToDevice(ctx.get(), flat);
+  ASSERT_TRUE(ctx->Synchronize().ok());  // before the NCCL stream reads it
   std::vector<GpuPowerSgd::Gradient> grads;
   for (size_t g = 0; g < shapes.size(); ++g) {
     grads.push_back({bucket.data() + layout.offsets[g], shapes[g]});
@@ -320,8 +324,8 @@ TEST(GpuSyncBatchNorm, MatchesTheCpuLayerThroughTheStreamCollectives) {
     ASSERT_TRUE((*gpu)->Forward(gx, &gy, false).ok());
     testing::ExpectClose("eval output" + at, ToHost(ctx.get(), gy), y_eval, 1e-5);
   }
-  // A collective counted per exchange: two forwards' all-gathers and three
-  // backwards' allreduces.
+  // A collective counted per exchange: three training forwards' all-gathers
+  // and three backwards' allreduces (eval exchanges nothing).
   EXPECT_EQ(nccl->sequence(), 6);
 }
 

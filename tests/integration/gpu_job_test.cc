@@ -63,7 +63,8 @@ class GpuJobTest : public ClusterFixture {
   }
 
   // One GPU rank training `model` on Fashion-MNIST (below).
-  void ExpectAClassifierTrains(const std::string& model, uint64_t seed, int64_t eval_max_samples);
+  void ExpectAClassifierTrains(const std::string& model, uint64_t seed, int64_t eval_max_samples,
+                               double stochastic_depth = 0);
 
   std::string gpu_name_;
   int gpus_ = 0;
@@ -74,12 +75,13 @@ class GpuJobTest : public ClusterFixture {
 // accuracy is a trained model's (as the CPU job of training_test: ~0.8);
 // the rank's log says it trained on the GPU the worker registered.
 void GpuJobTest::ExpectAClassifierTrains(const std::string& model, uint64_t seed,
-                                         int64_t eval_max_samples) {
+                                         int64_t eval_max_samples, double stochastic_depth) {
   v1::JobSpec spec;
   spec.set_name("gpu-" + model);
   spec.set_device(v1::JobSpec::GPU);
   spec.set_world_size(1);
   spec.mutable_model()->set_name(model);
+  spec.mutable_model()->set_stochastic_depth(stochastic_depth);
   spec.mutable_optimizer()->set_name("sgd");
   spec.mutable_optimizer()->set_lr(0.05);
   spec.mutable_optimizer()->set_momentum(0.9);
@@ -122,9 +124,10 @@ TEST_F(GpuJobTest, OneGpuRankTrainsTheMlpToARealTestAccuracy) {
 }
 
 // A ResNet-18: BatchNorm through cuDNN, its running statistics copied down
-// for the evaluation and the checkpoint.
-TEST_F(GpuJobTest, AResNetTrainsOnOneGpu) {
-  ExpectAClassifierTrains("resnet18", 2, /*eval_max_samples=*/2000);
+// for the evaluation and the checkpoint; stochastic depth skips blocks,
+// whose parameters the step then leaves alone.
+TEST_F(GpuJobTest, AResNetWithStochasticDepthTrainsOnOneGpu) {
+  ExpectAClassifierTrains("resnet18", 2, /*eval_max_samples=*/2000, /*stochastic_depth=*/0.1);
 }
 
 // The GPT example's model on Debian's fortunes, one GPU rank in bf16 with

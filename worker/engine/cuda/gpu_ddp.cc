@@ -281,6 +281,11 @@ absl::Status GpuDdpReducer::AfterBackward() {
   reported_.clear();
   timed_ = launched_ > 0;
   launched_ = 0;
+  if (!timed_) {
+    // Nothing went out this step (no buckets): no figures from the last.
+    bytes_sent_ = 0;
+    bytes_uncompressed_ = 0;
+  }
   if (timed_ && powersgd_ != nullptr) powersgd_->EndStep();
   if (timed_) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(backward_end_, ctx_->stream()));
