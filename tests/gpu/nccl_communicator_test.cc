@@ -143,6 +143,18 @@ TEST(NcclCommunicator, WorldSizeOneCollectivesThroughTheKvRendezvous) {
   EXPECT_EQ(Download(data, values.size()), values);
   EXPECT_EQ((*comm)->Split(-1, 0).status().code(), absl::StatusCode::kInvalidArgument);
   group->reset();
+  // Point to point with itself (a pipeline's stages on one GPU): sends and
+  // receives in one group arrive as sent; one direction alone too; a peer
+  // outside the world and a null buffer refused.
+  float* back = Upload(std::vector<float>(values.size(), -1.0f));
+  ASSERT_TRUE((*comm)->Exchange(0, data, values.size(), back, values.size()).ok());
+  EXPECT_EQ(Download(back, values.size()), values);
+  ASSERT_TRUE((*comm)->EnqueueExchange(0, data + 1, 10, back + 20, 10).ok());
+  ASSERT_TRUE((*comm)->Wait("queued send/recv").ok());
+  EXPECT_EQ(Download(back + 20, 10), std::vector<float>(values.begin() + 1, values.begin() + 11));
+  EXPECT_EQ((*comm)->Exchange(1, data, 1, back, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*comm)->Exchange(0, nullptr, 1, back, 1).code(), absl::StatusCode::kInvalidArgument);
+  cudaFree(back);
   cudaFree(out);
   cudaFree(data);
 }

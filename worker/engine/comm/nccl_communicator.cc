@@ -337,6 +337,44 @@ absl::Status NcclCommunicator::EnqueueBroadcasts(
   return Queued(what, ncclGroupEnd());
 }
 
+absl::Status NcclCommunicator::EnqueueExchange(int peer, const float* send, size_t send_count,
+                                               float* recv, size_t recv_count) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (peer < 0 || peer >= options_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("nccl send/recv: peer ", peer,
+                                                   " is not in a world of size ",
+                                                   options_.world_size));
+  }
+  if ((send_count > 0 && send == nullptr) || (recv_count > 0 && recv == nullptr)) {
+    return absl::InvalidArgumentError("nccl send/recv: null buffer");
+  }
+  if (send_count == 0 && recv_count == 0) return absl::OkStatus();
+  const std::string what = absl::StrCat("nccl send of ", send_count, " floats to and receive of ",
+                                        recv_count, " from rank ", peer);
+  ncclResult_t result = ncclGroupStart();
+  if (result != ncclSuccess) return Fail(NcclError(what, result));
+  if (send_count > 0) result = ncclSend(send, send_count, ncclFloat, peer, comm_, stream_);
+  if ((result == ncclSuccess || result == ncclInProgress) && recv_count > 0) {
+    result = ncclRecv(recv, recv_count, ncclFloat, peer, comm_, stream_);
+  }
+  if (result != ncclSuccess && result != ncclInProgress) {
+    ncclGroupEnd();
+    return Fail(NcclError(what, result));
+  }
+  return Queued(what, ncclGroupEnd());
+}
+
+absl::Status NcclCommunicator::Exchange(int peer, const float* send, size_t send_count,
+                                        float* recv, size_t recv_count) {
+  AIDN_RETURN_IF_ERROR(EnqueueExchange(peer, send, send_count, recv, recv_count));
+  if (send_count == 0 && recv_count == 0) {
+    ++queued_;
+    sequence_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  return Complete(absl::StrCat("nccl send/recv with rank ", peer));
+}
+
 absl::Status NcclCommunicator::Broadcast(float* data, size_t count, int root) {
   AIDN_RETURN_IF_ERROR(EnqueueBroadcast(data, count, root));
   if (count == 0) {

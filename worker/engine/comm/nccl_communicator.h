@@ -100,6 +100,21 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // not one per buffer: BatchNorm's running statistics), counted as one
   // collective.
   absl::Status EnqueueBroadcasts(const std::vector<std::pair<float*, size_t>>& buffers, int root);
+  // Point to point (a pipeline's neighbouring stages): `send_count`
+  // floats of `send` to rank `peer` and `recv_count` floats from it into
+  // `recv`, in one NCCL group so that neither side waits for the other's
+  // order (1F1B's steady state sends an activation forward while the next
+  // stage sends a gradient back); a count of zero leaves that direction
+  // out. Queued on stream(), counted as one collective; `peer` may be this
+  // rank (a copy). The peer makes the matching call with the counts the
+  // other way round. INVALID_ARGUMENT for a peer outside the world or a
+  // null buffer with a count.
+  absl::Status EnqueueExchange(int peer, const float* send, size_t send_count, float* recv,
+                               size_t recv_count);
+  // EnqueueExchange, then Wait: PeerLink's Send, Recv and Exchange on
+  // device memory.
+  absl::Status Exchange(int peer, const float* send, size_t send_count, float* recv,
+                        size_t recv_count);
   // Queues AllGather's all-gather on stream() without waiting.
   absl::Status EnqueueAllGather(const float* in, size_t count, float* out);
   // cuda::StreamCollectives: WaitFor(stream), the Enqueue* call,
