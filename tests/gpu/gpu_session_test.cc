@@ -190,6 +190,21 @@ TEST(GpuSession, OneRankTrainsAResNetAsTheCpuDoesAndHandsBackItsStatistics) {
     // Against max(ref, 1): a running mean can be ~1e-4 everywhere.
     EXPECT_LE(diff, 1e-3 * std::max(ref, 1.0)) << (*cpu)->Buffers()[i]->name;
   }
+  // Evaluation on the device (eval mode: the running statistics) against
+  // the CPU model's: the mean loss, and the right predictions but for a
+  // row whose two largest logits rounding may swap.
+  const Batch eval = RandomBatch(300);
+  (*cpu)->Forward(eval.images, &logits, /*training=*/false);
+  const double cpu_loss = SoftmaxCrossEntropy(logits, eval.labels, nullptr);
+  const int64_t cpu_correct = CountCorrect(logits, eval.labels);
+  absl::StatusOr<GpuSession::EvalResult> on_gpu =
+      (*session)->Evaluate(MicroBatch{&eval.images, &eval.labels, std::nullopt});
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+  std::printf("eval: loss %.6f vs CPU %.6f, %lld vs %lld right\n", on_gpu->mean_loss, cpu_loss,
+              static_cast<long long>(on_gpu->correct), static_cast<long long>(cpu_correct));
+  EXPECT_NEAR(on_gpu->mean_loss, cpu_loss, 1e-3 * cpu_loss);
+  EXPECT_NEAR(static_cast<double>(on_gpu->correct), static_cast<double>(cpu_correct), 1.0);
+  EXPECT_EQ((*session)->Evaluate(MicroBatch{}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 GptConfig TinyGpt() {
@@ -281,6 +296,23 @@ TEST(GpuSession, OneRankTrainsAGptAsTheCpuDoes) {
         MaxDiffAndRef((*copy)->Parameters()[i]->value, (*cpu)->Parameters()[i]->value);
     EXPECT_LE(diff, 1e-4 * ref) << (*cpu)->Parameters()[i]->name;
   }
+  // Evaluation on the device against the CPU decoder's: the mean loss per
+  // token and the next-token hits.
+  std::vector<int32_t> tokens, targets;
+  for (int i = 0; i < 4 * 16; ++i) {
+    tokens.push_back(static_cast<int32_t>(rng() % 256));
+    targets.push_back(static_cast<int32_t>(rng() % 256));
+  }
+  const double cpu_eval = (*cpu)->Forward(tokens.data(), targets.data(), 4, 16, false);
+  const int64_t cpu_correct = CountCorrect((*cpu)->WholeLogits(), targets);
+  MicroBatch eval;
+  eval.tokens = &tokens;
+  eval.labels = &targets;
+  eval.seq_len = 16;
+  absl::StatusOr<GpuSession::EvalResult> on_gpu = (*session)->Evaluate(eval);
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+  EXPECT_NEAR(on_gpu->mean_loss, cpu_eval, 1e-3 * cpu_eval);
+  EXPECT_NEAR(static_cast<double>(on_gpu->correct), static_cast<double>(cpu_correct), 1.0);
 }
 
 // fp16: the session's loss scaler state is what a checkpoint keeps, and a

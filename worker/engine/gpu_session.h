@@ -145,8 +145,21 @@ class GpuSession {
   // Collectives completed (the progress beat's collective_seq).
   virtual int64_t collective_sequence() const = 0;
 
+  // One evaluation batch on the device's current weights, in eval mode (no
+  // dropout, BatchNorm's running statistics): images and labels, or a
+  // GPT's tokens, targets (labels) and sequence length. The batch's mean
+  // loss and how many predictions were right (the first largest logit at
+  // the label; per token for a GPT), as the CPU's evaluation counts them:
+  // the trainer evaluates without copying the weights to the CPU.
+  // INVALID_ARGUMENT for a bad batch.
+  struct EvalResult {
+    double mean_loss = 0;
+    int64_t correct = 0;
+  };
+  virtual absl::StatusOr<EvalResult> Evaluate(const MicroBatch& batch) = 0;
+
   // The device's weights into CPU parameters of the same model (checkpoints,
-  // evaluation).
+  // exports).
   virtual absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) = 0;
   // The same for the model's buffers (Sequential::Buffers(): running
   // statistics; none for a GPT).

@@ -407,18 +407,31 @@ std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
 }
 
 std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
-  if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/false); f.has_value()) return f;
-  FullParameters full(cpu_.get());
-  if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
-  if (parallel_ != nullptr) {
-    if (absl::Status s = parallel_->GatherWholeModel(); !s.ok()) return FailureFor(s, "evaluation");
+  TrainingTask::EvalSums mine;
+  if (gpu_ != nullptr) {
+    // On the device's weights: nothing copied to the CPU.
+    absl::StatusOr<TrainingTask::EvalSums> sums = task_->EvaluateWith(
+        rendezvous_.rank(), rendezvous_.world_size(),
+        [this](const engine::MicroBatch& b) -> absl::StatusOr<TrainingTask::BatchResult> {
+          AIDN_ASSIGN_OR_RETURN(const engine::GpuSession::EvalResult r, gpu_->Evaluate(b));
+          return TrainingTask::BatchResult{r.mean_loss, r.correct};
+        });
+    if (!sums.ok()) return FailureFor(sums.status(), "gpu evaluation");
+    mine = *sums;
+  } else {
+    FullParameters full(cpu_.get());
+    if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
+    if (parallel_ != nullptr) {
+      if (absl::Status s = parallel_->GatherWholeModel(); !s.ok()) {
+        return FailureFor(s, "evaluation");
+      }
+    }
+    // A tensor group's ranks evaluate one share together (its copies' sums
+    // leave the means as they are).
+    mine = parallel_ ? task_->Evaluate(parallel_->eval_rank(), parallel_->eval_world())
+                     : task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
+    if (parallel_ != nullptr) parallel_->ReleaseWholeModel();
   }
-  // A tensor group's ranks evaluate one share together (its copies' sums
-  // leave the means as they are).
-  const TrainingTask::EvalSums mine =
-      parallel_ ? task_->Evaluate(parallel_->eval_rank(), parallel_->eval_world())
-                : task_->Evaluate(rendezvous_.rank(), rendezvous_.world_size());
-  if (parallel_ != nullptr) parallel_->ReleaseWholeModel();
   // Summed over the ranks.
   float sums[3] = {static_cast<float>(mine.loss_sum), static_cast<float>(mine.correct),
                    static_cast<float>(mine.count)};

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "worker/engine/loss.h"
 #include "worker/engine/text_data.h"
 #include "worker/trainer/engine_config.h"
@@ -45,21 +46,28 @@ class ImageTask final : public TrainingTask {
     return engine::MicroBatch{&images_[slot], &labels_[slot], std::nullopt};
   }
 
-  EvalSums Evaluate(int rank, int world_size) override {
+  absl::StatusOr<EvalSums> EvaluateWith(int rank, int world_size,
+                                        const BatchEvaluator& evaluator) override {
     // Each rank takes every world_size-th test sample.
     std::vector<int64_t> mine;
     for (int64_t i = rank; i < eval_samples_; i += world_size) mine.push_back(i);
     engine::Tensor images, logits;
     std::vector<int32_t> labels;
+    const BatchEvaluator on_cpu = [&](const engine::MicroBatch& b) -> absl::StatusOr<BatchResult> {
+      model_->Forward(*b.images, &logits, /*training=*/false);
+      return BatchResult{engine::SoftmaxCrossEntropy(logits, *b.labels, nullptr),
+                         engine::CountCorrect(logits, *b.labels)};
+    };
+    const BatchEvaluator& run = evaluator ? evaluator : on_cpu;
     EvalSums sums;
     constexpr size_t kEvalBatch = 256;  // bounds the CNN's im2col buffers
     for (size_t begin = 0; begin < mine.size(); begin += kEvalBatch) {
       const size_t count = std::min(kEvalBatch, mine.size() - begin);
       engine::GatherBatch(test_, mine, begin, count, &images, &labels);
-      model_->Forward(images, &logits, /*training=*/false);
-      sums.loss_sum +=
-          engine::SoftmaxCrossEntropy(logits, labels, nullptr) * static_cast<double>(count);
-      sums.correct += static_cast<double>(engine::CountCorrect(logits, labels));
+      AIDN_ASSIGN_OR_RETURN(const BatchResult r,
+                            run(engine::MicroBatch{&images, &labels, std::nullopt}));
+      sums.loss_sum += r.mean_loss * static_cast<double>(count);
+      sums.correct += static_cast<double>(r.correct);
     }
     sums.count = static_cast<double>(mine.size());
     return sums;
@@ -117,7 +125,8 @@ class TextTask final : public TrainingTask {
     return batch;
   }
 
-  EvalSums Evaluate(int rank, int world_size) override {
+  absl::StatusOr<EvalSums> EvaluateWith(int rank, int world_size,
+                                        const BatchEvaluator& evaluator) override {
     // eval_windows windows spread evenly over the validation text (cut at
     // 0), the same ones at every evaluation; rank r takes every
     // world_size-th of them.
@@ -126,6 +135,14 @@ class TextTask final : public TrainingTask {
     std::vector<int64_t> mine;
     for (int64_t i = rank; i < chosen; i += world_size) mine.push_back(i * windows / chosen);
     std::vector<int32_t> x, y;
+    const BatchEvaluator on_cpu = [&](const engine::MicroBatch& b) -> absl::StatusOr<BatchResult> {
+      const double loss =
+          model_->Forward(b.tokens->data(), b.labels->data(),
+                          static_cast<int64_t>(b.tokens->size()) / b.seq_len, b.seq_len,
+                          /*training=*/false);
+      return BatchResult{loss, engine::CountCorrect(model_->WholeLogits(), *b.labels)};
+    };
+    const BatchEvaluator& run = evaluator ? evaluator : on_cpu;
     EvalSums sums;
     for (size_t begin = 0; begin < mine.size(); begin += static_cast<size_t>(eval_batch_)) {
       const size_t count = std::min(static_cast<size_t>(eval_batch_), mine.size() - begin);
@@ -134,10 +151,13 @@ class TextTask final : public TrainingTask {
       y.resize(static_cast<size_t>(tokens));
       engine::GatherTextWindows(text_.val, /*shift=*/0, block_, mine, begin, count, x.data(),
                                 y.data());
-      const double loss = model_->Forward(x.data(), y.data(), static_cast<int64_t>(count), block_,
-                                          /*training=*/false);
-      sums.loss_sum += loss * static_cast<double>(tokens);
-      sums.correct += static_cast<double>(engine::CountCorrect(model_->WholeLogits(), y));
+      engine::MicroBatch batch;
+      batch.tokens = &x;
+      batch.labels = &y;
+      batch.seq_len = block_;
+      AIDN_ASSIGN_OR_RETURN(const BatchResult r, run(batch));
+      sums.loss_sum += r.mean_loss * static_cast<double>(tokens);
+      sums.correct += static_cast<double>(r.correct);
       sums.count += static_cast<double>(tokens);
     }
     return sums;

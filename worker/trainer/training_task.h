@@ -18,6 +18,7 @@
 // Not thread-safe: one per trainer, on its main thread.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -76,7 +77,23 @@ class TrainingTask {
     double correct = 0;
     double count = 0;
   };
-  virtual EvalSums Evaluate(int rank, int world_size) = 0;
+  EvalSums Evaluate(int rank, int world_size) {
+    // The task's own CPU model never fails.
+    return *EvaluateWith(rank, world_size, nullptr);
+  }
+  // One evaluation batch elsewhere than on the task's CPU model (the GPU
+  // session's Evaluate, on the device's weights): its mean loss and right
+  // predictions.
+  struct BatchResult {
+    double mean_loss = 0;
+    int64_t correct = 0;
+  };
+  using BatchEvaluator = std::function<absl::StatusOr<BatchResult>(const engine::MicroBatch&)>;
+  // Evaluate with the same batches (images and labels; or tokens, targets
+  // and seq_len) going through `evaluator` (null: the CPU model); its
+  // first error comes back.
+  virtual absl::StatusOr<EvalSums> EvaluateWith(int rank, int world_size,
+                                                const BatchEvaluator& evaluator) = 0;
   // The log line of an evaluation whose means are `loss` and `accuracy`.
   virtual std::string EvalLine(int32_t epoch, int64_t step, double loss, double accuracy) const = 0;
 

@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "worker/engine/cpu.h"
+#include "worker/engine/loss.h"
 
 namespace aidn::trainer {
 namespace {
@@ -113,6 +114,39 @@ TEST_F(TextTaskTest, TheRanksEvaluateDisjointSharesOfTheSameWindows) {
   EXPECT_EQ((*task)->Evaluate(0, 1).loss_sum, whole.loss_sum);
   const std::string line = (*task)->EvalLine(1, 10, std::log(8.0), 0.25);
   EXPECT_TRUE(absl::StrContains(line, "perplexity 8.000 | 3.000 bits/byte")) << line;
+}
+
+// An evaluation elsewhere (the GPU session's) gets the same batches: a
+// second copy of the model (the same seed) evaluating them gives the CPU's
+// sums exactly; its error comes back.
+TEST_F(TextTaskTest, AnotherEvaluatorGetsTheSameBatches) {
+  auto task = TrainingTask::Create(Spec(8000), "");
+  auto twin = TrainingTask::Create(Spec(8000), "");
+  ASSERT_TRUE(task.ok() && twin.ok());
+  const TrainingTask::EvalSums want = (*task)->Evaluate(1, 2);
+  int batches = 0;
+  absl::StatusOr<TrainingTask::EvalSums> got = (*task)->EvaluateWith(
+      1, 2, [&](const engine::MicroBatch& b) -> absl::StatusOr<TrainingTask::BatchResult> {
+        ++batches;
+        EXPECT_EQ(b.seq_len, 16);
+        EXPECT_EQ(b.tokens->size(), b.labels->size());
+        engine::Gpt* model = (*twin)->gpt();
+        const double loss =
+            model->Forward(b.tokens->data(), b.labels->data(),
+                           static_cast<int64_t>(b.tokens->size()) / b.seq_len, b.seq_len, false);
+        return TrainingTask::BatchResult{loss,
+                                         engine::CountCorrect(model->WholeLogits(), *b.labels)};
+      });
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_GT(batches, 0);
+  EXPECT_EQ(got->loss_sum, want.loss_sum);
+  EXPECT_EQ(got->correct, want.correct);
+  EXPECT_EQ(got->count, want.count);
+  absl::StatusOr<TrainingTask::EvalSums> failed = (*task)->EvaluateWith(
+      0, 1, [](const engine::MicroBatch&) -> absl::StatusOr<TrainingTask::BatchResult> {
+        return absl::UnavailableError("device lost");
+      });
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(TextTaskTest, ACorpusTooShortForTheValidationWindowsIsNamed) {

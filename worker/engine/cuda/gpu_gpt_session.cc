@@ -123,6 +123,24 @@ class CudaGptSession final : public GpuSession {
     return loss;
   }
 
+  absl::StatusOr<EvalResult> Evaluate(const MicroBatch& b) override {
+    if (b.tokens == nullptr || b.labels == nullptr || b.seq_len <= 0 ||
+        b.tokens->size() != b.labels->size() ||
+        static_cast<int64_t>(b.tokens->size()) % b.seq_len != 0) {
+      return absl::InvalidArgumentError(
+          "an evaluation batch needs tokens and targets of [N, "
+          "seq_len] each");
+    }
+    const int64_t rows = static_cast<int64_t>(b.tokens->size()) / b.seq_len;
+    AIDN_RETURN_IF_ERROR(
+        model_->Forward(b.tokens->data(), b.labels->data(), rows, b.seq_len, /*training=*/false));
+    EvalResult r;
+    AIDN_ASSIGN_OR_RETURN(r.mean_loss, model_->ReadLoss());
+    AIDN_ASSIGN_OR_RETURN(r.correct, cuda::CountCorrectOnDevice(ctx_.get(), model_->logits(),
+                                                                *b.labels, &eval_scratch_));
+    return r;
+  }
+
   double last_allreduce_seconds() const override { return ddp_.allreduce_seconds(); }
   double last_allreduce_wait_seconds() const override { return ddp_.exposed_seconds(); }
 
@@ -191,6 +209,7 @@ class CudaGptSession final : public GpuSession {
   int64_t slots_ = 0;
   cudaEvent_t done_ = nullptr;
   cuda::SessionDdp ddp_;
+  cuda::EvalScratch eval_scratch_;
   std::string description_;
 };
 

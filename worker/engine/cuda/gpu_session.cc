@@ -79,6 +79,24 @@ class CudaGpuSession final : public GpuSession {
     return trainer_->Step(micro, lr);
   }
 
+  absl::StatusOr<EvalResult> Evaluate(const MicroBatch& b) override {
+    if (b.images == nullptr || b.labels == nullptr) {
+      return absl::InvalidArgumentError("an evaluation batch needs images and labels");
+    }
+    AIDN_RETURN_IF_ERROR(eval_input_.CopyFromHost(ctx_.get(), *b.images));
+    AIDN_RETURN_IF_ERROR(model_->Forward(eval_input_, &eval_logits_, /*training=*/false));
+    cuda::GpuCrossEntropy xent(ctx_.get());
+    AIDN_RETURN_IF_ERROR(xent.Compute(eval_logits_, *b.labels, /*grad_logits=*/nullptr));
+    EvalResult r;
+    AIDN_ASSIGN_OR_RETURN(r.mean_loss, xent.Loss());
+    AIDN_ASSIGN_OR_RETURN(
+        r.correct, cuda::CountCorrectOnDevice(ctx_.get(), eval_logits_, *b.labels, &eval_scratch_));
+    // The layers' buffers may have moved (another batch size): a captured
+    // step would read the old ones.
+    trainer_->InvalidateGraph();
+    return r;
+  }
+
   double last_allreduce_seconds() const override { return ddp_.allreduce_seconds(); }
 
   double last_allreduce_wait_seconds() const override { return ddp_.exposed_seconds(); }
@@ -135,6 +153,9 @@ class CudaGpuSession final : public GpuSession {
   std::unique_ptr<cuda::GpuModel> model_;
   std::unique_ptr<cuda::GpuTrainer> trainer_;
   cuda::SessionDdp ddp_;
+  // Evaluate's input, logits and scratch.
+  cuda::GpuTensor eval_input_, eval_logits_;
+  cuda::EvalScratch eval_scratch_;
   std::string description_;
 };
 

@@ -39,6 +39,33 @@ using kernel::kFullMask;
 using kernel::kThreads;
 using kernel::WarpSum;
 
+// One warp per row: each lane's first largest over its columns, then the
+// warp's, the lower column winning a tie, so the first largest of the row.
+__global__ void CorrectRowsKernel(const float* logits, const int32_t* labels, int64_t rows,
+                                  int64_t classes, int32_t* correct) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const float* x = logits + row * classes;
+  float best = -INFINITY;
+  int64_t at = classes;  // none yet
+  for (int64_t j = lane; j < classes; j += 32) {
+    if (at == classes || x[j] > best) {
+      best = x[j];
+      at = j;
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_down_sync(kFullMask, best, offset);
+    const int64_t other_at = __shfl_down_sync(kFullMask, at, offset);
+    if (other_at < classes && (at == classes || other > best || (other == best && other_at < at))) {
+      best = other;
+      at = other_at;
+    }
+  }
+  if (lane == 0) correct[row] = at == labels[row] ? 1 : 0;
+}
+
 // ------------------------------------------------------------ elementwise
 
 __global__ void BiasActivationKernel(const float* x, const float* bias, float* y, int64_t n,
@@ -404,6 +431,16 @@ absl::Status LaunchAdd(cudaStream_t stream, const float* a, const float* b, floa
   if (n == 0) return absl::OkStatus();
   AddKernel<<<BlocksFor(n), kThreads, 0, stream>>>(a, b, y, n);
   AIDN_RETURN_IF_LAUNCH_FAILED("AddKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchCorrectRows(cudaStream_t stream, const float* logits, const int32_t* labels,
+                               int64_t rows, int64_t classes, int32_t* correct) {
+  if (rows == 0) return absl::OkStatus();
+  constexpr int64_t kRowsPerBlock = kThreads / 32;
+  CorrectRowsKernel<<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), kThreads,
+                      0, stream>>>(logits, labels, rows, classes, correct);
+  AIDN_RETURN_IF_LAUNCH_FAILED("CorrectRowsKernel");
   return absl::OkStatus();
 }
 

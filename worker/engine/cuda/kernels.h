@@ -72,6 +72,11 @@ absl::Status LaunchSoftmaxCrossEntropy(cudaStream_t stream, const float* logits,
                                        float* grad_logits, double grad_scale, double* row_loss,
                                        double* loss);
 
+// correct[r] = 1 if the first largest of row r of logits [rows, classes]
+// is at labels[r], else 0 (engine::CountCorrect's rule, one row each).
+absl::Status LaunchCorrectRows(cudaStream_t stream, const float* logits, const int32_t* labels,
+                               int64_t rows, int64_t classes, int32_t* correct);
+
 // The 16-bit formats of mixed precision (spec precision bf16 / fp16).
 enum class HalfType { kBf16, kFp16 };
 

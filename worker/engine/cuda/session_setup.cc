@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
 #include "worker/engine/device.h"
 
@@ -61,6 +62,37 @@ absl::StatusOr<SessionDevice> SetUpSessionDevice(const GpuSessionOptions& option
     }
   }
   return out;
+}
+
+absl::StatusOr<int64_t> CountCorrectOnDevice(GpuContext* ctx, const GpuTensor& logits,
+                                             const std::vector<int32_t>& labels,
+                                             EvalScratch* scratch) {
+  const int64_t rows = static_cast<int64_t>(labels.size());
+  if (logits.rank() != 2 || logits.dim(0) != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rows, " labels for logits ", logits.ShapeString()));
+  }
+  if (rows == 0) return 0;
+  const size_t bytes = sizeof(int32_t) * labels.size();
+  for (DeviceBuffer* b : {&scratch->labels, &scratch->correct}) {
+    if (b->bytes() < bytes) {
+      b->Release();
+      AIDN_ASSIGN_OR_RETURN(*b, ctx->allocator().Allocate(bytes));
+    }
+  }
+  int32_t* device_labels = static_cast<int32_t*>(scratch->labels.data());
+  int32_t* correct = static_cast<int32_t*>(scratch->correct.data());
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(device_labels, labels.data(), bytes, cudaMemcpyHostToDevice, ctx->stream()));
+  AIDN_RETURN_IF_ERROR(
+      LaunchCorrectRows(ctx->stream(), logits.data(), device_labels, rows, logits.dim(1), correct));
+  std::vector<int32_t> flags(labels.size());
+  AIDN_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(flags.data(), correct, bytes, cudaMemcpyDeviceToHost, ctx->stream()));
+  AIDN_RETURN_IF_ERROR(ctx->Synchronize());
+  int64_t count = 0;
+  for (const int32_t f : flags) count += f;
+  return count;
 }
 
 double SessionDdp::allreduce_seconds() const {

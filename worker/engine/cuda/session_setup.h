@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_layers.h"
+#include "worker/engine/cuda/gpu_tensor.h"
 #include "worker/engine/gpu_session.h"
 #if AIDN_HAVE_NCCL
 #include "worker/engine/comm/nccl_communicator.h"
@@ -22,6 +23,18 @@
 #endif
 
 namespace aidn::engine::cuda {
+
+// GpuSession::Evaluate's count of right predictions: how many rows of
+// `logits` [rows, classes] have their first largest at their label (host
+// `labels`, rows of them), on the device (LaunchCorrectRows), so that only
+// one flag per row comes back to the host. Waits for the stream.
+struct EvalScratch {
+  DeviceBuffer labels;
+  DeviceBuffer correct;
+};
+absl::StatusOr<int64_t> CountCorrectOnDevice(GpuContext* ctx, const GpuTensor& logits,
+                                             const std::vector<int32_t>& labels,
+                                             EvalScratch* scratch);
 
 struct SessionDevice {
   std::unique_ptr<GpuContext> ctx;
