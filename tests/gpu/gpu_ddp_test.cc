@@ -328,6 +328,47 @@ TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
   EXPECT_TRUE(strict_nccl->Wait("buckets").ok());
 }
 
+// A bucket that fills before the ones ahead of it (the parameters of a
+// block the forward skipped, reported before backward) waits for its turn:
+// every rank launches in plan order whatever it skipped, so that the
+// ranks' allreduces pair up.
+TEST(GpuDdp, BucketsLaunchInPlanOrderWhateverFillsFirst) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  auto model = GpuModel::Build(ctx.get(), Cnn(), 4);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<GpuParameter*>& params = (*model)->Parameters();
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto reducer =
+      GpuDdpReducer::Create(ctx.get(), params, nccl.get(), DdpOptions{.bucket_mb = 0.001});
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  const std::vector<std::vector<std::string>> layout = (*reducer)->BucketLayout();
+  ASSERT_GE(layout.size(), 3u);
+  // The last bucket's parameters first, then every other in plan order.
+  auto named = [&](const std::string& name) {
+    for (GpuParameter* p : params) {
+      if (p->name == name) return p;
+    }
+    return static_cast<GpuParameter*>(nullptr);
+  };
+  std::vector<GpuParameter*> early;
+  for (const std::string& name : layout.back()) early.push_back(named(name));
+  ASSERT_TRUE((*reducer)->OnGradReady(early).ok());
+  EXPECT_TRUE((*reducer)->last_launch_order().empty())
+      << "the last bucket went before the first was in";
+  for (size_t b = 0; b + 1 < layout.size(); ++b) {
+    std::vector<GpuParameter*> ready;
+    for (const std::string& name : layout[b]) ready.push_back(named(name));
+    ASSERT_TRUE((*reducer)->OnGradReady(ready).ok());
+  }
+  ASSERT_TRUE((*reducer)->AfterBackward().ok());
+  ASSERT_TRUE(nccl->Wait("buckets").ok());
+  std::vector<int> want(layout.size());
+  for (size_t b = 0; b < want.size(); ++b) want[b] = static_cast<int>(b);
+  EXPECT_EQ((*reducer)->last_launch_order(), want);
+}
+
 TEST(GpuDdp, AGradientThatNeverComesOrComesTwiceFailsTheStep) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
   auto model = GpuModel::Build(ctx.get(), Cnn(), 4);

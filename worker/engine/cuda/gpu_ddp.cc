@@ -144,7 +144,9 @@ absl::Status GpuDdpReducer::Launch(int index) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(start_, comm));
     bytes_sent_ = 0;
     bytes_uncompressed_ = 0;
+    launch_order_.clear();
   }
+  launch_order_.push_back(index);
   ++launched_;
   const int64_t bytes = static_cast<int64_t>(sizeof(float) * bucket.floats);
   bytes_uncompressed_ += bytes;
@@ -201,7 +203,8 @@ absl::Status GpuDdpReducer::BroadcastBuffers(const std::vector<GpuParameter*>& b
 
 absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parameters) {
   // Last parameter first, as the plan orders them (a layer's bias before
-  // its weight), so that buckets complete, and launch, in plan order.
+  // its weight), so that buckets complete in plan order when no block was
+  // skipped.
   for (auto p_it = parameters.rbegin(); p_it != parameters.rend(); ++p_it) {
     GpuParameter* p = *p_it;
     auto it = bucket_of_.find(p);
@@ -213,8 +216,14 @@ absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parame
       return absl::FailedPreconditionError(
           absl::StrCat("gpu ddp: gradient of ", p->name, " reported twice in one backward"));
     }
-    Bucket& bucket = buckets_[static_cast<size_t>(it->second)];
-    if (--bucket.pending == 0) AIDN_RETURN_IF_ERROR(Launch(it->second));
+    --buckets_[static_cast<size_t>(it->second)].pending;
+  }
+  // Every rank launches the buckets in plan order, each once all before it
+  // went: a bucket that filled early (one of parameters a skipped block
+  // left unused, reported before backward) waits for its turn, so that the
+  // ranks' NCCL calls pair up whatever each rank skipped.
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    AIDN_RETURN_IF_ERROR(Launch(static_cast<int>(next_launch_++)));
   }
   return absl::OkStatus();
 }
@@ -269,14 +278,15 @@ absl::Status GpuDdpReducer::ExchangeUsedFlags() {
 
 absl::Status GpuDdpReducer::AfterBackward() {
   absl::Status missing;
-  // Buckets launch in plan order on every rank only if every gradient
-  // came; a bucket still pending is launched now (so the ranks' NCCL calls
-  // still match) and the step fails, naming what did not come.
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (buckets_[b].pending == 0) continue;
-    if (missing.ok()) missing = MissingGradients();
-    AIDN_RETURN_IF_ERROR(Launch(static_cast<int>(b)));
+  // The buckets not launched yet, in plan order: all of them came only if
+  // every gradient did; one still pending is launched anyway (so the
+  // ranks' NCCL calls still match) and the step fails, naming what did not
+  // come.
+  for (; next_launch_ < buckets_.size(); ++next_launch_) {
+    if (buckets_[next_launch_].pending != 0 && missing.ok()) missing = MissingGradients();
+    AIDN_RETURN_IF_ERROR(Launch(static_cast<int>(next_launch_)));
   }
+  next_launch_ = 0;
   for (Bucket& bucket : buckets_) bucket.pending = static_cast<int>(bucket.parameters.size());
   reported_.clear();
   timed_ = launched_ > 0;

@@ -86,7 +86,8 @@ class GpuDdpReducer {
   GpuDdpReducer& operator=(const GpuDdpReducer&) = delete;
 
   // These gradients are complete in the compute stream's order; launches
-  // every bucket this completes. INVALID_ARGUMENT for a parameter the
+  // the buckets this completes, in plan order (a full bucket waits for the
+  // ones before it). INVALID_ARGUMENT for a parameter the
   // reducer does not know; FAILED_PRECONDITION for one reported twice in a
   // backward.
   absl::Status OnGradReady(const std::vector<GpuParameter*>& parameters);
@@ -123,6 +124,9 @@ class GpuDdpReducer {
   // PowerSGD's state (null without it): tests read its error.
   const GpuPowerSgd* powersgd() const { return powersgd_.get(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // The buckets the last step launched, in the order it launched them (the
+  // plan's on every rank).
+  const std::vector<int>& last_launch_order() const { return launch_order_; }
   // Parameter names per bucket, in launch order.
   std::vector<std::vector<std::string>> BucketLayout() const;
 
@@ -162,6 +166,10 @@ class GpuDdpReducer {
   DeviceBuffer used_;
   cudaEvent_t used_done_ = nullptr;
   int launched_ = 0;
+  // The next bucket to launch (they go in plan order), and the order of
+  // this step's launches.
+  size_t next_launch_ = 0;
+  std::vector<int> launch_order_;
   std::optional<HalfFormat> half_;
   std::unique_ptr<GpuPowerSgd> powersgd_;
   int64_t bytes_sent_ = 0;

@@ -83,6 +83,9 @@ class CudaGpuSession final : public GpuSession {
     if (b.images == nullptr || b.labels == nullptr) {
       return absl::InvalidArgumentError("an evaluation batch needs images and labels");
     }
+    // The layers' buffers may move (another batch size): a captured step
+    // would read the old ones.
+    trainer_->InvalidateGraph();
     AIDN_RETURN_IF_ERROR(eval_input_.CopyFromHost(ctx_.get(), *b.images));
     AIDN_RETURN_IF_ERROR(model_->Forward(eval_input_, &eval_logits_, /*training=*/false));
     cuda::GpuCrossEntropy xent(ctx_.get());
@@ -91,9 +94,6 @@ class CudaGpuSession final : public GpuSession {
     AIDN_ASSIGN_OR_RETURN(r.mean_loss, xent.Loss());
     AIDN_ASSIGN_OR_RETURN(
         r.correct, cuda::CountCorrectOnDevice(ctx_.get(), eval_logits_, *b.labels, &eval_scratch_));
-    // The layers' buffers may have moved (another batch size): a captured
-    // step would read the old ones.
-    trainer_->InvalidateGraph();
     return r;
   }
 
