@@ -125,6 +125,16 @@ TEST(GpuSession, OneRankTrainsAsTheCpuDoesAndResumesFromItsState) {
   EXPECT_LE(max_rel, 1e-4);
   EXPECT_EQ((*session)->optimizer_steps(), 20);
   EXPECT_EQ((*session)->last_allreduce_seconds(), 0.0) << "one rank: no allreduce";
+  // The model state's bytes on the device: weights, gradients and the
+  // momentum buffers are each 4 bytes a parameter; no buffers; no
+  // gradient bytes sent.
+  const GpuSession::StateMemory memory = (*session)->memory();
+  const int64_t weights = 4 * cpu->ParameterCount();
+  EXPECT_EQ(memory.parameters, weights);
+  EXPECT_EQ(memory.gradients, weights);
+  EXPECT_EQ(memory.optimizer_state, weights);
+  EXPECT_EQ(memory.buffers, 0);
+  EXPECT_EQ((*session)->last_bytes_sent(), 0);
 
   // Weights and state back on the host, named as the CPU's.
   auto copy = Mlp(9);

@@ -171,6 +171,16 @@ class GpuSession {
   virtual absl::Status LoadOptimizerState(
       const std::vector<std::pair<std::string, const Tensor*>>& state, int64_t steps) = 0;
 
+  // Bytes of model state on the device, as the CPU session counts them:
+  // the weights, the gradients (DDP's buckets, padding included), the
+  // optimizer state and the buffers (running statistics).
+  struct StateMemory {
+    int64_t parameters = 0;
+    int64_t gradients = 0;
+    int64_t optimizer_state = 0;
+    int64_t buffers = 0;
+  };
+  virtual StateMemory memory() const = 0;
   // The most device memory the session's allocator has held so far.
   virtual int64_t device_peak_bytes() const = 0;
   // "NVIDIA H100 80GB HBM3 (device 0), NCCL 2 ranks" for the trainer's log.

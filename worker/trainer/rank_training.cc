@@ -288,6 +288,7 @@ std::optional<Failure> RankTraining::BuildSession() {
     if (const engine::ShardMap* map = cpu_->shard_map(); map != nullptr) {
       AIDN_LOG(INFO) << "model state sharded"
                      << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
+                     << Kv("device", gpu_ != nullptr ? "gpu" : "cpu")
                      << Kv("groups", map->num_groups()) << Kv("shards", map->shards().size())
                      << Kv("padding_floats",
                            // ZeRO-1's last bucket holds the loss slot.
@@ -530,20 +531,29 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_tokens(share * plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
   if (gpu_ != nullptr) record.set_device_peak_memory_bytes(gpu_->device_peak_bytes());
-  if (cpu_ != nullptr || parallel_ != nullptr) {
+  record.set_gradient_comm_bytes(result.comm_bytes);
+  record.set_gradient_comm_bytes_uncompressed(result.comm_bytes_uncompressed);
+  if (cpu_ != nullptr || parallel_ != nullptr || gpu_ != nullptr) {
     // ZeRO-2's and FSDP's buffers grow to their size in the first step.
-    memory_ = parallel_ ? parallel_->memory() : cpu_->memory();
+    if (gpu_ != nullptr) {
+      const engine::GpuSession::StateMemory m = gpu_->memory();
+      memory_ = {.parameters = m.parameters,
+                 .gradients = m.gradients,
+                 .optimizer_state = m.optimizer_state,
+                 .buffers = m.buffers};
+    } else {
+      memory_ = parallel_ ? parallel_->memory() : cpu_->memory();
+    }
     if (step == start_step_) {
       constexpr double kMiB = 1024.0 * 1024.0;
       AIDN_LOG(INFO) << "model state memory"
                      << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
+                     << Kv("device", gpu_ != nullptr ? "gpu" : "cpu")
                      << Kv("parameters_mib", memory_.parameters / kMiB)
                      << Kv("gradients_mib", memory_.gradients / kMiB)
                      << Kv("optimizer_state_mib", memory_.optimizer_state / kMiB)
                      << Kv("buffers_mib", memory_.buffers / kMiB);
     }
-    record.set_gradient_comm_bytes(result.comm_bytes);
-    record.set_gradient_comm_bytes_uncompressed(result.comm_bytes_uncompressed);
     record.set_parameter_bytes(memory_.parameters);
     record.set_gradient_bytes(memory_.gradients);
     record.set_optimizer_state_bytes(memory_.optimizer_state);

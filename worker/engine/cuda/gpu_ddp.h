@@ -124,6 +124,13 @@ class GpuDdpReducer {
   // PowerSGD's state (null without it): tests read its error.
   const GpuPowerSgd* powersgd() const { return powersgd_.get(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // Bytes of the gradient buckets (the gradients live in them, padding
+  // included) and of their 16-bit copies.
+  int64_t bucket_bytes() const {
+    int64_t n = 0;
+    for (const Bucket& b : buckets_) n += static_cast<int64_t>(b.buffer.bytes() + b.half.bytes());
+    return n;
+  }
   // The buckets the last step launched, in the order it launched them (the
   // plan's on every rank).
   const std::vector<int>& last_launch_order() const { return launch_order_; }

@@ -176,6 +176,10 @@ class CudaGptSession final : public GpuSession {
 
   std::string Describe() const override { return description_; }
 
+  StateMemory memory() const override {
+    return ddp_.Memory(model_->Parameters(), {}, optimizer_->state_bytes());
+  }
+
   int64_t device_peak_bytes() const override {
     return static_cast<int64_t>(ctx_->allocator().stats().peak_bytes_in_use);
   }

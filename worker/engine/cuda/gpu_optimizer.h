@@ -79,6 +79,15 @@ class GpuOptimizer {
   bool prepared_first_step() const { return config_.name == "sgd" && args_.sgd.first_step; }
 
   int64_t steps() const { return steps_; }
+  // Bytes of optimizer state on the device (momentum buffers; AdamW's two
+  // moments), the trainer's memory figure.
+  int64_t state_bytes() const {
+    int64_t n = 0;
+    for (const auto* list : {&momentum_, &exp_avg_, &exp_avg_sq_}) {
+      for (const GpuTensor& t : *list) n += 4 * t.numel();
+    }
+    return n;
+  }
   const OptimizerConfig& config() const { return config_; }
   // The gradient norm the last Step measured for clipping (0 when clipping
   // is off or before the first step). Waits for the stream.

@@ -139,6 +139,11 @@ class CudaGpuSession final : public GpuSession {
 
   std::string Describe() const override { return description_; }
 
+  StateMemory memory() const override {
+    return ddp_.Memory(model_->Parameters(), model_->Buffers(),
+                       trainer_->optimizer().state_bytes());
+  }
+
   int64_t device_peak_bytes() const override {
     return static_cast<int64_t>(ctx_->allocator().stats().peak_bytes_in_use);
   }

@@ -116,6 +116,22 @@ int64_t SessionDdp::collective_sequence() const {
   return 0;
 }
 
+GpuSession::StateMemory SessionDdp::Memory(const std::vector<GpuParameter*>& parameters,
+                                           const std::vector<GpuParameter*>& buffers,
+                                           int64_t optimizer_state_bytes) const {
+  GpuSession::StateMemory m;
+  for (const GpuParameter* p : parameters) {
+    m.parameters += 4 * p->value.numel();
+    m.gradients += 4 * p->grad.numel();
+  }
+  for (const GpuParameter* b : buffers) m.buffers += 4 * b->value.numel();
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) m.gradients = reducer->bucket_bytes();
+#endif
+  m.optimizer_state = optimizer_state_bytes;
+  return m;
+}
+
 int64_t SessionDdp::bytes_sent() const {
 #if AIDN_HAVE_NCCL
   if (reducer != nullptr) return reducer->last_bytes_sent();

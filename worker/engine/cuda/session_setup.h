@@ -63,6 +63,11 @@ struct SessionDdp {
   double allreduce_seconds() const;
   double exposed_seconds() const;
   int64_t collective_sequence() const;
+  // GpuSession::memory() of a model with these parameters and buffers and
+  // this optimizer's state: the gradients in the buckets with DDP.
+  GpuSession::StateMemory Memory(const std::vector<GpuParameter*>& parameters,
+                                 const std::vector<GpuParameter*>& buffers,
+                                 int64_t optimizer_state_bytes) const;
   // The reducer's bytes figures (0 with one rank).
   int64_t bytes_sent() const;
   int64_t bytes_uncompressed() const;
