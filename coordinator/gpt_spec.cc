@@ -104,9 +104,6 @@ absl::Status ValidateGptModel(const v1::JobSpec& spec) {
   if (spec.device() == v1::JobSpec::GPU) {
     // What the GPU decoder does not have yet (strategies and parallel: are
     // refused on GPUs for every model).
-    if (m.stochastic_depth() > 0) {
-      return Invalid("model.stochastic_depth", "runs on device: cpu for now");
-    }
     if (m.activation_checkpointing()) {
       return Invalid("model.activation_checkpointing", "runs on device: cpu for now");
     }

@@ -115,6 +115,68 @@ TEST(GpuGpt, ShortSequencesWithoutBiasesMatchTheCpu) {
   ExpectForwardBackwardMatch(Small(/*bias=*/false), 2, 13);
 }
 
+// Stochastic depth: from the same seed the GPU skips the blocks the CPU
+// skips (dropout 0: the generator draws nothing else), scales the kept
+// branches alike, and reports only the kept blocks' parameters, whose
+// gradients match; the skipped ones' stay zero.
+TEST(GpuGpt, StochasticDepthSkipsTheCpusBlocks) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
+  GptConfig config = Small();
+  config.n_layer = 4;
+  config.stochastic_depth = 0.5;
+  std::unique_ptr<Gpt> cpu = MakeCpu(config);
+  absl::StatusOr<std::unique_ptr<GpuGpt>> gpu = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const Batch b = RandomBatch(config, 2, 24, 5);
+  // A seed that skips some blocks and keeps others.
+  uint64_t seed = 1;
+  for (;; ++seed) {
+    cpu->SetSeed(seed);
+    cpu->Forward(b.tokens.data(), b.targets.data(), 2, 24, true);
+    const size_t unused = cpu->UnusedParameters().size();
+    if (unused > 0 && unused < cpu->Parameters().size() / 2) break;
+    ASSERT_LT(seed, 100u);
+  }
+  cpu->SetSeed(seed);
+  (*gpu)->SetSeed(seed);
+  cpu->ZeroGrad();
+  const double cpu_loss = cpu->Forward(b.tokens.data(), b.targets.data(), 2, 24, true);
+  cpu->Backward(1.0);
+  ASSERT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), 2, 24, true).ok());
+  absl::StatusOr<double> gpu_loss = (*gpu)->ReadLoss();
+  ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+  EXPECT_NEAR(*gpu_loss, cpu_loss, 1e-5 * std::fabs(cpu_loss));
+  std::set<std::string> want_unused, got_unused;
+  for (const Parameter* p : cpu->UnusedParameters()) want_unused.insert(p->name);
+  for (const GpuParameter* p : (*gpu)->UnusedParameters()) got_unused.insert(p->name);
+  EXPECT_EQ(got_unused, want_unused);
+  std::set<std::string> ready;
+  ASSERT_TRUE((*gpu)
+                  ->Backward(1.0,
+                             [&ready](const std::vector<GpuParameter*>& ps) {
+                               for (const GpuParameter* p : ps) ready.insert(p->name);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  std::unique_ptr<Gpt> grads = MakeCpu(config);
+  grads->ZeroGrad();
+  ASSERT_TRUE((*gpu)->CopyGradsTo(grads->Parameters()).ok());
+  for (size_t i = 0; i < cpu->Parameters().size(); ++i) {
+    const std::string& name = cpu->Parameters()[i]->name;
+    const Tensor& got = grads->Parameters()[i]->grad;
+    if (want_unused.count(name) > 0) {
+      EXPECT_EQ(ready.count(name), 0u) << name << " was skipped but reported";
+      for (int64_t j = 0; j < got.numel(); ++j) ASSERT_EQ(got[j], 0.0f) << name;
+      continue;
+    }
+    EXPECT_EQ(ready.count(name), 1u) << name;
+    EXPECT_LE(MaxRelError(got, cpu->Parameters()[i]->grad), 1e-4) << name;
+  }
+  // Evaluation skips nothing.
+  ASSERT_TRUE((*gpu)->Forward(b.tokens.data(), b.targets.data(), 2, 24, false).ok());
+  EXPECT_TRUE((*gpu)->UnusedParameters().empty());
+}
+
 TEST(GpuGpt, TwentyAdamWStepsMatchTheCpu) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
   const GptConfig config = Small();
@@ -295,10 +357,6 @@ TEST(GpuGpt, DropoutRunsRepeatBitForBitAndDiffer) {
 
 TEST(GpuGpt, RefusesWhatItCannotRun) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
-  GptConfig depth = Small();
-  depth.stochastic_depth = 0.1;
-  EXPECT_EQ(GpuGpt::Create(ctx.get(), *MakeCpu(depth)).status().code(),
-            absl::StatusCode::kUnimplemented);
   std::unique_ptr<Gpt> cpu = MakeCpu(Small());
   cpu->SetActivationCheckpointing(true);
   EXPECT_EQ(GpuGpt::Create(ctx.get(), *cpu).status().code(), absl::StatusCode::kUnimplemented);

@@ -105,8 +105,8 @@ class GpuSession {
   // The same for a GPT decoder (cuda/gpu_gpt.h), whose micro-batches carry
   // tokens, targets (MicroBatch::labels) and their sequence length.
   // UNIMPLEMENTED for precision fp16 (the decoder has no loss scaling yet),
-  // CUDA graphs, and what the GPU decoder lacks (stochastic depth, tensor
-  // or pipeline parallelism, activation checkpointing).
+  // CUDA graphs, and what the GPU decoder lacks (tensor or pipeline
+  // parallelism, activation checkpointing).
   static absl::StatusOr<std::unique_ptr<GpuSession>> CreateForGpt(const GpuSessionOptions& options,
                                                                   const Gpt& model,
                                                                   const OptimizerConfig& optimizer);

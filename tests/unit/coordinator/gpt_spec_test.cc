@@ -90,11 +90,6 @@ TEST(GptSpec, BadFieldsAreNamed) {
        "dataset.kind: model gpt trains on dataset.kind \"text\", got \"fashion-mnist\""},
       {[](JobSpec* s) {
          s->set_device(JobSpec::GPU);
-         s->mutable_model()->set_stochastic_depth(0.1);
-       },
-       "model.stochastic_depth: runs on device: cpu for now"},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
          s->mutable_model()->set_activation_checkpointing(true);
        },
        "model.activation_checkpointing: runs on device: cpu for now"},
@@ -143,6 +138,11 @@ TEST(GptSpec, TrainsOnAGpuInFp32AndBf16) {
     spec.set_world_size(2);
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok())
         << JobSpec::Precision_Name(precision) << ": " << ValidateJobSpec(SpecLimits{}, spec);
+    // Blocks skipped by stochastic depth, their parameters left alone.
+    spec.mutable_model()->set_stochastic_depth(0.1);
+    spec.mutable_ddp()->set_find_unused_parameters(true);
+    spec.mutable_ddp()->set_compression(v1::DdpSpec::NONE);
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
   }
 }
 

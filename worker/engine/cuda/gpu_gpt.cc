@@ -46,9 +46,6 @@ GemmOperand AsTransposed(const float* data, int64_t ld) { return {data, ld, true
 
 absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(GpuContext* ctx, const Gpt& cpu) {
   const GptConfig& config = cpu.config();
-  if (config.stochastic_depth > 0.0) {
-    return absl::UnimplementedError("the GPU decoder has no stochastic depth yet");
-  }
   if (cpu.tensor_parallel_size() > 1) {
     return absl::UnimplementedError("the GPU decoder has no tensor parallelism yet");
   }
@@ -154,6 +151,19 @@ absl::Status GpuGpt::ZeroGrad() {
 void GpuGpt::SetSeed(uint64_t seed) {
   seed_ = seed;
   draws_ = 0;
+  depth_rng_.seed(seed);
+}
+
+std::vector<GpuParameter*> GpuGpt::UnusedParameters() {
+  std::vector<GpuParameter*> unused;
+  for (const Block& b : blocks_) {
+    if (!b.skipped) continue;
+    for (GpuParameter* p : {b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w,
+                            b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}) {
+      if (p != nullptr) unused.push_back(p);
+    }
+  }
+  return unused;
 }
 
 uint64_t GpuGpt::Key(uint64_t site) const {
@@ -296,12 +306,19 @@ absl::Status GpuGpt::DropBranch(float* x, uint64_t site) {
                        DropoutThreshold(p), static_cast<float>(1.0 / (1.0 - p)));
 }
 
-absl::StatusOr<const float*> GpuGpt::BranchGrad(uint64_t site) {
-  if (!dropped_) return static_cast<const float*>(dx_.data());
-  const double p = config_.dropout;
-  AIDN_RETURN_IF_ERROR(LaunchDropout(ctx_->stream(), dx_.data(), dbranch_.data(), dx_.numel(),
-                                     Key(site), DropoutThreshold(p),
-                                     static_cast<float>(1.0 / (1.0 - p))));
+absl::StatusOr<const float*> GpuGpt::BranchGrad(uint64_t site, float scale) {
+  if (!dropped_ && scale == 1.0f) return static_cast<const float*>(dx_.data());
+  cudaStream_t stream = ctx_->stream();
+  if (dropped_) {
+    const double p = config_.dropout;
+    AIDN_RETURN_IF_ERROR(LaunchDropout(stream, dx_.data(), dbranch_.data(), dx_.numel(), Key(site),
+                                       DropoutThreshold(p), static_cast<float>(1.0 / (1.0 - p))));
+  } else {
+    AIDN_RETURN_IF_ERROR(dbranch_.CopyFrom(ctx_, dx_));
+  }
+  // A kept block's branch was scaled (stochastic depth), after its mask.
+  if (scale != 1.0f)
+    AIDN_RETURN_IF_ERROR(LaunchScale(stream, dbranch_.data(), dbranch_.numel(), scale));
   return static_cast<const float*>(dbranch_.data());
 }
 
@@ -418,6 +435,9 @@ absl::Status GpuGpt::BlockForward(size_t l, float* out, bool drop) {
   // mid = in + drop(y Wproj + b).
   AIDN_RETURN_IF_ERROR(Linear(b.y.data(), *b.proj_w, b.proj_b, c, c, b.mid.data()));
   if (drop) AIDN_RETURN_IF_ERROR(DropBranch(b.mid.data(), AttentionBranchSite(l)));
+  if (branch_scale_ != 1.0f) {
+    AIDN_RETURN_IF_ERROR(LaunchScale(stream, b.mid.data(), n * c, branch_scale_));
+  }
   AIDN_RETURN_IF_ERROR(LaunchAdd(stream, b.mid.data(), b.in.data(), b.mid.data(), n * c));
   AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, b.mid.data(), b.ln2_w->value.data(),
                                        b.ln2_b != nullptr ? b.ln2_b->value.data() : nullptr, n, c,
@@ -426,6 +446,7 @@ absl::Status GpuGpt::BlockForward(size_t l, float* out, bool drop) {
   AIDN_RETURN_IF_ERROR(LaunchGelu(stream, b.fc.data(), b.gelu.data(), n * 4 * c));
   AIDN_RETURN_IF_ERROR(Linear(b.gelu.data(), *b.fc_proj_w, b.fc_proj_b, 4 * c, c, out));
   if (drop) AIDN_RETURN_IF_ERROR(DropBranch(out, MlpBranchSite(l)));
+  if (branch_scale_ != 1.0f) AIDN_RETURN_IF_ERROR(LaunchScale(stream, out, n * c, branch_scale_));
   return LaunchAdd(stream, out, b.mid.data(), out, n * c);
 }
 
@@ -444,8 +465,22 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int6
   AIDN_RETURN_IF_ERROR(LaunchEmbedding(stream, static_cast<const int32_t*>(tokens_d_.data()),
                                        wte_->value.data(), wpe_->value.data(), x, n, seq_len, c));
   if (drop) AIDN_RETURN_IF_ERROR(DropBranch(x, 0));
+  // Stochastic depth: the CPU decoder's draws, one per block (with dropout
+  // its generator draws the masks too, so the two skip differently then,
+  // as their masks differ).
+  const double p_skip = config_.stochastic_depth;
+  const bool depth = training && p_skip > 0.0;
+  branch_scale_ = depth ? static_cast<float>(1.0 / (1.0 - p_skip)) : 1.0f;
   for (size_t l = 0; l < blocks_.size(); ++l) {
+    Block& b = blocks_[l];
     float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
+    b.skipped = depth && static_cast<double>(depth_rng_() >> 11) * 0x1p-53 < p_skip;
+    if (b.skipped) {
+      // The stream passes through.
+      AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(next, b.in.data(), sizeof(float) * n * c,
+                                                cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
     AIDN_RETURN_IF_ERROR(BlockForward(l, next, drop));
   }
   AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, out_.data(), lnf_w_->value.data(),
@@ -477,7 +512,7 @@ absl::Status GpuGpt::BlockBackward(size_t l) {
   Block& b = blocks_[l];
   const int64_t c = config_.n_embd;
   // The MLP branch: dx_ holds d(block output) = d(mid) + d(branch).
-  AIDN_ASSIGN_OR_RETURN(const float* dmlp, BranchGrad(MlpBranchSite(l)));
+  AIDN_ASSIGN_OR_RETURN(const float* dmlp, BranchGrad(MlpBranchSite(l), branch_scale_));
   AIDN_RETURN_IF_ERROR(
       LinearBackward(dmlp, b.gelu.data(), *b.fc_proj_w, b.fc_proj_b, 4 * c, c, dbig_.data()));
   AIDN_RETURN_IF_ERROR(
@@ -487,7 +522,7 @@ absl::Status GpuGpt::BlockBackward(size_t l) {
   AIDN_RETURN_IF_ERROR(LayerNormBackward(dtmp_.data(), b.mid.data(), *b.ln2_w, b.ln2_b, b.ln2_mean,
                                          b.ln2_rstd, dx_.data()));
   // The attention branch: dx_ now holds d(mid) = d(in) + d(branch).
-  AIDN_ASSIGN_OR_RETURN(const float* dattn, BranchGrad(AttentionBranchSite(l)));
+  AIDN_ASSIGN_OR_RETURN(const float* dattn, BranchGrad(AttentionBranchSite(l), branch_scale_));
   AIDN_RETURN_IF_ERROR(LinearBackward(dattn, b.y.data(), *b.proj_w, b.proj_b, c, c, dtmp_.data()));
   AIDN_RETURN_IF_ERROR(AttentionBackward(l, dtmp_.data(), dqkv_.data()));
   AIDN_RETURN_IF_ERROR(
@@ -526,8 +561,11 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
                                          lnf_rstd_, dx_.data()));
   AIDN_RETURN_IF_ERROR(ready({lnf_w_, lnf_b_}));
   for (size_t l = blocks_.size(); l-- > 0;) {
-    AIDN_RETURN_IF_ERROR(BlockBackward(l));
     const Block& b = blocks_[l];
+    // A skipped block: the stream's gradient passes through, its
+    // parameters get none (and are not reported).
+    if (b.skipped) continue;
+    AIDN_RETURN_IF_ERROR(BlockBackward(l));
     // In registration order, as the reducer expects each report's list.
     AIDN_RETURN_IF_ERROR(ready({b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w,
                                 b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}));

@@ -25,9 +25,12 @@
 // count and the site), which are not the CPU's stream: with dropout the
 // two agree in distribution only.
 //
-// Not there on the GPU: stochastic depth, tensor parallelism, pipeline
-// stages and activation checkpointing (Create refuses a model set up for
-// them).
+// Stochastic depth skips whole blocks with the CPU decoder's draws from the
+// same seed (with dropout 0; with dropout the CPU's generator draws the
+// masks too), a kept block's branches scaled by 1 / (1 - p).
+//
+// Not there on the GPU: tensor parallelism, pipeline stages and activation
+// checkpointing (Create refuses a model set up for them).
 //
 // Everything is queued on the context's stream; the host waits only where
 // it reads results (ReadLoss, copies to the host). Not thread-safe.
@@ -35,6 +38,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -58,8 +62,7 @@ class GpuGpt {
   using GradReadyFn = std::function<absl::Status(const std::vector<GpuParameter*>&)>;
 
   // A GPU copy of `cpu` (configuration and weights). UNIMPLEMENTED for
-  // stochastic depth, tensor parallelism, a pipeline stage or activation
-  // checkpointing.
+  // tensor parallelism, a pipeline stage or activation checkpointing.
   static absl::StatusOr<std::unique_ptr<GpuGpt>> Create(GpuContext* ctx, const Gpt& cpu);
 
   // As Gpt::Forward, with host arrays of tokens and targets ([batch,
@@ -78,8 +81,13 @@ class GpuGpt {
   // Forward's loss times `grad_scale`. FAILED_PRECONDITION without one.
   absl::Status Backward(double grad_scale = 1.0, const GradReadyFn& on_ready = nullptr);
   absl::Status ZeroGrad();
-  // Reseeds the dropout masks of the next Forwards.
+  // Reseeds the dropout masks and stochastic depth's draws of the next
+  // Forwards.
   void SetSeed(uint64_t seed);
+  // The parameters of the blocks the last training Forward skipped
+  // (stochastic depth, as Gpt::UnusedParameters); Backward reports none of
+  // them ready and leaves their gradients alone.
+  std::vector<GpuParameter*> UnusedParameters();
   // Whether attention may use the fused kernels where they apply (bf16, no
   // attention dropout, a supported head size, shared memory enough on this
   // GPU; on by default); FusedAttention() says whether the next Forward
@@ -108,6 +116,8 @@ class GpuGpt {
     // The last Forward's activations.
     GpuTensor in, ln1, ln1_mean, ln1_rstd, qkv, y, att_max, att_inv, mid, ln2, ln2_mean, ln2_rstd,
         fc, gelu;
+    // Stochastic depth: the last Forward passed the stream through.
+    bool skipped = false;
   };
 
   GpuGpt(GpuContext* ctx, const GptConfig& config) : ctx_(ctx), config_(config) {}
@@ -133,8 +143,9 @@ class GpuGpt {
   // Multiplies a residual branch [N, C] by its dropout mask in place.
   absl::Status DropBranch(float* x, uint64_t site);
   // The gradient of a residual branch from the stream's (dx_): dx_ itself,
-  // or through the branch's mask into dbranch_ when the Forward dropped.
-  absl::StatusOr<const float*> BranchGrad(uint64_t site);
+  // or into dbranch_ through the branch's mask when the Forward dropped and
+  // times `scale` (a kept block's branch under stochastic depth).
+  absl::StatusOr<const float*> BranchGrad(uint64_t site, float scale = 1.0f);
   uint64_t Key(uint64_t site) const;
   // Dropout sites: the embedding, then each block's attention
   // probabilities, attention branch and MLP branch.
@@ -152,8 +163,12 @@ class GpuGpt {
   bool fused_possible_ = false;  // Create's verdict for this model and GPU
   bool fused_now_ = false;       // the last Forward's choice
   uint64_t seed_ = 0;
-  uint64_t draws_ = 0;        // training forwards since SetSeed
-  bool dropped_ = false;      // the last Forward drew masks
+  uint64_t draws_ = 0;    // training forwards since SetSeed
+  bool dropped_ = false;  // the last Forward drew masks
+  // Stochastic depth: the CPU decoder's generator (seeded by SetSeed) and
+  // the kept blocks' branch factor of the last Forward.
+  std::mt19937_64 depth_rng_{0};
+  float branch_scale_ = 1.0f;
   bool has_forward_ = false;  // a training Forward Backward may follow
   int64_t batch_ = 0;
   int64_t seq_len_ = 0;

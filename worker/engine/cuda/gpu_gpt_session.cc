@@ -9,6 +9,8 @@
 // losses copied into pinned memory; one host wait.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -91,6 +93,10 @@ class CudaGptSession final : public GpuSession {
       };
     }
 #endif
+    // Which parameters some forward of the step used (stochastic depth
+    // skips blocks), as GpuTrainer::Step tracks them.
+    const std::vector<cuda::GpuParameter*> params = model_->Parameters();
+    std::vector<bool> used(params.size(), false);
     for (int64_t i = 0; i < k; ++i) {
       const MicroBatch& b = micro[static_cast<size_t>(i)];
       if (b.seed.has_value()) model_->SetSeed(*b.seed);
@@ -99,7 +105,22 @@ class CudaGptSession final : public GpuSession {
           model_->Forward(b.tokens->data(), b.labels->data(), rows, b.seq_len, true));
       AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slots + i, model_->device_loss(), sizeof(double),
                                                 cudaMemcpyDeviceToDevice, stream));
-      AIDN_RETURN_IF_ERROR(model_->Backward(grad_scale, i == k - 1 ? on_ready : nullptr));
+      const std::vector<cuda::GpuParameter*> unused = model_->UnusedParameters();
+      for (size_t j = 0; j < params.size(); ++j) {
+        if (std::find(unused.begin(), unused.end(), params[j]) == unused.end()) used[j] = true;
+      }
+      const bool last = i == k - 1;
+#if AIDN_HAVE_NCCL
+      if (last && ddp_.reducer != nullptr) {
+        AIDN_RETURN_IF_ERROR(ddp_.reducer->BeginBackward(used, unused));
+      }
+#endif
+      AIDN_RETURN_IF_ERROR(model_->Backward(grad_scale, last ? on_ready : nullptr));
+    }
+    // One rank: what no forward of the step used is left alone (DDP: the
+    // reducer decides from every rank's flags).
+    if (!on_ready) {
+      for (size_t j = 0; j < params.size(); ++j) params[j]->no_grad = !used[j];
     }
 #if AIDN_HAVE_NCCL
     if (ddp_.reducer != nullptr) AIDN_RETURN_IF_ERROR(ddp_.reducer->AfterBackward());
