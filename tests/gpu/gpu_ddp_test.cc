@@ -328,6 +328,79 @@ TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
   EXPECT_TRUE(strict_nccl->Wait("buckets").ok());
 }
 
+// ZeRO-1 over one rank: the buckets reduce-scattered in place, the
+// optimizer over the shards of a ZeroOneShards layout (named as its
+// shards, decay and clipping by the whole parameters and norm), the weights
+// all-gathered after the update: bit for bit a model trained without DDP.
+TEST(GpuDdp, ZeroOneOverOneRankTrainsBitForBitAsWithoutDdp) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  auto cpu = BuildModel(Cnn(), 3);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto plain = GpuModel::Create(ctx.get(), **cpu);
+  auto sharded = GpuModel::Create(ctx.get(), **cpu);
+  ASSERT_TRUE(plain.ok() && sharded.ok());
+  OptimizerConfig opt;
+  opt.name = "adamw";
+  opt.lr = 1e-3;
+  opt.weight_decay = 0.1;
+  opt.decay_matrices_only = true;
+  opt.grad_clip_norm = 0.5;
+  auto plain_trainer = GpuTrainer::Create(ctx.get(), plain->get(), opt);
+  auto sharded_trainer = GpuTrainer::Create(ctx.get(), sharded->get(), opt);
+  ASSERT_TRUE(plain_trainer.ok() && sharded_trainer.ok());
+
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto layout = ZeroOneShards::Create((*cpu)->Parameters(), 0.02, 0, 1);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto reducer = GpuDdpReducer::Create(ctx.get(), (*sharded)->Parameters(), nccl.get(),
+                                       DdpOptions{.bucket_mb = 0.02, .shard_optimizer = true},
+                                       &(*layout)->map());
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  const std::vector<GpuParameter*>& shards = (*reducer)->shard_parameters();
+  ASSERT_EQ(shards.size(), (*layout)->map().shards().size());
+  for (size_t k = 0; k < shards.size(); ++k) {
+    EXPECT_EQ(shards[k]->name, (*layout)->map().shards()[k]->name);
+    EXPECT_FALSE(shards[k]->whole_shape.empty());
+  }
+  ASSERT_TRUE((*sharded_trainer)->OptimizeOver(shards).ok());
+  (*sharded_trainer)->optimizer().SetNormAllReduce([&](double* total) {
+    return nccl->AllReduceDoubleSumOn(ctx->stream(), total, 1);
+  });
+  Hook(sharded_trainer->get(), reducer->get());
+
+  for (int step = 0; step < 6; ++step) {
+    const Tensor images = RandomTensor({32, 1, 28, 28}, 300 + step);
+    std::vector<int32_t> labels(32);
+    for (int j = 0; j < 32; ++j) labels[static_cast<size_t>(j)] = (step + j * 3) % 10;
+    absl::StatusOr<double> a = (*plain_trainer)->Step(images, labels, opt.lr);
+    absl::StatusOr<double> b = (*sharded_trainer)->Step(images, labels, opt.lr);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(*a, *b) << "step " << step;
+  }
+  auto want = BuildModel(Cnn(), 8);
+  auto got = BuildModel(Cnn(), 9);
+  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
+  ASSERT_TRUE((*sharded)->CopyParametersTo((*got)->Parameters()).ok());
+  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
+              0.0)
+        << (*want)->Parameters()[k]->name;
+  }
+  // The state comes back named as the layout's shards' (what a sharded
+  // checkpoint holds).
+  auto state = (*sharded_trainer)->optimizer().StateToHost();
+  ASSERT_TRUE(state.ok()) << state.status();
+  auto host = Optimizer::Create(opt, (*layout)->map().shards());
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::vector<Optimizer::StateEntry> entries;
+  for (const auto& [name, tensor] : *state) entries.emplace_back(name, &tensor);
+  EXPECT_TRUE((*host)->LoadState(entries, 6).ok());
+  EXPECT_TRUE((*layout)->map().StatePieces((*host)->State()).ok());
+}
+
 // A bucket that fills before the ones ahead of it (the parameters of a
 // block the forward skipped, reported before backward) waits for its turn:
 // every rank launches in plan order whatever it skipped, so that the

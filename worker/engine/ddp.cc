@@ -65,6 +65,52 @@ absl::Status CheckDdpOptions(const DdpOptions& options) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<ShardMap::Group>> ShardedBucketGroups(
+    const std::vector<Parameter*>& parameters, BucketPlan* plan, int world_size) {
+  const size_t unit = size_t{16} * static_cast<size_t>(world_size);
+  for (size_t& f : plan->floats) f = (f + unit - 1) / unit * unit;
+  std::vector<ShardMap::Group> groups(plan->buckets.size());
+  for (size_t b = 0; b < plan->buckets.size(); ++b) {
+    groups[b].floats = plan->floats[b];
+    for (int k : plan->buckets[b]) {
+      groups[b].parameters.push_back(parameters[static_cast<size_t>(k)]);
+      groups[b].offsets.push_back(plan->slots[static_cast<size_t>(k)].offset);
+    }
+  }
+  AIDN_RETURN_IF_ERROR(ShardMap::CheckEveryRankOwnsSome(groups, world_size));
+  return groups;
+}
+
+absl::StatusOr<std::unique_ptr<ZeroOneShards>> ZeroOneShards::Create(
+    const std::vector<Parameter*>& parameters, double bucket_mb, int rank, int world_size) {
+  std::vector<int64_t> numels;
+  for (const Parameter* p : parameters) numels.push_back(p->value.numel());
+  AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, bucket_mb, 0));
+  AIDN_ASSIGN_OR_RETURN(std::vector<ShardMap::Group> groups,
+                        ShardedBucketGroups(parameters, &plan, world_size));
+  std::unique_ptr<ZeroOneShards> shards(new ZeroOneShards());
+  for (const ShardMap::Group& g : groups) {
+    const int64_t chunk = static_cast<int64_t>(g.floats / static_cast<size_t>(world_size));
+    shards->values_.emplace_back(std::vector<int64_t>{chunk});
+    shards->grads_.emplace_back(std::vector<int64_t>{chunk});
+  }
+  shards->map_ = std::make_unique<ShardMap>(std::move(groups), parameters, rank, world_size);
+  shards->map_->MakeShards([&](int g) { return shards->values_[static_cast<size_t>(g)].data(); },
+                           [&](int g) { return shards->grads_[static_cast<size_t>(g)].data(); });
+  shards->CopyWeightsFromWhole();
+  return shards;
+}
+
+void ZeroOneShards::CopyWeightsFromWhole() {
+  const std::vector<Parameter*>& shards = map_->shards();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const ShardMap::ShardPlace at = map_->place(k);
+    const Parameter* whole = map_->parameters()[at.parameter];
+    std::memcpy(shards[k]->value.data(), whole->value.data() + (at.lo - at.offset),
+                sizeof(float) * (at.hi - at.lo));
+  }
+}
+
 absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
     const DdpOptions& options, const std::vector<Parameter*>& parameters,
     Communicator* communicator) {
@@ -81,19 +127,7 @@ absl::StatusOr<std::unique_ptr<DdpReducer>> DdpReducer::Create(
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, extras));
   const int world = communicator->world_size();
   if (options.shard_optimizer && world > 1) {
-    // Every bucket a multiple of 16 * world_size floats: each rank's slice
-    // starts at a 64-byte boundary.
-    const size_t unit = size_t{16} * static_cast<size_t>(world);
-    for (size_t& f : plan.floats) f = (f + unit - 1) / unit * unit;
-    std::vector<ShardMap::Group> groups(plan.buckets.size());
-    for (size_t b = 0; b < plan.buckets.size(); ++b) {
-      groups[b].floats = plan.floats[b];
-      for (int k : plan.buckets[b]) {
-        groups[b].parameters.push_back(parameters[static_cast<size_t>(k)]);
-        groups[b].offsets.push_back(plan.slots[static_cast<size_t>(k)].offset);
-      }
-    }
-    AIDN_RETURN_IF_ERROR(ShardMap::CheckEveryRankOwnsSome(groups, world));
+    AIDN_RETURN_IF_ERROR(ShardedBucketGroups(parameters, &plan, world).status());
   }
   std::unique_ptr<DdpReducer> reducer(new DdpReducer(communicator));
   reducer->parameters_ = parameters;

@@ -37,6 +37,7 @@
 #include "worker/engine/model.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/powersgd.h"
+#include "worker/engine/shard_map.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -85,6 +86,13 @@ struct GpuSessionOptions {
   // world_size > 1. With one rank what no forward of a step used is left
   // alone without it.
   bool find_unused_parameters = false;
+  // ZeRO-1 (spec strategy zero1), world_size > 1: the layout of this rank's
+  // shards (ZeroOneShards::map(), built from the model's parameters with
+  // the same bucket_mb; not owned, outlives the session). The buckets are
+  // reduce-scattered, the optimizer steps this rank's shards (its state
+  // 1/world_size of DDP's, named as the shards), the weights all-gathered
+  // after each update (cuda/gpu_ddp.h). Not with fp16 or compression.
+  const ShardMap* zero1 = nullptr;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA

@@ -108,6 +108,13 @@ void ShardMap::MakeShards(const std::function<float*(int)>& value_slice,
   for (const auto& s : shards_) shard_view_.push_back(s.get());
 }
 
+ShardMap::ShardPlace ShardMap::place(size_t k) const {
+  const Place& p = places_[k];
+  const size_t index = static_cast<size_t>(
+      std::find(parameters_.begin(), parameters_.end(), p.whole) - parameters_.begin());
+  return {p.group, p.lo, p.hi, index, p.offset};
+}
+
 void ShardMap::CopyNoGradToShards() {
   for (size_t k = 0; k < shards_.size(); ++k) shards_[k]->no_grad = places_[k].whole->no_grad;
 }

@@ -77,6 +77,16 @@ class ShardMap {
                   const std::function<float*(int)>& grad_slice);
   // In the registration order of the parameters they are pieces of.
   const std::vector<Parameter*>& shards() const { return shard_view_; }
+  // Where shard k (of shards()) lies: its group, floats [lo, hi) of the
+  // group, and its whole parameter's registration index and offset in the
+  // group (another engine's copy of the layout: the GPU reducer's).
+  struct ShardPlace {
+    int group = 0;
+    size_t lo = 0, hi = 0;
+    size_t parameter = 0;
+    size_t offset = 0;
+  };
+  ShardPlace place(size_t k) const;
   // Each shard's no_grad from its whole parameter's (a parameter no rank
   // used this step is not stepped, in any of its pieces).
   void CopyNoGradToShards();

@@ -146,7 +146,12 @@ std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t optimizer_step
     return std::nullopt;
   }
   std::vector<engine::ShardMap::Piece> pieces;
-  if (Sharded() && cpu_ != nullptr) {
+  if (zero1_ != nullptr) {
+    absl::StatusOr<std::vector<engine::ShardMap::Piece>> mine =
+        zero1_->map().StatePieces(optimizer_->State());
+    if (!mine.ok()) return Failure{kExitFailure, mine.status()};
+    pieces = *std::move(mine);
+  } else if (Sharded() && cpu_ != nullptr) {
     absl::StatusOr<std::vector<engine::ShardMap::Piece>> mine = cpu_->StatePieces();
     if (!mine.ok()) return Failure{kExitFailure, mine.status()};
     pieces = *std::move(mine);
@@ -168,7 +173,8 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   // ZeRO and FSDP: every rank writes the pieces it holds; DDP: rank 0
   // holds everything and writes it.
   // Model parallelism: the first replica's ranks write the pieces they own.
-  const bool sharded = (Sharded() && cpu_ != nullptr) || parallel_ != nullptr;
+  const bool sharded =
+      (Sharded() && (cpu_ != nullptr || zero1_ != nullptr)) || parallel_ != nullptr;
   if (parallel_ != nullptr && !parallel_->writes_checkpoints()) return std::nullopt;
   if (!sharded && rendezvous_.rank() != 0) return std::nullopt;
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
@@ -198,8 +204,9 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
       contents.weights = std::move(pieces.weights);
       contents.optimizer_state = std::move(pieces.state);
     } else {
-      contents.weights = cpu_->WeightPieces();
-      absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces = cpu_->StatePieces();
+      absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces =
+          zero1_ != nullptr ? zero1_->map().StatePieces(optimizer_->State()) : cpu_->StatePieces();
+      contents.weights = zero1_ != nullptr ? zero1_->map().WeightPieces() : cpu_->WeightPieces();
       if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
       contents.optimizer_state = *std::move(pieces);
       // Buffers (BatchNorm's running statistics) are whole on every rank:

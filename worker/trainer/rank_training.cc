@@ -296,8 +296,22 @@ std::optional<Failure> RankTraining::BuildSession() {
     }
     return std::nullopt;
   }
+  std::vector<engine::Parameter*> optimized = task_->Parameters();
+  if (Sharded() && spec_.device() == v1::JobSpec::GPU && rendezvous_.world_size() > 1) {
+    // ZeRO-1 on GPUs: the GPU reducer shards the buckets; the host keeps
+    // the same shards' layout, weights and optimizer state (checkpoints).
+    absl::StatusOr<std::unique_ptr<engine::ZeroOneShards>> shards = engine::ZeroOneShards::Create(
+        task_->Parameters(), BucketMbOf(spec_), rendezvous_.rank(), rendezvous_.world_size());
+    if (!shards.ok()) return Failure{kExitPermanent, shards.status()};
+    zero1_ = *std::move(shards);
+    optimized = zero1_->map().shards();
+    AIDN_LOG(INFO) << "model state sharded" << Kv("strategy", "ZERO1") << Kv("device", "gpu")
+                   << Kv("groups", zero1_->map().num_groups())
+                   << Kv("shards", zero1_->map().shards().size())
+                   << Kv("padding_floats", zero1_->map().padding_floats());
+  }
   absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
-      engine::Optimizer::Create(OptimizerConfigOf(spec_), task_->Parameters());
+      engine::Optimizer::Create(OptimizerConfigOf(spec_), optimized);
   if (!optimizer.ok()) return Failure{kExitPermanent, optimizer.status()};
   owned_optimizer_ = *std::move(optimizer);
   optimizer_ = owned_optimizer_.get();
@@ -354,6 +368,7 @@ std::optional<Failure> RankTraining::SetupGpu() {
     // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
     o.store = kv_.get();
   }
+  if (zero1_ != nullptr) o.zero1 = &zero1_->map();
   absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
       task_->gpt() != nullptr
           ? engine::GpuSession::CreateForGpt(o, *task_->gpt(), OptimizerConfigOf(spec_))
@@ -395,6 +410,7 @@ std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
   if (absl::Status s = gpu_->CopyBuffersTo(task_->model().Buffers()); !s.ok()) {
     return Failure{kExitFailure, s};
   }
+  if (zero1_ != nullptr) zero1_->CopyWeightsFromWhole();
   if (!optimizer_state) return std::nullopt;
   absl::StatusOr<std::vector<std::pair<std::string, engine::Tensor>>> state =
       gpu_->OptimizerState();

@@ -143,8 +143,8 @@ class RankTraining {
   std::unique_ptr<engine::Communicator> comm_;
   // ddp.sync_batchnorm: the BatchNorm layers' own.
   std::unique_ptr<engine::Communicator> bn_comm_;
-  // The optimizer: owned here (DDP), or the session's (ZeRO-1: over this
-  // rank's shards).
+  // The optimizer: owned here (DDP; a GPU job's ZeRO-1, over zero1_'s
+  // shards), or the CPU session's (ZeRO-1: over this rank's shards).
   std::unique_ptr<engine::Optimizer> owned_optimizer_;
   engine::Optimizer* optimizer_ = nullptr;
   // device: cpu: the step runs here, over model_ and optimizer_.
@@ -162,6 +162,11 @@ class RankTraining {
   // device: gpu: the step runs here; task_'s model and optimizer_ stay the CPU
   // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
   std::unique_ptr<engine::GpuSession> gpu_;
+  // device: gpu with strategy zero1 and more than one rank: the shards'
+  // layout the GPU reducer follows, and their weights on the host;
+  // optimizer_ is over its shards (the GPU optimizer's state comes back
+  // into it by name), so checkpoints are sharded as a CPU job's.
+  std::unique_ptr<engine::ZeroOneShards> zero1_;
   std::string checkpoint_dir_;
   // The step training starts after: 0, or the resumed checkpoint's.
   int64_t start_step_ = 0;

@@ -107,7 +107,7 @@ TEST(GptSpec, BadFieldsAreNamed) {
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::FSDP);
        },
-       "strategy: FSDP runs on device: cpu for now (use ddp on a GPU)"},
+       "strategy: FSDP runs on device: cpu for now (use ddp or zero1 on a GPU)"},
       {[](JobSpec* s) { s->mutable_dataset()->set_val_fraction(0.7); },
        "dataset.val_fraction: must be in (0, 0.5], got 0.7"},
       {[](JobSpec* s) { s->mutable_dataset()->set_val_fraction(0); },
@@ -138,6 +138,10 @@ TEST(GptSpec, TrainsOnAGpuInFp32AndBf16) {
     spec.set_world_size(2);
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok())
         << JobSpec::Precision_Name(precision) << ": " << ValidateJobSpec(SpecLimits{}, spec);
+    // ZeRO-1: the optimizer's state sharded over the GPUs.
+    JobSpec zero1 = spec;
+    zero1.set_strategy(JobSpec::ZERO1);
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1).ok()) << ValidateJobSpec(SpecLimits{}, zero1);
     // Blocks skipped by stochastic depth, their parameters left alone.
     spec.mutable_model()->set_stochastic_depth(0.1);
     spec.mutable_ddp()->set_find_unused_parameters(true);

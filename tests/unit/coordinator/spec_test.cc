@@ -97,7 +97,7 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::FSDP);
        },
-       "strategy: FSDP runs on device: cpu for now (use ddp on a GPU)"},
+       "strategy: FSDP runs on device: cpu for now (use ddp or zero1 on a GPU)"},
       {[](JobSpec* s) { s->mutable_fsdp()->set_sharding(v1::FsdpSpec::SHARD_GRAD_OP); },
        "fsdp: applies to strategy: fsdp only (this job's is DDP)"},
       {[](JobSpec* s) {
@@ -108,8 +108,18 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
       {[](JobSpec* s) {
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::ZERO1);
+         s->set_precision(JobSpec::FP16);
        },
-       "strategy: ZERO1 runs on device: cpu for now (use ddp on a GPU)"},
+       "strategy: ZERO1 on a GPU does not take precision: fp16 yet (its loss scaling checks whole "
+       "gradients; use bf16)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_strategy(JobSpec::ZERO1);
+         s->mutable_ddp()->set_find_unused_parameters(true);
+         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
+       },
+       "strategy: ZERO1 on a GPU does not take ddp.find_unused_parameters or "
+       "model.stochastic_depth yet (use ddp)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::BF16); },
        "precision: BF16 is for device: gpu (CPU jobs compute in fp32)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::FP16); },
@@ -431,10 +441,11 @@ const BadCase kBadCases[] = {
     {"MaxStepsTooMany", [](JobSpec* s) { s->set_max_steps(1'000'000'000'001); }, "max_steps"},
     {"NeitherEpochsNorMaxSteps", [](JobSpec* s) { s->set_epochs(0); }, "epochs"},
     // strategy, buckets, precision
-    {"StrategyZero1OnGpu",
+    {"StrategyZero1OnGpuInFp16",
      [](JobSpec* s) {
        s->set_device(JobSpec::GPU);
        s->set_strategy(JobSpec::ZERO1);
+       s->set_precision(JobSpec::FP16);
      },
      "strategy"},
     {"StrategyZero2OnGpu",

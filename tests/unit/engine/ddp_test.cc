@@ -10,9 +10,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/engine/comm/gloo_communicator.h"
+#include "worker/engine/optimizer.h"
 
 namespace aidn::engine {
 namespace {
@@ -484,6 +486,55 @@ TEST(DdpReducer, PowerSgdIsRefusedWithShardedOptimizerState) {
                                     Raw(params), &comm);
   ASSERT_FALSE(reducer.ok());
   EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("not ZeRO-1's reduce-scatter"));
+}
+
+// A GPU job's ZeRO-1 layout on the host: over the ranks the shards cover
+// every element of every parameter exactly once, named "<p>[a:b]" with the
+// whole shape kept; their weights are the whole parameters' slices, and an
+// optimizer over them gives checkpoint pieces. Too many ranks for the
+// model are refused.
+TEST(ZeroOneShards, TheRanksShardsCoverEveryParameterOnce) {
+  auto params = MakeParameters({1000, 24, 700, 5, 333});
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (int64_t j = 0; j < params[i]->value.numel(); ++j) {
+      params[i]->value[j] = static_cast<float>(1000 * i + static_cast<size_t>(j));
+    }
+  }
+  constexpr int kWorld = 3;
+  std::vector<std::vector<int>> covered(params.size());
+  for (size_t i = 0; i < params.size(); ++i) covered[i].assign(params[i]->value.numel(), 0);
+  for (int rank = 0; rank < kWorld; ++rank) {
+    absl::StatusOr<std::unique_ptr<ZeroOneShards>> shards =
+        ZeroOneShards::Create(Raw(params), /*bucket_mb=*/0.004, rank, kWorld);
+    ASSERT_TRUE(shards.ok()) << shards.status();
+    const ShardMap& map = (*shards)->map();
+    EXPECT_GE(map.num_groups(), 2);
+    for (int g = 0; g < map.num_groups(); ++g) EXPECT_EQ(map.group(g).floats % (16 * kWorld), 0u);
+    for (size_t k = 0; k < map.shards().size(); ++k) {
+      const ShardMap::ShardPlace at = map.place(k);
+      const Parameter& whole = *params[at.parameter];
+      const size_t begin = at.lo - at.offset, end = at.hi - at.offset;
+      EXPECT_EQ(map.shards()[k]->name, absl::StrCat(whole.name, "[", begin, ":", end, "]"));
+      EXPECT_EQ(map.shards()[k]->whole_shape, whole.value.shape());
+      for (size_t j = begin; j < end; ++j) {
+        ++covered[at.parameter][j];
+        EXPECT_EQ(map.shards()[k]->value[static_cast<int64_t>(j - begin)],
+                  whole.value[static_cast<int64_t>(j)]);
+      }
+    }
+    auto optimizer = Optimizer::Create(OptimizerConfig{.name = "adamw"}, map.shards());
+    ASSERT_TRUE(optimizer.ok()) << optimizer.status();
+    absl::StatusOr<std::vector<ShardMap::Piece>> pieces = map.StatePieces((*optimizer)->State());
+    ASSERT_TRUE(pieces.ok()) << pieces.status();
+    EXPECT_EQ(pieces->size(), 2 * map.shards().size());
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (const int c : covered[i]) ASSERT_EQ(c, 1) << params[i]->name;
+  }
+  // 29 floats: some rank of 8 would own only padding.
+  auto tiny = MakeParameters({29});
+  EXPECT_EQ(ZeroOneShards::Create(Raw(tiny), 1.0, 0, 8).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(DdpReducer, BroadcastGivesEveryRankTheRootsWeights) {

@@ -341,9 +341,8 @@ absl::Status NcclCommunicator::EnqueueExchange(int peer, const float* send, size
                                                float* recv, size_t recv_count) {
   AIDN_RETURN_IF_ERROR(Usable());
   if (peer < 0 || peer >= options_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl send/recv: peer ", peer,
-                                                   " is not in a world of size ",
-                                                   options_.world_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nccl send/recv: peer ", peer, " is not in a world of size ", options_.world_size));
   }
   if ((send_count > 0 && send == nullptr) || (recv_count > 0 && recv == nullptr)) {
     return absl::InvalidArgumentError("nccl send/recv: null buffer");
@@ -364,8 +363,8 @@ absl::Status NcclCommunicator::EnqueueExchange(int peer, const float* send, size
   return Queued(what, ncclGroupEnd());
 }
 
-absl::Status NcclCommunicator::Exchange(int peer, const float* send, size_t send_count,
-                                        float* recv, size_t recv_count) {
+absl::Status NcclCommunicator::Exchange(int peer, const float* send, size_t send_count, float* recv,
+                                        size_t recv_count) {
   AIDN_RETURN_IF_ERROR(EnqueueExchange(peer, send, send_count, recv, recv_count));
   if (send_count == 0 && recv_count == 0) {
     ++queued_;
@@ -429,18 +428,38 @@ absl::Status NcclCommunicator::Order(cudaStream_t first, cudaStream_t then) {
   return absl::OkStatus();
 }
 
+absl::Status NcclCommunicator::EnqueueReduceScatter(const float* in, size_t count, float* out,
+                                                    ReduceOp op) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (in == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError("nccl reduce-scatter: null buffer");
+  }
+  return Queued(absl::StrCat("nccl reduce-scatter of ", count, " floats"),
+                ncclReduceScatter(in, out, count, ncclFloat, ToNccl(op), comm_, stream_));
+}
+
 absl::Status NcclCommunicator::ReduceScatter(const float* in, size_t count, float* out,
                                              ReduceOp op) {
-  AIDN_RETURN_IF_ERROR(Usable());
+  AIDN_RETURN_IF_ERROR(EnqueueReduceScatter(in, count, out, op));
   if (count == 0) {
     ++queued_;
     sequence_.fetch_add(1);
     return absl::OkStatus();
   }
-  const std::string what = absl::StrCat("nccl reduce-scatter of ", count, " floats");
+  return Complete(absl::StrCat("nccl reduce-scatter of ", count, " floats"));
+}
+
+absl::Status NcclCommunicator::AllReduceDoubleSumOn(cudaStream_t stream, double* data,
+                                                    size_t count) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce: null buffer");
+  AIDN_RETURN_IF_ERROR(WaitFor(stream));
   AIDN_RETURN_IF_ERROR(
-      Queued(what, ncclReduceScatter(in, out, count, ncclFloat, ToNccl(op), comm_, stream_)));
-  return Complete(what);
+      Queued(absl::StrCat("nccl allreduce of ", count, " doubles"),
+             ncclAllReduce(data, data, count, ncclDouble, ncclSum, comm_, stream_)));
+  return Before(stream);
 }
 
 absl::Status NcclCommunicator::Barrier() {

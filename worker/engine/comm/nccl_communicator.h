@@ -115,7 +115,15 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // device memory.
   absl::Status Exchange(int peer, const float* send, size_t send_count, float* recv,
                         size_t recv_count);
-  // Queues AllGather's all-gather on stream() without waiting.
+  // Queues ReduceScatter's reduce-scatter on stream() without waiting
+  // (in place when `out` is `in` + rank x count).
+  absl::Status EnqueueReduceScatter(const float* in, size_t count, float* out, ReduceOp op);
+  // `data` summed over the ranks in place in doubles, ordered between
+  // `stream`'s work before and after as AllReduceSumOn (ZeRO's gradient
+  // norm from the ranks' shards).
+  absl::Status AllReduceDoubleSumOn(cudaStream_t stream, double* data, size_t count);
+  // Queues AllGather's all-gather on stream() without waiting (in place
+  // when `in` is `out` + rank x count).
   absl::Status EnqueueAllGather(const float* in, size_t count, float* out);
   // cuda::StreamCollectives: WaitFor(stream), the Enqueue* call,
   // Before(stream). The layer's stream then waits for everything queued on

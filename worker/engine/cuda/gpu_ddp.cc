@@ -13,7 +13,7 @@ namespace aidn::engine::cuda {
 
 absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     GpuContext* ctx, const std::vector<GpuParameter*>& parameters, NcclCommunicator* nccl,
-    const DdpOptions& options) {
+    const DdpOptions& options, const ShardMap* shards) {
   if (ctx == nullptr || nccl == nullptr) {
     return absl::InvalidArgumentError("gpu ddp: no context or no communicator");
   }
@@ -25,10 +25,10 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     numels.push_back(parameters[k]->grad.numel());
   }
   AIDN_RETURN_IF_ERROR(CheckDdpOptions(options));
-  if (options.shard_optimizer) {
-    return absl::UnimplementedError("gpu ddp: ZeRO-1 sharding runs on the CPU only");
-  }
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 0));
+  if (options.shard_optimizer) {
+    AIDN_RETURN_IF_ERROR(CheckShardLayout(parameters, options, shards, nccl->world_size(), &plan));
+  }
   std::unique_ptr<GpuDdpReducer> r(new GpuDdpReducer(ctx, nccl));
   r->half_ = options.half;
   r->parameters_ = parameters;
@@ -93,7 +93,88 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
     p->grad = GpuTensor::View(at, std::move(shape));
   }
   for (Bucket& bucket : r->buckets_) bucket.pending = static_cast<int>(bucket.parameters.size());
+  if (options.shard_optimizer) {
+    r->sharded_ = true;
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->gathered_));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&r->gather_start_));
+    AIDN_RETURN_IF_ERROR(r->ShardBuckets(*shards, plan));
+  }
   return r;
+}
+
+absl::Status GpuDdpReducer::CheckShardLayout(const std::vector<GpuParameter*>& parameters,
+                                             const DdpOptions& options, const ShardMap* shards,
+                                             int world_size, BucketPlan* plan) {
+  if (shards == nullptr) {
+    return absl::InvalidArgumentError("gpu ddp: ZeRO-1 needs the shards' layout");
+  }
+  if (options.find_unused_parameters) {
+    return absl::UnimplementedError(
+        "gpu ddp: ZeRO-1 with find_unused_parameters runs on the CPU only");
+  }
+  // The buckets padded as ShardedBucketGroups pads them; the layout must
+  // be that plan's, parameter for parameter.
+  const size_t unit = size_t{16} * static_cast<size_t>(world_size);
+  for (size_t& f : plan->floats) f = (f + unit - 1) / unit * unit;
+  bool same = shards->num_groups() == static_cast<int>(plan->buckets.size()) &&
+              shards->parameters().size() == parameters.size();
+  for (size_t b = 0; same && b < plan->buckets.size(); ++b) {
+    const ShardMap::Group& g = shards->group(static_cast<int>(b));
+    same = g.floats == plan->floats[b] && g.parameters.size() == plan->buckets[b].size();
+    for (size_t i = 0; same && i < g.parameters.size(); ++i) {
+      const size_t k = static_cast<size_t>(plan->buckets[b][i]);
+      same = g.parameters[i]->name == parameters[k]->name && g.offsets[i] == plan->slots[k].offset;
+    }
+  }
+  if (!same) {
+    return absl::InvalidArgumentError(
+        "gpu ddp: the shards' layout is not this model's bucket plan (another bucket_mb or world "
+        "size?)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuDdpReducer::ShardBuckets(const ShardMap& shards, const BucketPlan& plan) {
+  cudaStream_t stream = ctx_->stream();
+  rank_ = static_cast<size_t>(nccl_->rank());
+  // The weights move into per-bucket buffers of the gradients' layout, where
+  // the all-gather after each update writes.
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    bucket.chunk = bucket.floats / static_cast<size_t>(nccl_->world_size());
+    if (bucket.floats == 0) continue;
+    AIDN_ASSIGN_OR_RETURN(bucket.values, ctx_->allocator().Allocate(sizeof(float) * bucket.floats));
+    float* base = static_cast<float*>(bucket.values.data());
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(base, 0, sizeof(float) * bucket.floats, stream));
+    for (size_t i = 0; i < bucket.parameters.size(); ++i) {
+      GpuParameter* p = bucket.parameters[i];
+      const size_t k = static_cast<size_t>(plan.buckets[b][i]);
+      float* at = base + plan.slots[k].offset;
+      if (p->value.numel() > 0) {
+        AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+            at, p->value.data(), sizeof(float) * static_cast<size_t>(p->value.numel()),
+            cudaMemcpyDeviceToDevice, stream));
+      }
+      std::vector<int64_t> shape = p->value.shape();
+      p->value = GpuTensor::View(at, std::move(shape));
+    }
+  }
+  // This rank's shards, named and ordered as the layout's: values in the
+  // rank's slice of the weights, gradients in its slice of the bucket
+  // (where the reduce-scatter leaves the averages, in place).
+  for (size_t k = 0; k < shards.shards().size(); ++k) {
+    const ShardMap::ShardPlace at = shards.place(k);
+    Bucket& bucket = buckets_[static_cast<size_t>(at.group)];
+    auto piece = std::make_unique<GpuParameter>();
+    piece->name = shards.shards()[k]->name;
+    const int64_t n = static_cast<int64_t>(at.hi - at.lo);
+    piece->value = GpuTensor::View(static_cast<float*>(bucket.values.data()) + at.lo, {n});
+    piece->grad = GpuTensor::View(static_cast<float*>(bucket.buffer.data()) + at.lo, {n});
+    piece->whole_shape = parameters_[at.parameter]->value.shape();
+    shard_view_.push_back(piece.get());
+    shards_.push_back(std::move(piece));
+  }
+  return absl::OkStatus();
 }
 
 GpuDdpReducer::~GpuDdpReducer() {
@@ -110,10 +191,12 @@ GpuDdpReducer::~GpuDdpReducer() {
   cudaStreamSynchronize(ctx_->stream());
   for (Bucket& bucket : buckets_) {
     for (GpuParameter* p : bucket.parameters) {
-      if (!p->grad.is_view()) continue;
-      absl::StatusOr<GpuTensor> own = GpuTensor::Empty(ctx_, p->grad.shape());
-      if (!own.ok() || !own->CopyFrom(ctx_, p->grad).ok()) continue;
-      p->grad = *std::move(own);
+      for (GpuTensor* t : {&p->grad, &p->value}) {
+        if (!t->is_view()) continue;
+        absl::StatusOr<GpuTensor> own = GpuTensor::Empty(ctx_, t->shape());
+        if (!own.ok() || !own->CopyFrom(ctx_, *t).ok()) continue;
+        *t = *std::move(own);
+      }
     }
   }
   cudaStreamSynchronize(ctx_->stream());
@@ -123,6 +206,8 @@ GpuDdpReducer::~GpuDdpReducer() {
   if (backward_end_ != nullptr) cudaEventDestroy(backward_end_);
   if (buffers_done_ != nullptr) cudaEventDestroy(buffers_done_);
   if (used_done_ != nullptr) cudaEventDestroy(used_done_);
+  if (gathered_ != nullptr) cudaEventDestroy(gathered_);
+  if (gather_start_ != nullptr) cudaEventDestroy(gather_start_);
   if (used_host_ != nullptr) cudaFreeHost(used_host_);
 }
 
@@ -155,6 +240,11 @@ absl::Status GpuDdpReducer::Launch(int index) {
   if (half_.has_value()) {
     s = LaunchHalf(bucket);
     bytes_sent_ += bytes / 2;
+  } else if (sharded_) {
+    // In place: the rank's slice of the bucket gets its averages.
+    s = nccl_->EnqueueReduceScatter(data, bucket.chunk, data + rank_ * bucket.chunk,
+                                    ReduceOp::kAvg);
+    bytes_sent_ += bytes;
   } else if (powersgd_ != nullptr && powersgd_->active()) {
     std::vector<GpuPowerSgd::Gradient> grads;
     for (GpuParameter* p : bucket.parameters) grads.push_back({p->grad.data(), p->grad.shape()});
@@ -314,7 +404,26 @@ absl::Status GpuDdpReducer::Wait(cudaEvent_t done) {
   // (many micro-batches can take long): first backward's end, which does not
   // depend on any peer, without one.
   if (timed_) AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(backward_end_));
-  AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(done, "gradient allreduce"));
+  const bool gather = sharded_ && timed_;
+  if (gather) {
+    // ZeRO-1: every bucket's updated slices to every rank, in place, after
+    // the update; the next step's forward waits for them.
+    cudaStream_t comm = nccl_->stream();
+    AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, done, 0));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(gather_start_, comm));
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      if (bucket.floats == 0) continue;
+      float* values = static_cast<float*>(bucket.values.data());
+      absl::Status s = nccl_->EnqueueAllGather(values + rank_ * bucket.chunk, bucket.chunk, values);
+      if (!s.ok()) return Annotate(s, absl::StrCat("zero-1 weights of bucket ", b));
+    }
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(gathered_, comm));
+    AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(ctx_->stream(), gathered_, 0));
+  }
+  AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(
+      gather ? gathered_ : done,
+      gather ? "gradient reduce-scatter and weight all-gather" : "gradient allreduce"));
   allreduce_seconds_ = 0;
   exposed_seconds_ = 0;
   if (timed_) {
@@ -323,6 +432,12 @@ absl::Status GpuDdpReducer::Wait(cudaEvent_t done) {
     allreduce_seconds_ = static_cast<double>(ms) / 1e3;
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, backward_end_, end_));
     exposed_seconds_ = std::max(0.0, static_cast<double>(ms) / 1e3);
+    if (gather) {
+      // Not overlapped: all of it is waited for.
+      AIDN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, gather_start_, gathered_));
+      allreduce_seconds_ += static_cast<double>(ms) / 1e3;
+      exposed_seconds_ += static_cast<double>(ms) / 1e3;
+    }
   }
   return absl::OkStatus();
 }

@@ -31,8 +31,17 @@
 // rounded to 16 bits and summed in 16 bits by NCCL, then widened back, all
 // on the NCCL stream. PowerSGD (DdpOptions::powersgd, cuda/gpu_powersgd.h)
 // compresses each bucket on the NCCL stream too, once its start_step is
-// reached. ZeRO-1's sharding is the CPU reducer's only (Create answers
-// UNIMPLEMENTED).
+// reached.
+//
+// ZeRO-1 (DdpOptions::shard_optimizer, with the layout of a ZeroOneShards
+// built from the same plan): each bucket, padded to 16 x world_size floats,
+// is reduce-scattered (averaged) in place instead of allreduced, so the
+// rank's slice of it holds the averages of its shard; the weights move
+// into per-bucket buffers of the same layout; shard_parameters() are this
+// rank's shards (named as the CPU reducer names them, values and gradients
+// views into the rank's slices) for an optimizer over them; Wait
+// all-gathers every bucket's weights in place after the update, before
+// the next forward. Not with compression or find_unused_parameters.
 //
 // Unused parameters (a forward that skipped a block: GpuTrainer's
 // before-last-backward hook calls BeginBackward): without
@@ -80,7 +89,7 @@ class GpuDdpReducer {
   // INVALID_ARGUMENT for a bad bucket size, a null or duplicate parameter.
   static absl::StatusOr<std::unique_ptr<GpuDdpReducer>> Create(
       GpuContext* ctx, const std::vector<GpuParameter*>& parameters, NcclCommunicator* nccl,
-      const DdpOptions& options);
+      const DdpOptions& options, const ShardMap* shards = nullptr);
   ~GpuDdpReducer();
   GpuDdpReducer(const GpuDdpReducer&) = delete;
   GpuDdpReducer& operator=(const GpuDdpReducer&) = delete;
@@ -107,7 +116,9 @@ class GpuDdpReducer {
   // error). Call before a step's first forward, on every rank alike.
   absl::Status BroadcastBuffers(const std::vector<GpuParameter*>& buffers);
   // Waits for `done` (recorded on the compute stream after the update),
-  // polling NCCL; then measures the allreduce time.
+  // polling NCCL; then measures the allreduce time. ZeRO-1: first queues
+  // the weights' all-gathers after `done`, orders the compute stream after
+  // them, and waits for them instead.
   absl::Status Wait(cudaEvent_t done);
 
   // From the first bucket's launch to the last bucket's end, on the NCCL
@@ -121,6 +132,8 @@ class GpuDdpReducer {
   // plain float allreduces would have taken (DdpReducer's figures).
   int64_t last_bytes_sent() const { return bytes_sent_; }
   int64_t last_bytes_uncompressed() const { return bytes_uncompressed_; }
+  // ZeRO-1: this rank's shards, for the optimizer (empty otherwise).
+  const std::vector<GpuParameter*>& shard_parameters() const { return shard_view_; }
   // PowerSGD's state (null without it): tests read its error.
   const GpuPowerSgd* powersgd() const { return powersgd_.get(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
@@ -129,6 +142,13 @@ class GpuDdpReducer {
   int64_t bucket_bytes() const {
     int64_t n = 0;
     for (const Bucket& b : buckets_) n += static_cast<int64_t>(b.buffer.bytes() + b.half.bytes());
+    return n;
+  }
+  // ZeRO-1: bytes of the weights' buffers (0 otherwise: the weights are
+  // the model's own).
+  int64_t weight_bytes() const {
+    int64_t n = 0;
+    for (const Bucket& b : buckets_) n += static_cast<int64_t>(b.values.bytes());
     return n;
   }
   // The buckets the last step launched, in the order it launched them (the
@@ -145,6 +165,9 @@ class GpuDdpReducer {
     int pending = 0;  // gradients still to come in this backward
     // Compression (DdpOptions::half): the bucket's 16-bit copy.
     DeviceBuffer half;
+    // ZeRO-1: the weights in the bucket's layout, and each rank's slice.
+    DeviceBuffer values;
+    size_t chunk = 0;
   };
 
   GpuDdpReducer(GpuContext* ctx, NcclCommunicator* nccl) : ctx_(ctx), nccl_(nccl) {}
@@ -152,6 +175,12 @@ class GpuDdpReducer {
   // world size, rounded to 16 bits, summed, widened back into the bucket.
   absl::Status LaunchHalf(Bucket& bucket);
   absl::Status Launch(int bucket);
+  // ZeRO-1: the plan padded, and checked against the shards' layout.
+  static absl::Status CheckShardLayout(const std::vector<GpuParameter*>& parameters,
+                                       const DdpOptions& options, const ShardMap* shards,
+                                       int world_size, BucketPlan* plan);
+  // ZeRO-1: the weights into the buckets' layout, and the shards.
+  absl::Status ShardBuckets(const ShardMap& shards, const BucketPlan& plan);
   // find_unused_parameters: the used flags summed over the ranks, read on
   // the host, and each parameter's no_grad set from them.
   absl::Status ExchangeUsedFlags();
@@ -179,6 +208,13 @@ class GpuDdpReducer {
   std::vector<int> launch_order_;
   std::optional<HalfFormat> half_;
   std::unique_ptr<GpuPowerSgd> powersgd_;
+  // ZeRO-1.
+  bool sharded_ = false;
+  size_t rank_ = 0;
+  std::vector<std::unique_ptr<GpuParameter>> shards_;
+  std::vector<GpuParameter*> shard_view_;
+  cudaEvent_t gather_start_ = nullptr;  // timed: the all-gathers' span
+  cudaEvent_t gathered_ = nullptr;
   int64_t bytes_sent_ = 0;
   int64_t bytes_uncompressed_ = 0;
   // ready_: compute stream -> NCCL stream (reused: a wait binds to the

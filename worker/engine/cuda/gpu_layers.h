@@ -49,6 +49,9 @@ struct GpuParameter {
   // with DDP), so the optimizer leaves it and its state alone (torch's
   // "grad is None").
   bool no_grad = false;
+  // A ZeRO-1 shard (flat, a piece of a parameter): the whole parameter's
+  // shape, which weight decay follows (empty: not a shard).
+  std::vector<int64_t> whole_shape;
 };
 
 class GpuLayer {

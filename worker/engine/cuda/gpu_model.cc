@@ -315,6 +315,14 @@ absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(GpuContext* ctx, 
   return trainer;
 }
 
+absl::Status GpuTrainer::OptimizeOver(const std::vector<GpuParameter*>& parameters) {
+  if (optimizer_->steps() > 0) {
+    return absl::FailedPreconditionError("the optimizer's parameters change before its first step");
+  }
+  AIDN_ASSIGN_OR_RETURN(optimizer_, GpuOptimizer::Create(ctx_, optimizer_->config(), parameters));
+  return absl::OkStatus();
+}
+
 absl::Status GpuTrainer::SetLossScale(const LossScaleOptions& options) {
   if (ctx_->options().precision != Precision::kFp16) {
     return absl::FailedPreconditionError("loss scaling is for fp16 (bf16 and fp32 need none)");

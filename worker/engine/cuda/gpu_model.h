@@ -226,6 +226,10 @@ class GpuTrainer {
   void InvalidateGraph();
 
   GpuOptimizer& optimizer() { return *optimizer_; }
+  // The optimizer over other parameters than the model's (ZeRO-1: this
+  // rank's shards), with the same configuration; before the first step
+  // (FAILED_PRECONDITION after), INVALID_ARGUMENT as GpuOptimizer::Create.
+  absl::Status OptimizeOver(const std::vector<GpuParameter*>& parameters);
   // The last step's logits (of its last micro-batch; valid until the next
   // step).
   const GpuTensor& logits() const { return logits_; }

@@ -147,9 +147,21 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
                                               params_[k]->grad.numel(), sum_sq + k,
                                               static_cast<double*>(sum_sq_scratch_.data())));
     }
-    AIDN_RETURN_IF_ERROR(LaunchClipCoefficient(
-        stream, sum_sq, static_cast<int>(params_.size()), config_.grad_clip_norm,
-        static_cast<double*>(norm_.data()), static_cast<float*>(coef_.data())));
+    const double* sums = sum_sq;
+    int count = static_cast<int>(params_.size());
+    if (norm_allreduce_) {
+      if (norm_total_.data() == nullptr) {
+        AIDN_ASSIGN_OR_RETURN(norm_total_, ctx_->allocator().Allocate(sizeof(double)));
+      }
+      double* total = static_cast<double*>(norm_total_.data());
+      AIDN_RETURN_IF_ERROR(LaunchSumDoubles(stream, sum_sq, count, total));
+      AIDN_RETURN_IF_ERROR(norm_allreduce_(total));
+      sums = total;
+      count = 1;
+    }
+    AIDN_RETURN_IF_ERROR(LaunchClipCoefficient(stream, sums, count, config_.grad_clip_norm,
+                                               static_cast<double*>(norm_.data()),
+                                               static_cast<float*>(coef_.data())));
     scale = static_cast<const float*>(coef_.data());
     measured_norm_ = true;
   }

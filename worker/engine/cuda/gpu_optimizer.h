@@ -15,6 +15,7 @@
 // shapes; everything is queued on the context's stream.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -79,6 +80,13 @@ class GpuOptimizer {
   bool prepared_first_step() const { return config_.name == "sgd" && args_.sgd.first_step; }
 
   int64_t steps() const { return steps_; }
+  // Clipping over parameters that are each rank's shards (ZeRO-1): the
+  // hook sums one device double, this rank's squared norm, over the ranks
+  // in the stream's order, so that every rank clips by the whole
+  // gradient's norm.
+  void SetNormAllReduce(std::function<absl::Status(double* total)> hook) {
+    norm_allreduce_ = std::move(hook);
+  }
   // Bytes of optimizer state on the device (momentum buffers; AdamW's two
   // moments), the trainer's memory figure.
   int64_t state_bytes() const {
@@ -112,7 +120,9 @@ class GpuOptimizer {
   // Whether the weight decay applies to `p`: always, or with
   // decay_matrices_only to matrices and embeddings (as Optimizer::Decays).
   bool Decays(const GpuParameter& p) const {
-    return !config_.decay_matrices_only || p.value.rank() >= 2;
+    const size_t rank =
+        p.whole_shape.empty() ? static_cast<size_t>(p.value.rank()) : p.whole_shape.size();
+    return !config_.decay_matrices_only || rank >= 2;
   }
 
   GpuContext* ctx_;
@@ -130,6 +140,8 @@ class GpuOptimizer {
   DeviceBuffer norm_;
   DeviceBuffer coef_;
   bool measured_norm_ = false;
+  std::function<absl::Status(double* total)> norm_allreduce_;
+  DeviceBuffer norm_total_;  // the hook's double
   int64_t steps_ = 0;
   // The prepared step's coefficients; pinned and device copies for Queue
   // with arguments in memory.

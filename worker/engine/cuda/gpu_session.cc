@@ -49,6 +49,12 @@ class CudaGpuSession final : public GpuSession {
 #if AIDN_HAVE_NCCL
     if (s->ddp_.reducer != nullptr) {
       cuda::GpuDdpReducer* reducer = s->ddp_.reducer.get();
+      if (options.zero1 != nullptr) {
+        // ZeRO-1: the optimizer steps this rank's shards, clipping by the
+        // whole gradient's norm.
+        AIDN_RETURN_IF_ERROR(s->trainer_->OptimizeOver(reducer->shard_parameters()));
+        s->trainer_->optimizer().SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
+      }
       s->trainer_->SetGradReady(
           [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
       s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });

@@ -287,6 +287,13 @@ __global__ void SumPartialsKernel(const double* partial, int count, double* out)
 }
 
 // One thread.
+__global__ void SumDoublesKernel(const double* in, int count, double* total) {
+  double s = 0.0;
+  for (int k = 0; k < count; ++k) s += in[k];
+  *total = s;
+}
+
+// One thread.
 __global__ void ClipCoefficientKernel(const double* sum_sq, int count, double max_norm,
                                       double* norm, float* coef) {
   double total = 0.0;
@@ -606,6 +613,12 @@ absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, 
   AIDN_RETURN_IF_LAUNCH_FAILED("SumOfSquaresKernel");
   SumPartialsKernel<<<1, 256, 0, stream>>>(scratch, blocks, sum_sq);
   AIDN_RETURN_IF_LAUNCH_FAILED("SumPartialsKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchSumDoubles(cudaStream_t stream, const double* in, int count, double* total) {
+  SumDoublesKernel<<<1, 1, 0, stream>>>(in, count, total);
+  AIDN_RETURN_IF_LAUNCH_FAILED("SumDoublesKernel");
   return absl::OkStatus();
 }
 

@@ -102,6 +102,10 @@ inline constexpr int kSumOfSquaresBlocks = 256;
 absl::Status LaunchSumOfSquares(cudaStream_t stream, const float* g, int64_t n, double* sum_sq,
                                 double* scratch);
 
+// *total = sum of in[0..count) in index order, one thread (the order
+// LaunchClipCoefficient sums in, so one total gives its norm bit for bit).
+absl::Status LaunchSumDoubles(cudaStream_t stream, const double* in, int count, double* total);
+
 // From the per-tensor sums of squares `sum_sq[0..count)`: *norm = sqrt of
 // their sum, *coef = the torch clip coefficient max_norm / (norm + 1e-6) as
 // float when below 1, else 1 (also 1 for a non-finite norm).

@@ -126,10 +126,23 @@ GpuSession::StateMemory SessionDdp::Memory(const std::vector<GpuParameter*>& par
   }
   for (const GpuParameter* b : buffers) m.buffers += 4 * b->value.numel();
 #if AIDN_HAVE_NCCL
-  if (reducer != nullptr) m.gradients = reducer->bucket_bytes();
+  if (reducer != nullptr) {
+    m.gradients = reducer->bucket_bytes();
+    if (reducer->weight_bytes() > 0) m.parameters = reducer->weight_bytes();
+  }
 #endif
   m.optimizer_state = optimizer_state_bytes;
   return m;
+}
+
+std::function<absl::Status(double*)> SessionDdp::NormAllReduce(GpuContext* ctx) const {
+#if AIDN_HAVE_NCCL
+  NcclCommunicator* comm = nccl.get();
+  return [comm, ctx](double* total) { return comm->AllReduceDoubleSumOn(ctx->stream(), total, 1); };
+#else
+  (void)ctx;
+  return nullptr;
+#endif
 }
 
 int64_t SessionDdp::bytes_sent() const {
@@ -150,6 +163,11 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
                              std::string* description) {
   if (options.world_size <= 1) return absl::OkStatus();
+  if (options.zero1 != nullptr && options.precision == "fp16") {
+    return absl::UnimplementedError(
+        "strategy: zero1 on a GPU does not take precision: fp16 yet (its loss scaling checks "
+        "whole gradients, not the shards; use bf16)");
+  }
 #if AIDN_HAVE_NCCL
   NcclOptions nccl;
   nccl.rank = options.rank;
@@ -161,9 +179,11 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
       ddp->reducer,
       GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
                             DdpOptions{.bucket_mb = options.bucket_mb,
+                                       .shard_optimizer = options.zero1 != nullptr,
                                        .powersgd = options.powersgd,
                                        .half = options.compression,
-                                       .find_unused_parameters = options.find_unused_parameters}));
+                                       .find_unused_parameters = options.find_unused_parameters},
+                            options.zero1));
   absl::StrAppend(description, ", NCCL ", options.world_size, " ranks, ",
                   ddp->reducer->num_buckets(), " gradient buckets");
   if (options.compression.has_value()) {
@@ -172,6 +192,11 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
   if (options.powersgd.has_value()) {
     absl::StrAppend(description, " compressed by PowerSGD of rank ", options.powersgd->rank,
                     " from step ", options.powersgd->start_step);
+  }
+  if (options.zero1 != nullptr) {
+    absl::StrAppend(description,
+                    " reduce-scattered, ZeRO-1: ", ddp->reducer->shard_parameters().size(),
+                    " shards of the optimizer's state");
   }
   return absl::OkStatus();
 #else

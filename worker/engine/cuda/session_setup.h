@@ -7,6 +7,7 @@
 // NCCL communicator and the DDP reducer over the model's parameters.
 // Internal to aidn_gpu_session.
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,6 +69,9 @@ struct SessionDdp {
   GpuSession::StateMemory Memory(const std::vector<GpuParameter*>& parameters,
                                  const std::vector<GpuParameter*>& buffers,
                                  int64_t optimizer_state_bytes) const;
+  // ZeRO-1: the optimizer's clipping hook (GpuOptimizer::SetNormAllReduce):
+  // the squared norm summed over the ranks on `ctx`'s stream.
+  std::function<absl::Status(double*)> NormAllReduce(GpuContext* ctx) const;
   // The reducer's bytes figures (0 with one rank).
   int64_t bytes_sent() const;
   int64_t bytes_uncompressed() const;
