@@ -88,7 +88,7 @@ struct GpuSessionOptions {
   bool find_unused_parameters = false;
   // ZeRO-1 (spec strategy zero1), world_size > 1: the layout of this rank's
   // shards (ZeroOneShards::map(), built from the model's parameters with
-  // the same bucket_mb; not owned, outlives the session). The buckets are
+  // the same bucket_mb; not owned, read by Create only). The buckets are
   // reduce-scattered, the optimizer steps this rank's shards (its state
   // 1/world_size of DDP's, named as the shards), the weights all-gathered
   // after each update (cuda/gpu_ddp.h). Not with fp16 or compression.

@@ -42,7 +42,8 @@ absl::Status BroadcastInts(engine::Communicator* comm, int64_t* values, size_t c
 
 std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
   // ZeRO, FSDP and pipelines: every rank writes and reads its own pieces.
-  const bool every_rank = (Sharded() && spec_.device() == v1::JobSpec::CPU) || ModelParallel();
+  const bool every_rank =
+      (Sharded() && (spec_.device() == v1::JobSpec::CPU || GpuZeroOne())) || ModelParallel();
   if (every_rank && !checkpoint_dir_.empty()) {
     if (absl::Status s = CheckSharedDirectory(
             checkpoint_dir_, absl::StrCat(options_.job_id, "-g", options_.generation), comm_.get());

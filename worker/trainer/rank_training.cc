@@ -254,6 +254,10 @@ std::optional<Failure> RankTraining::Connect() {
 
 bool RankTraining::Sharded() const { return ShardingOf(spec_) != engine::Sharding::kNone; }
 
+bool RankTraining::GpuZeroOne() const {
+  return Sharded() && spec_.device() == v1::JobSpec::GPU && rendezvous_.world_size() > 1;
+}
+
 std::optional<Failure> RankTraining::BuildSession() {
   if (ModelParallel()) {
     absl::StatusOr<std::unique_ptr<ParallelRank>> p =
@@ -297,7 +301,7 @@ std::optional<Failure> RankTraining::BuildSession() {
     return std::nullopt;
   }
   std::vector<engine::Parameter*> optimized = task_->Parameters();
-  if (Sharded() && spec_.device() == v1::JobSpec::GPU && rendezvous_.world_size() > 1) {
+  if (GpuZeroOne()) {
     // ZeRO-1 on GPUs: the GPU reducer shards the buckets; the host keeps
     // the same shards' layout, weights and optimizer state (checkpoints).
     absl::StatusOr<std::unique_ptr<engine::ZeroOneShards>> shards = engine::ZeroOneShards::Create(

@@ -100,6 +100,9 @@ class RankTraining {
   std::optional<Failure> Resume(int64_t steps_per_epoch);
   std::optional<Failure> ResumeOptimizerState(int64_t optimizer_steps);
   bool Sharded() const;
+  // A GPU job's ZeRO-1 over more than one rank (zero1_): sharded
+  // checkpoints, every rank reading and writing its own pieces.
+  bool GpuZeroOne() const;
   bool ModelParallel() const {
     return spec_.parallel().pipeline() > 1 || spec_.parallel().tensor() > 1;
   }

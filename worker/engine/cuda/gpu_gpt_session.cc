@@ -49,21 +49,17 @@ class CudaGptSession final : public GpuSession {
     s->ctx_ = std::move(device.ctx);
     s->description_ = std::move(device.description);
     AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuGpt::Create(s->ctx_.get(), model));
-    AIDN_ASSIGN_OR_RETURN(s->optimizer_, cuda::GpuOptimizer::Create(s->ctx_.get(), optimizer,
-                                                                    s->model_->Parameters()));
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&s->done_, cudaEventDisableTiming));
     AIDN_RETURN_IF_ERROR(cuda::SetUpSessionDdp(options, s->ctx_.get(), s->model_->Parameters(),
                                                &s->ddp_, &s->description_));
-#if AIDN_HAVE_NCCL
-    if (options.zero1 != nullptr && s->ddp_.reducer != nullptr) {
-      // ZeRO-1: the optimizer steps this rank's shards, clipping by the
-      // whole gradient's norm.
-      AIDN_ASSIGN_OR_RETURN(s->optimizer_,
-                            cuda::GpuOptimizer::Create(s->ctx_.get(), optimizer,
-                                                       s->ddp_.reducer->shard_parameters()));
-      s->optimizer_->SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
-    }
-#endif
+    // ZeRO-1: the optimizer steps this rank's shards only (its state never
+    // whole on the device), clipping by the whole gradient's norm.
+    const std::vector<cuda::GpuParameter*>* shards = s->ddp_.shards();
+    AIDN_ASSIGN_OR_RETURN(
+        s->optimizer_,
+        cuda::GpuOptimizer::Create(s->ctx_.get(), optimizer,
+                                   shards != nullptr ? *shards : s->model_->Parameters()));
+    if (shards != nullptr) s->optimizer_->SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
     return std::unique_ptr<GpuSession>(std::move(s));
   }
 

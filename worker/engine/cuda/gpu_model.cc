@@ -303,24 +303,19 @@ absl::Status GrowPinned(T** buffer, size_t* capacity, size_t count, bool* moved)
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(GpuContext* ctx, GpuModel* model,
-                                                               const OptimizerConfig& optimizer) {
+absl::StatusOr<std::unique_ptr<GpuTrainer>> GpuTrainer::Create(
+    GpuContext* ctx, GpuModel* model, const OptimizerConfig& optimizer,
+    const std::vector<GpuParameter*>* optimized) {
   std::unique_ptr<GpuTrainer> trainer(new GpuTrainer(ctx, model));
-  AIDN_ASSIGN_OR_RETURN(trainer->optimizer_,
-                        GpuOptimizer::Create(ctx, optimizer, model->Parameters()));
+  AIDN_ASSIGN_OR_RETURN(
+      trainer->optimizer_,
+      GpuOptimizer::Create(ctx, optimizer,
+                           optimized != nullptr ? *optimized : model->Parameters()));
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&trainer->done_, cudaEventDisableTiming));
   if (ctx->options().precision == Precision::kFp16) {
     AIDN_RETURN_IF_ERROR(trainer->SetLossScale(LossScaleOptions()));
   }
   return trainer;
-}
-
-absl::Status GpuTrainer::OptimizeOver(const std::vector<GpuParameter*>& parameters) {
-  if (optimizer_->steps() > 0) {
-    return absl::FailedPreconditionError("the optimizer's parameters change before its first step");
-  }
-  AIDN_ASSIGN_OR_RETURN(optimizer_, GpuOptimizer::Create(ctx_, optimizer_->config(), parameters));
-  return absl::OkStatus();
 }
 
 absl::Status GpuTrainer::SetLossScale(const LossScaleOptions& options) {

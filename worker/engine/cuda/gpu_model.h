@@ -146,9 +146,12 @@ class GpuCrossEntropy {
 
 class GpuTrainer {
  public:
-  // `model` must outlive the trainer.
-  static absl::StatusOr<std::unique_ptr<GpuTrainer>> Create(GpuContext* ctx, GpuModel* model,
-                                                            const OptimizerConfig& optimizer);
+  // `model` must outlive the trainer. The optimizer steps the model's
+  // parameters, or `optimized` (ZeRO-1: this rank's shards, which must
+  // outlive the trainer too).
+  static absl::StatusOr<std::unique_ptr<GpuTrainer>> Create(
+      GpuContext* ctx, GpuModel* model, const OptimizerConfig& optimizer,
+      const std::vector<GpuParameter*>* optimized = nullptr);
   ~GpuTrainer();
   GpuTrainer(const GpuTrainer&) = delete;
   GpuTrainer& operator=(const GpuTrainer&) = delete;
@@ -226,10 +229,7 @@ class GpuTrainer {
   void InvalidateGraph();
 
   GpuOptimizer& optimizer() { return *optimizer_; }
-  // The optimizer over other parameters than the model's (ZeRO-1: this
-  // rank's shards), with the same configuration; before the first step
-  // (FAILED_PRECONDITION after), INVALID_ARGUMENT as GpuOptimizer::Create.
-  absl::Status OptimizeOver(const std::vector<GpuParameter*>& parameters);
+
   // The last step's logits (of its last micro-batch; valid until the next
   // step).
   const GpuTensor& logits() const { return logits_; }

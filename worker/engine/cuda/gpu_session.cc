@@ -36,25 +36,26 @@ class CudaGpuSession final : public GpuSession {
     s->ctx_ = std::move(device.ctx);
     s->description_ = std::move(device.description);
     AIDN_ASSIGN_OR_RETURN(s->model_, cuda::GpuModel::Create(s->ctx_.get(), model));
-    AIDN_ASSIGN_OR_RETURN(s->trainer_,
-                          cuda::GpuTrainer::Create(s->ctx_.get(), s->model_.get(), optimizer));
+    AIDN_RETURN_IF_ERROR(cuda::SetUpSessionDdp(options, s->ctx_.get(), s->model_->Parameters(),
+                                               &s->ddp_, &s->description_));
+    // ZeRO-1: the optimizer steps this rank's shards only (its state never
+    // whole on the device).
+    const std::vector<cuda::GpuParameter*>* shards = s->ddp_.shards();
+    AIDN_ASSIGN_OR_RETURN(
+        s->trainer_, cuda::GpuTrainer::Create(s->ctx_.get(), s->model_.get(), optimizer, shards));
+    if (shards != nullptr) {
+      // Clipping by the whole gradient's norm.
+      s->trainer_->optimizer().SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
+    }
     if (options.cuda_graphs && options.world_size == 1) {
       s->trainer_->SetCudaGraphs(true);
       absl::StrAppend(&s->description_, ", CUDA graphs");
     } else if (options.cuda_graphs) {
       absl::StrAppend(&s->description_, ", CUDA graphs not used (not with NCCL yet)");
     }
-    AIDN_RETURN_IF_ERROR(cuda::SetUpSessionDdp(options, s->ctx_.get(), s->model_->Parameters(),
-                                               &s->ddp_, &s->description_));
 #if AIDN_HAVE_NCCL
     if (s->ddp_.reducer != nullptr) {
       cuda::GpuDdpReducer* reducer = s->ddp_.reducer.get();
-      if (options.zero1 != nullptr) {
-        // ZeRO-1: the optimizer steps this rank's shards, clipping by the
-        // whole gradient's norm.
-        AIDN_RETURN_IF_ERROR(s->trainer_->OptimizeOver(reducer->shard_parameters()));
-        s->trainer_->optimizer().SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
-      }
       s->trainer_->SetGradReady(
           [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
       s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });

@@ -135,6 +135,15 @@ GpuSession::StateMemory SessionDdp::Memory(const std::vector<GpuParameter*>& par
   return m;
 }
 
+const std::vector<GpuParameter*>* SessionDdp::shards() const {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr && !reducer->shard_parameters().empty()) {
+    return &reducer->shard_parameters();
+  }
+#endif
+  return nullptr;
+}
+
 std::function<absl::Status(double*)> SessionDdp::NormAllReduce(GpuContext* ctx) const {
 #if AIDN_HAVE_NCCL
   NcclCommunicator* comm = nccl.get();

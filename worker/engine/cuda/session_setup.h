@@ -69,6 +69,8 @@ struct SessionDdp {
   GpuSession::StateMemory Memory(const std::vector<GpuParameter*>& parameters,
                                  const std::vector<GpuParameter*>& buffers,
                                  int64_t optimizer_state_bytes) const;
+  // ZeRO-1: this rank's shards, for the optimizer (null otherwise).
+  const std::vector<GpuParameter*>* shards() const;
   // ZeRO-1: the optimizer's clipping hook (GpuOptimizer::SetNormAllReduce):
   // the squared norm summed over the ranks on `ctx`'s stream.
   std::function<absl::Status(double*)> NormAllReduce(GpuContext* ctx) const;
