@@ -107,10 +107,6 @@ absl::Status ValidateGptModel(const v1::JobSpec& spec) {
     if (m.activation_checkpointing()) {
       return Invalid("model.activation_checkpointing", "runs on device: cpu for now");
     }
-    if (spec.precision() == v1::JobSpec::FP16) {
-      return Invalid("precision",
-                     "fp16 has no loss scaling for model gpt on the GPU yet (use bf16)");
-    }
     if (spec.cuda_graphs()) {
       return Invalid("cuda_graphs",
                      "not for model gpt yet (mlp, cnn and resnet steps are captured)");

@@ -227,24 +227,85 @@ GptConfig TinyGpt() {
   return c;
 }
 
-TEST(GpuSession, GptWithoutADeviceSaysWhyAndRefusesFp16) {
+TEST(GpuSession, GptWithoutADeviceSaysWhyAndRefusesCudaGraphs) {
   auto gpt = Gpt::Create(TinyGpt(), 1);
   ASSERT_TRUE(gpt.ok());
   GpuSessionOptions o;
-  o.precision = "fp16";
+  o.cuda_graphs = true;
   absl::StatusOr<std::unique_ptr<GpuSession>> session =
       GpuSession::CreateForGpt(o, **gpt, OptimizerConfig());
   ASSERT_FALSE(session.ok());
   EXPECT_EQ(session.status().code(), absl::StatusCode::kUnimplemented) << session.status();
-  // Refused for its precision wherever the binary has a GPU engine at all.
+  // Refused for its graphs wherever the binary has a GPU engine at all.
   if (GpuSessionAvailable()) {
-    EXPECT_THAT(session.status().message(), HasSubstr("fp16")) << session.status();
+    EXPECT_THAT(session.status().message(), HasSubstr("cuda_graphs")) << session.status();
   }
   DeviceInventory inventory = DiscoverDevices();
   if (!inventory.gpus.empty()) return;
   session = GpuSession::CreateForGpt(GpuSessionOptions(), **gpt, OptimizerConfig());
   ASSERT_FALSE(session.ok());
   EXPECT_THAT(session.status().message(), HasSubstr("device: gpu"));
+}
+
+// A GPT in fp16: dynamic loss scaling as the MLP's (GradScaler's initial
+// scale, steps that count towards growth), losses within fp16's rounding
+// of the CPU decoder's; a scale so large that the gradients overflow skips
+// the update and halves the scale.
+TEST(GpuSession, AGptTrainsInFp16WithItsLossScale) {
+  DeviceInventory inventory = DiscoverDevices();
+  if (inventory.gpus.empty()) GTEST_SKIP() << "no CUDA device: " << inventory.gpu_note;
+  auto cpu = Gpt::Create(TinyGpt(), 3);
+  ASSERT_TRUE(cpu.ok());
+  OptimizerConfig adamw;
+  adamw.name = "adamw";
+  adamw.lr = 1e-3;
+  GpuSessionOptions o;
+  o.precision = "fp16";
+  auto session = GpuSession::CreateForGpt(o, **cpu, adamw);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->loss_scale_state().has_value());
+  EXPECT_EQ((*session)->loss_scale_state()->scale, 65536.0);
+  // A scale this small model's gradients cannot overflow at: every step
+  // updates, so the weights stay the CPU's.
+  ASSERT_TRUE((*session)->RestoreLossScale({.scale = 1024, .growth_tracker = 0}).ok());
+  auto cpu_opt = Optimizer::Create(adamw, (*cpu)->Parameters());
+  ASSERT_TRUE(cpu_opt.ok());
+  std::mt19937_64 rng(5);
+  std::vector<int32_t> tokens, targets;
+  auto next_batch = [&] {
+    tokens.clear();
+    targets.clear();
+    for (int i = 0; i < 3 * 16; ++i) {
+      tokens.push_back(static_cast<int32_t>(rng() % 256));
+      targets.push_back(static_cast<int32_t>(rng() % 256));
+    }
+  };
+  MicroBatch micro;
+  micro.tokens = &tokens;
+  micro.labels = &targets;
+  micro.seq_len = 16;
+  double max_rel = 0;
+  for (int step = 0; step < 3; ++step) {
+    next_batch();
+    (*cpu)->ZeroGrad();
+    const double cpu_loss = (*cpu)->Forward(tokens.data(), targets.data(), 3, 16, true);
+    (*cpu)->Backward(1.0);
+    ASSERT_TRUE((*cpu_opt)->Step(adamw.lr).ok());
+    absl::StatusOr<double> gpu_loss = (*session)->Step({micro}, adamw.lr);
+    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+    EXPECT_FALSE((*session)->last_step_skipped()) << "step " << step;
+    max_rel = std::max(max_rel, std::fabs(*gpu_loss - cpu_loss) / cpu_loss);
+  }
+  std::printf("fp16 GPT: max rel loss difference over 3 steps %.3g\n", max_rel);
+  EXPECT_LE(max_rel, 1e-2);
+  EXPECT_EQ((*session)->loss_scale_state()->growth_tracker, 3);
+  // 2^40: the loss gradient itself overflows fp16.
+  ASSERT_TRUE((*session)->RestoreLossScale({.scale = 0x1p40, .growth_tracker = 0}).ok());
+  next_batch();
+  ASSERT_TRUE((*session)->Step({micro}, adamw.lr).ok());
+  EXPECT_TRUE((*session)->last_step_skipped());
+  EXPECT_EQ((*session)->loss_scale_state()->scale, 0x1p39);
+  EXPECT_EQ((*session)->optimizer_steps(), 3) << "the skipped step is not counted";
 }
 
 // A GPT session's steps of two micro-batches each against the CPU decoder

@@ -112,9 +112,9 @@ class GpuSession {
                                                             const OptimizerConfig& optimizer);
   // The same for a GPT decoder (cuda/gpu_gpt.h), whose micro-batches carry
   // tokens, targets (MicroBatch::labels) and their sequence length.
-  // UNIMPLEMENTED for precision fp16 (the decoder has no loss scaling yet),
-  // CUDA graphs, and what the GPU decoder lacks (tensor or pipeline
-  // parallelism, activation checkpointing).
+  // fp16 with dynamic loss scaling as Create's. UNIMPLEMENTED for CUDA
+  // graphs and what the GPU decoder lacks (tensor or pipeline parallelism,
+  // activation checkpointing).
   static absl::StatusOr<std::unique_ptr<GpuSession>> CreateForGpt(const GpuSessionOptions& options,
                                                                   const Gpt& model,
                                                                   const OptimizerConfig& optimizer);

@@ -36,10 +36,6 @@ class CudaGptSession final : public GpuSession {
   static absl::StatusOr<std::unique_ptr<GpuSession>> Make(const GpuSessionOptions& options,
                                                           const Gpt& model,
                                                           const OptimizerConfig& optimizer) {
-    if (options.precision == "fp16") {
-      return absl::UnimplementedError(
-          "precision: fp16 has no loss scaling for model gpt on the GPU yet (use bf16)");
-    }
     if (options.cuda_graphs) {
       return absl::UnimplementedError(
           "cuda_graphs: not for model gpt yet (mlp, cnn and resnet steps are captured)");
@@ -60,6 +56,15 @@ class CudaGptSession final : public GpuSession {
         cuda::GpuOptimizer::Create(s->ctx_.get(), optimizer,
                                    shards != nullptr ? *shards : s->model_->Parameters()));
     if (shards != nullptr) s->optimizer_->SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
+    if (options.precision == "fp16") {
+      // Dynamic loss scaling with GradScaler's defaults, as GpuTrainer's.
+      AIDN_ASSIGN_OR_RETURN(DynamicLossScaler scaler,
+                            DynamicLossScaler::Create(LossScaleOptions()));
+      s->scaler_ = scaler;
+      AIDN_ASSIGN_OR_RETURN(s->found_, s->ctx_->allocator().Allocate(sizeof(int32_t)));
+      AIDN_RETURN_IF_CUDA_ERROR(
+          cudaMallocHost(reinterpret_cast<void**>(&s->host_found_), sizeof(int32_t)));
+    }
     return std::unique_ptr<GpuSession>(std::move(s));
   }
 
@@ -69,6 +74,7 @@ class CudaGptSession final : public GpuSession {
       cudaEventDestroy(done_);
     }
     if (host_losses_ != nullptr) cudaFreeHost(host_losses_);
+    if (host_found_ != nullptr) cudaFreeHost(host_found_);
   }
 
   void SetSeed(uint64_t seed) override { model_->SetSeed(seed); }
@@ -88,7 +94,10 @@ class CudaGptSession final : public GpuSession {
     AIDN_RETURN_IF_ERROR(ReserveLossSlots(k));
     double* slots = static_cast<double*>(device_losses_.data());
     cudaStream_t stream = ctx_->stream();
-    const double grad_scale = 1.0 / static_cast<double>(k);
+    // fp16: the loss gradient times the loss scale.
+    const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    const double grad_scale = loss_scale / static_cast<double>(k);
+    last_skipped_ = false;
     AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
     cuda::GpuGpt::GradReadyFn on_ready;
 #if AIDN_HAVE_NCCL
@@ -131,19 +140,20 @@ class CudaGptSession final : public GpuSession {
 #if AIDN_HAVE_NCCL
     if (ddp_.reducer != nullptr) AIDN_RETURN_IF_ERROR(ddp_.reducer->AfterBackward());
 #endif
-    AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
+    if (scaler_) {
+      // Unscaled and checked after the averages; a step whose gradients
+      // overflowed is skipped and the scale backed off (a second host wait).
+      AIDN_ASSIGN_OR_RETURN(
+          const bool overflow,
+          cuda::UnscaleAndCheckGradients(ctx_.get(), params, loss_scale,
+                                         static_cast<int32_t*>(found_.data()), host_found_,
+                                         [this] { return WaitForStream(); }));
+      last_skipped_ = !scaler_->Update(overflow);
+    }
+    if (!last_skipped_) AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
     AIDN_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(host_losses_, slots, sizeof(double) * k, cudaMemcpyDeviceToHost, stream));
-    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, stream));
-    bool waited = false;
-#if AIDN_HAVE_NCCL
-    // Polling NCCL: a dead peer would leave `done_` pending forever.
-    if (ddp_.reducer != nullptr) {
-      AIDN_RETURN_IF_ERROR(ddp_.reducer->Wait(done_));
-      waited = true;
-    }
-#endif
-    if (!waited) AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+    AIDN_RETURN_IF_ERROR(WaitForStream());
     // As the CPU trainer: the mean of the micro-batches' losses.
     double loss = 0;
     for (int64_t i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
@@ -173,10 +183,16 @@ class CudaGptSession final : public GpuSession {
 
   int64_t last_bytes_sent() const override { return ddp_.bytes_sent(); }
   int64_t last_bytes_uncompressed() const override { return ddp_.bytes_uncompressed(); }
-  bool last_step_skipped() const override { return false; }
-  std::optional<LossScaleState> loss_scale_state() const override { return std::nullopt; }
-  absl::Status RestoreLossScale(const LossScaleState&) override {
-    return absl::FailedPreconditionError("a GPT session has no loss scale (fp32 or bf16)");
+  bool last_step_skipped() const override { return last_skipped_; }
+  std::optional<LossScaleState> loss_scale_state() const override {
+    if (!scaler_) return std::nullopt;
+    return scaler_->state();
+  }
+  absl::Status RestoreLossScale(const LossScaleState& state) override {
+    if (!scaler_) {
+      return absl::FailedPreconditionError("no loss scale to restore: only fp16 training has one");
+    }
+    return scaler_->Restore(state);
   }
   int64_t collective_sequence() const override { return ddp_.collective_sequence(); }
 
@@ -230,6 +246,17 @@ class CudaGptSession final : public GpuSession {
     return absl::OkStatus();
   }
 
+  // Waits for what the stream queued so far (polling NCCL with DDP: a dead
+  // peer would leave the event pending forever).
+  absl::Status WaitForStream() {
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
+#if AIDN_HAVE_NCCL
+    if (ddp_.reducer != nullptr) return ddp_.reducer->Wait(done_);
+#endif
+    AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
+    return absl::OkStatus();
+  }
+
   // Destroyed in reverse: the reducer and communicator first, the context
   // last.
   std::unique_ptr<cuda::GpuContext> ctx_;
@@ -242,6 +269,11 @@ class CudaGptSession final : public GpuSession {
   cuda::SessionDdp ddp_;
   cuda::EvalScratch eval_scratch_;
   std::string description_;
+  // fp16: the loss scaler, and the overflow flag on the device and pinned.
+  std::optional<DynamicLossScaler> scaler_;
+  cuda::DeviceBuffer found_;
+  int32_t* host_found_ = nullptr;
+  bool last_skipped_ = false;
 };
 
 }  // namespace

@@ -349,17 +349,9 @@ absl::Status GpuTrainer::WaitFor() {
 }
 
 absl::StatusOr<bool> GpuTrainer::UnscaleAndCheck(double scale) {
-  int32_t* found = static_cast<int32_t*>(found_.data());
-  AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(found, 0, sizeof(int32_t), ctx_->stream()));
-  const float inv_scale = static_cast<float>(1.0 / scale);
-  for (GpuParameter* p : model_->Parameters()) {
-    AIDN_RETURN_IF_ERROR(
-        LaunchUnscaleAndCheck(ctx_->stream(), p->grad.data(), p->grad.numel(), inv_scale, found));
-  }
-  AIDN_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(host_found_, found, sizeof(int32_t), cudaMemcpyDeviceToHost, ctx_->stream()));
-  AIDN_RETURN_IF_ERROR(WaitFor());
-  return *host_found_ != 0;
+  return UnscaleAndCheckGradients(ctx_, model_->Parameters(), scale,
+                                  static_cast<int32_t*>(found_.data()), host_found_,
+                                  [this] { return WaitFor(); });
 }
 
 GpuTrainer::~GpuTrainer() {

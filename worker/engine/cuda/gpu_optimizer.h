@@ -32,6 +32,17 @@
 
 namespace aidn::engine::cuda {
 
+// fp16 loss scaling's check, between backward (and DDP's averages) and the
+// update: every gradient of `parameters` divided by `scale` and checked for
+// an inf or a NaN on the context's stream, the flag (`device_flag`, one
+// int32) read back into pinned `host_flag` once `wait` has waited for the
+// stream. Whether a gradient overflowed.
+absl::StatusOr<bool> UnscaleAndCheckGradients(GpuContext* ctx,
+                                              const std::vector<GpuParameter*>& parameters,
+                                              double scale, int32_t* device_flag,
+                                              int32_t* host_flag,
+                                              const std::function<absl::Status()>& wait);
+
 class GpuOptimizer {
  public:
   // INVALID_ARGUMENT as Optimizer::Create: a bad config (ValidateOptimizerConfig),
