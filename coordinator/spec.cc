@@ -419,12 +419,6 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
       break;
     case JobSpec::ZERO1:
       if (spec.device() == JobSpec::GPU) {
-        // The GPU reducer shards plain buckets of fp32 or bf16 steps.
-        if (spec.precision() == JobSpec::FP16) {
-          return Invalid("strategy",
-                         "ZERO1 on a GPU does not take precision: fp16 yet (its loss "
-                         "scaling checks whole gradients; use bf16)");
-        }
         if (spec.ddp().find_unused_parameters() || spec.model().stochastic_depth() > 0) {
           return Invalid("strategy",
                          "ZERO1 on a GPU does not take ddp.find_unused_parameters or "

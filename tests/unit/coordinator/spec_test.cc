@@ -108,13 +108,6 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
       {[](JobSpec* s) {
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::ZERO1);
-         s->set_precision(JobSpec::FP16);
-       },
-       "strategy: ZERO1 on a GPU does not take precision: fp16 yet (its loss scaling checks whole "
-       "gradients; use bf16)"},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->set_strategy(JobSpec::ZERO1);
          s->mutable_ddp()->set_find_unused_parameters(true);
          s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
        },
@@ -441,11 +434,12 @@ const BadCase kBadCases[] = {
     {"MaxStepsTooMany", [](JobSpec* s) { s->set_max_steps(1'000'000'000'001); }, "max_steps"},
     {"NeitherEpochsNorMaxSteps", [](JobSpec* s) { s->set_epochs(0); }, "epochs"},
     // strategy, buckets, precision
-    {"StrategyZero1OnGpuInFp16",
+    {"StrategyZero1OnGpuWithUnusedParameters",
      [](JobSpec* s) {
        s->set_device(JobSpec::GPU);
        s->set_strategy(JobSpec::ZERO1);
-       s->set_precision(JobSpec::FP16);
+       s->mutable_ddp()->set_find_unused_parameters(true);
+       s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
      },
      "strategy"},
     {"StrategyZero2OnGpu",

@@ -450,6 +450,17 @@ absl::Status NcclCommunicator::ReduceScatter(const float* in, size_t count, floa
   return Complete(absl::StrCat("nccl reduce-scatter of ", count, " floats"));
 }
 
+absl::Status NcclCommunicator::AllReduceIntMaxOn(cudaStream_t stream, int32_t* data, size_t count) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce: null buffer");
+  AIDN_RETURN_IF_ERROR(WaitFor(stream));
+  AIDN_RETURN_IF_ERROR(
+      Queued(absl::StrCat("nccl allreduce (max) of ", count, " ints"),
+             ncclAllReduce(data, data, count, ncclInt32, ncclMax, comm_, stream_)));
+  return Before(stream);
+}
+
 absl::Status NcclCommunicator::AllReduceDoubleSumOn(cudaStream_t stream, double* data,
                                                     size_t count) {
   AIDN_RETURN_IF_ERROR(Usable());

@@ -122,6 +122,9 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // `stream`'s work before and after as AllReduceSumOn (ZeRO's gradient
   // norm from the ranks' shards).
   absl::Status AllReduceDoubleSumOn(cudaStream_t stream, double* data, size_t count);
+  // The largest of every rank's `data` in place (int32), ordered likewise
+  // (loss scaling's overflow flag over ZeRO-1's shards).
+  absl::Status AllReduceIntMaxOn(cudaStream_t stream, int32_t* data, size_t count);
   // Queues AllGather's all-gather on stream() without waiting (in place
   // when `in` is `out` + rank x count).
   absl::Status EnqueueAllGather(const float* in, size_t count, float* out);

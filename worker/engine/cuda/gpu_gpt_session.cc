@@ -143,11 +143,14 @@ class CudaGptSession final : public GpuSession {
     if (scaler_) {
       // Unscaled and checked after the averages; a step whose gradients
       // overflowed is skipped and the scale backed off (a second host wait).
+      // ZeRO-1: each rank checks its shards, the flag goes over the ranks.
+      const bool sharded = ddp_.shards() != nullptr;
       AIDN_ASSIGN_OR_RETURN(
           const bool overflow,
-          cuda::UnscaleAndCheckGradients(ctx_.get(), params, loss_scale,
-                                         static_cast<int32_t*>(found_.data()), host_found_,
-                                         [this] { return WaitForStream(); }));
+          cuda::UnscaleAndCheckGradients(
+              ctx_.get(), optimizer_->parameters(), loss_scale,
+              static_cast<int32_t*>(found_.data()), host_found_, [this] { return WaitForStream(); },
+              sharded ? ddp_.OverflowAllReduce(ctx_.get()) : nullptr));
       last_skipped_ = !scaler_->Update(overflow);
     }
     if (!last_skipped_) AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));

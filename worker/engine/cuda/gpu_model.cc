@@ -349,9 +349,9 @@ absl::Status GpuTrainer::WaitFor() {
 }
 
 absl::StatusOr<bool> GpuTrainer::UnscaleAndCheck(double scale) {
-  return UnscaleAndCheckGradients(ctx_, model_->Parameters(), scale,
-                                  static_cast<int32_t*>(found_.data()), host_found_,
-                                  [this] { return WaitFor(); });
+  return UnscaleAndCheckGradients(
+      ctx_, optimizer_->parameters(), scale, static_cast<int32_t*>(found_.data()), host_found_,
+      [this] { return WaitFor(); }, overflow_allreduce_);
 }
 
 GpuTrainer::~GpuTrainer() {

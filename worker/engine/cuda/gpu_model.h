@@ -229,6 +229,11 @@ class GpuTrainer {
   void InvalidateGraph();
 
   GpuOptimizer& optimizer() { return *optimizer_; }
+  // fp16 with ZeRO-1: the overflow flag (one device int32) combined over
+  // the ranks in the stream's order, since each rank checks its shards.
+  void SetOverflowAllReduce(std::function<absl::Status(int32_t*)> hook) {
+    overflow_allreduce_ = std::move(hook);
+  }
 
   // The last step's logits (of its last micro-batch; valid until the next
   // step).
@@ -251,6 +256,7 @@ class GpuTrainer {
   GpuContext* ctx_;
   GpuModel* model_;
   std::unique_ptr<GpuOptimizer> optimizer_;
+  std::function<absl::Status(int32_t*)> overflow_allreduce_;
   GpuCrossEntropy loss_;
   GpuTensor input_;
   GpuTensor logits_;

@@ -57,11 +57,10 @@ absl::StatusOr<std::unique_ptr<GpuOptimizer>> GpuOptimizer::Create(
   return opt;
 }
 
-absl::StatusOr<bool> UnscaleAndCheckGradients(GpuContext* ctx,
-                                              const std::vector<GpuParameter*>& parameters,
-                                              double scale, int32_t* device_flag,
-                                              int32_t* host_flag,
-                                              const std::function<absl::Status()>& wait) {
+absl::StatusOr<bool> UnscaleAndCheckGradients(
+    GpuContext* ctx, const std::vector<GpuParameter*>& parameters, double scale,
+    int32_t* device_flag, int32_t* host_flag, const std::function<absl::Status()>& wait,
+    const std::function<absl::Status(int32_t*)>& reduce_flag) {
   cudaStream_t stream = ctx->stream();
   AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(device_flag, 0, sizeof(int32_t), stream));
   const float inv_scale = static_cast<float>(1.0 / scale);
@@ -69,6 +68,7 @@ absl::StatusOr<bool> UnscaleAndCheckGradients(GpuContext* ctx,
     AIDN_RETURN_IF_ERROR(
         LaunchUnscaleAndCheck(stream, p->grad.data(), p->grad.numel(), inv_scale, device_flag));
   }
+  if (reduce_flag) AIDN_RETURN_IF_ERROR(reduce_flag(device_flag));
   AIDN_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(host_flag, device_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   AIDN_RETURN_IF_ERROR(wait());

@@ -35,13 +35,13 @@ namespace aidn::engine::cuda {
 // fp16 loss scaling's check, between backward (and DDP's averages) and the
 // update: every gradient of `parameters` divided by `scale` and checked for
 // an inf or a NaN on the context's stream, the flag (`device_flag`, one
-// int32) read back into pinned `host_flag` once `wait` has waited for the
-// stream. Whether a gradient overflowed.
-absl::StatusOr<bool> UnscaleAndCheckGradients(GpuContext* ctx,
-                                              const std::vector<GpuParameter*>& parameters,
-                                              double scale, int32_t* device_flag,
-                                              int32_t* host_flag,
-                                              const std::function<absl::Status()>& wait);
+// int32) combined over the ranks by `reduce_flag` if given (ZeRO-1: each
+// rank checks its shards only), then read back into pinned `host_flag`
+// once `wait` has waited for the stream. Whether a gradient overflowed.
+absl::StatusOr<bool> UnscaleAndCheckGradients(
+    GpuContext* ctx, const std::vector<GpuParameter*>& parameters, double scale,
+    int32_t* device_flag, int32_t* host_flag, const std::function<absl::Status()>& wait,
+    const std::function<absl::Status(int32_t*)>& reduce_flag = nullptr);
 
 class GpuOptimizer {
  public:
@@ -91,6 +91,8 @@ class GpuOptimizer {
   bool prepared_first_step() const { return config_.name == "sgd" && args_.sgd.first_step; }
 
   int64_t steps() const { return steps_; }
+  // The parameters it steps (the model's, or ZeRO-1's shards).
+  const std::vector<GpuParameter*>& parameters() const { return params_; }
   // Clipping over parameters that are each rank's shards (ZeRO-1): the
   // hook sums one device double, this rank's squared norm, over the ranks
   // in the stream's order, so that every rank clips by the whole

@@ -44,8 +44,10 @@ class CudaGpuSession final : public GpuSession {
     AIDN_ASSIGN_OR_RETURN(
         s->trainer_, cuda::GpuTrainer::Create(s->ctx_.get(), s->model_.get(), optimizer, shards));
     if (shards != nullptr) {
-      // Clipping by the whole gradient's norm.
+      // Clipping by the whole gradient's norm; fp16's overflow by every
+      // rank's shards.
       s->trainer_->optimizer().SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
+      s->trainer_->SetOverflowAllReduce(s->ddp_.OverflowAllReduce(s->ctx_.get()));
     }
     if (options.cuda_graphs && options.world_size == 1) {
       s->trainer_->SetCudaGraphs(true);

@@ -144,6 +144,16 @@ const std::vector<GpuParameter*>* SessionDdp::shards() const {
   return nullptr;
 }
 
+std::function<absl::Status(int32_t*)> SessionDdp::OverflowAllReduce(GpuContext* ctx) const {
+#if AIDN_HAVE_NCCL
+  NcclCommunicator* comm = nccl.get();
+  return [comm, ctx](int32_t* flag) { return comm->AllReduceIntMaxOn(ctx->stream(), flag, 1); };
+#else
+  (void)ctx;
+  return nullptr;
+#endif
+}
+
 std::function<absl::Status(double*)> SessionDdp::NormAllReduce(GpuContext* ctx) const {
 #if AIDN_HAVE_NCCL
   NcclCommunicator* comm = nccl.get();
@@ -172,11 +182,6 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
                              std::string* description) {
   if (options.world_size <= 1) return absl::OkStatus();
-  if (options.zero1 != nullptr && options.precision == "fp16") {
-    return absl::UnimplementedError(
-        "strategy: zero1 on a GPU does not take precision: fp16 yet (its loss scaling checks "
-        "whole gradients, not the shards; use bf16)");
-  }
 #if AIDN_HAVE_NCCL
   NcclOptions nccl;
   nccl.rank = options.rank;

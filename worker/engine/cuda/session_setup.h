@@ -71,6 +71,9 @@ struct SessionDdp {
                                  int64_t optimizer_state_bytes) const;
   // ZeRO-1: this rank's shards, for the optimizer (null otherwise).
   const std::vector<GpuParameter*>* shards() const;
+  // ZeRO-1 in fp16: the overflow flag's maximum over the ranks on `ctx`'s
+  // stream (GpuTrainer::SetOverflowAllReduce).
+  std::function<absl::Status(int32_t*)> OverflowAllReduce(GpuContext* ctx) const;
   // ZeRO-1: the optimizer's clipping hook (GpuOptimizer::SetNormAllReduce):
   // the squared norm summed over the ranks on `ctx`'s stream.
   std::function<absl::Status(double*)> NormAllReduce(GpuContext* ctx) const;
