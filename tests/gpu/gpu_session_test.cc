@@ -266,7 +266,7 @@ TEST(GpuSession, AGptTrainsInFp16WithItsLossScale) {
   ASSERT_TRUE((*session)->loss_scale_state().has_value());
   EXPECT_EQ((*session)->loss_scale_state()->scale, 65536.0);
   // A scale this small model's gradients cannot overflow at: every step
-  // updates, so the weights stay the CPU's.
+  // updates, as the CPU's do.
   ASSERT_TRUE((*session)->RestoreLossScale({.scale = 1024, .growth_tracker = 0}).ok());
   auto cpu_opt = Optimizer::Create(adamw, (*cpu)->Parameters());
   ASSERT_TRUE(cpu_opt.ok());
@@ -299,7 +299,8 @@ TEST(GpuSession, AGptTrainsInFp16WithItsLossScale) {
   std::printf("fp16 GPT: max rel loss difference over 3 steps %.3g\n", max_rel);
   EXPECT_LE(max_rel, 1e-2);
   EXPECT_EQ((*session)->loss_scale_state()->growth_tracker, 3);
-  // 2^40: the loss gradient itself overflows fp16.
+  // 2^40: the scaled loss gradient, finite in fp32, overflows when the LM
+  // head's product rounds it to fp16.
   ASSERT_TRUE((*session)->RestoreLossScale({.scale = 0x1p40, .growth_tracker = 0}).ok());
   next_batch();
   ASSERT_TRUE((*session)->Step({micro}, adamw.lr).ok());

@@ -115,11 +115,16 @@ class GpuDdpReducer {
   // and the compute stream ordered after it; no host wait (Wait reports an
   // error). Call before a step's first forward, on every rank alike.
   absl::Status BroadcastBuffers(const std::vector<GpuParameter*>& buffers);
-  // Waits for `done` (recorded on the compute stream after the update),
-  // polling NCCL; then measures the allreduce time. ZeRO-1: first queues
+  // The end-of-step wait: for `done` (recorded on the compute stream after
+  // the update), polling NCCL; then measures the allreduce time. ZeRO-1: first queues
   // the weights' all-gathers after `done`, orders the compute stream after
   // them, and waits for them instead.
   absl::Status Wait(cudaEvent_t done);
+  // A host wait mid-step (fp16's overflow check after the averages): for
+  // `event`, polling NCCL, with none of Wait's end-of-step work.
+  absl::Status WaitForCheck(cudaEvent_t event) {
+    return nccl_->WaitForEvent(event, "gradient averages");
+  }
 
   // From the first bucket's launch to the last bucket's end, on the NCCL
   // stream, in the last step (0 before one).

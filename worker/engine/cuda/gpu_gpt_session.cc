@@ -4,9 +4,11 @@
 // backward (the stream order is gpu_session.cc's).
 //
 // A step: gradients zeroed; per micro-batch its seed, the tokens uploaded,
-// forward, the loss copied into the step's slot, backward scaled by 1/k;
-// the reducer's allreduces waited for on the device; the update; the
-// losses copied into pinned memory; one host wait.
+// forward, the loss copied into the step's slot, backward scaled by 1/k
+// (times the loss scale in fp16); the reducer's allreduces waited for on
+// the device; in fp16 the gradients unscaled and checked (a host wait) and
+// an overflowed step's update skipped; the update; the losses copied into
+// pinned memory; one host wait at the end.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -145,18 +147,18 @@ class CudaGptSession final : public GpuSession {
       // overflowed is skipped and the scale backed off (a second host wait).
       // ZeRO-1: each rank checks its shards, the flag goes over the ranks.
       const bool sharded = ddp_.shards() != nullptr;
-      AIDN_ASSIGN_OR_RETURN(
-          const bool overflow,
-          cuda::UnscaleAndCheckGradients(
-              ctx_.get(), optimizer_->parameters(), loss_scale,
-              static_cast<int32_t*>(found_.data()), host_found_, [this] { return WaitForStream(); },
-              sharded ? ddp_.OverflowAllReduce(ctx_.get()) : nullptr));
+      AIDN_ASSIGN_OR_RETURN(const bool overflow,
+                            cuda::UnscaleAndCheckGradients(
+                                ctx_.get(), optimizer_->parameters(), loss_scale,
+                                static_cast<int32_t*>(found_.data()), host_found_,
+                                [this] { return WaitForStream(/*end_of_step=*/false); },
+                                sharded ? ddp_.OverflowAllReduce(ctx_.get()) : nullptr));
       last_skipped_ = !scaler_->Update(overflow);
     }
     if (!last_skipped_) AIDN_RETURN_IF_ERROR(optimizer_->Step(lr));
     AIDN_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(host_losses_, slots, sizeof(double) * k, cudaMemcpyDeviceToHost, stream));
-    AIDN_RETURN_IF_ERROR(WaitForStream());
+    AIDN_RETURN_IF_ERROR(WaitForStream(/*end_of_step=*/true));
     // As the CPU trainer: the mean of the micro-batches' losses.
     double loss = 0;
     for (int64_t i = 0; i < k; ++i) loss += host_losses_[i] / static_cast<double>(k);
@@ -250,11 +252,14 @@ class CudaGptSession final : public GpuSession {
   }
 
   // Waits for what the stream queued so far (polling NCCL with DDP: a dead
-  // peer would leave the event pending forever).
-  absl::Status WaitForStream() {
+  // peer would leave the event pending forever); at the end of a step
+  // through the reducer's Wait (timings, ZeRO-1's all-gathers).
+  absl::Status WaitForStream(bool end_of_step) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
 #if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) return ddp_.reducer->Wait(done_);
+    if (ddp_.reducer != nullptr) {
+      return end_of_step ? ddp_.reducer->Wait(done_) : ddp_.reducer->WaitForCheck(done_);
+    }
 #endif
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
     return absl::OkStatus();

@@ -351,7 +351,12 @@ absl::Status GpuTrainer::WaitFor() {
 absl::StatusOr<bool> GpuTrainer::UnscaleAndCheck(double scale) {
   return UnscaleAndCheckGradients(
       ctx_, optimizer_->parameters(), scale, static_cast<int32_t*>(found_.data()), host_found_,
-      [this] { return WaitFor(); }, overflow_allreduce_);
+      [this]() -> absl::Status {
+        if (!check_wait_) return WaitFor();
+        AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
+        return check_wait_(done_);
+      },
+      overflow_allreduce_);
 }
 
 GpuTrainer::~GpuTrainer() {
@@ -383,7 +388,7 @@ void GpuTrainer::InvalidateGraph() {
 std::string GpuTrainer::GraphBlocker() const {
   if (!graphs_) return "CUDA graphs off";
   if (graphs_failed_) return graph_note_;
-  if (grad_ready_ || after_backward_ || wait_ || before_forward_) {
+  if (grad_ready_ || after_backward_ || wait_ || check_wait_ || before_forward_) {
     return "CUDA graphs not used: the step has hooks (DDP, or a test's)";
   }
   if (scaler_) return "CUDA graphs not used: fp16 loss scaling waits on the host mid-step";

@@ -181,6 +181,12 @@ class GpuTrainer {
   // default cudaEventSynchronize; DDP polls NCCL for errors meanwhile, since
   // a dead peer would leave `done` pending forever.
   void SetWait(std::function<absl::Status(cudaEvent_t done)> wait) { wait_ = std::move(wait); }
+  // How the host waits mid-step, for fp16's overflow check after DDP's
+  // averages (the reducer's WaitForCheck: no end-of-step work such as
+  // ZeRO-1's all-gathers); unset, as at the end of a step.
+  void SetCheckWait(std::function<absl::Status(cudaEvent_t event)> wait) {
+    check_wait_ = std::move(wait);
+  }
   // Runs once per Step before the first micro-batch's forward (DDP's
   // broadcast_buffers: rank 0's running statistics to every rank, as torch
   // broadcasts them before a step's first forward). An error fails the Step.
@@ -264,6 +270,7 @@ class GpuTrainer {
   GpuModel::GradReadyFn grad_ready_;
   std::function<absl::Status()> after_backward_;
   std::function<absl::Status(cudaEvent_t)> wait_;
+  std::function<absl::Status(cudaEvent_t)> check_wait_;
   std::function<absl::Status()> before_forward_;
   UsedFn before_last_backward_;
   // The step's losses, copied here (pinned) before `done_`.

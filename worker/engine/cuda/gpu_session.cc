@@ -67,6 +67,8 @@ class CudaGpuSession final : public GpuSession {
             return reducer->BeginBackward(used, unused_now);
           });
       s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
+      s->trainer_->SetCheckWait(
+          [reducer](cudaEvent_t event) { return reducer->WaitForCheck(event); });
       if (options.sync_batchnorm) {
         // The statistics' collectives on the DDP communicator's stream.
         s->model_->SetBatchNormSync(s->ddp_.nccl.get());
