@@ -418,13 +418,6 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
     case JobSpec::DDP:
       break;
     case JobSpec::ZERO1:
-      if (spec.device() == JobSpec::GPU) {
-        if (spec.ddp().find_unused_parameters() || spec.model().stochastic_depth() > 0) {
-          return Invalid("strategy",
-                         "ZERO1 on a GPU does not take ddp.find_unused_parameters or "
-                         "model.stochastic_depth yet (use ddp)");
-        }
-      }
       break;
     case JobSpec::ZERO2:
     case JobSpec::FSDP:

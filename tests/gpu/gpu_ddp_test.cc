@@ -401,6 +401,70 @@ TEST(GpuDdp, ZeroOneOverOneRankTrainsBitForBitAsWithoutDdp) {
   EXPECT_TRUE((*layout)->map().StatePieces((*host)->State()).ok());
 }
 
+// ZeRO-1 with skipped blocks over one rank: the skipped parameters' shards
+// are left alone with them (their used flags summed, as under DDP), bit for
+// bit as a trainer without DDP leaves the parameters alone.
+TEST(GpuDdp, ZeroOneLeavesTheShardsOfUnusedParametersAlone) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, Reproducible());
+  ModelConfig config;
+  config.name = "resnet18";
+  config.stochastic_depth = 0.5;
+  auto cpu = BuildModel(config, 3);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto plain = GpuModel::Create(ctx.get(), **cpu);
+  auto sharded = GpuModel::Create(ctx.get(), **cpu);
+  ASSERT_TRUE(plain.ok() && sharded.ok());
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.05;
+  opt.momentum = 0.9;
+  auto plain_trainer = GpuTrainer::Create(ctx.get(), plain->get(), opt);
+  ASSERT_TRUE(plain_trainer.ok());
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
+  ASSERT_NE(nccl, nullptr);
+  auto layout = ZeroOneShards::Create((*cpu)->Parameters(), 1, 0, 1);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto reducer = GpuDdpReducer::Create(
+      ctx.get(), (*sharded)->Parameters(), nccl.get(),
+      DdpOptions{.bucket_mb = 1, .shard_optimizer = true, .find_unused_parameters = true},
+      &(*layout)->map());
+  ASSERT_TRUE(reducer.ok()) << reducer.status();
+  const std::vector<GpuParameter*>& shards = (*reducer)->shard_parameters();
+  auto sharded_trainer = GpuTrainer::Create(ctx.get(), sharded->get(), opt, &shards);
+  ASSERT_TRUE(sharded_trainer.ok()) << sharded_trainer.status();
+  Hook(sharded_trainer->get(), reducer->get());
+  GpuDdpReducer* r = reducer->get();
+  (*sharded_trainer)
+      ->SetBeforeLastBackward(
+          [r](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
+            return r->BeginBackward(used, unused_now);
+          });
+  const Tensor images = RandomTensor({16, 1, 28, 28}, 6);
+  std::vector<int32_t> labels(16);
+  for (int j = 0; j < 16; ++j) labels[static_cast<size_t>(j)] = (j * 7) % 10;
+  int skipped_shards = 0;
+  for (uint64_t step = 0; step < 5; ++step) {
+    const std::vector<MicroBatch> micro = {{&images, &labels, 60 + step}};
+    absl::StatusOr<double> a = (*plain_trainer)->Step(micro, opt.lr);
+    absl::StatusOr<double> b = (*sharded_trainer)->Step(micro, opt.lr);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(*a, *b) << "step " << step;
+    for (const GpuParameter* s : shards) skipped_shards += s->no_grad ? 1 : 0;
+  }
+  EXPECT_GT(skipped_shards, 0) << "no step skipped a block: the test shows nothing";
+  auto want = BuildModel(config, 8);
+  auto got = BuildModel(config, 9);
+  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
+  ASSERT_TRUE((*sharded)->CopyParametersTo((*got)->Parameters()).ok());
+  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
+              0.0)
+        << (*want)->Parameters()[k]->name;
+  }
+}
+
 // A bucket that fills before the ones ahead of it (the parameters of a
 // block the forward skipped, reported before backward) waits for its turn:
 // every rank launches in plan order whatever it skipped, so that the

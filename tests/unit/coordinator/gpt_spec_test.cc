@@ -142,6 +142,8 @@ TEST(GptSpec, TrainsOnAGpuInEveryPrecision) {
     spec.mutable_ddp()->set_find_unused_parameters(true);
     spec.mutable_ddp()->set_compression(v1::DdpSpec::NONE);
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
+    spec.set_strategy(JobSpec::ZERO1);
+    EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, spec).ok()) << ValidateJobSpec(SpecLimits{}, spec);
   }
 }
 

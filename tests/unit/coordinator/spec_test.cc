@@ -105,14 +105,6 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
          s->mutable_fsdp()->set_sharding(static_cast<v1::FsdpSpec::Sharding>(7));
        },
        "fsdp.sharding: unknown value 7 (known: full_shard, shard_grad_op)"},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->set_strategy(JobSpec::ZERO1);
-         s->mutable_ddp()->set_find_unused_parameters(true);
-         s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
-       },
-       "strategy: ZERO1 on a GPU does not take ddp.find_unused_parameters or "
-       "model.stochastic_depth yet (use ddp)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::BF16); },
        "precision: BF16 is for device: gpu (CPU jobs compute in fp32)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::FP16); },
@@ -434,14 +426,6 @@ const BadCase kBadCases[] = {
     {"MaxStepsTooMany", [](JobSpec* s) { s->set_max_steps(1'000'000'000'001); }, "max_steps"},
     {"NeitherEpochsNorMaxSteps", [](JobSpec* s) { s->set_epochs(0); }, "epochs"},
     // strategy, buckets, precision
-    {"StrategyZero1OnGpuWithUnusedParameters",
-     [](JobSpec* s) {
-       s->set_device(JobSpec::GPU);
-       s->set_strategy(JobSpec::ZERO1);
-       s->mutable_ddp()->set_find_unused_parameters(true);
-       s->mutable_ddp()->set_compression(v1::DdpSpec::NONE);
-     },
-     "strategy"},
     {"StrategyZero2OnGpu",
      [](JobSpec* s) {
        s->set_device(JobSpec::GPU);

@@ -27,7 +27,7 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
   AIDN_RETURN_IF_ERROR(CheckDdpOptions(options));
   AIDN_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(numels, options.bucket_mb, 0));
   if (options.shard_optimizer) {
-    AIDN_RETURN_IF_ERROR(CheckShardLayout(parameters, options, shards, nccl->world_size(), &plan));
+    AIDN_RETURN_IF_ERROR(CheckShardLayout(parameters, shards, nccl->world_size(), &plan));
   }
   std::unique_ptr<GpuDdpReducer> r(new GpuDdpReducer(ctx, nccl));
   r->half_ = options.half;
@@ -103,14 +103,10 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
 }
 
 absl::Status GpuDdpReducer::CheckShardLayout(const std::vector<GpuParameter*>& parameters,
-                                             const DdpOptions& options, const ShardMap* shards,
-                                             int world_size, BucketPlan* plan) {
+                                             const ShardMap* shards, int world_size,
+                                             BucketPlan* plan) {
   if (shards == nullptr) {
     return absl::InvalidArgumentError("gpu ddp: ZeRO-1 needs the shards' layout");
-  }
-  if (options.find_unused_parameters) {
-    return absl::UnimplementedError(
-        "gpu ddp: ZeRO-1 with find_unused_parameters runs on the CPU only");
   }
   // The buckets padded as ShardedBucketGroups pads them; the layout must
   // be that plan's, parameter for parameter.
@@ -173,6 +169,7 @@ absl::Status GpuDdpReducer::ShardBuckets(const ShardMap& shards, const BucketPla
     piece->whole_shape = parameters_[at.parameter]->value.shape();
     shard_view_.push_back(piece.get());
     shards_.push_back(std::move(piece));
+    shard_whole_.push_back(at.parameter);
   }
   return absl::OkStatus();
 }
@@ -362,6 +359,11 @@ absl::Status GpuDdpReducer::ExchangeUsedFlags() {
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(used_done_, comm));
   AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(used_done_, "used parameter flags"));
   for (size_t i = 0; i < n; ++i) parameters_[i]->no_grad = used_host_[i] == 0.0f;
+  // ZeRO-1: a shard is left alone with its whole parameter (as
+  // ShardMap::CopyNoGradToShards on the CPU).
+  for (size_t k = 0; k < shard_view_.size(); ++k) {
+    shard_view_[k]->no_grad = parameters_[shard_whole_[k]]->no_grad;
+  }
   std::fill(used_host_, used_host_ + n, 1.0f);
   return absl::OkStatus();
 }

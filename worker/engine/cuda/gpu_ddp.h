@@ -41,7 +41,8 @@
 // rank's shards (named as the CPU reducer names them, values and gradients
 // views into the rank's slices) for an optimizer over them; Wait
 // all-gathers every bucket's weights in place after the update, before
-// the next forward. Not with compression or find_unused_parameters.
+// the next forward (find_unused_parameters: a shard is left alone with its
+// whole parameter). Not with compression.
 //
 // Unused parameters (a forward that skipped a block: GpuTrainer's
 // before-last-backward hook calls BeginBackward): without
@@ -182,8 +183,7 @@ class GpuDdpReducer {
   absl::Status Launch(int bucket);
   // ZeRO-1: the plan padded, and checked against the shards' layout.
   static absl::Status CheckShardLayout(const std::vector<GpuParameter*>& parameters,
-                                       const DdpOptions& options, const ShardMap* shards,
-                                       int world_size, BucketPlan* plan);
+                                       const ShardMap* shards, int world_size, BucketPlan* plan);
   // ZeRO-1: the weights into the buckets' layout, and the shards.
   absl::Status ShardBuckets(const ShardMap& shards, const BucketPlan& plan);
   // find_unused_parameters: the used flags summed over the ranks, read on
@@ -218,6 +218,7 @@ class GpuDdpReducer {
   size_t rank_ = 0;
   std::vector<std::unique_ptr<GpuParameter>> shards_;
   std::vector<GpuParameter*> shard_view_;
+  std::vector<size_t> shard_whole_;     // each shard's parameter, registration index
   cudaEvent_t gather_start_ = nullptr;  // timed: the all-gathers' span
   cudaEvent_t gathered_ = nullptr;
   int64_t bytes_sent_ = 0;
