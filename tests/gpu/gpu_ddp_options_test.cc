@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/nccl_test_util.h"
 #include "worker/engine/batchnorm.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/comm/nccl_communicator.h"
@@ -35,14 +36,7 @@ using testing::RandomTensor;
 using testing::ToDevice;
 using testing::ToHost;
 
-std::unique_ptr<NcclCommunicator> WorldOfOne(InMemoryKeyValueStore* store) {
-  setenv("NCCL_SOCKET_IFNAME", "lo", 0);
-  NcclOptions options;
-  options.timeout = std::chrono::seconds(60);
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(options, store);
-  EXPECT_TRUE(comm.ok()) << comm.status();
-  return comm.ok() ? std::move(comm).value() : nullptr;
-}
+using ::aidn::engine::testing::WorldOfOne;
 
 // The CPU's world of one: every collective leaves the data as it is (the
 // sum and the mean over one rank), as the NCCL communicator of one rank.

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/nccl_test_util.h"
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/cuda/gpu_model.h"
 #include "worker/engine/half.h"
@@ -29,14 +30,7 @@ using ::testing::HasSubstr;
 using testing::RandomTensor;
 using testing::ToHost;
 
-std::unique_ptr<NcclCommunicator> WorldOfOne(InMemoryKeyValueStore* store) {
-  setenv("NCCL_SOCKET_IFNAME", "lo", 0);
-  NcclOptions options;
-  options.timeout = std::chrono::seconds(60);
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(options, store);
-  EXPECT_TRUE(comm.ok()) << comm.status();
-  return comm.ok() ? std::move(comm).value() : nullptr;
-}
+using ::aidn::engine::testing::WorldOfOne;
 
 ModelConfig Cnn() {
   ModelConfig c;
@@ -53,11 +47,30 @@ GpuContextOptions Reproducible() {
   return o;
 }
 
+// The reducer's hooks, as GpuSession sets them.
 void Hook(GpuTrainer* trainer, GpuDdpReducer* reducer) {
   trainer->SetGradReady(
       [reducer](const std::vector<GpuParameter*>& p) { return reducer->OnGradReady(p); });
+  trainer->SetBeforeLastBackward(
+      [reducer](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
+        return reducer->BeginBackward(used, unused_now);
+      });
   trainer->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
   trainer->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
+  trainer->SetCheckWait([reducer](cudaEvent_t event) { return reducer->WaitForCheck(event); });
+}
+
+// Two GPU models of `config` hold the same weights, bit for bit.
+void ExpectSameWeights(const ModelConfig& config, const GpuModel& want, const GpuModel& got) {
+  auto a = BuildModel(config, 8);
+  auto b = BuildModel(config, 9);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(want.CopyParametersTo((*a)->Parameters()).ok());
+  ASSERT_TRUE(got.CopyParametersTo((*b)->Parameters()).ok());
+  for (size_t k = 0; k < (*a)->Parameters().size(); ++k) {
+    EXPECT_EQ(testing::MaxRelError((*b)->Parameters()[k]->value, (*a)->Parameters()[k]->value), 0.0)
+        << (*a)->Parameters()[k]->name;
+  }
 }
 
 TEST(GpuDdp, AWorldOfOneThroughSeveralBucketsTrainsBitForBitAsWithoutDdp) {
@@ -114,15 +127,7 @@ TEST(GpuDdp, AWorldOfOneThroughSeveralBucketsTrainsBitForBitAsWithoutDdp) {
   EXPECT_EQ(*a, *b);
   EXPECT_EQ(nccl->sequence(), collectives + buckets);
 
-  auto want = BuildModel(Cnn(), 8);
-  auto got = BuildModel(Cnn(), 9);
-  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
-  ASSERT_TRUE((*ddp)->CopyParametersTo((*got)->Parameters()).ok());
-  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
-    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
-              0.0)
-        << (*want)->Parameters()[k]->name;
-  }
+  ExpectSameWeights(Cnn(), **plain, **ddp);
 }
 
 TEST(GpuDdp, GradientsMoveIntoTheBucketsAndBackWithTheirValues) {
@@ -264,12 +269,6 @@ TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
                                        DdpOptions{.bucket_mb = 1, .find_unused_parameters = true});
   ASSERT_TRUE(reducer.ok()) << reducer.status();
   Hook(ddp_trainer->get(), reducer->get());
-  GpuDdpReducer* r = reducer->get();
-  (*ddp_trainer)
-      ->SetBeforeLastBackward(
-          [r](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
-            return r->BeginBackward(used, unused_now);
-          });
   const Tensor images = RandomTensor({16, 1, 28, 28}, 5);
   std::vector<int32_t> labels(16);
   for (int j = 0; j < 16; ++j) labels[static_cast<size_t>(j)] = j % 10;
@@ -289,15 +288,7 @@ TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
     if (skipped > 0) ++skipping_steps;
   }
   EXPECT_GT(skipping_steps, 0) << "no step skipped a block: the test shows nothing";
-  auto want = BuildModel(config, 8);
-  auto got = BuildModel(config, 9);
-  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
-  ASSERT_TRUE((*ddp)->CopyParametersTo((*got)->Parameters()).ok());
-  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
-    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
-              0.0)
-        << (*want)->Parameters()[k]->name;
-  }
+  ExpectSameWeights(config, **plain, **ddp);
 
   // Without the option.
   auto strict_model = GpuModel::Create(ctx.get(), **cpu);
@@ -311,12 +302,6 @@ TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
                                       DdpOptions{.bucket_mb = 1});
   ASSERT_TRUE(strict.ok());
   Hook(strict_trainer->get(), strict->get());
-  GpuDdpReducer* sr = strict->get();
-  (*strict_trainer)
-      ->SetBeforeLastBackward(
-          [sr](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
-            return sr->BeginBackward(used, unused_now);
-          });
   absl::Status failed;
   for (uint64_t step = 0; step < 6 && failed.ok(); ++step) {
     const std::vector<MicroBatch> micro = {{&images, &labels, 40 + step}};
@@ -380,15 +365,7 @@ TEST(GpuDdp, ZeroOneOverOneRankTrainsBitForBitAsWithoutDdp) {
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_EQ(*a, *b) << "step " << step;
   }
-  auto want = BuildModel(Cnn(), 8);
-  auto got = BuildModel(Cnn(), 9);
-  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
-  ASSERT_TRUE((*sharded)->CopyParametersTo((*got)->Parameters()).ok());
-  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
-    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
-              0.0)
-        << (*want)->Parameters()[k]->name;
-  }
+  ExpectSameWeights(Cnn(), **plain, **sharded);
   // The state comes back named as the layout's shards' (what a sharded
   // checkpoint holds).
   auto state = (*sharded_trainer)->optimizer().StateToHost();
@@ -434,12 +411,6 @@ TEST(GpuDdp, ZeroOneLeavesTheShardsOfUnusedParametersAlone) {
   auto sharded_trainer = GpuTrainer::Create(ctx.get(), sharded->get(), opt, &shards);
   ASSERT_TRUE(sharded_trainer.ok()) << sharded_trainer.status();
   Hook(sharded_trainer->get(), reducer->get());
-  GpuDdpReducer* r = reducer->get();
-  (*sharded_trainer)
-      ->SetBeforeLastBackward(
-          [r](const std::vector<bool>& used, const std::vector<GpuParameter*>& unused_now) {
-            return r->BeginBackward(used, unused_now);
-          });
   const Tensor images = RandomTensor({16, 1, 28, 28}, 6);
   std::vector<int32_t> labels(16);
   for (int j = 0; j < 16; ++j) labels[static_cast<size_t>(j)] = (j * 7) % 10;
@@ -454,15 +425,7 @@ TEST(GpuDdp, ZeroOneLeavesTheShardsOfUnusedParametersAlone) {
     for (const GpuParameter* s : shards) skipped_shards += s->no_grad ? 1 : 0;
   }
   EXPECT_GT(skipped_shards, 0) << "no step skipped a block: the test shows nothing";
-  auto want = BuildModel(config, 8);
-  auto got = BuildModel(config, 9);
-  ASSERT_TRUE((*plain)->CopyParametersTo((*want)->Parameters()).ok());
-  ASSERT_TRUE((*sharded)->CopyParametersTo((*got)->Parameters()).ok());
-  for (size_t k = 0; k < (*want)->Parameters().size(); ++k) {
-    EXPECT_EQ(testing::MaxRelError((*got)->Parameters()[k]->value, (*want)->Parameters()[k]->value),
-              0.0)
-        << (*want)->Parameters()[k]->name;
-  }
+  ExpectSameWeights(config, **plain, **sharded);
 }
 
 // A bucket that fills before the ones ahead of it (the parameters of a

@@ -469,6 +469,10 @@ absl::Status DdpReducer::MissingGradients() const {
   for (size_t i = 0; i < parameters_.size(); ++i) {
     if (!ready_[i]) names.push_back(parameters_[i]->name);
   }
+  return NoGradientError(names);
+}
+
+absl::Status NoGradientError(const std::vector<std::string>& names) {
   const size_t shown = std::min<size_t>(names.size(), 5);
   return absl::InvalidArgumentError(absl::StrCat(
       "ddp: ", names.size(), names.size() == 1 ? " parameter" : " parameters",

@@ -87,6 +87,12 @@ struct DdpOptions {
 // the CPU and GPU reducers' common checks.
 absl::Status CheckDdpOptions(const DdpOptions& options);
 
+// INVALID_ARGUMENT naming (the first five of) the parameters that got no
+// gradient in a step and the option that allows it: both reducers' error
+// for a forward that skipped parts of the model without
+// find_unused_parameters.
+absl::Status NoGradientError(const std::vector<std::string>& names);
+
 // Where each gradient lives in the flat bucket buffers, for the CPU reducer
 // below and the GPU one (cuda/gpu_ddp.h) alike: parameters in reverse
 // registration order (the order backward produces their gradients), a new

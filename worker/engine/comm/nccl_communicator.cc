@@ -412,9 +412,7 @@ absl::Status NcclCommunicator::AllGatherOn(cudaStream_t stream, const float* in,
 }
 
 absl::Status NcclCommunicator::AllReduceSumOn(cudaStream_t stream, float* data, size_t count) {
-  AIDN_RETURN_IF_ERROR(WaitFor(stream));
-  AIDN_RETURN_IF_ERROR(EnqueueAllReduce(data, count, ReduceOp::kSum));
-  return Before(stream);
+  return AllReduceOn(stream, data, count, ncclFloat, ncclSum, "floats");
 }
 
 absl::Status NcclCommunicator::Order(cudaStream_t first, cudaStream_t then) {
@@ -450,27 +448,25 @@ absl::Status NcclCommunicator::ReduceScatter(const float* in, size_t count, floa
   return Complete(absl::StrCat("nccl reduce-scatter of ", count, " floats"));
 }
 
-absl::Status NcclCommunicator::AllReduceIntMaxOn(cudaStream_t stream, int32_t* data, size_t count) {
+absl::Status NcclCommunicator::AllReduceOn(cudaStream_t stream, void* data, size_t count,
+                                           ncclDataType_t type, ncclRedOp_t op,
+                                           absl::string_view what) {
   AIDN_RETURN_IF_ERROR(Usable());
   if (count == 0) return absl::OkStatus();
   if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce: null buffer");
   AIDN_RETURN_IF_ERROR(WaitFor(stream));
-  AIDN_RETURN_IF_ERROR(
-      Queued(absl::StrCat("nccl allreduce (max) of ", count, " ints"),
-             ncclAllReduce(data, data, count, ncclInt32, ncclMax, comm_, stream_)));
+  AIDN_RETURN_IF_ERROR(Queued(absl::StrCat("nccl allreduce of ", count, " ", what),
+                              ncclAllReduce(data, data, count, type, op, comm_, stream_)));
   return Before(stream);
+}
+
+absl::Status NcclCommunicator::AllReduceIntMaxOn(cudaStream_t stream, int32_t* data, size_t count) {
+  return AllReduceOn(stream, data, count, ncclInt32, ncclMax, "ints (max)");
 }
 
 absl::Status NcclCommunicator::AllReduceDoubleSumOn(cudaStream_t stream, double* data,
                                                     size_t count) {
-  AIDN_RETURN_IF_ERROR(Usable());
-  if (count == 0) return absl::OkStatus();
-  if (data == nullptr) return absl::InvalidArgumentError("nccl allreduce: null buffer");
-  AIDN_RETURN_IF_ERROR(WaitFor(stream));
-  AIDN_RETURN_IF_ERROR(
-      Queued(absl::StrCat("nccl allreduce of ", count, " doubles"),
-             ncclAllReduce(data, data, count, ncclDouble, ncclSum, comm_, stream_)));
-  return Before(stream);
+  return AllReduceOn(stream, data, count, ncclDouble, ncclSum, "doubles");
 }
 
 absl::Status NcclCommunicator::Barrier() {

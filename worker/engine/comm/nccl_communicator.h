@@ -186,6 +186,10 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // Wait(), then counts the collectives queued so far as completed.
   absl::Status Complete(absl::string_view what);
   absl::Status Fail(absl::Status status);
+  // An in-place allreduce of `count` values of `type` ordered between
+  // `stream`'s work before and after (the *On collectives).
+  absl::Status AllReduceOn(cudaStream_t stream, void* data, size_t count, ncclDataType_t type,
+                           ncclRedOp_t op, absl::string_view what);
   // `then` waits for what `first` has queued so far.
   absl::Status Order(cudaStream_t first, cudaStream_t then);
 

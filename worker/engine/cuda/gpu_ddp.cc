@@ -4,7 +4,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "worker/engine/cuda/kernels.h"
 #include "worker/engine/cuda/status.h"
@@ -331,17 +330,10 @@ absl::Status GpuDdpReducer::BeginBackward(const std::vector<bool>& used,
 
 absl::Status GpuDdpReducer::MissingGradients() const {
   std::vector<std::string> names;
-  for (const GpuParameter* p : parameters_) {
-    if (reported_.count(const_cast<GpuParameter*>(p)) == 0) names.push_back(p->name);
+  for (GpuParameter* p : parameters_) {
+    if (reported_.count(p) == 0) names.push_back(p->name);
   }
-  const size_t shown = std::min<size_t>(names.size(), 5);
-  return absl::InvalidArgumentError(absl::StrCat(
-      "ddp: ", names.size(), names.size() == 1 ? " parameter" : " parameters",
-      " got no gradient this step (",
-      absl::StrJoin(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
-      names.size() > shown ? ", ..." : "",
-      "): the forward did not use them; set ddp.find_unused_parameters: true for a model that "
-      "skips parts of itself"));
+  return NoGradientError(names);
 }
 
 absl::Status GpuDdpReducer::ExchangeUsedFlags() {
