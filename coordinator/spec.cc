@@ -421,11 +421,6 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
       break;
     case JobSpec::ZERO2:
     case JobSpec::FSDP:
-      if (spec.device() == JobSpec::GPU) {
-        return Invalid("strategy", absl::StrCat(JobSpec::Strategy_Name(spec.strategy()),
-                                                " runs on device: cpu for now (use ddp or zero1 "
-                                                "on a GPU)"));
-      }
       break;
     case JobSpec::STRATEGY_UNSPECIFIED:
       return Invalid("strategy", "not set (defaults were not applied)");
@@ -442,6 +437,18 @@ absl::Status ValidateParallelism(const v1::JobSpec& spec) {
     if (sharding != v1::FsdpSpec::FULL_SHARD && sharding != v1::FsdpSpec::SHARD_GRAD_OP) {
       return Invalid("fsdp.sharding", absl::StrCat("unknown value ", static_cast<int>(sharding),
                                                    " (known: full_shard, shard_grad_op)"));
+    }
+    for (const auto& [field, dtype] :
+         {std::pair{"fsdp.param_dtype", spec.fsdp().param_dtype()},
+          std::pair{"fsdp.reduce_dtype", spec.fsdp().reduce_dtype()}}) {
+      if (dtype == JobSpec::PRECISION_UNSPECIFIED || dtype == JobSpec::FP32) continue;
+      if (dtype != JobSpec::BF16) {
+        return Invalid(field, absl::StrCat(JobSpec::Precision_Name(dtype),
+                                           " is not offered (known: fp32, bf16)"));
+      }
+      if (spec.device() != JobSpec::GPU) {
+        return Invalid(field, "BF16 is for device: gpu (CPU jobs gather and reduce in fp32)");
+      }
     }
   }
   if (!spec.has_bucket_mb()) return Invalid("bucket_mb", "not set (defaults were not applied)");

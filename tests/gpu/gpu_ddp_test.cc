@@ -5,6 +5,7 @@
 // comes, one reported twice) are pinned down too. Two ranks need two GPUs.
 // Skips without a device.
 #include "worker/engine/cuda/gpu_ddp.h"
+#include "worker/engine/host_shards.h"
 
 #include <stdlib.h>
 
@@ -314,7 +315,7 @@ TEST(GpuDdp, UnusedParametersFinishTheirBucketsAndAreLeftAlone) {
 }
 
 // ZeRO-1 over one rank: the buckets reduce-scattered in place, the
-// optimizer over the shards of a ZeroOneShards layout (named as its
+// optimizer over the shards of a HostShards layout (named as its
 // shards, decay and clipping by the whole parameters and norm), the weights
 // all-gathered after the update: bit for bit a model trained without DDP.
 TEST(GpuDdp, ZeroOneOverOneRankTrainsBitForBitAsWithoutDdp) {
@@ -336,7 +337,7 @@ TEST(GpuDdp, ZeroOneOverOneRankTrainsBitForBitAsWithoutDdp) {
   InMemoryKeyValueStore store;
   std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
   ASSERT_NE(nccl, nullptr);
-  auto layout = ZeroOneShards::Create((*cpu)->Parameters(), 0.02, 0, 1);
+  auto layout = HostShards::ForBuckets((*cpu)->Parameters(), 0.02, 0, 1);
   ASSERT_TRUE(layout.ok()) << layout.status();
   auto reducer = GpuDdpReducer::Create(ctx.get(), (*sharded)->Parameters(), nccl.get(),
                                        DdpOptions{.bucket_mb = 0.02, .shard_optimizer = true},
@@ -400,7 +401,7 @@ TEST(GpuDdp, ZeroOneLeavesTheShardsOfUnusedParametersAlone) {
   InMemoryKeyValueStore store;
   std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
   ASSERT_NE(nccl, nullptr);
-  auto layout = ZeroOneShards::Create((*cpu)->Parameters(), 1, 0, 1);
+  auto layout = HostShards::ForBuckets((*cpu)->Parameters(), 1, 0, 1);
   ASSERT_TRUE(layout.ok()) << layout.status();
   auto reducer = GpuDdpReducer::Create(
       ctx.get(), (*sharded)->Parameters(), nccl.get(),

@@ -186,6 +186,63 @@ TEST_F(GpuJobTest, AGptLearnsFortunesOnOneGpuInBf16) {
   EXPECT_TRUE(absl::StrContains(log, "bf16")) << log;
 }
 
+// FSDP (full_shard) on one GPU, as a CPU job shards over one rank: the
+// decoder's blocks gathered and reduce-scattered over NCCL unit by unit,
+// evaluation on the gathered weights, checkpoints written as shards; the
+// job learns as the unsharded one does.
+TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndCheckpointsItsShards) {
+  const char* kFortunes = "/usr/share/games/fortunes";
+  if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) {
+    GTEST_SKIP() << "Debian's fortunes are not installed (scripts/setup.sh)";
+  }
+  v1::JobSpec spec;
+  spec.set_name("gpu-gpt-fsdp");
+  spec.set_device(v1::JobSpec::GPU);
+  spec.set_precision(v1::JobSpec::BF16);
+  spec.set_world_size(1);
+  spec.set_strategy(v1::JobSpec::FSDP);
+  spec.mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+  spec.mutable_model()->set_name("gpt");
+  spec.mutable_model()->set_config("gpt-mini");
+  spec.mutable_dataset()->set_kind("text");
+  spec.mutable_dataset()->add_files(kFortunes);
+  spec.mutable_dataset()->set_val_fraction(0.1);
+  spec.mutable_dataset()->set_eval_windows(64);
+  spec.mutable_optimizer()->set_name("adamw");
+  spec.mutable_optimizer()->set_lr(3e-3);
+  spec.mutable_optimizer()->set_weight_decay(0.1);
+  spec.mutable_optimizer()->set_beta2(0.99);
+  spec.mutable_optimizer()->set_grad_clip_norm(1.0);
+  spec.set_batch_size(32);
+  spec.set_max_steps(400);
+  spec.set_eval_every_steps(200);
+  spec.set_seed(1);
+  spec.set_max_restarts(0);
+  spec.mutable_checkpoint()->set_dir("runs");
+  spec.mutable_checkpoint()->set_every_steps(200);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty());
+  v1::Job job = cluster().WaitForEnd(id, kLong);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  double val_loss = -1;
+  int64_t comm_bytes = 0;
+  for (const v1::StepMetrics& s : cluster().Metrics(id)) {
+    if (s.kind() == v1::MetricRecord::EVAL) {
+      val_loss = s.test_loss();
+    } else {
+      comm_bytes = s.gradient_comm_bytes();
+    }
+  }
+  EXPECT_GT(val_loss, 0.0);
+  EXPECT_LT(val_loss, 3.0);
+  EXPECT_GT(comm_bytes, 0) << "the units' gathers and reduce-scatters";
+  EXPECT_EQ(job.last_checkpoint_step(), 400);
+  EXPECT_FALSE(StateFile(id, 400).empty());
+  const std::string log = TrainerLog(id, 1);
+  EXPECT_TRUE(absl::StrContains(log, "FSDP full_shard over")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "model state sharded")) << log;
+}
+
 // A state.txt line's value ("key value"), or "" if it has none.
 std::string StateValue(const std::string& state, const std::string& key) {
   for (absl::string_view line : absl::StrSplit(state, '\n')) {

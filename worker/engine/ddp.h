@@ -125,30 +125,6 @@ absl::StatusOr<BucketPlan> PlanBuckets(const std::vector<int64_t>& numels, doubl
 absl::StatusOr<std::vector<ShardMap::Group>> ShardedBucketGroups(
     const std::vector<Parameter*>& parameters, BucketPlan* plan, int world_size);
 
-// ZeRO-1's shards of a model whose reducer runs elsewhere (a GPU job's:
-// cuda/gpu_ddp.h shards the buckets on the device, planned as here with
-// no extra floats): the layout, and on the host the shards' weights and an
-// optimizer's state over them, for sharded checkpoints and their resumes,
-// named and cut as the CPU reducer's shards are. Not thread-safe.
-class ZeroOneShards {
- public:
-  // INVALID_ARGUMENT as PlanBuckets and ShardedBucketGroups.
-  static absl::StatusOr<std::unique_ptr<ZeroOneShards>> Create(
-      const std::vector<Parameter*>& parameters, double bucket_mb, int rank, int world_size);
-  const ShardMap& map() const { return *map_; }
-  // The shards' weights from their whole parameters' values (after those
-  // came back from the device).
-  void CopyWeightsFromWhole();
-
- private:
-  ZeroOneShards() = default;
-  std::unique_ptr<ShardMap> map_;
-  // Per group, this rank's slice of the weights (the shards' values) and
-  // of the gradients (unused: the optimizer over the shards only holds
-  // state here).
-  std::vector<Tensor> values_, grads_;
-};
-
 class DdpReducer {
  public:
   // `parameters` in registration order; the communicator is not owned.

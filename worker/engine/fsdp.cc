@@ -23,6 +23,31 @@ constexpr size_t kPoolKeeps = 3;
 
 }  // namespace
 
+absl::StatusOr<std::vector<ShardMap::Group>> UnitGroups(std::vector<std::vector<Parameter*>> units,
+                                                        const std::vector<Parameter*>& parameters,
+                                                        int world_size) {
+  if (units.empty()) units.emplace_back();  // the root, empty
+  std::unordered_map<const Parameter*, int> seen;
+  for (const auto& unit : units) {
+    for (const Parameter* p : unit) ++seen[p];
+  }
+  for (const Parameter* p : parameters) {
+    auto it = seen.find(p);
+    const int count = it == seen.end() ? 0 : it->second;
+    if (count != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("fsdp: parameter ", p->name, " is in ", count, " units, want 1"));
+    }
+  }
+  if (seen.size() != parameters.size()) {
+    return absl::InvalidArgumentError("fsdp: a unit holds a parameter the model does not list");
+  }
+  std::vector<ShardMap::Group> groups;
+  for (const auto& unit : units) groups.push_back(ShardMap::Lay(unit, world_size));
+  AIDN_RETURN_IF_ERROR(ShardMap::CheckEveryRankOwnsSome(groups, world_size));
+  return groups;
+}
+
 Tensor FsdpReducer::Pool::Take(size_t floats) {
   auto best = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it) {
@@ -62,32 +87,16 @@ absl::StatusOr<std::unique_ptr<FsdpReducer>> FsdpReducer::Create(
     return absl::InvalidArgumentError(absl::StrCat("fsdp: max_pending_gradients must be >= 1, got ",
                                                    options.max_pending_gradients));
   }
-  if (units.empty()) units.emplace_back();  // the root, empty
-  std::unordered_map<const Parameter*, int> seen;
-  for (const auto& unit : units) {
-    for (const Parameter* p : unit) ++seen[p];
-  }
-  for (const Parameter* p : parameters) {
-    auto it = seen.find(p);
-    const int count = it == seen.end() ? 0 : it->second;
-    if (count != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("fsdp: parameter ", p->name, " is in ", count, " units, want 1"));
-    }
-  }
-  if (seen.size() != parameters.size()) {
-    return absl::InvalidArgumentError("fsdp: a unit holds a parameter the model does not list");
-  }
   const int world = communicator->world_size();
   const size_t rank = static_cast<size_t>(communicator->rank());
-  std::vector<ShardMap::Group> groups;
-  for (const auto& unit : units) groups.push_back(ShardMap::Lay(unit, world));
-  AIDN_RETURN_IF_ERROR(ShardMap::CheckEveryRankOwnsSome(groups, world));
+  AIDN_ASSIGN_OR_RETURN(std::vector<ShardMap::Group> groups,
+                        UnitGroups(std::move(units), parameters, world));
   std::unique_ptr<FsdpReducer> r(new FsdpReducer(options, communicator));
+  const int num_units = static_cast<int>(groups.size());
   r->map_ =
       std::make_unique<ShardMap>(std::move(groups), parameters, static_cast<int>(rank), world);
-  r->units_.resize(units.size());
-  for (int u = 0; u < static_cast<int>(units.size()); ++u) {
+  r->units_.resize(static_cast<size_t>(num_units));
+  for (int u = 0; u < num_units; ++u) {
     Unit& unit = r->units_[static_cast<size_t>(u)];
     const ShardMap::Group& group = r->map_->group(u);
     const size_t chunk = r->map_->chunk(u);

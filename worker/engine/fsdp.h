@@ -69,6 +69,16 @@
 
 namespace aidn::engine {
 
+// ZeRO-2's and FSDP's groups (shard_map.h): one per unit, laid out in the
+// unit's order and padded to 16 x world_size floats. `units` as a model's
+// Units() (the root first; none: an empty root); `parameters` in
+// registration order. INVALID_ARGUMENT for a parameter in no unit or in
+// two, a unit's parameter the model does not list, or some rank owning
+// only padding (CheckEveryRankOwnsSome).
+absl::StatusOr<std::vector<ShardMap::Group>> UnitGroups(std::vector<std::vector<Parameter*>> units,
+                                                        const std::vector<Parameter*>& parameters,
+                                                        int world_size);
+
 struct FsdpOptions {
   // kGradients, kShardGradOp or kFullShard.
   Sharding sharding = Sharding::kFullShard;

@@ -60,7 +60,8 @@ struct GpuSessionOptions {
   bool cuda_graphs = false;
   int rank = 0;
   int world_size = 1;
-  // world_size > 1: where rank 0 publishes the NCCL unique id ("nccl/id").
+  // world_size > 1 or sharding: where rank 0 publishes the NCCL unique id
+  // ("nccl/id").
   KeyValueStore* store = nullptr;
   // NCCL initialisation and each gradient allreduce.
   std::chrono::milliseconds timeout{300'000};
@@ -86,13 +87,26 @@ struct GpuSessionOptions {
   // world_size > 1. With one rank what no forward of a step used is left
   // alone without it.
   bool find_unused_parameters = false;
-  // ZeRO-1 (spec strategy zero1), world_size > 1: the layout of this rank's
-  // shards (ZeroOneShards::map(), built from the model's parameters with
-  // the same bucket_mb; not owned, read by Create only). The buckets are
-  // reduce-scattered, the optimizer steps this rank's shards (its state
-  // 1/world_size of DDP's, named as the shards), the weights all-gathered
-  // after each update (cuda/gpu_ddp.h). Not with fp16 or compression.
-  const ShardMap* zero1 = nullptr;
+  // ZeRO (spec strategy zero1, zero2, fsdp; one rank too, over NCCL as
+  // with more, so that one GPU runs the sharded step): what the ranks
+  // shard, and the layout of this rank's shards (a HostShards' map built
+  // from the model's parameters: ForBuckets with the same bucket_mb for
+  // kOptimizer, ForUnits over the model's units otherwise; not owned, read
+  // by Create only). kOptimizer (ZeRO-1, cuda/gpu_ddp.h): the buckets are
+  // reduce-scattered, the optimizer steps this rank's shards, the weights
+  // are all-gathered after each update; not with compression.
+  // kGradients (ZeRO-2), kShardGradOp, kFullShard (FSDP; cuda/gpu_fsdp.h):
+  // the units' gradients are reduce-scattered as backward leaves each, and
+  // ZeRO-2 keeps whole weights, FSDP only its slices, gathered unit by unit
+  // as forward and backward reach them; find_unused_parameters lets a
+  // forward skip units. The optimizer's state is named as the shards.
+  Sharding sharding = Sharding::kNone;
+  const ShardMap* shards = nullptr;
+  // FSDP's mixed precision (spec fsdp.param_dtype, fsdp.reduce_dtype;
+  // cuda/gpu_fsdp.h): the units' weights all-gathered, and their gradients
+  // reduce-scattered, in 16 bits over fp32 shards.
+  std::optional<HalfFormat> fsdp_param_half;
+  std::optional<HalfFormat> fsdp_reduce_half;
 };
 
 // Whether this binary can train on a GPU: false in the library without CUDA
@@ -167,8 +181,19 @@ class GpuSession {
   virtual absl::StatusOr<EvalResult> Evaluate(const MicroBatch& batch) = 0;
 
   // The device's weights into CPU parameters of the same model (checkpoints,
-  // exports).
+  // exports). ZeRO-2 and FSDP: a collective (every rank calls it at the
+  // same point), which gathers every unit for the copy.
   virtual absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) = 0;
+  // ZeRO: this rank's shards' weights into the host's (HostShards::map()'s
+  // shards(), the layout the session was made with), no collective.
+  // FAILED_PRECONDITION without sharding, INVALID_ARGUMENT for other shards.
+  virtual absl::Status CopyShardsTo(const std::vector<Parameter*>& shards) = 0;
+  // ZeRO-2 and FSDP: every unit's whole, current weights on the device
+  // until ReleaseFullParameters (evaluation runs on them with no
+  // collective per batch). A collective: every rank calls both at the same
+  // points. OK at once for other strategies.
+  virtual absl::Status GatherFullParameters() = 0;
+  virtual void ReleaseFullParameters() = 0;
   // The same for the model's buffers (Sequential::Buffers(): running
   // statistics; none for a GPT).
   virtual absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) = 0;
@@ -180,8 +205,11 @@ class GpuSession {
       const std::vector<std::pair<std::string, const Tensor*>>& state, int64_t steps) = 0;
 
   // Bytes of model state on the device, as the CPU session counts them:
-  // the weights, the gradients (DDP's buckets, padding included), the
-  // optimizer state and the buffers (running statistics).
+  // the weights (ZeRO-1: its buckets' buffers; ZeRO-2: whole units; FSDP:
+  // the slices), the gradients (DDP's buckets, padding included; ZeRO-2
+  // and FSDP: the shards), the optimizer state and the buffers (running
+  // statistics, and ZeRO-2's and FSDP's pool buffers for gathered weights
+  // and unit gradients at their most).
   struct StateMemory {
     int64_t parameters = 0;
     int64_t gradients = 0;

@@ -139,6 +139,19 @@ engine::GpuSessionOptions GpuSessionOptionsOf(const v1::JobSpec& spec, int rank,
   o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
   o.sync_batchnorm = spec.ddp().sync_batchnorm();
   o.find_unused_parameters = spec.ddp().find_unused_parameters();
+  // ZeRO-2 and FSDP have no ddp: block: a model that skips blocks has its
+  // unused parameters left alone as DDP's find_unused_parameters does.
+  if (spec.strategy() == v1::JobSpec::ZERO2 || spec.strategy() == v1::JobSpec::FSDP) {
+    o.find_unused_parameters = spec.model().stochastic_depth() > 0;
+  }
+  if (spec.strategy() == v1::JobSpec::FSDP) {
+    if (spec.fsdp().param_dtype() == v1::JobSpec::BF16) {
+      o.fsdp_param_half = engine::HalfFormat::kBf16;
+    }
+    if (spec.fsdp().reduce_dtype() == v1::JobSpec::BF16) {
+      o.fsdp_reduce_half = engine::HalfFormat::kBf16;
+    }
+  }
   switch (spec.precision()) {
     case v1::JobSpec::BF16:
       o.precision = "bf16";

@@ -43,7 +43,7 @@ absl::Status BroadcastInts(engine::Communicator* comm, int64_t* values, size_t c
 std::optional<Failure> RankTraining::LoadNewestCheckpoint() {
   // ZeRO, FSDP and pipelines: every rank writes and reads its own pieces.
   const bool every_rank =
-      (Sharded() && (spec_.device() == v1::JobSpec::CPU || GpuZeroOne())) || ModelParallel();
+      (Sharded() && (spec_.device() == v1::JobSpec::CPU || GpuSharded())) || ModelParallel();
   if (every_rank && !checkpoint_dir_.empty()) {
     if (absl::Status s = CheckSharedDirectory(
             checkpoint_dir_, absl::StrCat(options_.job_id, "-g", options_.generation), comm_.get());
@@ -147,9 +147,9 @@ std::optional<Failure> RankTraining::ResumeOptimizerState(int64_t optimizer_step
     return std::nullopt;
   }
   std::vector<engine::ShardMap::Piece> pieces;
-  if (zero1_ != nullptr) {
+  if (gpu_shards_ != nullptr) {
     absl::StatusOr<std::vector<engine::ShardMap::Piece>> mine =
-        zero1_->map().StatePieces(optimizer_->State());
+        gpu_shards_->map().StatePieces(optimizer_->State());
     if (!mine.ok()) return Failure{kExitFailure, mine.status()};
     pieces = *std::move(mine);
   } else if (Sharded() && cpu_ != nullptr) {
@@ -175,7 +175,7 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   // holds everything and writes it.
   // Model parallelism: the first replica's ranks write the pieces they own.
   const bool sharded =
-      (Sharded() && (cpu_ != nullptr || zero1_ != nullptr)) || parallel_ != nullptr;
+      (Sharded() && (cpu_ != nullptr || gpu_shards_ != nullptr)) || parallel_ != nullptr;
   if (parallel_ != nullptr && !parallel_->writes_checkpoints()) return std::nullopt;
   if (!sharded && rendezvous_.rank() != 0) return std::nullopt;
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
@@ -206,8 +206,10 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
       contents.optimizer_state = std::move(pieces.state);
     } else {
       absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces =
-          zero1_ != nullptr ? zero1_->map().StatePieces(optimizer_->State()) : cpu_->StatePieces();
-      contents.weights = zero1_ != nullptr ? zero1_->map().WeightPieces() : cpu_->WeightPieces();
+          gpu_shards_ != nullptr ? gpu_shards_->map().StatePieces(optimizer_->State())
+                                 : cpu_->StatePieces();
+      contents.weights =
+          gpu_shards_ != nullptr ? gpu_shards_->map().WeightPieces() : cpu_->WeightPieces();
       if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
       contents.optimizer_state = *std::move(pieces);
       // Buffers (BatchNorm's running statistics) are whole on every rank:

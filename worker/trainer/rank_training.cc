@@ -254,9 +254,7 @@ std::optional<Failure> RankTraining::Connect() {
 
 bool RankTraining::Sharded() const { return ShardingOf(spec_) != engine::Sharding::kNone; }
 
-bool RankTraining::GpuZeroOne() const {
-  return Sharded() && spec_.device() == v1::JobSpec::GPU && rendezvous_.world_size() > 1;
-}
+bool RankTraining::GpuSharded() const { return Sharded() && spec_.device() == v1::JobSpec::GPU; }
 
 std::optional<Failure> RankTraining::BuildSession() {
   if (ModelParallel()) {
@@ -301,18 +299,25 @@ std::optional<Failure> RankTraining::BuildSession() {
     return std::nullopt;
   }
   std::vector<engine::Parameter*> optimized = task_->Parameters();
-  if (GpuZeroOne()) {
-    // ZeRO-1 on GPUs: the GPU reducer shards the buckets; the host keeps
-    // the same shards' layout, weights and optimizer state (checkpoints).
-    absl::StatusOr<std::unique_ptr<engine::ZeroOneShards>> shards = engine::ZeroOneShards::Create(
-        task_->Parameters(), BucketMbOf(spec_), rendezvous_.rank(), rendezvous_.world_size());
+  if (GpuSharded()) {
+    // ZeRO and FSDP on GPUs: the GPU reducer shards the buckets (ZeRO-1) or
+    // the units; the host keeps the same shards' layout, weights and
+    // optimizer state (checkpoints).
+    const engine::Sharding sharding = ShardingOf(spec_);
+    absl::StatusOr<std::unique_ptr<engine::HostShards>> shards =
+        sharding == engine::Sharding::kOptimizer
+            ? engine::HostShards::ForBuckets(task_->Parameters(), BucketMbOf(spec_),
+                                             rendezvous_.rank(), rendezvous_.world_size())
+            : engine::HostShards::ForUnits(task_->model().Units(), task_->Parameters(),
+                                           rendezvous_.rank(), rendezvous_.world_size());
     if (!shards.ok()) return Failure{kExitPermanent, shards.status()};
-    zero1_ = *std::move(shards);
-    optimized = zero1_->map().shards();
-    AIDN_LOG(INFO) << "model state sharded" << Kv("strategy", "ZERO1") << Kv("device", "gpu")
-                   << Kv("groups", zero1_->map().num_groups())
-                   << Kv("shards", zero1_->map().shards().size())
-                   << Kv("padding_floats", zero1_->map().padding_floats());
+    gpu_shards_ = *std::move(shards);
+    optimized = gpu_shards_->map().shards();
+    AIDN_LOG(INFO) << "model state sharded"
+                   << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
+                   << Kv("device", "gpu") << Kv("groups", gpu_shards_->map().num_groups())
+                   << Kv("shards", gpu_shards_->map().shards().size())
+                   << Kv("padding_floats", gpu_shards_->map().padding_floats());
   }
   absl::StatusOr<std::unique_ptr<engine::Optimizer>> optimizer =
       engine::Optimizer::Create(OptimizerConfigOf(spec_), optimized);
@@ -368,11 +373,14 @@ absl::StatusOr<RankTraining::Plan> RankTraining::MakePlan(
 std::optional<Failure> RankTraining::SetupGpu() {
   engine::GpuSessionOptions o =
       GpuSessionOptionsOf(spec_, rendezvous_.rank(), rendezvous_.world_size());
-  if (o.world_size > 1) {
+  if (o.world_size > 1 || gpu_shards_ != nullptr) {
     // NCCL's unique id goes through the same fenced KV as Gloo's addresses.
     o.store = kv_.get();
   }
-  if (zero1_ != nullptr) o.zero1 = &zero1_->map();
+  if (gpu_shards_ != nullptr) {
+    o.sharding = ShardingOf(spec_);
+    o.shards = &gpu_shards_->map();
+  }
   absl::StatusOr<std::unique_ptr<engine::GpuSession>> session =
       task_->gpt() != nullptr
           ? engine::GpuSession::CreateForGpt(o, *task_->gpt(), OptimizerConfigOf(spec_))
@@ -407,14 +415,17 @@ std::optional<Failure> RankTraining::SetupGpu() {
 
 std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
   if (gpu_ == nullptr) return std::nullopt;
-  if (absl::Status s = gpu_->CopyParametersTo(task_->Parameters()); !s.ok()) {
+  // Sharded: this rank's shards only (checkpoints hold those), with no
+  // collective; otherwise the whole weights.
+  if (absl::Status s = gpu_shards_ != nullptr ? gpu_->CopyShardsTo(gpu_shards_->map().shards())
+                                              : gpu_->CopyParametersTo(task_->Parameters());
+      !s.ok()) {
     return Failure{kExitFailure, s};
   }
   // Running statistics: checkpoints and evaluation read the CPU copies.
   if (absl::Status s = gpu_->CopyBuffersTo(task_->model().Buffers()); !s.ok()) {
     return Failure{kExitFailure, s};
   }
-  if (zero1_ != nullptr) zero1_->CopyWeightsFromWhole();
   if (!optimizer_state) return std::nullopt;
   absl::StatusOr<std::vector<std::pair<std::string, engine::Tensor>>> state =
       gpu_->OptimizerState();
@@ -430,13 +441,18 @@ std::optional<Failure> RankTraining::SyncFromGpu(bool optimizer_state) {
 std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
   TrainingTask::EvalSums mine;
   if (gpu_ != nullptr) {
-    // On the device's weights: nothing copied to the CPU.
+    // On the device's weights: nothing copied to the CPU (ZeRO-2, FSDP:
+    // every unit gathered first, on every rank).
+    if (absl::Status s = gpu_->GatherFullParameters(); !s.ok()) {
+      return FailureFor(s, "gpu evaluation");
+    }
     absl::StatusOr<TrainingTask::EvalSums> sums = task_->EvaluateWith(
         rendezvous_.rank(), rendezvous_.world_size(),
         [this](const engine::MicroBatch& b) -> absl::StatusOr<TrainingTask::BatchResult> {
           AIDN_ASSIGN_OR_RETURN(const engine::GpuSession::EvalResult r, gpu_->Evaluate(b));
           return TrainingTask::BatchResult{r.mean_loss, r.correct};
         });
+    gpu_->ReleaseFullParameters();
     if (!sums.ok()) return FailureFor(sums.status(), "gpu evaluation");
     mine = *sums;
   } else {

@@ -23,6 +23,7 @@
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/cpu_session.h"
 #include "worker/engine/gpu_session.h"
+#include "worker/engine/host_shards.h"
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/optimizer.h"
@@ -100,9 +101,9 @@ class RankTraining {
   std::optional<Failure> Resume(int64_t steps_per_epoch);
   std::optional<Failure> ResumeOptimizerState(int64_t optimizer_steps);
   bool Sharded() const;
-  // A GPU job's ZeRO-1 over more than one rank (zero1_): sharded
-  // checkpoints, every rank reading and writing its own pieces.
-  bool GpuZeroOne() const;
+  // A GPU job's ZeRO or FSDP (gpu_shards_; one rank too, as on the CPU):
+  // sharded checkpoints, every rank reading and writing its own pieces.
+  bool GpuSharded() const;
   bool ModelParallel() const {
     return spec_.parallel().pipeline() > 1 || spec_.parallel().tensor() > 1;
   }
@@ -146,8 +147,9 @@ class RankTraining {
   std::unique_ptr<engine::Communicator> comm_;
   // ddp.sync_batchnorm: the BatchNorm layers' own.
   std::unique_ptr<engine::Communicator> bn_comm_;
-  // The optimizer: owned here (DDP; a GPU job's ZeRO-1, over zero1_'s
-  // shards), or the CPU session's (ZeRO-1: over this rank's shards).
+  // The optimizer: owned here (DDP; a GPU job's ZeRO or FSDP, over
+  // gpu_shards_'s shards), or the CPU session's (ZeRO, FSDP: over this
+  // rank's shards).
   std::unique_ptr<engine::Optimizer> owned_optimizer_;
   engine::Optimizer* optimizer_ = nullptr;
   // device: cpu: the step runs here, over model_ and optimizer_.
@@ -165,11 +167,10 @@ class RankTraining {
   // device: gpu: the step runs here; task_'s model and optimizer_ stay the CPU
   // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
   std::unique_ptr<engine::GpuSession> gpu_;
-  // device: gpu with strategy zero1 and more than one rank: the shards'
-  // layout the GPU reducer follows, and their weights on the host;
-  // optimizer_ is over its shards (the GPU optimizer's state comes back
-  // into it by name), so checkpoints are sharded as a CPU job's.
-  std::unique_ptr<engine::ZeroOneShards> zero1_;
+  // device: gpu with strategy zero1, zero2 or fsdp: the shards' layout the GPU reducer follows, and their weights on the
+  // host; optimizer_ is over its shards (the GPU optimizer's state comes
+  // back into it by name), so checkpoints are sharded as a CPU job's.
+  std::unique_ptr<engine::HostShards> gpu_shards_;
   std::string checkpoint_dir_;
   // The step training starts after: 0, or the resumed checkpoint's.
   int64_t start_step_ = 0;

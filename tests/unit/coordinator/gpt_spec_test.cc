@@ -98,11 +98,6 @@ TEST(GptSpec, BadFieldsAreNamed) {
          s->set_cuda_graphs(true);
        },
        "cuda_graphs: not for model gpt yet (mlp, cnn and resnet steps are captured)"},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->set_strategy(JobSpec::FSDP);
-       },
-       "strategy: FSDP runs on device: cpu for now (use ddp or zero1 on a GPU)"},
       {[](JobSpec* s) { s->mutable_dataset()->set_val_fraction(0.7); },
        "dataset.val_fraction: must be in (0, 0.5], got 0.7"},
       {[](JobSpec* s) { s->mutable_dataset()->set_val_fraction(0); },
@@ -137,6 +132,15 @@ TEST(GptSpec, TrainsOnAGpuInEveryPrecision) {
     JobSpec zero1 = spec;
     zero1.set_strategy(JobSpec::ZERO1);
     EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1).ok()) << ValidateJobSpec(SpecLimits{}, zero1);
+    // ZeRO-2 and FSDP: gradients, and the weights, sharded too.
+    for (const JobSpec::Strategy strategy : {JobSpec::ZERO2, JobSpec::FSDP}) {
+      JobSpec sharded = spec;
+      sharded.set_strategy(strategy);
+      if (strategy == JobSpec::FSDP) sharded.mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+      sharded.mutable_model()->set_stochastic_depth(0.1);
+      EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, sharded).ok())
+          << ValidateJobSpec(SpecLimits{}, sharded);
+    }
     // Blocks skipped by stochastic depth, their parameters left alone.
     spec.mutable_model()->set_stochastic_depth(0.1);
     spec.mutable_ddp()->set_find_unused_parameters(true);

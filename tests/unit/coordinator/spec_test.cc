@@ -93,11 +93,6 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
          s->mutable_dataset()->set_train_images("../etc/passwd");
        },
        "dataset.train_images: path must not contain \"..\""},
-      {[](JobSpec* s) {
-         s->set_device(JobSpec::GPU);
-         s->set_strategy(JobSpec::FSDP);
-       },
-       "strategy: FSDP runs on device: cpu for now (use ddp or zero1 on a GPU)"},
       {[](JobSpec* s) { s->mutable_fsdp()->set_sharding(v1::FsdpSpec::SHARD_GRAD_OP); },
        "fsdp: applies to strategy: fsdp only (this job's is DDP)"},
       {[](JobSpec* s) {
@@ -105,6 +100,19 @@ TEST(ValidateJobSpec, MessagesSayFieldProblemAndValue) {
          s->mutable_fsdp()->set_sharding(static_cast<v1::FsdpSpec::Sharding>(7));
        },
        "fsdp.sharding: unknown value 7 (known: full_shard, shard_grad_op)"},
+      {[](JobSpec* s) {
+         s->set_strategy(JobSpec::FSDP);
+         s->mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+         s->mutable_fsdp()->set_param_dtype(JobSpec::BF16);
+       },
+       "fsdp.param_dtype: BF16 is for device: gpu (CPU jobs gather and reduce in fp32)"},
+      {[](JobSpec* s) {
+         s->set_device(JobSpec::GPU);
+         s->set_strategy(JobSpec::FSDP);
+         s->mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
+         s->mutable_fsdp()->set_reduce_dtype(JobSpec::FP16);
+       },
+       "fsdp.reduce_dtype: FP16 is not offered (known: fp32, bf16)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::BF16); },
        "precision: BF16 is for device: gpu (CPU jobs compute in fp32)"},
       {[](JobSpec* s) { s->set_precision(JobSpec::FP16); },
@@ -426,12 +434,6 @@ const BadCase kBadCases[] = {
     {"MaxStepsTooMany", [](JobSpec* s) { s->set_max_steps(1'000'000'000'001); }, "max_steps"},
     {"NeitherEpochsNorMaxSteps", [](JobSpec* s) { s->set_epochs(0); }, "epochs"},
     // strategy, buckets, precision
-    {"StrategyZero2OnGpu",
-     [](JobSpec* s) {
-       s->set_device(JobSpec::GPU);
-       s->set_strategy(JobSpec::ZERO2);
-     },
-     "strategy"},
     {"FsdpOptionsWithZero1",
      [](JobSpec* s) {
        s->set_strategy(JobSpec::ZERO1);
@@ -591,6 +593,20 @@ const GoodCase kGoodCases[] = {
      [](JobSpec* s) {
        s->set_strategy(JobSpec::FSDP);
        s->mutable_fsdp()->set_sharding(v1::FsdpSpec::SHARD_GRAD_OP);
+     }},
+    {"Zero2OnGpu",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_strategy(JobSpec::ZERO2);
+     }},
+    {"FsdpOnGpuInBf16",
+     [](JobSpec* s) {
+       s->set_device(JobSpec::GPU);
+       s->set_precision(JobSpec::BF16);
+       s->set_strategy(JobSpec::FSDP);
+       s->mutable_fsdp()->set_sharding(v1::FsdpSpec::SHARD_GRAD_OP);
+       s->mutable_fsdp()->set_param_dtype(JobSpec::BF16);
+       s->mutable_fsdp()->set_reduce_dtype(JobSpec::BF16);
      }},
     {"GpuBf16",
      [](JobSpec* s) {

@@ -3,8 +3,11 @@
 // injected through a Communicator that fails.
 
 #include "worker/engine/ddp.h"
+#include "worker/engine/fsdp.h"
+#include "worker/engine/host_shards.h"
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -488,24 +491,18 @@ TEST(DdpReducer, PowerSgdIsRefusedWithShardedOptimizerState) {
   EXPECT_THAT(std::string(reducer.status().message()), HasSubstr("not ZeRO-1's reduce-scatter"));
 }
 
-// A GPU job's ZeRO-1 layout on the host: over the ranks the shards cover
-// every element of every parameter exactly once, named "<p>[a:b]" with the
-// whole shape kept; their weights are the whole parameters' slices, and an
-// optimizer over them gives checkpoint pieces. Too many ranks for the
-// model are refused.
-TEST(ZeroOneShards, TheRanksShardsCoverEveryParameterOnce) {
-  auto params = MakeParameters({1000, 24, 700, 5, 333});
-  for (size_t i = 0; i < params.size(); ++i) {
-    for (int64_t j = 0; j < params[i]->value.numel(); ++j) {
-      params[i]->value[j] = static_cast<float>(1000 * i + static_cast<size_t>(j));
-    }
-  }
+// A GPU job's ZeRO layout on the host (HostShards): over the ranks the
+// shards cover every element of every parameter exactly once, named
+// "<p>[a:b]" with the whole shape kept; their weights are the whole
+// parameters' slices, and an optimizer over them gives checkpoint pieces.
+using MakeShards = std::function<absl::StatusOr<std::unique_ptr<HostShards>>(int rank, int world)>;
+void ExpectTheRanksShardsCoverEveryParameterOnce(
+    const std::vector<std::unique_ptr<Parameter>>& params, const MakeShards& make) {
   constexpr int kWorld = 3;
   std::vector<std::vector<int>> covered(params.size());
   for (size_t i = 0; i < params.size(); ++i) covered[i].assign(params[i]->value.numel(), 0);
   for (int rank = 0; rank < kWorld; ++rank) {
-    absl::StatusOr<std::unique_ptr<ZeroOneShards>> shards =
-        ZeroOneShards::Create(Raw(params), /*bucket_mb=*/0.004, rank, kWorld);
+    absl::StatusOr<std::unique_ptr<HostShards>> shards = make(rank, kWorld);
     ASSERT_TRUE(shards.ok()) << shards.status();
     const ShardMap& map = (*shards)->map();
     EXPECT_GE(map.num_groups(), 2);
@@ -531,10 +528,63 @@ TEST(ZeroOneShards, TheRanksShardsCoverEveryParameterOnce) {
   for (size_t i = 0; i < params.size(); ++i) {
     for (const int c : covered[i]) ASSERT_EQ(c, 1) << params[i]->name;
   }
+}
+
+std::vector<std::unique_ptr<Parameter>> NumberedParameters() {
+  auto params = MakeParameters({1000, 24, 700, 5, 333});
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (int64_t j = 0; j < params[i]->value.numel(); ++j) {
+      params[i]->value[j] = static_cast<float>(1000 * i + static_cast<size_t>(j));
+    }
+  }
+  return params;
+}
+
+// ZeRO-1: the groups are the buckets. Too many ranks for the model are
+// refused.
+TEST(HostShards, BucketShardsCoverEveryParameterOnce) {
+  auto params = NumberedParameters();
+  ExpectTheRanksShardsCoverEveryParameterOnce(params, [&](int rank, int world) {
+    return HostShards::ForBuckets(Raw(params), /*bucket_mb=*/0.004, rank, world);
+  });
   // 29 floats: some rank of 8 would own only padding.
   auto tiny = MakeParameters({29});
-  EXPECT_EQ(ZeroOneShards::Create(Raw(tiny), 1.0, 0, 8).status().code(),
+  EXPECT_EQ(HostShards::ForBuckets(Raw(tiny), 1.0, 0, 8).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// ZeRO-2 and FSDP: the groups are the model's units, laid out as the CPU
+// reducer lays them (the same shards, named alike, on every rank).
+TEST(HostShards, UnitShardsCoverEveryParameterOnceAsTheCpuReducersDo) {
+  auto params = NumberedParameters();
+  const std::vector<std::vector<Parameter*>> units = {
+      {params[0].get()}, {params[1].get(), params[2].get()}, {params[3].get(), params[4].get()}};
+  ExpectTheRanksShardsCoverEveryParameterOnce(params, [&](int rank, int world) {
+    return HostShards::ForUnits(units, Raw(params), rank, world);
+  });
+  OnRanks(3, [&](int rank, Communicator* comm) {
+    auto mine = MakeParameters({1000, 24, 700, 5, 333});
+    const std::vector<std::vector<Parameter*>> my_units = {
+        {mine[0].get()}, {mine[1].get(), mine[2].get()}, {mine[3].get(), mine[4].get()}};
+    auto cpu = FsdpReducer::Create({.sharding = Sharding::kFullShard}, my_units, Raw(mine), comm);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto host = HostShards::ForUnits(units, Raw(params), rank, 3);
+    ASSERT_TRUE(host.ok()) << host.status();
+    const ShardMap& a = (*cpu)->map();
+    const ShardMap& b = (*host)->map();
+    ASSERT_EQ(a.num_groups(), b.num_groups());
+    for (int g = 0; g < a.num_groups(); ++g) EXPECT_EQ(a.group(g).floats, b.group(g).floats);
+    ASSERT_EQ(a.shards().size(), b.shards().size());
+    for (size_t k = 0; k < a.shards().size(); ++k) {
+      EXPECT_EQ(a.shards()[k]->name, b.shards()[k]->name);
+    }
+  });
+  // A parameter in no unit is refused, naming it.
+  const std::vector<std::vector<Parameter*>> missing = {{params[0].get()}};
+  absl::StatusOr<std::unique_ptr<HostShards>> bad =
+      HostShards::ForUnits(missing, Raw(params), 0, 2);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr(params[1]->name));
 }
 
 TEST(DdpReducer, BroadcastGivesEveryRankTheRootsWeights) {

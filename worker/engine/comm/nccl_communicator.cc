@@ -394,6 +394,32 @@ absl::Status NcclCommunicator::EnqueueAllGather(const float* in, size_t count, f
                 ncclAllGather(in, out, count, ncclFloat, comm_, stream_));
 }
 
+absl::Status NcclCommunicator::EnqueueAllGatherHalf(const uint16_t* in, size_t count, uint16_t* out,
+                                                    HalfFormat format) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (in == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError("nccl allgather of halves: null buffer");
+  }
+  return Queued(
+      absl::StrCat("nccl allgather of ", count, " ", HalfFormatName(format), " values"),
+      ncclAllGather(in, out, count, format == HalfFormat::kFp16 ? ncclFloat16 : ncclBfloat16, comm_,
+                    stream_));
+}
+
+absl::Status NcclCommunicator::EnqueueReduceScatterHalf(const uint16_t* in, size_t count,
+                                                        uint16_t* out, HalfFormat format) {
+  AIDN_RETURN_IF_ERROR(Usable());
+  if (count == 0) return absl::OkStatus();
+  if (in == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError("nccl reduce-scatter of halves: null buffer");
+  }
+  return Queued(
+      absl::StrCat("nccl reduce-scatter of ", count, " ", HalfFormatName(format), " values"),
+      ncclReduceScatter(in, out, count, format == HalfFormat::kFp16 ? ncclFloat16 : ncclBfloat16,
+                        ncclSum, comm_, stream_));
+}
+
 absl::Status NcclCommunicator::AllGather(const float* in, size_t count, float* out) {
   AIDN_RETURN_IF_ERROR(EnqueueAllGather(in, count, out));
   if (count == 0) {

@@ -118,6 +118,12 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // Queues ReduceScatter's reduce-scatter on stream() without waiting
   // (in place when `out` is `in` + rank x count).
   absl::Status EnqueueReduceScatter(const float* in, size_t count, float* out, ReduceOp op);
+  // The same in 16 bits (FSDP's mixed precision): `count` values of
+  // `format` each way; the reduce-scatter sums.
+  absl::Status EnqueueAllGatherHalf(const uint16_t* in, size_t count, uint16_t* out,
+                                    HalfFormat format);
+  absl::Status EnqueueReduceScatterHalf(const uint16_t* in, size_t count, uint16_t* out,
+                                        HalfFormat format);
   // `data` summed over the ranks in place in doubles, ordered between
   // `stream`'s work before and after as AllReduceSumOn (ZeRO's gradient
   // norm from the ranks' shards).

@@ -32,13 +32,8 @@ absl::StatusOr<std::unique_ptr<GpuDdpReducer>> GpuDdpReducer::Create(
   r->half_ = options.half;
   r->parameters_ = parameters;
   r->find_unused_ = options.find_unused_parameters;
-  if (r->find_unused_ && !parameters.empty()) {
-    AIDN_RETURN_IF_CUDA_ERROR(cudaMallocHost(&r->used_host_, sizeof(float) * parameters.size()));
-    // A step whose trainer reports nothing (BeginBackward not called) used
-    // everything.
-    std::fill(r->used_host_, r->used_host_ + parameters.size(), 1.0f);
-    AIDN_ASSIGN_OR_RETURN(r->used_, ctx->allocator().Allocate(sizeof(float) * parameters.size()));
-    AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&r->used_done_, cudaEventDisableTiming));
+  if (r->find_unused_) {
+    AIDN_ASSIGN_OR_RETURN(r->used_, UsedFlags::Create(ctx, parameters.size()));
   }
   if (options.powersgd.has_value()) {
     AIDN_ASSIGN_OR_RETURN(r->powersgd_, GpuPowerSgd::Create(ctx, nccl, *options.powersgd));
@@ -201,10 +196,8 @@ GpuDdpReducer::~GpuDdpReducer() {
   if (end_ != nullptr) cudaEventDestroy(end_);
   if (backward_end_ != nullptr) cudaEventDestroy(backward_end_);
   if (buffers_done_ != nullptr) cudaEventDestroy(buffers_done_);
-  if (used_done_ != nullptr) cudaEventDestroy(used_done_);
   if (gathered_ != nullptr) cudaEventDestroy(gathered_);
   if (gather_start_ != nullptr) cudaEventDestroy(gather_start_);
-  if (used_host_ != nullptr) cudaFreeHost(used_host_);
 }
 
 std::vector<std::vector<std::string>> GpuDdpReducer::BucketLayout() const {
@@ -270,21 +263,7 @@ absl::Status GpuDdpReducer::LaunchHalf(Bucket& bucket) {
 }
 
 absl::Status GpuDdpReducer::BroadcastBuffers(const std::vector<GpuParameter*>& buffers) {
-  if (buffers.empty()) return absl::OkStatus();
-  cudaStream_t comm = nccl_->stream();
-  // After the last step's forward updated them on the compute stream.
-  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(ready_, ctx_->stream()));
-  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(comm, ready_, 0));
-  std::vector<std::pair<float*, size_t>> all;
-  for (GpuParameter* b : buffers) {
-    all.emplace_back(b->value.data(), static_cast<size_t>(b->value.numel()));
-  }
-  absl::Status s = nccl_->EnqueueBroadcasts(all, /*root=*/0);
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("buffers: ", s.message()));
-  // This step's forward reads them.
-  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(buffers_done_, comm));
-  AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(ctx_->stream(), buffers_done_, 0));
-  return absl::OkStatus();
+  return BroadcastBuffersFromRankZero(ctx_, nccl_, buffers, ready_, buffers_done_);
 }
 
 absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parameters) {
@@ -317,13 +296,7 @@ absl::Status GpuDdpReducer::OnGradReady(const std::vector<GpuParameter*>& parame
 absl::Status GpuDdpReducer::BeginBackward(const std::vector<bool>& used,
                                           const std::vector<GpuParameter*>& unused_now) {
   if (!find_unused_) return absl::OkStatus();
-  if (used.size() != parameters_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("gpu ddp: ", used.size(), " used flags for ",
-                                                   parameters_.size(), " parameters"));
-  }
-  // The previous step's sums were read (its AfterBackward waited), so the
-  // pinned flags are free.
-  for (size_t i = 0; i < used.size(); ++i) used_host_[i] = used[i] ? 1.0f : 0.0f;
+  AIDN_RETURN_IF_ERROR(used_->Set(used, "gpu ddp"));
   // Their gradients stay zero (ZeroGrad): ready now, so the buckets finish.
   return unused_now.empty() ? absl::OkStatus() : OnGradReady(unused_now);
 }
@@ -337,26 +310,14 @@ absl::Status GpuDdpReducer::MissingGradients() const {
 }
 
 absl::Status GpuDdpReducer::ExchangeUsedFlags() {
-  const size_t n = parameters_.size();
-  if (n == 0) return absl::OkStatus();
-  cudaStream_t comm = nccl_->stream();
-  float* device = static_cast<float*>(used_.data());
-  AIDN_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(device, used_host_, sizeof(float) * n, cudaMemcpyHostToDevice, comm));
-  // Sums of zeros and ones: exact in float.
-  AIDN_RETURN_IF_ERROR(Annotate(nccl_->EnqueueAllReduce(device, n, ReduceOp::kSum),
-                                "gpu ddp: used parameter flags"));
-  AIDN_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(used_host_, device, sizeof(float) * n, cudaMemcpyDeviceToHost, comm));
-  AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(used_done_, comm));
-  AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(used_done_, "used parameter flags"));
-  for (size_t i = 0; i < n; ++i) parameters_[i]->no_grad = used_host_[i] == 0.0f;
+  std::vector<bool> never_used;
+  AIDN_RETURN_IF_ERROR(used_->Sum(nccl_, &never_used));
+  for (size_t i = 0; i < parameters_.size(); ++i) parameters_[i]->no_grad = never_used[i];
   // ZeRO-1: a shard is left alone with its whole parameter (as
   // ShardMap::CopyNoGradToShards on the CPU).
   for (size_t k = 0; k < shard_view_.size(); ++k) {
     shard_view_[k]->no_grad = parameters_[shard_whole_[k]]->no_grad;
   }
-  std::fill(used_host_, used_host_ + n, 1.0f);
   return absl::OkStatus();
 }
 

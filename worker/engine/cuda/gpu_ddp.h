@@ -33,7 +33,7 @@
 // compresses each bucket on the NCCL stream too, once its start_step is
 // reached.
 //
-// ZeRO-1 (DdpOptions::shard_optimizer, with the layout of a ZeroOneShards
+// ZeRO-1 (DdpOptions::shard_optimizer, with the layout of a HostShards
 // built from the same plan): each bucket, padded to 16 x world_size floats,
 // is reduce-scattered (averaged) in place instead of allreduced, so the
 // rank's slice of it holds the averages of its shard; the weights move
@@ -80,6 +80,7 @@
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_powersgd.h"
+#include "worker/engine/cuda/nccl_steps.h"
 #include "worker/engine/ddp.h"
 
 namespace aidn::engine::cuda {
@@ -201,11 +202,8 @@ class GpuDdpReducer {
   // Registration order (find_unused_parameters' flags follow it).
   std::vector<GpuParameter*> parameters_;
   bool find_unused_ = false;
-  // The rank's used flags (pinned: uploaded on the NCCL stream, then the
-  // sums read back into it) and their device copy.
-  float* used_host_ = nullptr;
-  DeviceBuffer used_;
-  cudaEvent_t used_done_ = nullptr;
+  // find_unused_parameters: the rank's used flags.
+  std::unique_ptr<UsedFlags> used_;
   int launched_ = 0;
   // The next bucket to launch (they go in plan order), and the order of
   // this step's launches.

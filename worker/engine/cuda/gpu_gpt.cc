@@ -144,6 +144,7 @@ absl::Status GpuGpt::CopyDown(const std::vector<Parameter*>& cpu, bool grads) co
 }
 
 absl::Status GpuGpt::ZeroGrad() {
+  if (hooks_ != nullptr) return absl::OkStatus();
   for (auto& p : params_) AIDN_RETURN_IF_ERROR(p->grad.Zero(ctx_));
   return absl::OkStatus();
 }
@@ -462,6 +463,7 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int6
   if (training) ++draws_;
   cudaStream_t stream = ctx_->stream();
   float* x = blocks_.empty() ? out_.data() : blocks_[0].in.data();
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(0));
   AIDN_RETURN_IF_ERROR(LaunchEmbedding(stream, static_cast<const int32_t*>(tokens_d_.data()),
                                        wte_->value.data(), wpe_->value.data(), x, n, seq_len, c));
   if (drop) AIDN_RETURN_IF_ERROR(DropBranch(x, 0));
@@ -475,13 +477,16 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int6
     Block& b = blocks_[l];
     float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
     b.skipped = depth && static_cast<double>(depth_rng_() >> 11) * 0x1p-53 < p_skip;
+    const int unit = static_cast<int>(l) + 1;
+    if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(unit));
     if (b.skipped) {
       // The stream passes through.
       AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(next, b.in.data(), sizeof(float) * n * c,
                                                 cudaMemcpyDeviceToDevice, stream));
-      continue;
+    } else {
+      AIDN_RETURN_IF_ERROR(BlockForward(l, next, drop));
     }
-    AIDN_RETURN_IF_ERROR(BlockForward(l, next, drop));
+    if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(unit));
   }
   AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, out_.data(), lnf_w_->value.data(),
                                        lnf_b_ != nullptr ? lnf_b_->value.data() : nullptr, n, c,
@@ -491,6 +496,7 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int6
   AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, v, c, 1.0f, AsStored(lnf_.data(), c),
                                     AsTransposed(wte_->value.data(), c), 0.0f, logits_.data(), v, 0,
                                     1, &gemm_scratch_));
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(0));
   if (targets == nullptr) return absl::OkStatus();
   AIDN_RETURN_IF_ERROR(LaunchSoftmaxCrossEntropy(
       stream, logits_.data(), static_cast<const int32_t*>(targets_d_.data()), n, v,
@@ -549,6 +555,7 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
     AIDN_RETURN_IF_ERROR(
         LaunchScale(stream, grad_logits_.data(), n * v, static_cast<float>(grad_scale)));
   }
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeBackward(0));
   // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
   AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, c, v, 1.0f, AsStored(grad_logits_.data(), v),
                                     AsStored(wte_->value.data(), c), 0.0f, dtmp_.data(), c, 0, 1,
@@ -562,10 +569,13 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
   AIDN_RETURN_IF_ERROR(ready({lnf_w_, lnf_b_}));
   for (size_t l = blocks_.size(); l-- > 0;) {
     const Block& b = blocks_[l];
+    const int unit = static_cast<int>(l) + 1;
+    if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeBackward(unit));
     // A skipped block: the stream's gradient passes through, its
     // parameters get none (and are not reported).
+    if (!b.skipped) AIDN_RETURN_IF_ERROR(BlockBackward(l));
+    if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterBackward(unit));
     if (b.skipped) continue;
-    AIDN_RETURN_IF_ERROR(BlockBackward(l));
     // In registration order, as the reducer expects each report's list.
     AIDN_RETURN_IF_ERROR(ready({b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w,
                                 b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}));
@@ -578,6 +588,7 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
                                        static_cast<const int32_t*>(grad_positions_d_.data()),
                                        static_cast<int64_t>(grad_groups_.tokens.size()), c));
   AIDN_RETURN_IF_ERROR(LaunchPositionGrad(stream, demb, wpe_->grad.data(), batch_, seq_len_, c));
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterBackward(0));
   return ready({wte_, wpe_});
 }
 

@@ -48,6 +48,7 @@
 #include "worker/engine/cuda/gpu_gemm.h"
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/cuda/gpu_units.h"
 #include "worker/engine/gpt.h"
 #include "worker/engine/token_positions.h"
 
@@ -80,7 +81,12 @@ class GpuGpt {
   // Accumulates (+=) every parameter's gradient of the last training
   // Forward's loss times `grad_scale`. FAILED_PRECONDITION without one.
   absl::Status Backward(double grad_scale = 1.0, const GradReadyFn& on_ready = nullptr);
+  // Zeroes the gradients (with unit hooks set: none, the hooks own the
+  // gradients' memory).
   absl::Status ZeroGrad();
+  // As Gpt::SetUnitHooks (gpu_units.h): the root (0) is wte, wpe and ln_f,
+  // unit l + 1 block l (skipped blocks too). Null: none. Not owned.
+  void SetUnitHooks(GpuUnitHooks* hooks) { hooks_ = hooks; }
   // Reseeds the dropout masks and stochastic depth's draws of the next
   // Forwards.
   void SetSeed(uint64_t seed);
@@ -159,6 +165,7 @@ class GpuGpt {
   GpuParameter *wte_ = nullptr, *wpe_ = nullptr, *lnf_w_ = nullptr, *lnf_b_ = nullptr;
   std::vector<Block> blocks_;
 
+  GpuUnitHooks* hooks_ = nullptr;
   bool fused_allowed_ = true;
   bool fused_possible_ = false;  // Create's verdict for this model and GPU
   bool fused_now_ = false;       // the last Forward's choice

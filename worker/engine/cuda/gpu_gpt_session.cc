@@ -50,7 +50,10 @@ class CudaGptSession final : public GpuSession {
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&s->done_, cudaEventDisableTiming));
     AIDN_RETURN_IF_ERROR(cuda::SetUpSessionDdp(options, s->ctx_.get(), s->model_->Parameters(),
                                                &s->ddp_, &s->description_));
-    // ZeRO-1: the optimizer steps this rank's shards only (its state never
+    // ZeRO-2 and FSDP: the blocks gathered and reduce-scattered from the
+    // decoder's unit hooks.
+    s->model_->SetUnitHooks(s->ddp_.unit_hooks());
+    // ZeRO: the optimizer steps this rank's shards only (its state never
     // whole on the device), clipping by the whole gradient's norm.
     const std::vector<cuda::GpuParameter*>* shards = s->ddp_.shards();
     AIDN_ASSIGN_OR_RETURN(
@@ -101,15 +104,8 @@ class CudaGptSession final : public GpuSession {
     const double grad_scale = loss_scale / static_cast<double>(k);
     last_skipped_ = false;
     AIDN_RETURN_IF_ERROR(model_->ZeroGrad());
-    cuda::GpuGpt::GradReadyFn on_ready;
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) {
-      cuda::GpuDdpReducer* reducer = ddp_.reducer.get();
-      on_ready = [reducer](const std::vector<cuda::GpuParameter*>& p) {
-        return reducer->OnGradReady(p);
-      };
-    }
-#endif
+    AIDN_RETURN_IF_ERROR(ddp_.BeginStep({}));
+    const cuda::GpuGpt::GradReadyFn on_ready = ddp_.GradReady();
     // Which parameters some forward of the step used (stochastic depth
     // skips blocks), as GpuTrainer::Step tracks them.
     const std::vector<cuda::GpuParameter*> params = model_->Parameters();
@@ -127,25 +123,19 @@ class CudaGptSession final : public GpuSession {
         if (std::find(unused.begin(), unused.end(), params[j]) == unused.end()) used[j] = true;
       }
       const bool last = i == k - 1;
-#if AIDN_HAVE_NCCL
-      if (last && ddp_.reducer != nullptr) {
-        AIDN_RETURN_IF_ERROR(ddp_.reducer->BeginBackward(used, unused));
-      }
-#endif
+      if (last) AIDN_RETURN_IF_ERROR(ddp_.BeginBackward(used, unused));
       AIDN_RETURN_IF_ERROR(model_->Backward(grad_scale, last ? on_ready : nullptr));
     }
-    // One rank: what no forward of the step used is left alone (DDP: the
-    // reducer decides from every rank's flags).
-    if (!on_ready) {
+    // One rank: what no forward of the step used is left alone (with more:
+    // the reducer decides from every rank's flags).
+    if (!ddp_.active()) {
       for (size_t j = 0; j < params.size(); ++j) params[j]->no_grad = !used[j];
     }
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) AIDN_RETURN_IF_ERROR(ddp_.reducer->AfterBackward());
-#endif
+    AIDN_RETURN_IF_ERROR(ddp_.AfterBackward());
     if (scaler_) {
       // Unscaled and checked after the averages; a step whose gradients
       // overflowed is skipped and the scale backed off (a second host wait).
-      // ZeRO-1: each rank checks its shards, the flag goes over the ranks.
+      // ZeRO: each rank checks its shards, the flag goes over the ranks.
       const bool sharded = ddp_.shards() != nullptr;
       AIDN_ASSIGN_OR_RETURN(const bool overflow,
                             cuda::UnscaleAndCheckGradients(
@@ -202,8 +192,19 @@ class CudaGptSession final : public GpuSession {
   int64_t collective_sequence() const override { return ddp_.collective_sequence(); }
 
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) override {
-    return model_->CopyWeightsTo(cpu);
+    // ZeRO-2 and FSDP: every unit whole for the copy.
+    AIDN_RETURN_IF_ERROR(ddp_.GatherFullParameters());
+    absl::Status s = model_->CopyWeightsTo(cpu);
+    ddp_.ReleaseFullParameters();
+    return s;
   }
+
+  absl::Status CopyShardsTo(const std::vector<Parameter*>& shards) override {
+    return ddp_.CopyShardsTo(ctx_.get(), shards);
+  }
+
+  absl::Status GatherFullParameters() override { return ddp_.GatherFullParameters(); }
+  void ReleaseFullParameters() override { ddp_.ReleaseFullParameters(); }
 
   absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) override {
     if (!cpu.empty()) {
@@ -256,13 +257,7 @@ class CudaGptSession final : public GpuSession {
   // through the reducer's Wait (timings, ZeRO-1's all-gathers).
   absl::Status WaitForStream(bool end_of_step) {
     AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, ctx_->stream()));
-#if AIDN_HAVE_NCCL
-    if (ddp_.reducer != nullptr) {
-      return end_of_step ? ddp_.reducer->Wait(done_) : ddp_.reducer->WaitForCheck(done_);
-    }
-#endif
-    AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done_));
-    return absl::OkStatus();
+    return end_of_step ? ddp_.Wait(done_) : ddp_.WaitForCheck(done_);
   }
 
   // Destroyed in reverse: the reducer and communicator first, the context

@@ -42,11 +42,14 @@ absl::Status Matching(const char* what, const std::vector<GpuParameter*>& gpu,
 absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(GpuContext* ctx, const Sequential& cpu) {
   std::unique_ptr<GpuModel> model(new GpuModel(ctx));
   int last_run = -1;
+  int units = 0;
   for (size_t i = 0; i < cpu.size(); ++i) {
     AIDN_ASSIGN_OR_RETURN(std::unique_ptr<GpuLayer> layer, MirrorLayer(ctx, cpu.layer(i)));
     std::vector<GpuParameter*> params = layer->Parameters();
     for (GpuParameter* p : params) model->parameters_.push_back(p);
     for (GpuParameter* b : layer->Buffers()) model->buffers_.push_back(b);
+    // Sequential::Add's units: one per layer with parameters.
+    model->unit_.push_back(params.empty() ? 0 : ++units);
     model->layer_parameters_.push_back(params);
     if (!params.empty() && model->first_trainable_ < 0) {
       model->first_trainable_ = static_cast<int>(i);
@@ -79,27 +82,36 @@ absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Build(GpuContext* ctx,
 absl::Status GpuModel::Forward(const GpuTensor& input, GpuTensor* logits, bool training) {
   const GpuTensor* x = &input;
   const size_t last = layers_.size() - 1;
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(0));
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (fused_[i]) continue;
     GpuTensor* y = i == last ? logits : &activations_[i];
+    const int unit = hooks_ != nullptr ? unit_[i] : 0;
+    if (unit > 0) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(unit));
     AIDN_RETURN_IF_ERROR(
         Annotate(layers_[i]->Forward(*x, y, training), absl::StrCat("layer ", i, " forward")));
+    if (unit > 0) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(unit));
     x = y;
   }
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(0));
   if (x != logits) AIDN_RETURN_IF_ERROR(logits->CopyFrom(ctx_, *x));
   return absl::OkStatus();
 }
 
 absl::Status GpuModel::Backward(const GpuTensor& grad_logits, const GradReadyFn& on_ready) {
   const GpuTensor* g = &grad_logits;
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeBackward(0));
   for (int i = static_cast<int>(layers_.size()) - 1; i >= 0; --i) {
     const size_t at = static_cast<size_t>(i);
     if (fused_[at]) continue;
     // No gradient for the model's input or anything before the first layer
     // with parameters (as Sequential::Backward).
     GpuTensor* grad_input = i > first_trainable_ && first_trainable_ >= 0 ? &grads_[at] : nullptr;
+    const int unit = hooks_ != nullptr ? unit_[at] : 0;
+    if (unit > 0) AIDN_RETURN_IF_ERROR(hooks_->BeforeBackward(unit));
     AIDN_RETURN_IF_ERROR(
         Annotate(layers_[at]->Backward(*g, grad_input), absl::StrCat("layer ", i, " backward")));
+    if (unit > 0) AIDN_RETURN_IF_ERROR(hooks_->AfterBackward(unit));
     if (on_ready && !layer_parameters_[at].empty()) {
       // What the forward did not use gets no gradient (as
       // Sequential::Backward): the reducer decides what that means.
@@ -117,10 +129,12 @@ absl::Status GpuModel::Backward(const GpuTensor& grad_logits, const GradReadyFn&
     if (grad_input == nullptr) break;
     g = grad_input;
   }
+  if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterBackward(0));
   return absl::OkStatus();
 }
 
 absl::Status GpuModel::ZeroGrad() {
+  if (hooks_ != nullptr) return absl::OkStatus();
   for (GpuParameter* p : parameters_) AIDN_RETURN_IF_ERROR(p->grad.Zero(ctx_));
   return absl::OkStatus();
 }

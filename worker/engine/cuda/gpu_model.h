@@ -39,6 +39,7 @@
 #include "worker/engine/cuda/gpu_layers.h"
 #include "worker/engine/cuda/gpu_optimizer.h"
 #include "worker/engine/cuda/gpu_tensor.h"
+#include "worker/engine/cuda/gpu_units.h"
 #include "worker/engine/data.h"
 #include "worker/engine/loss_scale.h"
 #include "worker/engine/model.h"
@@ -67,7 +68,12 @@ class GpuModel {
   // alive and unchanged until Backward.
   absl::Status Forward(const GpuTensor& input, GpuTensor* logits, bool training);
   absl::Status Backward(const GpuTensor& grad_logits, const GradReadyFn& on_ready = nullptr);
+  // Zeroes the gradients (with unit hooks set: none, the hooks own the
+  // gradients' memory).
   absl::Status ZeroGrad();
+  // As Sequential::SetUnitHooks (gpu_units.h): unit u > 0 is the u-th layer
+  // with parameters, the root (0) is empty. Null: none. Not owned.
+  void SetUnitHooks(GpuUnitHooks* hooks) { hooks_ = hooks; }
   // As Sequential::SetSeed (the same per-layer seeds; GPU dropout masks are
   // still not the CPU's, see dropout_mask.h).
   void SetSeed(uint64_t seed);
@@ -108,6 +114,9 @@ class GpuModel {
   std::vector<GpuParameter*> buffers_;
   // Per layer, its parameters (empty for most).
   std::vector<std::vector<GpuParameter*>> layer_parameters_;
+  // Per layer, its unit (0: none, a layer without parameters).
+  std::vector<int> unit_;
+  GpuUnitHooks* hooks_ = nullptr;
   int first_trainable_ = -1;
   std::vector<GpuTensor> activations_;
   std::vector<GpuTensor> grads_;

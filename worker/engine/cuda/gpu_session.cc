@@ -49,38 +49,36 @@ class CudaGpuSession final : public GpuSession {
       s->trainer_->optimizer().SetNormAllReduce(s->ddp_.NormAllReduce(s->ctx_.get()));
       s->trainer_->SetOverflowAllReduce(s->ddp_.OverflowAllReduce(s->ctx_.get()));
     }
-    if (options.cuda_graphs && options.world_size == 1) {
+    if (options.cuda_graphs && !s->ddp_.active()) {
       s->trainer_->SetCudaGraphs(true);
       absl::StrAppend(&s->description_, ", CUDA graphs");
     } else if (options.cuda_graphs) {
       absl::StrAppend(&s->description_, ", CUDA graphs not used (not with NCCL yet)");
     }
-#if AIDN_HAVE_NCCL
-    if (s->ddp_.reducer != nullptr) {
-      cuda::GpuDdpReducer* reducer = s->ddp_.reducer.get();
-      s->trainer_->SetGradReady(
-          [reducer](const std::vector<cuda::GpuParameter*>& p) { return reducer->OnGradReady(p); });
-      s->trainer_->SetAfterBackward([reducer] { return reducer->AfterBackward(); });
+    if (s->ddp_.active()) {
+      cuda::SessionDdp* ddp = &s->ddp_;
+      cuda::GpuModel* gpu_model = s->model_.get();
+      // DDP: buckets launched from the grad-ready reports; ZeRO-2 and FSDP:
+      // units gathered and reduce-scattered from the model's unit hooks.
+      if (auto ready = ddp->GradReady(); ready) s->trainer_->SetGradReady(std::move(ready));
+      gpu_model->SetUnitHooks(ddp->unit_hooks());
+      s->trainer_->SetBeforeForward(
+          [ddp, gpu_model] { return ddp->BeginStep(gpu_model->Buffers()); });
       s->trainer_->SetBeforeLastBackward(
-          [reducer](const std::vector<bool>& used,
-                    const std::vector<cuda::GpuParameter*>& unused_now) {
-            return reducer->BeginBackward(used, unused_now);
+          [ddp](const std::vector<bool>& used, const std::vector<cuda::GpuParameter*>& unused_now) {
+            return ddp->BeginBackward(used, unused_now);
           });
-      s->trainer_->SetWait([reducer](cudaEvent_t done) { return reducer->Wait(done); });
-      s->trainer_->SetCheckWait(
-          [reducer](cudaEvent_t event) { return reducer->WaitForCheck(event); });
+      s->trainer_->SetAfterBackward([ddp] { return ddp->AfterBackward(); });
+      s->trainer_->SetWait([ddp](cudaEvent_t done) { return ddp->Wait(done); });
+      s->trainer_->SetCheckWait([ddp](cudaEvent_t event) { return ddp->WaitForCheck(event); });
+#if AIDN_HAVE_NCCL
       if (options.sync_batchnorm) {
-        // The statistics' collectives on the DDP communicator's stream.
-        s->model_->SetBatchNormSync(s->ddp_.nccl.get());
+        // The statistics' collectives on the reducer's communicator's stream.
+        gpu_model->SetBatchNormSync(s->ddp_.nccl.get());
         absl::StrAppend(&s->description_, ", SyncBatchNorm");
       }
-      if (options.broadcast_buffers && !s->model_->Buffers().empty()) {
-        cuda::GpuModel* gpu_model = s->model_.get();
-        s->trainer_->SetBeforeForward(
-            [reducer, gpu_model] { return reducer->BroadcastBuffers(gpu_model->Buffers()); });
-      }
-    }
 #endif
+    }
     return std::unique_ptr<GpuSession>(std::move(s));
   }
 
@@ -130,8 +128,22 @@ class CudaGpuSession final : public GpuSession {
   int64_t collective_sequence() const override { return ddp_.collective_sequence(); }
 
   absl::Status CopyParametersTo(const std::vector<Parameter*>& cpu) override {
-    return model_->CopyParametersTo(cpu);
+    // ZeRO-2 and FSDP: every unit whole for the copy.
+    AIDN_RETURN_IF_ERROR(ddp_.GatherFullParameters());
+    absl::Status s = model_->CopyParametersTo(cpu);
+    ddp_.ReleaseFullParameters();
+    return s;
   }
+
+  absl::Status CopyShardsTo(const std::vector<Parameter*>& shards) override {
+    return ddp_.CopyShardsTo(ctx_.get(), shards);
+  }
+
+  absl::Status GatherFullParameters() override {
+    trainer_->InvalidateGraph();
+    return ddp_.GatherFullParameters();
+  }
+  void ReleaseFullParameters() override { ddp_.ReleaseFullParameters(); }
 
   absl::Status CopyBuffersTo(const std::vector<Parameter*>& cpu) override {
     return model_->CopyBuffersTo(cpu);

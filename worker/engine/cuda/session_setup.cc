@@ -26,8 +26,9 @@ absl::StatusOr<SessionDevice> SetUpSessionDevice(const GpuSessionOptions& option
     return absl::InvalidArgumentError(absl::StrCat("gpu session: precision \"", options.precision,
                                                    "\" (known: fp32, bf16, fp16)"));
   }
-  if (options.world_size > 1 && options.store == nullptr) {
-    return absl::InvalidArgumentError("gpu session: more than one rank needs a store for NCCL");
+  if ((options.world_size > 1 || options.sharding != Sharding::kNone) && options.store == nullptr) {
+    return absl::InvalidArgumentError(
+        "gpu session: more than one rank, or sharding, needs a store for NCCL");
   }
   DeviceInventory inventory = DiscoverDevices();
   if (inventory.gpus.empty()) {
@@ -95,9 +96,98 @@ absl::StatusOr<int64_t> CountCorrectOnDevice(GpuContext* ctx, const GpuTensor& l
   return count;
 }
 
+bool SessionDdp::active() const {
+#if AIDN_HAVE_NCCL
+  return reducer != nullptr || fsdp != nullptr;
+#else
+  return false;
+#endif
+}
+
+absl::Status SessionDdp::BeginStep(const std::vector<GpuParameter*>& buffers) {
+#if AIDN_HAVE_NCCL
+  if (fsdp != nullptr) AIDN_RETURN_IF_ERROR(fsdp->BeginStep());
+  if (broadcast_buffers && !buffers.empty()) {
+    if (reducer != nullptr) return reducer->BroadcastBuffers(buffers);
+    if (fsdp != nullptr) return fsdp->BroadcastBuffers(buffers);
+  }
+#endif
+  (void)buffers;
+  return absl::OkStatus();
+}
+
+std::function<absl::Status(const std::vector<GpuParameter*>&)> SessionDdp::GradReady() const {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) {
+    GpuDdpReducer* r = reducer.get();
+    return [r](const std::vector<GpuParameter*>& p) { return r->OnGradReady(p); };
+  }
+#endif
+  return nullptr;
+}
+
+absl::Status SessionDdp::BeginBackward(const std::vector<bool>& used,
+                                       const std::vector<GpuParameter*>& unused_now) {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->BeginBackward(used, unused_now);
+  if (fsdp != nullptr) return fsdp->BeginBackward(used);
+#endif
+  (void)used;
+  (void)unused_now;
+  return absl::OkStatus();
+}
+
+absl::Status SessionDdp::AfterBackward() {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->AfterBackward();
+  if (fsdp != nullptr) return fsdp->AfterBackward();
+#endif
+  return absl::OkStatus();
+}
+
+absl::Status SessionDdp::WaitForCheck(cudaEvent_t event) {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->WaitForCheck(event);
+  if (fsdp != nullptr) return fsdp->WaitForCheck(event);
+#endif
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(event));
+  return absl::OkStatus();
+}
+
+absl::Status SessionDdp::Wait(cudaEvent_t done) {
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) return reducer->Wait(done);
+  if (fsdp != nullptr) return fsdp->Wait(done);
+#endif
+  AIDN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(done));
+  return absl::OkStatus();
+}
+
+GpuUnitHooks* SessionDdp::unit_hooks() const {
+#if AIDN_HAVE_NCCL
+  return fsdp.get();
+#else
+  return nullptr;
+#endif
+}
+
+absl::Status SessionDdp::GatherFullParameters() {
+#if AIDN_HAVE_NCCL
+  if (fsdp != nullptr) return fsdp->GatherFullParameters();
+#endif
+  return absl::OkStatus();
+}
+
+void SessionDdp::ReleaseFullParameters() {
+#if AIDN_HAVE_NCCL
+  if (fsdp != nullptr) fsdp->ReleaseFullParameters();
+#endif
+}
+
 double SessionDdp::allreduce_seconds() const {
 #if AIDN_HAVE_NCCL
   if (reducer != nullptr) return reducer->last_allreduce_seconds();
+  if (fsdp != nullptr) return fsdp->last_comm_seconds();
 #endif
   return 0;
 }
@@ -105,6 +195,7 @@ double SessionDdp::allreduce_seconds() const {
 double SessionDdp::exposed_seconds() const {
 #if AIDN_HAVE_NCCL
   if (reducer != nullptr) return reducer->last_exposed_seconds();
+  if (fsdp != nullptr) return fsdp->last_exposed_seconds();
 #endif
   return 0;
 }
@@ -130,6 +221,12 @@ GpuSession::StateMemory SessionDdp::Memory(const std::vector<GpuParameter*>& par
     m.gradients = reducer->bucket_bytes();
     if (reducer->weight_bytes() > 0) m.parameters = reducer->weight_bytes();
   }
+  if (fsdp != nullptr) {
+    const GpuFsdpReducer::Memory f = fsdp->memory();
+    m.parameters = f.weights;
+    m.gradients = f.gradients;
+    m.buffers += f.buffers;
+  }
 #endif
   m.optimizer_state = optimizer_state_bytes;
   return m;
@@ -140,8 +237,35 @@ const std::vector<GpuParameter*>* SessionDdp::shards() const {
   if (reducer != nullptr && !reducer->shard_parameters().empty()) {
     return &reducer->shard_parameters();
   }
+  if (fsdp != nullptr) return &fsdp->shard_parameters();
 #endif
   return nullptr;
+}
+
+absl::Status SessionDdp::CopyShardsTo(GpuContext* ctx, const std::vector<Parameter*>& host) const {
+  const std::vector<GpuParameter*>* mine = shards();
+  if (mine == nullptr) {
+    return absl::FailedPreconditionError("gpu session: no shards (not a sharded strategy)");
+  }
+  if (mine->size() != host.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu session: ", host.size(), " host shards for ", mine->size(), " here"));
+  }
+  for (size_t k = 0; k < host.size(); ++k) {
+    const GpuParameter* d = (*mine)[k];
+    if (host[k]->name != d->name || host[k]->value.numel() != d->value.numel()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gpu session: host shard ", k, " is ", host[k]->name, ", here ", d->name));
+    }
+  }
+  for (size_t k = 0; k < host.size(); ++k) {
+    const GpuParameter* d = (*mine)[k];
+    if (d->value.numel() == 0) continue;
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host[k]->value.data(), d->value.data(),
+                                              sizeof(float) * static_cast<size_t>(d->value.numel()),
+                                              cudaMemcpyDeviceToHost, ctx->stream()));
+  }
+  return ctx->Synchronize();
 }
 
 std::function<absl::Status(int32_t*)> SessionDdp::OverflowAllReduce(GpuContext* ctx) const {
@@ -167,6 +291,7 @@ std::function<absl::Status(double*)> SessionDdp::NormAllReduce(GpuContext* ctx) 
 int64_t SessionDdp::bytes_sent() const {
 #if AIDN_HAVE_NCCL
   if (reducer != nullptr) return reducer->last_bytes_sent();
+  if (fsdp != nullptr) return fsdp->last_bytes_sent();
 #endif
   return 0;
 }
@@ -174,6 +299,7 @@ int64_t SessionDdp::bytes_sent() const {
 int64_t SessionDdp::bytes_uncompressed() const {
 #if AIDN_HAVE_NCCL
   if (reducer != nullptr) return reducer->last_bytes_uncompressed();
+  if (fsdp != nullptr) return fsdp->last_bytes_uncompressed();
 #endif
   return 0;
 }
@@ -181,7 +307,8 @@ int64_t SessionDdp::bytes_uncompressed() const {
 absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
                              const std::vector<GpuParameter*>& parameters, SessionDdp* ddp,
                              std::string* description) {
-  if (options.world_size <= 1) return absl::OkStatus();
+  // One rank averages nothing, unless it shards (as a CPU job does then).
+  if (options.world_size <= 1 && options.sharding == Sharding::kNone) return absl::OkStatus();
 #if AIDN_HAVE_NCCL
   NcclOptions nccl;
   nccl.rank = options.rank;
@@ -189,17 +316,51 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
   nccl.device = options.device;
   nccl.timeout = options.timeout;
   AIDN_ASSIGN_OR_RETURN(ddp->nccl, NcclCommunicator::Create(nccl, options.store));
+  ddp->broadcast_buffers = options.broadcast_buffers;
+  absl::StrAppend(description, ", NCCL ", options.world_size, " ranks");
+  const Sharding sharding = options.sharding;
+  if (sharding == Sharding::kGradients || sharding == Sharding::kShardGradOp ||
+      sharding == Sharding::kFullShard) {
+    if (options.shards == nullptr) {
+      return absl::InvalidArgumentError("gpu session: ZeRO-2 and FSDP need the shards' layout");
+    }
+    if (options.compression.has_value() || options.powersgd.has_value()) {
+      return absl::InvalidArgumentError(
+          "gpu session: gradient compression does not go with ZeRO-2 or FSDP");
+    }
+    AIDN_ASSIGN_OR_RETURN(
+        ddp->fsdp, GpuFsdpReducer::Create(ctx, ddp->nccl.get(), *options.shards, parameters,
+                                          {.sharding = sharding,
+                                           .find_unused_parameters = options.find_unused_parameters,
+                                           .param_half = options.fsdp_param_half,
+                                           .reduce_half = options.fsdp_reduce_half}));
+    absl::StrAppend(description, ", ",
+                    sharding == Sharding::kGradients   ? "ZeRO-2"
+                    : sharding == Sharding::kFullShard ? "FSDP full_shard"
+                                                       : "FSDP shard_grad_op",
+                    " over ", ddp->fsdp->num_units(), " units, ",
+                    ddp->fsdp->shard_parameters().size(), " shards");
+    if (options.fsdp_param_half.has_value()) {
+      absl::StrAppend(description, ", weights gathered in ",
+                      HalfFormatName(*options.fsdp_param_half));
+    }
+    if (options.fsdp_reduce_half.has_value()) {
+      absl::StrAppend(description, ", gradients reduce-scattered in ",
+                      HalfFormatName(*options.fsdp_reduce_half));
+    }
+    return absl::OkStatus();
+  }
+  const bool zero1 = sharding == Sharding::kOptimizer;
   AIDN_ASSIGN_OR_RETURN(
       ddp->reducer,
       GpuDdpReducer::Create(ctx, parameters, ddp->nccl.get(),
                             DdpOptions{.bucket_mb = options.bucket_mb,
-                                       .shard_optimizer = options.zero1 != nullptr,
+                                       .shard_optimizer = zero1,
                                        .powersgd = options.powersgd,
                                        .half = options.compression,
                                        .find_unused_parameters = options.find_unused_parameters},
-                            options.zero1));
-  absl::StrAppend(description, ", NCCL ", options.world_size, " ranks, ",
-                  ddp->reducer->num_buckets(), " gradient buckets");
+                            zero1 ? options.shards : nullptr));
+  absl::StrAppend(description, ", ", ddp->reducer->num_buckets(), " gradient buckets");
   if (options.compression.has_value()) {
     absl::StrAppend(description, " allreduced in ", HalfFormatName(*options.compression));
   }
@@ -207,7 +368,7 @@ absl::Status SetUpSessionDdp(const GpuSessionOptions& options, GpuContext* ctx,
     absl::StrAppend(description, " compressed by PowerSGD of rank ", options.powersgd->rank,
                     " from step ", options.powersgd->start_step);
   }
-  if (options.zero1 != nullptr) {
+  if (zero1) {
     absl::StrAppend(description,
                     " reduce-scattered, ZeRO-1: ", ddp->reducer->shard_parameters().size(),
                     " shards of the optimizer's state");

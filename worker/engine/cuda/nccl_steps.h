@@ -1,0 +1,62 @@
+#ifndef AIDN_WORKER_ENGINE_CUDA_NCCL_STEPS_H_
+#define AIDN_WORKER_ENGINE_CUDA_NCCL_STEPS_H_
+
+// Pieces of a data-parallel step on NCCL that the DDP reducer
+// (gpu_ddp.h) and the sharded one (gpu_fsdp.h) both take: rank 0's
+// buffers broadcast before a step, and find_unused_parameters' used flags
+// summed over the ranks. Not thread-safe: the trainer's thread.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/engine/comm/nccl_communicator.h"
+#include "worker/engine/cuda/allocator.h"
+#include "worker/engine/cuda/gpu_context.h"
+#include "worker/engine/cuda/gpu_layers.h"
+
+namespace aidn::engine::cuda {
+
+// broadcast_buffers: rank 0's `buffers` (running statistics) to every
+// rank, on the NCCL stream after what the compute stream queued so far
+// (the last step's forward updated them), and the compute stream ordered
+// after it; no host wait. `ready` and `done` are the caller's events
+// (reused: a wait binds to the record before it).
+absl::Status BroadcastBuffersFromRankZero(GpuContext* ctx, NcclCommunicator* nccl,
+                                          const std::vector<GpuParameter*>& buffers,
+                                          cudaEvent_t ready, cudaEvent_t done);
+
+// find_unused_parameters' flags: per parameter (registration order),
+// whether any forward of the step used it on this rank, summed over the
+// ranks and read on the host (as torch's reducer reads its used map).
+class UsedFlags {
+ public:
+  static absl::StatusOr<std::unique_ptr<UsedFlags>> Create(GpuContext* ctx, size_t count);
+  ~UsedFlags();
+  UsedFlags(const UsedFlags&) = delete;
+  UsedFlags& operator=(const UsedFlags&) = delete;
+
+  // This rank's flags for the step. INVALID_ARGUMENT for another count
+  // (naming `who`).
+  absl::Status Set(const std::vector<bool>& used, const char* who);
+  // The flags summed over the ranks, on the NCCL stream, then read here (a
+  // host wait bounded by the communicator's timeout); `never_used` gets
+  // whether no rank used each parameter. The flags read "all used" after,
+  // for a step whose trainer sets none.
+  absl::Status Sum(NcclCommunicator* nccl, std::vector<bool>* never_used);
+
+ private:
+  UsedFlags() = default;
+  size_t count_ = 0;
+  float* host_ = nullptr;  // pinned
+  DeviceBuffer device_;
+  cudaEvent_t done_ = nullptr;
+};
+
+}  // namespace aidn::engine::cuda
+
+#endif  // AIDN_WORKER_ENGINE_CUDA_NCCL_STEPS_H_
