@@ -7,11 +7,21 @@
 //
 //   gpu_gpt_step [--config gpt2] [--batch 8] [--seq 1024] [--steps 30]
 //                [--warmup 5] [--precision bf16] [--json]
+//                [--strategy ddp|zero2|shard_grad_op|full_shard]
+//                [--param-dtype fp32|bf16] [--reduce-dtype fp32|bf16]
 //
 // Prints tokens/s over the steps after the warm-up, the median step, the
 // model's FLOPs per second (6 N per token plus 6 n_layer T n_embd for
 // attention, as bench/gpt_step.cc counts them) and the allocator's peak
 // bytes. With --json one line "RESULT {json}".
+//
+// --strategy other than ddp (the plain step: one rank has nothing to
+// average) runs ZeRO-2 or FSDP (cuda/gpu_fsdp.h) over an NCCL communicator
+// of one rank, as a one-GPU job does: the units gathered and
+// reduce-scattered on the NCCL stream, the optimizer over the shards. It
+// prints the model-state bytes the reducer and optimizer hold (weights,
+// gradients, AdamW state, pool buffers) beside the one-rank formula, 16
+// bytes a parameter plus the layout's padding (bench/gpu_zero.sh).
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +37,14 @@
 #include "worker/engine/cuda/gpu_optimizer.h"
 #include "worker/engine/gpt.h"
 #include "worker/engine/optimizer.h"
+#if AIDN_HAVE_NCCL
+#include <cuda_runtime.h>
+
+#include "worker/engine/comm/kv_store.h"
+#include "worker/engine/comm/nccl_communicator.h"
+#include "worker/engine/cuda/gpu_fsdp.h"
+#include "worker/engine/host_shards.h"
+#endif
 
 namespace {
 
@@ -42,12 +60,17 @@ struct Options {
   int warmup = 5;
   std::string precision = "bf16";
   bool json = false;
+  std::string strategy = "ddp";
+  std::string param_dtype = "fp32";
+  std::string reduce_dtype = "fp32";
 };
 
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--config gpt2] [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] "
-               "[--precision fp32|bf16|fp16] [--json]\n",
+               "[--precision fp32|bf16|fp16] [--json] "
+               "[--strategy ddp|zero2|shard_grad_op|full_shard] [--param-dtype fp32|bf16] "
+               "[--reduce-dtype fp32|bf16]\n",
                argv0);
   return 2;
 }
@@ -79,6 +102,12 @@ int main(int argc, char** argv) {
       o.warmup = std::atoi(v);
     } else if (a == "--precision" && (v = next())) {
       o.precision = v;
+    } else if (a == "--strategy" && (v = next())) {
+      o.strategy = v;
+    } else if (a == "--param-dtype" && (v = next())) {
+      o.param_dtype = v;
+    } else if (a == "--reduce-dtype" && (v = next())) {
+      o.reduce_dtype = v;
     } else {
       return Usage(argv[0]);
     }
@@ -110,9 +139,62 @@ int main(int argc, char** argv) {
   oc.weight_decay = 0.1;
   oc.decay_matrices_only = true;
   oc.grad_clip_norm = 1.0;
+  // ZeRO-2 / FSDP over one NCCL rank: the units' hooks and the optimizer
+  // over the shards.
+  std::vector<cuda::GpuParameter*> optimized = (*gpt)->Parameters();
+#if AIDN_HAVE_NCCL
+  aidn::engine::InMemoryKeyValueStore store;
+  std::unique_ptr<aidn::engine::NcclCommunicator> nccl;
+  std::unique_ptr<aidn::engine::HostShards> layout;
+  std::unique_ptr<cuda::GpuFsdpReducer> reducer;
+  cudaEvent_t done = nullptr;
+  if (o.strategy != "ddp") {
+    cuda::GpuFsdpOptions fo;
+    if (o.strategy == "zero2") {
+      fo.sharding = aidn::engine::Sharding::kGradients;
+    } else if (o.strategy == "shard_grad_op") {
+      fo.sharding = aidn::engine::Sharding::kShardGradOp;
+    } else if (o.strategy == "full_shard") {
+      fo.sharding = aidn::engine::Sharding::kFullShard;
+    } else {
+      return Usage(argv[0]);
+    }
+    if (o.param_dtype == "bf16") fo.param_half = aidn::engine::HalfFormat::kBf16;
+    if (o.reduce_dtype == "bf16") fo.reduce_half = aidn::engine::HalfFormat::kBf16;
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // one rank: nothing leaves the host
+    absl::StatusOr<std::unique_ptr<aidn::engine::NcclCommunicator>> comm =
+        aidn::engine::NcclCommunicator::Create(aidn::engine::NcclOptions{}, &store);
+    if (!comm.ok()) return Fail(comm.status());
+    nccl = *std::move(comm);
+    absl::StatusOr<std::unique_ptr<aidn::engine::HostShards>> shards =
+        aidn::engine::HostShards::ForUnits((*cpu)->Units(), (*cpu)->Parameters(), 0, 1);
+    if (!shards.ok()) return Fail(shards.status());
+    layout = *std::move(shards);
+    absl::StatusOr<std::unique_ptr<cuda::GpuFsdpReducer>> r = cuda::GpuFsdpReducer::Create(
+        ctx->get(), nccl.get(), layout->map(), (*gpt)->Parameters(), fo);
+    if (!r.ok()) return Fail(r.status());
+    reducer = *std::move(r);
+    (*gpt)->SetUnitHooks(reducer.get());
+    optimized = reducer->shard_parameters();
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+      return Fail(absl::InternalError("cudaEventCreate"));
+    }
+  }
+#else
+  if (o.strategy != "ddp") return Fail(absl::UnimplementedError("this build has no NCCL"));
+#endif
   absl::StatusOr<std::unique_ptr<cuda::GpuOptimizer>> optimizer =
-      cuda::GpuOptimizer::Create(ctx->get(), oc, (*gpt)->Parameters());
+      cuda::GpuOptimizer::Create(ctx->get(), oc, optimized);
   if (!optimizer.ok()) return Fail(optimizer.status());
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) {
+    cuda::GpuContext* c = ctx->get();
+    aidn::engine::NcclCommunicator* comm = nccl.get();
+    (*optimizer)->SetNormAllReduce([c, comm](double* total) {
+      return comm->AllReduceDoubleSumOn(c->stream(), total, 1);
+    });
+  }
+#endif
 
   std::mt19937_64 rng(3);
   const size_t n = static_cast<size_t>(o.batch) * static_cast<size_t>(o.seq);
@@ -127,12 +209,30 @@ int main(int argc, char** argv) {
       y[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(config->vocab_size));
     }
     const auto start = std::chrono::steady_clock::now();
+#if AIDN_HAVE_NCCL
+    if (reducer != nullptr) {
+      if (absl::Status st = reducer->BeginStep(); !st.ok()) return Fail(st);
+    }
+#endif
     if (absl::Status st = (*gpt)->ZeroGrad(); !st.ok()) return Fail(st);
     if (absl::Status st = (*gpt)->Forward(x.data(), y.data(), o.batch, o.seq, true); !st.ok()) {
       return Fail(st);
     }
     if (absl::Status st = (*gpt)->Backward(); !st.ok()) return Fail(st);
+#if AIDN_HAVE_NCCL
+    if (reducer != nullptr) {
+      if (absl::Status st = reducer->AfterBackward(); !st.ok()) return Fail(st);
+    }
+#endif
     if (absl::Status st = (*optimizer)->Step(oc.lr); !st.ok()) return Fail(st);
+#if AIDN_HAVE_NCCL
+    if (reducer != nullptr) {
+      if (cudaEventRecord(done, (*ctx)->stream()) != cudaSuccess) {
+        return Fail(absl::InternalError("cudaEventRecord"));
+      }
+      if (absl::Status st = reducer->Wait(done); !st.ok()) return Fail(st);
+    }
+#endif
     absl::StatusOr<double> l = (*gpt)->ReadLoss();
     if (!l.ok()) return Fail(l.status());
     loss = *l;
@@ -153,19 +253,37 @@ int main(int argc, char** argv) {
   const double tflops = flops_per_token * tokens_per_s / 1e12;
   const double peak_gib =
       static_cast<double>((*ctx)->allocator().stats().peak_bytes_in_use) / (1 << 30);
+  // Model state: weights, gradients, AdamW's state and (sharded) the pools'
+  // buffers, against 16 bytes a parameter.
+  double weights = 4 * params, grads = 4 * params, buffers = 0;
+#if AIDN_HAVE_NCCL
+  if (reducer != nullptr) {
+    const cuda::GpuFsdpReducer::Memory m = reducer->memory();
+    weights = static_cast<double>(m.weights);
+    grads = static_cast<double>(m.gradients);
+    buffers = static_cast<double>(m.buffers);
+  }
+#endif
+  const double state = static_cast<double>((*optimizer)->state_bytes());
+  const double mib = 1 << 20;
   if (o.json) {
     std::printf(
         "RESULT {\"config\": \"%s\", \"precision\": \"%s\", \"batch\": %d, \"seq\": %d, "
         "\"tokens_per_s\": %.1f, \"median_step_ms\": %.2f, \"model_tflops_per_s\": %.2f, "
-        "\"peak_gib\": %.2f, \"final_loss\": %.4f, \"parameters\": %.0f}\n",
+        "\"peak_gib\": %.2f, \"final_loss\": %.4f, \"parameters\": %.0f, \"strategy\": "
+        "\"%s\", \"weights_mib\": %.2f, \"gradients_mib\": %.2f, \"optimizer_mib\": %.2f, "
+        "\"buffers_mib\": %.2f, \"formula_mib\": %.2f}\n",
         o.config.c_str(), o.precision.c_str(), o.batch, o.seq, tokens_per_s, median_ms, tflops,
-        peak_gib, loss, params);
+        peak_gib, loss, params, o.strategy.c_str(), weights / mib, grads / mib, state / mib,
+        buffers / mib, 16 * params / mib);
   } else {
     std::printf(
         "gpu_gpt_step %s %s batch %d seq %d | %d steps | %.1f ms median | %.0f tokens/s | "
-        "%.1f model TFLOP/s | peak %.2f GiB | loss %.4f\n",
+        "%.1f model TFLOP/s | peak %.2f GiB | loss %.4f | %s: state %.1f MiB (16 bytes a "
+        "parameter: %.1f) + buffers %.1f MiB\n",
         o.config.c_str(), o.precision.c_str(), o.batch, o.seq, window, median_ms, tokens_per_s,
-        tflops, peak_gib, loss);
+        tflops, peak_gib, loss, o.strategy.c_str(), (weights + grads + state) / mib,
+        16 * params / mib, buffers / mib);
   }
   return 0;
 }

@@ -18,8 +18,9 @@
 #                                  # integration_gpu_job_test (a device: gpu job
 #                                  # through a real coordinator and worker)
 #   scripts/gpu_device.sh run-all  # there, with both carried: the GPU tests, the
-#                                  # service's GPU jobs, bench/gpu_gpt.sh and a
-#                                  # bf16 + CUDA-graph bench/gpu_step.sh, each
+#                                  # service's GPU jobs, bench/gpu_gpt.sh,
+#                                  # bench/gpu_zero.sh and a bf16 + CUDA-graph
+#                                  # bench/gpu_step.sh, each
 #                                  # part time-limited (under 600 s in all)
 #
 # `run` finds cuDNN and NCCL in the toolkit or in PyTorch's nvidia-* wheels,
@@ -241,9 +242,11 @@ run_service() {
 
 # Everything a GPU machine should run, most important first, in one command
 # of under 600 s: every GPU test, the service's GPU jobs, GPT-2
-# against PyTorch, then the MLP and CNN steps in bf16 with CUDA graphs. Each
-# part has a time limit in seconds (TEST_LIMIT 170, SERVICE_LIMIT 170,
-# GPT_LIMIT 170, STEP_LIMIT 60); the summary and logs go under $OUT.
+# against PyTorch, GPT-2 under ZeRO-2 and FSDP against the plain step
+# (bench/gpu_zero.sh), then the MLP and CNN steps in bf16 with CUDA graphs.
+# Each part has a time limit in seconds (TEST_LIMIT 170, SERVICE_LIMIT 170,
+# GPT_LIMIT 140, ZERO_LIMIT 50, STEP_LIMIT 60); the summary and logs go
+# under $OUT.
 run_all() {
   local out=${OUT:-/tmp/aidn-gpu-out}
   mkdir -p "$out"
@@ -255,9 +258,12 @@ run_all() {
   # The library path of `run` (set up by the first part).
   library_path /tmp/aidn-carry/lib >/dev/null
   GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step PYTHON=python3 STEPS=${GPT_STEPS:-20} REPS=1 \
-    PRECISION=${GPT_PRECISION:-bf16} timeout "${GPT_LIMIT:-170}" "$ROOT/bench/gpu_gpt.sh" 2>&1 |
+    PRECISION=${GPT_PRECISION:-bf16} timeout "${GPT_LIMIT:-140}" "$ROOT/bench/gpu_gpt.sh" 2>&1 |
     tee "$out/gpu_gpt.log" | tail -8
   echo "==== gpt bench done after $((SECONDS - start)) s"
+  GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step STEPS=12 WARMUP=3 timeout "${ZERO_LIMIT:-50}" \
+    "$ROOT/bench/gpu_zero.sh" 2>&1 | tee "$out/gpu_zero.log" | tail -9
+  echo "==== zero bench done after $((SECONDS - start)) s"
   GPU_STEP_BIN=/tmp/aidn-bin/gpu_step PYTHON=python3 REPS=1 STEPS=200 PRECISION=bf16 GRAPHS=1 \
     BATCHES="256" timeout "${STEP_LIMIT:-60}" "$ROOT/bench/gpu_step.sh" 2>&1 |
     tee "$out/gpu_step.log" | tail -8
