@@ -159,6 +159,9 @@ int main(int argc, char** argv) {
     } else {
       return Usage(argv[0]);
     }
+    for (const std::string* dtype : {&o.param_dtype, &o.reduce_dtype}) {
+      if (*dtype != "fp32" && *dtype != "bf16") return Usage(argv[0]);
+    }
     if (o.param_dtype == "bf16") fo.param_half = aidn::engine::HalfFormat::kBf16;
     if (o.reduce_dtype == "bf16") fo.reduce_half = aidn::engine::HalfFormat::kBf16;
     setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // one rank: nothing leaves the host
@@ -183,6 +186,9 @@ int main(int argc, char** argv) {
 #else
   if (o.strategy != "ddp") return Fail(absl::UnimplementedError("this build has no NCCL"));
 #endif
+  if (o.strategy == "ddp" && (o.param_dtype != "fp32" || o.reduce_dtype != "fp32")) {
+    return Usage(argv[0]);  // nothing is gathered or reduced
+  }
   absl::StatusOr<std::unique_ptr<cuda::GpuOptimizer>> optimizer =
       cuda::GpuOptimizer::Create(ctx->get(), oc, optimized);
   if (!optimizer.ok()) return Fail(optimizer.status());
@@ -265,6 +271,9 @@ int main(int argc, char** argv) {
   }
 #endif
   const double state = static_cast<double>((*optimizer)->state_bytes());
+#if AIDN_HAVE_NCCL
+  if (done != nullptr) cudaEventDestroy(done);
+#endif
   const double mib = 1 << 20;
   if (o.json) {
     std::printf(

@@ -27,7 +27,8 @@ if [[ -z ${GPU_GPT_BIN:-} ]]; then
     cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DAIDN_ENGINE_ONLY=ON \
       -DAIDN_BUILD_BENCHMARKS=ON >/dev/null
   fi
-  ninja -C "$BUILD" gpu_gpt_step >/dev/null
+  # Quiet unless it fails (ninja prints compiler errors on stdout).
+  log=$(ninja -C "$BUILD" gpu_gpt_step 2>&1) || { echo "$log" >&2; exit 1; }
 fi
 common=(--config "${CONFIG:-gpt2}" --batch "${BATCH:-8}" --seq "${SEQ:-1024}"
   --precision "${PRECISION:-bf16}" --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" --json)

@@ -23,7 +23,7 @@ GpuFsdpReducer::Pool::~Pool() {
 absl::StatusOr<int> GpuFsdpReducer::Pool::Take(GpuContext* ctx, size_t floats) {
   // A buffer serves a request of at least half its size: a block's request
   // never ties up the root's or the embedding layer's buffer.
-  const auto fits = [floats](size_t f) { return f >= floats && f / 2 <= floats; };
+  const auto fits = [floats](size_t f) { return f >= floats && f <= 2 * floats; };
   const size_t fitting = static_cast<size_t>(std::count_if(
       slots_.begin(), slots_.end(), [&](const Slot& s) { return s.live && fits(s.floats); }));
   if (fitting >= keep_) {
@@ -38,25 +38,36 @@ absl::StatusOr<int> GpuFsdpReducer::Pool::Take(GpuContext* ctx, size_t floats) {
       return slot;
     }
   }
+  // A new buffer, in a slot a Trim emptied if there is one.
+  auto dead = std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) { return !s.live; });
+  const size_t index =
+      dead != slots_.end() ? static_cast<size_t>(dead - slots_.begin()) : slots_.size();
   Slot s;
   s.floats = floats;
   AIDN_ASSIGN_OR_RETURN(s.buffer, ctx->allocator().Allocate(sizeof(float) * floats));
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming));
-  slots_.push_back(std::move(s));
-  bytes_ += static_cast<int64_t>(sizeof(float) * floats);
+  bytes_ += static_cast<int64_t>(s.buffer.bytes());
   peak_ = std::max(peak_, bytes_);
-  return static_cast<int>(slots_.size() - 1);
+  if (index == slots_.size()) {
+    slots_.push_back(std::move(s));
+  } else {
+    slots_[index] = std::move(s);
+  }
+  return static_cast<int>(index);
 }
 
 void GpuFsdpReducer::Pool::Trim() {
   while (free_.size() > keep_) {
     Slot& s = slots_[static_cast<size_t>(free_.back())];
     free_.pop_back();
-    // Back to the compute stream's allocator: the buffer's last readers are
-    // queued there, and its last NCCL writer before them.
+    bytes_ -= static_cast<int64_t>(s.buffer.bytes());
+    // Back to the compute stream's allocator: the caller makes sure the
+    // buffer's last users come before what that stream queues next.
     s.buffer.Release();
+    if (s.event != nullptr) cudaEventDestroy(s.event);
+    s.event = nullptr;
+    s.recorded = false;
     s.live = false;
-    bytes_ -= static_cast<int64_t>(sizeof(float) * s.floats);
   }
 }
 
@@ -444,8 +455,10 @@ absl::Status GpuFsdpReducer::ReduceScatter(int u, float* grads) {
     const HalfFormat format = *options_.reduce_half;
     uint16_t* half = static_cast<uint16_t*>(reduce_half_.data());
     uint16_t* mine = half + rank_ * unit.chunk;
-    AIDN_RETURN_IF_ERROR(
-        LaunchScale(comm, grads, floats, 1.0f / static_cast<float>(nccl_->world_size())));
+    if (nccl_->world_size() > 1) {
+      AIDN_RETURN_IF_ERROR(
+          LaunchScale(comm, grads, floats, 1.0f / static_cast<float>(nccl_->world_size())));
+    }
     AIDN_RETURN_IF_ERROR(LaunchToHalf(comm, grads, half, floats, TypeOf(format)));
     AIDN_RETURN_IF_ERROR(
         Annotate(nccl_->EnqueueReduceScatterHalf(half, unit.chunk, mine, format), what));
@@ -479,6 +492,8 @@ absl::Status GpuFsdpReducer::BeginStep() {
   timing_ = false;
   bytes_step_ = 0;
   fp32_step_ = 0;
+  // The buffers' figure is a step's (not an evaluation's full gather).
+  for (Pool* p : {&weights_, &root_weights_, &grads_, &root_grads_}) p->ResetPeak();
   return absl::OkStatus();
 }
 
@@ -518,6 +533,11 @@ absl::Status GpuFsdpReducer::Wait(cudaEvent_t done) {
   }
   AIDN_RETURN_IF_ERROR(nccl_->WaitForEvent(done, "gradient reduce-scatters and the update"));
   in_step_ = false;
+  // Every user of the pools' buffers is done (the host waited for the step,
+  // which waited for the last reduce-scatter): what a step of units of many
+  // sizes left beyond each pool's `keep` goes back to the allocator, whose
+  // cache serves the next step.
+  for (Pool* p : {&weights_, &root_weights_, &grads_, &root_grads_}) p->Trim();
   bytes_sent_ = bytes_step_;
   bytes_fp32_ = fp32_step_;
   comm_seconds_ = 0;

@@ -151,7 +151,8 @@ class GpuFsdpReducer final : public GpuUnitHooks {
 
   // Bytes held on the device: the weights (ZeRO-2: whole units; FSDP: the
   // slices), the gradient shards, and the pools' buffers for gathered
-  // weights and unit gradients at their most so far (kept for reuse).
+  // weights and unit gradients at their most during the last step (with
+  // the 16-bit staging).
   struct Memory {
     int64_t weights = 0;
     int64_t gradients = 0;
@@ -193,10 +194,13 @@ class GpuFsdpReducer final : public GpuUnitHooks {
     cudaEvent_t event(int slot) const { return at(slot).event; }
     bool recorded(int slot) const { return at(slot).recorded; }
     void set_recorded(int slot) { slots_[static_cast<size_t>(slot)].recorded = true; }
-    // Frees buffers given back beyond `keep` (their last users are on the
-    // compute stream or ordered before it, as the allocator needs).
+    // Frees buffers given back beyond `keep` (the caller makes sure their
+    // last users come before the compute stream's next work, as the
+    // allocator needs).
     void Trim();
+    // The most bytes held at once since the last ResetPeak.
     int64_t peak_bytes() const { return peak_; }
+    void ResetPeak() { peak_ = bytes_; }
 
    private:
     struct Slot {
