@@ -355,6 +355,83 @@ TEST(GpuGpt, DropoutRunsRepeatBitForBitAndDiffer) {
   EXPECT_EQ((*gpu)->Backward().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Pipeline stages of one block each, chained on one GPU through device
+// activations and their gradients: the last stage's loss is the whole
+// decoder's bit for bit, and every stage's gradients are the whole
+// decoder's (wte's, the sum of the first stage's embedding part and the
+// last stage's head part, within the rounding of that one sum).
+TEST(GpuGpt, ChainedStagesComputeWhatTheWholeDecoderDoes) {
+  AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
+  GptConfig config = Small();
+  config.n_layer = 3;
+  std::unique_ptr<Gpt> cpu = MakeCpu(config);
+  auto whole = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  std::vector<std::unique_ptr<GpuGpt>> stages;
+  for (int s = 0; s < 3; ++s) {
+    auto stage = GpuGpt::Create(ctx.get(), *cpu);
+    ASSERT_TRUE(stage.ok()) << stage.status();
+    ASSERT_TRUE((*stage)->SetStage(s, s + 1).ok());
+    stages.push_back(*std::move(stage));
+  }
+  // wte and wpe + a block; a block; a block, ln_f and the tied wte.
+  EXPECT_EQ(stages[0]->StageParameters().size(), 14u);
+  EXPECT_EQ(stages[1]->StageParameters().size(), 12u);
+  EXPECT_EQ(stages[2]->StageParameters().size(), 15u);
+  EXPECT_EQ(stages[1]->Parameters().size(), (*whole)->Parameters().size());
+
+  const Batch b = RandomBatch(config, 2, 16, 5);
+  ASSERT_TRUE((*whole)->ZeroGrad().ok());
+  ASSERT_TRUE((*whole)->Forward(b.tokens.data(), b.targets.data(), 2, 16, true).ok());
+  ASSERT_TRUE((*whole)->Backward().ok());
+  for (auto& stage : stages) ASSERT_TRUE(stage->ZeroGrad().ok());
+  ASSERT_TRUE(stages[0]->ForwardStage(b.tokens.data(), nullptr, nullptr, 2, 16, true).ok());
+  ASSERT_TRUE(stages[1]
+                  ->ForwardStage(nullptr, stages[0]->stage_output().data(), nullptr, 2, 16, true)
+                  .ok());
+  ASSERT_TRUE(
+      stages[2]
+          ->ForwardStage(nullptr, stages[1]->stage_output().data(), b.targets.data(), 2, 16, true)
+          .ok());
+  GpuTensor g2, g1;
+  ASSERT_TRUE(stages[2]->BackwardStage(nullptr, &g2, 1.0).ok());
+  ASSERT_TRUE(stages[1]->BackwardStage(g2.data(), &g1, 1.0).ok());
+  ASSERT_TRUE(stages[0]->BackwardStage(g1.data(), nullptr, 1.0).ok());
+  auto want = (*whole)->ReadLoss();
+  auto got = stages[2]->ReadLoss();
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_EQ(*got, *want);
+
+  std::unique_ptr<Gpt> all = MakeCpu(config, 8);
+  ASSERT_TRUE((*whole)->CopyGradsTo(all->Parameters()).ok());
+  std::vector<std::unique_ptr<Gpt>> parts;
+  for (auto& stage : stages) {
+    parts.push_back(MakeCpu(config, 9));
+    for (Parameter* p : parts.back()->Parameters()) p->grad = Tensor(p->value.shape());
+    ASSERT_TRUE(stage->CopyGradsTo(parts.back()->Parameters()).ok());
+  }
+  const std::vector<Parameter*>& names = all->Parameters();
+  for (size_t k = 0; k < names.size(); ++k) {
+    Tensor sum(names[k]->value.shape());
+    for (auto& part : parts) {
+      const Tensor& g = part->Parameters()[k]->grad;
+      for (int64_t i = 0; i < sum.numel(); ++i) sum[i] += g[i];
+    }
+    const double tolerance = names[k]->name == "transformer.wte.weight" ? 1e-6 : 0.0;
+    EXPECT_LE(MaxRelError(sum, names[k]->grad), tolerance) << names[k]->name;
+  }
+  // What a stage cannot run is refused.
+  EXPECT_EQ(stages[1]->Forward(b.tokens.data(), b.targets.data(), 2, 16, true).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stages[1]->ForwardStage(nullptr, nullptr, nullptr, 2, 16, true).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(stages[1]->SetStage(0, 1).code(), absl::StatusCode::kFailedPrecondition);
+  auto bad = GpuGpt::Create(ctx.get(), *cpu);
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ((*bad)->SetStage(2, 2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*bad)->SetStage(0, 4).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(GpuGpt, RefusesWhatItCannotRun) {
   AIDN_GPU_CONTEXT_OR_SKIP(ctx, GpuContextOptions{});
   std::unique_ptr<Gpt> cpu = MakeCpu(Small());

@@ -75,6 +75,7 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(GpuContext* ctx, const Gp
   gpt->lnf_w_ = find("transformer.ln_f.weight");
   gpt->lnf_b_ = find("transformer.ln_f.bias");
   gpt->blocks_.resize(static_cast<size_t>(config.n_layer));
+  gpt->end_block_ = config.n_layer;
   for (size_t l = 0; l < gpt->blocks_.size(); ++l) {
     Block& b = gpt->blocks_[l];
     const std::string h = absl::StrCat("transformer.h.", l, ".");
@@ -119,6 +120,8 @@ absl::Status GpuGpt::CopyWeightsFrom(const Gpt& cpu) {
     }
   }
   for (size_t i = 0; i < src.size(); ++i) {
+    // A stage's released weights stay released.
+    if (params_[i]->value.data() == nullptr) continue;
     AIDN_RETURN_IF_ERROR(params_[i]->value.CopyFromHost(ctx_, src[i]->value));
   }
   return absl::OkStatus();
@@ -137,6 +140,8 @@ absl::Status GpuGpt::CopyDown(const std::vector<Parameter*>& cpu, bool grads) co
   }
   for (size_t i = 0; i < cpu.size(); ++i) {
     const GpuParameter& p = *params_[i];
+    // What a stage released is not copied (the CPU tensor is left alone).
+    if ((grads ? p.grad.data() : p.value.data()) == nullptr) continue;
     AIDN_RETURN_IF_ERROR(grads ? p.grad.CopyToHost(ctx_, &cpu[i]->grad)
                                : p.value.CopyToHost(ctx_, &cpu[i]->value));
   }
@@ -145,8 +150,65 @@ absl::Status GpuGpt::CopyDown(const std::vector<Parameter*>& cpu, bool grads) co
 
 absl::Status GpuGpt::ZeroGrad() {
   if (hooks_ != nullptr) return absl::OkStatus();
-  for (auto& p : params_) AIDN_RETURN_IF_ERROR(p->grad.Zero(ctx_));
+  for (auto& p : params_) {
+    if (p->grad.data() != nullptr) AIDN_RETURN_IF_ERROR(p->grad.Zero(ctx_));
+  }
   return absl::OkStatus();
+}
+
+absl::Status GpuGpt::SetStage(int first_block, int end_block) {
+  if (first_block < 0 || first_block >= end_block || end_block > config_.n_layer) {
+    return absl::InvalidArgumentError(absl::StrCat("gpt: stage of blocks [", first_block, ", ",
+                                                   end_block, ") of ", config_.n_layer));
+  }
+  if (hooks_ != nullptr || staged_) {
+    return absl::FailedPreconditionError("gpt: a stage is set once, on a model without unit hooks");
+  }
+  first_block_ = first_block;
+  end_block_ = end_block;
+  staged_ = true;
+  const std::vector<GpuParameter*> mine = StageParameters();
+  for (auto& p : params_) {
+    if (std::find(mine.begin(), mine.end(), p.get()) != mine.end()) continue;
+    std::vector<int64_t> shape = p->value.shape();
+    p->value = GpuTensor::View(nullptr, shape);
+    p->grad = GpuTensor::View(nullptr, std::move(shape));
+  }
+  for (int l = 0; l < config_.n_layer; ++l) {
+    if (l >= first_block && l < end_block) continue;
+    Block& b = blocks_[static_cast<size_t>(l)];
+    for (GpuTensor* t : {&b.in, &b.ln1, &b.ln1_mean, &b.ln1_rstd, &b.qkv, &b.y, &b.att_max,
+                         &b.att_inv, &b.mid, &b.ln2, &b.ln2_mean, &b.ln2_rstd, &b.fc, &b.gelu}) {
+      *t = GpuTensor();
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<GpuParameter*> GpuGpt::StageParameters() {
+  // Registration order: wte, wpe, the blocks', ln_f.
+  std::vector<GpuParameter*> mine;
+  for (auto& p : params_) {
+    GpuParameter* q = p.get();
+    bool held = false;
+    if (q == wte_) {
+      held = embeds() || has_head();
+    } else if (q == wpe_) {
+      held = embeds();
+    } else if (q == lnf_w_ || q == lnf_b_) {
+      held = has_head();
+    } else {
+      for (int l = first_block_; l < end_block_ && !held; ++l) {
+        const Block& b = blocks_[static_cast<size_t>(l)];
+        for (const GpuParameter* r : {b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b,
+                                      b.ln2_w, b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}) {
+          held = held || r == q;
+        }
+      }
+    }
+    if (held) mine.push_back(q);
+  }
+  return mine;
 }
 
 void GpuGpt::SetSeed(uint64_t seed) {
@@ -186,7 +248,8 @@ absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
   const int64_t n = batch * seq_len;
   const int64_t c = config_.n_embd;
   const int64_t h = config_.n_head;
-  for (Block& b : blocks_) {
+  for (int l = first_block_; l < end_block_; ++l) {
+    Block& b = blocks_[static_cast<size_t>(l)];
     for (auto [t, shape] : std::initializer_list<std::pair<GpuTensor*, std::vector<int64_t>>>{
              {&b.in, {n, c}},
              {&b.ln1, {n, c}},
@@ -205,12 +268,14 @@ absl::Status GpuGpt::Shape(int64_t batch, int64_t seq_len) {
       AIDN_RETURN_IF_ERROR(t->Resize(ctx_, shape));
     }
   }
-  const int64_t v = config_.vocab_size;
+  // The head's tensors on the last stage only.
+  const int64_t v = has_head() ? config_.vocab_size : 0;
+  const int64_t nh = has_head() ? n : 0;
   for (auto [t, shape] : std::initializer_list<std::pair<GpuTensor*, std::vector<int64_t>>>{
            {&out_, {n, c}},
-           {&lnf_, {n, c}},
-           {&lnf_mean_, {n}},
-           {&lnf_rstd_, {n}},
+           {&lnf_, {nh, c}},
+           {&lnf_mean_, {nh}},
+           {&lnf_rstd_, {nh}},
            {&logits_, {n, v}},
            {&grad_logits_, {n, v}},
            {&dx_, {n, c}},
@@ -237,7 +302,7 @@ absl::Status GpuGpt::UploadTokens(const int32_t* tokens, const int32_t* targets,
   const int64_t n = batch_ * seq_len_;
   const int32_t vocab = config_.vocab_size;
   for (int64_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= vocab) {
+    if (tokens != nullptr && (tokens[i] < 0 || tokens[i] >= vocab)) {
       return absl::InvalidArgumentError(absl::StrCat("gpt: token ", tokens[i], " at ", i,
                                                      " is outside the vocabulary of ", vocab));
     }
@@ -246,7 +311,9 @@ absl::Status GpuGpt::UploadTokens(const int32_t* tokens, const int32_t* targets,
                                                      " is outside the vocabulary of ", vocab));
     }
   }
-  AIDN_RETURN_IF_ERROR(UploadVector(ctx_, std::vector<int32_t>(tokens, tokens + n), &tokens_d_));
+  if (tokens != nullptr) {
+    AIDN_RETURN_IF_ERROR(UploadVector(ctx_, std::vector<int32_t>(tokens, tokens + n), &tokens_d_));
+  }
   if (targets != nullptr) {
     AIDN_RETURN_IF_ERROR(
         UploadVector(ctx_, std::vector<int32_t>(targets, targets + n), &targets_d_));
@@ -453,29 +520,53 @@ absl::Status GpuGpt::BlockForward(size_t l, float* out, bool drop) {
 
 absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int64_t batch,
                              int64_t seq_len, bool training) {
+  if (!embeds() || !has_head()) {
+    return absl::FailedPreconditionError("gpt: Forward of a pipeline stage (ForwardStage)");
+  }
+  return ForwardStage(tokens, nullptr, targets, batch, seq_len, training);
+}
+
+absl::Status GpuGpt::ForwardStage(const int32_t* tokens, const float* input, const int32_t* targets,
+                                  int64_t batch, int64_t seq_len, bool training) {
   has_forward_ = false;
+  if (embeds() ? tokens == nullptr : input == nullptr) {
+    return absl::InvalidArgumentError(embeds() ? "gpt: the first stage needs tokens"
+                                               : "gpt: a later stage needs its input");
+  }
+  if (has_head() && training && targets == nullptr) {
+    return absl::InvalidArgumentError("gpt: the last stage needs targets to train");
+  }
   AIDN_RETURN_IF_ERROR(Shape(batch, seq_len));
-  AIDN_RETURN_IF_ERROR(UploadTokens(tokens, targets, training));
+  AIDN_RETURN_IF_ERROR(UploadTokens(embeds() ? tokens : nullptr, has_head() ? targets : nullptr,
+                                    training && embeds()));
   const int64_t n = batch * seq_len;
   const int64_t c = config_.n_embd;
   const bool drop = training && config_.dropout > 0.0;
   dropped_ = drop;
   if (training) ++draws_;
   cudaStream_t stream = ctx_->stream();
-  float* x = blocks_.empty() ? out_.data() : blocks_[0].in.data();
+  const size_t first = static_cast<size_t>(first_block_);
+  const size_t end = static_cast<size_t>(end_block_);
+  float* x = first == end ? out_.data() : blocks_[first].in.data();
   if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(0));
-  AIDN_RETURN_IF_ERROR(LaunchEmbedding(stream, static_cast<const int32_t*>(tokens_d_.data()),
-                                       wte_->value.data(), wpe_->value.data(), x, n, seq_len, c));
-  if (drop) AIDN_RETURN_IF_ERROR(DropBranch(x, 0));
+  if (embeds()) {
+    AIDN_RETURN_IF_ERROR(LaunchEmbedding(stream, static_cast<const int32_t*>(tokens_d_.data()),
+                                         wte_->value.data(), wpe_->value.data(), x, n, seq_len, c));
+    if (drop) AIDN_RETURN_IF_ERROR(DropBranch(x, 0));
+  } else {
+    // The previous stage's output.
+    AIDN_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(x, input, sizeof(float) * n * c, cudaMemcpyDeviceToDevice, stream));
+  }
   // Stochastic depth: the CPU decoder's draws, one per block (with dropout
   // its generator draws the masks too, so the two skip differently then,
   // as their masks differ).
   const double p_skip = config_.stochastic_depth;
   const bool depth = training && p_skip > 0.0;
   branch_scale_ = depth ? static_cast<float>(1.0 / (1.0 - p_skip)) : 1.0f;
-  for (size_t l = 0; l < blocks_.size(); ++l) {
+  for (size_t l = first; l < end; ++l) {
     Block& b = blocks_[l];
-    float* next = l + 1 < blocks_.size() ? blocks_[l + 1].in.data() : out_.data();
+    float* next = l + 1 < end ? blocks_[l + 1].in.data() : out_.data();
     b.skipped = depth && static_cast<double>(depth_rng_() >> 11) * 0x1p-53 < p_skip;
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(unit));
@@ -487,6 +578,12 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, const int32_t* targets, int6
       AIDN_RETURN_IF_ERROR(BlockForward(l, next, drop));
     }
     if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(unit));
+  }
+  if (!has_head()) {
+    // The stage's output (stage_output()) goes to the next stage.
+    if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(0));
+    has_forward_ = training;
+    return absl::OkStatus();
   }
   AIDN_RETURN_IF_ERROR(LaunchLayerNorm(stream, out_.data(), lnf_w_->value.data(),
                                        lnf_b_ != nullptr ? lnf_b_->value.data() : nullptr, n, c,
@@ -538,8 +635,19 @@ absl::Status GpuGpt::BlockBackward(size_t l) {
 }
 
 absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
+  if (!embeds() || !has_head()) {
+    return absl::FailedPreconditionError("gpt: Backward of a pipeline stage (BackwardStage)");
+  }
+  return BackwardStage(nullptr, nullptr, grad_scale, on_ready);
+}
+
+absl::Status GpuGpt::BackwardStage(const float* grad_output, GpuTensor* grad_input,
+                                   double grad_scale, const GradReadyFn& on_ready) {
   if (!has_forward_) {
     return absl::FailedPreconditionError("gpt: Backward without a training Forward with targets");
+  }
+  if (!has_head() && grad_output == nullptr) {
+    return absl::InvalidArgumentError("gpt: a stage before the last needs its output's gradient");
   }
   has_forward_ = false;
   const int64_t n = batch_ * seq_len_;
@@ -551,23 +659,29 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
     std::erase(ps, nullptr);
     return on_ready(ps);
   };
-  if (grad_scale != 1.0) {
-    AIDN_RETURN_IF_ERROR(
-        LaunchScale(stream, grad_logits_.data(), n * v, static_cast<float>(grad_scale)));
-  }
   if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeBackward(0));
-  // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
-  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, c, v, 1.0f, AsStored(grad_logits_.data(), v),
-                                    AsStored(wte_->value.data(), c), 0.0f, dtmp_.data(), c, 0, 1,
-                                    &gemm_scratch_));
-  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, v, c, n, 1.0f, AsTransposed(grad_logits_.data(), v),
-                                    AsStored(lnf_.data(), c), 1.0f, wte_->grad.data(), c, 0, 1,
-                                    &gemm_scratch_));
-  AIDN_RETURN_IF_ERROR(dx_.Zero(ctx_));
-  AIDN_RETURN_IF_ERROR(LayerNormBackward(dtmp_.data(), out_.data(), *lnf_w_, lnf_b_, lnf_mean_,
-                                         lnf_rstd_, dx_.data()));
-  AIDN_RETURN_IF_ERROR(ready({lnf_w_, lnf_b_}));
-  for (size_t l = blocks_.size(); l-- > 0;) {
+  if (has_head()) {
+    if (grad_scale != 1.0) {
+      AIDN_RETURN_IF_ERROR(
+          LaunchScale(stream, grad_logits_.data(), n * v, static_cast<float>(grad_scale)));
+    }
+    // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, c, v, 1.0f, AsStored(grad_logits_.data(), v),
+                                      AsStored(wte_->value.data(), c), 0.0f, dtmp_.data(), c, 0, 1,
+                                      &gemm_scratch_));
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, v, c, n, 1.0f, AsTransposed(grad_logits_.data(), v),
+                                      AsStored(lnf_.data(), c), 1.0f, wte_->grad.data(), c, 0, 1,
+                                      &gemm_scratch_));
+    AIDN_RETURN_IF_ERROR(dx_.Zero(ctx_));
+    AIDN_RETURN_IF_ERROR(LayerNormBackward(dtmp_.data(), out_.data(), *lnf_w_, lnf_b_, lnf_mean_,
+                                           lnf_rstd_, dx_.data()));
+    AIDN_RETURN_IF_ERROR(ready({lnf_w_, lnf_b_}));
+  } else {
+    // The next stage's gradient of this stage's output.
+    AIDN_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dx_.data(), grad_output, sizeof(float) * n * c,
+                                              cudaMemcpyDeviceToDevice, stream));
+  }
+  for (size_t l = static_cast<size_t>(end_block_); l-- > static_cast<size_t>(first_block_);) {
     const Block& b = blocks_[l];
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeBackward(unit));
@@ -579,6 +693,13 @@ absl::Status GpuGpt::Backward(double grad_scale, const GradReadyFn& on_ready) {
     // In registration order, as the reducer expects each report's list.
     AIDN_RETURN_IF_ERROR(ready({b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w,
                                 b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}));
+  }
+  if (!embeds()) {
+    // The last stage's wte (its head's part) is final; the stage's input
+    // gradient goes to the previous stage.
+    if (grad_input != nullptr) AIDN_RETURN_IF_ERROR(grad_input->CopyFrom(ctx_, dx_));
+    if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterBackward(0));
+    return has_head() ? ready({wte_}) : absl::OkStatus();
   }
   // The embeddings.
   AIDN_ASSIGN_OR_RETURN(const float* demb, BranchGrad(0));

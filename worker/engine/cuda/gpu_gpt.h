@@ -29,8 +29,12 @@
 // same seed (with dropout 0; with dropout the CPU's generator draws the
 // masks too), a kept block's branches scaled by 1 / (1 - p).
 //
-// Not there on the GPU: tensor parallelism, pipeline stages and activation
-// checkpointing (Create refuses a model set up for them).
+// Pipeline stages (SetStage, ForwardStage, BackwardStage): a contiguous run
+// of blocks, as the CPU decoder's Gpt::SetStage, the activations coming in
+// and going out as device tensors [N, C].
+//
+// Not there on the GPU: tensor parallelism and activation checkpointing
+// (Create refuses a model set up for them).
 //
 // Everything is queued on the context's stream; the host waits only where
 // it reads results (ReadLoss, copies to the host). Not thread-safe.
@@ -71,6 +75,35 @@ class GpuGpt {
   // for a sequence beyond block_size or a token or target out of range.
   absl::Status Forward(const int32_t* tokens, const int32_t* targets, int64_t batch,
                        int64_t seq_len, bool training);
+  // Pipeline stages (Gpt::SetStage's semantics): blocks [first_block,
+  // end_block); the first stage (first_block 0) embeds the tokens, the last
+  // (end_block n_layer) holds ln_f and the head; both hold the tied wte.
+  // The weights and gradients of what the stage does not run are released
+  // (Parameters() still lists them, with their shapes; StageParameters()
+  // what the stage holds). INVALID_ARGUMENT for a bad range;
+  // FAILED_PRECONDITION with unit hooks set (not with FSDP) or for a
+  // second SetStage.
+  absl::Status SetStage(int first_block, int end_block);
+  bool embeds() const { return first_block_ == 0; }
+  bool has_head() const { return end_block_ == config_.n_layer; }
+  std::vector<GpuParameter*> StageParameters();
+  // A stage's Forward: from the tokens (the first stage) or from `input`
+  // (device [batch * seq_len, n_embd]: the previous stage's output, read
+  // here) otherwise; the last stage takes the targets and computes the
+  // loss, the others leave their output in stage_output() (valid until
+  // the next ForwardStage). INVALID_ARGUMENT for what the stage lacks.
+  // Forward is ForwardStage of a whole model (FAILED_PRECONDITION on a
+  // stage).
+  absl::Status ForwardStage(const int32_t* tokens, const float* input, const int32_t* targets,
+                            int64_t batch, int64_t seq_len, bool training);
+  const GpuTensor& stage_output() const { return out_; }
+  // A stage's Backward: from the loss (the last stage, times `grad_scale`)
+  // or from `grad_output` (device, the next stage's gradient of this
+  // stage's output) otherwise; a stage after the first writes the
+  // gradient of its input into `grad_input` (may be null). Backward is
+  // BackwardStage of a whole model.
+  absl::Status BackwardStage(const float* grad_output, GpuTensor* grad_input, double grad_scale,
+                             const GradReadyFn& on_ready = nullptr);
   // The last Forward's loss (waits for the stream).
   absl::StatusOr<double> ReadLoss() const;
   // The loss as one device double, valid after the last Forward's kernels.
@@ -166,6 +199,11 @@ class GpuGpt {
   std::vector<Block> blocks_;
 
   GpuUnitHooks* hooks_ = nullptr;
+  // The stage's blocks [first_block_, end_block_) (the whole model by
+  // default) and whether SetStage ran.
+  int first_block_ = 0;
+  int end_block_ = 0;
+  bool staged_ = false;
   bool fused_allowed_ = true;
   bool fused_possible_ = false;  // Create's verdict for this model and GPU
   bool fused_now_ = false;       // the last Forward's choice
