@@ -177,7 +177,7 @@ int main(int argc, char** argv) {
         ctx->get(), nccl.get(), layout->map(), (*gpt)->Parameters(), fo);
     if (!r.ok()) return Fail(r.status());
     reducer = *std::move(r);
-    (*gpt)->SetUnitHooks(reducer.get());
+    if (absl::Status st = (*gpt)->SetUnitHooks(reducer.get()); !st.ok()) return Fail(st);
     optimized = reducer->shard_parameters();
     if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
       return Fail(absl::InternalError("cudaEventCreate"));

@@ -311,7 +311,7 @@ TEST(GpuFsdp, AGptTrainsBitForBitUnderFullShard) {
       GpuFsdpReducer::Create(ctx.get(), nccl.get(), (*layout)->map(), (*sharded)->Parameters(),
                              {.sharding = Sharding::kFullShard});
   ASSERT_TRUE(reducer.ok()) << reducer.status();
-  (*sharded)->SetUnitHooks(reducer->get());
+  ASSERT_TRUE((*sharded)->SetUnitHooks(reducer->get()).ok());
   OptimizerConfig opt;
   opt.name = "adamw";
   opt.lr = 1e-3;

@@ -426,6 +426,13 @@ TEST(GpuGpt, ChainedStagesComputeWhatTheWholeDecoderDoes) {
   EXPECT_EQ(stages[1]->ForwardStage(nullptr, nullptr, nullptr, 2, 16, true).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(stages[1]->SetStage(0, 1).code(), absl::StatusCode::kFailedPrecondition);
+  // A stage's optimizer takes what the stage holds.
+  OptimizerConfig opt;
+  opt.name = "sgd";
+  opt.lr = 0.1;
+  EXPECT_EQ(GpuOptimizer::Create(ctx.get(), opt, stages[1]->Parameters()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(GpuOptimizer::Create(ctx.get(), opt, stages[1]->StageParameters()).ok());
   auto bad = GpuGpt::Create(ctx.get(), *cpu);
   ASSERT_TRUE(bad.ok());
   EXPECT_EQ((*bad)->SetStage(2, 2).code(), absl::StatusCode::kInvalidArgument);

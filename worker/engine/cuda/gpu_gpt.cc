@@ -167,6 +167,7 @@ absl::Status GpuGpt::SetStage(int first_block, int end_block) {
   first_block_ = first_block;
   end_block_ = end_block;
   staged_ = true;
+  has_forward_ = false;
   const std::vector<GpuParameter*> mine = StageParameters();
   for (auto& p : params_) {
     if (std::find(mine.begin(), mine.end(), p.get()) != mine.end()) continue;
@@ -177,9 +178,19 @@ absl::Status GpuGpt::SetStage(int first_block, int end_block) {
   for (int l = 0; l < config_.n_layer; ++l) {
     if (l >= first_block && l < end_block) continue;
     Block& b = blocks_[static_cast<size_t>(l)];
+    b.skipped = false;
     for (GpuTensor* t : {&b.in, &b.ln1, &b.ln1_mean, &b.ln1_rstd, &b.qkv, &b.y, &b.att_max,
                          &b.att_inv, &b.mid, &b.ln2, &b.ln2_mean, &b.ln2_rstd, &b.fc, &b.gelu}) {
       *t = GpuTensor();
+    }
+  }
+  // The head's buffers on the last stage only, the tokens' on the first.
+  if (!has_head()) {
+    for (GpuTensor* t : {&lnf_, &lnf_mean_, &lnf_rstd_, &logits_, &grad_logits_}) *t = GpuTensor();
+  }
+  if (!embeds()) {
+    for (DeviceBuffer* d : {&tokens_d_, &grad_tokens_d_, &grad_offsets_d_, &grad_positions_d_}) {
+      d->Release();
     }
   }
   return absl::OkStatus();
@@ -219,7 +230,8 @@ void GpuGpt::SetSeed(uint64_t seed) {
 
 std::vector<GpuParameter*> GpuGpt::UnusedParameters() {
   std::vector<GpuParameter*> unused;
-  for (const Block& b : blocks_) {
+  for (int l = first_block_; l < end_block_; ++l) {
+    const Block& b = blocks_[static_cast<size_t>(l)];
     if (!b.skipped) continue;
     for (GpuParameter* p : {b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w,
                             b.ln2_b, b.fc_w, b.fc_b, b.fc_proj_w, b.fc_proj_b}) {

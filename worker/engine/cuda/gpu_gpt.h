@@ -63,7 +63,8 @@ class GpuGpt {
   // Called during Backward with parameters whose gradients are final for
   // this pass (queued): ln_f's, each block's from the last, then wte and
   // wpe, each list in registration order (GpuDdpReducer::OnGradReady's
-  // expectation). DDP starts its allreduces from here.
+  // expectation); a pipeline stage reports what it holds, in that order.
+  // DDP starts its allreduces from here.
   using GradReadyFn = std::function<absl::Status(const std::vector<GpuParameter*>&)>;
 
   // A GPU copy of `cpu` (configuration and weights). UNIMPLEMENTED for
@@ -72,7 +73,9 @@ class GpuGpt {
 
   // As Gpt::Forward, with host arrays of tokens and targets ([batch,
   // seq_len] each); the loss stays on the device (ReadLoss). INVALID_ARGUMENT
-  // for a sequence beyond block_size or a token or target out of range.
+  // for a sequence beyond block_size, a token or target out of range, or a
+  // training forward without targets (an evaluation's may have none: the
+  // logits only).
   absl::Status Forward(const int32_t* tokens, const int32_t* targets, int64_t batch,
                        int64_t seq_len, bool training);
   // Pipeline stages (Gpt::SetStage's semantics): blocks [first_block,
@@ -82,14 +85,16 @@ class GpuGpt {
   // (Parameters() still lists them, with their shapes; StageParameters()
   // what the stage holds). INVALID_ARGUMENT for a bad range;
   // FAILED_PRECONDITION with unit hooks set (not with FSDP) or for a
-  // second SetStage.
+  // second SetStage. A stage's optimizer and reducers take
+  // StageParameters().
   absl::Status SetStage(int first_block, int end_block);
   bool embeds() const { return first_block_ == 0; }
   bool has_head() const { return end_block_ == config_.n_layer; }
   std::vector<GpuParameter*> StageParameters();
   // A stage's Forward: from the tokens (the first stage) or from `input`
   // (device [batch * seq_len, n_embd]: the previous stage's output, read
-  // here) otherwise; the last stage takes the targets and computes the
+  // here, in this context's stream order: the caller orders its producer
+  // before) otherwise; the last stage takes the targets and computes the
   // loss, the others leave their output in stage_output() (valid until
   // the next ForwardStage). INVALID_ARGUMENT for what the stage lacks.
   // Forward is ForwardStage of a whole model (FAILED_PRECONDITION on a
@@ -119,7 +124,14 @@ class GpuGpt {
   absl::Status ZeroGrad();
   // As Gpt::SetUnitHooks (gpu_units.h): the root (0) is wte, wpe and ln_f,
   // unit l + 1 block l (skipped blocks too). Null: none. Not owned.
-  void SetUnitHooks(GpuUnitHooks* hooks) { hooks_ = hooks; }
+  // FAILED_PRECONDITION on a pipeline stage.
+  absl::Status SetUnitHooks(GpuUnitHooks* hooks) {
+    if (staged_ && hooks != nullptr) {
+      return absl::FailedPreconditionError("gpt: unit hooks on a pipeline stage");
+    }
+    hooks_ = hooks;
+    return absl::OkStatus();
+  }
   // Reseeds the dropout masks and stochastic depth's draws of the next
   // Forwards.
   void SetSeed(uint64_t seed);

@@ -52,7 +52,7 @@ class CudaGptSession final : public GpuSession {
                                                &s->ddp_, &s->description_));
     // ZeRO-2 and FSDP: the blocks gathered and reduce-scattered from the
     // decoder's unit hooks.
-    s->model_->SetUnitHooks(s->ddp_.unit_hooks());
+    AIDN_RETURN_IF_ERROR(s->model_->SetUnitHooks(s->ddp_.unit_hooks()));
     // ZeRO: the optimizer steps this rank's shards only (its state never
     // whole on the device), clipping by the whole gradient's norm.
     const std::vector<cuda::GpuParameter*>* shards = s->ddp_.shards();

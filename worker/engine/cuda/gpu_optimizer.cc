@@ -24,6 +24,12 @@ absl::StatusOr<std::unique_ptr<GpuOptimizer>> GpuOptimizer::Create(
       return absl::InvalidArgumentError(
           absl::StrCat("optimizer got two parameters named \"", p->name, "\""));
     }
+    if (p->value.numel() > 0 && (p->value.data() == nullptr || p->grad.data() == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", p->name,
+                       " holds no memory here (a pipeline stage released it: optimize the "
+                       "stage's parameters)"));
+    }
     if (p->grad.shape() != p->value.shape()) {
       return absl::InvalidArgumentError(absl::StrCat("parameter ", p->name, ": gradient shape ",
                                                      p->grad.ShapeString(), " != value shape ",

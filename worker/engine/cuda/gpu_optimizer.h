@@ -47,7 +47,8 @@ class GpuOptimizer {
  public:
   // INVALID_ARGUMENT as Optimizer::Create: a bad config (ValidateOptimizerConfig),
   // an empty or null parameter list, duplicate names, a gradient whose shape
-  // differs from its value's.
+  // differs from its value's, a parameter without memory (released by a
+  // pipeline stage).
   static absl::StatusOr<std::unique_ptr<GpuOptimizer>> Create(
       GpuContext* ctx, const OptimizerConfig& config, const std::vector<GpuParameter*>& params);
 
