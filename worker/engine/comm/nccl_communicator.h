@@ -127,7 +127,7 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // `data` summed over the ranks in place in doubles, ordered between
   // `stream`'s work before and after as AllReduceSumOn (ZeRO's gradient
   // norm from the ranks' shards).
-  absl::Status AllReduceDoubleSumOn(cudaStream_t stream, double* data, size_t count);
+  absl::Status AllReduceDoubleSumOn(cudaStream_t stream, double* data, size_t count) override;
   // The largest of every rank's `data` in place (int32), ordered likewise
   // (loss scaling's overflow flag over ZeRO-1's shards).
   absl::Status AllReduceIntMaxOn(cudaStream_t stream, int32_t* data, size_t count);
@@ -157,7 +157,7 @@ class NcclCommunicator final : public Communicator, public cuda::StreamCollectiv
   // buckets' allreduces). A dead peer leaves the collective, and so the
   // event, pending forever: this is how the compute stream's host wait is
   // bounded.
-  absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what);
+  absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) override;
 
   // A communicator of the ranks that pass the same `color` (>= 0), ranked
   // by `key` (ncclCommSplit), with a stream of its own: a process grid's

@@ -576,10 +576,16 @@ absl::Status GpuGpt::ForwardStage(const int32_t* tokens, const float* input, con
   const double p_skip = config_.stochastic_depth;
   const bool depth = training && p_skip > 0.0;
   branch_scale_ = depth ? static_cast<float>(1.0 / (1.0 - p_skip)) : 1.0f;
+  // A stage draws the whole model's draws and keeps its blocks', so that
+  // its blocks skip as the whole decoder's do.
+  const auto draw = [&] { return static_cast<double>(depth_rng_() >> 11) * 0x1p-53 < p_skip; };
+  if (depth) {
+    for (size_t l = 0; l < first; ++l) draw();
+  }
   for (size_t l = first; l < end; ++l) {
     Block& b = blocks_[l];
     float* next = l + 1 < end ? blocks_[l + 1].in.data() : out_.data();
-    b.skipped = depth && static_cast<double>(depth_rng_() >> 11) * 0x1p-53 < p_skip;
+    b.skipped = depth && draw();
     const int unit = static_cast<int>(l) + 1;
     if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->BeforeForward(unit));
     if (b.skipped) {
@@ -590,6 +596,9 @@ absl::Status GpuGpt::ForwardStage(const int32_t* tokens, const float* input, con
       AIDN_RETURN_IF_ERROR(BlockForward(l, next, drop));
     }
     if (hooks_ != nullptr) AIDN_RETURN_IF_ERROR(hooks_->AfterForward(unit));
+  }
+  if (depth) {
+    for (size_t l = end; l < blocks_.size(); ++l) draw();
   }
   if (!has_head()) {
     // The stage's output (stage_output()) goes to the next stage.

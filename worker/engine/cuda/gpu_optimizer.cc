@@ -167,6 +167,11 @@ absl::Status GpuOptimizer::Queue(bool args_in_memory) {
   if (config_.grad_clip_norm > 0) {
     double* sum_sq = static_cast<double*>(sum_sq_.data());
     for (size_t k = 0; k < params_.size(); ++k) {
+      if (params_[k] == norm_excluded_) {
+        // Counted by another rank (a pipeline's tied copy).
+        AIDN_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(sum_sq + k, 0, sizeof(double), stream));
+        continue;
+      }
       AIDN_RETURN_IF_ERROR(LaunchSumOfSquares(stream, params_[k]->grad.data(),
                                               params_[k]->grad.numel(), sum_sq + k,
                                               static_cast<double*>(sum_sq_scratch_.data())));

@@ -101,6 +101,11 @@ class GpuOptimizer {
   void SetNormAllReduce(std::function<absl::Status(double* total)> hook) {
     norm_allreduce_ = std::move(hook);
   }
+  // Leaves `p` (one of the parameters) out of the clipping norm this rank
+  // contributes: another rank counts it (a pipeline's last stage's copy of
+  // the tied embedding, which the first stage counts). It is still
+  // clipped and stepped.
+  void ExcludeFromNorm(const GpuParameter* p) { norm_excluded_ = p; }
   // Bytes of optimizer state on the device (momentum buffers; AdamW's two
   // moments), the trainer's memory figure.
   int64_t state_bytes() const {
@@ -155,6 +160,7 @@ class GpuOptimizer {
   DeviceBuffer coef_;
   bool measured_norm_ = false;
   std::function<absl::Status(double* total)> norm_allreduce_;
+  const GpuParameter* norm_excluded_ = nullptr;
   DeviceBuffer norm_total_;  // the hook's double
   int64_t steps_ = 0;
   // The prepared step's coefficients; pinned and device copies for Queue

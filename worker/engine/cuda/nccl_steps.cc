@@ -75,4 +75,11 @@ absl::Status UsedFlags::Sum(NcclCommunicator* nccl, std::vector<bool>* never_use
   return absl::OkStatus();
 }
 
+absl::Status NcclDeviceLink::ExchangeOn(cudaStream_t stream, const float* send, size_t send_count,
+                                        float* recv, size_t recv_count) {
+  AIDN_RETURN_IF_ERROR(comm_->WaitFor(stream));
+  AIDN_RETURN_IF_ERROR(comm_->EnqueueExchange(peer_, send, send_count, recv, recv_count));
+  return comm_->Before(stream);
+}
+
 }  // namespace aidn::engine::cuda

@@ -57,6 +57,22 @@ class UsedFlags {
   cudaEvent_t done_ = nullptr;
 };
 
+// A pipeline stage's link to a neighbour over NCCL (stream_collectives.h):
+// each ExchangeOn is one NCCL group of a send and a receive with `peer` on
+// the communicator's stream, ordered against the caller's stream with
+// events, with no host wait. The communicator (the pipeline's ranks, or
+// any holding both) must outlive the link.
+class NcclDeviceLink final : public DeviceLink {
+ public:
+  NcclDeviceLink(NcclCommunicator* comm, int peer) : comm_(comm), peer_(peer) {}
+  absl::Status ExchangeOn(cudaStream_t stream, const float* send, size_t send_count, float* recv,
+                          size_t recv_count) override;
+
+ private:
+  NcclCommunicator* comm_;
+  int peer_;
+};
+
 }  // namespace aidn::engine::cuda
 
 #endif  // AIDN_WORKER_ENGINE_CUDA_NCCL_STEPS_H_
