@@ -188,9 +188,11 @@ TEST_F(GpuJobTest, AGptLearnsFortunesOnOneGpuInBf16) {
 
 // FSDP (full_shard) on one GPU, as a CPU job shards over one rank: the
 // decoder's blocks gathered and reduce-scattered over NCCL unit by unit,
-// evaluation on the gathered weights, checkpoints written as shards; the
-// job learns as the unsharded one does.
-TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndCheckpointsItsShards) {
+// evaluation on the gathered weights, checkpoints written as shards; killed
+// after its first checkpoint, the next generation resumes from the shards
+// (weights, the shards' AdamW state) and the job learns as the unsharded
+// one does.
+TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndResumesFromItsShards) {
   const char* kFortunes = "/usr/share/games/fortunes";
   if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) {
     GTEST_SKIP() << "Debian's fortunes are not installed (scripts/setup.sh)";
@@ -214,16 +216,26 @@ TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndCheckpointsItsShards) {
   spec.mutable_optimizer()->set_beta2(0.99);
   spec.mutable_optimizer()->set_grad_clip_norm(1.0);
   spec.set_batch_size(32);
-  spec.set_max_steps(400);
-  spec.set_eval_every_steps(200);
+  spec.set_max_steps(2000);  // long enough on a GPU to be interrupted
+  spec.set_eval_every_steps(1000);
   spec.set_seed(1);
-  spec.set_max_restarts(0);
+  spec.set_max_restarts(1);
   spec.mutable_checkpoint()->set_dir("runs");
   spec.mutable_checkpoint()->set_every_steps(200);
   const std::string id = Submit(spec);
   ASSERT_FALSE(id.empty());
+  ASSERT_TRUE(cluster().WaitForJob(
+      id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 200; },
+      "committing a checkpoint", kLong));
+  std::vector<pid_t> trainer = ProcessesWith({cluster().dir(), "--job=" + id + " --generation=1 "});
+  ASSERT_EQ(trainer.size(), 1u);
+  ASSERT_EQ(::kill(trainer[0], SIGKILL), 0);
   v1::Job job = cluster().WaitForEnd(id, kLong);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  EXPECT_EQ(job.restarts(), 1);
+  const std::string resumed = TrainerLog(id, 2);
+  EXPECT_TRUE(absl::StrContains(resumed, "resuming from a checkpoint step=")) << resumed;
+  EXPECT_TRUE(absl::StrContains(resumed, "FSDP full_shard over")) << resumed;
   double val_loss = -1;
   int64_t comm_bytes = 0;
   for (const v1::StepMetrics& s : cluster().Metrics(id)) {
@@ -236,8 +248,8 @@ TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndCheckpointsItsShards) {
   EXPECT_GT(val_loss, 0.0);
   EXPECT_LT(val_loss, 3.0);
   EXPECT_GT(comm_bytes, 0) << "the units' gathers and reduce-scatters";
-  EXPECT_EQ(job.last_checkpoint_step(), 400);
-  EXPECT_FALSE(StateFile(id, 400).empty());
+  EXPECT_EQ(job.last_checkpoint_step(), 2000);
+  EXPECT_FALSE(StateFile(id, 2000).empty());
   const std::string log = TrainerLog(id, 1);
   EXPECT_TRUE(absl::StrContains(log, "FSDP full_shard over")) << log;
   EXPECT_TRUE(absl::StrContains(log, "model state sharded")) << log;
