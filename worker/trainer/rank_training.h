@@ -167,9 +167,9 @@ class RankTraining {
   // device: gpu: the step runs here; task_'s model and optimizer_ stay the CPU
   // copies that checkpoints, resumes and evaluation use (SyncFromGpu).
   std::unique_ptr<engine::GpuSession> gpu_;
-  // device: gpu with strategy zero1, zero2 or fsdp: the shards' layout the GPU reducer follows, and their weights on the
-  // host; optimizer_ is over its shards (the GPU optimizer's state comes
-  // back into it by name), so checkpoints are sharded as a CPU job's.
+  // device: gpu with strategy zero1, zero2 or fsdp: the shards' layout the GPU reducer follows, and
+  // their weights on the host; optimizer_ is over its shards (the GPU optimizer's state comes back
+  // into it by name), so checkpoints are sharded as a CPU job's.
   std::unique_ptr<engine::HostShards> gpu_shards_;
   std::string checkpoint_dir_;
   // The step training starts after: 0, or the resumed checkpoint's.
