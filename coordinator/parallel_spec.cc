@@ -60,7 +60,25 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
   }
   if (model_ranks > 1) {
     const char* field = p.tensor() > 1 ? "parallel.tensor" : "parallel.pipeline";
-    if (spec.device() == v1::JobSpec::GPU) return Invalid(field, "runs on device: cpu for now");
+    if (spec.device() == v1::JobSpec::GPU) {
+      // GPUs run a GPT's pipeline, one replica of it, for now.
+      if (p.tensor() > 1) return Invalid("parallel.tensor", "runs on device: cpu for now");
+      if (spec.model().name() != "gpt") {
+        return Invalid("parallel.pipeline",
+                       absl::StrCat("on device: gpu cuts a GPT for now (model ",
+                                    spec.model().name(), " runs its pipeline on device: cpu)"));
+      }
+      if (spec.world_size() != p.pipeline()) {
+        return Invalid("world_size", absl::StrCat(spec.world_size(),
+                                                  ": a GPU pipeline runs one replica for now "
+                                                  "(world_size = parallel.pipeline = ",
+                                                  p.pipeline(), ")"));
+      }
+      if (spec.precision() == v1::JobSpec::FP16) {
+        return Invalid("precision", "FP16 is not for GPU pipelines yet (fp32 or bf16)");
+      }
+      if (spec.cuda_graphs()) return Invalid("cuda_graphs", "not for GPU pipelines yet");
+    }
     if (spec.strategy() != v1::JobSpec::DDP) {
       return Invalid(field, absl::StrCat("combines with strategy: ddp only (this job's is ",
                                          v1::JobSpec::Strategy_Name(spec.strategy()), ")"));

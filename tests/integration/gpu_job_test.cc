@@ -53,9 +53,9 @@ class GpuJobTest : public ClusterFixture {
     EXPECT_TRUE(id.ok()) << id.status();
     return id.ok() ? *id : "";
   }
-  std::string TrainerLog(const std::string& id, int generation) {
-    return ReadFileOrEmpty(
-        absl::StrCat(cluster().WorkDir("g1"), "/logs/", id, "/gen-", generation, "/rank-0.log"));
+  std::string TrainerLog(const std::string& id, int generation, int rank = 0) {
+    return ReadFileOrEmpty(absl::StrCat(cluster().WorkDir("g1"), "/logs/", id, "/gen-", generation,
+                                        "/rank-", rank, ".log"));
   }
   std::string StateFile(const std::string& id, int64_t step) {
     return ReadFileOrEmpty(
@@ -253,6 +253,56 @@ TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndResumesFromItsShards) {
   const std::string log = TrainerLog(id, 1);
   EXPECT_TRUE(absl::StrContains(log, "FSDP full_shard over")) << log;
   EXPECT_TRUE(absl::StrContains(log, "model state sharded")) << log;
+}
+
+// A GPT cut into two pipeline stages, one GPU each (1F1B over NCCL):
+// the job trains, evaluates through the CPU copies and checkpoints each
+// stage's pieces. Needs two GPUs.
+TEST_F(GpuJobTest, AGptPipelineOfTwoStagesTrainsOnTwoGpus) {
+  const char* kFortunes = "/usr/share/games/fortunes";
+  if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) {
+    GTEST_SKIP() << "Debian's fortunes are not installed (scripts/setup.sh)";
+  }
+  if (gpus_ < 2)
+    GTEST_SKIP() << "a pipeline of two stages needs two GPUs; this worker has " << gpus_;
+  v1::JobSpec spec;
+  spec.set_name("gpu-gpt-pipeline");
+  spec.set_device(v1::JobSpec::GPU);
+  spec.set_precision(v1::JobSpec::BF16);
+  spec.set_world_size(2);
+  spec.mutable_parallel()->set_pipeline(2);
+  spec.mutable_model()->set_name("gpt");
+  spec.mutable_model()->set_config("gpt-mini");
+  spec.mutable_dataset()->set_kind("text");
+  spec.mutable_dataset()->add_files(kFortunes);
+  spec.mutable_dataset()->set_val_fraction(0.1);
+  spec.mutable_dataset()->set_eval_windows(64);
+  spec.mutable_optimizer()->set_name("adamw");
+  spec.mutable_optimizer()->set_lr(3e-3);
+  spec.mutable_optimizer()->set_weight_decay(0.1);
+  spec.mutable_optimizer()->set_grad_clip_norm(1.0);
+  spec.set_batch_size(32);
+  spec.set_max_steps(400);
+  spec.set_eval_every_steps(200);
+  spec.set_seed(1);
+  spec.set_max_restarts(0);
+  spec.mutable_checkpoint()->set_dir("runs");
+  spec.mutable_checkpoint()->set_every_steps(200);
+  const std::string id = Submit(spec);
+  ASSERT_FALSE(id.empty());
+  v1::Job job = cluster().WaitForEnd(id, kLong);
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
+  double val_loss = -1;
+  for (const v1::StepMetrics& s : cluster().Metrics(id)) {
+    if (s.kind() == v1::MetricRecord::EVAL) val_loss = s.test_loss();
+  }
+  EXPECT_GT(val_loss, 0.0);
+  EXPECT_LT(val_loss, 3.0);
+  EXPECT_EQ(job.last_checkpoint_step(), 400);
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string log = TrainerLog(id, 1, rank);
+    EXPECT_TRUE(absl::StrContains(log, "pipeline stage")) << log;
+  }
 }
 
 // A state.txt line's value ("key value"), or "" if it has none.

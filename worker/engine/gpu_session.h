@@ -132,6 +132,23 @@ class GpuSession {
   static absl::StatusOr<std::unique_ptr<GpuSession>> CreateForGpt(const GpuSessionOptions& options,
                                                                   const Gpt& model,
                                                                   const OptimizerConfig& optimizer);
+  // A GPT pipeline stage on this rank's GPU (cuda/gpu_pipeline.h): the
+  // decoder's blocks split evenly over `stages` = options.world_size ranks
+  // (one replica), this rank running stage options.rank; the activations
+  // and their gradients go to the neighbours over NCCL (one communicator
+  // of the job, its id through options.store), wte's gradient is summed
+  // over the first and last stages (an NCCL split), and clipping takes the
+  // whole model's norm. Step runs the stage's schedule (GPipe or 1F1B) over
+  // the micro-batches and returns the step's mean loss on every stage.
+  // The session's weights and optimizer state are the stage's: the
+  // parameters it does not hold are left alone by CopyParametersTo, and
+  // OptimizerState names only its own. Evaluation goes through the CPU
+  // copy (Evaluate answers UNIMPLEMENTED). INVALID_ARGUMENT for stages that
+  // do not divide n_layer, a world size other than `stages`, fp16, CUDA
+  // graphs or ZeRO; UNIMPLEMENTED without CUDA or NCCL.
+  static absl::StatusOr<std::unique_ptr<GpuSession>> CreateForGptStage(
+      const GpuSessionOptions& options, const Gpt& model, int stages, bool gpipe,
+      const OptimizerConfig& optimizer);
   virtual ~GpuSession() = default;
 
   // As Sequential::SetSeed (dropout).

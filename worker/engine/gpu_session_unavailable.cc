@@ -27,4 +27,10 @@ absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::CreateForGpt(const GpuSe
   return NoGpuSupport();
 }
 
+absl::StatusOr<std::unique_ptr<GpuSession>> GpuSession::CreateForGptStage(const GpuSessionOptions&,
+                                                                          const Gpt&, int, bool,
+                                                                          const OptimizerConfig&) {
+  return NoGpuSupport();
+}
+
 }  // namespace aidn::engine

@@ -37,8 +37,23 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
   engine::CpuCommunicatorOptions grid_options = options;
   grid_options.gloo.prefix = absl::StrCat(options.gloo.prefix, "/grid");
   AIDN_ASSIGN_OR_RETURN(r->comms_, engine::CreateGridCommunicators(grid_options, r->grid_, store));
-  // Split first (from the whole weights), then cut into the stage.
+  // device: gpu: the stage on the GPU, made from the whole decoder before
+  // the CPU copy is cut.
   engine::Gpt* gpt = task->gpt();
+  if (spec.device() == v1::JobSpec::GPU) {
+    if (gpt == nullptr || tensor > 1 || stages < 2 || r->replicas() > 1) {
+      return absl::InvalidArgumentError(
+          "parallel: on device: gpu, a GPT's pipeline of one replica (world_size = "
+          "parallel.pipeline, no parallel.tensor) for now");
+    }
+    engine::GpuSessionOptions o = GpuSessionOptionsOf(spec, options.gloo.rank, world);
+    o.store = store;
+    AIDN_ASSIGN_OR_RETURN(r->gpu_, engine::GpuSession::CreateForGptStage(
+                                       o, *gpt, stages, p.schedule() == v1::ParallelSpec::GPIPE,
+                                       OptimizerConfigOf(spec)));
+    AIDN_LOG(INFO) << "training on the GPU" << Kv("device", r->gpu_->Describe());
+  }
+  // Split first (from the whole weights), then cut into the stage.
   if (gpt != nullptr) AIDN_RETURN_IF_ERROR(gpt->SetTensorParallel(r->comms_.tensor.get()));
   if (stages > 1) {
     if (gpt != nullptr) {
@@ -98,6 +113,7 @@ bool ParallelRank::counts_samples() const {
 }
 
 absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>& micro, double lr) {
+  if (gpu_ != nullptr) return gpu_->Step(micro, lr);
   absl::StatusOr<double> loss =
       pipeline_ != nullptr ? pipeline_->Step(micro, lr) : cpu_->Step(micro, lr);
   // A tensor group's collective that failed inside the model.
@@ -105,6 +121,16 @@ absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>&
     AIDN_RETURN_IF_ERROR(Annotate(gpt->TakeCollectiveStatus(), "tensor-parallel collective"));
   }
   return loss;
+}
+
+absl::Status ParallelRank::SyncFromGpu() {
+  if (gpu_ == nullptr) return absl::OkStatus();
+  // The parameters the stage does not hold are left alone.
+  AIDN_RETURN_IF_ERROR(gpu_->CopyParametersTo(task_->Parameters()));
+  AIDN_ASSIGN_OR_RETURN(const auto state, gpu_->OptimizerState());
+  std::vector<engine::Optimizer::StateEntry> entries;
+  for (const auto& [name, tensor] : state) entries.emplace_back(name, &tensor);
+  return optimizer().LoadState(entries, gpu_->optimizer_steps());
 }
 
 double ParallelRank::allreduce_seconds() const {
@@ -278,7 +304,12 @@ absl::Status ParallelRank::LoadOptimizerState(CheckpointLoader* loader, int64_t 
                                           : std::move(read[i]));
     entries.emplace_back(state[i].first, &parts.back());
   }
-  return optimizer().LoadState(entries, optimizer_steps);
+  AIDN_RETURN_IF_ERROR(optimizer().LoadState(entries, optimizer_steps));
+  if (gpu_ == nullptr) return absl::OkStatus();
+  // The GPU's optimizer continues from the same state.
+  std::vector<std::pair<std::string, const engine::Tensor*>> resumed;
+  for (const engine::Optimizer::StateEntry& e : optimizer().State()) resumed.push_back(e);
+  return gpu_->LoadOptimizerState(resumed, optimizer_steps);
 }
 
 }  // namespace aidn::trainer

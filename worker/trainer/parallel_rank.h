@@ -2,7 +2,7 @@
 #define AIDN_WORKER_TRAINER_PARALLEL_RANK_H_
 
 // One rank of a model-parallel job (spec.parallel: tensor or pipeline
-// above 1; device cpu): its place on the data x tensor x pipeline grid, its
+// above 1): its place on the data x tensor x pipeline grid, its
 // part of the task's model, the grid's communicators and the PipelineSession
 // or CpuSession stepping it. RankTraining holds one instead of a CpuSession
 // for such a job:
@@ -30,6 +30,12 @@
 //             every tensor rank holds whole by tensor rank 0; one sharded
 //             checkpoint over the replica's group.
 //
+// device: gpu (a GPT's pipeline, one replica, no tensor parallelism): the
+// stage steps on this rank's GPU (GpuSession::CreateForGptStage, over
+// NCCL); the CPU stage and its optimizer stay as the copies that
+// evaluation, checkpoints and resumes use, SyncFromGpu bringing them up to
+// date.
+//
 // Not thread-safe: used on the trainer's main thread.
 
 #include <deque>
@@ -44,6 +50,7 @@
 #include "worker/engine/comm/kv_store.h"
 #include "worker/engine/comm/process_grid.h"
 #include "worker/engine/cpu_session.h"
+#include "worker/engine/gpu_session.h"
 #include "worker/engine/pipeline_session.h"
 #include "worker/engine/pipeline_stage.h"
 #include "worker/engine/shard_map.h"
@@ -76,6 +83,10 @@ class ParallelRank {
   int micro_batches() const { return micro_batches_; }
 
   absl::StatusOr<double> Step(const std::vector<engine::MicroBatch>& micro, double lr);
+  // device: gpu: the stage's weights and optimizer state from the GPU into
+  // the CPU copies (before a checkpoint or an evaluation); OK at once on
+  // CPUs.
+  absl::Status SyncFromGpu();
   // What the last Step spent in DDP's and the tied gradient's collectives,
   // and waiting (those, and a pipeline's transfers).
   double allreduce_seconds() const;
@@ -131,6 +142,8 @@ class ParallelRank {
   std::unique_ptr<engine::PipelineStageModel> stage_;
   std::unique_ptr<engine::PipelineSession> pipeline_;
   std::unique_ptr<engine::CpuSession> cpu_;
+  // device: gpu: the stage on the GPU, which Step runs.
+  std::unique_ptr<engine::GpuSession> gpu_;
   // CheckpointPieces' views into the weights and the optimizer state.
   std::deque<engine::Tensor> views_;
 };

@@ -201,6 +201,7 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   if (sharded) {
     engine::ShardContents contents;
     if (parallel_ != nullptr) {
+      if (absl::Status s = parallel_->SyncFromGpu(); !s.ok()) return FailureFor(s, "checkpoint");
       ParallelRank::Pieces pieces = parallel_->CheckpointPieces();
       contents.weights = std::move(pieces.weights);
       contents.optimizer_state = std::move(pieces.state);

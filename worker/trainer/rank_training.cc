@@ -459,6 +459,7 @@ std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
     FullParameters full(cpu_.get());
     if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
     if (parallel_ != nullptr) {
+      if (absl::Status s = parallel_->SyncFromGpu(); !s.ok()) return FailureFor(s, "evaluation");
       if (absl::Status s = parallel_->GatherWholeModel(); !s.ok()) {
         return FailureFor(s, "evaluation");
       }
@@ -644,7 +645,8 @@ std::optional<Failure> RankTraining::Execute() {
   if (!plan.ok()) return Failure{kExitPermanent, plan.status()};
   schedule_ = ScheduleOf(spec_);
   if (std::optional<Failure> f = Resume(plan->steps_per_epoch); f.has_value()) return f;
-  if (spec_.device() == v1::JobSpec::GPU) {
+  // A GPU pipeline's stage was made with the model-parallel rank.
+  if (spec_.device() == v1::JobSpec::GPU && parallel_ == nullptr) {
     if (std::optional<Failure> f = SetupGpu(); f.has_value()) return f;
   }
   std::vector<int64_t> indices;

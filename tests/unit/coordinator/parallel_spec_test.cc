@@ -48,6 +48,14 @@ TEST(ParallelSpec, APipelineGetsItsMicroBatchesAndScheduleByDefault) {
   });
   EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, mlp).ok()) << ValidateJobSpec(SpecLimits{}, mlp);
   EXPECT_EQ(DataReplicas(mlp), 1);
+  // A GPT's pipeline of one replica on GPUs.
+  const JobSpec gpu = Spec("gpt", [](JobSpec* s) {
+    s->mutable_parallel()->set_pipeline(2);
+    s->set_world_size(2);
+    s->set_device(JobSpec::GPU);
+    s->set_precision(JobSpec::BF16);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, gpu).ok()) << ValidateJobSpec(SpecLimits{}, gpu);
   // Without `parallel`, nothing changes.
   const JobSpec plain = Spec("mlp", [](JobSpec*) {});
   EXPECT_FALSE(plain.has_parallel());
@@ -116,7 +124,30 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
          s->mutable_parallel()->set_pipeline(2);
          s->set_device(JobSpec::GPU);
        },
-       "parallel.pipeline: runs on device: cpu for now"},
+       "parallel.pipeline: on device: gpu cuts a GPT for now (model mlp runs its pipeline on "
+       "device: cpu)"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->set_device(JobSpec::GPU);
+       },
+       "world_size: 4: a GPU pipeline runs one replica for now (world_size = parallel.pipeline = "
+       "2)"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_tensor(2);
+         s->set_world_size(2);
+         s->set_device(JobSpec::GPU);
+       },
+       "parallel.tensor: runs on device: cpu for now"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->set_world_size(2);
+         s->set_device(JobSpec::GPU);
+         s->set_precision(JobSpec::FP16);
+       },
+       "precision: FP16 is not for GPU pipelines yet (fp32 or bf16)"},
       {"gpt", [](JobSpec* s) { s->mutable_parallel()->set_micro_batches(4); },
        "parallel.micro_batches: applies with parallel.pipeline > 1 (to accumulate gradients over "
        "micro-steps without a pipeline, set grad_accum_steps)"},
