@@ -102,8 +102,8 @@ absl::Status ValidateGptModel(const v1::JobSpec& spec) {
                    absl::StrCat("must be at least 256 for byte-level text, got ", m.vocab_size()));
   }
   if (spec.device() == v1::JobSpec::GPU) {
-    // What the GPU decoder does not have yet (strategies and parallel: are
-    // refused on GPUs for every model).
+    // What the GPU decoder does not have yet (parallel_spec.cc says what
+    // GPU pipelines take).
     if (m.activation_checkpointing()) {
       return Invalid("model.activation_checkpointing", "runs on device: cpu for now");
     }

@@ -77,7 +77,6 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
       if (spec.precision() == v1::JobSpec::FP16) {
         return Invalid("precision", "FP16 is not for GPU pipelines yet (fp32 or bf16)");
       }
-      if (spec.cuda_graphs()) return Invalid("cuda_graphs", "not for GPU pipelines yet");
     }
     if (spec.strategy() != v1::JobSpec::DDP) {
       return Invalid(field, absl::StrCat("combines with strategy: ddp only (this job's is ",

@@ -87,6 +87,8 @@ class ParallelRank {
   // the CPU copies (before a checkpoint or an evaluation); OK at once on
   // CPUs.
   absl::Status SyncFromGpu();
+  // device: gpu: the stage's GPU session (its figures); null on CPUs.
+  const engine::GpuSession* gpu() const { return gpu_.get(); }
   // What the last Step spent in DDP's and the tied gradient's collectives,
   // and waiting (those, and a pipeline's transfers).
   double allreduce_seconds() const;

@@ -179,6 +179,11 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   if (parallel_ != nullptr && !parallel_->writes_checkpoints()) return std::nullopt;
   if (!sharded && rendezvous_.rank() != 0) return std::nullopt;
   if (std::optional<Failure> f = SyncFromGpu(/*optimizer_state=*/true); f.has_value()) return f;
+  // A GPU pipeline's stage: its weights and optimizer state (and steps,
+  // which the state below records) into the CPU copies.
+  if (parallel_ != nullptr) {
+    if (absl::Status s = parallel_->SyncFromGpu(); !s.ok()) return FailureFor(s, "checkpoint");
+  }
   std::map<std::string, std::string> metadata = {{"aidn.job", options_.job_id},
                                                  {"aidn.step", absl::StrCat(step)},
                                                  {"aidn.model", spec_.model().name()}};
@@ -201,7 +206,6 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   if (sharded) {
     engine::ShardContents contents;
     if (parallel_ != nullptr) {
-      if (absl::Status s = parallel_->SyncFromGpu(); !s.ok()) return FailureFor(s, "checkpoint");
       ParallelRank::Pieces pieces = parallel_->CheckpointPieces();
       contents.weights = std::move(pieces.weights);
       contents.optimizer_state = std::move(pieces.state);

@@ -260,7 +260,11 @@ std::optional<Failure> RankTraining::BuildSession() {
   if (ModelParallel()) {
     absl::StatusOr<std::unique_ptr<ParallelRank>> p =
         ParallelRank::Create(spec_, comm_options_, kv_.get(), task_.get());
-    if (absl::IsInvalidArgument(p.status())) return Failure{kExitPermanent, p.status()};
+    // A spec the model cannot take, or a GPU build without NCCL: the same
+    // on every try.
+    if (absl::IsInvalidArgument(p.status()) || absl::IsUnimplemented(p.status())) {
+      return Failure{kExitPermanent, p.status()};
+    }
     if (!p.ok()) return FailureFor(p.status(), "model parallelism");
     parallel_ = *std::move(p);
     optimizer_ = &parallel_->optimizer();
@@ -568,6 +572,9 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_tokens(share * plan.batch * plan.accum * plan.tokens_per_item);
   record.set_peak_memory_bytes(PeakMemoryBytes());
   if (gpu_ != nullptr) record.set_device_peak_memory_bytes(gpu_->device_peak_bytes());
+  if (parallel_ != nullptr && parallel_->gpu() != nullptr) {
+    record.set_device_peak_memory_bytes(parallel_->gpu()->device_peak_bytes());
+  }
   record.set_gradient_comm_bytes(result.comm_bytes);
   record.set_gradient_comm_bytes_uncompressed(result.comm_bytes_uncompressed);
   if (cpu_ != nullptr || parallel_ != nullptr || gpu_ != nullptr) {

@@ -132,7 +132,8 @@ class RankTraining {
   std::optional<Failure> Checkpoint(int64_t step, int64_t steps_per_epoch, int64_t total_steps);
   // Collectives completed, CPU and GPU ones together.
   int64_t CollectiveSequence() const {
-    return comm_->sequence() + (gpu_ != nullptr ? gpu_->collective_sequence() : 0) +
+    const engine::GpuSession* gpu = parallel_ != nullptr ? parallel_->gpu() : gpu_.get();
+    return comm_->sequence() + (gpu != nullptr ? gpu->collective_sequence() : 0) +
            (bn_comm_ != nullptr ? bn_comm_->sequence() : 0);
   }
 

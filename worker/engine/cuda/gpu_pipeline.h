@@ -30,8 +30,8 @@
 // last stage's backwards under 1F1B follow their own forwards and need
 // none).
 //
-// Data parallelism over replicas of the pipeline is not here yet (the
-// trainer does not run GPU pipelines yet).
+// Data parallelism over replicas of the pipeline is not here yet (a GPU
+// pipeline job runs one replica: GpuSession::CreateForGptStage).
 //
 // Not thread-safe: one session per training thread. The model, context,
 // links and collectives are borrowed and must outlive the session; every
