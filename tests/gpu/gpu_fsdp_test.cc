@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/status.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gpu/nccl_test_util.h"
 #include "worker/engine/comm/kv_store.h"
@@ -85,6 +86,28 @@ void ExpectSameWeights(const ModelConfig& config, const GpuModel& want, GpuModel
   }
 }
 
+// A model of `cpu` under FSDP or ZeRO-2 over one rank with `options` (the
+// layout HostShards::ForUnits gives), and a trainer of `opt` over its
+// shards, hooked as GpuSession hooks it.
+struct Sharded {
+  std::unique_ptr<GpuModel> model;
+  std::unique_ptr<HostShards> layout;
+  std::unique_ptr<GpuFsdpReducer> reducer;
+  std::unique_ptr<GpuTrainer> trainer;
+};
+absl::StatusOr<Sharded> Shard(GpuContext* ctx, NcclCommunicator* nccl, const Sequential& cpu,
+                              const GpuFsdpOptions& options, const OptimizerConfig& opt) {
+  Sharded s;
+  AIDN_ASSIGN_OR_RETURN(s.model, GpuModel::Create(ctx, cpu));
+  AIDN_ASSIGN_OR_RETURN(s.layout, HostShards::ForUnits(cpu.Units(), cpu.Parameters(), 0, 1));
+  AIDN_ASSIGN_OR_RETURN(s.reducer, GpuFsdpReducer::Create(ctx, nccl, s.layout->map(),
+                                                          s.model->Parameters(), options));
+  AIDN_ASSIGN_OR_RETURN(
+      s.trainer, GpuTrainer::Create(ctx, s.model.get(), opt, &s.reducer->shard_parameters()));
+  Hook(s.trainer.get(), s.model.get(), s.reducer.get(), nccl, ctx);
+  return s;
+}
+
 struct Training {
   ModelConfig config;
   OptimizerConfig opt;
@@ -103,24 +126,19 @@ void TrainBothWays(const Training& run, double tolerance) {
   for (const Sharding sharding : kShardings) {
     SCOPED_TRACE(Name(sharding));
     auto plain = GpuModel::Create(ctx.get(), **cpu);
-    auto sharded = GpuModel::Create(ctx.get(), **cpu);
-    ASSERT_TRUE(plain.ok() && sharded.ok());
+    ASSERT_TRUE(plain.ok());
     auto plain_trainer = GpuTrainer::Create(ctx.get(), plain->get(), run.opt);
     ASSERT_TRUE(plain_trainer.ok());
-    auto layout = HostShards::ForUnits((*cpu)->Units(), (*cpu)->Parameters(), 0, 1);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    auto reducer = GpuFsdpReducer::Create(
-        ctx.get(), nccl.get(), (*layout)->map(), (*sharded)->Parameters(),
-        {.sharding = sharding, .find_unused_parameters = run.config.stochastic_depth > 0});
-    ASSERT_TRUE(reducer.ok()) << reducer.status();
-    const std::vector<GpuParameter*>& shards = (*reducer)->shard_parameters();
-    ASSERT_EQ(shards.size(), (*layout)->map().shards().size());
+    absl::StatusOr<Sharded> s = Shard(
+        ctx.get(), nccl.get(), **cpu,
+        {.sharding = sharding, .find_unused_parameters = run.config.stochastic_depth > 0}, run.opt);
+    ASSERT_TRUE(s.ok()) << s.status();
+    GpuFsdpReducer* reducer = s->reducer.get();
+    const std::vector<GpuParameter*>& shards = reducer->shard_parameters();
+    ASSERT_EQ(shards.size(), s->layout->map().shards().size());
     for (size_t k = 0; k < shards.size(); ++k) {
-      EXPECT_EQ(shards[k]->name, (*layout)->map().shards()[k]->name);
+      EXPECT_EQ(shards[k]->name, s->layout->map().shards()[k]->name);
     }
-    auto sharded_trainer = GpuTrainer::Create(ctx.get(), sharded->get(), run.opt, &shards);
-    ASSERT_TRUE(sharded_trainer.ok()) << sharded_trainer.status();
-    Hook(sharded_trainer->get(), sharded->get(), reducer->get(), nccl.get(), ctx.get());
 
     const int64_t sequence = nccl->sequence();
     for (int step = 0; step < run.steps; ++step) {
@@ -136,20 +154,20 @@ void TrainBothWays(const Training& run, double tolerance) {
                          static_cast<uint64_t>(40 + step)});
       }
       absl::StatusOr<double> a = (*plain_trainer)->Step(micro, run.opt.lr);
-      absl::StatusOr<double> b = (*sharded_trainer)->Step(micro, run.opt.lr);
+      absl::StatusOr<double> b = s->trainer->Step(micro, run.opt.lr);
       ASSERT_TRUE(a.ok()) << a.status();
       ASSERT_TRUE(b.ok()) << b.status();
       if (tolerance == 0) {
         EXPECT_EQ(*a, *b) << "step " << step;
       }
-      EXPECT_GT((*reducer)->last_bytes_sent(), 0);
-      EXPECT_GT((*reducer)->last_comm_seconds(), 0.0);
+      EXPECT_GT(reducer->last_bytes_sent(), 0);
+      EXPECT_GT(reducer->last_comm_seconds(), 0.0);
     }
     EXPECT_GT(nccl->sequence(), sequence) << "the collectives are counted";
-    ExpectSameWeights(run.config, **plain, sharded->get(), reducer->get(), tolerance);
+    ExpectSameWeights(run.config, **plain, s->model.get(), reducer, tolerance);
     // Memory: ZeRO-2 keeps whole units, FSDP slices (one rank: the same
     // floats, padding included); the pools held buffers during the step.
-    const GpuFsdpReducer::Memory m = (*reducer)->memory();
+    const GpuFsdpReducer::Memory m = reducer->memory();
     EXPECT_GT(m.weights, 0);
     EXPECT_EQ(m.gradients, m.weights);
     EXPECT_GT(m.buffers, 0);
@@ -214,23 +232,14 @@ TEST(GpuFsdp, FullShardHoldsFewerGatheredUnitsThanShardGradOp) {
   int64_t sent[2] = {0, 0};
   int i = 0;
   for (const Sharding sharding : {Sharding::kFullShard, Sharding::kShardGradOp}) {
-    auto model = GpuModel::Create(ctx.get(), **cpu);
-    ASSERT_TRUE(model.ok());
-    auto layout = HostShards::ForUnits((*cpu)->Units(), (*cpu)->Parameters(), 0, 1);
-    ASSERT_TRUE(layout.ok());
-    auto reducer = GpuFsdpReducer::Create(ctx.get(), nccl.get(), (*layout)->map(),
-                                          (*model)->Parameters(), {.sharding = sharding});
-    ASSERT_TRUE(reducer.ok()) << reducer.status();
-    EXPECT_EQ((*reducer)->num_units(), 7) << "an empty root and six Linear layers";
-    auto trainer =
-        GpuTrainer::Create(ctx.get(), model->get(), opt, &(*reducer)->shard_parameters());
-    ASSERT_TRUE(trainer.ok());
-    Hook(trainer->get(), model->get(), reducer->get(), nccl.get(), ctx.get());
+    absl::StatusOr<Sharded> s = Shard(ctx.get(), nccl.get(), **cpu, {.sharding = sharding}, opt);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->reducer->num_units(), 7) << "an empty root and six Linear layers";
     const Tensor images = RandomTensor({8, 1, 28, 28}, 5);
     const std::vector<int32_t> labels = {1, 2, 3, 4, 5, 6, 7, 8};
-    ASSERT_TRUE((*trainer)->Step(images, labels, opt.lr).ok());
-    buffers[i] = (*reducer)->memory().buffers;
-    sent[i] = (*reducer)->last_bytes_sent();
+    ASSERT_TRUE(s->trainer->Step(images, labels, opt.lr).ok());
+    buffers[i] = s->reducer->memory().buffers;
+    sent[i] = s->reducer->last_bytes_sent();
     ++i;
   }
   EXPECT_LT(buffers[0], buffers[1]);
@@ -249,21 +258,18 @@ TEST(GpuFsdp, GatherFullParametersForEvaluation) {
   InMemoryKeyValueStore store;
   std::unique_ptr<NcclCommunicator> nccl = WorldOfOne(&store);
   ASSERT_NE(nccl, nullptr);
-  auto model = GpuModel::Create(ctx.get(), **cpu);
-  ASSERT_TRUE(model.ok());
-  auto layout = HostShards::ForUnits((*cpu)->Units(), (*cpu)->Parameters(), 0, 1);
-  ASSERT_TRUE(layout.ok());
-  auto reducer = GpuFsdpReducer::Create(ctx.get(), nccl.get(), (*layout)->map(),
-                                        (*model)->Parameters(), {.sharding = Sharding::kFullShard});
-  ASSERT_TRUE(reducer.ok()) << reducer.status();
-  (*model)->SetUnitHooks(reducer->get());
+  absl::StatusOr<Sharded> s =
+      Shard(ctx.get(), nccl.get(), **cpu, {.sharding = Sharding::kFullShard}, OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  GpuModel* model = s->model.get();
+  GpuFsdpReducer* reducer = s->reducer.get();
   // Between steps FSDP holds no whole weights.
-  for (const GpuParameter* p : (*model)->Parameters()) EXPECT_EQ(p->value.data(), nullptr);
-  ASSERT_TRUE((*reducer)->GatherFullParameters().ok());
-  EXPECT_EQ((*reducer)->GatherFullParameters().code(), absl::StatusCode::kFailedPrecondition);
+  for (const GpuParameter* p : model->Parameters()) EXPECT_EQ(p->value.data(), nullptr);
+  ASSERT_TRUE(reducer->GatherFullParameters().ok());
+  EXPECT_EQ(reducer->GatherFullParameters().code(), absl::StatusCode::kFailedPrecondition);
   auto copy = BuildModel(config, 9);
   ASSERT_TRUE(copy.ok());
-  ASSERT_TRUE((*model)->CopyParametersTo((*copy)->Parameters()).ok());
+  ASSERT_TRUE(model->CopyParametersTo((*copy)->Parameters()).ok());
   for (size_t k = 0; k < (*cpu)->Parameters().size(); ++k) {
     EXPECT_EQ(testing::MaxRelError((*copy)->Parameters()[k]->value, (*cpu)->Parameters()[k]->value),
               0.0);
@@ -273,17 +279,17 @@ TEST(GpuFsdp, GatherFullParametersForEvaluation) {
   const int64_t sequence = nccl->sequence();
   GpuTensor input, logits;
   ASSERT_TRUE(input.CopyFromHost(ctx.get(), RandomTensor({4, 1, 28, 28}, 2)).ok());
-  ASSERT_TRUE((*model)->Forward(input, &logits, /*training=*/false).ok());
+  ASSERT_TRUE(model->Forward(input, &logits, /*training=*/false).ok());
   ASSERT_TRUE(ctx->Synchronize().ok());
   // The communicator counts what it queued once waited for.
   ASSERT_TRUE(nccl->Wait("the evaluation's collectives").ok());
   EXPECT_EQ(nccl->sequence(), sequence);
   GpuTensor grad;
   ASSERT_TRUE(grad.CopyFromHost(ctx.get(), RandomTensor({4, 10}, 3)).ok());
-  absl::Status backward = (*model)->Backward(grad);
+  absl::Status backward = model->Backward(grad);
   EXPECT_EQ(backward.code(), absl::StatusCode::kFailedPrecondition) << backward;
-  (*reducer)->ReleaseFullParameters();
-  for (const GpuParameter* p : (*model)->Parameters()) EXPECT_EQ(p->value.data(), nullptr);
+  reducer->ReleaseFullParameters();
+  for (const GpuParameter* p : model->Parameters()) EXPECT_EQ(p->value.data(), nullptr);
 }
 
 // The GPT decoder's units (the root: embeddings and ln_f; one per block),
@@ -366,32 +372,6 @@ ModelConfig SmallMlp() {
   return config;
 }
 
-// FSDP over one rank with `options`, and an SGD trainer over its shards.
-struct Sharded {
-  std::unique_ptr<GpuModel> model;
-  std::unique_ptr<HostShards> layout;
-  std::unique_ptr<GpuFsdpReducer> reducer;
-  std::unique_ptr<GpuTrainer> trainer;
-};
-Sharded ShardedSgd(GpuContext* ctx, NcclCommunicator* nccl, const Sequential& cpu,
-                   const GpuFsdpOptions& options, const OptimizerConfig& opt) {
-  Sharded s;
-  auto model = GpuModel::Create(ctx, cpu);
-  EXPECT_TRUE(model.ok()) << model.status();
-  s.model = *std::move(model);
-  auto layout = HostShards::ForUnits(cpu.Units(), cpu.Parameters(), 0, 1);
-  EXPECT_TRUE(layout.ok()) << layout.status();
-  s.layout = *std::move(layout);
-  auto reducer = GpuFsdpReducer::Create(ctx, nccl, s.layout->map(), s.model->Parameters(), options);
-  EXPECT_TRUE(reducer.ok()) << reducer.status();
-  s.reducer = *std::move(reducer);
-  auto trainer = GpuTrainer::Create(ctx, s.model.get(), opt, &s.reducer->shard_parameters());
-  EXPECT_TRUE(trainer.ok()) << trainer.status();
-  s.trainer = *std::move(trainer);
-  Hook(s.trainer.get(), s.model.get(), s.reducer.get(), nccl, ctx);
-  return s;
-}
-
 // param_dtype bf16: the step computes on the fp32 shards rounded to bf16
 // (the loss is the plain model's on rounded weights, bit for bit), and the
 // masters stay fp32 (GatherFullParameters gives them back unrounded).
@@ -415,9 +395,11 @@ TEST(GpuFsdp, Bf16GathersComputeOnRoundedWeightsOverFp32Masters) {
   ASSERT_TRUE(plain.ok());
   auto plain_trainer = GpuTrainer::Create(ctx.get(), plain->get(), opt);
   ASSERT_TRUE(plain_trainer.ok());
-  Sharded s = ShardedSgd(ctx.get(), nccl.get(), **cpu,
-                         {.sharding = Sharding::kFullShard, .param_half = HalfFormat::kBf16}, opt);
-  ASSERT_NE(s.trainer, nullptr);
+  absl::StatusOr<Sharded> shard =
+      Shard(ctx.get(), nccl.get(), **cpu,
+            {.sharding = Sharding::kFullShard, .param_half = HalfFormat::kBf16}, opt);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  Sharded& s = *shard;
   const Tensor images = RandomTensor({16, 1, 28, 28}, 21);
   std::vector<int32_t> labels(16);
   for (int j = 0; j < 16; ++j) labels[static_cast<size_t>(j)] = j % 10;
@@ -479,10 +461,11 @@ TEST(GpuFsdp, Bf16ReduceScattersRoundTheGradients) {
   ASSERT_TRUE(grads.ok());
   ASSERT_TRUE((*plain)->CopyGradientsTo((*grads)->Parameters()).ok());
 
-  Sharded s =
-      ShardedSgd(ctx.get(), nccl.get(), **cpu,
-                 {.sharding = Sharding::kShardGradOp, .reduce_half = HalfFormat::kBf16}, opt);
-  ASSERT_NE(s.trainer, nullptr);
+  absl::StatusOr<Sharded> shard =
+      Shard(ctx.get(), nccl.get(), **cpu,
+            {.sharding = Sharding::kShardGradOp, .reduce_half = HalfFormat::kBf16}, opt);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  Sharded& s = *shard;
   ASSERT_TRUE(s.trainer->Step(images, labels, opt.lr).ok());
   auto after = BuildModel(SmallMlp(), 9);
   ASSERT_TRUE(after.ok());

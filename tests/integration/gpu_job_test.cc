@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -60,6 +61,45 @@ class GpuJobTest : public ClusterFixture {
   std::string StateFile(const std::string& id, int64_t step) {
     return ReadFileOrEmpty(
         absl::StrFormat("%s/runs/%s/step-%08d/state.txt", cluster().Path("ckpt"), id, step));
+  }
+
+  // The GPT example's model on Debian's fortunes, one GPU rank in bf16
+  // (AdamW, 32 windows a step); nullopt where the fortunes are missing.
+  std::optional<v1::JobSpec> FortunesGpt(const std::string& name) const {
+    const char* kFortunes = "/usr/share/games/fortunes";
+    if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) return std::nullopt;
+    v1::JobSpec spec;
+    spec.set_name(name);
+    spec.set_device(v1::JobSpec::GPU);
+    spec.set_precision(v1::JobSpec::BF16);
+    spec.set_world_size(1);
+    spec.mutable_model()->set_name("gpt");
+    spec.mutable_model()->set_config("gpt-mini");
+    spec.mutable_dataset()->set_kind("text");
+    spec.mutable_dataset()->add_files(kFortunes);
+    spec.mutable_dataset()->set_val_fraction(0.1);
+    spec.mutable_dataset()->set_eval_windows(64);
+    spec.mutable_optimizer()->set_name("adamw");
+    spec.mutable_optimizer()->set_lr(3e-3);
+    spec.mutable_optimizer()->set_weight_decay(0.1);
+    spec.mutable_optimizer()->set_beta2(0.99);
+    spec.mutable_optimizer()->set_grad_clip_norm(1.0);
+    spec.set_batch_size(32);
+    spec.set_seed(1);
+    spec.set_max_restarts(0);
+    return spec;
+  }
+
+  // Kills job `id`'s (one-rank) first generation once it has committed a
+  // checkpoint of `step` or later; the job then goes on in a second.
+  void KillFirstGenerationAfterCheckpoint(const std::string& id, int64_t step) {
+    ASSERT_TRUE(cluster().WaitForJob(
+        id, [step](const v1::Job& j) { return j.last_checkpoint_step() >= step; },
+        "committing a checkpoint", kLong));
+    std::vector<pid_t> trainer =
+        ProcessesWith({cluster().dir(), "--job=" + id + " --generation=1 "});
+    ASSERT_EQ(trainer.size(), 1u);
+    ASSERT_EQ(::kill(trainer[0], SIGKILL), 0);
   }
 
   // One GPU rank training `model` on Fashion-MNIST (below).
@@ -135,31 +175,13 @@ TEST_F(GpuJobTest, AResNetWithStochasticDepthTrainsOnOneGpu) {
 // loss is a trained model's (the 2-rank CPU example reaches 2.00 nats per
 // byte after 600 steps; a uniform guess is ln 256 = 5.55).
 TEST_F(GpuJobTest, AGptLearnsFortunesOnOneGpuInBf16) {
-  const char* kFortunes = "/usr/share/games/fortunes";
-  if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) {
+  std::optional<v1::JobSpec> fortunes = FortunesGpt("gpu-gpt");
+  if (!fortunes.has_value()) {
     GTEST_SKIP() << "Debian's fortunes are not installed (scripts/setup.sh)";
   }
-  v1::JobSpec spec;
-  spec.set_name("gpu-gpt");
-  spec.set_device(v1::JobSpec::GPU);
-  spec.set_precision(v1::JobSpec::BF16);
-  spec.set_world_size(1);
-  spec.mutable_model()->set_name("gpt");
-  spec.mutable_model()->set_config("gpt-mini");
-  spec.mutable_dataset()->set_kind("text");
-  spec.mutable_dataset()->add_files(kFortunes);
-  spec.mutable_dataset()->set_val_fraction(0.1);
-  spec.mutable_dataset()->set_eval_windows(64);
-  spec.mutable_optimizer()->set_name("adamw");
-  spec.mutable_optimizer()->set_lr(3e-3);
-  spec.mutable_optimizer()->set_weight_decay(0.1);
-  spec.mutable_optimizer()->set_beta2(0.99);
-  spec.mutable_optimizer()->set_grad_clip_norm(1.0);
-  spec.set_batch_size(32);
+  v1::JobSpec& spec = *fortunes;
   spec.set_max_steps(600);
   spec.set_eval_every_steps(300);
-  spec.set_seed(1);
-  spec.set_max_restarts(0);
   const std::string id = Submit(spec);
   ASSERT_FALSE(id.empty());
   v1::Job job = cluster().WaitForEnd(id, kLong);
@@ -193,43 +215,22 @@ TEST_F(GpuJobTest, AGptLearnsFortunesOnOneGpuInBf16) {
 // (weights, the shards' AdamW state) and the job learns as the unsharded
 // one does.
 TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndResumesFromItsShards) {
-  const char* kFortunes = "/usr/share/games/fortunes";
-  if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) {
+  std::optional<v1::JobSpec> fortunes = FortunesGpt("gpu-gpt-fsdp");
+  if (!fortunes.has_value()) {
     GTEST_SKIP() << "Debian's fortunes are not installed (scripts/setup.sh)";
   }
-  v1::JobSpec spec;
-  spec.set_name("gpu-gpt-fsdp");
-  spec.set_device(v1::JobSpec::GPU);
-  spec.set_precision(v1::JobSpec::BF16);
-  spec.set_world_size(1);
+  v1::JobSpec& spec = *fortunes;
   spec.set_strategy(v1::JobSpec::FSDP);
   spec.mutable_fsdp()->set_sharding(v1::FsdpSpec::FULL_SHARD);
-  spec.mutable_model()->set_name("gpt");
-  spec.mutable_model()->set_config("gpt-mini");
-  spec.mutable_dataset()->set_kind("text");
-  spec.mutable_dataset()->add_files(kFortunes);
-  spec.mutable_dataset()->set_val_fraction(0.1);
-  spec.mutable_dataset()->set_eval_windows(64);
-  spec.mutable_optimizer()->set_name("adamw");
-  spec.mutable_optimizer()->set_lr(3e-3);
-  spec.mutable_optimizer()->set_weight_decay(0.1);
-  spec.mutable_optimizer()->set_beta2(0.99);
-  spec.mutable_optimizer()->set_grad_clip_norm(1.0);
-  spec.set_batch_size(32);
   spec.set_max_steps(2000);  // long enough on a GPU to be interrupted
   spec.set_eval_every_steps(1000);
-  spec.set_seed(1);
   spec.set_max_restarts(1);
   spec.mutable_checkpoint()->set_dir("runs");
   spec.mutable_checkpoint()->set_every_steps(200);
   const std::string id = Submit(spec);
   ASSERT_FALSE(id.empty());
-  ASSERT_TRUE(cluster().WaitForJob(
-      id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 200; },
-      "committing a checkpoint", kLong));
-  std::vector<pid_t> trainer = ProcessesWith({cluster().dir(), "--job=" + id + " --generation=1 "});
-  ASSERT_EQ(trainer.size(), 1u);
-  ASSERT_EQ(::kill(trainer[0], SIGKILL), 0);
+  KillFirstGenerationAfterCheckpoint(id, 200);
+  if (HasFatalFailure()) return;
   v1::Job job = cluster().WaitForEnd(id, kLong);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   EXPECT_EQ(job.restarts(), 1);
@@ -259,33 +260,18 @@ TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndResumesFromItsShards) {
 // the job trains, evaluates through the CPU copies and checkpoints each
 // stage's pieces. Needs two GPUs.
 TEST_F(GpuJobTest, AGptPipelineOfTwoStagesTrainsOnTwoGpus) {
-  const char* kFortunes = "/usr/share/games/fortunes";
-  if (ReadFileOrEmpty(std::string(kFortunes) + "/fortunes").empty()) {
+  if (gpus_ < 2) {
+    GTEST_SKIP() << "a pipeline of two stages needs two GPUs; this worker has " << gpus_;
+  }
+  std::optional<v1::JobSpec> fortunes = FortunesGpt("gpu-gpt-pipeline");
+  if (!fortunes.has_value()) {
     GTEST_SKIP() << "Debian's fortunes are not installed (scripts/setup.sh)";
   }
-  if (gpus_ < 2)
-    GTEST_SKIP() << "a pipeline of two stages needs two GPUs; this worker has " << gpus_;
-  v1::JobSpec spec;
-  spec.set_name("gpu-gpt-pipeline");
-  spec.set_device(v1::JobSpec::GPU);
-  spec.set_precision(v1::JobSpec::BF16);
+  v1::JobSpec& spec = *fortunes;
   spec.set_world_size(2);
   spec.mutable_parallel()->set_pipeline(2);
-  spec.mutable_model()->set_name("gpt");
-  spec.mutable_model()->set_config("gpt-mini");
-  spec.mutable_dataset()->set_kind("text");
-  spec.mutable_dataset()->add_files(kFortunes);
-  spec.mutable_dataset()->set_val_fraction(0.1);
-  spec.mutable_dataset()->set_eval_windows(64);
-  spec.mutable_optimizer()->set_name("adamw");
-  spec.mutable_optimizer()->set_lr(3e-3);
-  spec.mutable_optimizer()->set_weight_decay(0.1);
-  spec.mutable_optimizer()->set_grad_clip_norm(1.0);
-  spec.set_batch_size(32);
   spec.set_max_steps(400);
   spec.set_eval_every_steps(200);
-  spec.set_seed(1);
-  spec.set_max_restarts(0);
   spec.mutable_checkpoint()->set_dir("runs");
   spec.mutable_checkpoint()->set_every_steps(200);
   const std::string id = Submit(spec);
@@ -334,12 +320,8 @@ TEST_F(GpuJobTest, AnFp16JobResumesWithItsCheckpointedLossScale) {
   spec.mutable_checkpoint()->set_keep_last(1000);
   const std::string id = Submit(spec);
   ASSERT_FALSE(id.empty());
-  ASSERT_TRUE(cluster().WaitForJob(
-      id, [](const v1::Job& j) { return j.last_checkpoint_step() >= 500; },
-      "committing a checkpoint", kLong));
-  std::vector<pid_t> trainer = ProcessesWith({cluster().dir(), "--job=" + id + " --generation=1 "});
-  ASSERT_EQ(trainer.size(), 1u);
-  ASSERT_EQ(::kill(trainer[0], SIGKILL), 0);
+  KillFirstGenerationAfterCheckpoint(id, 500);
+  if (HasFatalFailure()) return;
   v1::Job job = cluster().WaitForEnd(id, kLong);
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   EXPECT_EQ(job.restarts(), 1);

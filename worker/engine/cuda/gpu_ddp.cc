@@ -169,17 +169,8 @@ absl::Status GpuDdpReducer::ShardBuckets(const ShardMap& shards, const BucketPla
 }
 
 GpuDdpReducer::~GpuDdpReducer() {
-  // Nothing may still read or write the buckets when they go. A step that
-  // failed part-way may have left allreduces that peers will never join:
-  // abort them rather than wait forever; otherwise wait, bounded as every
-  // NCCL wait (a failure there aborts too).
-  if (launched_ > 0 || !reported_.empty()) {
-    nccl_->Abort("a step failed with gradient buckets in flight");
-  } else {
-    nccl_->Wait("gradient buckets at teardown").IgnoreError();
-  }
-  cudaStreamSynchronize(nccl_->stream());
-  cudaStreamSynchronize(ctx_->stream());
+  // Nothing may still read or write the buckets when they go.
+  SettleAtTeardown(ctx_, nccl_, launched_ > 0 || !reported_.empty(), "gradient buckets");
   for (Bucket& bucket : buckets_) {
     for (GpuParameter* p : bucket.parameters) {
       for (GpuTensor* t : {&p->grad, &p->value}) {

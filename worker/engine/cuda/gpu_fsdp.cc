@@ -228,15 +228,7 @@ absl::StatusOr<std::unique_ptr<GpuFsdpReducer>> GpuFsdpReducer::Create(
 }
 
 GpuFsdpReducer::~GpuFsdpReducer() {
-  // A step that failed part-way may have left collectives that peers will
-  // never join: abort them rather than wait; otherwise wait, bounded.
-  if (in_step_) {
-    nccl_->Abort("a step failed with sharded collectives in flight");
-  } else {
-    nccl_->Wait("sharded collectives at teardown").IgnoreError();
-  }
-  cudaStreamSynchronize(nccl_->stream());
-  cudaStreamSynchronize(ctx_->stream());
+  SettleAtTeardown(ctx_, nccl_, in_step_, "sharded collectives");
   // Storage of their own: the weights where they are whole and current
   // (gathered in fp32), zeros elsewhere; zeroed gradients.
   for (Unit& unit : units_) {

@@ -91,18 +91,13 @@ absl::Status GpuPipelineSession::RunSchedule(const std::vector<MicroBatch>& micr
   AIDN_ASSIGN_OR_RETURN(const std::vector<PipelineAction> actions,
                         StageActions(options_.schedule, options_.stages, options_.stage, m));
   stats_.peak_in_flight = PeakInFlight(actions);
-  cudaStream_t stream = ctx_->stream();
-  const size_t n = static_cast<size_t>(floats_);
   const double scale = 1.0 / static_cast<double>(m);
   std::vector<bool> counted(micro.size(), false);
   auto input = [this](int mb) { return inputs_[static_cast<size_t>(mb)].data(); };
   for (const PipelineAction& a : actions) {
-    const std::string what = absl::StrCat("micro-batch ", a.micro_batch);
     switch (a.kind) {
       case PipelineAction::kRecvActivation:
-        AIDN_RETURN_IF_ERROR(
-            Annotate(options_.prev->ExchangeOn(stream, nullptr, 0, input(a.micro_batch), n),
-                     "receiving the activation of " + what));
+        AIDN_RETURN_IF_ERROR(Transfer(a, options_.prev, nullptr, input(a.micro_batch)));
         break;
       case PipelineAction::kForward: {
         AIDN_RETURN_IF_ERROR(Forward(micro, a.micro_batch));
@@ -120,14 +115,10 @@ absl::Status GpuPipelineSession::RunSchedule(const std::vector<MicroBatch>& micr
         break;
       }
       case PipelineAction::kSendActivation:
-        AIDN_RETURN_IF_ERROR(Annotate(
-            options_.next->ExchangeOn(stream, model_->stage_output().data(), n, nullptr, 0),
-            "sending the activation of " + what));
+        AIDN_RETURN_IF_ERROR(Transfer(a, options_.next, model_->stage_output().data(), nullptr));
         break;
       case PipelineAction::kRecvGradient:
-        AIDN_RETURN_IF_ERROR(
-            Annotate(options_.next->ExchangeOn(stream, nullptr, 0, grad_output_.data(), n),
-                     "receiving the gradient of " + what));
+        AIDN_RETURN_IF_ERROR(Transfer(a, options_.next, nullptr, grad_output_.data()));
         break;
       case PipelineAction::kBackward:
         if (resident_ != a.micro_batch) {
@@ -139,24 +130,46 @@ absl::Status GpuPipelineSession::RunSchedule(const std::vector<MicroBatch>& micr
         resident_ = -1;
         break;
       case PipelineAction::kSendGradient:
-        AIDN_RETURN_IF_ERROR(
-            Annotate(options_.prev->ExchangeOn(stream, grad_input_.data(), n, nullptr, 0),
-                     "sending the gradient of " + what));
+        AIDN_RETURN_IF_ERROR(Transfer(a, options_.prev, grad_input_.data(), nullptr));
         break;
       case PipelineAction::kSendActivationRecvGradient:
-        AIDN_RETURN_IF_ERROR(Annotate(
-            options_.next->ExchangeOn(stream, model_->stage_output().data(), n, grad_output_.data(),
-                                      n),
-            absl::StrCat("sending the activation of ", what, " for the gradient of ", a.other)));
+        AIDN_RETURN_IF_ERROR(
+            Transfer(a, options_.next, model_->stage_output().data(), grad_output_.data()));
         break;
       case PipelineAction::kSendGradientRecvActivation:
-        AIDN_RETURN_IF_ERROR(Annotate(
-            options_.prev->ExchangeOn(stream, grad_input_.data(), n, input(a.other), n),
-            absl::StrCat("sending the gradient of ", what, " for the activation of ", a.other)));
+        AIDN_RETURN_IF_ERROR(Transfer(a, options_.prev, grad_input_.data(), input(a.other)));
         break;
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status GpuPipelineSession::Transfer(const PipelineAction& a, DeviceLink* link,
+                                          const float* send, float* recv) {
+  const size_t n = static_cast<size_t>(floats_);
+  const absl::Status s = link->ExchangeOn(ctx_->stream(), send, send != nullptr ? n : 0, recv,
+                                          recv != nullptr ? n : 0);
+  if (s.ok()) return s;
+  // Named only when it failed: the step's hot path builds no strings.
+  const char* what = "";
+  switch (a.kind) {
+    case PipelineAction::kRecvActivation:
+      what = "receiving the activation of micro-batch ";
+      break;
+    case PipelineAction::kSendActivation:
+    case PipelineAction::kSendActivationRecvGradient:
+      what = "sending the activation of micro-batch ";
+      break;
+    case PipelineAction::kRecvGradient:
+      what = "receiving the gradient of micro-batch ";
+      break;
+    default:
+      what = "sending the gradient of micro-batch ";
+      break;
+  }
+  return Annotate(s, absl::StrCat(what, a.micro_batch,
+                                  a.other >= 0 ? absl::StrCat(" (and receiving for ", a.other, ")")
+                                               : std::string()));
 }
 
 absl::Status GpuPipelineSession::WaitForStream(const char* what) {

@@ -111,6 +111,10 @@ class GpuPipelineSession {
   // into its slot.
   absl::Status Forward(const std::vector<MicroBatch>& micro, int mb);
   absl::Status RunSchedule(const std::vector<MicroBatch>& micro);
+  // Action `a`'s transfer over `link`: one micro-batch's activation or
+  // gradient from `send` and into `recv` (either null: that direction
+  // left out); an error names the action.
+  absl::Status Transfer(const PipelineAction& a, DeviceLink* link, const float* send, float* recv);
   // The step's mean loss from the last stage, to every stage.
   absl::StatusOr<double> MeanLoss(int micro_batches);
   // The host's wait for the stream's work so far: bounded by the pipeline

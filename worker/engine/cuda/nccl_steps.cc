@@ -28,6 +28,17 @@ absl::Status BroadcastBuffersFromRankZero(GpuContext* ctx, NcclCommunicator* ncc
   return absl::OkStatus();
 }
 
+void SettleAtTeardown(GpuContext* ctx, NcclCommunicator* nccl, bool in_flight,
+                      absl::string_view what) {
+  if (in_flight) {
+    nccl->Abort(absl::StrCat("a step failed with ", what, " in flight"));
+  } else {
+    nccl->Wait(absl::StrCat(what, " at teardown")).IgnoreError();
+  }
+  cudaStreamSynchronize(nccl->stream());
+  cudaStreamSynchronize(ctx->stream());
+}
+
 absl::StatusOr<std::unique_ptr<UsedFlags>> UsedFlags::Create(GpuContext* ctx, size_t count) {
   std::unique_ptr<UsedFlags> f(new UsedFlags());
   f->count_ = count;

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "worker/engine/comm/nccl_communicator.h"
 #include "worker/engine/cuda/allocator.h"
 #include "worker/engine/cuda/gpu_context.h"
@@ -29,6 +30,14 @@ namespace aidn::engine::cuda {
 absl::Status BroadcastBuffersFromRankZero(GpuContext* ctx, NcclCommunicator* nccl,
                                           const std::vector<GpuParameter*>& buffers,
                                           cudaEvent_t ready, cudaEvent_t done);
+
+// A reducer's teardown: with a failed step's collectives in flight (which
+// peers may never join) the communicator is aborted, otherwise its queue
+// waited for (bounded, as every NCCL wait); then both streams drained, so
+// that nothing reads or writes the reducer's buffers any more. `what`
+// names the collectives ("gradient buckets").
+void SettleAtTeardown(GpuContext* ctx, NcclCommunicator* nccl, bool in_flight,
+                      absl::string_view what);
 
 // find_unused_parameters' flags: per parameter (registration order),
 // whether any forward of the step used it on this rank, summed over the
