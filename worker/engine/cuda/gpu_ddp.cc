@@ -301,15 +301,7 @@ absl::Status GpuDdpReducer::MissingGradients() const {
 }
 
 absl::Status GpuDdpReducer::ExchangeUsedFlags() {
-  std::vector<bool> never_used;
-  AIDN_RETURN_IF_ERROR(used_->Sum(nccl_, &never_used));
-  for (size_t i = 0; i < parameters_.size(); ++i) parameters_[i]->no_grad = never_used[i];
-  // ZeRO-1: a shard is left alone with its whole parameter (as
-  // ShardMap::CopyNoGradToShards on the CPU).
-  for (size_t k = 0; k < shard_view_.size(); ++k) {
-    shard_view_[k]->no_grad = parameters_[shard_whole_[k]]->no_grad;
-  }
-  return absl::OkStatus();
+  return used_->MarkUnused(nccl_, parameters_, shard_view_, shard_whole_);
 }
 
 absl::Status GpuDdpReducer::AfterBackward() {

@@ -504,14 +504,7 @@ absl::Status GpuFsdpReducer::AfterBackward() {
     AIDN_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream, end_, 0));
   }
   if (used_ == nullptr) return absl::OkStatus();
-  std::vector<bool> never_used;
-  AIDN_RETURN_IF_ERROR(used_->Sum(nccl_, &never_used));
-  for (size_t i = 0; i < parameters_.size(); ++i) parameters_[i]->no_grad = never_used[i];
-  // A shard is left alone with its whole parameter.
-  for (size_t k = 0; k < shard_view_.size(); ++k) {
-    shard_view_[k]->no_grad = parameters_[shard_whole_[k]]->no_grad;
-  }
-  return absl::OkStatus();
+  return used_->MarkUnused(nccl_, parameters_, shard_view_, shard_whole_);
 }
 
 absl::Status GpuFsdpReducer::Wait(cudaEvent_t done) {

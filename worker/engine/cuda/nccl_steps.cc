@@ -67,9 +67,15 @@ absl::Status UsedFlags::Set(const std::vector<bool>& used, const char* who) {
   return absl::OkStatus();
 }
 
-absl::Status UsedFlags::Sum(NcclCommunicator* nccl, std::vector<bool>* never_used) {
-  never_used->assign(count_, false);
+absl::Status UsedFlags::MarkUnused(NcclCommunicator* nccl,
+                                   const std::vector<GpuParameter*>& parameters,
+                                   const std::vector<GpuParameter*>& shards,
+                                   const std::vector<size_t>& shard_whole) {
   if (count_ == 0) return absl::OkStatus();
+  if (parameters.size() != count_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(parameters.size(), " parameters for ", count_, " used flags"));
+  }
   cudaStream_t comm = nccl->stream();
   float* device = static_cast<float*>(device_.data());
   AIDN_RETURN_IF_CUDA_ERROR(
@@ -81,7 +87,11 @@ absl::Status UsedFlags::Sum(NcclCommunicator* nccl, std::vector<bool>* never_use
       cudaMemcpyAsync(host_, device, sizeof(float) * count_, cudaMemcpyDeviceToHost, comm));
   AIDN_RETURN_IF_CUDA_ERROR(cudaEventRecord(done_, comm));
   AIDN_RETURN_IF_ERROR(nccl->WaitForEvent(done_, "used parameter flags"));
-  for (size_t i = 0; i < count_; ++i) (*never_used)[i] = host_[i] == 0.0f;
+  for (size_t i = 0; i < count_; ++i) parameters[i]->no_grad = host_[i] == 0.0f;
+  // A shard is left alone with its whole parameter (as
+  // ShardMap::CopyNoGradToShards on the CPU).
+  for (size_t k = 0; k < shards.size(); ++k)
+    shards[k]->no_grad = parameters[shard_whole[k]]->no_grad;
   std::fill(host_, host_ + count_, 1.0f);
   return absl::OkStatus();
 }

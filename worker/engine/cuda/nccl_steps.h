@@ -53,10 +53,14 @@ class UsedFlags {
   // (naming `who`).
   absl::Status Set(const std::vector<bool>& used, const char* who);
   // The flags summed over the ranks, on the NCCL stream, then read here (a
-  // host wait bounded by the communicator's timeout); `never_used` gets
-  // whether no rank used each parameter. The flags read "all used" after,
-  // for a step whose trainer sets none.
-  absl::Status Sum(NcclCommunicator* nccl, std::vector<bool>* never_used);
+  // host wait bounded by the communicator's timeout): each of
+  // `parameters` (the flags' order) no rank used is marked no_grad, and so
+  // is each of `shards` (ZeRO's pieces; shard k of parameter
+  // shard_whole[k]) with its whole parameter. The flags read "all used"
+  // after, for a step whose trainer sets none.
+  absl::Status MarkUnused(NcclCommunicator* nccl, const std::vector<GpuParameter*>& parameters,
+                          const std::vector<GpuParameter*>& shards,
+                          const std::vector<size_t>& shard_whole);
 
  private:
   UsedFlags() = default;
