@@ -105,6 +105,8 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="cudaProfilerStart/Stop around the timed steps (ncu --profile-from-start off)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
@@ -138,6 +140,8 @@ def main():
         if step == args.warmup:
             window_start = time.perf_counter()
             cpu_start = time.process_time()
+            if args.profile:
+                torch.cuda.profiler.start()
         x = torch.randint(0, vocab, (args.batch, args.seq), device=device)
         y = torch.randint(0, vocab, (args.batch, args.seq), device=device)
         sync()
@@ -154,6 +158,8 @@ def main():
             times.append(time.perf_counter() - start)
     wall = time.perf_counter() - window_start
     cpu = time.process_time() - cpu_start
+    if args.profile:
+        torch.cuda.profiler.stop()
     window = args.steps - args.warmup
     tokens_per_s = args.world * args.batch * args.seq * window / wall
     flops_per_token = 6 * n_params + 6 * n_layer * args.seq * n_embd

@@ -8,12 +8,13 @@
 //   gpu_gpt_step [--config gpt2] [--batch 8] [--seq 1024] [--steps 30]
 //                [--warmup 5] [--precision bf16] [--json]
 //                [--strategy ddp|zero2|shard_grad_op|full_shard]
-//                [--param-dtype fp32|bf16] [--reduce-dtype fp32|bf16]
+//                [--param-dtype fp32|bf16] [--reduce-dtype fp32|bf16] [--profile]
 //
 // Prints tokens/s over the steps after the warm-up, the median step, the
 // model's FLOPs per second (6 N per token plus 6 n_layer T n_embd for
 // attention, as bench/gpt_step.cc counts them) and the allocator's peak
-// bytes. With --json one line "RESULT {json}".
+// bytes. With --json one line "RESULT {json}". --profile brackets the timed
+// steps with cudaProfilerStart/Stop (ncu --profile-from-start off).
 //
 // --strategy other than ddp (the plain step: one rank has nothing to
 // average) runs ZeRO-2 or FSDP (cuda/gpu_fsdp.h) over an NCCL communicator
@@ -31,6 +32,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <cuda_profiler_api.h>
 
 #include "worker/engine/cuda/gpu_context.h"
 #include "worker/engine/cuda/gpu_gpt.h"
@@ -63,6 +66,7 @@ struct Options {
   std::string strategy = "ddp";
   std::string param_dtype = "fp32";
   std::string reduce_dtype = "fp32";
+  bool profile = false;
 };
 
 int Usage(const char* argv0) {
@@ -70,7 +74,7 @@ int Usage(const char* argv0) {
                "usage: %s [--config gpt2] [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] "
                "[--precision fp32|bf16|fp16] [--json] "
                "[--strategy ddp|zero2|shard_grad_op|full_shard] [--param-dtype fp32|bf16] "
-               "[--reduce-dtype fp32|bf16]\n",
+               "[--reduce-dtype fp32|bf16] [--profile]\n",
                argv0);
   return 2;
 }
@@ -108,6 +112,8 @@ int main(int argc, char** argv) {
       o.param_dtype = v;
     } else if (a == "--reduce-dtype" && (v = next())) {
       o.reduce_dtype = v;
+    } else if (a == "--profile") {
+      o.profile = true;
     } else {
       return Usage(argv[0]);
     }
@@ -209,7 +215,10 @@ int main(int argc, char** argv) {
   double loss = 0.0;
   auto window_start = std::chrono::steady_clock::now();
   for (int s = 0; s < o.steps; ++s) {
-    if (s == o.warmup) window_start = std::chrono::steady_clock::now();
+    if (s == o.warmup) {
+      window_start = std::chrono::steady_clock::now();
+      if (o.profile) cudaProfilerStart();
+    }
     for (size_t i = 0; i < n; ++i) {
       x[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(config->vocab_size));
       y[i] = static_cast<int32_t>(rng() % static_cast<uint64_t>(config->vocab_size));
@@ -249,6 +258,7 @@ int main(int argc, char** argv) {
   }
   const double wall =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - window_start).count();
+  if (o.profile) cudaProfilerStop();
   const int window = o.steps - o.warmup;
   const double tokens_per_s = static_cast<double>(n) * window / wall;
   std::sort(step_seconds.begin(), step_seconds.end());

@@ -146,12 +146,18 @@ run() {
   local summary=$out/summary.txt
   : >"$summary"
   if [[ ${TESTS:-1} == 1 ]]; then
-    for t in "$bins"/gpu_*_test; do
+    local tests=("$bins"/gpu_*_test)
+    # TEST_BINARIES: only these (names, space-separated).
+    if [[ -n ${TEST_BINARIES:-} ]]; then
+      tests=()
+      for name in $TEST_BINARIES; do tests+=("$bins/$name"); done
+    fi
+    for t in "${tests[@]}"; do
       local name start rc log
       name=$(basename "$t")
       log=/tmp/aidn-$name.log
       start=$(date +%s%N)
-      timeout 600 "/tmp/aidn-bin/$(basename "$t")" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$log" 2>&1
+      timeout "${TEST_TIMEOUT:-100}" "/tmp/aidn-bin/$(basename "$t")" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$log" 2>&1
       rc=$?
       printf '%-22s rc=%-3s %6sms  %s\n' "$name" "$rc" "$(( ($(date +%s%N) - start) / 1000000 ))" \
         "$(grep -E '^\[  (PASSED|FAILED)  \] [0-9]+ test|^\[  SKIPPED \] [0-9]+ test' "$log" |
@@ -171,6 +177,7 @@ run() {
       tee "$out/gpu_gpt.log" | tail -5 >>"$summary"
   fi
   if [[ ${PROFILE:-0} == 1 ]]; then profile "$out" >>"$summary" 2>&1; fi
+  if [[ ${PROFILE_GPT:-0} == 1 ]]; then profile_gpt "$out" >>"$summary" 2>&1; fi
   echo "==== summary"
   cat "$summary"
 }
@@ -190,9 +197,31 @@ profile() {
     --batch "$batch" --steps 10 --warmup 50 --profile $fast >"$out/ncu_aidn.csv" 2>/dev/null
   ncu "${ncu_flags[@]}" python3 "$ROOT/bench/gpu_step_torch.py" --model cnn --batch "$batch" \
     --steps 10 --warmup 50 --profile $det >"$out/ncu_torch.csv" 2>/dev/null
-  python3 - "$out/ncu_aidn.csv" "$out/ncu_torch.csv" <<'PY'
+  kernel_table 10 14 "$out/ncu_aidn.csv" "$out/ncu_torch.csv"
+}
+
+# The GPT-2 step in bf16 (batch 8 x 1024), aidn and PyTorch eager, kernel by
+# kernel as `profile` does: PROFILE_GPT_STEPS (2) steps after 3 warm-ups.
+profile_gpt() {
+  local out=$1 steps=${PROFILE_GPT_STEPS:-2}
+  local ncu_flags=(--metrics gpu__time_duration.sum --csv --cache-control none
+                   --clock-control none --profile-from-start off)
+  local common=(--config gpt2 --batch 8 --seq 1024 --steps $((steps + 3)) --warmup 3)
+  echo "==== kernel profile, gpt2 bf16 batch 8 x 1024"
+  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH timeout "${PROFILE_GPT_LIMIT:-150}" ncu "${ncu_flags[@]}" \
+    /tmp/aidn-carry/bin/gpu_gpt_step "${common[@]}" --precision bf16 --profile \
+    >"$out/ncu_gpt_aidn.csv" 2>/dev/null
+  timeout "${PROFILE_GPT_LIMIT:-150}" ncu "${ncu_flags[@]}" python3 "$ROOT/bench/gpt_torch.py" \
+    "${common[@]}" --device cuda --precision bf16 --profile >"$out/ncu_gpt_torch.csv" 2>/dev/null
+  kernel_table "$steps" 24 "$out/ncu_gpt_aidn.csv" "$out/ncu_gpt_torch.csv"
+}
+
+# kernel_table STEPS TOP CSV...: each ncu CSV's kernels by their time a step.
+kernel_table() {
+  python3 - "$@" <<'PY'
 import collections, csv, io, sys
-for path in sys.argv[1:]:
+steps, top = int(sys.argv[1]), int(sys.argv[2])
+for path in sys.argv[3:]:
     text = open(path).read()
     start = text.find('"ID"')
     rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
@@ -203,14 +232,14 @@ for path in sys.argv[1:]:
             continue
         unit = r.get("Metric Unit", "nsecond")
         v = float(r["Metric Value"].replace(",", ""))
-        v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+        v *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1.0)
         name = r["Kernel Name"][:90]
         total[name] += v
         count[name] += 1
-    print(f"-- {path.split('/')[-1]}: {sum(count.values())} kernels in 10 steps, "
-          f"{sum(total.values()) / 10:.0f} us of kernels a step")
-    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:14]:
-        print(f"  {us / 10:9.1f} us/step  x{count[name] // 10:<3} {name}")
+    print(f"-- {path.split('/')[-1]}: {sum(count.values())} kernels in {steps} steps, "
+          f"{sum(total.values()) / steps:.0f} us of kernels a step")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps:9.1f} us/step  x{count[name] // steps:<3} {name}")
 PY
 }
 
@@ -236,7 +265,8 @@ run_service() {
   cp -n "$SERVICE_CARRY"/data/fortunes/* /usr/share/games/fortunes/
   local test_bin
   test_bin=$(grep integration_gpu_job_test "$SERVICE_CARRY/paths")
-  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH timeout 900 "$test_bin" 2>&1 | tee "$out/gpu_job_test.log" |
+  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH timeout 900 "$test_bin" \
+    ${SERVICE_FILTER:+--gtest_filter=$SERVICE_FILTER} 2>&1 | tee "$out/gpu_job_test.log" |
     grep -E '^\[ +(RUN|OK|FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|Skipped'
 }
 

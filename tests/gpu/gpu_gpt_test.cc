@@ -402,13 +402,21 @@ TEST(GpuGpt, ChainedStagesComputeWhatTheWholeDecoderDoes) {
   ASSERT_TRUE(want.ok() && got.ok());
   EXPECT_EQ(*got, *want);
 
-  std::unique_ptr<Gpt> all = MakeCpu(config, 8);
-  ASSERT_TRUE((*whole)->CopyGradsTo(all->Parameters()).ok());
+  // CPU decoders to copy the gradients into (CopyGradsTo fills tensors of
+  // the parameters' shapes).
+  auto with_grads = [&](uint64_t seed) {
+    std::unique_ptr<Gpt> m = MakeCpu(config, seed);
+    for (Parameter* p : m->Parameters()) p->grad = Tensor(p->value.shape());
+    return m;
+  };
+  std::unique_ptr<Gpt> all = with_grads(8);
+  absl::Status copied = (*whole)->CopyGradsTo(all->Parameters());
+  ASSERT_TRUE(copied.ok()) << copied;
   std::vector<std::unique_ptr<Gpt>> parts;
   for (auto& stage : stages) {
-    parts.push_back(MakeCpu(config, 9));
-    for (Parameter* p : parts.back()->Parameters()) p->grad = Tensor(p->value.shape());
-    ASSERT_TRUE(stage->CopyGradsTo(parts.back()->Parameters()).ok());
+    parts.push_back(with_grads(9));
+    copied = stage->CopyGradsTo(parts.back()->Parameters());
+    ASSERT_TRUE(copied.ok()) << copied;
   }
   const std::vector<Parameter*>& names = all->Parameters();
   for (size_t k = 0; k < names.size(); ++k) {

@@ -507,11 +507,16 @@ TEST(GpuTraining, CnnSgdNesterovLossCurveMatchesCpu) {
 // Mixed precision: bf16 products with fp32 accumulation, weights and
 // optimizer state. Every step's loss within 1e-2 of the fp32 CPU's (bf16
 // keeps 8 bits of mantissa: ~4e-3 per rounded operand) and its gradients
-// within 5e-2 in L2; the largest elementwise gradient error is printed, not
+// within 2e-1 in L2; the largest elementwise gradient error is printed, not
 // held: a ReLU pre-activation within rounding of zero, or a max-pool window
 // whose bf16-rounded values tie, sends a whole element elsewhere at many
-// steps. The free-running curve within 5e-2 (rounding drifts further).
-constexpr StepTolerance kBf16Step{.loss = 1e-2, .gradient = 1e-2, .steps_over = 50, .l2 = 5e-2};
+// steps, and sums that cancel (a bias's gradient) magnify the rest. PyTorch
+// is as far off: its bf16 autocast against its own fp32, on these two
+// models at their first step with batch 64, gives 0.04 to 0.05 (mlp) and
+// 0.06 to 0.11 (cnn, the first convolution) in L2 over 8 draws; an H200
+// gave 0.068 and 0.10 here over 50 steps. A wrong formula is off by far
+// more. The free-running curve within 5e-2 (rounding drifts further).
+constexpr StepTolerance kBf16Step{.loss = 1e-2, .gradient = 1e-2, .steps_over = 50, .l2 = 2e-1};
 GpuContextOptions Bf16() {
   GpuContextOptions o;
   o.precision = Precision::kBf16;

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -350,7 +351,30 @@ void ExpectThePipelineTrainsAsTheWholeDecoder(PipelineSchedule schedule, int sta
       }
     }
     ASSERT_NE(got, nullptr) << w.name;
-    EXPECT_LE(MaxRelError(got->value, w.value), 1e-5) << w.name;
+    if (!w.name.ends_with("attn.c_attn.bias")) {
+      EXPECT_LE(MaxRelError(got->value, w.value), 1e-5) << w.name;
+      continue;
+    }
+    // The key bias's gradient is zero in exact arithmetic (it shifts all
+    // of a query's scores by q.b, which the softmax cancels), so AdamW
+    // turns its rounding noise into steps of up to lr, and cuBLAS rounds
+    // the whole batch's products and a micro-batch's differently (seen on
+    // an H200: 1e-4 against the largest bias). The query and value biases
+    // are held to 1e-5 as every other weight; the key bias to what
+    // kSteps steps of at most lr can move it.
+    const int64_t c = config.n_embd;
+    Tensor got_qv({2 * c}), want_qv({2 * c});
+    double key_diff = 0;
+    for (int64_t i = 0; i < c; ++i) {
+      got_qv[i] = got->value[i];
+      want_qv[i] = w.value[i];
+      got_qv[c + i] = got->value[2 * c + i];
+      want_qv[c + i] = w.value[2 * c + i];
+      key_diff = std::max(key_diff, std::fabs(static_cast<double>(got->value[c + i]) -
+                                              w.value[c + i]));
+    }
+    EXPECT_LE(MaxRelError(got_qv, want_qv), 1e-5) << w.name << " (query and value)";
+    EXPECT_LE(key_diff, 2.0 * kSteps * AdamW().lr) << w.name << " (key)";
   }
   // 1F1B's last stage runs each backward right after its forward; GPipe's
   // backwards come in micro-batch order after every forward, each after

@@ -27,6 +27,19 @@ namespace {
 
 constexpr std::chrono::milliseconds kLong{180'000};
 
+// The step a trainer's log says it resumed from ("resuming from a checkpoint
+// job=... step=N ..."), or 0 if it did not resume.
+int64_t ResumedStep(const std::string& log) {
+  const size_t line = log.find("resuming from a checkpoint");
+  if (line == std::string::npos) return 0;
+  const size_t at = log.find(" step=", line);
+  if (at == std::string::npos) return 0;
+  const size_t from = at + 6;
+  int64_t step = 0;
+  if (!absl::SimpleAtoi(log.substr(from, log.find(' ', from) - from), &step)) return 0;
+  return step;
+}
+
 class GpuJobTest : public ClusterFixture {
  protected:
   GpuJobTest() : ClusterFixture("aidn-gpu-job-test") {}
@@ -235,7 +248,7 @@ TEST_F(GpuJobTest, AGptTrainsUnderFsdpOnOneGpuAndResumesFromItsShards) {
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.message();
   EXPECT_EQ(job.restarts(), 1);
   const std::string resumed = TrainerLog(id, 2);
-  EXPECT_TRUE(absl::StrContains(resumed, "resuming from a checkpoint step=")) << resumed;
+  EXPECT_GT(ResumedStep(resumed), 0) << resumed;
   EXPECT_TRUE(absl::StrContains(resumed, "FSDP full_shard over")) << resumed;
   double val_loss = -1;
   int64_t comm_bytes = 0;
@@ -327,12 +340,8 @@ TEST_F(GpuJobTest, AnFp16JobResumesWithItsCheckpointedLossScale) {
   EXPECT_EQ(job.restarts(), 1);
 
   const std::string log = TrainerLog(id, 2);
-  constexpr std::string_view kResuming = "resuming from a checkpoint step=";
-  const size_t at = log.find(kResuming);
-  ASSERT_NE(at, std::string::npos) << log;
-  const size_t from = at + kResuming.size();
-  int64_t resumed = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(log.substr(from, log.find(' ', from) - from), &resumed)) << log;
+  const int64_t resumed = ResumedStep(log);
+  ASSERT_GT(resumed, 0) << log;
   const std::string state = StateFile(id, resumed);
   const std::string scale = StateValue(state, "loss_scale");
   const std::string tracker = StateValue(state, "loss_scale_growth_tracker");
