@@ -370,8 +370,8 @@ void ExpectThePipelineTrainsAsTheWholeDecoder(PipelineSchedule schedule, int sta
       want_qv[i] = w.value[i];
       got_qv[c + i] = got->value[2 * c + i];
       want_qv[c + i] = w.value[2 * c + i];
-      key_diff = std::max(key_diff, std::fabs(static_cast<double>(got->value[c + i]) -
-                                              w.value[c + i]));
+      key_diff =
+          std::max(key_diff, std::fabs(static_cast<double>(got->value[c + i]) - w.value[c + i]));
     }
     EXPECT_LE(MaxRelError(got_qv, want_qv), 1e-5) << w.name << " (query and value)";
     EXPECT_LE(key_diff, 2.0 * kSteps * AdamW().lr) << w.name << " (key)";
