@@ -273,30 +273,49 @@ run_service() {
 # Everything a GPU machine should run, most important first, in one command
 # of under 600 s: every GPU test, the service's GPU jobs, GPT-2
 # against PyTorch, GPT-2 under ZeRO-2 and FSDP against the plain step
-# (bench/gpu_zero.sh), then the MLP and CNN steps in bf16 with CUDA graphs.
-# Each part has a time limit in seconds (TEST_LIMIT 170, SERVICE_LIMIT 170,
-# GPT_LIMIT 140, ZERO_LIMIT 50, STEP_LIMIT 60); the summary and logs go
-# under $OUT.
+# (bench/gpu_zero.sh), the MLP and CNN steps in bf16 with CUDA graphs, the
+# attention backward's two ways of summing dK and dV, and a per-kernel
+# profile of the GPT-2 step. Each part has a time limit in seconds
+# (TEST_LIMIT 140, SERVICE_LIMIT 110, GPT_LIMIT 120, ZERO_LIMIT 50,
+# STEP_LIMIT 50, AB_LIMIT 30, PROFILE_LIMIT 60: 560 in all; a first run of
+# the first five took 274 s on an H200); the summary and logs go under $OUT.
 run_all() {
   local out=${OUT:-/tmp/aidn-gpu-out}
   mkdir -p "$out"
   local start=$SECONDS
-  OUT=$out BENCH=0 GPT=0 timeout "${TEST_LIMIT:-170}" "$0" run 2>&1 | tail -40
+  OUT=$out BENCH=0 GPT=0 timeout "${TEST_LIMIT:-140}" "$0" run 2>&1 | tail -40
   echo "==== tests done after $((SECONDS - start)) s"
-  OUT=$out timeout "${SERVICE_LIMIT:-170}" "$0" run-service 2>&1 | tail -40
+  OUT=$out timeout "${SERVICE_LIMIT:-110}" "$0" run-service 2>&1 | tail -40
   echo "==== service done after $((SECONDS - start)) s"
   # The library path of `run` (set up by the first part).
   library_path /tmp/aidn-carry/lib >/dev/null
   GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step PYTHON=python3 STEPS=${GPT_STEPS:-20} REPS=1 \
-    PRECISION=${GPT_PRECISION:-bf16} timeout "${GPT_LIMIT:-140}" "$ROOT/bench/gpu_gpt.sh" 2>&1 |
+    PRECISION=${GPT_PRECISION:-bf16} timeout "${GPT_LIMIT:-120}" "$ROOT/bench/gpu_gpt.sh" 2>&1 |
     tee "$out/gpu_gpt.log" | tail -8
   echo "==== gpt bench done after $((SECONDS - start)) s"
   GPU_GPT_BIN=/tmp/aidn-bin/gpu_gpt_step STEPS=12 WARMUP=3 timeout "${ZERO_LIMIT:-50}" \
     "$ROOT/bench/gpu_zero.sh" 2>&1 | tee "$out/gpu_zero.log" | tail -9
   echo "==== zero bench done after $((SECONDS - start)) s"
   GPU_STEP_BIN=/tmp/aidn-bin/gpu_step PYTHON=python3 REPS=1 STEPS=200 PRECISION=bf16 GRAPHS=1 \
-    BATCHES="256" timeout "${STEP_LIMIT:-60}" "$ROOT/bench/gpu_step.sh" 2>&1 |
+    BATCHES="256" timeout "${STEP_LIMIT:-50}" "$ROOT/bench/gpu_step.sh" 2>&1 |
     tee "$out/gpu_step.log" | tail -8
+  echo "==== step bench done after $((SECONDS - start)) s"
+  # The attention backward's dK and dV sums in shared memory (AIDN_FLASH_KV_SMEM=1)
+  # against the default (registers, head sizes up to 64): the fused-attention
+  # test and the GPT-2 step under each.
+  timeout "${AB_LIMIT:-30}" bash -c '
+    AIDN_FLASH_KV_SMEM=1 /tmp/aidn-bin/gpu_gpt_test --gtest_filter="*Fused*" | grep -E "^\[  (PASSED|FAILED)"
+    for smem in 0 1; do
+      echo "AIDN_FLASH_KV_SMEM=$smem: $(AIDN_FLASH_KV_SMEM=$smem /tmp/aidn-bin/gpu_gpt_step --steps 15 \
+        --warmup 5 | tail -1)"
+    done' 2>&1 | tee "$out/flash_kv.log"
+  # Where the GPT-2 step's time goes now, aidn only (PyTorch's: docs/benchmarks.md).
+  local ncu_flags=(--metrics gpu__time_duration.sum --csv --cache-control none
+                   --clock-control none --profile-from-start off)
+  LD_LIBRARY_PATH=$AIDN_LIBRARY_PATH timeout "${PROFILE_LIMIT:-60}" ncu "${ncu_flags[@]}" \
+    /tmp/aidn-carry/bin/gpu_gpt_step --steps 4 --warmup 3 --profile >"$out/ncu_gpt_aidn.csv" \
+    2>/dev/null
+  kernel_table 1 16 "$out/ncu_gpt_aidn.csv"
   echo "==== all done after $((SECONDS - start)) s"
 }
 

@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -50,14 +52,32 @@ struct Ld {
 
 // Rows [0, rows_valid) of a [64, HD] tile from fp32 global memory (row
 // stride `stride`) into bf16 shared memory (leading dimension `ld`); rows
-// past the end are zeros.
+// past the end are zeros. 16-byte loads (`src` and `stride` multiples of 4
+// floats: the launchers check), every one of a thread's issued before the
+// first is used, so the tile's loads overlap instead of waiting one by one.
 template <int HD>
 __device__ void LoadTile(const float* src, int64_t stride, int rows_valid, Bf16* dst, int ld) {
-  for (int i = threadIdx.x; i < kTile * HD; i += kThreads) {
-    const int r = i / HD;
-    const int d = i - r * HD;
-    const float v = r < rows_valid ? src[static_cast<int64_t>(r) * stride + d] : 0.0f;
-    dst[r * ld + d] = __float2bfloat16(v);
+  constexpr int kVecsPerRow = HD / 4;
+  constexpr int kPerThread = kTile * kVecsPerRow / kThreads;
+  static_assert(kTile * kVecsPerRow % kThreads == 0, "whole float4s per thread");
+  float4 v[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+    const int r = i / kVecsPerRow;
+    const int d = (i - r * kVecsPerRow) * 4;
+    v[j] = r < rows_valid ? *reinterpret_cast<const float4*>(src + r * stride + d)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+    const int r = i / kVecsPerRow;
+    const int d = (i - r * kVecsPerRow) * 4;
+    // ld and d are even: 4-byte aligned pairs.
+    auto* out = reinterpret_cast<__nv_bfloat162*>(dst + r * ld + d);
+    out[0] = __floats2bfloat162_rn(v[j].x, v[j].y);
+    out[1] = __floats2bfloat162_rn(v[j].z, v[j].w);
   }
 }
 
@@ -109,6 +129,26 @@ __device__ void AccumulateProduct(const Bf16* p, const Bf16* v, float* acc_rows)
       }
     }
     wmma::store_matrix_sync(acc_rows + dt * 16, acc, lda, wmma::mem_row_major);
+  }
+}
+
+// acc[dt] (fragments of a warp's 16 x HD block, kept in registers across
+// calls) += p^T v, with p's columns 16w.. of a [64, 64] tile as rows: the
+// same products in the same order as AccumulateProduct<HD, true>, without
+// the accumulator's trips through shared memory.
+template <int HD>
+__device__ void AccumulateTransposedProduct(const Bf16* p, const Bf16* v, FragAcc* acc) {
+  constexpr int ld = Ld<HD>::kHalf;
+#pragma unroll
+  for (int dt = 0; dt < HD / 16; ++dt) {
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      FragB fb;
+      wmma::load_matrix_sync(fb, v + kk * 16 * ld + dt * 16, ld);
+      FragATransposed fa;
+      wmma::load_matrix_sync(fa, p + kk * 16 * kProbLd, kProbLd);
+      wmma::mma_sync(acc[dt], fa, fb, acc[dt]);
+    }
   }
 }
 
@@ -248,7 +288,10 @@ __device__ void LoadRowStats(const float* lse, const float* delta, int64_t at, i
 }
 
 // dK and dV of one key tile, summed over the query tiles at and after it.
-template <int HD>
+// kRegisters (head sizes up to 64): the sums stay in each warp's fragments
+// and go through shared memory once, at the end, which leaves the block
+// 35 KB less shared memory (two blocks a multiprocessor instead of one).
+template <int HD, bool kRegisters>
 __global__ void __launch_bounds__(kThreads)
     FlashBackwardKvKernel(const float* qkv, const float* dy, const float* lse, const float* delta,
                           int t_len, int heads, float scale, float* dqkv) {
@@ -272,16 +315,29 @@ __global__ void __launch_bounds__(kThreads)
   float* dps = ss + kTile * kScoreLd;
   Bf16* ps = reinterpret_cast<Bf16*>(dps + kTile * kScoreLd);
   Bf16* dss = ps + kTile * kProbLd;
-  float* dks = reinterpret_cast<float*>(dss + kTile * kProbLd);
-  float* dvs = dks + kTile * ldo;
-  float* lse_s = dvs + kTile * ldo;
+  float* after = reinterpret_cast<float*>(dss + kTile * kProbLd);
+  // kRegisters: the sums are staged at the end where the scores were.
+  static_assert(!kRegisters || ldo <= kScoreLd, "dK and dV staged in the score tiles");
+  float* dks = kRegisters ? ss : after;
+  float* dvs = kRegisters ? dps : after + kTile * ldo;
+  float* lse_s = kRegisters ? after : after + 2 * kTile * ldo;
   float* delta_s = lse_s + kTile;
+  FragAcc dk_acc[kRegisters ? HD / 16 : 1];
+  FragAcc dv_acc[kRegisters ? HD / 16 : 1];
 
   const int keys = min(kTile, t_len - k0);
   LoadTile<HD>(qkv + (row0 + k0) * ld3 + c + h * HD, ld3, keys, ks, ldh);
   LoadTile<HD>(qkv + (row0 + k0) * ld3 + 2 * c + h * HD, ld3, keys, vs, ldh);
-  ZeroFloats(dks, kTile * ldo);
-  ZeroFloats(dvs, kTile * ldo);
+  if constexpr (kRegisters) {
+#pragma unroll
+    for (int dt = 0; dt < HD / 16; ++dt) {
+      wmma::fill_fragment(dk_acc[dt], 0.0f);
+      wmma::fill_fragment(dv_acc[dt], 0.0f);
+    }
+  } else {
+    ZeroFloats(dks, kTile * ldo);
+    ZeroFloats(dvs, kTile * ldo);
+  }
   const int last_query_tile = (t_len - 1) / kTile;
   for (int qt = k0 / kTile; qt <= last_query_tile; ++qt) {
     const int q0 = qt * kTile;
@@ -300,10 +356,25 @@ __global__ void __launch_bounds__(kThreads)
                                ps + warp * 16 * kProbLd, dss + warp * 16 * kProbLd);
     __syncthreads();  // every warp's probabilities, for the transposed products
     // Warp w: key rows 16w.. of dV += P^T dO and dK += dS^T Q.
-    AccumulateProduct<HD, true>(ps + warp * 16, dos, dvs + warp * 16 * ldo);
-    AccumulateProduct<HD, true>(dss + warp * 16, qs, dks + warp * 16 * ldo);
+    if constexpr (kRegisters) {
+      AccumulateTransposedProduct<HD>(ps + warp * 16, dos, dv_acc);
+      AccumulateTransposedProduct<HD>(dss + warp * 16, qs, dk_acc);
+    } else {
+      AccumulateProduct<HD, true>(ps + warp * 16, dos, dvs + warp * 16 * ldo);
+      AccumulateProduct<HD, true>(dss + warp * 16, qs, dks + warp * 16 * ldo);
+    }
   }
-  __syncthreads();
+  __syncthreads();  // every warp is done with the score tiles
+  if constexpr (kRegisters) {
+#pragma unroll
+    for (int dt = 0; dt < HD / 16; ++dt) {
+      wmma::store_matrix_sync(dks + warp * 16 * ldo + dt * 16, dk_acc[dt], ldo,
+                              wmma::mem_row_major);
+      wmma::store_matrix_sync(dvs + warp * 16 * ldo + dt * 16, dv_acc[dt], ldo,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < kTile * HD; i += kThreads) {
     const int r = i / HD;
     const int d = i - r * HD;
@@ -379,11 +450,11 @@ constexpr size_t ForwardSmem() {
   return sizeof(Bf16) * 3 * kTile * Ld<HD>::kHalf + sizeof(float) * kTile * kScoreLd +
          sizeof(Bf16) * kTile * kProbLd + sizeof(float) * kTile * Ld<HD>::kAcc;
 }
-template <int HD>
+template <int HD, bool kRegisters>
 constexpr size_t BackwardKvSmem() {
   return sizeof(Bf16) * 4 * kTile * Ld<HD>::kHalf + sizeof(float) * 2 * kTile * kScoreLd +
-         sizeof(Bf16) * 2 * kTile * kProbLd + sizeof(float) * 2 * kTile * Ld<HD>::kAcc +
-         sizeof(float) * 2 * kTile;
+         sizeof(Bf16) * 2 * kTile * kProbLd +
+         (kRegisters ? 0 : sizeof(float) * 2 * kTile * Ld<HD>::kAcc) + sizeof(float) * 2 * kTile;
 }
 template <int HD>
 constexpr size_t BackwardQSmem() {
@@ -401,6 +472,15 @@ absl::Status CheckSizes(int64_t batch, int64_t t_len, int64_t heads, int64_t hea
       t_len > int64_t{65535} * kTile || heads * head_dim * 3 > INT32_MAX) {
     return absl::InvalidArgumentError(
         absl::StrCat("flash attention: batch ", batch, ", length ", t_len, ", heads ", heads));
+  }
+  return absl::OkStatus();
+}
+
+// The tiles are loaded 16 bytes at a time (LoadTile).
+absl::Status CheckAligned(const char* what, const float* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flash attention: ", what, " is not 16-byte aligned"));
   }
   return absl::OkStatus();
 }
@@ -425,13 +505,32 @@ absl::Status Backward(cudaStream_t stream, const float* qkv, const float* dy, co
                       float* dqkv) {
   const dim3 grid(static_cast<unsigned>(batch * heads),
                   static_cast<unsigned>((t_len + kTile - 1) / kTile));
-  constexpr size_t kv_smem = BackwardKvSmem<HD>();
-  AIDN_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(FlashBackwardKvKernel<HD>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(kv_smem)));
-  FlashBackwardKvKernel<HD><<<grid, kThreads, kv_smem, stream>>>(
-      qkv, dy, lse, delta, static_cast<int>(t_len), static_cast<int>(heads), scale, dqkv);
-  AIDN_RETURN_IF_LAUNCH_FAILED("FlashBackwardKvKernel");
+  // AIDN_FLASH_KV_SMEM=1 keeps dK and dV in shared memory at every head
+  // size (the two kernels are measured against each other).
+  static const bool smem_sums = [] {
+    const char* v = std::getenv("AIDN_FLASH_KV_SMEM");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  if constexpr (Ld<HD>::kAcc <= kScoreLd) {
+    if (!smem_sums) {
+      constexpr size_t kv_smem = BackwardKvSmem<HD, true>();
+      AIDN_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(FlashBackwardKvKernel<HD, true>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(kv_smem)));
+      FlashBackwardKvKernel<HD, true><<<grid, kThreads, kv_smem, stream>>>(
+          qkv, dy, lse, delta, static_cast<int>(t_len), static_cast<int>(heads), scale, dqkv);
+      AIDN_RETURN_IF_LAUNCH_FAILED("FlashBackwardKvKernel");
+    }
+  }
+  if (smem_sums || Ld<HD>::kAcc > kScoreLd) {
+    constexpr size_t kv_smem = BackwardKvSmem<HD, false>();
+    AIDN_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(FlashBackwardKvKernel<HD, false>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kv_smem)));
+    FlashBackwardKvKernel<HD, false><<<grid, kThreads, kv_smem, stream>>>(
+        qkv, dy, lse, delta, static_cast<int>(t_len), static_cast<int>(heads), scale, dqkv);
+    AIDN_RETURN_IF_LAUNCH_FAILED("FlashBackwardKvKernel");
+  }
   constexpr size_t q_smem = BackwardQSmem<HD>();
   AIDN_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(FlashBackwardQKernel<HD>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -452,7 +551,7 @@ namespace {
 
 template <int HD>
 constexpr size_t LargestSmem() {
-  return std::max({ForwardSmem<HD>(), BackwardKvSmem<HD>(), BackwardQSmem<HD>()});
+  return std::max({ForwardSmem<HD>(), BackwardKvSmem<HD, false>(), BackwardQSmem<HD>()});
 }
 
 }  // namespace
@@ -487,6 +586,7 @@ absl::Status LaunchFlashAttentionForward(cudaStream_t stream, const float* qkv, 
                                          int64_t t_len, int64_t heads, int64_t head_dim,
                                          float scale, float* y, float* lse) {
   AIDN_RETURN_IF_ERROR(CheckSizes(batch, t_len, heads, head_dim));
+  AIDN_RETURN_IF_ERROR(CheckAligned("qkv", qkv));
   switch (head_dim) {
     case 32:
       return Forward<32>(stream, qkv, batch, t_len, heads, scale, y, lse);
@@ -504,6 +604,8 @@ absl::Status LaunchFlashAttentionBackward(cudaStream_t stream, const float* qkv,
                                           int64_t t_len, int64_t heads, int64_t head_dim,
                                           float scale, float* dqkv, float* delta) {
   AIDN_RETURN_IF_ERROR(CheckSizes(batch, t_len, heads, head_dim));
+  AIDN_RETURN_IF_ERROR(CheckAligned("qkv", qkv));
+  AIDN_RETURN_IF_ERROR(CheckAligned("the output gradient", dy));
   const int64_t rows = batch * t_len;
   const int64_t warps = rows * heads;
   const int64_t per_block = kThreads / 32;

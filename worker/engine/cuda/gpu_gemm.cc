@@ -43,6 +43,14 @@ absl::StatusOr<void*> RoundToHalf(GpuContext* ctx, const float* src, int64_t n, 
   return half;
 }
 
+absl::StatusOr<GemmOperand> RoundOperand(GpuContext* ctx, GemmOperand op, int64_t rows,
+                                         int64_t cols, int64_t batch, DeviceBuffer* buf) {
+  if (ctx->options().precision == Precision::kFp32) return op;  // products use the floats
+  AIDN_ASSIGN_OR_RETURN(op.half,
+                        RoundToHalf(ctx, op.data, OperandSpan(op, rows, cols, batch), buf));
+  return op;
+}
+
 absl::Status RowMajorGemm(GpuContext* ctx, int64_t m, int64_t n, int64_t k, float alpha,
                           const GemmOperand& a, const GemmOperand& b, float beta, float* c,
                           int64_t ldc, int64_t stride_c, int64_t batch, GemmScratch* scratch) {
@@ -72,8 +80,14 @@ absl::Status RowMajorGemm(GpuContext* ctx, int64_t m, int64_t n, int64_t k, floa
   const void* ah = nullptr;
   const void* bh = nullptr;
   if (k > 0) {
-    AIDN_ASSIGN_OR_RETURN(ah, RoundToHalf(ctx, a.data, OperandSpan(a, m, k, batch), &scratch->a));
-    AIDN_ASSIGN_OR_RETURN(bh, RoundToHalf(ctx, b.data, OperandSpan(b, k, n, batch), &scratch->b));
+    ah = a.half;
+    bh = b.half;
+    if (ah == nullptr) {
+      AIDN_ASSIGN_OR_RETURN(ah, RoundToHalf(ctx, a.data, OperandSpan(a, m, k, batch), &scratch->a));
+    }
+    if (bh == nullptr) {
+      AIDN_ASSIGN_OR_RETURN(bh, RoundToHalf(ctx, b.data, OperandSpan(b, k, n, batch), &scratch->b));
+    }
   }
   const cudaDataType_t t = ctx->options().precision == Precision::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
   AIDN_RETURN_IF_CUBLAS_ERROR(cublasGemmStridedBatchedEx(

@@ -35,13 +35,23 @@ struct GemmOperand {
   int64_t ld = 0;
   bool transposed = false;
   int64_t stride = 0;
+  // bf16 / fp16: the operand's span already rounded (RoundToHalf), used
+  // instead of rounding it again, as when one gradient feeds two products.
+  const void* half = nullptr;
 };
 
 // 16-bit copies of the operands (bf16 / fp16 only); grown as needed.
+// `shared` holds one that two products use (GemmOperand::half).
 struct GemmScratch {
   DeviceBuffer a;
   DeviceBuffer b;
+  DeviceBuffer shared;
 };
+
+// `op`'s span of a product's [rows, cols] operand (strides, leading
+// dimension and batch included) rounded into `buf`: op with `half` set.
+absl::StatusOr<GemmOperand> RoundOperand(GpuContext* ctx, GemmOperand op, int64_t rows,
+                                         int64_t cols, int64_t batch, DeviceBuffer* buf);
 
 // C (row-major [m, n], leading dimension ldc; batch entries stride_c
 // apart) = alpha op(A) op(B) + beta C, with op(A) [m, k] and op(B) [k, n].

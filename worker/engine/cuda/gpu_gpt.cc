@@ -39,8 +39,8 @@ absl::Status UploadVector(GpuContext* ctx, const std::vector<T>& host, DeviceBuf
   return absl::OkStatus();
 }
 
-GemmOperand AsStored(const float* data, int64_t ld) { return {data, ld, false, 0}; }
-GemmOperand AsTransposed(const float* data, int64_t ld) { return {data, ld, true, 0}; }
+GemmOperand AsStored(const float* data, int64_t ld) { return {data, ld, false, 0, nullptr}; }
+GemmOperand AsTransposed(const float* data, int64_t ld) { return {data, ld, true, 0, nullptr}; }
 
 }  // namespace
 
@@ -357,13 +357,15 @@ absl::Status GpuGpt::ColumnSums(const float* g, int64_t rows, int64_t cols, floa
 absl::Status GpuGpt::LinearBackward(const float* dy, const float* x, GpuParameter& w,
                                     GpuParameter* b, int64_t in, int64_t out, float* dx) {
   const int64_t n = batch_ * seq_len_;
+  // dy feeds both products: rounded to 16 bits once.
+  AIDN_ASSIGN_OR_RETURN(const GemmOperand g,
+                        RoundOperand(ctx_, AsStored(dy, out), n, out, 1, &gemm_scratch_.shared));
   if (dx != nullptr) {
-    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, in, out, 1.0f, AsStored(dy, out),
-                                      AsTransposed(w.value.data(), out), 0.0f, dx, in, 0, 1,
-                                      &gemm_scratch_));
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, in, out, 1.0f, g, AsTransposed(w.value.data(), out),
+                                      0.0f, dx, in, 0, 1, &gemm_scratch_));
   }
-  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, in, out, n, 1.0f, AsTransposed(x, in), AsStored(dy, out),
-                                    1.0f, w.grad.data(), out, 0, 1, &gemm_scratch_));
+  AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, in, out, n, 1.0f, AsTransposed(x, in), g, 1.0f,
+                                    w.grad.data(), out, 0, 1, &gemm_scratch_));
   if (b == nullptr) return absl::OkStatus();
   return ColumnSums(dy, n, out, b->grad.data());
 }
@@ -686,13 +688,17 @@ absl::Status GpuGpt::BackwardStage(const float* grad_output, GpuTensor* grad_inp
       AIDN_RETURN_IF_ERROR(
           LaunchScale(stream, grad_logits_.data(), n * v, static_cast<float>(grad_scale)));
     }
-    // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf.
-    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, c, v, 1.0f, AsStored(grad_logits_.data(), v),
-                                      AsStored(wte_->value.data(), c), 0.0f, dtmp_.data(), c, 0, 1,
-                                      &gemm_scratch_));
-    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, v, c, n, 1.0f, AsTransposed(grad_logits_.data(), v),
-                                      AsStored(lnf_.data(), c), 1.0f, wte_->grad.data(), c, 0, 1,
-                                      &gemm_scratch_));
+    // The LM head: dlnf = dlogits wte, dwte += dlogits^T lnf. dlogits is
+    // both products' first operand: rounded once, into the scratch's `a`
+    // (which neither product then touches).
+    AIDN_ASSIGN_OR_RETURN(const GemmOperand g, RoundOperand(ctx_, AsStored(grad_logits_.data(), v),
+                                                            n, v, 1, &gemm_scratch_.a));
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, n, c, v, 1.0f, g, AsStored(wte_->value.data(), c), 0.0f,
+                                      dtmp_.data(), c, 0, 1, &gemm_scratch_));
+    GemmOperand gt = g;
+    gt.transposed = true;
+    AIDN_RETURN_IF_ERROR(RowMajorGemm(ctx_, v, c, n, 1.0f, gt, AsStored(lnf_.data(), c), 1.0f,
+                                      wte_->grad.data(), c, 0, 1, &gemm_scratch_));
     AIDN_RETURN_IF_ERROR(dx_.Zero(ctx_));
     AIDN_RETURN_IF_ERROR(LayerNormBackward(dtmp_.data(), out_.data(), *lnf_w_, lnf_b_, lnf_mean_,
                                            lnf_rstd_, dx_.data()));
