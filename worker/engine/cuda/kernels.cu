@@ -409,7 +409,7 @@ absl::Status LaunchBiasActivation(cudaStream_t stream, const float* x, const flo
   if (channels <= 0 || inner <= 0) {
     return absl::InvalidArgumentError("bias activation needs positive channels and inner size");
   }
-  if (n < (int64_t{1} << 31)) {
+  if (n < (int64_t{1} << 31) && channels < (int64_t{1} << 31) && inner < (int64_t{1} << 31)) {
     // i + stride stays below 2^31 + 2^24: no wrap in 32 bits.
     BiasActivationKernel<uint32_t><<<BlocksFor(n), kThreads, 0, stream>>>(
         x, bias, y, static_cast<uint32_t>(n), static_cast<uint32_t>(channels),
