@@ -78,8 +78,13 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
         return Invalid("precision", "FP16 is not for GPU pipelines yet (fp32 or bf16)");
       }
     }
-    if (spec.strategy() != v1::JobSpec::DDP) {
-      return Invalid(field, absl::StrCat("combines with strategy: ddp only (this job's is ",
+    // ZeRO-1 shards each stage's optimizer state over its replicas.
+    const bool zero1_stages = spec.strategy() == v1::JobSpec::ZERO1 && p.pipeline() > 1 &&
+                              p.tensor() == 1 && spec.device() == v1::JobSpec::CPU;
+    if (spec.strategy() != v1::JobSpec::DDP && !zero1_stages) {
+      return Invalid(field, absl::StrCat("combines with strategy: ddp, or zero1 for a pipeline "
+                                         "without parallel.tensor on device: cpu (this job's "
+                                         "strategy is ",
                                          v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
     }
   }

@@ -955,10 +955,16 @@ INSTANTIATE_TEST_SUITE_P(
 // bitwise where the uninterrupted job ends; every step's samples are counted
 // once; evaluations agree with one rank's; one rank goes on from the job's
 // checkpoint (checkpoint.resume_from).
+//
+// With 2 replicas of the pipeline under ZeRO-1, each stage's optimizer state
+// is split between them and every rank writes its shards' state: the same
+// checks against one rank accumulating both replicas' micro-batches.
 struct ModelParallelCase {
   const char* name;
   int tensor;
   int pipeline;
+  int data = 1;
+  bool zero1 = false;
 };
 
 class ModelParallelFaultTest : public FaultTest,
@@ -967,7 +973,8 @@ class ModelParallelFaultTest : public FaultTest,
 TEST_P(ModelParallelFaultTest, ResumesBitwiseAndEndsWhereOneRankEnds) {
   const int tensor = GetParam().tensor;
   const int stages = GetParam().pipeline;
-  const int world = tensor * stages;
+  const int data = GetParam().data;
+  const int world = data * tensor * stages;
   std::vector<std::string> workers;
   for (int w = 1; w <= std::max(2, world); ++w) workers.push_back(absl::StrCat("w", w));
   StartWorkers(workers);
@@ -994,10 +1001,12 @@ TEST_P(ModelParallelFaultTest, ResumesBitwiseAndEndsWhereOneRankEnds) {
       s.mutable_parallel()->set_pipeline(stages);
       s.mutable_parallel()->set_micro_batches(2);
     } else {
+      // One rank accumulates every replica's micro-batches.
       s.set_batch_size(4);
-      s.set_grad_accum_steps(2);
+      s.set_grad_accum_steps(2 * (parallel ? 1 : data));
     }
     if (parallel) s.mutable_parallel()->set_tensor(tensor);
+    if (parallel && GetParam().zero1) s.set_strategy(v1::JobSpec::ZERO1);
     return s;
   };
   const std::string one = Submit(spec(false));
@@ -1055,23 +1064,28 @@ TEST_P(ModelParallelFaultTest, ResumesBitwiseAndEndsWhereOneRankEnds) {
           << "evaluation at " << a[i].step();
       continue;
     }
-    EXPECT_EQ(a[i].tokens(), 8 * 32) << "step " << a[i].step();
+    EXPECT_EQ(a[i].tokens(), data * 8 * 32) << "step " << a[i].step();
     EXPECT_NEAR(a[i].loss(), b[i].loss(), 1e-4 * std::max(1.0, b[i].loss()))
         << "step " << a[i].step();
   }
   EXPECT_GE(evals, 2);
   std::string log;
   for (const std::string& w : workers) log += TrainerLog(w, reference, 1, world - 1);
-  EXPECT_TRUE(absl::StrContains(
-      log, absl::StrCat("model-parallel rank ready replica=0 tensor_rank=", tensor - 1,
-                        " stage=", stages - 1)))
+  EXPECT_TRUE(
+      absl::StrContains(log, absl::StrCat("model-parallel rank ready replica=", data - 1,
+                                          " tensor_rank=", tensor - 1, " stage=", stages - 1)))
       << log;
+  if (GetParam().zero1) {
+    EXPECT_TRUE(absl::StrContains(log, "optimizer state sharded over the stage's replicas")) << log;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ModelParallelFaultTest,
                          ::testing::Values(ModelParallelCase{"Pipeline2", 1, 2},
                                            ModelParallelCase{"Tensor2", 2, 1},
-                                           ModelParallelCase{"Tensor2Pipeline2", 2, 2}),
+                                           ModelParallelCase{"Tensor2Pipeline2", 2, 2},
+                                           ModelParallelCase{"Zero1Replicas2Pipeline2", 1, 2,
+                                                             /*data=*/2, /*zero1=*/true}),
                          [](const ::testing::TestParamInfo<ModelParallelCase>& info) {
                            return info.param.name;
                          });

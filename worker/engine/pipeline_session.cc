@@ -35,27 +35,60 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
         "communicator of the two");
   }
   std::unique_ptr<PipelineSession> session(new PipelineSession(options, model));
-  if (options.data != nullptr && options.data->world_size() > 1) {
-    AIDN_ASSIGN_OR_RETURN(session->reducer_, DdpReducer::Create({.bucket_mb = options.bucket_mb},
-                                                                model->Parameters(), options.data));
-    DdpReducer* r = session->reducer_.get();
-    model->SetGradReadyCallback([r](Parameter* p) { r->OnGradReady(p); });
+  const bool shard =
+      options.shard_optimizer && options.data != nullptr && options.data->world_size() > 1;
+  if (shard && options.stage_sum_of_squares) {
+    return absl::InvalidArgumentError(
+        "pipeline session: ZeRO-1 within a stage does not combine with tensor parallelism yet");
   }
-  AIDN_ASSIGN_OR_RETURN(session->optimizer_, Optimizer::Create(config, model->Parameters()));
+  // ZeRO-1: the tied parameter stays out of the buckets (Finish averages
+  // it), since the two ends' buckets would slice it differently.
+  Parameter* const unbucketed = shard ? model->tied() : nullptr;
+  std::vector<Parameter*> optimized = model->Parameters();
+  if (options.data != nullptr && options.data->world_size() > 1) {
+    std::vector<Parameter*> bucketed = model->Parameters();
+    std::erase(bucketed, unbucketed);
+    AIDN_ASSIGN_OR_RETURN(session->reducer_, DdpReducer::Create({.bucket_mb = options.bucket_mb,
+                                                                 .shard_optimizer = shard},
+                                                                bucketed, options.data));
+    DdpReducer* r = session->reducer_.get();
+    model->SetGradReadyCallback([r, unbucketed](Parameter* p) {
+      if (p != unbucketed) r->OnGradReady(p);
+    });
+    if (shard) {
+      optimized = r->ShardParameters();
+      if (unbucketed != nullptr) optimized.insert(optimized.begin(), unbucketed);
+    }
+  }
+  AIDN_ASSIGN_OR_RETURN(session->optimizer_, Optimizer::Create(config, optimized));
   if (stages > 1) {
     // The norm of the whole model's gradient: every stage's sum, the tied
-    // parameter's once (the first stage's copy).
+    // parameter's once (the first stage's copy). ZeRO-1: each replica holds
+    // its slices' squares, summed over the replicas first; the tied
+    // parameter, whole on each, is not.
     Optimizer::SumOfSquaresReduction over = SumOfSquaresOver(options.pipeline);
     Optimizer::SumOfSquaresReduction stage = options.stage_sum_of_squares;
-    Parameter* duplicate = model->first() ? nullptr : model->tied();
+    Optimizer::SumOfSquaresReduction replicas =
+        shard ? SumOfSquaresOver(options.data) : Optimizer::SumOfSquaresReduction();
+    Parameter* tied = model->tied();
+    const bool first = model->first();
     session->optimizer_->SetSumOfSquaresReduction(
-        [over, stage, duplicate](double local) -> absl::StatusOr<double> {
-          double mine = duplicate == nullptr ? local : local - SumOfSquares(duplicate->grad);
+        [over, stage, replicas, tied, first](double local) -> absl::StatusOr<double> {
+          double mine = local;
+          if (replicas) {
+            const double tied_squares = tied == nullptr ? 0.0 : SumOfSquares(tied->grad);
+            AIDN_ASSIGN_OR_RETURN(mine, replicas(local - tied_squares));
+            if (first) mine += tied_squares;
+          } else if (!first && tied != nullptr) {
+            mine = local - SumOfSquares(tied->grad);
+          }
           if (stage) {
             AIDN_ASSIGN_OR_RETURN(mine, stage(mine));
           }
           return over(mine);
         });
+  } else if (shard) {
+    session->optimizer_->SetSumOfSquaresReduction(SumOfSquaresOver(options.data));
   } else if (options.stage_sum_of_squares) {
     session->optimizer_->SetSumOfSquaresReduction(options.stage_sum_of_squares);
   }
@@ -77,6 +110,10 @@ absl::StatusOr<double> PipelineSession::Step(const std::vector<MicroBatch>& micr
   AIDN_RETURN_IF_ERROR(RunSchedule(micro, &loss));
   AIDN_RETURN_IF_ERROR(Finish(&loss));
   AIDN_RETURN_IF_ERROR(Annotate(optimizer_->Step(lr), "optimizer"));
+  if (reducer_ != nullptr) {
+    // ZeRO-1: every replica's updated slices to every replica.
+    AIDN_RETURN_IF_ERROR(Annotate(reducer_->GatherParameters(), "weights all-gather"));
+  }
   stats_.step_seconds = SecondsSince(start);
   return loss;
 }
@@ -224,7 +261,15 @@ absl::Status PipelineSession::Finish(double* loss) {
     AIDN_RETURN_IF_ERROR(Annotate(reducer_->Finish(nullptr, nullptr), "gradient allreduce"));
     if (model_->last()) *loss = reducer_->averaged_extra();
   }
-  if (Parameter* tied = model_->tied(); tied != nullptr) {
+  Parameter* tied = model_->tied();
+  if (tied != nullptr && shard_map() != nullptr) {
+    // ZeRO-1 left it out of the buckets: averaged over the replicas here.
+    AIDN_RETURN_IF_ERROR(
+        Annotate(options_.data->AllReduce(tied->grad.data(),
+                                          static_cast<size_t>(tied->grad.numel()), ReduceOp::kAvg),
+                 absl::StrCat("the tied ", tied->name, "'s gradient over the replicas")));
+  }
+  if (tied != nullptr) {
     // Each end's part of the gradient (the embedding's, the LM head's).
     AIDN_RETURN_IF_ERROR(
         Annotate(options_.tied->AllReduce(tied->grad.data(),

@@ -29,9 +29,10 @@
 //
 // With data parallelism (D replicas of the pipeline) each stage's gradients
 // are averaged over its replicas in DDP buckets during the last backward
-// (ddp.h). The loss returned is the step's mean over micro-batches and
-// replicas, the same on every rank; clipping takes the norm of the whole
-// model's gradient (the tied parameter counted once).
+// (ddp.h), or with shard_optimizer reduce-scattered to the rank that owns
+// their slice (ZeRO-1 within the stage). The loss returned is the step's mean over micro-batches
+// and replicas, the same on every rank; clipping takes the norm of the whole model's gradient (the
+// tied parameter counted once).
 //
 // Not thread-safe: one session per training thread. The stage model and the
 // communicators are borrowed and must outlive the session; every rank of a
@@ -68,6 +69,14 @@ struct PipelineSessionOptions {
   Communicator* tied = nullptr;
   // DDP gradient bucket size in MB.
   double bucket_mb = 25.0;
+  // ZeRO-1 over the replicas (`data` of more than one rank): the buckets'
+  // gradients reduce-scattered instead of allreduced, the optimizer
+  // stepping this rank's shards of the stage's parameters (its state a
+  // 1/D share), the updated weights all-gathered after the step (ddp.h's
+  // shard_optimizer). A parameter tied across the two ends stays whole:
+  // its gradient is averaged over the replicas on its own, then summed over
+  // the ends, and every replica steps it.
+  bool shard_optimizer = false;
   // With replicas: the first replica's buffers (BatchNorm's running
   // statistics) copied to the others' before the step's first forward, as
   // CpuSessionOptions::broadcast_buffers.
@@ -116,6 +125,12 @@ class PipelineSession {
 
   PipelineStageModel& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
+  // shard_optimizer over several replicas: where this rank's shards lie
+  // (the optimizer steps them and the tied parameter, if any); null
+  // otherwise.
+  const ShardMap* shard_map() const {
+    return reducer_ != nullptr ? reducer_->shard_map() : nullptr;
+  }
 
  private:
   PipelineSession(const PipelineSessionOptions& options, PipelineStageModel* model)

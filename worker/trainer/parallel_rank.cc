@@ -85,9 +85,15 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
                                                   : engine::PipelineSchedule::k1F1B;
     engine::PipelineSessionOptions o = r->comms_.SessionOptions(schedule, BucketMbOf(spec));
     o.stage_sum_of_squares = within;
+    o.shard_optimizer = spec.strategy() == v1::JobSpec::ZERO1;
     o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
     AIDN_ASSIGN_OR_RETURN(
         r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(), OptimizerConfigOf(spec)));
+    if (const engine::ShardMap* map = r->pipeline_->shard_map(); map != nullptr) {
+      AIDN_LOG(INFO) << "optimizer state sharded over the stage's replicas"
+                     << Kv("strategy", "ZERO1") << Kv("replicas", r->replicas())
+                     << Kv("groups", map->num_groups()) << Kv("shards", map->shards().size());
+    }
     return r;
   }
   engine::CpuSessionOptions o;
@@ -210,8 +216,16 @@ bool ParallelRank::Writes(const engine::Parameter& p) const {
   return coords_.tensor == 0 || SplitOf(p).has_value();
 }
 
+bool ParallelRank::sharded() const {
+  return pipeline_ != nullptr && pipeline_->shard_map() != nullptr;
+}
+
 std::vector<int> ParallelRank::writer_ranks() const {
   std::vector<int> ranks;
+  if (sharded()) {
+    for (int r = 0; r < grid_.world_size(); ++r) ranks.push_back(r);
+    return ranks;
+  }
   for (int p = 0; p < grid_.shape().pipeline; ++p) {
     for (int t = 0; t < grid_.shape().tensor; ++t) ranks.push_back(grid_.RankOf({0, t, p}));
   }
@@ -254,9 +268,15 @@ void ParallelRank::AddPieces(const std::string& whole, const engine::Parameter& 
   }
 }
 
-ParallelRank::Pieces ParallelRank::CheckpointPieces() {
+absl::StatusOr<ParallelRank::Pieces> ParallelRank::CheckpointPieces() {
   views_.clear();
   Pieces pieces;
+  if (sharded()) {
+    // ZeRO-1: every replica writes its shards' state; the first replica the
+    // weights, the buffers and the tied parameter's state, as without.
+    AIDN_ASSIGN_OR_RETURN(pieces.state, ShardedStatePieces(optimizer().State()));
+    if (coords_.data != 0) return pieces;
+  }
   std::map<std::string, const engine::Parameter*> by_name;
   for (const engine::Parameter* p : Mine()) {
     by_name[p->name] = p;
@@ -280,7 +300,31 @@ ParallelRank::Pieces ParallelRank::CheckpointPieces() {
   return pieces;
 }
 
+absl::StatusOr<std::vector<engine::ShardMap::Piece>> ParallelRank::ShardedStatePieces(
+    const std::vector<engine::Optimizer::StateEntry>& state) const {
+  // The shards' entries ("<parameter>[b:e].<buffer>"), not the whole tied
+  // parameter's.
+  std::vector<engine::Optimizer::StateEntry> shards;
+  for (const engine::Optimizer::StateEntry& e : state) {
+    if (e.first.find('[') != std::string::npos) shards.push_back(e);
+  }
+  return pipeline_->shard_map()->StatePieces(shards);
+}
+
 absl::Status ParallelRank::LoadOptimizerState(CheckpointLoader* loader, int64_t optimizer_steps) {
+  if (sharded()) {
+    // This rank's shards' pieces of the whole entries, and the tied
+    // parameter's entries whole.
+    const std::vector<engine::Optimizer::StateEntry> state = optimizer().State();
+    AIDN_ASSIGN_OR_RETURN(std::vector<engine::ShardMap::Piece> pieces, ShardedStatePieces(state));
+    for (const auto& [name, tensor] : state) {
+      if (name.find('[') == std::string::npos) {
+        pieces.push_back(
+            {name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
+      }
+    }
+    return loader->LoadOptimizerState(pieces, optimizer_steps, &optimizer());
+  }
   std::map<std::string, const engine::Parameter*> by_name;
   for (const engine::Parameter* p : Mine()) by_name[p->name] = p;
   // Every entry whole, then this rank's part of it.

@@ -28,7 +28,9 @@
 //             tied embedding the first stage's), a tensor-parallel slice as
 //             the element ranges of the whole tensor it covers, a tensor
 //             every tensor rank holds whole by tensor rank 0; one sharded
-//             checkpoint over the replica's group.
+//             checkpoint over the replica's group. With ZeRO-1 in the
+//             stages every rank writes its shards' optimizer state too, over
+//             the job's group.
 //
 // device: gpu (a GPT's pipeline, one replica, no tensor parallelism): the
 // stage steps on this rank's GPU (GpuSession::CreateForGptStage, over
@@ -107,17 +109,22 @@ class ParallelRank {
   int eval_rank() const;
   int eval_world() const;
 
-  // Checkpoints: whether this rank writes (the first replica's ranks), the
-  // communicator the writers meet on and their ranks in the job, and the
-  // pieces this rank writes (valid until the next call).
-  bool writes_checkpoints() const { return coords_.data == 0; }
+  // ZeRO-1 within the stages (strategy: zero1 with a pipeline of several
+  // replicas): each replica's optimizer holds its shards of the stage's
+  // state.
+  bool sharded() const;
+  // Checkpoints: whether this rank writes (the first replica's ranks;
+  // sharded, every rank: its shards' state), the communicator the writers
+  // meet on (sharded: the job's, which the caller has) and their ranks in
+  // the job, and the pieces this rank writes (valid until the next call).
+  bool writes_checkpoints() const { return coords_.data == 0 || sharded(); }
   engine::Communicator* writers() { return comms_.replica.get(); }
   std::vector<int> writer_ranks() const;
   struct Pieces {
     std::vector<engine::ShardMap::Piece> weights;
     std::vector<engine::ShardMap::Piece> state;
   };
-  Pieces CheckpointPieces();
+  absl::StatusOr<Pieces> CheckpointPieces();
   // A resume's optimizer state, whole entries read and sliced as this rank
   // holds them.
   absl::Status LoadOptimizerState(CheckpointLoader* loader, int64_t optimizer_steps);
@@ -131,6 +138,10 @@ class ParallelRank {
   // (the first stage writes it), a whole one on tensor rank 0 only.
   bool Writes(const engine::Parameter& p) const;
   std::optional<engine::Gpt::Split> SplitOf(const engine::Parameter& p) const;
+  // Sharded: the pieces of `state`'s shard entries (not the tied
+  // parameter's, which is whole).
+  absl::StatusOr<std::vector<engine::ShardMap::Piece>> ShardedStatePieces(
+      const std::vector<engine::Optimizer::StateEntry>& state) const;
   // `tensor` (this rank's part of `whole`) as pieces of the whole tensor.
   void AddPieces(const std::string& whole, const engine::Parameter& p, const engine::Tensor& tensor,
                  std::vector<engine::ShardMap::Piece>* out);

@@ -173,7 +173,8 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   const SteadyClock::time_point start = SteadyClock::now();
   // ZeRO and FSDP: every rank writes the pieces it holds; DDP: rank 0
   // holds everything and writes it.
-  // Model parallelism: the first replica's ranks write the pieces they own.
+  // Model parallelism: the first replica's ranks write the pieces they own
+  // (with ZeRO-1 in the stages, every rank its shards' state).
   const bool sharded =
       (Sharded() && (cpu_ != nullptr || gpu_shards_ != nullptr)) || parallel_ != nullptr;
   if (parallel_ != nullptr && !parallel_->writes_checkpoints()) return std::nullopt;
@@ -206,9 +207,10 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   if (sharded) {
     engine::ShardContents contents;
     if (parallel_ != nullptr) {
-      ParallelRank::Pieces pieces = parallel_->CheckpointPieces();
-      contents.weights = std::move(pieces.weights);
-      contents.optimizer_state = std::move(pieces.state);
+      absl::StatusOr<ParallelRank::Pieces> pieces = parallel_->CheckpointPieces();
+      if (!pieces.ok()) return FailureFor(pieces.status(), "checkpoint");
+      contents.weights = std::move(pieces->weights);
+      contents.optimizer_state = std::move(pieces->state);
     } else {
       absl::StatusOr<std::vector<engine::ShardMap::Piece>> pieces =
           gpu_shards_ != nullptr ? gpu_shards_->map().StatePieces(optimizer_->State())
@@ -233,9 +235,9 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
     }
     contents.model_metadata = std::move(metadata);
     contents.state = state.Encode();
-    written = engine::WriteShardedCheckpoint(checkpoint_dir_, step,
-                                             absl::StrCat("g", options_.generation), contents,
-                                             parallel_ ? parallel_->writers() : comm_.get());
+    written = engine::WriteShardedCheckpoint(
+        checkpoint_dir_, step, absl::StrCat("g", options_.generation), contents,
+        parallel_ != nullptr && !parallel_->sharded() ? parallel_->writers() : comm_.get());
     // Rank 0 does not see the other ranks' files: no passing trouble.
     if (absl::IsFailedPrecondition(written.status())) {
       return Failure{kExitPermanent, written.status()};

@@ -56,6 +56,12 @@ TEST(ParallelSpec, APipelineGetsItsMicroBatchesAndScheduleByDefault) {
     s->set_precision(JobSpec::BF16);
   });
   EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, gpu).ok()) << ValidateJobSpec(SpecLimits{}, gpu);
+  // ZeRO-1 within a pipeline's stages, over their replicas (2 x 2).
+  const JobSpec zero1 = Spec("gpt", [](JobSpec* s) {
+    s->mutable_parallel()->set_pipeline(2);
+    s->set_strategy(JobSpec::ZERO1);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1).ok()) << ValidateJobSpec(SpecLimits{}, zero1);
   // Without `parallel`, nothing changes.
   const JobSpec plain = Spec("mlp", [](JobSpec*) {});
   EXPECT_FALSE(plain.has_parallel());
@@ -112,13 +118,24 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
          s->mutable_parallel()->set_tensor(2);
          s->set_strategy(JobSpec::ZERO1);
        },
-       "parallel.tensor: combines with strategy: ddp only (this job's is ZERO1)"},
+       "parallel.tensor: combines with strategy: ddp, or zero1 for a pipeline without "
+       "parallel.tensor on device: cpu (this job's strategy is ZERO1)"},
+      {"gpt",
+       [](JobSpec* s) {
+         s->mutable_parallel()->set_pipeline(2);
+         s->set_world_size(2);
+         s->set_device(JobSpec::GPU);
+         s->set_strategy(JobSpec::ZERO1);
+       },
+       "parallel.pipeline: combines with strategy: ddp, or zero1 for a pipeline without "
+       "parallel.tensor on device: cpu (this job's strategy is ZERO1)"},
       {"gpt",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
          s->set_strategy(JobSpec::FSDP);
        },
-       "parallel.pipeline: combines with strategy: ddp only (this job's is FSDP)"},
+       "parallel.pipeline: combines with strategy: ddp, or zero1 for a pipeline without "
+       "parallel.tensor on device: cpu (this job's strategy is FSDP)"},
       {"mlp",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);

@@ -108,6 +108,10 @@ struct TrainedRun {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> weights;
   std::vector<PipelineSession::Stats> stats;  // the last step's, per rank
+  // Per rank: the floats of its optimizer state and of its stage's
+  // parameters.
+  std::vector<int64_t> state_floats;
+  std::vector<int64_t> parameter_floats;
 };
 
 // One rank accumulating every replica's micro-batches.
@@ -149,13 +153,15 @@ struct Shape {
   CpuTransport transport;
   // The GPT stages' blocks keep only their input and run again in backward.
   bool checkpointing = false;
+  // ZeRO-1 over the replicas within each stage.
+  bool zero1 = false;
 };
 
 void PrintTo(const Shape& s, std::ostream* os) {
   *os << (s.gpt ? "gpt" : "mlp") << " " << s.data << "x" << s.stages << " "
       << (s.schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b") << " "
       << (s.transport == CpuTransport::kGloo ? "gloo" : "shm")
-      << (s.checkpointing ? " checkpointing" : "");
+      << (s.checkpointing ? " checkpointing" : "") << (s.zero1 ? " zero1" : "");
 }
 
 // Rank `rank`'s communicators of `grid`, meeting through `store`.
@@ -174,6 +180,8 @@ TrainedRun Pipelined(const Shape& shape) {
   const int world = shape.data * shape.stages;
   TrainedRun run;
   run.stats.resize(static_cast<size_t>(world));
+  run.state_floats.resize(static_cast<size_t>(world));
+  run.parameter_floats.resize(static_cast<size_t>(world));
   std::vector<std::vector<double>> losses(static_cast<size_t>(world));
   std::vector<std::map<std::string, std::vector<float>>> weights(static_cast<size_t>(world));
   std::vector<absl::Status> results =
@@ -193,10 +201,13 @@ TrainedRun Pipelined(const Shape& shape) {
           AIDN_ASSIGN_OR_RETURN(
               stage, MakeClassifierStage(model.mlp.get(), {1, 28, 28}, shape.stages, at.pipeline));
         }
-        AIDN_ASSIGN_OR_RETURN(
-            std::unique_ptr<PipelineSession> session,
-            PipelineSession::Create(comms.SessionOptions(shape.schedule, /*bucket_mb=*/0.01),
-                                    stage.get(), Adam()));
+        PipelineSessionOptions o = comms.SessionOptions(shape.schedule, /*bucket_mb=*/0.01);
+        o.shard_optimizer = shape.zero1;
+        AIDN_ASSIGN_OR_RETURN(std::unique_ptr<PipelineSession> session,
+                              PipelineSession::Create(o, stage.get(), Adam()));
+        if (shape.zero1 && (session->shard_map() == nullptr) != (shape.data == 1)) {
+          return absl::InternalError("ZeRO-1 shards over two replicas or more");
+        }
         for (int step = 0; step < kSteps; ++step) {
           std::vector<std::unique_ptr<Batch>> batches;
           std::vector<MicroBatch> micro;
@@ -208,6 +219,12 @@ TrainedRun Pipelined(const Shape& shape) {
           losses[static_cast<size_t>(rank)].push_back(loss);
         }
         run.stats[static_cast<size_t>(rank)] = session->last_stats();
+        for (const auto& [name, tensor] : session->optimizer().State()) {
+          run.state_floats[static_cast<size_t>(rank)] += tensor->numel();
+        }
+        for (const Parameter* p : stage->Parameters()) {
+          run.parameter_floats[static_cast<size_t>(rank)] += p->value.numel();
+        }
         for (const Parameter* p : stage->Parameters()) {
           weights[static_cast<size_t>(rank)][p->name].assign(p->value.data(),
                                                              p->value.data() + p->value.numel());
@@ -296,6 +313,14 @@ TEST_P(PipelineSessionTest, TwentyStepsEndWhereOneRankEnds) {
     } else {
       EXPECT_GT(st.recomputed, 0) << "stage " << s;
     }
+    // AdamW keeps two floats a parameter; ZeRO-1 a replica's share of them
+    // (the tied embedding's whole on each end).
+    const int64_t whole = 2 * got.parameter_floats[static_cast<size_t>(r)];
+    if (shape.zero1 && shape.data > 1) {
+      EXPECT_LT(got.state_floats[static_cast<size_t>(r)], whole) << "rank " << r;
+    } else {
+      EXPECT_EQ(got.state_floats[static_cast<size_t>(r)], whole) << "rank " << r;
+    }
   }
 }
 
@@ -304,7 +329,7 @@ std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
   return absl::StrCat(s.gpt ? "Gpt" : "Mlp", "_D", s.data, "xP", s.stages, "_",
                       s.schedule == PipelineSchedule::kGPipe ? "GPipe" : "OneFOneB", "_",
                       s.transport == CpuTransport::kGloo ? "Gloo" : "Shm",
-                      s.checkpointing ? "_ActivationCheckpointing" : "");
+                      s.checkpointing ? "_ActivationCheckpointing" : "", s.zero1 ? "_Zero1" : "");
 }
 
 using PS = PipelineSchedule;
@@ -317,7 +342,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{true, 1, 2, PS::k1F1B, kShm}, Shape{true, 1, 3, PS::kGPipe, kShm},
                       Shape{true, 1, 3, PS::k1F1B, kShm}, Shape{true, 2, 2, PS::kGPipe, kShm},
                       Shape{true, 1, 2, PS::k1F1B, CpuTransport::kGloo},
-                      Shape{true, 1, 3, PS::kGPipe, kShm, /*checkpointing=*/true}),
+                      Shape{true, 1, 3, PS::kGPipe, kShm, /*checkpointing=*/true},
+                      Shape{false, 2, 2, PS::k1F1B, kShm, false, /*zero1=*/true},
+                      Shape{true, 2, 2, PS::k1F1B, kShm, false, /*zero1=*/true},
+                      Shape{true, 3, 2, PS::kGPipe, CpuTransport::kGloo, false, /*zero1=*/true}),
     ShapeName);
 
 // A ResNet-18 (BatchNorm, residual blocks) on 16x16 images in 2 stages, as
