@@ -80,10 +80,10 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
     }
     // ZeRO-1 shards each stage's optimizer state over its replicas.
     const bool zero1_stages = spec.strategy() == v1::JobSpec::ZERO1 && p.pipeline() > 1 &&
-                              p.tensor() == 1 && spec.device() == v1::JobSpec::CPU;
+                              spec.device() == v1::JobSpec::CPU;
     if (spec.strategy() != v1::JobSpec::DDP && !zero1_stages) {
-      return Invalid(field, absl::StrCat("combines with strategy: ddp, or zero1 for a pipeline "
-                                         "without parallel.tensor on device: cpu (this job's "
+      return Invalid(field, absl::StrCat("combines with strategy: ddp, or zero1 within a "
+                                         "pipeline's stages on device: cpu (this job's "
                                          "strategy is ",
                                          v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
     }

@@ -956,9 +956,10 @@ INSTANTIATE_TEST_SUITE_P(
 // once; evaluations agree with one rank's; one rank goes on from the job's
 // checkpoint (checkpoint.resume_from).
 //
-// With 2 replicas of the pipeline under ZeRO-1, each stage's optimizer state
-// is split between them and every rank writes its shards' state: the same
-// checks against one rank accumulating both replicas' micro-batches.
+// With 2 replicas of the pipeline under ZeRO-1 (2 x 1 x 2, and 2 x 2 x 2
+// with tensor groups), each stage's optimizer state is split between them
+// and every rank writes its shards' state: the same checks against one rank
+// accumulating both replicas' micro-batches.
 struct ModelParallelCase {
   const char* name;
   int tensor;
@@ -1085,6 +1086,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ModelParallelFaultTest,
                                            ModelParallelCase{"Tensor2", 2, 1},
                                            ModelParallelCase{"Tensor2Pipeline2", 2, 2},
                                            ModelParallelCase{"Zero1Replicas2Pipeline2", 1, 2,
+                                                             /*data=*/2, /*zero1=*/true},
+                                           ModelParallelCase{"Zero1Replicas2Tensor2Pipeline2", 2, 2,
                                                              /*data=*/2, /*zero1=*/true}),
                          [](const ::testing::TestParamInfo<ModelParallelCase>& info) {
                            return info.param.name;

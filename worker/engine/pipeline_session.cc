@@ -39,7 +39,7 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
       options.shard_optimizer && options.data != nullptr && options.data->world_size() > 1;
   if (shard && options.stage_sum_of_squares) {
     return absl::InvalidArgumentError(
-        "pipeline session: ZeRO-1 within a stage does not combine with tensor parallelism yet");
+        "pipeline session: with ZeRO-1 a tensor group is given as `tensor` and `tensor_whole`");
   }
   // ZeRO-1: the tied parameter stays out of the buckets (Finish averages
   // it), since the two ends' buckets would slice it differently.
@@ -61,38 +61,72 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
     }
   }
   AIDN_ASSIGN_OR_RETURN(session->optimizer_, Optimizer::Create(config, optimized));
-  if (stages > 1) {
+  if (shard) {
+    session->optimizer_->SetSumOfSquaresReduction(ShardedSumOfSquares(options, *session));
+  } else if (stages > 1) {
     // The norm of the whole model's gradient: every stage's sum, the tied
-    // parameter's once (the first stage's copy). ZeRO-1: each replica holds
-    // its slices' squares, summed over the replicas first; the tied
-    // parameter, whole on each, is not.
+    // parameter's once (the first stage's copy).
     Optimizer::SumOfSquaresReduction over = SumOfSquaresOver(options.pipeline);
     Optimizer::SumOfSquaresReduction stage = options.stage_sum_of_squares;
-    Optimizer::SumOfSquaresReduction replicas =
-        shard ? SumOfSquaresOver(options.data) : Optimizer::SumOfSquaresReduction();
-    Parameter* tied = model->tied();
-    const bool first = model->first();
+    Parameter* duplicate = model->first() ? nullptr : model->tied();
     session->optimizer_->SetSumOfSquaresReduction(
-        [over, stage, replicas, tied, first](double local) -> absl::StatusOr<double> {
-          double mine = local;
-          if (replicas) {
-            const double tied_squares = tied == nullptr ? 0.0 : SumOfSquares(tied->grad);
-            AIDN_ASSIGN_OR_RETURN(mine, replicas(local - tied_squares));
-            if (first) mine += tied_squares;
-          } else if (!first && tied != nullptr) {
-            mine = local - SumOfSquares(tied->grad);
-          }
+        [over, stage, duplicate](double local) -> absl::StatusOr<double> {
+          double mine = duplicate == nullptr ? local : local - SumOfSquares(duplicate->grad);
           if (stage) {
             AIDN_ASSIGN_OR_RETURN(mine, stage(mine));
           }
           return over(mine);
         });
-  } else if (shard) {
-    session->optimizer_->SetSumOfSquaresReduction(SumOfSquaresOver(options.data));
   } else if (options.stage_sum_of_squares) {
     session->optimizer_->SetSumOfSquaresReduction(options.stage_sum_of_squares);
   }
   return session;
+}
+
+Optimizer::SumOfSquaresReduction PipelineSession::ShardedSumOfSquares(
+    const PipelineSessionOptions& options, const PipelineSession& session) {
+  // Which of the rank's shards are pieces of a parameter the tensor group
+  // holds whole.
+  const ShardMap& map = *session.shard_map();
+  const std::vector<Parameter*> shards = map.shards();
+  std::vector<bool> once(shards.size());
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const Parameter* whole = map.parameters()[map.place(k).parameter];
+    once[k] = std::find(options.tensor_whole.begin(), options.tensor_whole.end(), whole) !=
+              options.tensor_whole.end();
+  }
+  Parameter* tied = session.model_->tied();
+  const bool tied_once =
+      tied != nullptr && std::find(options.tensor_whole.begin(), options.tensor_whole.end(),
+                                   tied) != options.tensor_whole.end();
+  const bool first = session.model_->first();
+  Optimizer::SumOfSquaresReduction replicas = SumOfSquaresOver(options.data);
+  Optimizer::SumOfSquaresReduction tensor =
+      options.tensor != nullptr && options.tensor->world_size() > 1
+          ? SumOfSquaresOver(options.tensor)
+          : Optimizer::SumOfSquaresReduction();
+  Optimizer::SumOfSquaresReduction stages = session.model_->stages() > 1
+                                                ? SumOfSquaresOver(options.pipeline)
+                                                : Optimizer::SumOfSquaresReduction();
+  // Each replica holds its slices of the stage's gradient: their squares
+  // summed over the replicas, then those of split parameters over the
+  // tensor group; the tied parameter, whole on every replica, counted on
+  // the first stage only; then every stage's.
+  return [shards, once, tied, tied_once, first, replicas, tensor,
+          stages](double) -> absl::StatusOr<double> {
+    double split = 0, whole = 0;
+    for (size_t k = 0; k < shards.size(); ++k) {
+      (once[k] ? whole : split) += SumOfSquares(shards[k]->grad);
+    }
+    AIDN_ASSIGN_OR_RETURN(split, replicas(split));
+    AIDN_ASSIGN_OR_RETURN(whole, replicas(whole));
+    if (first && tied != nullptr) (tied_once ? whole : split) += SumOfSquares(tied->grad);
+    if (tensor) {
+      AIDN_ASSIGN_OR_RETURN(split, tensor(split));
+    }
+    const double stage = split + whole;
+    return stages ? stages(stage) : stage;
+  };
 }
 
 PipelineSession::~PipelineSession() {

@@ -77,6 +77,13 @@ struct PipelineSessionOptions {
   // its gradient is averaged over the replicas on its own, then summed over
   // the ends, and every replica steps it.
   bool shard_optimizer = false;
+  // shard_optimizer with tensor parallelism inside the stage (instead of
+  // stage_sum_of_squares): the tensor group, and the stage's parameters
+  // that each of its ranks holds whole. Clipping sums the squares of the
+  // others' shards over the replicas and the tensor group, these over the
+  // replicas only.
+  Communicator* tensor = nullptr;
+  std::vector<const Parameter*> tensor_whole;
   // With replicas: the first replica's buffers (BatchNorm's running
   // statistics) copied to the others' before the step's first forward, as
   // CpuSessionOptions::broadcast_buffers.
@@ -139,6 +146,9 @@ class PipelineSession {
   // stage) into *loss.
   absl::Status RunSchedule(const std::vector<MicroBatch>& micro, double* loss);
   absl::Status Finish(double* loss);
+  // shard_optimizer: the clipping norm's reduction over the shards.
+  static Optimizer::SumOfSquaresReduction ShardedSumOfSquares(const PipelineSessionOptions& options,
+                                                              const PipelineSession& session);
 
   const PipelineSessionOptions options_;
   PipelineStageModel* model_;

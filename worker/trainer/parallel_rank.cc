@@ -72,20 +72,27 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
                  << Kv("micro_batches", r->micro_batches());
   // Clipping's norm within a tensor group: slices summed, whole ones once.
   engine::Optimizer::SumOfSquaresReduction within;
+  std::vector<const engine::Parameter*> whole;
   if (tensor > 1) {
-    std::vector<const engine::Parameter*> whole;
     for (const engine::Parameter* q : r->Mine()) {
       if (!gpt->SplitOf(*q).has_value()) whole.push_back(q);
     }
-    within = engine::TensorParallelSumOfSquares(r->comms_.tensor.get(), std::move(whole));
+    within = engine::TensorParallelSumOfSquares(r->comms_.tensor.get(), whole);
   }
   if (stages > 1) {
     const engine::PipelineSchedule schedule = p.schedule() == v1::ParallelSpec::GPIPE
                                                   ? engine::PipelineSchedule::kGPipe
                                                   : engine::PipelineSchedule::k1F1B;
     engine::PipelineSessionOptions o = r->comms_.SessionOptions(schedule, BucketMbOf(spec));
-    o.stage_sum_of_squares = within;
-    o.shard_optimizer = spec.strategy() == v1::JobSpec::ZERO1;
+    // ZeRO-1 over the stage's replicas (with one replica there is nothing
+    // to shard: DDP's step).
+    o.shard_optimizer = spec.strategy() == v1::JobSpec::ZERO1 && r->replicas() > 1;
+    if (o.shard_optimizer) {
+      o.tensor = r->comms_.tensor.get();
+      o.tensor_whole = whole;
+    } else {
+      o.stage_sum_of_squares = within;
+    }
     o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
     AIDN_ASSIGN_OR_RETURN(
         r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(), OptimizerConfigOf(spec)));
@@ -232,40 +239,62 @@ std::vector<int> ParallelRank::writer_ranks() const {
   return ranks;
 }
 
-void ParallelRank::AddPieces(const std::string& whole, const engine::Parameter& p,
-                             const engine::Tensor& tensor,
-                             std::vector<engine::ShardMap::Piece>* out) {
+std::vector<ParallelRank::Run> ParallelRank::RunsOf(const engine::Parameter& p) const {
   const std::optional<engine::Gpt::Split> split = SplitOf(p);
-  if (!split.has_value()) {
-    out->push_back({whole, whole, tensor.shape(), 0, static_cast<size_t>(tensor.numel()), &tensor});
-    return;
-  }
-  float* data = const_cast<float*>(tensor.data());
+  if (!split.has_value()) return {{0, 0, p.value.numel()}};
+  std::vector<Run> runs;
   const std::vector<int64_t>& shape = split->whole_shape;
-  auto add = [&](float* at, int64_t begin, int64_t end) {
-    views_.push_back(engine::Tensor::View(at, {end - begin}));
-    out->push_back({absl::StrCat(whole, "[", begin, ":", end, "]"), whole, shape,
-                    static_cast<size_t>(begin), static_cast<size_t>(end), &views_.back()});
-  };
   if (shape.size() == 1 || split->dim == 0) {
     // Runs of whole rows: contiguous in the whole tensor.
     const int64_t row = shape.size() == 1 ? 1 : shape[1];
     int64_t at = 0;
     for (const auto& [b, e] : split->ranges) {
-      add(data + at * row, b * row, e * row);
+      runs.push_back({at * row, b * row, (e - b) * row});
       at += e - b;
     }
-    return;
+    return runs;
   }
-  // Columns: a piece per row and range.
-  const int64_t width = tensor.dim(1);
+  // Columns: a run per row and range.
+  const int64_t width = p.value.dim(1);
   for (int64_t r = 0; r < shape[0]; ++r) {
     int64_t at = 0;
     for (const auto& [b, e] : split->ranges) {
-      add(data + r * width + at, r * shape[1] + b, r * shape[1] + e);
+      runs.push_back({r * width + at, r * shape[1] + b, e - b});
       at += e - b;
     }
   }
+  return runs;
+}
+
+void ParallelRank::AddPieces(const std::string& whole, const engine::Parameter& p,
+                             const float* data, int64_t begin, int64_t end,
+                             std::vector<engine::ShardMap::Piece>* out) {
+  const std::optional<engine::Gpt::Split> split = SplitOf(p);
+  const std::vector<int64_t> shape = split.has_value() ? split->whole_shape : p.value.shape();
+  for (const Run& run : RunsOf(p)) {
+    const int64_t lo = std::max(begin, run.local);
+    const int64_t hi = std::min(end, run.local + run.length);
+    if (lo >= hi) continue;
+    const int64_t b = run.whole + (lo - run.local);
+    const int64_t e = run.whole + (hi - run.local);
+    views_.push_back(engine::Tensor::View(const_cast<float*>(data) + (lo - begin), {hi - lo}));
+    // A whole tensor keeps its own name; a part is named by its range.
+    int64_t numel = 1;
+    for (const int64_t d : shape) numel *= d;
+    const bool all = b == 0 && e == numel;
+    out->push_back({all ? whole : absl::StrCat(whole, "[", b, ":", e, "]"), whole, shape,
+                    static_cast<size_t>(b), static_cast<size_t>(e), &views_.back()});
+  }
+}
+
+void ParallelRank::AddPieces(const std::string& whole, const engine::Parameter& p,
+                             const engine::Tensor& tensor,
+                             std::vector<engine::ShardMap::Piece>* out) {
+  if (!SplitOf(p).has_value()) {
+    out->push_back({whole, whole, tensor.shape(), 0, static_cast<size_t>(tensor.numel()), &tensor});
+    return;
+  }
+  AddPieces(whole, p, tensor.data(), 0, tensor.numel(), out);
 }
 
 absl::StatusOr<ParallelRank::Pieces> ParallelRank::CheckpointPieces() {
@@ -274,7 +303,7 @@ absl::StatusOr<ParallelRank::Pieces> ParallelRank::CheckpointPieces() {
   if (sharded()) {
     // ZeRO-1: every replica writes its shards' state; the first replica the
     // weights, the buffers and the tied parameter's state, as without.
-    AIDN_ASSIGN_OR_RETURN(pieces.state, ShardedStatePieces(optimizer().State()));
+    AIDN_ASSIGN_OR_RETURN(pieces.state, ShardedStatePieces(optimizer().State(), false));
     if (coords_.data != 0) return pieces;
   }
   std::map<std::string, const engine::Parameter*> by_name;
@@ -301,30 +330,85 @@ absl::StatusOr<ParallelRank::Pieces> ParallelRank::CheckpointPieces() {
 }
 
 absl::StatusOr<std::vector<engine::ShardMap::Piece>> ParallelRank::ShardedStatePieces(
-    const std::vector<engine::Optimizer::StateEntry>& state) const {
+    const std::vector<engine::Optimizer::StateEntry>& state, bool reading) {
   // The shards' entries ("<parameter>[b:e].<buffer>"), not the whole tied
   // parameter's.
   std::vector<engine::Optimizer::StateEntry> shards;
   for (const engine::Optimizer::StateEntry& e : state) {
     if (e.first.find('[') != std::string::npos) shards.push_back(e);
   }
-  return pipeline_->shard_map()->StatePieces(shards);
+  AIDN_ASSIGN_OR_RETURN(std::vector<engine::ShardMap::Piece> local,
+                        pipeline_->shard_map()->StatePieces(shards));
+  std::map<std::string, const engine::Parameter*> by_name;
+  for (const engine::Parameter* p : Mine()) by_name[p->name] = p;
+  // Each as elements of the whole tensor: a shard of a tensor-parallel
+  // slice is one piece per run of the slice it covers; a parameter every
+  // tensor rank holds whole is written by tensor rank 0.
+  std::vector<engine::ShardMap::Piece> pieces;
+  for (const engine::ShardMap::Piece& piece : local) {
+    const auto it = by_name.find(piece.whole.substr(0, piece.whole.rfind('.')));
+    if (it == by_name.end()) {
+      return absl::InternalError(absl::StrCat("optimizer state ", piece.name, " of no parameter"));
+    }
+    if (!SplitOf(*it->second).has_value()) {
+      if (reading || coords_.tensor == 0) pieces.push_back(piece);
+      continue;
+    }
+    AddPieces(piece.whole, *it->second, piece.tensor->data(), static_cast<int64_t>(piece.begin),
+              static_cast<int64_t>(piece.end), &pieces);
+  }
+  return pieces;
+}
+
+absl::Status ParallelRank::LoadShardedOptimizerState(CheckpointLoader* loader,
+                                                     int64_t optimizer_steps) {
+  views_.clear();
+  const std::vector<engine::Optimizer::StateEntry> state = optimizer().State();
+  // Fresh tensors of the entries' shapes, which the pieces read into: the
+  // shards' pieces of the whole entries, and the tied parameter's entries
+  // whole (then this rank's slice of them).
+  std::deque<engine::Tensor> fresh;
+  std::vector<engine::Optimizer::StateEntry> shards;
+  for (const auto& [name, tensor] : state) {
+    if (name.find('[') == std::string::npos) continue;
+    fresh.emplace_back(tensor->shape());
+    shards.emplace_back(name, &fresh.back());
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<engine::ShardMap::Piece> pieces,
+                        ShardedStatePieces(shards, /*reading=*/true));
+  const size_t shard_pieces = pieces.size();
+  std::deque<engine::Tensor> wholes;
+  std::vector<const engine::Parameter*> tied_of;
+  std::vector<std::string> tied_names;
+  for (const auto& [name, tensor] : state) {
+    if (name.find('[') != std::string::npos) continue;
+    const engine::Parameter* tied = stage_ != nullptr ? stage_->tied() : nullptr;
+    if (tied == nullptr || name.substr(0, name.rfind('.')) != tied->name) {
+      return absl::InternalError(absl::StrCat("optimizer state ", name, " is of no shard"));
+    }
+    const std::optional<engine::Gpt::Split> split = SplitOf(*tied);
+    wholes.emplace_back(split.has_value() ? split->whole_shape : tensor->shape());
+    pieces.push_back({name, name, wholes.back().shape(), 0,
+                      static_cast<size_t>(wholes.back().numel()), &wholes.back()});
+    tied_of.push_back(tied);
+    tied_names.push_back(name);
+  }
+  AIDN_ASSIGN_OR_RETURN(std::vector<engine::Tensor> read, loader->ReadOptimizerState(pieces));
+  for (size_t i = 0; i < shard_pieces; ++i) {
+    std::memcpy(const_cast<float*>(pieces[i].tensor->data()), read[i].data(),
+                sizeof(float) * static_cast<size_t>(read[i].numel()));
+  }
+  std::vector<engine::Optimizer::StateEntry> entries = shards;
+  for (size_t i = shard_pieces; i < pieces.size(); ++i) {
+    const std::optional<engine::Gpt::Split> split = SplitOf(*tied_of[i - shard_pieces]);
+    fresh.push_back(split.has_value() ? engine::SliceOfSplit(read[i], *split) : std::move(read[i]));
+    entries.emplace_back(tied_names[i - shard_pieces], &fresh.back());
+  }
+  return optimizer().LoadState(entries, optimizer_steps);
 }
 
 absl::Status ParallelRank::LoadOptimizerState(CheckpointLoader* loader, int64_t optimizer_steps) {
-  if (sharded()) {
-    // This rank's shards' pieces of the whole entries, and the tied
-    // parameter's entries whole.
-    const std::vector<engine::Optimizer::StateEntry> state = optimizer().State();
-    AIDN_ASSIGN_OR_RETURN(std::vector<engine::ShardMap::Piece> pieces, ShardedStatePieces(state));
-    for (const auto& [name, tensor] : state) {
-      if (name.find('[') == std::string::npos) {
-        pieces.push_back(
-            {name, name, tensor->shape(), 0, static_cast<size_t>(tensor->numel()), tensor});
-      }
-    }
-    return loader->LoadOptimizerState(pieces, optimizer_steps, &optimizer());
-  }
+  if (sharded()) return LoadShardedOptimizerState(loader, optimizer_steps);
   std::map<std::string, const engine::Parameter*> by_name;
   for (const engine::Parameter* p : Mine()) by_name[p->name] = p;
   // Every entry whole, then this rank's part of it.

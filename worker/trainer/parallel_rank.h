@@ -139,12 +139,25 @@ class ParallelRank {
   bool Writes(const engine::Parameter& p) const;
   std::optional<engine::Gpt::Split> SplitOf(const engine::Parameter& p) const;
   // Sharded: the pieces of `state`'s shard entries (not the tied
-  // parameter's, which is whole).
+  // parameter's, which is whole) as elements of the whole tensors, views
+  // into the entries; those of a parameter every tensor rank holds whole
+  // only on tensor rank 0 unless `reading`.
   absl::StatusOr<std::vector<engine::ShardMap::Piece>> ShardedStatePieces(
-      const std::vector<engine::Optimizer::StateEntry>& state) const;
-  // `tensor` (this rank's part of `whole`) as pieces of the whole tensor.
+      const std::vector<engine::Optimizer::StateEntry>& state, bool reading);
+  absl::Status LoadShardedOptimizerState(CheckpointLoader* loader, int64_t optimizer_steps);
+  // Where this rank's part of `p` lies in the whole tensor: runs of
+  // `length` elements from `local` in the part and `whole` in the whole,
+  // in the part's order (one run for a parameter not split).
+  struct Run {
+    int64_t local, whole, length;
+  };
+  std::vector<Run> RunsOf(const engine::Parameter& p) const;
+  // `tensor` (this rank's part of `whole`, shaped as p) as pieces of the
+  // whole tensor; or elements [begin, end) of the part, at `data`.
   void AddPieces(const std::string& whole, const engine::Parameter& p, const engine::Tensor& tensor,
                  std::vector<engine::ShardMap::Piece>* out);
+  void AddPieces(const std::string& whole, const engine::Parameter& p, const float* data,
+                 int64_t begin, int64_t end, std::vector<engine::ShardMap::Piece>* out);
 
   engine::ProcessGrid grid_;
   engine::GridCoords coords_;

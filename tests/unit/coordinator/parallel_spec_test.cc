@@ -62,6 +62,15 @@ TEST(ParallelSpec, APipelineGetsItsMicroBatchesAndScheduleByDefault) {
     s->set_strategy(JobSpec::ZERO1);
   });
   EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1).ok()) << ValidateJobSpec(SpecLimits{}, zero1);
+  // And with tensor groups in the stages (2 x 2 x 2).
+  const JobSpec zero1_tensor = Spec("gpt", [](JobSpec* s) {
+    s->mutable_parallel()->set_tensor(2);
+    s->mutable_parallel()->set_pipeline(2);
+    s->set_world_size(8);
+    s->set_strategy(JobSpec::ZERO1);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1_tensor).ok())
+      << ValidateJobSpec(SpecLimits{}, zero1_tensor);
   // Without `parallel`, nothing changes.
   const JobSpec plain = Spec("mlp", [](JobSpec*) {});
   EXPECT_FALSE(plain.has_parallel());
@@ -118,8 +127,8 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
          s->mutable_parallel()->set_tensor(2);
          s->set_strategy(JobSpec::ZERO1);
        },
-       "parallel.tensor: combines with strategy: ddp, or zero1 for a pipeline without "
-       "parallel.tensor on device: cpu (this job's strategy is ZERO1)"},
+       "parallel.tensor: combines with strategy: ddp, or zero1 within a pipeline's "
+       "stages on device: cpu (this job's strategy is ZERO1)"},
       {"gpt",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
@@ -127,15 +136,15 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::ZERO1);
        },
-       "parallel.pipeline: combines with strategy: ddp, or zero1 for a pipeline without "
-       "parallel.tensor on device: cpu (this job's strategy is ZERO1)"},
+       "parallel.pipeline: combines with strategy: ddp, or zero1 within a pipeline's "
+       "stages on device: cpu (this job's strategy is ZERO1)"},
       {"gpt",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
          s->set_strategy(JobSpec::FSDP);
        },
-       "parallel.pipeline: combines with strategy: ddp, or zero1 for a pipeline without "
-       "parallel.tensor on device: cpu (this job's strategy is FSDP)"},
+       "parallel.pipeline: combines with strategy: ddp, or zero1 within a pipeline's "
+       "stages on device: cpu (this job's strategy is FSDP)"},
       {"mlp",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
