@@ -78,13 +78,12 @@ absl::Status ValidateParallel(const v1::JobSpec& spec) {
         return Invalid("precision", "FP16 is not for GPU pipelines yet (fp32 or bf16)");
       }
     }
-    // ZeRO-1 shards each stage's optimizer state over its replicas.
-    const bool zero1_stages = spec.strategy() == v1::JobSpec::ZERO1 && p.pipeline() > 1 &&
-                              spec.device() == v1::JobSpec::CPU;
-    if (spec.strategy() != v1::JobSpec::DDP && !zero1_stages) {
-      return Invalid(field, absl::StrCat("combines with strategy: ddp, or zero1 within a "
-                                         "pipeline's stages on device: cpu (this job's "
-                                         "strategy is ",
+    // ZeRO-1 shards each stage's (or tensor rank's) optimizer state over
+    // its replicas.
+    const bool zero1 = spec.strategy() == v1::JobSpec::ZERO1 && spec.device() == v1::JobSpec::CPU;
+    if (spec.strategy() != v1::JobSpec::DDP && !zero1) {
+      return Invalid(field, absl::StrCat("combines with strategy: ddp, or zero1 on device: cpu "
+                                         "(this job's strategy is ",
                                          v1::JobSpec::Strategy_Name(spec.strategy()), ")"));
     }
   }

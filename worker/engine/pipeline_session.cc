@@ -8,6 +8,7 @@
 #include "common/clock.h"
 #include "common/status.h"
 #include "worker/engine/cpu_session.h"
+#include "worker/engine/tensor_parallel.h"
 
 namespace aidn::engine {
 namespace {
@@ -62,7 +63,11 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
   }
   AIDN_ASSIGN_OR_RETURN(session->optimizer_, Optimizer::Create(config, optimized));
   if (shard) {
-    session->optimizer_->SetSumOfSquaresReduction(ShardedSumOfSquares(options, *session));
+    // Each replica holds its slices of the stage's gradient; the tied
+    // parameter, whole on every replica, counts on the first stage.
+    session->optimizer_->SetSumOfSquaresReduction(ShardedSumOfSquares(
+        *session->shard_map(), options.tensor_whole, model->tied(), model->first(), options.data,
+        options.tensor, stages > 1 ? options.pipeline : nullptr));
   } else if (stages > 1) {
     // The norm of the whole model's gradient: every stage's sum, the tied
     // parameter's once (the first stage's copy).
@@ -81,52 +86,6 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
     session->optimizer_->SetSumOfSquaresReduction(options.stage_sum_of_squares);
   }
   return session;
-}
-
-Optimizer::SumOfSquaresReduction PipelineSession::ShardedSumOfSquares(
-    const PipelineSessionOptions& options, const PipelineSession& session) {
-  // Which of the rank's shards are pieces of a parameter the tensor group
-  // holds whole.
-  const ShardMap& map = *session.shard_map();
-  const std::vector<Parameter*> shards = map.shards();
-  std::vector<bool> once(shards.size());
-  for (size_t k = 0; k < shards.size(); ++k) {
-    const Parameter* whole = map.parameters()[map.place(k).parameter];
-    once[k] = std::find(options.tensor_whole.begin(), options.tensor_whole.end(), whole) !=
-              options.tensor_whole.end();
-  }
-  Parameter* tied = session.model_->tied();
-  const bool tied_once =
-      tied != nullptr && std::find(options.tensor_whole.begin(), options.tensor_whole.end(),
-                                   tied) != options.tensor_whole.end();
-  const bool first = session.model_->first();
-  Optimizer::SumOfSquaresReduction replicas = SumOfSquaresOver(options.data);
-  Optimizer::SumOfSquaresReduction tensor =
-      options.tensor != nullptr && options.tensor->world_size() > 1
-          ? SumOfSquaresOver(options.tensor)
-          : Optimizer::SumOfSquaresReduction();
-  Optimizer::SumOfSquaresReduction stages = session.model_->stages() > 1
-                                                ? SumOfSquaresOver(options.pipeline)
-                                                : Optimizer::SumOfSquaresReduction();
-  // Each replica holds its slices of the stage's gradient: their squares
-  // summed over the replicas, then those of split parameters over the
-  // tensor group; the tied parameter, whole on every replica, counted on
-  // the first stage only; then every stage's.
-  return [shards, once, tied, tied_once, first, replicas, tensor,
-          stages](double) -> absl::StatusOr<double> {
-    double split = 0, whole = 0;
-    for (size_t k = 0; k < shards.size(); ++k) {
-      (once[k] ? whole : split) += SumOfSquares(shards[k]->grad);
-    }
-    AIDN_ASSIGN_OR_RETURN(split, replicas(split));
-    AIDN_ASSIGN_OR_RETURN(whole, replicas(whole));
-    if (first && tied != nullptr) (tied_once ? whole : split) += SumOfSquares(tied->grad);
-    if (tensor) {
-      AIDN_ASSIGN_OR_RETURN(split, tensor(split));
-    }
-    const double stage = split + whole;
-    return stages ? stages(stage) : stage;
-  };
 }
 
 PipelineSession::~PipelineSession() {

@@ -146,9 +146,6 @@ class PipelineSession {
   // stage) into *loss.
   absl::Status RunSchedule(const std::vector<MicroBatch>& micro, double* loss);
   absl::Status Finish(double* loss);
-  // shard_optimizer: the clipping norm's reduction over the shards.
-  static Optimizer::SumOfSquaresReduction ShardedSumOfSquares(const PipelineSessionOptions& options,
-                                                              const PipelineSession& session);
 
   const PipelineSessionOptions options_;
   PipelineStageModel* model_;

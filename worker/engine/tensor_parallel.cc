@@ -1,5 +1,7 @@
 #include "worker/engine/tensor_parallel.h"
 
+#include <algorithm>
+
 #include "common/log.h"
 #include "common/status.h"
 #include "worker/engine/cpu_kernels.h"
@@ -144,6 +146,44 @@ Optimizer::SumOfSquaresReduction TensorParallelSumOfSquares(Communicator* group,
     AIDN_ASSIGN_OR_RETURN(const double split, over(local - once));
     return split + once;
   };
+}
+
+Optimizer::SumOfSquaresReduction ShardedSumOfSquares(const ShardMap& map,
+                                                     const std::vector<const Parameter*>& whole,
+                                                     const Parameter* tied, bool count_tied,
+                                                     Communicator* data, Communicator* tensor,
+                                                     Communicator* stages) {
+  auto in_whole = [&whole](const Parameter* p) {
+    return std::find(whole.begin(), whole.end(), p) != whole.end();
+  };
+  const std::vector<Parameter*> shards = map.shards();
+  std::vector<bool> once(shards.size());
+  for (size_t k = 0; k < shards.size(); ++k) {
+    once[k] = in_whole(map.parameters()[map.place(k).parameter]);
+  }
+  const bool tied_once = tied != nullptr && in_whole(tied);
+  if (!count_tied) tied = nullptr;
+  Optimizer::SumOfSquaresReduction replicas = SumOfSquaresOver(data);
+  Optimizer::SumOfSquaresReduction group = tensor != nullptr && tensor->world_size() > 1
+                                               ? SumOfSquaresOver(tensor)
+                                               : Optimizer::SumOfSquaresReduction();
+  Optimizer::SumOfSquaresReduction pipeline =
+      stages != nullptr ? SumOfSquaresOver(stages) : Optimizer::SumOfSquaresReduction();
+  return
+      [shards, once, tied, tied_once, replicas, group, pipeline](double) -> absl::StatusOr<double> {
+        double split = 0, kept = 0;
+        for (size_t k = 0; k < shards.size(); ++k) {
+          (once[k] ? kept : split) += SumOfSquares(shards[k]->grad);
+        }
+        AIDN_ASSIGN_OR_RETURN(split, replicas(split));
+        AIDN_ASSIGN_OR_RETURN(kept, replicas(kept));
+        if (tied != nullptr) (tied_once ? kept : split) += SumOfSquares(tied->grad);
+        if (group) {
+          AIDN_ASSIGN_OR_RETURN(split, group(split));
+        }
+        const double total = split + kept;
+        return pipeline ? pipeline(total) : total;
+      };
 }
 
 }  // namespace aidn::engine

@@ -30,6 +30,7 @@
 
 #include "worker/engine/comm/communicator.h"
 #include "worker/engine/optimizer.h"
+#include "worker/engine/shard_map.h"
 #include "worker/engine/tensor.h"
 
 namespace aidn::engine {
@@ -95,6 +96,19 @@ class RowParallelLinear {
 // counted once. The same bits on every rank. A collective.
 Optimizer::SumOfSquaresReduction TensorParallelSumOfSquares(Communicator* group,
                                                             std::vector<const Parameter*> whole);
+
+// The same under ZeRO-1 over `data` (ddp.h's shard_optimizer), the
+// optimizer stepping this rank's shards (`map`): the squares of the shards
+// of split parameters summed over `data` and `tensor`, of parameters in
+// `whole` over `data` only; `tied` (stepped whole on every replica; null
+// for none) added where `count_tied`, with the split ones unless in
+// `whole`; the result summed over `stages` (a pipeline's; null for one
+// stage). `tensor` may be null (no tensor parallelism). A collective.
+Optimizer::SumOfSquaresReduction ShardedSumOfSquares(const ShardMap& map,
+                                                     const std::vector<const Parameter*>& whole,
+                                                     const Parameter* tied, bool count_tied,
+                                                     Communicator* data, Communicator* tensor,
+                                                     Communicator* stages);
 
 }  // namespace aidn::engine
 

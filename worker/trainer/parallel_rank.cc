@@ -96,20 +96,26 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
     o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
     AIDN_ASSIGN_OR_RETURN(
         r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(), OptimizerConfigOf(spec)));
-    if (const engine::ShardMap* map = r->pipeline_->shard_map(); map != nullptr) {
-      AIDN_LOG(INFO) << "optimizer state sharded over the stage's replicas"
-                     << Kv("strategy", "ZERO1") << Kv("replicas", r->replicas())
-                     << Kv("groups", map->num_groups()) << Kv("shards", map->shards().size());
-    }
+    r->LogSharding();
     return r;
   }
   engine::CpuSessionOptions o;
   o.communicator = r->replicas() > 1 ? r->comms_.data.get() : nullptr;
   o.bucket_mb = BucketMbOf(spec);
   o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
+  // ZeRO-1 over the tensor groups' replicas.
+  const bool shard = spec.strategy() == v1::JobSpec::ZERO1 && r->replicas() > 1;
+  if (shard) o.sharding = engine::Sharding::kOptimizer;
   AIDN_ASSIGN_OR_RETURN(r->cpu_,
                         engine::CpuSession::Create(o, &task->model(), OptimizerConfigOf(spec)));
-  if (within) r->cpu_->optimizer().SetSumOfSquaresReduction(within);
+  if (shard) {
+    r->cpu_->optimizer().SetSumOfSquaresReduction(
+        engine::ShardedSumOfSquares(*r->cpu_->shard_map(), whole, nullptr, false,
+                                    r->comms_.data.get(), r->comms_.tensor.get(), nullptr));
+    r->LogSharding();
+  } else if (within) {
+    r->cpu_->optimizer().SetSumOfSquaresReduction(within);
+  }
   return r;
 }
 
@@ -223,8 +229,19 @@ bool ParallelRank::Writes(const engine::Parameter& p) const {
   return coords_.tensor == 0 || SplitOf(p).has_value();
 }
 
-bool ParallelRank::sharded() const {
-  return pipeline_ != nullptr && pipeline_->shard_map() != nullptr;
+const engine::ShardMap* ParallelRank::shard_map() const {
+  if (pipeline_ != nullptr) return pipeline_->shard_map();
+  return cpu_ != nullptr ? cpu_->shard_map() : nullptr;
+}
+
+bool ParallelRank::sharded() const { return shard_map() != nullptr; }
+
+void ParallelRank::LogSharding() const {
+  if (const engine::ShardMap* map = shard_map(); map != nullptr) {
+    AIDN_LOG(INFO) << "optimizer state sharded over the replicas" << Kv("strategy", "ZERO1")
+                   << Kv("replicas", replicas()) << Kv("groups", map->num_groups())
+                   << Kv("shards", map->shards().size());
+  }
 }
 
 std::vector<int> ParallelRank::writer_ranks() const {
@@ -338,7 +355,7 @@ absl::StatusOr<std::vector<engine::ShardMap::Piece>> ParallelRank::ShardedStateP
     if (e.first.find('[') != std::string::npos) shards.push_back(e);
   }
   AIDN_ASSIGN_OR_RETURN(std::vector<engine::ShardMap::Piece> local,
-                        pipeline_->shard_map()->StatePieces(shards));
+                        shard_map()->StatePieces(shards));
   std::map<std::string, const engine::Parameter*> by_name;
   for (const engine::Parameter* p : Mine()) by_name[p->name] = p;
   // Each as elements of the whole tensor: a shard of a tensor-parallel

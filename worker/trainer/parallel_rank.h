@@ -109,10 +109,11 @@ class ParallelRank {
   int eval_rank() const;
   int eval_world() const;
 
-  // ZeRO-1 within the stages (strategy: zero1 with a pipeline of several
-  // replicas): each replica's optimizer holds its shards of the stage's
-  // state.
+  // ZeRO-1 over the replicas (strategy: zero1 with several of them): each
+  // replica's optimizer holds its shards of its stage's (or tensor rank's)
+  // state; the map of them, or null.
   bool sharded() const;
+  const engine::ShardMap* shard_map() const;
   // Checkpoints: whether this rank writes (the first replica's ranks;
   // sharded, every rank: its shards' state), the communicator the writers
   // meet on (sharded: the job's, which the caller has) and their ranks in
@@ -145,6 +146,7 @@ class ParallelRank {
   absl::StatusOr<std::vector<engine::ShardMap::Piece>> ShardedStatePieces(
       const std::vector<engine::Optimizer::StateEntry>& state, bool reading);
   absl::Status LoadShardedOptimizerState(CheckpointLoader* loader, int64_t optimizer_steps);
+  void LogSharding() const;
   // Where this rank's part of `p` lies in the whole tensor: runs of
   // `length` elements from `local` in the part and `whole` in the whole,
   // in the part's order (one run for a parameter not split).

@@ -62,6 +62,13 @@ TEST(ParallelSpec, APipelineGetsItsMicroBatchesAndScheduleByDefault) {
     s->set_strategy(JobSpec::ZERO1);
   });
   EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1).ok()) << ValidateJobSpec(SpecLimits{}, zero1);
+  // With tensor groups alone (2 x 2 x 1).
+  const JobSpec zero1_groups = Spec("gpt", [](JobSpec* s) {
+    s->mutable_parallel()->set_tensor(2);
+    s->set_strategy(JobSpec::ZERO1);
+  });
+  EXPECT_TRUE(ValidateJobSpec(SpecLimits{}, zero1_groups).ok())
+      << ValidateJobSpec(SpecLimits{}, zero1_groups);
   // And with tensor groups in the stages (2 x 2 x 2).
   const JobSpec zero1_tensor = Spec("gpt", [](JobSpec* s) {
     s->mutable_parallel()->set_tensor(2);
@@ -124,27 +131,20 @@ TEST(ParallelSpec, ShapesThatDoNotDivideAreRefusedNamingTheField) {
        "vocabulary)"},
       {"gpt",
        [](JobSpec* s) {
-         s->mutable_parallel()->set_tensor(2);
-         s->set_strategy(JobSpec::ZERO1);
-       },
-       "parallel.tensor: combines with strategy: ddp, or zero1 within a pipeline's "
-       "stages on device: cpu (this job's strategy is ZERO1)"},
-      {"gpt",
-       [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
          s->set_world_size(2);
          s->set_device(JobSpec::GPU);
          s->set_strategy(JobSpec::ZERO1);
        },
-       "parallel.pipeline: combines with strategy: ddp, or zero1 within a pipeline's "
-       "stages on device: cpu (this job's strategy is ZERO1)"},
+       "parallel.pipeline: combines with strategy: ddp, or zero1 on device: cpu (this job's "
+       "strategy is ZERO1)"},
       {"gpt",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
          s->set_strategy(JobSpec::FSDP);
        },
-       "parallel.pipeline: combines with strategy: ddp, or zero1 within a pipeline's "
-       "stages on device: cpu (this job's strategy is FSDP)"},
+       "parallel.pipeline: combines with strategy: ddp, or zero1 on device: cpu (this job's "
+       "strategy is FSDP)"},
       {"mlp",
        [](JobSpec* s) {
          s->mutable_parallel()->set_pipeline(2);
