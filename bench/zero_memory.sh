@@ -13,7 +13,13 @@
 # processes' peak resident memory (activations, data and libraries
 # included).
 #
+# Then the same GPT in 2 pipeline stages x 2 replicas (world 4) under DDP
+# and under ZeRO-1 within the stages: each stage's AdamW state is split
+# between its two replicas (the tied wte, stepped whole on each replica
+# of both ends, is not).
+#
 #   bench/zero_memory.sh          # CONFIG=gpt-char: about 4 minutes
+#   PIPELINE_ONLY=1 bench/zero_memory.sh   # only the pipeline's table
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${AIDN_BUILD:-$ROOT/build}
@@ -21,6 +27,17 @@ CONFIG=${CONFIG:-gpt-char}
 PY=/usr/bin/python3
 SLOTS=4 source "$ROOT/bench/local_cluster.sh" aidn-zero-memory
 
+# The step records' bytes of job $1 (its last training step; the largest
+# rank's): weights gradients optimizer buffers peak.
+record_bytes() {
+  "$AIDNCTL" -o json metrics "$1" | $PY -c '
+import json, sys
+steps = [s for s in json.load(sys.stdin) if s["kind"] == "TRAIN"]
+s = steps[-1]
+print(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_state_bytes"], s["buffer_bytes"],
+      s["peak_memory_bytes"])'
+}
+if [[ ${PIPELINE_ONLY:-0} != 1 ]]; then
 echo "$CONFIG: model-state bytes per rank (the largest rank's), against the formula"
 printf '%-8s %2s %11s %11s %11s %14s %14s %9s %11s %9s\n' strategy N weights gradients \
   optimizer persistent formula "+padding" buffers "peak RSS"
@@ -39,13 +56,7 @@ max_steps: 2
 YAML
     job=$("$AIDNCTL" -o json submit -f "$RUN/spec-$strategy-$n.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
     "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
-    line=$("$AIDNCTL" -o json metrics "$job" | $PY -c '
-import json, sys
-steps = [s for s in json.load(sys.stdin) if s["kind"] == "TRAIN"]
-s = steps[-1]
-print(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_state_bytes"], s["buffer_bytes"],
-      s["peak_memory_bytes"])')
-    read -r w g o b peak <<<"$line"
+    read -r w g o b peak <<<"$(record_bytes "$job")"
     [[ -z $PSI ]] && PSI=$((w / 4))  # DDP on one rank: 4 bytes a parameter
     $PY - "$strategy" "$n" "$w" "$g" "$o" "$b" "$peak" "$PSI" <<'PY'
 import sys
@@ -76,3 +87,32 @@ print(f"buffers: ZeRO-2 the gradients of the root unit (embeddings and ln_f, {4 
       f"and of at most two blocks ({4 * block / 2**20:.2f} MiB each) while their reduce-scatter runs; "
       f"FSDP those and the gathered weights of the root and at most two blocks")
 PY
+fi
+
+echo
+echo "$CONFIG in 2 pipeline stages x 2 replicas (world 4): bytes per rank (the largest rank's)"
+printf '%-8s %11s %11s %11s %9s\n' strategy weights gradients optimizer "peak RSS"
+declare -A OPT
+for strategy in ddp zero1; do
+  cat >"$RUN/spec-pipeline-$strategy.yaml" <<YAML
+name: bench-zero-memory-pipeline-$strategy
+strategy: $strategy
+world_size: 4
+parallel: {pipeline: 2, micro_batches: 2}
+model: {name: gpt, config: $CONFIG}
+dataset: {kind: text, eval_windows: 1}
+optimizer: {name: adamw, weight_decay: 0.1}
+batch_size: 2
+max_steps: 2
+YAML
+  job=$("$AIDNCTL" -o json submit -f "$RUN/spec-pipeline-$strategy.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
+  "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
+  read -r w g o b peak <<<"$(record_bytes "$job")"
+  OPT[$strategy]=$o
+  $PY -c 'import sys; w, g, o, peak = map(int, sys.argv[2:6]); m = lambda x: f"{x / 2**20:.2f} MiB"
+print(f"{sys.argv[1]:<8} {m(w):>11} {m(g):>11} {m(o):>11} {peak / 2**20:>5.0f} MiB")' \
+    "$strategy" "$w" "$g" "$o" "$peak"
+done
+$PY -c 'import sys; d, z = map(int, sys.argv[1:3])
+print(f"optimizer state: zero1 / ddp = {z / d:.3f} (the stage blocks halved; the tied wte whole on both ends)")' \
+  "${OPT[ddp]}" "${OPT[zero1]}"
