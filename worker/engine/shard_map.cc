@@ -105,14 +105,13 @@ void ShardMap::MakeShards(const std::function<float*(int)>& value_slice,
   }
   shards_ = std::move(shards);
   places_ = std::move(places);
+  for (Place& p : places_) p.parameter = order.at(p.whole);
   for (const auto& s : shards_) shard_view_.push_back(s.get());
 }
 
 ShardMap::ShardPlace ShardMap::place(size_t k) const {
   const Place& p = places_[k];
-  const size_t index = static_cast<size_t>(
-      std::find(parameters_.begin(), parameters_.end(), p.whole) - parameters_.begin());
-  return {p.group, p.lo, p.hi, index, p.offset};
+  return {p.group, p.lo, p.hi, p.parameter, p.offset};
 }
 
 void ShardMap::CopyNoGradToShards() {

@@ -117,8 +117,9 @@ class ShardMap {
   struct Place {
     Parameter* whole;
     int group;
-    size_t offset;  // the whole parameter's, in the group
-    size_t lo, hi;  // floats of the group
+    size_t offset;         // the whole parameter's, in the group
+    size_t lo, hi;         // floats of the group
+    size_t parameter = 0;  // the whole parameter's registration index
   };
   std::vector<Group> groups_;
   std::vector<Parameter*> parameters_;

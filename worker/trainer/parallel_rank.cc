@@ -142,10 +142,11 @@ absl::StatusOr<double> ParallelRank::Step(const std::vector<engine::MicroBatch>&
   return loss;
 }
 
-absl::Status ParallelRank::SyncFromGpu() {
+absl::Status ParallelRank::SyncFromGpu(bool optimizer_state) {
   if (gpu_ == nullptr) return absl::OkStatus();
   // The parameters the stage does not hold are left alone.
   AIDN_RETURN_IF_ERROR(gpu_->CopyParametersTo(task_->Parameters()));
+  if (!optimizer_state) return absl::OkStatus();
   AIDN_ASSIGN_OR_RETURN(const auto state, gpu_->OptimizerState());
   std::vector<engine::Optimizer::StateEntry> entries;
   for (const auto& [name, tensor] : state) entries.emplace_back(name, &tensor);

@@ -85,10 +85,11 @@ class ParallelRank {
   int micro_batches() const { return micro_batches_; }
 
   absl::StatusOr<double> Step(const std::vector<engine::MicroBatch>& micro, double lr);
-  // device: gpu: the stage's weights and optimizer state from the GPU into
-  // the CPU copies (before a checkpoint or an evaluation); OK at once on
+  // device: gpu: the stage's weights (and with `optimizer_state` its
+  // optimizer's state and steps) from the GPU into the CPU copies: both
+  // before a checkpoint, the weights before an evaluation. OK at once on
   // CPUs.
-  absl::Status SyncFromGpu();
+  absl::Status SyncFromGpu(bool optimizer_state);
   // device: gpu: the stage's GPU session (its figures); null on CPUs.
   const engine::GpuSession* gpu() const { return gpu_.get(); }
   // What the last Step spent in DDP's and the tied gradient's collectives,

@@ -183,7 +183,9 @@ std::optional<Failure> RankTraining::Checkpoint(int64_t step, int64_t steps_per_
   // A GPU pipeline's stage: its weights and optimizer state (and steps,
   // which the state below records) into the CPU copies.
   if (parallel_ != nullptr) {
-    if (absl::Status s = parallel_->SyncFromGpu(); !s.ok()) return FailureFor(s, "checkpoint");
+    if (absl::Status s = parallel_->SyncFromGpu(/*optimizer_state=*/true); !s.ok()) {
+      return FailureFor(s, "checkpoint");
+    }
   }
   std::map<std::string, std::string> metadata = {{"aidn.job", options_.job_id},
                                                  {"aidn.step", absl::StrCat(step)},

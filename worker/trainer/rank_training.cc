@@ -463,7 +463,9 @@ std::optional<Failure> RankTraining::Evaluate(int32_t epoch, int64_t step) {
     FullParameters full(cpu_.get());
     if (!full.status().ok()) return FailureFor(full.status(), "evaluation");
     if (parallel_ != nullptr) {
-      if (absl::Status s = parallel_->SyncFromGpu(); !s.ok()) return FailureFor(s, "evaluation");
+      if (absl::Status s = parallel_->SyncFromGpu(/*optimizer_state=*/false); !s.ok()) {
+        return FailureFor(s, "evaluation");
+      }
       if (absl::Status s = parallel_->GatherWholeModel(); !s.ok()) {
         return FailureFor(s, "evaluation");
       }
@@ -578,9 +580,12 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
   record.set_gradient_comm_bytes(result.comm_bytes);
   record.set_gradient_comm_bytes_uncompressed(result.comm_bytes_uncompressed);
   if (cpu_ != nullptr || parallel_ != nullptr || gpu_ != nullptr) {
-    // ZeRO-2's and FSDP's buffers grow to their size in the first step.
-    if (gpu_ != nullptr) {
-      const engine::GpuSession::StateMemory m = gpu_->memory();
+    // ZeRO-2's and FSDP's buffers grow to their size in the first step. A
+    // GPU pipeline's stage: its GPU session's, not the CPU copies'.
+    const engine::GpuSession* gpu =
+        gpu_ != nullptr ? gpu_.get() : (parallel_ != nullptr ? parallel_->gpu() : nullptr);
+    if (gpu != nullptr) {
+      const engine::GpuSession::StateMemory m = gpu->memory();
       memory_ = {.parameters = m.parameters,
                  .gradients = m.gradients,
                  .optimizer_state = m.optimizer_state,
@@ -592,7 +597,7 @@ void RankTraining::ReportStep(const Plan& plan, int64_t step, int32_t epoch,
       constexpr double kMiB = 1024.0 * 1024.0;
       AIDN_LOG(INFO) << "model state memory"
                      << Kv("strategy", v1::JobSpec::Strategy_Name(spec_.strategy()))
-                     << Kv("device", gpu_ != nullptr ? "gpu" : "cpu")
+                     << Kv("device", gpu != nullptr ? "gpu" : "cpu")
                      << Kv("parameters_mib", memory_.parameters / kMiB)
                      << Kv("gradients_mib", memory_.gradients / kMiB)
                      << Kv("optimizer_state_mib", memory_.optimizer_state / kMiB)
