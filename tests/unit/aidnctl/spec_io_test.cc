@@ -190,6 +190,30 @@ constexpr char kRichJson[] = R"(  {
   "labels": {"team": "ml", "run": "7"}
 })";
 
+// Every job example parses and the coordinator accepts it as written; the
+// pipeline example with ZeRO-1 too (its comment offers it).
+TEST(ParseJobSpec, EveryExampleParsesAndTheCoordinatorAcceptsIt) {
+  const std::filesystem::path dir = std::filesystem::path(ExamplePath("."));
+  int read = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".yaml") continue;
+    SCOPED_TRACE(entry.path().filename().string());
+    absl::StatusOr<std::string> text = ReadFileToString(entry.path().string());
+    ASSERT_TRUE(text.ok()) << text.status();
+    v1::JobSpec spec = MustParse(*text, entry.path().filename().string());
+    coordinator::ApplyJobSpecDefaults(coordinator::SpecLimits{}, &spec);
+    EXPECT_TRUE(coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec).ok())
+        << coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec);
+    if (entry.path().filename() == "gpt-pipeline.yaml") {
+      spec.set_strategy(v1::JobSpec::ZERO1);
+      EXPECT_TRUE(coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec).ok())
+          << coordinator::ValidateJobSpec(coordinator::SpecLimits{}, spec);
+    }
+    ++read;
+  }
+  EXPECT_GE(read, 7);
+}
+
 TEST(ParseJobSpec, YamlAndJsonOfTheSameSpecAreEqual) {
   const v1::JobSpec from_yaml = MustParse(kRichYaml, "job.yaml");
   const v1::JobSpec from_json = MustParse(kRichJson, "job.json");
