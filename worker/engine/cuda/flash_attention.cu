@@ -550,9 +550,14 @@ bool FlashAttentionSupports(int64_t head_dim) {
 
 namespace {
 
+// What the default kernels take (the dK/dV sums in registers where the
+// head size allows: at 64, 99 KB, within sm_86/89's limit). With
+// AIDN_FLASH_KV_SMEM=1 the backward may need more than a device allows;
+// its launch then fails with CUDA's error.
 template <int HD>
 constexpr size_t LargestSmem() {
-  return std::max({ForwardSmem<HD>(), BackwardKvSmem<HD, false>(), BackwardQSmem<HD>()});
+  return std::max(
+      {ForwardSmem<HD>(), BackwardKvSmem<HD, Ld<HD>::kAcc <= kScoreLd>(), BackwardQSmem<HD>()});
 }
 
 }  // namespace

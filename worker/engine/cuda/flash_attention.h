@@ -27,10 +27,10 @@
 namespace aidn::engine::cuda {
 
 bool FlashAttentionSupports(int64_t head_dim);
-// Whether the kernels' shared memory for `head_dim` (up to 191 KB at 128)
-// fits `device`'s opt-in limit per block (227 KB on Hopper, 163 KB on an
-// A100, 99 KB on sm_86/89). False for an unsupported head size or when
-// the limit cannot be read.
+// Whether the kernels' shared memory for `head_dim` (99 KB at 64, up to
+// 191 KB at 128) fits `device`'s opt-in limit per block (227 KB on Hopper,
+// 163 KB on an A100, 99 KB on sm_86/89). False for an unsupported head
+// size or when the limit cannot be read.
 bool FlashAttentionFits(int64_t head_dim, int device);
 
 // y and lse from qkv. `scale` multiplies the scores (1 / sqrt(hd)).
