@@ -18,7 +18,7 @@
 # between its two replicas (the tied wte, stepped whole on each replica
 # of both ends, is not).
 #
-#   bench/zero_memory.sh          # CONFIG=gpt-char: about 4 minutes
+#   bench/zero_memory.sh          # CONFIG=gpt-char: about half a minute
 #   PIPELINE_ONLY=1 bench/zero_memory.sh   # only the pipeline's table
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,6 +37,26 @@ s = steps[-1]
 print(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_state_bytes"], s["buffer_bytes"],
       s["peak_memory_bytes"])'
 }
+# A gpt job NAME under STRATEGY on WORLD ranks (with the spec line EXTRA),
+# 2 steps; prints its record_bytes.
+two_steps() {
+  local name=$1 strategy=$2 world=$3 extra=${4:-}
+  cat >"$RUN/spec-$name.yaml" <<YAML
+name: bench-zero-memory-$name
+strategy: $strategy
+world_size: $world
+$extra
+model: {name: gpt, config: $CONFIG}
+dataset: {kind: text, eval_windows: 1}
+optimizer: {name: adamw, weight_decay: 0.1}
+batch_size: 2
+max_steps: 2
+YAML
+  local job
+  job=$("$AIDNCTL" -o json submit -f "$RUN/spec-$name.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
+  "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
+  record_bytes "$job"
+}
 if [[ ${PIPELINE_ONLY:-0} != 1 ]]; then
 echo "$CONFIG: model-state bytes per rank (the largest rank's), against the formula"
 printf '%-8s %2s %11s %11s %11s %14s %14s %9s %11s %9s\n' strategy N weights gradients \
@@ -44,19 +64,7 @@ printf '%-8s %2s %11s %11s %11s %14s %14s %9s %11s %9s\n' strategy N weights gra
 PSI=""
 for strategy in ddp zero1 zero2 fsdp; do
   for n in 1 2 4; do
-    cat >"$RUN/spec-$strategy-$n.yaml" <<YAML
-name: bench-zero-memory-$strategy-$n
-strategy: $strategy
-world_size: $n
-model: {name: gpt, config: $CONFIG}
-dataset: {kind: text, eval_windows: 1}
-optimizer: {name: adamw, weight_decay: 0.1}
-batch_size: 2
-max_steps: 2
-YAML
-    job=$("$AIDNCTL" -o json submit -f "$RUN/spec-$strategy-$n.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
-    "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
-    read -r w g o b peak <<<"$(record_bytes "$job")"
+    read -r w g o b peak <<<"$(two_steps "$strategy-$n" "$strategy" "$n")"
     [[ -z $PSI ]] && PSI=$((w / 4))  # DDP on one rank: 4 bytes a parameter
     $PY - "$strategy" "$n" "$w" "$g" "$o" "$b" "$peak" "$PSI" <<'PY'
 import sys
@@ -94,20 +102,8 @@ echo "$CONFIG in 2 pipeline stages x 2 replicas (world 4): bytes per rank (the l
 printf '%-8s %11s %11s %11s %9s\n' strategy weights gradients optimizer "peak RSS"
 declare -A OPT
 for strategy in ddp zero1; do
-  cat >"$RUN/spec-pipeline-$strategy.yaml" <<YAML
-name: bench-zero-memory-pipeline-$strategy
-strategy: $strategy
-world_size: 4
-parallel: {pipeline: 2, micro_batches: 2}
-model: {name: gpt, config: $CONFIG}
-dataset: {kind: text, eval_windows: 1}
-optimizer: {name: adamw, weight_decay: 0.1}
-batch_size: 2
-max_steps: 2
-YAML
-  job=$("$AIDNCTL" -o json submit -f "$RUN/spec-pipeline-$strategy.yaml" | grep -m1 -o '"id": "[^"]*"' | cut -d'"' -f4)
-  "$AIDNCTL" watch "$job" >/dev/null 2>&1 || true
-  read -r w g o b peak <<<"$(record_bytes "$job")"
+  read -r w g o b peak <<<"$(two_steps "pipeline-$strategy" "$strategy" 4 \
+    "parallel: {pipeline: 2, micro_batches: 2}")"
   OPT[$strategy]=$o
   $PY -c 'import sys; w, g, o, peak = map(int, sys.argv[2:6]); m = lambda x: f"{x / 2**20:.2f} MiB"
 print(f"{sys.argv[1]:<8} {m(w):>11} {m(g):>11} {m(o):>11} {peak / 2**20:>5.0f} MiB")' \
