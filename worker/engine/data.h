@@ -125,6 +125,14 @@ struct MicroBatch {
   int64_t seq_len = 0;
 };
 
+// Whether `b` is a well-formed language model's micro-batch: tokens and
+// labels of the same size, whole rows of seq_len.
+inline bool IsTokenBatch(const MicroBatch& b) {
+  return b.tokens != nullptr && b.labels != nullptr && b.seq_len > 0 &&
+         b.tokens->size() == b.labels->size() &&
+         static_cast<int64_t>(b.tokens->size()) % b.seq_len == 0;
+}
+
 }  // namespace aidn::engine
 
 #endif  // AIDN_WORKER_ENGINE_DATA_H_

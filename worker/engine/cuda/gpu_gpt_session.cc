@@ -88,9 +88,7 @@ class CudaGptSession final : public GpuSession {
     if (micro.empty()) return absl::InvalidArgumentError("a step needs at least one micro-batch");
     for (size_t i = 0; i < micro.size(); ++i) {
       const MicroBatch& b = micro[i];
-      if (b.tokens == nullptr || b.labels == nullptr || b.seq_len <= 0 ||
-          b.tokens->size() != b.labels->size() ||
-          static_cast<int64_t>(b.tokens->size()) % b.seq_len != 0) {
+      if (!IsTokenBatch(b)) {
         return absl::InvalidArgumentError(
             absl::StrCat("micro-batch ", i, " needs tokens and targets of [N, seq_len] each"));
       }
@@ -156,9 +154,7 @@ class CudaGptSession final : public GpuSession {
   }
 
   absl::StatusOr<EvalResult> Evaluate(const MicroBatch& b) override {
-    if (b.tokens == nullptr || b.labels == nullptr || b.seq_len <= 0 ||
-        b.tokens->size() != b.labels->size() ||
-        static_cast<int64_t>(b.tokens->size()) % b.seq_len != 0) {
+    if (!IsTokenBatch(b)) {
       return absl::InvalidArgumentError(
           "an evaluation batch needs tokens and targets of [N, "
           "seq_len] each");

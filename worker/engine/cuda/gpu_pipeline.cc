@@ -212,9 +212,7 @@ absl::StatusOr<double> GpuPipelineSession::Step(const std::vector<MicroBatch>& m
   int64_t floats = -1;
   for (size_t i = 0; i < micro.size(); ++i) {
     const MicroBatch& b = micro[i];
-    if (b.tokens == nullptr || b.labels == nullptr || b.seq_len <= 0 ||
-        b.tokens->size() != b.labels->size() ||
-        static_cast<int64_t>(b.tokens->size()) % b.seq_len != 0) {
+    if (!IsTokenBatch(b)) {
       return absl::InvalidArgumentError(
           absl::StrCat("micro-batch ", i, " needs tokens and targets of [N, seq_len] each"));
     }
