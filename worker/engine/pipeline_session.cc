@@ -38,10 +38,6 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
   std::unique_ptr<PipelineSession> session(new PipelineSession(options, model));
   const bool shard =
       options.shard_optimizer && options.data != nullptr && options.data->world_size() > 1;
-  if (shard && options.stage_sum_of_squares) {
-    return absl::InvalidArgumentError(
-        "pipeline session: with ZeRO-1 a tensor group is given as `tensor` and `tensor_whole`");
-  }
   // ZeRO-1: the tied parameter stays out of the buckets (Finish averages
   // it), since the two ends' buckets would slice it differently.
   Parameter* const unbucketed = shard ? model->tied() : nullptr;
@@ -68,11 +64,18 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
     session->optimizer_->SetSumOfSquaresReduction(ShardedSumOfSquares(
         *session->shard_map(), options.tensor_whole, model->tied(), model->first(), options.data,
         options.tensor, stages > 1 ? options.pipeline : nullptr));
-  } else if (stages > 1) {
+    return session;
+  }
+  // The stage's sum within its tensor group: split parameters summed, whole
+  // ones once.
+  Optimizer::SumOfSquaresReduction stage;
+  if (options.tensor != nullptr && options.tensor->world_size() > 1) {
+    stage = TensorParallelSumOfSquares(options.tensor, options.tensor_whole);
+  }
+  if (stages > 1) {
     // The norm of the whole model's gradient: every stage's sum, the tied
     // parameter's once (the first stage's copy).
     Optimizer::SumOfSquaresReduction over = SumOfSquaresOver(options.pipeline);
-    Optimizer::SumOfSquaresReduction stage = options.stage_sum_of_squares;
     Parameter* duplicate = model->first() ? nullptr : model->tied();
     session->optimizer_->SetSumOfSquaresReduction(
         [over, stage, duplicate](double local) -> absl::StatusOr<double> {
@@ -82,8 +85,8 @@ absl::StatusOr<std::unique_ptr<PipelineSession>> PipelineSession::Create(
           }
           return over(mine);
         });
-  } else if (options.stage_sum_of_squares) {
-    session->optimizer_->SetSumOfSquaresReduction(options.stage_sum_of_squares);
+  } else if (stage) {
+    session->optimizer_->SetSumOfSquaresReduction(stage);
   }
   return session;
 }

@@ -77,21 +77,17 @@ struct PipelineSessionOptions {
   // its gradient is averaged over the replicas on its own, then summed over
   // the ends, and every replica steps it.
   bool shard_optimizer = false;
-  // shard_optimizer with tensor parallelism inside the stage (instead of
-  // stage_sum_of_squares): the tensor group, and the stage's parameters
-  // that each of its ranks holds whole. Clipping sums the squares of the
-  // others' shards over the replicas and the tensor group, these over the
-  // replicas only.
+  // With tensor parallelism inside the stage: the tensor group, and the
+  // stage's parameters each of its ranks holds whole. Clipping sums the
+  // others' squares over the group and counts these once
+  // (TensorParallelSumOfSquares; under shard_optimizer, ShardedSumOfSquares).
+  // Null: no tensor group.
   Communicator* tensor = nullptr;
   std::vector<const Parameter*> tensor_whole;
   // With replicas: the first replica's buffers (BatchNorm's running
   // statistics) copied to the others' before the step's first forward, as
   // CpuSessionOptions::broadcast_buffers.
   bool broadcast_buffers = true;
-  // With tensor parallelism inside the stage: the stage's sum of squares
-  // over its tensor group (TensorParallelSumOfSquares), before the
-  // pipeline's; null: this rank's is the stage's.
-  Optimizer::SumOfSquaresReduction stage_sum_of_squares;
 };
 
 class PipelineSession {

@@ -70,14 +70,13 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
   AIDN_LOG(INFO) << "model-parallel rank ready" << Kv("replica", r->replica())
                  << Kv("tensor_rank", r->tensor_rank()) << Kv("stage", r->stage())
                  << Kv("micro_batches", r->micro_batches());
-  // Clipping's norm within a tensor group: slices summed, whole ones once.
-  engine::Optimizer::SumOfSquaresReduction within;
+  // Clipping's norm within a tensor group: slices summed, these whole ones
+  // once.
   std::vector<const engine::Parameter*> whole;
   if (tensor > 1) {
     for (const engine::Parameter* q : r->Mine()) {
       if (!gpt->SplitOf(*q).has_value()) whole.push_back(q);
     }
-    within = engine::TensorParallelSumOfSquares(r->comms_.tensor.get(), whole);
   }
   if (stages > 1) {
     const engine::PipelineSchedule schedule = p.schedule() == v1::ParallelSpec::GPIPE
@@ -87,12 +86,8 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
     // ZeRO-1 over the stage's replicas (with one replica there is nothing
     // to shard: DDP's step).
     o.shard_optimizer = spec.strategy() == v1::JobSpec::ZERO1 && r->replicas() > 1;
-    if (o.shard_optimizer) {
-      o.tensor = r->comms_.tensor.get();
-      o.tensor_whole = whole;
-    } else {
-      o.stage_sum_of_squares = within;
-    }
+    o.tensor = r->comms_.tensor.get();
+    o.tensor_whole = whole;
     o.broadcast_buffers = !spec.ddp().has_broadcast_buffers() || spec.ddp().broadcast_buffers();
     AIDN_ASSIGN_OR_RETURN(
         r->pipeline_, engine::PipelineSession::Create(o, r->stage_.get(), OptimizerConfigOf(spec)));
@@ -113,8 +108,9 @@ absl::StatusOr<std::unique_ptr<ParallelRank>> ParallelRank::Create(
         engine::ShardedSumOfSquares(*r->cpu_->shard_map(), whole, nullptr, false,
                                     r->comms_.data.get(), r->comms_.tensor.get(), nullptr));
     r->LogSharding();
-  } else if (within) {
-    r->cpu_->optimizer().SetSumOfSquaresReduction(within);
+  } else if (tensor > 1) {
+    r->cpu_->optimizer().SetSumOfSquaresReduction(
+        engine::TensorParallelSumOfSquares(r->comms_.tensor.get(), whole));
   }
   return r;
 }
